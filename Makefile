@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine:
+#   make reproduce   the whole study at CPU scale, into $(OUT)
+#   make test        the test suite
+# Both create .venv and install the pinned CPU environment when it is missing or stale.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+OUT    ?= out/study
+PYTEST_ARGS ?=
+
+.PHONY: test reproduce reproduce-quick venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+
+reproduce: $(STAMP)
+	$(VENV)/bin/adamspike reproduce --out $(OUT)
+
+reproduce-quick: $(STAMP)
+	$(VENV)/bin/adamspike reproduce --quick --out out/quick
+
+bench: $(STAMP)
+	for f in bench/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf out .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from adamspike.cli import main
+
+sys.exit(main())

@@ -1,0 +1,471 @@
+"""The run directory: the one interface between the backends and analysis.
+
+    RUN/
+      run.json       schema_version, backend, resolved config, environment, start time,
+                     hist_edges
+      steps/         part-NNNNNN.parquet, one row per optimizer step
+      layers/        part-NNNNNN.parquet, one row per (step, tensor) on logged steps
+      hists/         part-NNNNNN.parquet, r-histogram counts per (step, tensor)
+      events.jsonl   append-only: checkpoints, alarms, rollbacks, skips, faults, resume
+      checkpoints/   (torch) resumable state, not handled here
+
+Crash safety: rows are buffered and flushed as a new parquet part, written to a temporary
+name, fsynced and renamed, so a reader never sees half a part and a killed writer loses at
+most the rows since its last flush. Events are appended and fsynced one line at a time; a
+torn last line is skipped (and counted) on read.
+
+Resume: `RunWriter(path, ..., resume_from_step=S)` drops every row with step > S (parts are
+rewritten atomically under their own names) before new rows arrive, so a resumed run neither
+duplicates nor drops a step. As a second line of defence the reader keeps the last-written
+row for a duplicated key.
+
+Framework-free (numpy, pandas, pyarrow): the JAX and torch backends both write through it;
+only rank 0 should hold a writer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from adamspike.metrics import HIST_EDGES, METRIC_NAMES
+
+SCHEMA_VERSION = 1
+BACKENDS = ("jax", "torch", "megatron")
+
+STEP_COLUMNS: dict[str, pa.DataType] = {
+    "step": pa.int64(), "tokens": pa.int64(), "loss": pa.float64(), "lr": pa.float64(),
+    "grad_norm": pa.float64(), "clipped": pa.bool_(), "update_norm": pa.float64(),
+    "step_time_s": pa.float64(), "skipped": pa.bool_(),
+}
+LAYER_KEY_COLUMNS: dict[str, pa.DataType] = {
+    "step": pa.int64(), "name": pa.string(), "depth": pa.int32(), "kind": pa.string(),
+    "numel": pa.int64(),
+}
+# Metrics are stored as float32: a 70B-shaped trace (723 tensors x 20k steps) stays small.
+LAYER_COLUMNS: dict[str, pa.DataType] = {
+    **LAYER_KEY_COLUMNS, **{m: pa.float32() for m in METRIC_NAMES}}
+HIST_COLUMNS: dict[str, pa.DataType] = {
+    "step": pa.int64(), "name": pa.string(), "depth": pa.int32(), "kind": pa.string(),
+    "counts": pa.list_(pa.int64()),
+}
+TABLES = {"steps": STEP_COLUMNS, "layers": LAYER_COLUMNS, "hists": HIST_COLUMNS}
+TABLE_KEYS = {"steps": ["step"], "layers": ["step", "name"], "hists": ["step", "name"]}
+KINDS = ("embed", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "norm", "output", "param")
+
+
+class RunFormatError(ValueError):
+    """A run directory is missing, malformed, or of another schema version."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to `path` via a temp file + fsync + rename (readers see old or new, never half)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _atomic_write_table(path: Path, table: pa.Table) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp, compression="zstd")
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _json_clean(o: Any) -> Any:
+    """Non-finite floats become None (strict JSON)."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _json_clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_json_clean(v) for v in o]
+    return o
+
+
+def git_info(cwd: Path | None = None) -> dict[str, Any]:
+    """Git sha and dirty flag of the source tree (None outside a checkout)."""
+    cwd = cwd or Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    cwd=cwd, capture_output=True, text=True,
+                                    timeout=10).stdout.strip()) if sha else None
+    except (OSError, subprocess.SubprocessError):
+        sha, dirty = None, None
+    return {"git_sha": sha, "git_dirty": dirty}
+
+
+def environment(**extra: Any) -> dict[str, Any]:
+    """Versions, host and git state; backends add device / world_size / framework versions."""
+    env = {"python": sys.version.split()[0], "platform": platform.platform(),
+           "hostname": platform.node(), "numpy": np.__version__, "pandas": pd.__version__,
+           "pyarrow": pa.__version__, **git_info()}
+    env.update(extra)
+    return env
+
+
+# ----------------------------------------------------------------------------- writer
+
+@dataclass
+class _Buffer:
+    name: str
+    schema: Mapping[str, pa.DataType]
+    rows: list[dict] = field(default_factory=list)
+    columns: dict[str, list] = field(default_factory=dict)   # columnar batches
+    num_rows: int = 0
+
+
+class RunWriter:
+    """Writes one run directory. Use as a context manager (close() flushes).
+
+    >>> with RunWriter(path, backend="jax", config=cfg_dict) as w:
+    ...     w.log_step(step=1, tokens=..., loss=..., ...)
+    ...     w.log_layers(step=1, rows=[{"name": ..., "depth": ..., ...}, ...])
+    ...     w.log_hist(step=1, name=..., depth=..., kind=..., counts=...)
+    ...     w.event("checkpoint", step=1, path="...")
+
+    flush_every_s / flush_every_rows bound what a crash can lose. `resume_from_step`
+    reopens an existing run and truncates rows after that step.
+    """
+
+    def __init__(self, path: str | Path, *, backend: str, config: Mapping[str, Any] | None = None,
+                 env: Mapping[str, Any] | None = None, resume_from_step: int | None = None,
+                 flush_every_s: float = 30.0, flush_every_rows: int = 50_000,
+                 hist_edges: np.ndarray = HIST_EDGES, extra_meta: Mapping[str, Any] | None = None):
+        if backend not in BACKENDS:
+            raise RunFormatError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.path = Path(path)
+        self.flush_every_s = float(flush_every_s)
+        self.flush_every_rows = int(flush_every_rows)
+        self._last_flush = time.monotonic()
+        self._buffers = {t: _Buffer(t, s) for t, s in TABLES.items()}
+        self._closed = False
+        meta_path = self.path / "run.json"
+        if resume_from_step is None:
+            if meta_path.exists() or (self.path.exists() and any(self.path.iterdir())):
+                raise RunFormatError(
+                    f"{self.path}: run directory exists and is not empty; resume it or choose "
+                    "a new directory (nothing was overwritten)")
+            self.path.mkdir(parents=True, exist_ok=True)
+            for t in TABLES:
+                (self.path / t).mkdir(exist_ok=True)
+            self.meta = {
+                "schema_version": SCHEMA_VERSION, "backend": backend,
+                "config": dict(config or {}), "environment": dict(env or environment()),
+                "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "hist_edges": [float(x) for x in hist_edges], **dict(extra_meta or {}),
+            }
+            atomic_write_bytes(meta_path, json.dumps(_json_clean(self.meta), indent=2,
+                                                     default=_json_default).encode())
+            self._next_part = {t: 0 for t in TABLES}
+        else:
+            self.meta = read_meta(self.path)
+            if self.meta["backend"] != backend:
+                raise RunFormatError(f"{self.path}: run was written by backend "
+                                     f"{self.meta['backend']!r}, cannot resume with {backend!r}")
+            self._next_part = {t: self._truncate(t, int(resume_from_step)) for t in TABLES}
+            self.event("resume", step=int(resume_from_step))
+
+    # -- public API ------------------------------------------------------------------
+    def log_step(self, **row: Any) -> None:
+        """One optimizer step; all STEP_COLUMNS are required, extra numeric keys are kept."""
+        missing = [c for c in STEP_COLUMNS if c not in row]
+        if missing:
+            raise RunFormatError(f"steps row is missing column(s): {', '.join(missing)}")
+        self._append("steps", row)
+
+    def log_layers(self, step: int, rows: Iterable[Mapping[str, Any]] | None = None,
+                   columns: Mapping[str, Any] | None = None) -> None:
+        """Per-tensor metrics of one step, as a list of row dicts or as columns (arrays of
+        equal length: name, depth, kind, numel and every metric)."""
+        buf = self._buffers["layers"]
+        if columns is not None:
+            n = len(columns["name"])
+            missing = [c for c in LAYER_COLUMNS if c != "step" and c not in columns]
+            if missing:
+                raise RunFormatError(f"layers columns missing: {', '.join(missing)}")
+            for c in LAYER_COLUMNS:
+                vals = [int(step)] * n if c == "step" else list(np.asarray(columns[c]).tolist())
+                if len(vals) != n:
+                    raise RunFormatError(f"layers column {c!r} has {len(vals)} values, expected {n}")
+                buf.columns.setdefault(c, []).extend(vals)
+            buf.num_rows += n
+        for r in rows or ():
+            self._append("layers", {"step": int(step), **r})
+        self._maybe_flush()
+
+    def log_hist(self, step: int, name: str, depth: int, kind: str, counts: Any) -> None:
+        counts = np.asarray(counts, dtype=np.int64)
+        expected = len(self.meta["hist_edges"]) - 1
+        if counts.shape != (expected,):
+            raise RunFormatError(f"hist {name!r}: {counts.shape} counts, expected ({expected},)")
+        self._append("hists", {"step": int(step), "name": name, "depth": int(depth),
+                               "kind": kind, "counts": counts.tolist()})
+
+    def event(self, type: str, **fields: Any) -> None:
+        """Append one event line (fsynced at once: events are rare and precious)."""
+        rec = {"time": time.time(), "type": type, **fields}
+        line = json.dumps(_json_clean(rec), default=_json_default, allow_nan=False)
+        with open(self.path / "events.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def flush(self) -> None:
+        for t, buf in self._buffers.items():
+            if buf.num_rows:
+                self._write_part(t, buf)
+        self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        if not self._closed:
+            self.flush()
+            self._closed = True
+
+    def __enter__(self) -> "RunWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------
+    def _append(self, table: str, row: Mapping[str, Any]) -> None:
+        buf = self._buffers[table]
+        if buf.columns:  # mixing row and column appends: fold columns into rows first
+            self._write_part(table, buf)
+        buf.rows.append(dict(row))
+        buf.num_rows += 1
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        total = sum(b.num_rows for b in self._buffers.values())
+        if total >= self.flush_every_rows or time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
+
+    def _to_table(self, table: str, buf: _Buffer) -> pa.Table:
+        schema = TABLES[table]
+        if buf.columns:
+            data = dict(buf.columns)
+        else:
+            extras = sorted({k for r in buf.rows for k in r} - set(schema))
+            data = {c: [r.get(c) for r in buf.rows] for c in list(schema) + extras}
+        arrays, names = [], []
+        for c, values in data.items():
+            tp = schema.get(c)
+            try:
+                if tp is None:
+                    arr = pa.array(values)
+                elif tp in (pa.float32(), pa.float64()):
+                    arr = pa.array(np.asarray([np.nan if v is None else v for v in values],
+                                              dtype=np.float64), type=pa.float64()).cast(tp)
+                else:
+                    arr = pa.array(values, type=tp)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
+                raise RunFormatError(f"{table}.{c}: bad values ({e})") from None
+            if tp is not None and c in ("step", "name") and arr.null_count:
+                raise RunFormatError(f"{table}.{c}: missing values")
+            arrays.append(arr)
+            names.append(c)
+        return pa.Table.from_arrays(arrays, names=names)
+
+    def _write_part(self, table: str, buf: _Buffer) -> None:
+        tbl = self._to_table(table, buf)
+        idx = self._next_part[table]
+        _atomic_write_table(self.path / table / f"part-{idx:06d}.parquet", tbl)
+        self._next_part[table] = idx + 1
+        buf.rows, buf.columns, buf.num_rows = [], {}, 0
+
+    def _truncate(self, table: str, step: int) -> int:
+        """Drop rows with step > `step`; return the next free part index."""
+        d = self.path / table
+        d.mkdir(exist_ok=True)
+        parts = sorted(d.glob("part-*.parquet"))
+        for p in parts:
+            try:
+                tbl = pq.read_table(p)
+            except Exception as e:  # noqa: BLE001 - any unreadable part is a format error
+                raise RunFormatError(f"{p}: unreadable parquet part ({e})") from None
+            steps = tbl.column("step").to_numpy()
+            if (steps > step).all():
+                p.unlink()
+            elif (steps > step).any():
+                _atomic_write_table(p, tbl.filter(pa.array(steps <= step)))
+        parts = sorted(d.glob("part-*.parquet"))
+        return (int(parts[-1].stem.split("-")[1]) + 1) if parts else 0
+
+
+# ----------------------------------------------------------------------------- reader
+
+@dataclass
+class Run:
+    path: Path
+    meta: dict
+    steps: pd.DataFrame
+    layers: pd.DataFrame
+    hists: pd.DataFrame
+    events: pd.DataFrame
+    torn_event_lines: int = 0
+
+    @property
+    def hist_edges(self) -> np.ndarray:
+        return np.asarray(self.meta.get("hist_edges", HIST_EDGES), dtype=np.float64)
+
+    @property
+    def config(self) -> dict:
+        return self.meta.get("config", {})
+
+    @property
+    def backend(self) -> str:
+        return self.meta["backend"]
+
+
+def read_meta(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise RunFormatError(f"{path}: run directory does not exist")
+    if not path.is_dir():
+        raise RunFormatError(f"{path}: not a directory")
+    meta_path = path / "run.json"
+    if not meta_path.is_file():
+        raise RunFormatError(f"{path}: not a run directory (no run.json)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunFormatError(f"{meta_path}: invalid JSON ({e})") from None
+    if not isinstance(meta, dict) or "schema_version" not in meta:
+        raise RunFormatError(f"{meta_path}: missing schema_version")
+    if meta["schema_version"] != SCHEMA_VERSION:
+        raise RunFormatError(f"{meta_path}: schema_version {meta['schema_version']!r} is not "
+                             f"supported (this adamspike reads version {SCHEMA_VERSION})")
+    if meta.get("backend") not in BACKENDS:
+        raise RunFormatError(f"{meta_path}: unknown backend {meta.get('backend')!r}")
+    return meta
+
+
+def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.DataFrame:
+    schema = TABLES[table]
+    d = path / table
+    parts = sorted(d.glob("part-*.parquet")) if d.is_dir() else []
+    if not parts:
+        return pd.DataFrame({c: pd.Series(dtype=schema[c].to_pandas_dtype()) for c in schema
+                             if columns is None or c in columns})
+    try:
+        tbls = [pq.read_table(p, columns=columns) for p in parts]
+        tbl = pa.concat_tables(tbls, promote_options="permissive")
+    except Exception as e:  # noqa: BLE001
+        raise RunFormatError(f"{d}: unreadable parquet parts ({e})") from None
+    missing = [c for c in schema if c not in tbl.column_names and (columns is None or c in columns)]
+    if missing:
+        raise RunFormatError(f"{d}: missing column(s) {', '.join(missing)}")
+    df = tbl.to_pandas()
+    keys = [k for k in TABLE_KEYS[table] if k in df.columns]
+    if len(keys) == len(TABLE_KEYS[table]):
+        if df.duplicated(keys, keep="last").any():
+            df = df.drop_duplicates(keys, keep="last")
+        df = df.sort_values(keys, kind="stable").reset_index(drop=True)
+    for c in ("name", "kind"):
+        if c in df.columns:
+            df[c] = df[c].astype("category")
+    return df
+
+
+def read_events(path: str | Path) -> tuple[pd.DataFrame, int]:
+    """events.jsonl as a DataFrame (columns: time, type, step, ...) and the torn-line count."""
+    p = Path(path) / "events.jsonl"
+    recs, torn = [], 0
+    if p.is_file():
+        for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                torn += 1
+                continue
+            if isinstance(rec, dict) and "type" in rec:
+                recs.append(rec)
+            else:
+                torn += 1
+    df = pd.DataFrame.from_records(recs) if recs else pd.DataFrame(columns=["time", "type", "step"])
+    return df, torn
+
+
+def load_run(path: str | Path, *, tables: Iterable[str] = ("steps", "layers", "hists"),
+             layer_columns: list[str] | None = None) -> Run:
+    """Read a run directory into DataFrames (steps, layers, hists, events).
+
+    `tables` limits what is read (unread tables come back empty); `layer_columns` reads
+    a subset of the layers columns (the key columns are always included).
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    tables = set(tables)
+    unknown = tables - set(TABLES)
+    if unknown:
+        raise ValueError(f"unknown table(s): {sorted(unknown)}")
+    cols = None
+    if layer_columns is not None:
+        cols = list(dict.fromkeys(["step", "name", "depth", "kind", "numel", *layer_columns]))
+        bad = [c for c in cols if c not in LAYER_COLUMNS]
+        if bad:
+            raise ValueError(f"unknown layer column(s): {bad}")
+    frames = {}
+    for t in TABLES:
+        if t in tables:
+            frames[t] = _read_table(path, t, cols if t == "layers" else None)
+        else:
+            frames[t] = pd.DataFrame({c: pd.Series(dtype=TABLES[t][c].to_pandas_dtype())
+                                      for c in TABLES[t]})
+    events, torn = read_events(path)
+    return Run(path=path, meta=meta, events=events, torn_event_lines=torn, **frames)

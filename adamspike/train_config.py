@@ -1,0 +1,153 @@
+"""The training config both backends read: same sections, same field names.
+
+The JAX toy LLaMA (simulate/) uses model, optim, train, data, telemetry; the torch trainer
+(fullscale/) uses all sections. TOML example (configs/tiny.toml):
+
+    [model]
+    preset = "tiny"
+    [optim]
+    lr = 3e-3
+    eps = 1e-8
+    [train]
+    num_steps = 200
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from adamspike.config import ConfigError, param
+from adamspike.llama import PRESETS, LlamaConfig, preset
+
+
+@dataclass
+class ModelSection:
+    preset: str = param("tiny", choices=tuple(PRESETS), help="architecture preset")
+    # Field overrides of the preset (absent = the preset's value).
+    vocab_size: int | None = param(None, lo=2)
+    dim: int | None = param(None, lo=2)
+    num_layers: int | None = param(None, lo=1)
+    num_heads: int | None = param(None, lo=1)
+    num_kv_heads: int | None = param(None, lo=1)
+    ffn_dim: int | None = param(None, lo=1)
+    max_seq_len: int | None = param(None, lo=2)
+    norm_eps: float | None = param(None, lo=0.0, lo_open=True)
+    rope_theta: float | None = param(None, lo=0.0, lo_open=True)
+    init_std: float | None = param(None, lo=0.0, lo_open=True)
+    hf_config: str = param("", help="path of a HuggingFace config.json to import instead")
+    # GLM-130B embedding-gradient shrink: x = a*x + (1-a)*x.detach(); 1.0 = off.
+    embed_grad_shrink: float = param(1.0, lo=0.0, hi=1.0, lo_open=True)
+
+    def llama(self) -> LlamaConfig:
+        """The resolved architecture (preset + overrides)."""
+        fields = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim",
+                  "max_seq_len", "norm_eps", "rope_theta", "init_std")
+        return preset(self.preset, **{f: getattr(self, f) for f in fields})
+
+
+@dataclass
+class OptimSection:
+    lr: float = param(3e-3, lo=0.0, lo_open=True, help="peak learning rate")
+    min_lr: float = param(0.0, lo=0.0, help="floor of the decay schedule")
+    schedule: str = param("cosine", choices=("cosine", "constant", "linear"))
+    warmup_steps: int = param(0, lo=0)
+    b1: float = param(0.9, lo=0.0, hi=1.0, hi_open=True)
+    b2: float = param(0.95, lo=0.0, hi=1.0, hi_open=True)
+    eps: float = param(1e-8, lo=0.0)
+    weight_decay: float = param(0.0, lo=0.0)
+    grad_clip: float = param(1.0, lo=0.0, help="global-norm clip threshold, 0 = off")
+    # StableAdamW-style update clipping per tensor: lr_t = lr / max(1, rms_t).
+    update_clip: bool = param(False)
+    implementation: str = param("foreach", choices=("foreach", "fused", "for-loop"),
+                                help="torch.optim.AdamW kernel (torch only)")
+
+    def check(self) -> None:
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr: {self.min_lr} exceeds optim.lr={self.lr}")
+
+
+@dataclass
+class TrainSection:
+    num_steps: int = param(200, lo=1)
+    global_batch_size: int = param(16, lo=1, help="sequences per optimizer step")
+    micro_batch_size: int = param(0, lo=0, help="per-rank sequences per forward; 0 = all")
+    seq_len: int = param(32, lo=2)
+    seed: int = param(0, lo=0)
+    # Loss scale s: Adam on s*L equals Adam on L with eps/s (and grad_clip*s).
+    loss_scale: float = param(1.0, lo=0.0, lo_open=True)
+    dtype: str = param("fp32", choices=("fp32", "bf16"))
+    activation_checkpointing: bool = param(False)
+    z_loss: float = param(0.0, lo=0.0)
+
+
+@dataclass
+class DataSection:
+    source: str = param("synthetic", choices=("synthetic", "indexed"))
+    task: str = param("markov", choices=("markov", "copy"))
+    alpha: float = param(0.1, lo=0.0, lo_open=True, help="Dirichlet concentration (markov)")
+    num_samples: int = param(1 << 20, lo=1)
+    path: str = param("", help="Megatron dataset prefix (without .bin/.idx)")
+    skip_batches: list[int] = param([], help="optimizer steps whose batch is skipped")
+    # Poisoned batches (tests / spike studies): at these steps the batch's targets are
+    # replaced by a constant token, a deterministic way to induce a loss spike.
+    poison_steps: list[int] = param([])
+
+
+@dataclass
+class TelemetrySection:
+    every: int = param(1, lo=1, help="per-tensor metrics every N steps")
+    hist_every: int = param(10, lo=0, help="r histograms every K steps, 0 = off")
+    flush_every_s: float = param(30.0, lo=0.0)
+    tensorboard: bool = param(False)
+    enabled: bool = param(True)
+
+
+@dataclass
+class CheckpointSection:
+    every: int = param(0, lo=0, help="checkpoint every N steps, 0 = only at the end")
+    keep: int = param(2, lo=1)
+    async_save: bool = param(False)
+
+
+@dataclass
+class GuardSection:
+    enabled: bool = param(False)
+    window: int = param(50, lo=4, help="past steps for the rolling median / MAD")
+    mad_k: float = param(6.0, lo=0.0, lo_open=True)
+    min_rel_jump: float = param(0.2, lo=0.0)
+    skip_batches: int = param(200, lo=0, help="batches skipped after a rollback (PaLM)")
+    max_retries: int = param(3, lo=0)
+
+
+@dataclass
+class DistSection:
+    timeout_s: float = param(300.0, lo=1.0, help="collective timeout")
+    device: str = param("auto", choices=("auto", "npu", "cuda", "cpu"))
+
+
+@dataclass
+class AlarmSection:
+    predictions: str = param("", help="predictions.json whose alarm rules run online")
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    telemetry: TelemetrySection = field(default_factory=TelemetrySection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    guard: GuardSection = field(default_factory=GuardSection)
+    dist: DistSection = field(default_factory=DistSection)
+    alarms: AlarmSection = field(default_factory=AlarmSection)
+
+    def check(self) -> None:
+        llama = self.model.llama() if not self.model.hf_config else None
+        if llama is not None and self.train.seq_len > llama.max_seq_len:
+            raise ConfigError(f"train.seq_len: {self.train.seq_len} exceeds model max_seq_len="
+                              f"{llama.max_seq_len}")
+        mb = self.train.micro_batch_size
+        if mb and self.train.global_batch_size % mb:
+            raise ConfigError(f"train.micro_batch_size: {mb} does not divide "
+                              f"train.global_batch_size={self.train.global_batch_size}")

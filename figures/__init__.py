@@ -1,0 +1,1 @@
+"""One script per figure; each reads run directories, analysis outputs or theory."""

@@ -1,0 +1,37 @@
+"""The one shared figure style, and saving as PNG + PDF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"shallow": "#c0392b", "deep": "#2471a3", "theory": "#222222", "eps": "#7d3c98",
+          "spike": "#f5b041", "mc": "#17a589"}
+
+_RC = {
+    "figure.figsize": (6.4, 4.0), "figure.dpi": 110, "savefig.dpi": 150,
+    "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False,
+    "axes.spines.right": False, "font.size": 9, "axes.titlesize": 10,
+    "legend.fontsize": 8, "legend.frameon": False, "lines.linewidth": 1.3,
+}
+
+
+def apply() -> None:
+    """Apply the shared matplotlib style (Agg backend, no screen needed)."""
+    plt.rcParams.update(_RC)
+
+
+def save(fig, out_dir: str | Path, name: str) -> list[Path]:
+    """Write `name`.png and `name`.pdf into out_dir; return both paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.png", out_dir / f"{name}.pdf"]
+    fig.tight_layout()
+    for p in paths:
+        fig.savefig(p)
+    plt.close(fig)
+    return paths

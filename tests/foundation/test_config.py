@@ -1,0 +1,46 @@
+import pytest
+
+from adamspike.config import ConfigError, load_config, parse_overrides, to_dict, from_dict
+from adamspike.train_config import RunConfig
+
+
+def test_defaults_and_overrides(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[optim]\neps = 1e-6\nb2 = 0.99\n[train]\nnum_steps = 7\n')
+    cfg = load_config(RunConfig, p, ["--optim.lr", "1e-2", "--seed=3", "--data.skip_batches", "4,5"])
+    assert cfg.optim.eps == 1e-6 and cfg.optim.b2 == 0.99 and cfg.optim.lr == 1e-2
+    assert cfg.train.num_steps == 7 and cfg.train.seed == 3 and cfg.data.skip_batches == [4, 5]
+    assert from_dict(RunConfig, to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[optim]\nbeta2 = 0.9\n", "unknown config key: optim.beta2"),
+    ("[optim]\nb2 = 1.0\n", "optim.b2: must be < 1.0"),
+    ("[optim]\neps = -1e-8\n", "optim.eps: must be >= 0.0"),
+    ("[optim]\nlr = nan\n", "optim.lr: must be finite"),
+    ("[train]\nnum_steps = 'ten'\n", "train.num_steps: expected an integer"),
+    ("[optim]\nschedule = 'step'\n", "optim.schedule: must be one of"),
+    ("[model]\npreset = 'gpt5'\n", "model.preset"),
+    ("[train]\nglobal_batch_size = 10\nmicro_batch_size = 4\n", "micro_batch_size"),
+    ("[[optim]]\n", "optim: expected a table"),
+    ("[optim\n", "invalid TOML"),
+])
+def test_bad_configs_name_the_key(tmp_path, text, match):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=match.replace("[", r"\[")):
+        load_config(RunConfig, p)
+
+
+def test_bad_override():
+    with pytest.raises(ConfigError, match="unknown config key: optim.bogus"):
+        parse_overrides(RunConfig, ["--optim.bogus", "1"])
+    with pytest.raises(ConfigError, match="missing value"):
+        parse_overrides(RunConfig, ["--optim.lr"])
+    with pytest.raises(ConfigError, match="ambiguous"):
+        parse_overrides(RunConfig, ["--every", "3"])
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(RunConfig, "/nonexistent/x.toml")

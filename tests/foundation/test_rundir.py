@@ -1,0 +1,158 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from adamspike.metrics import METRIC_NAMES, NUM_HIST_BINS
+from adamspike.rundir import SCHEMA_VERSION, RunFormatError, RunWriter, load_run
+
+
+def step_row(step, loss=1.0):
+    return dict(step=step, tokens=step * 64, loss=loss, lr=1e-3, grad_norm=0.5, clipped=False,
+                update_norm=0.1, step_time_s=0.01, skipped=False)
+
+
+def layer_rows(step, names=("tok_embeddings.weight", "layers.0.attention.wq.weight")):
+    rows = []
+    for i, n in enumerate(names):
+        r = {"name": n, "depth": i - 1, "kind": "embed" if i == 0 else "wq", "numel": 100}
+        r.update({m: float(step + i) for m in METRIC_NAMES})
+        rows.append(r)
+    return rows
+
+
+def test_roundtrip(tmp_path):
+    run = tmp_path / "run"
+    with RunWriter(run, backend="jax", config={"optim": {"eps": 1e-8}}) as w:
+        for s in range(1, 6):
+            w.log_step(**step_row(s, loss=1.0 / s))
+            w.log_layers(s, layer_rows(s))
+            w.log_hist(s, "layers.0.attention.wq.weight", 0, "wq", np.arange(NUM_HIST_BINS))
+        w.event("checkpoint", step=5, path="x")
+    r = load_run(run)
+    assert r.meta["schema_version"] == SCHEMA_VERSION and r.backend == "jax"
+    assert r.config["optim"]["eps"] == 1e-8
+    assert list(r.steps.step) == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose(r.steps.loss, [1, 1 / 2, 1 / 3, 1 / 4, 1 / 5])
+    assert len(r.layers) == 10 and set(r.layers.name) == {"tok_embeddings.weight",
+                                                          "layers.0.attention.wq.weight"}
+    assert r.layers.query("step == 3 and depth == 0").grad_rms.item() == 4.0
+    assert len(r.hists) == 5 and list(r.hists.counts.iloc[0]) == list(range(NUM_HIST_BINS))
+    assert r.events.type.tolist() == ["checkpoint"]
+    assert len(r.hist_edges) == NUM_HIST_BINS + 1
+
+
+def test_columnar_layers(tmp_path):
+    with RunWriter(tmp_path / "r", backend="torch") as w:
+        cols = {"name": ["a", "b"], "depth": [0, 1], "kind": ["wq", "wk"], "numel": [4, 4]}
+        cols.update({m: np.array([0.5, 1.5]) for m in METRIC_NAMES})
+        w.log_layers(7, columns=cols)
+        w.log_step(**step_row(7))
+    r = load_run(tmp_path / "r")
+    assert r.layers.step.tolist() == [7, 7] and r.layers.rho.tolist() == [0.5, 1.5]
+
+
+def test_refuses_to_overwrite(tmp_path):
+    run = tmp_path / "run"
+    with RunWriter(run, backend="jax") as w:
+        w.log_step(**step_row(1))
+    before = (run / "run.json").read_bytes()
+    with pytest.raises(RunFormatError, match="exists"):
+        RunWriter(run, backend="jax")
+    assert (run / "run.json").read_bytes() == before
+    assert load_run(run).steps.step.tolist() == [1]
+
+
+def test_missing_columns_named(tmp_path):
+    with RunWriter(tmp_path / "r", backend="jax") as w:
+        with pytest.raises(RunFormatError, match="grad_norm"):
+            row = step_row(1)
+            del row["grad_norm"]
+            w.log_step(**row)
+
+
+def test_resume_truncates_without_duplicates(tmp_path):
+    run = tmp_path / "run"
+    with RunWriter(run, backend="torch", flush_every_rows=3) as w:
+        for s in range(1, 11):
+            w.log_step(**step_row(s, loss=float(s)))
+            w.log_layers(s, layer_rows(s))
+    # resume from step 6: rows 7..10 are dropped and rewritten with new values
+    with RunWriter(run, backend="torch", resume_from_step=6, flush_every_rows=3) as w:
+        for s in range(7, 13):
+            w.log_step(**step_row(s, loss=100.0 + s))
+            w.log_layers(s, layer_rows(s))
+    r = load_run(run)
+    assert r.steps.step.tolist() == list(range(1, 13))
+    assert r.steps.loss.tolist() == [float(s) for s in range(1, 7)] + [100.0 + s for s in range(7, 13)]
+    assert len(r.layers) == 24 and not r.layers.duplicated(["step", "name"]).any()
+    assert r.events.type.tolist() == ["resume"] and r.events.step.tolist() == [6]
+
+
+def test_resume_wrong_backend(tmp_path):
+    with RunWriter(tmp_path / "r", backend="jax") as w:
+        w.log_step(**step_row(1))
+    with pytest.raises(RunFormatError, match="backend"):
+        RunWriter(tmp_path / "r", backend="torch", resume_from_step=1)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "schema", "badjson"])
+def test_bad_run_dirs(tmp_path, case):
+    d = tmp_path / "r"
+    if case != "missing":
+        d.mkdir()
+    if case == "schema":
+        (d / "run.json").write_text(json.dumps({"schema_version": 999, "backend": "jax"}))
+    if case == "badjson":
+        (d / "run.json").write_text("{not json")
+    with pytest.raises(RunFormatError, match={"missing": "does not exist", "empty": "no run.json",
+                                              "schema": "schema_version 999",
+                                              "badjson": "invalid JSON"}[case]):
+        load_run(d)
+
+
+def test_torn_event_line_is_counted(tmp_path):
+    with RunWriter(tmp_path / "r", backend="jax") as w:
+        w.event("alarm", step=3, rule="rms_t")
+    with open(tmp_path / "r" / "events.jsonl", "a") as fh:
+        fh.write('{"type": "checkp')
+    r = load_run(tmp_path / "r")
+    assert r.events.type.tolist() == ["alarm"] and r.torn_event_lines == 1
+
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    from adamspike.rundir import RunWriter
+    w = RunWriter(sys.argv[1], backend="jax", flush_every_rows=5, flush_every_s=1e9)
+    s = 0
+    while True:
+        s += 1
+        w.log_step(step=s, tokens=s, loss=1.0, lr=1.0, grad_norm=1.0, clipped=False,
+                   update_norm=1.0, step_time_s=0.0, skipped=False)
+        if s % 5 == 0:
+            print(s, flush=True)
+        time.sleep(0.001)
+""")
+
+
+def test_kill_9_loses_at_most_last_flush(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(run)], stdout=subprocess.PIPE,
+                            text=True)
+    flushed = 0
+    deadline = time.time() + 60
+    while flushed < 40 and time.time() < deadline:
+        flushed = int(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    steps = load_run(run).steps.step.tolist()
+    # every reported flush is on disk, contiguous from 1; nothing half-written is visible
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= flushed
+    assert not any(p.name.endswith(".parquet") and p.name.startswith(".")
+                   for p in (run / "steps").iterdir() if p.suffix == ".parquet")
