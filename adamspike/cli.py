@@ -14,8 +14,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "theory": ("theory.cli:main", "closed-form numbers (--json for machines)"),
     "simulate": ("simulate.cli:simulate_main", "Monte-Carlo streams, quadratic, MLP, toy LLaMA runs"),
-    "sweep": ("simulate.cli:sweep_main", "eps x b2 x batch x lr x seed sweeps (resumable, --shard k/n)"),
-    "predict": ("simulate.cli:predict_main", "predictions.json from theory + sweep results"),
+    "sweep": ("simulate.sweep:main", "eps x b2 x batch x lr x seed sweeps (resumable, --shard k/n)"),
+    "predict": ("simulate.predict:main", "predictions.json from theory + sweep results"),
     "train": ("fullscale.train:main", "fullscale LLaMA2 training (run under torchrun)"),
     "launch": ("fullscale.launch:launch_main", "write per-node torchrun / MindSpeed scripts"),
     "plan": ("fullscale.launch:plan_main", "one run config + launch script per predicted setting"),

@@ -1,0 +1,268 @@
+"""predictions.json: what the toy study predicts, in a form fullscale and analysis act on.
+
+Schema (version 1), written by `adamspike predict`, read by `adamspike plan` (one run per
+recommended setting), by the trainer (alarm rules evaluated online, fired alarms logged as
+events) and by `adamspike analyze --predictions` (alarm precision / recall / lead time):
+
+    {
+      "schema": "adamspike.predictions", "schema_version": 1,
+      "created": "2026-12-02T12:00:00+0000",
+      "source": {...},                 # free-form provenance (sweep tables, theory version)
+      "profile": {                     # the model the predictions are for
+        "name": "llama2-70b", "num_layers": 80,
+        "rho_by_depth": {"-1": 0.05, "0": 0.3, ...},   # rms(g)/eps per depth (measured/assumed)
+        "phi": 0.0                     # assumed lag-1 gradient correlation
+      },
+      "settings": [                    # candidate optimizer settings, ranked
+        {"id": "eps1e-08-b2_0.95", "b1": 0.9, "b2": 0.95, "eps": 1e-8, "lr": 1.5e-4,
+         "global_batch_size": 1024, "risk": 0.1, "risk_label": "low", "rank": 1,
+         "rationale": "...", "per_depth": [{"depth": -1, "rho": ..., "regime": ...}, ...]}
+      ],
+      "alarm_rules": [
+        {"id": "rms_t_shallow", "metric": "rms_t", "depths": [-1, 1], "kinds": null,
+         "reduce": "max", "op": ">", "threshold": 2.0, "consecutive": 1,
+         "expected_lead_steps": [1, 8], "source": "StableAdamW (Wortsman 2023a)"}
+      ],
+      "validate": ["eps1e-08-b2_0.95", ...]   # setting ids worth a full-scale run, best first
+    }
+
+A rule selects tensors by depth range (inclusive; null = all) and kind list (null = all),
+reduces the metric over them (max / min / mean / median), compares with the threshold, and
+fires once the comparison has held on `consecutive` logged steps in a row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from adamspike.metrics import METRIC_NAMES
+
+SCHEMA = "adamspike.predictions"
+SCHEMA_VERSION = 1
+REDUCERS = {"max": np.nanmax, "min": np.nanmin, "mean": np.nanmean, "median": np.nanmedian}
+DERIVED_METRICS = ("bimodality", "skewness", "kurtosis")
+RULE_METRICS = METRIC_NAMES + DERIVED_METRICS
+SETTING_FIELDS = ("b1", "b2", "eps", "lr", "global_batch_size")
+
+
+class PredictionsError(ValueError):
+    """predictions.json is malformed; the message names the field."""
+
+
+@dataclass
+class AlarmRule:
+    id: str
+    metric: str
+    op: str = ">"
+    threshold: float = 1.0
+    depths: tuple[int, int] | None = None
+    kinds: tuple[str, ...] | None = None
+    reduce: str = "max"
+    consecutive: int = 1
+    expected_lead_steps: tuple[int, int] | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        where = f"alarm_rules[{self.id!r}]"
+        if self.metric not in RULE_METRICS:
+            raise PredictionsError(f"{where}.metric: unknown metric {self.metric!r}; "
+                                   f"known: {', '.join(RULE_METRICS)}")
+        if self.op not in (">", "<"):
+            raise PredictionsError(f"{where}.op: must be '>' or '<', got {self.op!r}")
+        if self.reduce not in REDUCERS:
+            raise PredictionsError(f"{where}.reduce: must be one of {list(REDUCERS)}")
+        if not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold):
+            raise PredictionsError(f"{where}.threshold: must be a finite number")
+        if int(self.consecutive) < 1:
+            raise PredictionsError(f"{where}.consecutive: must be >= 1")
+        if self.depths is not None:
+            if len(self.depths) != 2 or self.depths[0] > self.depths[1]:
+                raise PredictionsError(f"{where}.depths: must be [lo, hi] with lo <= hi")
+            self.depths = (int(self.depths[0]), int(self.depths[1]))
+        if self.kinds is not None:
+            self.kinds = tuple(self.kinds)
+        if self.expected_lead_steps is not None:
+            self.expected_lead_steps = tuple(int(x) for x in self.expected_lead_steps)
+
+    def mask(self, depth: np.ndarray, kind: np.ndarray) -> np.ndarray:
+        """Which tensors (rows) the rule looks at."""
+        m = np.ones(len(depth), dtype=bool)
+        if self.depths is not None:
+            m &= (depth >= self.depths[0]) & (depth <= self.depths[1])
+        if self.kinds is not None:
+            m &= np.isin(kind, self.kinds)
+        return m
+
+    def value(self, depth, kind, values) -> float:
+        """The reduced metric over selected tensors (NaN if none selected or all NaN)."""
+        v = np.asarray(values, dtype=np.float64)[self.mask(np.asarray(depth), np.asarray(kind))]
+        if v.size == 0 or np.all(np.isnan(v)):
+            return math.nan
+        return float(REDUCERS[self.reduce](v))
+
+    def holds(self, value: float) -> bool:
+        if math.isnan(value):
+            return False
+        return value > self.threshold if self.op == ">" else value < self.threshold
+
+
+def metric_values(rule: AlarmRule, columns: Mapping[str, Any]) -> np.ndarray:
+    """Per-tensor values of rule.metric from layer columns (derives bimodality etc.)."""
+    if rule.metric in DERIVED_METRICS:
+        from adamspike.metrics import shape_stats
+        return shape_stats(columns["r_mean"], columns["r_m2"], columns["r_m3"],
+                           columns["r_m4"])[rule.metric]
+    return np.asarray(columns[rule.metric], dtype=np.float64)
+
+
+class OnlineAlarms:
+    """Evaluates rules step by step, as the trainer logs per-tensor metrics.
+
+    `update(step, columns)` takes one step's layer columns (depth, kind and metric arrays)
+    and returns the alarms that fire at this step: dicts with rule, step, value, threshold.
+    A rule fires when its condition has held for `consecutive` logged steps and re-arms
+    after the condition has failed once.
+    """
+
+    def __init__(self, rules: Iterable[AlarmRule]):
+        self.rules = list(rules)
+        self._run = {r.id: 0 for r in self.rules}
+
+    def update(self, step: int, columns: Mapping[str, Any]) -> list[dict]:
+        fired = []
+        for r in self.rules:
+            v = r.value(columns["depth"], columns["kind"], metric_values(r, columns))
+            if r.holds(v):
+                self._run[r.id] += 1
+                if self._run[r.id] == r.consecutive:
+                    fired.append({"rule": r.id, "step": int(step), "metric": r.metric,
+                                  "value": v, "threshold": r.threshold})
+            else:
+                self._run[r.id] = 0
+        return fired
+
+
+def evaluate_rules(rules: Iterable[AlarmRule], layers) -> "Any":
+    """Offline evaluation over a layers DataFrame: one row per (step, rule) with the reduced
+    value, whether the condition held, and whether the alarm fired (same semantics as
+    OnlineAlarms)."""
+    import pandas as pd
+
+    rules = list(rules)
+    online = OnlineAlarms(rules)
+    rows = []
+    for step, g in layers.groupby("step", sort=True):
+        cols = {c: g[c].to_numpy() for c in g.columns}
+        cols["kind"] = g["kind"].astype(str).to_numpy()
+        fired = {f["rule"] for f in online.update(int(step), cols)}
+        for r in rules:
+            v = r.value(cols["depth"], cols["kind"], metric_values(r, cols))
+            rows.append({"step": int(step), "rule": r.id, "value": v, "holds": r.holds(v),
+                         "fired": r.id in fired})
+    return pd.DataFrame(rows, columns=["step", "rule", "value", "holds", "fired"])
+
+
+@dataclass
+class Predictions:
+    settings: list[dict] = field(default_factory=list)
+    alarm_rules: list[AlarmRule] = field(default_factory=list)
+    validate: list[str] = field(default_factory=list)
+    profile: dict = field(default_factory=dict)
+    source: dict = field(default_factory=dict)
+    created: str = ""
+
+    def setting(self, setting_id: str) -> dict:
+        for s in self.settings:
+            if s["id"] == setting_id:
+                return s
+        raise PredictionsError(f"validate: no setting with id {setting_id!r}")
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
+                "created": self.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "source": self.source, "profile": self.profile, "settings": self.settings,
+                "alarm_rules": [_rule_json(r) for r in self.alarm_rules],
+                "validate": self.validate}
+
+
+def _rule_json(r: AlarmRule) -> dict:
+    d = asdict(r)
+    for k in ("depths", "kinds", "expected_lead_steps"):
+        if d[k] is not None:
+            d[k] = list(d[k])
+    return d
+
+
+def from_json(data: Mapping[str, Any], where: str = "predictions") -> Predictions:
+    if not isinstance(data, Mapping):
+        raise PredictionsError(f"{where}: expected a JSON object")
+    if data.get("schema") != SCHEMA:
+        raise PredictionsError(f"{where}: schema must be {SCHEMA!r}, got {data.get('schema')!r}")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise PredictionsError(f"{where}: schema_version {data.get('schema_version')!r} is not "
+                               f"supported (expected {SCHEMA_VERSION})")
+    settings = data.get("settings", [])
+    if not isinstance(settings, list):
+        raise PredictionsError(f"{where}.settings: expected a list")
+    seen = set()
+    for i, s in enumerate(settings):
+        if not isinstance(s, Mapping) or "id" not in s:
+            raise PredictionsError(f"{where}.settings[{i}]: needs an 'id'")
+        if s["id"] in seen:
+            raise PredictionsError(f"{where}.settings[{i}].id: duplicate id {s['id']!r}")
+        seen.add(s["id"])
+        for k in SETTING_FIELDS:
+            if k not in s:
+                raise PredictionsError(f"{where}.settings[{i}].{k}: missing")
+        _check_setting(s, f"{where}.settings[{i}]")
+    rules = []
+    for i, r in enumerate(data.get("alarm_rules", [])):
+        if not isinstance(r, Mapping) or "id" not in r or "metric" not in r:
+            raise PredictionsError(f"{where}.alarm_rules[{i}]: needs 'id' and 'metric'")
+        unknown = set(r) - set(AlarmRule.__dataclass_fields__)
+        if unknown:
+            raise PredictionsError(f"{where}.alarm_rules[{i}]: unknown field(s) {sorted(unknown)}")
+        rules.append(AlarmRule(**r))
+    p = Predictions(settings=list(settings), alarm_rules=rules,
+                    validate=list(data.get("validate", [])), profile=dict(data.get("profile", {})),
+                    source=dict(data.get("source", {})), created=str(data.get("created", "")))
+    for sid in p.validate:
+        p.setting(sid)
+    return p
+
+
+def _check_setting(s: Mapping[str, Any], where: str) -> None:
+    b1, b2, eps, lr, bs = (s[k] for k in SETTING_FIELDS)
+    for k, v, ok in (("b1", b1, 0 <= b1 < 1), ("b2", b2, 0 <= b2 < 1), ("eps", eps, eps >= 0),
+                     ("lr", lr, lr > 0), ("global_batch_size", bs, bs >= 1)):
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or not ok:
+            raise PredictionsError(f"{where}.{k}: out of range ({v!r})")
+
+
+def load_predictions(path: str | Path) -> Predictions:
+    path = Path(path)
+    if not path.is_file():
+        raise PredictionsError(f"{path}: predictions file not found")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PredictionsError(f"{path}: invalid JSON ({e})") from None
+    return from_json(data, where=str(path))
+
+
+def save_predictions(pred: Predictions, path: str | Path) -> None:
+    """Atomic write; refuses to replace an existing file (nothing written is lost)."""
+    from adamspike.rundir import atomic_write_bytes
+
+    path = Path(path)
+    if path.exists():
+        raise PredictionsError(f"{path}: exists; choose another path (nothing was overwritten)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps(pred.to_json(), indent=2, allow_nan=False).encode())
