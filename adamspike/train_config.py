@@ -14,6 +14,7 @@ The JAX toy LLaMA (simulate/) uses model, optim, train, data, telemetry; the tor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from adamspike.config import ConfigError, param
@@ -60,6 +61,22 @@ class OptimSection:
     update_clip: bool = param(False)
     implementation: str = param("foreach", choices=("foreach", "fused", "for-loop"),
                                 help="torch.optim.AdamW kernel (torch only)")
+
+    def lr_at(self, step: int, num_steps: int) -> float:
+        """Learning rate applied at optimizer step `step` (1-based), identical in both backends:
+        linear warmup lr*step/warmup_steps for step <= warmup_steps, then with
+        p = (step - warmup) / max(1, num_steps - warmup) in [0, 1]:
+        cosine: min_lr + (lr - min_lr) * (1 + cos(pi p)) / 2; linear: lr - (lr - min_lr) p;
+        constant: lr.
+        """
+        if step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        p = min(1.0, (step - self.warmup_steps) / max(1, num_steps - self.warmup_steps))
+        if self.schedule == "linear":
+            return self.lr - (self.lr - self.min_lr) * p
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
 
     def check(self) -> None:
         if self.min_lr > self.lr:

@@ -44,3 +44,23 @@ def test_bad_override():
 def test_missing_file():
     with pytest.raises(ConfigError, match="not found"):
         load_config(RunConfig, "/nonexistent/x.toml")
+
+
+def test_lr_schedule():
+    from adamspike.train_config import OptimSection
+    o = OptimSection(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="cosine")
+    assert o.lr_at(5, 110) == 0.5 and o.lr_at(10, 110) == 1.0
+    assert abs(o.lr_at(60, 110) - 0.55) < 1e-12 and abs(o.lr_at(110, 110) - 0.1) < 1e-12
+    assert OptimSection(lr=2.0, schedule="constant").lr_at(7, 10) == 2.0
+
+
+def test_data_order_resumes_and_shards():
+    import numpy as np
+    from adamspike.order import rank_slice, sample_indices
+    a = np.concatenate([sample_indices(s, 8, 20, seed=3) for s in range(1, 11)])
+    # every epoch of 20 samples is a permutation; deterministic; offset = skipped batches
+    assert sorted(a[:20]) == list(range(20)) and sorted(a[20:40]) == list(range(20))
+    np.testing.assert_array_equal(sample_indices(4, 8, 20, 3), a[24:32])
+    np.testing.assert_array_equal(sample_indices(2, 8, 20, 3, offset=2), a[24:32])
+    parts = [rank_slice(a[:8], r, 2) for r in range(2)]
+    np.testing.assert_array_equal(np.concatenate(parts), a[:8])
