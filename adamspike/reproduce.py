@@ -1,0 +1,222 @@
+"""`adamspike reproduce`: the whole study at CPU scale, into one output folder.
+
+The loop of DESIGN.md, stage by stage, each stage one `adamspike <command>` in its own
+process (the JAX and torch halves never share an interpreter):
+
+    theory -> Monte-Carlo check -> toy spike runs (quadratic, MLP, tiny LLaMA) -> sweep
+    -> replication table -> predictions.json -> plan -> tiny torch run driven by the
+    predictions -> analysis -> figures -> STUDY.md
+
+A stage whose command is not built yet is reported as missing, a stage that fails is
+reported as failed (with the tail of its log) and the stages that need its output are
+skipped; nothing is faked. Each stage's stdout/stderr go to OUT/logs/<stage>.log and a
+finished stage leaves OUT/.stages/<stage>.json, so `--resume` continues an interrupted
+study without redoing finished stages. An existing non-empty OUT without --resume is an
+error: nothing already written is overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+NOT_BUILT = 3
+
+
+@dataclass
+class Stage:
+    name: str
+    title: str
+    argv: list[str]                  # arguments of `adamspike`
+    needs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)   # paths relative to OUT it must leave
+    stdout_to: str | None = None     # file (relative to OUT) that receives stdout
+
+
+def stages(out: Path, quick: bool) -> list[Stage]:
+    """The study, in order. Paths are inside `out`."""
+    q = ["--quick"] if quick else []
+    o = lambda *p: str(out.joinpath(*p))  # noqa: E731
+    llama_steps = ["--train.num_steps", "150"] if quick else []
+    return [
+        Stage("theory", "Closed-form theory numbers", ["theory", "all", "--json"],
+              outputs=["theory/theory.json"], stdout_to="theory/theory.json"),
+        Stage("montecarlo", "Monte-Carlo of Adam on AR(1) streams vs theory",
+              ["simulate", "streams", "--check", "--out", o("montecarlo"), *q],
+              outputs=["montecarlo"]),
+        Stage("quadratic", "Adam on a quadratic below / above eps*",
+              ["simulate", "quadratic", "--demo", "--out", o("runs", "quadratic"), *q],
+              outputs=["runs/quadratic"]),
+        Stage("mlp", "Small MLPs that spike",
+              ["simulate", "mlp", "--demo", "--out", o("runs", "mlp"), *q],
+              outputs=["runs/mlp"]),
+        Stage("llama_spike", "Tiny LLaMA (JAX) in the spiking regime",
+              ["simulate", "llama", "--config", str(REPO / "configs" / "toy_spike.toml"),
+               "--out", o("runs", "llama_spike"), *llama_steps],
+              outputs=["runs/llama_spike/run.json"]),
+        Stage("llama_stable", "Tiny LLaMA (JAX), stable setting",
+              ["simulate", "llama", "--config", str(REPO / "configs" / "toy_stable.toml"),
+               "--out", o("runs", "llama_stable"), *llama_steps],
+              outputs=["runs/llama_stable/run.json"]),
+        Stage("sweep", "eps x b2 x lr x seed sweep on the quadratic",
+              ["sweep", "run", "--grid", str(REPO / "configs" / "sweep_quadratic.toml"),
+               "--out", o("sweep"), *q], outputs=["sweep"]),
+        Stage("replication", "Replication table of the literature's claims",
+              ["sweep", "replicate", "--out", o("replication"), *q],
+              outputs=["replication"]),
+        Stage("predict", "predictions.json from theory + sweep",
+              ["predict", "--profile", o("runs", "llama_spike"), "--sweep", o("sweep"),
+               "--out", o("predictions.json")],
+              needs=["sweep", "llama_spike"], outputs=["predictions.json"]),
+        Stage("plan", "Full-scale run configs + launch scripts per recommended setting",
+              ["plan", "--predictions", o("predictions.json"),
+               "--base", str(REPO / "configs" / "llama2-70b.toml"), "--out", o("plan")],
+              needs=["predict"], outputs=["plan"]),
+        Stage("model_info", "LLaMA2-70B parameters, FLOPs/token, memory per card",
+              ["model", "info", "--config", "llama2-70b", "--world-size", "1024", "--json"],
+              outputs=["model_info.json"], stdout_to="model_info.json"),
+        Stage("torch_run", "Tiny LLaMA (torch) driven by the predictions' alarms",
+              ["train", "--config", str(REPO / "configs" / "tiny_torch_study.toml"),
+               "--out", o("runs", "torch_tiny"), "--alarms.predictions", o("predictions.json"),
+               *(["--train.num_steps", "60"] if quick else [])],
+              needs=["predict"], outputs=["runs/torch_tiny/run.json"]),
+        Stage("analyze", "Spikes, precursors, alarm scores, theory fits",
+              ["analyze", "--from-study", str(out), "--predictions", o("predictions.json"),
+               "--out", o("analysis")], needs=["predict"], outputs=["analysis"]),
+        Stage("figures", "Every figure of the study",
+              ["figures", "--from-study", str(out), "--out", o("figures"), *q],
+              outputs=["figures"]),
+    ]
+
+
+def _run_stage(st: Stage, out: Path, env: dict) -> dict:
+    log = out / "logs" / f"{st.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "adamspike", *st.argv]
+    t0 = time.monotonic()
+    with open(log, "w") as err:
+        err.write("$ adamspike " + " ".join(st.argv) + "\n")
+        err.flush()
+        if st.stdout_to:
+            dest = out / st.stdout_to
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with open(dest, "w") as fh:
+                rc = subprocess.run(cmd, stdout=fh, stderr=err, env=env, cwd=REPO).returncode
+        else:
+            rc = subprocess.run(cmd, stdout=err, stderr=subprocess.STDOUT, env=env,
+                                cwd=REPO).returncode
+    seconds = time.monotonic() - t0
+    missing_outputs = [p for p in st.outputs if not (out / p).exists()]
+    if rc == NOT_BUILT:
+        status = "missing"
+    elif rc != 0:
+        status = "failed"
+    elif missing_outputs:
+        status, rc = "failed", -1
+    else:
+        status = "ok"
+    return {"name": st.name, "title": st.title, "status": status, "returncode": rc,
+            "seconds": round(seconds, 2), "log": str(log.relative_to(out)),
+            "missing_outputs": missing_outputs, "argv": st.argv}
+
+
+def _tail(path: Path, num_lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return ""
+
+
+def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
+    """STUDY.md: what ran, what it produced, where to look; failures with their log tail."""
+    lines = [f"# adamspike study{' (quick)' if quick else ''}", "",
+             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by `adamspike reproduce"
+             f"{' --quick' if quick else ''}`.", "", "## Stages", "",
+             "| stage | status | seconds | output |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['title']} | {r['status']} | {r['seconds']} | `{r['log']}` |")
+    for name, title in (("replication", "Replication table"), ("analysis", "Analysis report")):
+        for cand in (out / name / "replication.md", out / name / "report.md"):
+            if cand.exists():
+                lines += ["", f"## {title}", "", cand.read_text().strip()]
+                break
+    figs = sorted((out / "figures").rglob("*.png")) if (out / "figures").exists() else []
+    if figs:
+        lines += ["", "## Figures", ""] + [f"- [{p.stem}]({p.relative_to(out)})" for p in figs]
+    bad = [r for r in results if r["status"] != "ok"]
+    if bad:
+        lines += ["", "## Not done", ""]
+        for r in bad:
+            lines += [f"### {r['title']}: {r['status']}", "", "```", _tail(out / r["log"]), "```", ""]
+    path = out / "STUDY.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="adamspike reproduce", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="out/study", help="output folder (must be new or empty)")
+    ap.add_argument("--quick", action="store_true", help="CI scale (a few minutes)")
+    ap.add_argument("--resume", action="store_true", help="continue an interrupted study")
+    ap.add_argument("--only", nargs="+", metavar="STAGE", help="run only these stages")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        print(f"adamspike reproduce: {out} exists and is not empty; use --resume or a new "
+              "--out (nothing was overwritten)", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    marks = out / ".stages"
+    marks.mkdir(exist_ok=True)
+    plan = stages(out, args.quick)
+    if args.only:
+        unknown = sorted(set(args.only) - {s.name for s in plan})
+        if unknown:
+            print(f"adamspike reproduce: unknown stage(s) {unknown}; known: "
+                  f"{[s.name for s in plan]}", file=sys.stderr)
+            return 2
+        plan = [s for s in plan if s.name in args.only]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ADAMSPIKE_STUDY": str(out)}
+    env.setdefault("OMP_NUM_THREADS", "2")
+    results: list[dict] = []
+    done: dict[str, str] = {}
+    bar = tqdm(plan, desc="reproduce", unit="stage", file=sys.stderr)
+    for st in bar:
+        bar.set_postfix_str(st.name)
+        mark = marks / f"{st.name}.json"
+        if args.resume and mark.exists():
+            res = json.loads(mark.read_text())
+        elif any(done.get(n, "ok") != "ok" for n in st.needs):
+            res = {"name": st.name, "title": st.title, "status": "skipped", "returncode": None,
+                   "seconds": 0.0, "log": f"logs/{st.name}.log", "missing_outputs": [],
+                   "argv": st.argv,
+                   "reason": "needs " + ", ".join(n for n in st.needs if done.get(n) != "ok")}
+            (out / res["log"]).parent.mkdir(parents=True, exist_ok=True)
+            (out / res["log"]).write_text(res["reason"] + "\n")
+        else:
+            res = _run_stage(st, out, env)
+            if res["status"] == "ok":
+                mark.write_text(json.dumps(res, indent=2))
+        done[st.name] = res["status"]
+        results.append(res)
+        tqdm.write(f"[{res['status']:>7}] {st.name} ({res['seconds']} s)", file=sys.stderr)
+    (out / "stages.json").write_text(json.dumps(results, indent=2))
+    report = write_study_report(out, results, args.quick)
+    print(f"study written to {out} (report: {report})")
+    bad = [r["name"] for r in results if r["status"] in ("failed", "skipped")]
+    missing = [r["name"] for r in results if r["status"] == "missing"]
+    if missing:
+        print(f"missing (not built yet): {', '.join(missing)}", file=sys.stderr)
+    if bad:
+        print(f"failed or skipped: {', '.join(bad)} (see {out}/logs)", file=sys.stderr)
+        return 1
+    return 0
