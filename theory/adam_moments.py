@@ -128,9 +128,9 @@ def update_stats(b1: float, b2: float, eps: float, sigma: float = 1.0, mu: float
     last = np.zeros(n)
     last[-1] = 1.0
     if method == "exact":
-        lap = G.laplace(mus, sgs, phi, a, c, eps)
-        r1, r2, rabs = lap["r1"], lap["r2"], lap["rabs"]
-        inv2 = G.laplace(mus, sgs, phi, last, c, 0.0)["inv2"]
+        lap = G.laplace(mus, sgs, phi, np.stack([a, last]), c, eps)
+        r1, r2, rabs = (float(lap[k][0]) for k in ("r1", "r2", "rabs"))
+        inv2 = float(lap["inv2"][1])
     else:
         r1 = G.second_order(mus, sgs, phi, a, c, eps, q=1, p=1)
         r2 = G.second_order(mus, sgs, phi, a, c, eps, q=2, p=2)
