@@ -1,0 +1,530 @@
+"""`adamspike sweep`: resumable, shardable, vmapped grids over eps x b2 x batch x lr x seed.
+
+    adamspike sweep run --grid configs/sweep_quadratic.toml --out DIR [--shard k/n] [--quick]
+    adamspike sweep merge DIR... --out TABLE_DIR
+    adamspike sweep replicate --out DIR [--quick] [--seeds 5]      (simulate.replication)
+
+A grid TOML names a problem and the values to cross:
+
+    [sweep]
+    problem = "quadratic"        # quadratic | mlp | llama (see PROBLEMS)
+    seeds = 5                    # a count (0..n-1) or an explicit list
+    [fixed]                      # scalar settings shared by every cell
+    steps = 20000
+    [grid]                       # one list per axis; cells are the cartesian product
+    eps = [1e-8, 1e-6, 1e-4, 3e-4]
+    b2 = [0.95, 0.99, 0.999]
+    [spikes]                     # analysis.spikes.detect_spikes arguments (optional)
+    window = 50
+    [quick]                      # --quick: these tables replace the ones above, key by key
+    fixed = {steps = 3000}
+
+Cells and runs. A cell is one point of the grid (every problem parameter except the seed);
+a run is a cell x seed.  `cell_id` is a hash of the cell's resolved parameters, so it is
+stable across invocations, machines and shard counts.
+
+Execution. Cells whose static parameters (array shapes, code paths, step count) agree are
+run together: their runs (cells x seeds) are stacked and the problem's batched function is
+called once per chunk under `jax.vmap` (scalar hyperparameters and seeds are vmapped).
+
+Storage (DIR):
+    sweep.json                    the resolved grid (a restart with another grid is refused)
+    cells/<cell_id>.parquet       one row per seed of a finished cell, written atomically
+    runs.parquet, runs.csv        the tidy table of this invocation's cells (unsharded), or
+    runs.shard-K-of-N.parquet     ... of one shard
+A restarted run skips cells whose file exists: no recomputation.  `--shard k/n` (1 <= k <= n)
+keeps the cells with int(cell_id, 16) % n == k-1; merging the shards' cells gives the same
+table as an unsharded run.
+
+Table columns: problem, cell_id, every parameter, seed, then per run: num_spikes,
+spike_rate (per 1000 steps), max_spike_height (relative, from analysis.spikes), mean_recovery_steps,
+recovered_frac, final_loss, min_loss, diverged (non-finite loss, or final loss >= initial loss),
+and for each precursor trace the problem reports (rms_t, sat_frac, bimodality, grad_mom_cos,
+rho of its shallow parameters): max_<m> over the run and pre_<m> = max over the PRE_WINDOW steps
+before each spike start (maximum over spikes; NaN without spikes), lead_<m> = mean over spikes
+of (spike start - step of that maximum), and median_rho.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import io
+import itertools
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from adamspike.config import ConfigError, read_toml
+
+PRE_WINDOW = 8            # Wortsman 2023a: rms_t leads loss spikes by 1-8 steps
+PRECURSORS = ("rms_t", "sat_frac", "bimodality", "grad_mom_cos", "rho")
+SUMMARY_COLUMNS = ("num_spikes", "spike_rate", "max_spike_height", "mean_recovery_steps",
+                   "recovered_frac", "final_loss", "min_loss", "diverged", "median_rho")
+SPIKE_KEYS = ("window", "k", "min_rel_jump", "min_history", "log", "absorb")
+
+
+# ----------------------------------------------------------------------------- problems
+
+@dataclass(frozen=True)
+class Param:
+    """One knob of a problem.  `static` knobs change shapes or code paths (cells with
+    different values are compiled separately); the others are vmapped scalars."""
+    default: Any
+    static: bool = False
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    choices: tuple | None = None
+
+    def check(self, key: str, value: Any) -> Any:
+        tp = type(self.default)
+        if tp is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        elif tp is int:
+            if isinstance(value, bool) or not (isinstance(value, int) or
+                                               (isinstance(value, float) and value.is_integer())):
+                raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            value = int(value)
+        elif tp is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{key}: expected a number, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}: must be finite, got {value!r}")
+        elif tp is str and not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(f"{key}: must be one of {list(self.choices)}, got {value!r}")
+        if self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
+            raise ConfigError(f"{key}: must be {'>' if self.lo_open else '>='} {self.lo}, got {value!r}")
+        if self.hi is not None and (value > self.hi or (self.hi_open and value == self.hi)):
+            raise ConfigError(f"{key}: must be {'<' if self.hi_open else '<='} {self.hi}, got {value!r}")
+        return value
+
+
+# run(static params, {scalar name: float array [N]}, seeds int array [N]) ->
+#     {"loss": [N, T], optional precursor traces [N, T] from PRECURSORS}
+BatchFn = Callable[[dict, dict, np.ndarray], dict]
+
+
+@dataclass(frozen=True)
+class Problem:
+    name: str
+    params: Mapping[str, Param]
+    run: BatchFn
+    spikes: Mapping[str, Any] = field(default_factory=dict)   # default detect_spikes kwargs
+    max_vmap: int = 256                                       # runs per vmapped call
+
+
+PROBLEMS: dict[str, Problem | Callable[[], Problem]] = {}
+
+
+def register_problem(problem: Problem | Callable[[], Problem], name: str | None = None) -> None:
+    """Add a problem (or a zero-argument factory, resolved on first use)."""
+    PROBLEMS[name or problem.name] = problem
+
+
+def get_problem(name: str) -> Problem:
+    if name not in PROBLEMS:
+        raise ConfigError(f"sweep.problem: unknown problem {name!r}; known: {', '.join(sorted(PROBLEMS))}")
+    p = PROBLEMS[name]
+    if not isinstance(p, Problem):
+        p = PROBLEMS[name] = p()
+    return p
+
+
+def _lazy(module: str, attr: str = "SWEEP_PROBLEM") -> Callable[[], Problem]:
+    def load() -> Problem:
+        import importlib
+        return getattr(importlib.import_module(module), attr)
+    return load
+
+
+register_problem(_lazy("simulate.sweep_problems", "QUADRATIC"), "quadratic")
+register_problem(_lazy("simulate.sweep_problems", "MLP"), "mlp")
+register_problem(_lazy("simulate.sweep_problems", "LLAMA"), "llama")
+
+
+# ----------------------------------------------------------------------------- grid
+
+@dataclass
+class Grid:
+    problem: Problem
+    fixed: dict[str, Any]
+    axes: dict[str, list]
+    seeds: list[int]
+    spikes: dict[str, Any]
+    source: str = ""
+
+    def cells(self) -> list[dict]:
+        """Every grid point as a full parameter dict (defaults <- fixed <- axis values)."""
+        base = {k: p.default for k, p in self.problem.params.items()}
+        base.update(self.fixed)
+        names = list(self.axes)
+        return [{**base, **dict(zip(names, vals))}
+                for vals in itertools.product(*(self.axes[n] for n in names))]
+
+    def to_json(self) -> dict:
+        return {"problem": self.problem.name, "fixed": self.fixed, "axes": self.axes,
+                "seeds": self.seeds, "spikes": self.spikes}
+
+
+def load_grid(path: str | Path, quick: bool = False) -> Grid:
+    """Read and validate a grid TOML; every problem raises ConfigError naming the key."""
+    data = read_toml(path)
+    if quick:
+        over = data.get("quick", {})
+        if not isinstance(over, Mapping):
+            raise ConfigError("quick: expected a table")
+        for sec, val in over.items():
+            if sec not in ("sweep", "fixed", "grid", "spikes"):
+                raise ConfigError(f"quick.{sec}: unknown section (known: sweep, fixed, grid, spikes)")
+            data[sec] = {**data.get(sec, {}), **val}
+    return grid_from_dict(data, source=str(path))
+
+
+def grid_from_dict(data: Mapping[str, Any], source: str = "") -> Grid:
+    unknown = sorted(set(data) - {"sweep", "fixed", "grid", "spikes", "quick"})
+    if unknown:
+        raise ConfigError(f"unknown grid section(s): {', '.join(unknown)} "
+                          "(known: sweep, fixed, grid, spikes, quick)")
+    sweep = dict(data.get("sweep", {}))
+    bad = sorted(set(sweep) - {"problem", "seeds"})
+    if bad:
+        raise ConfigError(f"unknown grid key: sweep.{bad[0]} (known: sweep.problem, sweep.seeds)")
+    if "problem" not in sweep:
+        raise ConfigError("sweep.problem: missing (one of quadratic, mlp, llama)")
+    problem = get_problem(sweep["problem"])
+    seeds = sweep.get("seeds", 1)
+    if isinstance(seeds, bool) or not isinstance(seeds, (int, list)):
+        raise ConfigError(f"sweep.seeds: expected a count or a list of integers, got {seeds!r}")
+    if isinstance(seeds, int):
+        if seeds < 1:
+            raise ConfigError(f"sweep.seeds: must be >= 1, got {seeds}")
+        seeds = list(range(seeds))
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+        raise ConfigError(f"sweep.seeds: expected non-negative integers, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"sweep.seeds: duplicate seeds in {seeds!r}")
+    known = problem.params
+
+    def check_key(section: str, k: str) -> None:
+        if k not in known:
+            raise ConfigError(f"unknown grid key: {section}.{k} (problem {problem.name!r} knows: "
+                              f"{', '.join(known)})")
+
+    fixed = {}
+    for k, v in dict(data.get("fixed", {})).items():
+        check_key("fixed", k)
+        fixed[k] = known[k].check(f"fixed.{k}", v)
+    axes: dict[str, list] = {}
+    for k, vals in dict(data.get("grid", {})).items():
+        check_key("grid", k)
+        if k in fixed:
+            raise ConfigError(f"grid.{k}: also set in [fixed]; choose one")
+        if not isinstance(vals, list):
+            raise ConfigError(f"grid.{k}: expected a list of values, got {vals!r}")
+        if not vals:
+            raise ConfigError(f"grid.{k}: empty list (the grid would have no cells)")
+        checked = [known[k].check(f"grid.{k}[{i}]", v) for i, v in enumerate(vals)]
+        if len(set(map(repr, checked))) != len(checked):
+            raise ConfigError(f"grid.{k}: duplicate values in {vals!r}")
+        axes[k] = checked
+    if not axes:
+        raise ConfigError("grid: empty (no axis to sweep); add e.g. grid.eps = [1e-8, 1e-4]")
+    spikes = {**problem.spikes}
+    for k, v in dict(data.get("spikes", {})).items():
+        if k not in SPIKE_KEYS:
+            raise ConfigError(f"unknown grid key: spikes.{k} (known: {', '.join(SPIKE_KEYS)})")
+        spikes[k] = v
+    return Grid(problem, fixed, axes, list(seeds), spikes, source)
+
+
+def cell_id(problem: str, params: Mapping[str, Any]) -> str:
+    """Stable 16-hex-digit id of a cell: sha1 of its canonical JSON."""
+    blob = json.dumps({"problem": problem, **{k: params[k] for k in sorted(params)}},
+                      sort_keys=True, default=repr)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def parse_shard(spec: str | None) -> tuple[int, int] | None:
+    """'k/n' with 1 <= k <= n -> (k, n); None -> None."""
+    if spec is None:
+        return None
+    try:
+        k_s, n_s = spec.split("/")
+        k, n = int(k_s), int(n_s)
+    except ValueError:
+        raise ConfigError(f"--shard: expected k/n (e.g. 2/8), got {spec!r}") from None
+    if n < 1 or not 1 <= k <= n:
+        raise ConfigError(f"--shard: need 1 <= k <= n, got {spec!r}")
+    return k, n
+
+
+def in_shard(cid: str, shard: tuple[int, int] | None) -> bool:
+    return shard is None or int(cid, 16) % shard[1] == shard[0] - 1
+
+
+# ----------------------------------------------------------------------------- summaries
+
+def summarize_run(loss: np.ndarray, traces: Mapping[str, np.ndarray], spikes: Mapping[str, Any]) -> dict:
+    """Per-run numbers from a loss trace and precursor traces (all length T, step = index+1)."""
+    from analysis.spikes import detect_spikes
+
+    loss = np.asarray(loss, dtype=np.float64)
+    num_steps = len(loss)
+    finite = np.isfinite(loss)
+    first_bad = int(np.argmin(finite)) if not finite.all() else num_steps
+    good = loss[:first_bad]
+    diverged = first_bad < num_steps or (len(good) > 1 and good[-1] >= good[0])
+    steps = np.arange(1, len(good) + 1)
+    sp = detect_spikes(good, steps, **spikes) if len(good) >= 3 else None
+    n = 0 if sp is None else len(sp)
+    row = {
+        "num_spikes": n,
+        "spike_rate": 1000.0 * n / num_steps,
+        "max_spike_height": float(sp["height"].max()) if n else 0.0,
+        "mean_recovery_steps": float(sp.loc[sp["recovered"].astype(bool), "duration"].mean())
+        if n and sp["recovered"].astype(bool).any() else math.nan,
+        "recovered_frac": float(sp["recovered"].astype(bool).mean()) if n else math.nan,
+        "final_loss": float(loss[-1]) if finite[-1] else math.inf,
+        "min_loss": float(np.nanmin(np.where(finite, loss, np.nan))) if finite.any() else math.nan,
+        "diverged": bool(diverged),
+        "median_rho": math.nan,
+    }
+    starts = [] if n == 0 else [int(s) for s in sp["start"]]
+    for m in PRECURSORS:
+        if m not in traces:
+            continue
+        tr = np.asarray(traces[m], dtype=np.float64)
+        row[f"max_{m}"] = float(np.nanmax(tr)) if np.isfinite(tr).any() else math.nan
+        pre, leads = [], []
+        for s in starts:                       # step s is index s-1; window = steps s-W..s-1
+            lo, hi = max(0, s - 1 - PRE_WINDOW), s - 1
+            w = tr[lo:hi]
+            if w.size and np.isfinite(w).any():
+                j = int(np.nanargmax(w))
+                pre.append(float(w[j]))
+                leads.append(float(hi - (lo + j)))
+        row[f"pre_{m}"] = max(pre) if pre else math.nan
+        row[f"lead_{m}"] = float(np.mean(leads)) if leads else math.nan
+    if "rho" in traces:
+        tr = np.asarray(traces["rho"], dtype=np.float64)
+        row["median_rho"] = float(np.nanmedian(tr)) if np.isfinite(tr).any() else math.nan
+    return row
+
+
+# ----------------------------------------------------------------------------- execution
+
+def _static_key(problem: Problem, params: Mapping[str, Any]) -> tuple:
+    return tuple((k, params[k]) for k, p in problem.params.items() if p.static)
+
+
+def _chunk_size(n: int, cap: int) -> int:
+    """Pad chunks to powers of two (<= cap) so repeated groups reuse compiled code."""
+    return min(cap, 1 << max(0, (n - 1).bit_length()))
+
+
+def run_group(problem: Problem, cells: list[tuple[str, dict]], seeds: list[int],
+              spikes: Mapping[str, Any]) -> dict[str, pd.DataFrame]:
+    """Run every (cell, seed) of cells sharing static params; -> {cell_id: rows}."""
+    jobs = [(cid, p, s) for cid, p in cells for s in seeds]
+    static = {k: v for k, v in _static_key(problem, cells[0][1])}
+    scalar_names = [k for k, p in problem.params.items() if not p.static]
+    size = _chunk_size(len(jobs), problem.max_vmap)
+    rows: dict[str, list[dict]] = {cid: [] for cid, _ in cells}
+    for lo in range(0, len(jobs), size):
+        chunk = jobs[lo:lo + size]
+        padded = chunk + [chunk[-1]] * (size - len(chunk))
+        scalars = {k: np.asarray([float(p[k]) for _, p, _ in padded]) for k in scalar_names}
+        seed_arr = np.asarray([s for _, _, s in padded], dtype=np.int64)
+        out = problem.run(static, scalars, seed_arr)
+        loss = np.asarray(out["loss"])
+        for i, (cid, p, s) in enumerate(chunk):
+            traces = {m: np.asarray(out[m][i]) for m in PRECURSORS if m in out}
+            rows[cid].append({"problem": problem.name, "cell_id": cid, **p, "seed": int(s),
+                              **summarize_run(loss[i], traces, spikes)})
+    return {cid: pd.DataFrame(r) for cid, r in rows.items()}
+
+
+def _write_parquet_atomic(path: Path, df: pd.DataFrame) -> None:
+    from adamspike.rundir import atomic_write_bytes
+
+    buf = io.BytesIO()
+    df.to_parquet(buf, index=False)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _sort_table(df: pd.DataFrame, grid_json: Mapping[str, Any]) -> pd.DataFrame:
+    keys = [k for k in grid_json["axes"] if k in df.columns] + ["seed", "cell_id"]
+    return df.sort_values(keys, kind="stable").reset_index(drop=True)
+
+
+def _write_table(df: pd.DataFrame, out_dir: Path, stem: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_parquet_atomic(out_dir / f"{stem}.parquet", df)
+    from adamspike.rundir import atomic_write_bytes
+    atomic_write_bytes(out_dir / f"{stem}.csv", df.to_csv(index=False).encode())
+
+
+def _check_sweep_json(out: Path, grid_json: dict) -> None:
+    meta = out / "sweep.json"
+    if meta.exists():
+        try:
+            old = json.loads(meta.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{meta}: invalid JSON ({e})") from None
+        if old.get("grid") != grid_json:
+            raise ConfigError(f"{out}: holds a sweep of another grid (see {meta}); use a new --out "
+                              "(nothing was overwritten)")
+    else:
+        from adamspike.rundir import atomic_write_bytes
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(meta, json.dumps({"grid": grid_json}, indent=2).encode())
+
+
+def run_sweep(grid: Grid, out: str | Path, shard: tuple[int, int] | None = None,
+              progress: bool = True) -> pd.DataFrame:
+    """Run (or resume) a grid into `out`; returns the table of this shard's runs."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    grid_json = json.loads(json.dumps(grid.to_json()))
+    _check_sweep_json(out, grid_json)
+    cells_dir = out / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    mine = [(cell_id(grid.problem.name, p), p) for p in grid.cells()]
+    mine = [(c, p) for c, p in mine if in_shard(c, shard)]
+    todo = [(c, p) for c, p in mine if not (cells_dir / f"{c}.parquet").exists()]
+    groups: dict[tuple, list] = {}
+    for c, p in todo:
+        groups.setdefault(_static_key(grid.problem, p), []).append((c, p))
+    bar = tqdm(total=len(todo) * len(grid.seeds), desc=f"sweep {grid.problem.name}", unit="run",
+               disable=not progress, file=sys.stderr)
+    for members in groups.values():
+        for lo in range(0, len(members), max(1, grid.problem.max_vmap // len(grid.seeds))):
+            part = members[lo:lo + max(1, grid.problem.max_vmap // len(grid.seeds))]
+            for c, df in run_group(grid.problem, part, grid.seeds, grid.spikes).items():
+                _write_parquet_atomic(cells_dir / f"{c}.parquet", df)
+            bar.update(len(part) * len(grid.seeds))
+    bar.close()
+    table = _sort_table(read_cells(out, [c for c, _ in mine]), grid_json)
+    stem = "runs" if shard is None else f"runs.shard-{shard[0]}-of-{shard[1]}"
+    _write_table(table, out, stem)
+    return table
+
+
+def read_cells(out: Path, ids: Sequence[str] | None = None) -> pd.DataFrame:
+    cells_dir = Path(out) / "cells"
+    paths = sorted(cells_dir.glob("*.parquet")) if ids is None else [cells_dir / f"{c}.parquet" for c in ids]
+    frames = []
+    for p in paths:
+        try:
+            frames.append(pd.read_parquet(p))
+        except Exception as e:  # noqa: BLE001 - any unreadable cell file is a format error
+            raise ConfigError(f"{p}: unreadable cell file ({e}); delete it to recompute") from None
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def merge(dirs: Sequence[str | Path], out: str | Path, force: bool = False) -> pd.DataFrame:
+    """Merge the cells of shard directories (same grid) into out/runs.{parquet,csv}."""
+    grids, frames = [], []
+    for d in map(Path, dirs):
+        meta = d / "sweep.json"
+        if not meta.is_file():
+            raise ConfigError(f"{d}: not a sweep directory (no sweep.json)")
+        grids.append(json.loads(meta.read_text())["grid"])
+        frames.append(read_cells(d))
+    if any(g != grids[0] for g in grids[1:]):
+        raise ConfigError("merge: the directories hold sweeps of different grids")
+    out = Path(out)
+    if not force and ((out / "runs.parquet").exists() or (out / "runs.csv").exists()):
+        raise ConfigError(f"{out}: already holds runs.parquet/runs.csv; choose another --out or "
+                          "pass --force (nothing was overwritten)")
+    df = pd.concat([f for f in frames if len(f)], ignore_index=True) if any(len(f) for f in frames) \
+        else pd.DataFrame()
+    if df.empty:
+        raise ConfigError("merge: no finished cells in " + ", ".join(map(str, dirs)))
+    df = df.drop_duplicates(["cell_id", "seed"], keep="first")
+    df = _sort_table(df, grids[0])
+    _write_table(df, out, "runs")
+    missing = _expected_runs(grids[0]) - len(df)
+    if missing > 0:
+        print(f"merge: {missing} run(s) of the grid are not finished yet", file=sys.stderr)
+    return df
+
+
+def _expected_runs(grid_json: Mapping[str, Any]) -> int:
+    return math.prod(len(v) for v in grid_json["axes"].values()) * len(grid_json["seeds"])
+
+
+def load_table(path: str | Path) -> pd.DataFrame:
+    """A sweep table from a runs.parquet / .csv file or a directory holding runs.parquet."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "runs.parquet"
+    if not p.is_file():
+        raise ConfigError(f"{path}: sweep table not found (expected runs.parquet or a .csv)")
+    try:
+        return pd.read_csv(p) if p.suffix == ".csv" else pd.read_parquet(p)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"{p}: unreadable sweep table ({e})") from None
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="adamspike sweep", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run (or resume) a grid")
+    r.add_argument("--grid", required=True, help="grid TOML (configs/sweep_*.toml)")
+    r.add_argument("--out", required=True, help="sweep directory (cells/, runs.parquet)")
+    r.add_argument("--shard", help="k/n: this process runs the k-th of n deterministic slices")
+    r.add_argument("--quick", action="store_true", help="apply the grid's [quick] overrides")
+    r.add_argument("--no-progress", action="store_true")
+    m = sub.add_parser("merge", help="merge shard directories into one table")
+    m.add_argument("dirs", nargs="+")
+    m.add_argument("--out", required=True, help="directory for runs.parquet / runs.csv")
+    m.add_argument("--force", action="store_true", help="replace an existing table in --out")
+    sub.add_parser("replicate", help="replicate the literature's claims (simulate.replication)",
+                   add_help=False)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "replicate":
+        from simulate.replication import main as replicate_main
+        return replicate_main(argv[1:])
+    ap = _parser()
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return 0 if e.code == 0 else 2
+    try:
+        if args.cmd == "run":
+            shard = parse_shard(args.shard)
+            grid = load_grid(args.grid, quick=args.quick)
+            table = run_sweep(grid, args.out, shard, progress=not args.no_progress)
+            print(f"{len(table)} runs -> {args.out}")
+        else:
+            table = merge(args.dirs, args.out, force=args.force)
+            print(f"{len(table)} runs -> {Path(args.out) / 'runs.parquet'}")
+    except ConfigError as e:
+        print(f"adamspike sweep: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""simulate.sweep: grid validation, resume without recomputation, shards == unsharded, CLI errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from simulate import sweep as S
+
+CALLS = {"runs": 0, "calls": 0}
+
+
+def _toy_run(static, scalars, seeds):
+    """A cheap batched 'problem': loss decays, with a spike at step 100 when eps < 1e-4
+    (height grows with b2), plus noise from the seed; rms_t jumps 3 steps before."""
+    CALLS["calls"] += 1
+    CALLS["runs"] += len(seeds)
+    steps = static["steps"]
+    t = np.arange(1, steps + 1)
+    out_loss, out_rms = [], []
+    for eps, b2, seed in zip(scalars["eps"], scalars["b2"], seeds):
+        rng = np.random.default_rng(int(seed))
+        loss = 1.0 / np.sqrt(t) * (1 + 0.01 * rng.standard_normal(steps))
+        rms = np.ones(steps)
+        if eps < 1e-4:
+            loss[99:104] *= 1 + 10 * b2
+            rms[96] = 4.0
+        out_loss.append(loss)
+        out_rms.append(rms)
+    return {"loss": np.asarray(out_loss), "rms_t": np.asarray(out_rms)}
+
+
+TOY = S.Problem("toy", {"steps": S.Param(200, static=True, lo=1), "eps": S.Param(1e-8, lo=0.0),
+                        "b2": S.Param(0.95, lo=0.0, hi=1.0, hi_open=True),
+                        "batch": S.Param(8, static=True, lo=1)},
+                _toy_run, spikes={"window": 20, "k": 6.0, "min_rel_jump": 0.2}, max_vmap=8)
+S.register_problem(TOY)
+
+GRID = """
+[sweep]
+problem = "toy"
+seeds = 3
+[fixed]
+steps = 200
+[grid]
+eps = [1e-8, 1e-6, 1e-3]
+b2 = [0.9, 0.99]
+batch = [4, 8]
+[quick]
+grid = {eps = [1e-8, 1e-3]}
+"""
+
+
+@pytest.fixture
+def grid_file(tmp_path):
+    p = tmp_path / "grid.toml"
+    p.write_text(GRID)
+    return p
+
+
+def test_cells_ids_stable_and_unique(grid_file):
+    g = S.load_grid(grid_file)
+    cells = g.cells()
+    assert len(cells) == 3 * 2 * 2
+    ids = [S.cell_id("toy", c) for c in cells]
+    assert len(set(ids)) == len(ids)
+    assert ids == [S.cell_id("toy", c) for c in S.load_grid(grid_file).cells()]
+    assert len(S.load_grid(grid_file, quick=True).cells()) == 2 * 2 * 2
+
+
+def test_run_table_and_spike_summary(grid_file, tmp_path):
+    table = S.run_sweep(S.load_grid(grid_file), tmp_path / "out", progress=False)
+    assert len(table) == 12 * 3
+    assert set(table.seed) == {0, 1, 2}
+    assert (tmp_path / "out" / "runs.parquet").is_file() and (tmp_path / "out" / "runs.csv").is_file()
+    spiky = table[table.eps < 1e-4]
+    calm = table[table.eps >= 1e-4]
+    assert (spiky.num_spikes == 1).all() and (calm.num_spikes == 0).all()
+    # the injected spike is 1 + 10*b2 times the baseline: height ~ 10*b2
+    np.testing.assert_allclose(spiky.max_spike_height, 10 * spiky.b2, rtol=0.1)
+    assert (spiky.recovered_frac == 1.0).all()
+    # rms_t peaks at step 97, the spike starts at step 100: lead 3 steps, pre-spike max 4
+    assert (spiky.pre_rms_t == 4.0).all() and (spiky.lead_rms_t == 3.0).all()
+    assert calm.pre_rms_t.isna().all()
+    assert not table.diverged.any()
+
+
+def test_resume_skips_finished_cells(grid_file, tmp_path):
+    out = tmp_path / "out"
+    g = S.load_grid(grid_file)
+    CALLS.update(runs=0, calls=0)
+    first = S.run_sweep(g, out, shard=(1, 2), progress=False)
+    done_runs = CALLS["runs"]
+    assert done_runs >= len(first)
+    CALLS.update(runs=0, calls=0)
+    again = S.run_sweep(g, out, shard=(1, 2), progress=False)
+    assert CALLS["calls"] == 0                       # nothing recomputed
+    pd.testing.assert_frame_equal(first, again)
+    CALLS.update(runs=0, calls=0)
+    full = S.run_sweep(g, out, progress=False)       # the rest of the grid only
+    num_padded = CALLS["runs"]
+    assert len(full) == 36
+    assert CALLS["calls"] >= 1 and num_padded < 36 + 8 * 2  # only the other shard's cells ran
+
+
+def test_shards_merge_to_unsharded_table(grid_file, tmp_path):
+    g = S.load_grid(grid_file)
+    whole = S.run_sweep(g, tmp_path / "whole", progress=False)
+    parts = [S.run_sweep(g, tmp_path / f"s{k}", shard=(k, 3), progress=False) for k in (1, 2, 3)]
+    assert sum(len(p) for p in parts) == len(whole)
+    assert not set.intersection(*(set(p.cell_id) for p in parts))
+    assert S.main(["merge", *(str(tmp_path / f"s{k}") for k in (1, 2, 3)),
+                   "--out", str(tmp_path / "merged")]) == 0
+    merged = pd.read_parquet(tmp_path / "merged" / "runs.parquet")
+    pd.testing.assert_frame_equal(merged, whole)
+    # merging again into the same place refuses to overwrite
+    assert S.main(["merge", str(tmp_path / "s1"), "--out", str(tmp_path / "merged")]) == 2
+
+
+@pytest.mark.parametrize("text,needle", [
+    (GRID.replace("b2 = [0.9, 0.99]", "beta2 = [0.9]"), "grid.beta2"),
+    (GRID.replace("[fixed]\nsteps = 200", "[fixed]\nstep = 200"), "fixed.step"),
+    (GRID.replace("b2 = [0.9, 0.99]", "b2 = []"), "grid.b2"),
+    ("[sweep]\nproblem = 'toy'\n[grid]\n", "grid: empty"),
+    (GRID.replace("b2 = [0.9, 0.99]", "b2 = [1.5]"), "grid.b2[0]"),
+    (GRID.replace('problem = "toy"', 'problem = "cnn"'), "unknown problem"),
+    (GRID.replace("seeds = 3", "seeds = 0"), "sweep.seeds"),
+])
+def test_bad_grid_exits_2(tmp_path, capsys, text, needle):
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    assert S.main(["run", "--grid", str(p), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "o" / "cells").exists()
+
+
+@pytest.mark.parametrize("spec", ["3/2", "0/2", "a/b", "2", "1/0"])
+def test_bad_shard_exits_2(grid_file, tmp_path, capsys, spec):
+    assert S.main(["run", "--grid", str(grid_file), "--out", str(tmp_path / "o"),
+                   "--shard", spec, "--no-progress"]) == 2
+    assert "--shard" in capsys.readouterr().err
+
+
+def test_other_grid_into_same_dir_refused(grid_file, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert S.main(["run", "--grid", str(grid_file), "--out", str(out), "--quick", "--no-progress"]) == 0
+    before = sorted(p.name for p in (out / "cells").iterdir())
+    assert S.main(["run", "--grid", str(grid_file), "--out", str(out), "--no-progress"]) == 2
+    assert "another grid" in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "cells").iterdir()) == before
+
+
+def test_shard_assignment_is_a_partition():
+    ids = [S.cell_id("toy", {"eps": e}) for e in np.logspace(-9, -2, 50)]
+    for n in (1, 2, 5):
+        owners = [[k for k in range(1, n + 1) if S.in_shard(c, (k, n))] for c in ids]
+        assert all(len(o) == 1 for o in owners)
