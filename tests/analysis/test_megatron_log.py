@@ -1,0 +1,162 @@
+"""Megatron / AscendSpeed log import on lines in the exact `training_log` formats."""
+
+import math
+
+import numpy as np
+import pytest
+
+from adamspike.rundir import STEP_COLUMNS, load_run
+from analysis.megatron_log import (MegatronLogError, import_megatron_log, parse_megatron_log,
+                                   read_megatron_log)
+
+
+def megatron_line(it, loss, *, total=500000, ts="2024-06-01 12:00:01.123456", lr="1.500000E-04",
+                  gbs=1024, grad_norm=1.234, skipped=0, nan=0, tflops=180.2, interval=1):
+    """Megatron-LM core training_log (newer: microsecond timestamp, {:.6E} lr, throughput)."""
+    s = f" [{ts}]" if ts else ""
+    s += f" iteration {it:8d}/{total:8d} |"
+    s += f" consumed samples: {it * gbs:12d} |"
+    s += f" elapsed time per iteration (ms): {15234.5:.1f} |"
+    if tflops is not None:
+        s += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+    s += f" learning rate: {lr} |"
+    s += f" global batch size: {gbs:5d} |"
+    s += f" lm loss: {loss:.6E} |"
+    s += f" loss scale: {1.0:.1f} |"
+    if grad_norm is not None:
+        s += f" grad norm: {grad_norm:.3f} |"
+    s += f" number of skipped iterations: {skipped:3d} |"
+    s += f" number of nan iterations: {nan:3d} |"
+    return s
+
+
+def ascendspeed_line(it, loss, *, gbs=1024, seq=4096, ts="2024-06-01 12:00:01"):
+    """AscendSpeed (Megatron-DeepSpeed based): no microseconds, {:.3E} lr, consumed tokens,
+    params norm / num zeros, and its trailing throughput fields."""
+    return (f" [{ts}] iteration {it:8d}/{2000:8d} | consumed samples: {it * gbs:12d} |"
+            f" consumed tokens: {it * gbs * seq:12d} |"
+            f" elapsed time per iteration (ms): {16000.0 + it:.1f} | learning rate: 1.500E-04 |"
+            f" global batch size: {gbs:5d} | lm loss: {loss:.6E} | loss scale: {4096.0:.1f} |"
+            f" grad norm: {0.5 + it / 100:.3f} | num zeros: {0.0:.1f} | params norm: {512.25:.3f} |"
+            f" number of skipped iterations: {0:3d} | number of nan iterations: {0:3d} |"
+            f" actual seqlen: {seq:5d} | samples per second: {64.123:.3f} | TFLOPs: {175.33:.2f} |")
+
+
+def test_megatron_core_lines_with_chatter_validation_and_truncated_tail():
+    lines = [
+        "> building train, validation, and test datasets ...",
+        megatron_line(1, 10.5, grad_norm=30.0),
+        "[after training is done] datetime: 2024-06-01 12:00:01",
+        megatron_line(2, 10.25, skipped=1),
+        megatron_line(3, 9.75),
+        "-" * 80,
+        " validation loss at iteration 3 | lm loss value: 9.800000E+00 | lm loss PPL: "
+        "1.803988E+04 | ",
+        megatron_line(4, 9.5)[:130],  # the job was killed mid-print
+    ]
+    p = parse_megatron_log(lines, clip=1.0)
+    st = p.steps
+    assert list(st.columns[:len(STEP_COLUMNS)]) == list(STEP_COLUMNS)
+    assert list(st["step"]) == [1, 2, 3]
+    np.testing.assert_allclose(st["loss"], [10.5, 10.25, 9.75])
+    np.testing.assert_allclose(st["lr"], 1.5e-4)
+    np.testing.assert_allclose(st["step_time_s"], 15.2345)
+    np.testing.assert_allclose(st["tflops"], 180.2)
+    np.testing.assert_allclose(st["grad_norm"], [30.0, 1.234, 1.234])
+    assert list(st["clipped"]) == [True, True, True]
+    assert list(st["skipped"]) == [False, True, False]
+    assert st["update_norm"].isna().all() and st["tokens"].isna().all()
+    assert st["timestamp"].iloc[0] == pytest.approx(1717243201.123456)
+    assert not st["interval_avg"].any()
+    assert p.stats["num_lines"] == 8 and p.stats["num_iteration_lines"] == 4
+    assert p.stats["num_malformed"] == 1
+    bad = p.stats["malformed"][0]
+    assert bad["line"] == 8 and "truncated" in bad["reason"]
+    v = p.validation
+    assert list(v["step"]) == [3] and v["name"].iloc[0] == "lm loss"
+    assert v["value"].iloc[0] == pytest.approx(9.8) and v["ppl"].iloc[0] == pytest.approx(18039.88)
+
+
+def test_old_format_without_timestamp_and_optional_fields_missing():
+    lines = [megatron_line(i, 3.0 - i / 100, ts=None, lr="1.500E-04", grad_norm=None,
+                           tflops=None) for i in (10, 20, 30)]
+    lines[1] = lines[1].replace("number of nan iterations:   0", "number of nan iterations:   2")
+    p = parse_megatron_log(lines)
+    st = p.steps
+    assert st["timestamp"].isna().all() and st["grad_norm"].isna().all()
+    assert not st["clipped"].any() and list(st["skipped"]) == [False, True, False]
+    assert st["interval_avg"].all() and p.stats["log_interval"] == 10
+    assert "tflops" not in st
+
+
+def test_ascendspeed_variant_tokens_and_extras():
+    lines = [ascendspeed_line(i, 2.0 + 1 / i) for i in range(1, 6)]
+    p = parse_megatron_log(lines)
+    st = p.steps
+    assert list(st["tokens"]) == [i * 1024 * 4096 for i in range(1, 6)]
+    assert p.stats["tokens_from"] == "consumed tokens"
+    np.testing.assert_allclose(st["params_norm"], 512.25)
+    np.testing.assert_allclose(st["samples_per_s"], 64.123)
+    np.testing.assert_allclose(st["tflops"], 175.33)
+    np.testing.assert_allclose(st["loss_scale"], 4096.0)
+    assert (st["actual_seqlen"] == 4096).all() and (st["num_zeros"] == 0).all()
+    p2 = parse_megatron_log(lines, seq_len=2048)
+    assert list(p2.steps["tokens"]) == [i * 1024 * 2048 for i in range(1, 6)]
+
+
+def test_unknown_keys_other_losses_and_bad_values_reported():
+    good = megatron_line(1, 4.0).replace(" loss scale:", " mtp_1 loss: 4.100000E+00 |"
+                                         " mem-allocated-bytes-avg(MB): 1234.50 | loss scale:")
+    eta = megatron_line(2, 3.9) + " ETA Time: 1:02:03"  # a complete line with a trailing extra
+    bad = megatron_line(3, 3.8).replace("lm loss: 3.800000E+00", "lm loss: nan%")
+    nokey = megatron_line(4, 3.7).replace("| loss scale:", "| garbage | loss scale:")
+    p = parse_megatron_log([good, eta, bad, nokey])
+    assert list(p.steps["step"]) == [1, 2]
+    assert p.steps["loss_mtp_1"].iloc[0] == pytest.approx(4.1)
+    assert p.steps["mem_allocated_bytes_avg_mb"].iloc[0] == pytest.approx(1234.5)
+    reasons = {m["line"]: m["reason"] for m in p.stats["malformed"]}
+    assert set(reasons) == {3, 4}
+    assert "non-numeric" in reasons[3] and "'lm loss'" in reasons[3]
+    assert "key: value" in reasons[4]
+
+
+def test_nan_loss_is_kept_and_duplicates_from_restart_keep_last():
+    lines = [megatron_line(i, 2.0) for i in range(1, 5)]
+    lines.append(megatron_line(3, 2.5))  # restarted from a step-2 checkpoint
+    lines.append(megatron_line(4, 2.6).replace("2.600000E+00", "nan"))
+    p = parse_megatron_log(lines)
+    assert list(p.steps["step"]) == [1, 2, 3, 4]
+    assert p.steps["loss"].iloc[2] == 2.5 and math.isnan(p.steps["loss"].iloc[3])
+    assert p.stats["num_duplicate_steps"] == 2 and p.stats["duplicate_steps"] == [3, 4]
+
+
+def test_no_iteration_lines_is_a_clear_error(tmp_path):
+    log = tmp_path / "empty.log"
+    log.write_text("using world size: 8\n> initializing torch distributed ...\n")
+    with pytest.raises(MegatronLogError, match="no parseable iteration lines"):
+        read_megatron_log(log)
+    with pytest.raises(MegatronLogError, match="not found"):
+        read_megatron_log(tmp_path / "missing.log")
+
+
+def test_import_writes_a_megatron_run_directory(tmp_path):
+    log = tmp_path / "train.log"
+    lines = [megatron_line(i, 3.0 - i / 1000) for i in range(1, 201)]
+    lines.insert(100, " validation loss at iteration 100 on validation set | lm loss value: "
+                      "2.900000E+00 | lm loss PPL: 1.817415E+01 | ")
+    lines.append(megatron_line(201, 2.0)[:50])
+    log.write_text("\n".join(lines))
+    parsed = import_megatron_log(log, tmp_path / "run", seq_len=4096, clip=1.0,
+                                 optim={"b1": 0.9, "b2": 0.95, "eps": 1e-5})
+    run = load_run(tmp_path / "run")
+    assert run.backend == "megatron" and len(run.steps) == 200
+    assert run.config["optim"] == {"grad_clip": 1.0, "b1": 0.9, "b2": 0.95, "eps": 1e-5}
+    assert run.steps["tokens"].iloc[-1] == 200 * 1024 * 4096
+    assert run.meta["import"]["num_malformed"] == 1
+    assert run.meta["import"]["malformed_lines"] == [202]
+    ev = run.events
+    assert set(ev["type"]) == {"validation", "malformed_log_line"}
+    assert ev.loc[ev["type"] == "validation", "split"].iloc[0] == "validation set"
+    assert parsed.stats["num_iteration_lines"] == 201
+    with pytest.raises(Exception, match="not empty"):  # nothing already written is replaced
+        import_megatron_log(log, tmp_path / "run")
