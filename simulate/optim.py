@@ -1,0 +1,178 @@
+"""AdamW for the JAX backend, built from optax pieces, matching torch.optim.AdamW semantics.
+
+The chain `adamw(optim, num_steps, loss_scale)` applies, per optimizer step t (1-based):
+
+    1. global-norm clipping, torch formula (`clip_by_global_norm_torch`):
+           n = sqrt(sum_tensors sum g^2)                     (before clipping)
+           s = min(1, c / (n + 1e-6)),  c = grad_clip * loss_scale,   g <- s g
+       (torch.nn.utils.clip_grad_norm_; optax's clip_by_global_norm uses c / n instead.
+       With grad_clip = 0 the norm is still recorded and s = 1.)
+    2. Adam (optax.scale_by_adam, eps outside the root, eps_root = 0):
+           m_t = b1 m_{t-1} + (1-b1) g,   v_t = b2 v_{t-1} + (1-b2) g^2
+           m_hat = m_t / (1-b1^t),  v_hat = v_t / (1-b2^t),  r = m_hat / (sqrt(v_hat) + eps)
+    3. optional StableAdamW update clipping per tensor (`update_clip`):
+           rms_t = sqrt(mean(g^2 / max(v_hat, eps^2))),   r <- r / max(1, rms_t)
+       (only the Adam direction is divided; the weight-decay term below is not. With
+       eps = 0, coordinates with v_hat = 0 have g = 0 and count 0 in the mean.)
+    4. decoupled weight decay and the learning rate (torch AdamW):
+           p <- p - lr_t (r + wd p),   lr_t = optim.lr_at(t, num_steps)
+
+Loss scaling: the caller multiplies the loss by s; passing `loss_scale=s` scales the clip
+threshold with it, so Adam on s*L equals Adam on L with eps/s (see DESIGN.md).
+
+Telemetry needs the gradient Adam consumed (after clipping): the clip transform keeps the
+pre-clip norm and the factor s in its state, so `consumed_grads(grads, opt_state)` gives
+exactly the tensors Adam saw (the same multiplication), `clip_info(opt_state)` gives
+(grad_norm, scale, clipped) and `adam_state(opt_state)` the ScaleByAdamState.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from adamspike.train_config import OptimSection
+
+TORCH_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm
+
+
+# ----------------------------------------------------------------------------- schedule
+
+def lr_schedule(optim: OptimSection, num_steps: int) -> optax.Schedule:
+    """count (0-based optax count) -> optim.lr_at(count + 1, num_steps).
+
+    Exact by construction: the host values lr_at(1..num_steps) are tabulated and indexed;
+    counts past num_steps keep the last value (lr_at is constant there)."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
+    table = np.array([optim.lr_at(s, num_steps) for s in range(1, num_steps + 1)])
+
+    def schedule(count):
+        lrs = jnp.asarray(table)  # float64 when x64 is enabled, else float32
+        return lrs[jnp.clip(count, 0, num_steps - 1)]
+
+    return schedule
+
+
+# ----------------------------------------------------------------------------- clipping
+
+class ClipState(NamedTuple):
+    """Of the last step: global gradient norm before clipping and the factor applied."""
+    grad_norm: jax.Array
+    scale: jax.Array
+
+
+def global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
+def clip_by_global_norm_torch(max_norm: float) -> optax.GradientTransformation:
+    """g <- g * min(1, max_norm / (||g|| + 1e-6)) (torch's clip_grad_norm_); max_norm <= 0:
+    no clipping (scale 1). The state records the pre-clip norm and the scale."""
+
+    def init_fn(params):
+        del params
+        return ClipState(grad_norm=jnp.zeros([]), scale=jnp.ones([]))
+
+    def update_fn(updates, state, params=None):
+        del params, state
+        norm = global_norm(updates)
+        if max_norm > 0:
+            scale = jnp.minimum(1.0, max_norm / (norm + TORCH_CLIP_EPS))
+            updates = jax.tree.map(lambda g: g * scale.astype(g.dtype), updates)
+        else:
+            scale = jnp.ones_like(norm)
+        return updates, ClipState(grad_norm=norm, scale=scale)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------- adam
+
+def rms_t(g, v_hat, eps) -> jax.Array:
+    """StableAdamW staleness signal of one tensor: sqrt(mean(g^2 / max(v_hat, eps^2)))."""
+    denom = jnp.maximum(v_hat, eps * eps)
+    ok = denom > 0  # only false with eps = 0 and v_hat = 0, where g = 0 too
+    q = jnp.where(ok, g * g / jnp.where(ok, denom, 1.0), 0.0)
+    return jnp.sqrt(jnp.mean(q))
+
+
+def scale_by_adam_stable(b1=0.9, b2=0.999, eps=1e-8, update_clip: bool = False
+                         ) -> optax.GradientTransformation:
+    """optax.scale_by_adam, optionally followed by per-tensor update clipping
+    r <- r / max(1, rms_t). The state is the plain ScaleByAdamState. b1, b2, eps may be
+    traced scalars (vmapped sweeps); update_clip is static."""
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+    if not update_clip:
+        return adam
+
+    def update_fn(updates, state, params=None):
+        r, new_state = adam.update(updates, state, params)
+        bc2 = 1 - b2 ** new_state.count
+        r = jax.tree.map(
+            lambda ri, g, nu: ri / jnp.maximum(1.0, rms_t(g, nu / bc2.astype(nu.dtype), eps)
+                                               ).astype(ri.dtype),
+            r, updates, new_state.nu)
+        return r, new_state
+
+    return optax.GradientTransformation(adam.init, update_fn)
+
+
+def adamw(optim: OptimSection, num_steps: int, loss_scale: float = 1.0
+          ) -> optax.GradientTransformation:
+    """The full chain of the module docstring: clip (torch formula) -> Adam ->
+    [update clip] -> + wd*p -> * -lr_t."""
+    if loss_scale <= 0:
+        raise ValueError(f"loss_scale: must be > 0, got {loss_scale}")
+    parts = [clip_by_global_norm_torch(optim.grad_clip * loss_scale),
+             scale_by_adam_stable(optim.b1, optim.b2, optim.eps, optim.update_clip)]
+    if optim.weight_decay > 0:
+        parts.append(optax.add_decayed_weights(optim.weight_decay))
+    parts.append(optax.scale_by_learning_rate(lr_schedule(optim, num_steps)))
+    return optax.chain(*parts)
+
+
+# ----------------------------------------------------------------------------- state access
+
+def _find(state: Any, cls) -> Any:
+    if isinstance(state, cls):
+        return state
+    if isinstance(state, (tuple, list)):
+        for s in state:
+            found = _find(s, cls)
+            if found is not None:
+                return found
+    return None
+
+
+def adam_state(opt_state) -> optax.ScaleByAdamState:
+    """The ScaleByAdamState inside an (arbitrarily nested) optax chain state."""
+    found = _find(opt_state, optax.ScaleByAdamState)
+    if found is None:
+        raise ValueError("opt_state: no optax.ScaleByAdamState found in the chain")
+    return found
+
+
+def clip_info(opt_state) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(pre-clip global grad norm, clip factor, clipped flag) of the last step; the flag is
+    True when the gradient was actually scaled (factor < 1)."""
+    found = _find(opt_state, ClipState)
+    if found is None:
+        raise ValueError("opt_state: no ClipState found (build the chain with adamw())")
+    return found.grad_norm, found.scale, found.scale < 1.0
+
+
+def consumed_grads(grads, opt_state):
+    """The gradient Adam consumed at the last step: grads * clip factor (bit-identical to
+    what the clip transform passed on)."""
+    _, scale, _ = clip_info(opt_state)
+    return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+
+
+def hparams(optim: OptimSection) -> dict[str, float]:
+    """b1, b2, eps of a section (what telemetry needs)."""
+    return {"b1": optim.b1, "b2": optim.b2, "eps": optim.eps}

@@ -1,0 +1,111 @@
+"""simulate.telemetry equals adamspike.metrics (numpy reference) on real optax state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from adamspike import metrics
+from adamspike.train_config import OptimSection
+from simulate import optim as O
+from simulate import telemetry as T
+
+
+def _loss(p, x, y):
+    h = jnp.tanh(x @ p["l0.weight"].T + p["l0.bias"])
+    return jnp.mean((h @ p["l1.weight"].T - y) ** 2)
+
+
+def _run(dtype, num_steps=7, eps=1e-6):
+    """Real training steps of a small net; returns what telemetry needs at the last step."""
+    rng = np.random.default_rng(0)
+    params = {"l0.weight": rng.normal(size=(32, 8)) * 0.5, "l0.bias": np.zeros(32),
+              "l1.weight": rng.normal(size=(1, 32)) * 0.01}
+    params = {k: jnp.asarray(v, dtype) for k, v in params.items()}
+    x = jnp.asarray(rng.normal(size=(64, 8)), dtype)
+    y = jnp.asarray(np.sin(rng.normal(size=(64, 1))), dtype)
+    opt = OptimSection(lr=3e-2, b1=0.9, b2=0.95, eps=eps, weight_decay=0.01, grad_clip=0.5,
+                       schedule="constant")
+    tx = O.adamw(opt, num_steps)
+    state = tx.init(params)
+    grad_fn = jax.jit(jax.grad(_loss))
+    for _ in range(num_steps):
+        grads = grad_fn(params, x, y)
+        prev = O.adam_state(state)
+        upd, state = jax.jit(tx.update)(grads, state, params)
+        params = jax.tree.map(lambda p, u: p + u, params, upd)
+    g = O.consumed_grads(grads, state)
+    return opt, g, prev, O.adam_state(state), params
+
+
+def _reference(opt, g, prev, new, params):
+    t = int(new.count)
+    rows, rs = [], []
+    for k in T.tensor_names(g):
+        m_hat = np.asarray(new.mu[k], np.float64) / (1 - opt.b1 ** t)
+        v_hat = np.asarray(new.nu[k], np.float64) / (1 - opt.b2 ** t)
+        rows.append(metrics.shard_sums(np.asarray(g[k]), m_hat, v_hat, np.asarray(prev.mu[k]),
+                                       np.asarray(params[k]), opt.eps))
+        rs.append(metrics.update_direction(m_hat, v_hat, opt.eps))
+    return np.stack(rows), rs
+
+
+@pytest.mark.parametrize("eps,regime", [(1e-6, "sat_frac"), (3e-3, "eps_frac")])
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.float64, 1e-12)])
+def test_metrics_equal_numpy_reference(dtype, rtol, eps, regime):
+    with jax.enable_x64(dtype == jnp.float64):
+        opt, g, prev, new, params = _run(dtype, eps=eps)
+        sums, hists = jax.jit(T.step_telemetry, static_argnames="with_hist")(
+            g, prev, new, params, opt.b1, opt.b2, opt.eps, with_hist=True)
+        assert sums.dtype == dtype and hists.shape == (3, metrics.NUM_HIST_BINS)
+        want_sums, rs = _reference(opt, g, prev, new, params)
+        names = T.tensor_names(g)
+        cols = T.layer_columns(names, [0, 0, 1], ["param", "param", "param"],
+                               [int(want_sums[i, 0]) for i in range(3)], np.asarray(sums), opt.eps)
+        for i, name in enumerate(names):
+            want = metrics.finalize(want_sums[i], opt.eps)
+            for m in metrics.METRIC_NAMES:
+                np.testing.assert_allclose(cols[m][i], want[m], rtol=rtol, atol=0, err_msg=m)
+        # the run is in the regime it is meant to exercise (saturated r / v below eps^2)
+        assert np.any(cols[regime] > 0) and np.all(np.isfinite(cols["grad_mom_cos"]))
+        # count-like sums are exact
+        np.testing.assert_array_equal(np.asarray(sums)[:, [0, 7, 8]], want_sums[:, [0, 7, 8]])
+        if dtype == jnp.float64:  # r identical -> identical bins
+            for i in range(3):
+                np.testing.assert_array_equal(np.asarray(hists[i]), metrics.histogram(rs[i]))
+        assert (np.asarray(hists).sum(axis=1) == want_sums[:, 0]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_histogram_edges_and_clipping_match_numpy(dtype):
+    e = metrics.HIST_EDGES.astype(dtype)
+    nz = e[e != 0]  # the ulp neighbours of 0 are denormals, which XLA CPU flushes to 0
+    near = np.concatenate([e, np.nextafter(nz, dtype(-np.inf)), np.nextafter(nz, dtype(np.inf))])
+    r = np.concatenate([near, np.array([-5.0, 7.0, np.inf, -np.inf, 0.0], dtype)]).astype(dtype)
+    rng = np.random.default_rng(3)
+    r = np.concatenate([r, rng.normal(size=2000).astype(dtype)])
+    with jax.enable_x64(dtype == np.float64):
+        got = np.asarray(jax.jit(T.hist_counts)(jnp.asarray(r)))
+    np.testing.assert_array_equal(got, metrics.histogram(r))
+    assert got.sum() == r.size
+
+
+def test_eps_zero_and_zero_state():
+    """eps = 0 with v_hat = 0 somewhere (g = 0 there): g2_over_v counts those as 0 like the
+    reference; sqrt(v_hat) < 0 is never true."""
+    with jax.enable_x64(True):
+        g = jnp.array([0.0, 1.0, -2.0])
+        v_hat = jnp.array([0.0, 1.0, 4.0])
+        m_hat = jnp.array([0.0, 0.5, -2.0])
+        s = np.asarray(T.tensor_sums(g, m_hat, v_hat, m_hat, g, 0.0))
+    with np.errstate(invalid="ignore"):  # r = 0/0 at the dead coordinate
+        want = metrics.shard_sums(np.asarray(g), np.asarray(m_hat), np.asarray(v_hat),
+                                  np.asarray(m_hat), np.asarray(g), 0.0)
+    # r = 0/0 = nan at the dead coordinate in both; compare the rest
+    ok = [i for i, f in enumerate(metrics.SUM_FIELDS) if not f.startswith("r") and f != "sat"]
+    np.testing.assert_allclose(s[ok], want[ok], rtol=1e-15)
+
+
+def test_layer_columns_shape_error():
+    with pytest.raises(ValueError, match="sums"):
+        T.layer_columns(["a"], [0], ["param"], [3], np.zeros((2, T.NUM_SUMS)), 1e-8)
