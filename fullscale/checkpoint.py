@@ -1,0 +1,486 @@
+"""Resumable checkpoints: model + optimizer through torch.distributed.checkpoint (DCP), a
+small trainer-state file, per-rank RNG states, and a manifest written last.
+
+    ckpt_root/step-00000120/
+        .metadata, __<rank>_<i>.distcp   model + optimizer (DCP; sharded FSDP2 DTensors or a
+                                         plain module in one process)
+        trainer.pt                       rank 0: step, scheduler, data position, guard, extra
+        rng-00000.pt ... rng-<W-1>.pt    each rank's RNG states (torch CPU, device, numpy, random)
+        COMPLETE                         manifest (JSON): format, step, world size, and every
+                                         file above with its size and sha256
+
+Write protocol (a checkpoint killed at any point is never picked up):
+ 1. all ranks check every parameter and optimizer-state tensor for non-finite values (local
+    check + all_reduce); any -> `NonFiniteError`, nothing is written;
+ 2. everything is written into `step-XXXXXXXX.partial/`;
+ 3. each rank hashes a share of the files (file i by rank i mod W), rank 0 gathers the hashes,
+    writes COMPLETE atomically and renames the directory to `step-XXXXXXXX`;
+ 4. rank 0 then deletes the oldest complete checkpoints beyond `keep`.
+`latest()` only sees renamed directories holding COMPLETE. `load()` first verifies the
+manifest (files present, sizes, hashes: each rank hashes its share, results are gathered so
+every rank raises the same `CheckpointError`), so a corrupt checkpoint is rejected before any
+state is touched; `load_latest_valid()` falls back to older ones.
+
+Every function is collective when torch.distributed is initialised (call it on all ranks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+FORMAT = "adamspike-torch-ckpt/1"
+MARKER = "COMPLETE"
+TRAINER_FILE = "trainer.pt"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_PARTIAL_DIR = re.compile(r"^step-(\d{8})\.partial$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the path and problem."""
+
+    def __init__(self, path: str | Path, problem: str):
+        self.path, self.problem = str(path), problem
+        super().__init__(f"checkpoint {path}: {problem}")
+
+
+class NonFiniteError(CheckpointError):
+    """Refused to save: some parameter / optimizer state holds nan or inf.
+
+    `payload` is the event the trainer logs (type "checkpoint_refused")."""
+
+    def __init__(self, path: str | Path, step: int, num_nonfinite: int, names: list[str]):
+        self.step, self.num_nonfinite, self.names = step, num_nonfinite, names
+        self.payload = {"step": step, "reason": "non-finite state", "path": str(path),
+                        "num_nonfinite": num_nonfinite, "tensors": names[:20]}
+        shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+        super().__init__(path, f"refused to save step {step}: {num_nonfinite} non-finite "
+                               f"values in {len(names)} tensor(s) ({shown})")
+
+
+# ----------------------------------------------------------------------------- dist helpers
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _initialized() else (0, 1)
+
+
+def _barrier() -> None:
+    if _initialized():
+        dist.barrier()
+
+
+def _gather(obj: Any) -> list[Any]:
+    """all_gather_object (every rank gets every rank's object)."""
+    if not _initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# ----------------------------------------------------------------------------- paths
+
+def step_dir(ckpt_root: str | Path, step: int) -> Path:
+    return Path(ckpt_root) / f"step-{int(step):08d}"
+
+
+def complete(ckpt_root: str | Path) -> list[tuple[int, Path]]:
+    """All complete checkpoints (step, path), oldest first (a COMPLETE marker is present)."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir() and (p / MARKER).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest(ckpt_root: str | Path, before_step: int | None = None) -> tuple[int, Path] | None:
+    """The newest complete checkpoint (optionally with step < before_step), or None.
+    Incomplete ones (killed mid-write) are never returned; corruption is found by load()."""
+    found = [c for c in complete(ckpt_root) if before_step is None or c[0] < before_step]
+    return found[-1] if found else None
+
+
+# ----------------------------------------------------------------------------- state pieces
+
+def _nonfinite(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+               ) -> tuple[int, list[str]]:
+    """(global count, local tensor names) of non-finite values in the local shards of the
+    parameters and of the floating-point optimizer state; one all_reduce, one host sync."""
+    names_by_param = {id(p): n for n, p in model.named_parameters()}
+    tensors: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
+    if optimizer is not None:
+        for p, st in optimizer.state.items():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.is_floating_point():
+                    tensors.append((f"{names_by_param.get(id(p), '?')}:{k}", v))
+    p0 = next(model.parameters(), None)
+    device = _local(p0).device if p0 is not None else torch.device("cpu")
+    counts = torch.stack([(~torch.isfinite(_local(t.detach()))).sum().to(device)
+                          for _, t in tensors]) if tensors else torch.zeros(1, dtype=torch.long,
+                                                                           device=device)
+    total = counts.sum().to(torch.long)
+    if _initialized():
+        dist.all_reduce(total)
+    count = int(total.item())
+    bad = [n for (n, _), c in zip(tensors, counts.tolist()) if c] if count else []
+    return count, bad
+
+
+def _device_rng() -> tuple[str, torch.Tensor] | None:
+    for kind in ("cuda", "npu"):
+        mod = getattr(torch, kind, None)
+        try:
+            if mod is not None and mod.is_available():
+                return kind, mod.get_rng_state()
+        except Exception:  # noqa: BLE001 - a broken device runtime just means no device RNG
+            return None
+    return None
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states in a weights_only-loadable form."""
+    np_state = np.random.get_state()
+    state = {"torch_cpu": torch.get_rng_state(),
+             "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                       "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                       "cached_gaussian": float(np_state[4])},
+             "python": _py_state_to_lists(random.getstate())}
+    dev = _device_rng()
+    if dev is not None:
+        state["device"] = {"kind": dev[0], "state": dev[1]}
+    return state
+
+
+def _py_state_to_lists(s: tuple) -> list:
+    return [s[0], list(s[1]), s[2]]
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached_gaussian"]))
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    dev = state.get("device")
+    if dev is not None:
+        mod = getattr(torch, dev["kind"], None)
+        if mod is not None and mod.is_available():
+            mod.set_rng_state(dev["state"])
+
+
+def _to_bytes(obj: Any, path: Path, what: str) -> bytes:
+    """torch.save to bytes, checked to load back with weights_only=True (plain types only)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(path, f"{what} holds a type that cannot be stored safely "
+                                    f"(use plain dict/list/number/str/tensor values): {e}") from None
+    return data
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _state_of(obj: Any) -> Any:
+    if obj is None:
+        return None
+    return obj.state_dict() if hasattr(obj, "state_dict") else obj
+
+
+# ----------------------------------------------------------------------------- save
+
+def save(ckpt_root: str | Path, step: int, model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer | None, scheduler: Any = None,
+         extra: dict | None = None, *, position: Any = None, guard: Any = None,
+         keep: int | None = None) -> Path:
+    """Write checkpoint `step` under ckpt_root (collective) and return its directory.
+
+    model / optimizer go through DCP (`get_state_dict`: FSDP2 DTensors stay sharded);
+    scheduler, `position` (fullscale.sampler.DataPosition or its state dict), `guard`
+    (fullscale.guard.SpikeGuard or its state dict) and `extra` (plain values: dict, list,
+    numbers, str, tensors) go to trainer.pt; each rank's RNG states to rng-<rank>.pt.
+    `keep`: keep only the newest `keep` complete checkpoints (older ones are deleted after
+    this one is complete; None keeps all).
+
+    Raises NonFiniteError (nothing written) when any parameter or optimizer state is nan/inf:
+    log `err.payload` as a "checkpoint_refused" event. Raises CheckpointError for bad extra.
+    """
+    rank, world = _rank_world()
+    final = step_dir(ckpt_root, step)
+    partial = final.with_name(final.name + ".partial")
+
+    count, names = _nonfinite(model, optimizer)
+    if count:
+        raise NonFiniteError(final, int(step), count, names)
+
+    trainer_bytes = None
+    if rank == 0:
+        trainer_bytes = _to_bytes({"format": FORMAT, "step": int(step), "world_size": world,
+                                   "time": time.time(), "scheduler": _state_of(scheduler),
+                                   "position": _state_of(position), "guard": _state_of(guard),
+                                   "extra": dict(extra or {})}, final, "trainer state")
+        Path(ckpt_root).mkdir(parents=True, exist_ok=True)
+        if partial.exists():  # left by a save killed earlier
+            shutil.rmtree(partial)
+        partial.mkdir()
+    _barrier()
+
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(partial), no_dist=not _initialized())
+    _write(partial / f"rng-{rank:05d}.pt", _to_bytes(rng_state(), final, "rng state"))
+    if rank == 0:
+        _write(partial / TRAINER_FILE, trainer_bytes)
+    _barrier()
+
+    files = sorted(p.name for p in partial.iterdir() if p.is_file() and p.name != MARKER)
+    mine = {f: {"size": (partial / f).stat().st_size, "sha256": _sha256(partial / f)}
+            for f in files[rank::world]}
+    gathered = _gather(mine)
+    if rank == 0:
+        manifest = {"format": FORMAT, "step": int(step), "world_size": world,
+                    "time": time.time(), "files": {k: v for d in gathered for k, v in d.items()}}
+        _write_marker(partial, manifest)
+        trash = None
+        if final.exists():  # same step saved again (after a rollback): replace it
+            trash = final.with_name(final.name + f".old-{os.getpid()}")
+            os.replace(final, trash)
+        os.replace(partial, final)
+        _fsync_dir(final.parent)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        if keep is not None:
+            prune(ckpt_root, keep)
+    _barrier()
+    return final
+
+
+def _write_marker(directory: Path, manifest: dict) -> None:
+    tmp = directory / f".{MARKER}.tmp"
+    _write(tmp, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    os.replace(tmp, directory / MARKER)
+    _fsync_dir(directory)
+
+
+def prune(ckpt_root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints and stale .partial dirs older
+    than the newest complete one (rank 0 only; not collective). Returns what was removed."""
+    if keep < 1:
+        raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
+    done = complete(ckpt_root)
+    removed = [p for _, p in done[:-keep]]
+    newest = done[-1][0] if done else None
+    for p in Path(ckpt_root).iterdir():
+        m = _PARTIAL_DIR.match(p.name)
+        if m and newest is not None and int(m.group(1)) < newest:
+            removed.append(p)
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def discard_newer(ckpt_root: str | Path, step: int) -> list[Path]:
+    """After a rollback to `step`: rename complete checkpoints newer than it to
+    `discarded-step-XXXXXXXX-<time>` (kept for forensics, never picked by latest()).
+    Rank 0 does the work; collective when distributed. Returns the new paths."""
+    rank, _ = _rank_world()
+    moved = []
+    if rank == 0:
+        for s, p in complete(ckpt_root):
+            if s > step:
+                dest = p.with_name(f"discarded-{p.name}-{int(time.time())}")
+                os.replace(p, dest)
+                moved.append(dest)
+    _barrier()
+    return moved
+
+
+# ----------------------------------------------------------------------------- load
+
+def read_manifest(path: str | Path) -> dict:
+    """The COMPLETE manifest of a checkpoint directory (CheckpointError if absent or bad)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(path, "not a directory")
+    marker = path / MARKER
+    if not marker.is_file():
+        raise CheckpointError(path, f"no {MARKER} marker: incomplete (killed while saving?)")
+    try:
+        manifest = json.loads(marker.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(path, f"{MARKER} manifest is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(path, f"{MARKER} manifest has format "
+                                    f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, "
+                                    f"expected {FORMAT!r}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or TRAINER_FILE not in files or ".metadata" not in files:
+        raise CheckpointError(path, f"{MARKER} manifest does not list {TRAINER_FILE} and .metadata")
+    return manifest
+
+
+def verify(path: str | Path, *, hashes: bool = True) -> dict:
+    """Check the manifest against the files (collective: each rank hashes its share and
+    every rank raises the same CheckpointError). Returns the manifest."""
+    path = Path(path)
+    rank, world = _rank_world()
+    try:
+        manifest = read_manifest(path)
+        problems = []
+        names = sorted(manifest["files"])
+        for i, name in enumerate(names):
+            want = manifest["files"][name]
+            f = path / name
+            if not f.is_file():
+                problems.append(f"{name} is missing")
+            elif f.stat().st_size != want.get("size"):
+                problems.append(f"{name} has {f.stat().st_size} bytes, manifest says "
+                                f"{want.get('size')} (truncated?)")
+            elif hashes and i % world == rank and _sha256(f) != want.get("sha256"):
+                problems.append(f"{name} does not match its sha256 (corrupt)")
+    except CheckpointError as e:
+        manifest, problems = None, [e.problem]
+    all_problems = sorted({p for ps in _gather(problems) for p in ps})
+    if all_problems:
+        raise CheckpointError(path, "; ".join(all_problems))
+    return manifest
+
+
+def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+         scheduler: Any = None, *, position: Any = None, guard: Any = None,
+         restore_rng: bool = True, verify_hashes: bool = True) -> dict:
+    """Restore a checkpoint in place (collective) and return its `extra` dict, with "step".
+
+    The manifest is verified first (CheckpointError, state untouched, if anything is missing,
+    truncated or corrupt). Then model + optimizer (DCP; resharded if the world size changed),
+    scheduler / position / guard via their load_state_dict, and this rank's RNG states (only
+    when the world size is unchanged; extra["rng_restored"] says whether).
+    """
+    path = Path(path)
+    rank, world = _rank_world()
+    manifest = verify(path, hashes=verify_hashes)
+    try:
+        trainer = torch.load(path / TRAINER_FILE, weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(path, f"{TRAINER_FILE} is unreadable ({e})") from None
+    if not isinstance(trainer, dict) or trainer.get("format") != FORMAT:
+        raise CheckpointError(path, f"{TRAINER_FILE} is not an adamspike trainer state")
+    has_optim = optimizer is not None
+    model_sd, optim_sd = get_state_dict(model, optimizer if has_optim else [])
+    state = {"model": model_sd, "optim": optim_sd} if has_optim else {"model": model_sd}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=not _initialized())
+        set_state_dict(model, optimizer if has_optim else [], model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}))
+    except Exception as e:  # noqa: BLE001 - DCP raises many types; name the checkpoint
+        raise CheckpointError(path, f"model/optimizer state does not load into this model "
+                                    f"({type(e).__name__}: {str(e)[:500]})") from None
+    if scheduler is not None and trainer.get("scheduler") is not None:
+        scheduler.load_state_dict(trainer["scheduler"])
+    if position is not None and trainer.get("position") is not None:
+        position.load_state_dict(trainer["position"])
+    if guard is not None and trainer.get("guard") is not None:
+        guard.load_state_dict(trainer["guard"])
+    rng_file = path / f"rng-{rank:05d}.pt"
+    rng_restored = False
+    if restore_rng and manifest["world_size"] == world and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=True))
+        rng_restored = True
+    extra = dict(trainer.get("extra") or {})
+    extra.update(step=int(trainer["step"]), rng_restored=rng_restored,
+                 position=trainer.get("position"), guard=trainer.get("guard"))
+    return extra
+
+
+def load_latest_valid(ckpt_root: str | Path, model: torch.nn.Module,
+                      optimizer: torch.optim.Optimizer | None, scheduler: Any = None, *,
+                      before_step: int | None = None, position: Any = None, guard: Any = None,
+                      restore_rng: bool = True) -> tuple[int, Path, dict, list[CheckpointError]] | None:
+    """Load the newest checkpoint that verifies (optionally with step < before_step, e.g.
+    the spike step of a rollback). Returns (step, path, extra, rejected) where `rejected`
+    lists the CheckpointErrors of newer, corrupt ones (log each as an event), or None when
+    no complete checkpoint exists. Raises the newest error if all are corrupt."""
+    candidates = [c for c in complete(ckpt_root) if before_step is None or c[0] < before_step]
+    rejected: list[CheckpointError] = []
+    for step, path in reversed(candidates):
+        try:
+            extra = load(path, model, optimizer, scheduler, position=position, guard=guard,
+                         restore_rng=restore_rng)
+        except NonFiniteError:
+            raise
+        except CheckpointError as e:
+            rejected.append(e)
+            continue
+        return step, path, extra, rejected
+    if rejected:
+        raise CheckpointError(Path(ckpt_root), "no loadable checkpoint: " +
+                              " | ".join(str(e) for e in rejected))
+    return None
+
+
+def steps_of(ckpt_root: str | Path) -> list[int]:
+    return [s for s, _ in complete(ckpt_root)]
+
+
+__all__: Iterable[str] = ("CheckpointError", "NonFiniteError", "save", "load", "latest",
+                          "load_latest_valid", "complete", "verify", "read_manifest", "prune",
+                          "discard_newer", "step_dir", "rng_state", "set_rng_state")

@@ -1,0 +1,157 @@
+"""Spike guard: detect a loss spike online, roll back to the last good checkpoint and skip
+the offending window of batches (PaLM), with bounded retries.
+
+Detection is THE project rule, `analysis.spikes.RollingSpikeDetector` (numpy/stdlib only):
+with med and MAD the median and median absolute deviation of the past `guard.window`
+normal losses, step t spikes when
+
+    loss_t > med + mad_k * 1.4826 * MAD    and    loss_t > (1 + min_rel_jump) * med
+
+once min(window, max(5, window // 2)) losses are in the history; a non-finite loss always
+triggers. Spiking losses do not enter the history.
+
+Policy per observed loss (`observe(step, loss) -> Decision`):
+- "ok": normal; the loss joins the history.
+- "rollback": spike or non-finite loss, and fewer than `max_retries` rollbacks in the
+  current incident. The trainer then restores the newest checkpoint with step < the spike
+  step and calls `rollback(...)`, which resets the history to the one saved with that
+  checkpoint (retry counters are kept) and returns the new data position: the offset grows
+  by max(guard.skip_batches, batches read since the checkpoint) so the spike batch and
+  those after it are never read again (PaLM: restart ~100 steps back, skip 200-500 batches).
+- "abort": a spike after `max_retries` rollbacks of the same incident (an incident ends once
+  `window` consecutive normal steps follow its last rollback), or max_retries = 0.
+
+Every action comes with the event payloads the trainer logs, in order: "spike" (or
+"nonfinite_loss") -> "rollback" -> "skip_batches", or "abort".
+
+Trainer sketch:
+
+    d = guard.observe(step, loss)
+    if d.action != "ok":
+        for type, fields in d.events: writer.event(type, **fields)
+        if d.action == "abort": raise SystemExit(...)
+        found = checkpoint.latest(ckpt_root, before_step=step)      # none -> abort
+        extra = checkpoint.load(found[1], model, optimizer, scheduler)  # not guard=/position=
+        plan = guard.rollback(step, extra, offset_now=position.offset)
+        position.load_state_dict(plan.position)
+        for type, fields in plan.events: writer.event(type, **fields)
+        # continue the loop at plan.resume_step
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from analysis.spikes import RollingSpikeDetector
+
+
+@dataclass
+class Decision:
+    action: str                 # "ok" | "rollback" | "abort"
+    reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+@dataclass
+class RollbackPlan:
+    resume_step: int            # first step to run after the rollback (checkpoint step + 1)
+    position: dict[str, int]    # fullscale.sampler.DataPosition state to load
+    num_skipped: int            # batches skipped
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+class SpikeGuard:
+    def __init__(self, cfg: Any):
+        """cfg: adamspike.train_config.GuardSection (enabled, window, mad_k, min_rel_jump,
+        skip_batches, max_retries)."""
+        self.cfg = cfg
+        self.detector = RollingSpikeDetector(window=cfg.window, k=cfg.mad_k,
+                                             min_rel_jump=cfg.min_rel_jump)
+        self.retries = 0                # rollbacks in the current incident
+        self.num_rollbacks = 0          # over the whole run
+        self.ok_since_rollback = 0      # consecutive normal steps after the last rollback
+        self.last_spike_step: int | None = None
+
+    # -- detection ----------------------------------------------------------------
+    def observe(self, step: int, loss: float) -> Decision:
+        """Judge the loss of optimizer step `step` (see module doc)."""
+        loss = float(loss)
+        spiked = self.detector.update(loss)
+        stats = {"step": int(step), "loss": loss, "baseline": self.detector.baseline,
+                 "threshold": self.detector.threshold,
+                 "history": len(self.detector.state_dict()["history"]),
+                 "retries": self.retries, "max_retries": self.cfg.max_retries}
+        if not spiked:
+            if self.retries:
+                self.ok_since_rollback += 1
+                if self.ok_since_rollback >= self.cfg.window:   # incident over
+                    self.retries, self.ok_since_rollback = 0, 0
+            return Decision("ok", "", stats)
+        finite = math.isfinite(loss)
+        what = ("non-finite loss" if not finite else
+                f"loss spike: {loss:.6g} > threshold {self.detector.threshold:.6g} "
+                f"(median {self.detector.baseline:.6g})")
+        spike_event = ("spike" if finite else "nonfinite_loss", {**stats, "reason": what})
+        if not self.cfg.enabled:
+            return Decision("ok", f"{what} at step {step} (guard disabled)", stats, [spike_event])
+        self.last_spike_step = int(step)
+        if self.retries >= self.cfg.max_retries:
+            reason = (f"{what} at step {step} after {self.retries} rollback(s) "
+                      f"(guard.max_retries = {self.cfg.max_retries})")
+            return Decision("abort", reason, stats,
+                            [spike_event, ("abort", {"step": int(step), "reason": reason})])
+        self.retries += 1
+        self.num_rollbacks += 1
+        self.ok_since_rollback = 0
+        return Decision("rollback", f"{what} at step {step} (rollback {self.retries} of at most "
+                                    f"{self.cfg.max_retries})", stats, [spike_event])
+
+    # -- recovery -----------------------------------------------------------------
+    def rollback(self, spike_step: int, checkpoint_extra: dict[str, Any],
+                 offset_now: int) -> RollbackPlan:
+        """After restoring the checkpoint (whose `load()` returned `checkpoint_extra`: step,
+        position, guard): reset the loss history to the checkpoint's, keep the retry
+        counters, and return where the data continues.
+
+        Batches read since the checkpoint: (spike_step + offset_now) - (ckpt_step + ckpt_offset);
+        skipped: max(guard.skip_batches, that), so the spike batch is always skipped."""
+        ckpt_step = int(checkpoint_extra["step"])
+        pos = checkpoint_extra.get("position") or {"step": ckpt_step, "offset": 0}
+        ckpt_offset = int(pos["offset"])
+        if ckpt_step >= spike_step:
+            raise ValueError(f"rollback target step {ckpt_step} is not before the spike step "
+                             f"{spike_step}")
+        guard_state = checkpoint_extra.get("guard")
+        if guard_state is not None:
+            self.detector.load_state_dict(guard_state["detector"])
+        seen = (int(spike_step) + int(offset_now)) - (ckpt_step + ckpt_offset)
+        num_skipped = max(int(self.cfg.skip_batches), seen)
+        new_offset = ckpt_offset + num_skipped
+        first_batch = ckpt_step + 1 + ckpt_offset
+        events = [("rollback", {"step": int(spike_step), "from_step": int(spike_step),
+                                "to_step": ckpt_step, "retry": self.retries,
+                                "max_retries": self.cfg.max_retries}),
+                  ("skip_batches", {"step": ckpt_step + 1, "first_batch": first_batch,
+                                    "last_batch": first_batch + num_skipped - 1,
+                                    "num_batches": num_skipped, "offset_before": ckpt_offset,
+                                    "offset_after": new_offset})]
+        return RollbackPlan(ckpt_step + 1, {"step": ckpt_step, "offset": new_offset},
+                            num_skipped, events)
+
+    # -- state --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"detector": self.detector.state_dict(), "retries": self.retries,
+                "num_rollbacks": self.num_rollbacks, "ok_since_rollback": self.ok_since_rollback,
+                "last_spike_step": self.last_spike_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Full restore (resume of a killed run): history and counters."""
+        self.detector.load_state_dict(state["detector"])
+        self.retries = int(state.get("retries", 0))
+        self.num_rollbacks = int(state.get("num_rollbacks", 0))
+        self.ok_since_rollback = int(state.get("ok_since_rollback", 0))
+        last = state.get("last_spike_step")
+        self.last_spike_step = None if last is None else int(last)
