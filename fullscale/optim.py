@@ -1,0 +1,126 @@
+"""AdamW, its learning-rate schedule, gradient clipping and StableAdamW update clipping for
+the torch trainer, with the same semantics as simulate/optim.py (the JAX chain):
+
+    1. clip (torch.nn.utils.clip_grad_norm_):  n = ||g||_2 over all tensors (pre-clip),
+       g <- g * min(1, c / (n + 1e-6)),  c = grad_clip * loss_scale   (grad_clip = 0: off)
+    2. torch.optim.AdamW, eps outside the root:
+       m_t = b1 m + (1-b1) g,  v_t = b2 v + (1-b2) g^2,
+       p <- p (1 - lr_t wd) - lr_t m_hat / (sqrt(v_hat) + eps)
+    3. update clipping (optim.update_clip), per tensor, from the gradient Adam consumes and
+       v_hat of *this* step (v_t / (1 - b2^t), i.e. after the update of v):
+           rms_t = sqrt(mean(g^2 / max(v_hat, eps^2))),  Adam term scaled by 1 / max(1, rms_t)
+       The weight-decay term is not scaled (as in the JAX chain). Implemented without a
+       custom optimizer: each tensor gets its own param group, and before the step the group
+       gets lr = lr_t / max(1, rms_t) and weight_decay = wd * max(1, rms_t) (so lr * wd is
+       unchanged). Cost: one extra pass over g and v per step and one all-reduce of a
+       (num_tensors, 2) tensor; per-tensor groups make the foreach kernels batch less.
+    4. schedule: torch.optim.lr_scheduler.LambdaLR with lambda(k) = lr_at(k + 1) / lr, so
+       the lr applied at optimizer step s (1-based; s - 1 scheduler.step() calls before it)
+       is exactly OptimSection.lr_at(s, num_steps).
+
+Loss scale s: the trainer multiplies the loss by s and clips at grad_clip * s, so Adam on
+s*L is Adam on L with eps / s (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from adamspike.train_config import OptimSection
+
+TORCH_CLIP_EPS = 1e-6  # clip_grad_norm_ divides by (norm + 1e-6)
+
+
+def _kernel_kwargs(implementation: str) -> dict:
+    if implementation == "fused":
+        return {"fused": True}
+    if implementation == "foreach":
+        return {"foreach": True}
+    if implementation == "for-loop":
+        return {"foreach": False}
+    raise ValueError(f"optim.implementation: unknown {implementation!r}")
+
+
+def build_optimizer(model: nn.Module, optim: OptimSection) -> torch.optim.AdamW:
+    """torch.optim.AdamW over model.named_parameters(); each param group records the names
+    of its parameters ("names"). With update_clip every tensor is its own group."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if optim.update_clip:
+        groups = [{"params": [p], "names": [n], "base_weight_decay": optim.weight_decay}
+                  for n, p in named]
+    else:
+        groups = [{"params": [p for _, p in named], "names": [n for n, _ in named],
+                   "base_weight_decay": optim.weight_decay}]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps,
+                             weight_decay=optim.weight_decay, **_kernel_kwargs(optim.implementation))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSection,
+                    num_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR whose lr at optimizer step s (after s-1 scheduler steps) is lr_at(s)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: optim.lr_at(k + 1, num_steps) / optim.lr)
+
+
+def _full(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def clip_gradients(params, max_norm: float) -> tuple[float, bool]:
+    """Clip in place (torch formula); returns (global pre-clip grad norm, clipped). With
+    max_norm <= 0 only the norm is computed. Works on FSDP2 DTensor gradients (the norm is
+    all-reduced inside clip_grad_norm_)."""
+    params = [p for p in params if p.grad is not None]
+    limit = max_norm if max_norm > 0 else math.inf
+    norm = float(_full(torch.nn.utils.clip_grad_norm_(params, limit, foreach=None)))
+    clipped = max_norm > 0 and max_norm / (norm + TORCH_CLIP_EPS) < 1.0
+    return norm, bool(clipped)
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if hasattr(x, "to_local") else x
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+@torch.no_grad()
+def update_clip_rms(optimizer: torch.optim.AdamW) -> torch.Tensor:
+    """rms_t per param group (one tensor each) for the step about to be taken, from p.grad
+    and v_hat after this step's update of v. Shards are summed across ranks."""
+    rows = []
+    for group in optimizer.param_groups:
+        (p,) = group["params"]
+        _, b2 = group["betas"]
+        eps = group["eps"]
+        g = _local(p.grad).double()
+        state = optimizer.state.get(p, {})
+        v = _local(state["exp_avg_sq"]).double() if "exp_avg_sq" in state else torch.zeros_like(g)
+        t = int(state["step"]) + 1 if "step" in state else 1
+        v_hat = (b2 * v + (1 - b2) * g * g) / (1 - b2 ** t)
+        denom = v_hat.clamp_min(eps * eps)
+        q = torch.where(denom > 0, g * g / torch.where(denom > 0, denom, 1.0), 0.0)
+        rows.append(torch.stack([q.sum(), torch.tensor(float(g.numel()), dtype=torch.float64,
+                                                          device=g.device)]))
+    sums = _all_reduce(torch.stack(rows))
+    return torch.sqrt(sums[:, 0] / sums[:, 1].clamp_min(1.0))
+
+
+def apply_update_clip(optimizer: torch.optim.AdamW, lr: float) -> torch.Tensor:
+    """Set each group's lr / weight_decay for StableAdamW clipping at scheduled lr `lr`
+    (call just before optimizer.step(); the next scheduler.step() resets every group's lr
+    from its base lr); returns rms_t per tensor."""
+    rms = update_clip_rms(optimizer)
+    factors = rms.clamp_min(1.0).tolist()
+    for group, f in zip(optimizer.param_groups, factors):
+        group["lr"] = lr / f
+        group["weight_decay"] = group["base_weight_decay"] * f
+    return rms
