@@ -15,7 +15,7 @@ Statistics (``STATS``), per recorded step, each with a standard error:
     the pooled moments), sat_frac (P(|r| > 0.9)), m_mean, m_var, v_mean, v_var (of m_hat,
     v_hat), mv_cov, rms_t = sqrt(mean g^2 / max(v_hat, eps^2)), grad_mom_cos = cos(g_t, m_{t-1})
     over the coordinates of a configuration.
-Standard errors are batch means: the coordinates are split into ``n_groups`` (default 32)
+Standard errors are batch means: the coordinates are split into ``n_groups`` (default 64)
 independent groups, each statistic is computed per group, and se = std(groups)/sqrt(G).
 (Coordinates are independent, so groups are independent replicas; for a nonlinear
 statistic the group estimates carry an O(G/N) bias, negligible at N >= 1e4.)
@@ -64,13 +64,47 @@ def _as_configs(configs) -> list[dict]:
     return out
 
 
+def _lowbias32(x):
+    """A 32-bit integer hash (C. Wellons' lowbias32), a bijection on uint32."""
+    import jax.numpy as jnp
+
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hash_normals(key_a, key_b, t, n: int, dtype):
+    """n standard normals for step t: counter-based, z = sqrt(2) erfinv(2u - 1),
+    u = (hash(hash(j ^ key_a) ^ hash(t + key_b)) >> 8 + 1/2) / 2^24, j = 0..n-1.
+
+    24-bit uniforms: tails truncated at |z| ~ 5.4 (mass 7e-8, relative bias of E z^4 < 1e-4).
+    """
+    import jax.numpy as jnp
+    from jax.scipy.special import erfinv
+
+    j = jnp.arange(n, dtype=jnp.uint32)
+    h = _lowbias32(_lowbias32(j ^ key_a) ^ _lowbias32(t.astype(jnp.uint32) + key_b))
+    # odd integers in (-2^24, 2^24), exact in float32: |u| <= 1 - 2^-24, never +-1
+    k = (2 * (h >> 8) + 1).astype(jnp.int32) - jnp.int32(1 << 24)
+    u = k.astype(jnp.float32) * jnp.float32(2.0 ** -24)
+    return (jnp.float32(math.sqrt(2.0)) * erfinv(u)).astype(dtype)
+
+
 def _build(n_coords: int, steps: int, n_groups: int, record_all: bool, mu_random: bool,
-           dtype):
+           dtype, rng: str = "hash"):
     import jax
     import jax.numpy as jnp
     import optax
 
     gsize = n_coords // n_groups
+
+    def noise(key, t):
+        if rng == "threefry":
+            return jax.random.normal(jax.random.fold_in(key, t), (n_coords,), dtype)
+        kd = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+        return hash_normals(kd[0].astype(jnp.uint32), kd[1].astype(jnp.uint32), t, n_coords, dtype)
 
     def sums(g, mprev, upd, state, eps, b1, b2):
         cnt = state.count.astype(dtype)
@@ -90,14 +124,14 @@ def _build(n_coords: int, steps: int, n_groups: int, record_all: bool, mu_random
         else:
             sign = jnp.ones((n_coords,))
         mus = (mu * sign).astype(dtype)
-        z0 = jax.random.normal(kz, (n_coords,), dtype)
+        z0 = noise(kz, jnp.int32(0))
         state0 = tx.init(jnp.zeros((n_coords,), dtype))
         a = jnp.sqrt(1.0 - phi * phi)
 
         def body(carry, xs):
             z, state, _, _, _ = carry
             t, sig = xs
-            e = jax.random.normal(jax.random.fold_in(kloop, t), (n_coords,), dtype)
+            e = noise(kloop, t)
             z = jnp.where(t == 0, z, phi * z + a * e)
             g = mus + sig * z
             mprev = state.mu
@@ -146,13 +180,15 @@ def _finish(s: np.ndarray, gsize: int) -> dict:
 
 def simulate_streams(configs: Sequence[dict], steps: int, n_coords: int = 65536, *,
                      seed: int = 0, mu_sign: str = "fixed", record: str = "last",
-                     sigma_t: np.ndarray | None = None, n_groups: int = 32,
-                     dtype: str = "float64") -> dict:
+                     sigma_t: np.ndarray | None = None, n_groups: int = 64,
+                     dtype: str = "float64", rng: str = "hash") -> dict:
     """Run the streams; return {stat: array, stat_se: array} of shape (C,) or (C, steps).
 
     configs: dicts with keys b1, b2, eps, sigma, mu, phi (defaults 0.9, 0.95, 0, 1, 0, 0).
     sigma_t: optional (C, steps) per-step gradient scale (overrides sigma; transients).
     record: "last" (statistics after the final step) or "all" (after every step).
+    rng: "hash" (default; counter-based hash + inverse-erf normals, ~10x cheaper on CPU) or
+    "threefry" (jax.random.normal).  Both are seeded from jax.random.PRNGKey(seed).
     """
     import jax
     import jax.numpy as jnp
@@ -167,6 +203,8 @@ def simulate_streams(configs: Sequence[dict], steps: int, n_coords: int = 65536,
         raise ValueError(f"mu_sign: must be 'fixed' or 'random', got {mu_sign!r}")
     if record not in ("last", "all"):
         raise ValueError(f"record: must be 'last' or 'all', got {record!r}")
+    if rng not in ("hash", "threefry"):
+        raise ValueError(f"rng: must be 'hash' or 'threefry', got {rng!r}")
     if dtype not in ("float64", "float32"):
         raise ValueError(f"dtype: must be 'float64' or 'float32', got {dtype!r}")
     with jax.enable_x64(dtype == "float64"):
@@ -179,7 +217,7 @@ def simulate_streams(configs: Sequence[dict], steps: int, n_coords: int = 65536,
             if sig.shape != (len(cfg), steps) or not bool(jnp.all(sig > 0)):
                 raise ValueError(f"sigma_t: must be positive with shape ({len(cfg)}, {steps})")
         keys = jax.random.split(jax.random.PRNGKey(int(seed)), len(cfg))
-        fn = _build(int(n_coords), steps, n_groups, record == "all", mu_sign == "random", dt)
+        fn = _build(int(n_coords), steps, n_groups, record == "all", mu_sign == "random", dt, rng)
         s = fn(col("b1"), col("b2"), col("eps"), col("mu"), col("phi"), sig, keys)
         s = np.asarray(jax.device_get(s), dtype=float)           # (C, T|1, 15, G)
     out = _finish(s, n_coords // n_groups)

@@ -77,17 +77,20 @@ def bc_sample(x) -> float:
     return float((skew ** 2 + 1.0) / (kurt + 3.0 * (n - 1) ** 2 / ((n - 2) * (n - 3))))
 
 
-def is_u_shaped(pmf) -> bool:
-    """Strictly decreasing then strictly increasing, with f(0) > f(1) and f(n) > f(n-1)."""
+def is_u_shaped(pmf, rtol: float = 1e-12) -> bool:
+    """f(0) > f(1), f(n) > f(n-1), and non-increasing then non-decreasing (a flat bottom,
+    e.g. the two middle bins of a symmetric pmf with n odd, is allowed; differences below
+    rtol * max f count as flat)."""
     f = V.finite_array("pmf", pmf).ravel()
     if f.size < 3:
         return False
     d = np.diff(f)
-    if not (d[0] < 0 and d[-1] > 0) or np.any(d == 0):
+    tol = rtol * float(np.max(np.abs(f)))
+    up, down = d > tol, d < -tol
+    if not (down[0] and up[-1]):
         return False
-    s = d > 0
-    first_up = int(np.argmax(s))
-    return bool(np.all(s[first_up:]))
+    first_up = int(np.argmax(up))
+    return not bool(np.any(down[first_up:]))
 
 
 def betabinom_u_threshold(n: int, p: float = 0.5) -> float:

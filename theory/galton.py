@@ -72,17 +72,27 @@ def _check_icc(icc):
 
 
 def betabinom_pmf(n: int, icc: float, p: float = 0.5) -> np.ndarray:
-    """P(K = k), exchangeable deflections with correlation icc in [0, 1]."""
+    """P(K = k), exchangeable deflections with correlation icc in [0, 1].
+
+    Stable for every icc (no alpha, beta overflow): with rho = icc,
+        f(0) = prod_{j<n} (q(1-rho) + j rho) / ((1-rho) + j rho)
+        f(k+1)/f(k) = (n-k)(k rho + p(1-rho)) / ((k+1)((n-k-1) rho + q(1-rho)))
+    (the alpha/beta ratios multiplied through by rho); icc = 0 is the binomial.
+    """
     n, p = _np(n, p)
-    icc = _check_icc(icc)
-    if icc == 0.0:
-        return binomial_pmf(n, p)
-    if icc == 1.0:
+    rho = _check_icc(icc)
+    q = 1 - p
+    if rho == 1.0:
         out = np.zeros(n + 1)
-        out[0], out[n] = 1 - p, p
+        out[0], out[n] = q, p
         return out
-    a, b = betabinom_params(icc, p)
-    return stats.betabinom.pmf(np.arange(n + 1), n, a, b)
+    j = np.arange(n, dtype=float)
+    logf0 = float(np.sum(np.log(q * (1 - rho) + j * rho) - np.log((1 - rho) + j * rho)))
+    k = np.arange(n, dtype=float)
+    logr = (np.log(n - k) + np.log(k * rho + p * (1 - rho))
+            - np.log(k + 1) - np.log((n - k - 1) * rho + q * (1 - rho)))
+    logf = logf0 + np.concatenate([[0.0], np.cumsum(logr)])
+    return np.exp(logf)
 
 
 def pmf_moments(pmf: np.ndarray) -> dict:
@@ -99,18 +109,12 @@ def pmf_moments(pmf: np.ndarray) -> dict:
 
 
 def betabinom_moments(n: int, icc: float, p: float = 0.5) -> dict:
-    """Exact mean, var = npq(1+(n-1)icc), skew, kurt_excess of the beta-binomial."""
+    """Mean, var, skew, kurt_excess of the beta-binomial (from its exact pmf), and the
+    closed form var_closed_form = npq (1 + (n-1) icc)."""
     n, p = _np(n, p)
     icc = _check_icc(icc)
-    q = 1 - p
-    if icc in (0.0, 1.0):
-        mom = pmf_moments(betabinom_pmf(n, icc, p))
-    else:
-        a, b = betabinom_params(icc, p)
-        mean, var, skew, kurt = stats.betabinom.stats(n, a, b, moments="mvsk")
-        mom = {"mean": float(mean), "var": float(var), "skew": float(skew),
-               "kurt_excess": float(kurt)}
-    mom["var_closed_form"] = n * p * q * (1 + (n - 1) * icc)
+    mom = pmf_moments(betabinom_pmf(n, icc, p))
+    mom["var_closed_form"] = n * p * (1 - p) * (1 + (n - 1) * icc)
     return mom
 
 
