@@ -1,0 +1,424 @@
+"""`adamspike predict`: predictions.json (schema v1) from theory + sweep results.
+
+    adamspike predict --profile (llama2-70b | PROFILE.json | RUN_DIR) --sweep TABLE
+                      [--candidates candidates.toml] --out predictions.json
+
+Profile: per-depth gradient scale of the model the predictions are for, as
+rho_ref(depth) = median rms(g) / eps_ref at the eps the profile was measured with.
+  - RUN_DIR: a run directory (either backend); median grad_rms per depth over all logged
+    steps and tensors, eps_ref = the run's optim.eps; phi per depth from the median
+    grad_mom_cos, inverted through theory.adam_moments.grad_mom_cos (zero-mean AR(1)
+    assumption); lr, b1, batch from the run's config.
+  - PROFILE.json: {"name", "num_layers", "eps_ref", "rho_by_depth": {"-1": ..., ...}}
+    (optional: "phi", "lr", "b1", "global_batch_size").
+  - llama2-70b: BUILT-IN ASSUMPTION, not a measurement: 80 layers, eps_ref = 1e-5 (the seed
+    report's run), rho = 1 at the embedding rising log-linearly to 30 at block 8 and 30 for
+    deeper blocks (the report found shallow-layer updates tied to eps; Molybog et al. saw
+    shallow-layer gradients near eps), phi = 0; lr 1.5e-4, batch 1024 (the report / the
+    hiascend case study). Replace it with a measured profile (RUN_DIR) as soon as one exists.
+A candidate eps moves every depth to rho = rho_ref * eps_ref / eps (rms(g) held fixed).
+
+Risk of a candidate (b1, b2, eps, lr, global_batch_size), in [0, 1]:
+  theory  p_theory = fraction of shallow depths (embedding + first max(1, L // 10) blocks)
+          outside the scale-invariant regime (rho <= 10, theory.eps_regime): the layers whose
+          effective step depends on eps (Molybog's regime); per-depth details from
+          theory.risk.layer_risk are stored in `per_depth` (evaluated on a 1/20-decade rho
+          grid and a 0.05 phi grid, cached).
+  sweep   p_sweep = kernel-weighted fraction of sweep runs (baseline mitigations only) that
+          spiked, weights exp(-d^2/2) with d^2 = (log10 rho ratio / 0.5)^2 + (log10
+          (1-b2) ratio / 0.25)^2, matching the shallow rho (sweep column median_rho) and b2;
+          n_eff = (sum w)^2 / sum w^2.
+  risk    (n_eff p_sweep + 2 p_theory) / (n_eff + 2): the theory acts as a prior worth two
+          runs. This combination is a documented heuristic, not a fitted model.
+  label   low (< 1/3), medium (< 2/3), high.
+Settings are ranked by risk (rank 1 = lowest); `validate` lists the three lowest-risk ids.
+
+Alarm rules (each rule's `source` says where its threshold comes from):
+  rms_t / sat_frac / grad_mom_cos of shallow tensors (max): the threshold maximising
+      Youden's J between pre-spike maxima (sweep column pre_<m>, the PRE_WINDOW steps before
+      each spike) of spiking runs and run maxima (max_<m>) of runs without spikes; expected
+      lead = the 10-90% range of the measured lead_<m>. Without enough sweep data (< 3 runs
+      per class): rms_t 2.0 with lead [1, 8] (Wortsman 2023a, as in notes/theory.md);
+      grad_mom_cos = theory.adam_moments.grad_mom_cos at the SNR where the r-bimodality
+      crosses 5/9 (theory.bimodality.snr_bc_crossing); sat_frac is then left out.
+  bimodality of shallow tensors (median > 5/9: most shallow tensors bimodal): Sarle's
+      threshold (theory.bimodality.BC_THRESHOLD).
+  rho of shallow tensors (median < 0.1 for 5 logged steps): frozen band
+      (theory.eps_regime.RHO_FROZEN).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from adamspike.config import ConfigError, read_toml
+from adamspike.predictions import AlarmRule, Predictions, PredictionsError, save_predictions
+
+MIN_CLASS_RUNS = 3
+PRIOR_RUNS = 2.0
+RHO_BANDWIDTH_DECADES = 0.5
+B2_BANDWIDTH_DECADES = 0.25
+NUM_VALIDATE = 3
+
+
+# ----------------------------------------------------------------------------- profiles
+
+def builtin_llama2_70b() -> dict:
+    """The assumed LLaMA2-70B profile (see module docstring); every number is an assumption."""
+    num_layers = 80
+    rho = {-1: 1.0}
+    for d in range(num_layers + 1):
+        rho[d] = float(min(30.0, 10 ** (math.log10(30.0) * (d + 1) / 9.0)))
+    return {"name": "llama2-70b", "num_layers": num_layers, "eps_ref": 1e-5,
+            "rho_by_depth": rho, "phi_by_depth": {d: 0.0 for d in rho},
+            "lr": 1.5e-4, "b1": 0.9, "global_batch_size": 1024,
+            "source": "assumed (built-in): rho 1 at the embedding -> 30 at block 8 at eps 1e-5"}
+
+
+def profile_from_run(path: Path) -> dict:
+    from adamspike.rundir import load_run
+    from theory.adam_moments import grad_mom_cos
+
+    run = load_run(path, tables=("layers",), layer_columns=["grad_rms", "grad_mom_cos"])
+    if run.layers.empty:
+        raise ConfigError(f"{path}: the run has no layers rows (no per-tensor telemetry)")
+    optim = run.config.get("optim", {})
+    eps = float(optim.get("eps", math.nan))
+    if not eps > 0:
+        raise ConfigError(f"{path}: run.json config optim.eps must be > 0 to define rho, got {eps}")
+    b1 = float(optim.get("b1", 0.9))
+    by_depth = run.layers.groupby("depth")
+    grad = by_depth["grad_rms"].median()
+    cos = by_depth["grad_mom_cos"].median()
+    phis = np.linspace(-0.9, 0.99, 190)
+    curve = np.array([grad_mom_cos(b1, 1.0, 0.0, p) for p in phis])
+    rho, phi = {}, {}
+    for d, g in grad.items():
+        if not (np.isfinite(g) and g > 0):
+            continue
+        rho[int(d)] = float(g / eps)
+        c = cos.get(d, math.nan)
+        phi[int(d)] = float(np.clip(phis[np.argmin(np.abs(curve - c))], 0.0, 0.99)) \
+            if np.isfinite(c) else 0.0
+    if not rho:
+        raise ConfigError(f"{path}: no depth with a positive finite grad_rms")
+    model, train = run.config.get("model", {}), run.config.get("train", {})
+    num_layers = int(model.get("num_layers") or max(max(rho), 0))
+    return {"name": str(model.get("preset", path.name)), "num_layers": num_layers, "eps_ref": eps,
+            "rho_by_depth": rho, "phi_by_depth": phi, "lr": float(optim.get("lr", 1e-3)),
+            "b1": b1, "global_batch_size": int(train.get("global_batch_size", 1)),
+            "source": f"measured: median grad_rms per depth of run {path}"}
+
+
+def profile_from_json(path: Path) -> dict:
+    import json
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    for k in ("num_layers", "eps_ref", "rho_by_depth"):
+        if k not in data:
+            raise ConfigError(f"{path}: profile field {k!r} missing")
+    try:
+        rho = {int(d): float(v) for d, v in dict(data["rho_by_depth"]).items()}
+        phi_in = data.get("phi", 0.0)
+        phi = ({int(d): float(v) for d, v in phi_in.items()} if isinstance(phi_in, dict)
+               else {d: float(phi_in) for d in rho})
+        eps_ref, num_layers = float(data["eps_ref"]), int(data["num_layers"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: malformed profile ({e})") from None
+    if not rho or any(not (v > 0 and math.isfinite(v)) for v in rho.values()):
+        raise ConfigError(f"{path}: rho_by_depth must hold positive finite numbers")
+    if not eps_ref > 0:
+        raise ConfigError(f"{path}: eps_ref must be > 0")
+    if any(not -1 < v < 1 for v in phi.values()):
+        raise ConfigError(f"{path}: phi must lie in (-1, 1)")
+    return {"name": str(data.get("name", path.stem)), "num_layers": num_layers, "eps_ref": eps_ref,
+            "rho_by_depth": rho, "phi_by_depth": {d: phi.get(d, 0.0) for d in rho},
+            "lr": float(data.get("lr", 1.5e-4)), "b1": float(data.get("b1", 0.9)),
+            "global_batch_size": int(data.get("global_batch_size", 1024)),
+            "source": f"profile file {path}"}
+
+
+def load_profile(spec: str) -> dict:
+    if spec == "llama2-70b":
+        return builtin_llama2_70b()
+    p = Path(spec)
+    if p.is_dir():
+        from adamspike.rundir import RunFormatError
+        try:
+            return profile_from_run(p)
+        except RunFormatError as e:
+            raise ConfigError(str(e)) from None
+    if p.is_file():
+        return profile_from_json(p)
+    raise ConfigError(f"--profile: {spec!r} is neither 'llama2-70b', a profile JSON nor a run directory")
+
+
+def shallow_depths(profile: Mapping[str, Any]) -> list[int]:
+    """Embedding (-1) and the first max(1, L // 10) blocks present in the profile."""
+    cut = max(1, int(profile["num_layers"]) // 10)
+    return [d for d in sorted(profile["rho_by_depth"]) if d < cut]
+
+
+# ----------------------------------------------------------------------------- candidates
+
+def default_candidates(profile: Mapping[str, Any]) -> list[dict]:
+    """The seed report's eps (1e-5 as run, 1e-8) x b2 (0.95 as run, 0.99, 0.999), plus the
+    run's setting at half the learning rate."""
+    b1, lr, bs = profile["b1"], profile["lr"], profile["global_batch_size"]
+    out = [{"b1": b1, "b2": b2, "eps": eps, "lr": lr, "global_batch_size": bs}
+           for eps in (1e-5, 1e-8) for b2 in (0.95, 0.99, 0.999)]
+    out.append({"b1": b1, "b2": 0.95, "eps": 1e-5, "lr": lr / 2, "global_batch_size": bs})
+    return out
+
+
+def load_candidates(path: str) -> list[dict]:
+    data = read_toml(path)
+    unknown = sorted(set(data) - {"candidate"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {unknown}; expected [[candidate]] tables")
+    cands = data.get("candidate", [])
+    if not isinstance(cands, list) or not cands:
+        raise ConfigError(f"{path}: no [[candidate]] tables")
+    keys = ("b1", "b2", "eps", "lr", "global_batch_size")
+    out = []
+    for i, c in enumerate(cands):
+        bad = sorted(set(c) - set(keys) - {"id"})
+        if bad:
+            raise ConfigError(f"candidate[{i}].{bad[0]}: unknown key (known: id, {', '.join(keys)})")
+        for k in keys:
+            if k not in c:
+                raise ConfigError(f"candidate[{i}].{k}: missing")
+            v = c[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"candidate[{i}].{k}: expected a number, got {v!r}")
+        ok = {"b1": 0 <= c["b1"] < 1, "b2": 0 <= c["b2"] < 1, "eps": c["eps"] > 0,
+              "lr": c["lr"] > 0, "global_batch_size": c["global_batch_size"] >= 1}
+        for k, good in ok.items():
+            if not good:
+                raise ConfigError(f"candidate[{i}].{k}: out of range ({c[k]!r})")
+        out.append(dict(c))
+    return out
+
+
+def setting_id(c: Mapping[str, Any]) -> str:
+    return c.get("id") or (f"eps{c['eps']:.0e}-b2_{c['b2']:g}-lr{c['lr']:.2g}"
+                           f"-b1_{c['b1']:g}-bs{int(c['global_batch_size'])}")
+
+
+# ----------------------------------------------------------------------------- risk
+
+def _baseline_rows(table: pd.DataFrame) -> pd.DataFrame:
+    t = table
+    if "update_clip" in t:
+        t = t[~t["update_clip"].astype(bool)]
+    if "embed_grad_shrink" in t:
+        t = t[t["embed_grad_shrink"] == 1.0]
+    return t
+
+
+def sweep_rate(table: pd.DataFrame, rho: float, b2: float) -> tuple[float, float]:
+    """(p_sweep, n_eff) near (shallow rho, b2); (nan, 0) without usable rows."""
+    t = _baseline_rows(table)
+    if t.empty or "b2" not in t:
+        return math.nan, 0.0
+    d2 = (np.log10((1 - t["b2"].to_numpy(float)) / (1 - b2)) / B2_BANDWIDTH_DECADES) ** 2
+    if "median_rho" in t:
+        r = t["median_rho"].to_numpy(float)
+        ok = np.isfinite(r) & (r > 0)
+        d2 = np.where(ok, d2 + (np.log10(np.where(ok, r, 1.0) / rho) / RHO_BANDWIDTH_DECADES) ** 2, np.inf)
+    w = np.exp(-0.5 * d2)
+    if not w.sum() > 0:
+        return math.nan, 0.0
+    spiked = ((t["num_spikes"].to_numpy() > 0) | t["diverged"].astype(bool).to_numpy()).astype(float)
+    return float((w * spiked).sum() / w.sum()), float(w.sum() ** 2 / (w ** 2).sum())
+
+
+_RISK_CACHE: dict = {}
+RHO_QUANTUM_DECADES = 0.05   # closed forms are evaluated on a 1/20-decade rho grid (cached)
+PHI_QUANTUM = 0.05
+
+
+def _layer_risk(rho: float, phi: float, b1: float, b2: float, eps: float) -> dict:
+    """theory.risk.layer_risk for one depth at rho, phi rounded to the quanta above (the
+    fields used here do not depend on lr); regime is that of the exact rho."""
+    from theory.eps_regime import regime
+    from theory.risk import layer_risk
+
+    rq = 10 ** (round(math.log10(rho) / RHO_QUANTUM_DECADES) * RHO_QUANTUM_DECADES)
+    pq = round(phi / PHI_QUANTUM) * PHI_QUANTUM
+    key = (rq, pq, b1, b2, eps)
+    if key not in _RISK_CACHE:
+        _RISK_CACHE[key] = layer_risk([rq], [pq], b1, b2, eps, 1.0)[0]
+    return {**_RISK_CACHE[key], "rho": rho, "phi": phi, "regime": regime(rho)}
+
+
+def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], table: pd.DataFrame | None) -> dict:
+    depths = sorted(profile["rho_by_depth"])
+    scale = profile["eps_ref"] / cand["eps"]
+    rhos = [profile["rho_by_depth"][d] * scale for d in depths]
+    phis = [profile["phi_by_depth"].get(d, 0.0) for d in depths]
+    rows = [_layer_risk(r, p, cand["b1"], cand["b2"], cand["eps"]) for r, p in zip(rhos, phis)]
+    shallow = set(shallow_depths(profile))
+    sh = [r for d, r in zip(depths, rows) if d in shallow]
+    p_theory = float(np.mean([r["regime"] != "scale_invariant" for r in sh]))
+    rho_sh = float(np.median([r["rho"] for r in sh]))
+    p_sweep, n_eff = sweep_rate(table, rho_sh, cand["b2"]) if table is not None else (math.nan, 0.0)
+    if not math.isfinite(p_sweep):
+        p_sweep, n_eff = math.nan, 0.0
+    risk = ((n_eff * p_sweep if n_eff else 0.0) + PRIOR_RUNS * p_theory) / (n_eff + PRIOR_RUNS)
+    label = "low" if risk < 1 / 3 else "medium" if risk < 2 / 3 else "high"
+    per_depth = [{"depth": d, **{k: r[k] for k in ("rho", "phi", "regime", "update_rms", "bc",
+                                                    "sat_frac", "rms_t_bound", "const_peak",
+                                                    "frozen_risk")}}
+                 for d, r in zip(depths, rows)]
+    frozen = sum(r["regime"] == "frozen" for r in sh)
+    trans = sum(r["regime"] == "transition" for r in sh)
+    rationale = (f"shallow rho median {rho_sh:.3g}: {frozen} frozen + {trans} transition of "
+                 f"{len(sh)} shallow depths (p_theory {p_theory:.2f}); sweep spike fraction near "
+                 f"rho/b2 {'n/a' if not n_eff else f'{p_sweep:.2f} (n_eff {n_eff:.1f})'}; "
+                 f"after dormancy |r| peaks at {rows[0]['const_peak']:.2f} and rms_t <= "
+                 f"{rows[0]['rms_t_bound']:.1f} at b2={cand['b2']:g}")
+    return {"id": setting_id(cand), **{k: cand[k] for k in ("b1", "b2", "eps", "lr")},
+            "global_batch_size": int(cand["global_batch_size"]), "risk": float(risk),
+            "risk_label": label, "p_theory": p_theory,
+            "p_sweep": None if not n_eff else p_sweep, "n_eff": n_eff,
+            "rationale": rationale, "per_depth": per_depth}
+
+
+# ----------------------------------------------------------------------------- alarm rules
+
+def youden_threshold(pos: np.ndarray, neg: np.ndarray) -> tuple[float, float, float]:
+    """Threshold t maximising TPR - FPR for the rule value > t; -> (t, tpr, fpr)."""
+    vals = np.unique(np.concatenate([pos, neg]))
+    cands = (vals[:-1] + vals[1:]) / 2 if len(vals) > 1 else vals
+    best = (-np.inf, math.nan, math.nan, math.nan)
+    for t in cands:
+        tpr, fpr = float(np.mean(pos > t)), float(np.mean(neg > t))
+        if tpr - fpr > best[0]:
+            best = (tpr - fpr, float(t), tpr, fpr)
+    return best[1], best[2], best[3]
+
+
+def alarm_rules(profile: Mapping[str, Any], table: pd.DataFrame | None, table_name: str,
+                b1: float, b2: float) -> list[AlarmRule]:
+    from theory.adam_moments import grad_mom_cos
+    from theory.bimodality import BC_THRESHOLD, snr_bc_crossing
+    from theory.eps_regime import RHO_FROZEN
+
+    sh = shallow_depths(profile)
+    depths = [min(sh), max(sh)]
+    rules = []
+    for m in ("rms_t", "sat_frac", "grad_mom_cos"):
+        thr, lead, src = math.nan, None, ""
+        if table is not None and f"pre_{m}" in table and f"max_{m}" in table:
+            spiked = table["num_spikes"] > 0
+            pos = table.loc[spiked, f"pre_{m}"].dropna().to_numpy(float)
+            neg = table.loc[~spiked & ~table["diverged"].astype(bool), f"max_{m}"].dropna().to_numpy(float)
+            if len(pos) >= MIN_CLASS_RUNS and len(neg) >= MIN_CLASS_RUNS:
+                thr, tpr, fpr = youden_threshold(pos, neg)
+                leads = table.loc[spiked, f"lead_{m}"].dropna().to_numpy(float)
+                if len(leads):
+                    lead = [max(1, int(math.floor(np.quantile(leads, 0.1)))),
+                            max(1, int(math.ceil(np.quantile(leads, 0.9))))]
+                src = (f"sweep {table_name}: Youden-optimal split of pre-spike maxima of {m} "
+                       f"({len(pos)} spiking runs) vs run maxima ({len(neg)} runs without spikes): "
+                       f"TPR {tpr:.2f}, FPR {fpr:.2f}")
+        if not math.isfinite(thr):
+            if m == "rms_t":
+                thr, lead = 2.0, [1, 8]
+                src = "literature: StableAdamW (Wortsman 2023a), rms_t exceeds ~2-5 1-8 steps before spikes"
+            elif m == "grad_mom_cos":
+                snr = snr_bc_crossing(b1, b2)
+                norm = math.sqrt(1 + snr * snr)
+                thr = grad_mom_cos(b1, 1 / norm, snr / norm)
+                src = (f"theory: grad_mom_cos at the SNR {snr:.3f} where r turns bimodal "
+                       "(theory.bimodality.snr_bc_crossing, theory.adam_moments.grad_mom_cos)")
+            else:
+                continue
+        rules.append(AlarmRule(id=f"{m}_shallow", metric=m, op=">", threshold=float(thr),
+                               depths=tuple(depths), reduce="max", consecutive=1,
+                               expected_lead_steps=tuple(lead) if lead else None, source=src))
+    rules.append(AlarmRule(id="bimodality_shallow", metric="bimodality", op=">",
+                           threshold=float(BC_THRESHOLD), depths=tuple(depths), reduce="median",
+                           source="theory: Sarle's bimodality threshold 5/9 "
+                                  "(theory.bimodality.BC_THRESHOLD), most shallow tensors"))
+    rules.append(AlarmRule(id="rho_shallow_frozen", metric="rho", op="<", threshold=float(RHO_FROZEN),
+                           depths=tuple(depths), reduce="median", consecutive=5,
+                           source="theory: frozen band rho < 0.1 (theory.eps_regime.RHO_FROZEN)"))
+    return rules
+
+
+# ----------------------------------------------------------------------------- build
+
+def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.DataFrame | None,
+            table_name: str = "") -> Predictions:
+    settings = [assess(profile, c, table) for c in candidates]
+    ids = [s["id"] for s in settings]
+    if len(set(ids)) != len(ids):
+        raise ConfigError("candidates: two candidates have the same id/setting")
+    settings.sort(key=lambda s: (s["risk"], -s["lr"], s["id"]))
+    for i, s in enumerate(settings, 1):
+        s["rank"] = i
+    base = candidates[0]
+    rules = alarm_rules(profile, table, table_name, base["b1"], base["b2"])
+    prof = {"name": profile["name"], "num_layers": int(profile["num_layers"]),
+            "rho_by_depth": {str(d): float(v) for d, v in sorted(profile["rho_by_depth"].items())},
+            "phi": float(np.median(list(profile["phi_by_depth"].values()))),
+            "phi_by_depth": {str(d): float(v) for d, v in sorted(profile["phi_by_depth"].items())},
+            "eps_ref": profile["eps_ref"], "shallow_depths": shallow_depths(profile),
+            "source": profile["source"]}
+    src = {"sweep": table_name or None, "sweep_runs": 0 if table is None else int(len(table)),
+           "method": "risk = (n_eff p_sweep + 2 p_theory)/(n_eff + 2); see simulate/predict.py"}
+    try:
+        from theory import __version__ as tv
+        src["theory_version"] = tv
+    except ImportError:
+        pass
+    return Predictions(settings=settings, alarm_rules=rules,
+                       validate=[s["id"] for s in settings[:NUM_VALIDATE]], profile=prof, source=src)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="adamspike predict", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", required=True, help="llama2-70b | PROFILE.json | RUN_DIR")
+    ap.add_argument("--sweep", help="sweep table (runs.parquet / .csv or a sweep directory)")
+    ap.add_argument("--candidates", help="TOML with [[candidate]] b1, b2, eps, lr, global_batch_size")
+    ap.add_argument("--out", required=True, help="predictions.json to write (must not exist)")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return 0 if e.code == 0 else 2
+    try:
+        if Path(args.out).exists():
+            raise ConfigError(f"{args.out}: exists; choose another --out (nothing was overwritten)")
+        profile = load_profile(args.profile)
+        table = None
+        if args.sweep:
+            from simulate.sweep import load_table
+            table = load_table(args.sweep)
+            need = {"b2", "num_spikes", "diverged"}
+            if not need <= set(table.columns):
+                raise ConfigError(f"{args.sweep}: not a sweep table (missing {sorted(need - set(table.columns))})")
+        cands = load_candidates(args.candidates) if args.candidates else default_candidates(profile)
+        pred = predict(profile, cands, table, args.sweep or "")
+        save_predictions(pred, args.out)
+    except (ConfigError, PredictionsError, ValueError) as e:
+        print(f"adamspike predict: {e}", file=sys.stderr)
+        return 2
+    best = pred.settings[0]
+    print(f"{len(pred.settings)} settings, {len(pred.alarm_rules)} alarm rules -> {args.out}; "
+          f"lowest risk {best['id']} ({best['risk']:.2f}, {best['risk_label']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""simulate.predict: predictions.json validates, ranks by risk, thresholds come from data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from adamspike.predictions import load_predictions
+from simulate import predict as P
+
+PROFILE = {"name": "toy8", "num_layers": 8, "eps_ref": 1e-5,
+           "rho_by_depth": {"-1": 0.5, "0": 2.0, "1": 20.0, "4": 50.0, "8": 50.0}, "phi": 0.0,
+           "lr": 1e-3, "b1": 0.9, "global_batch_size": 64}
+
+
+def _table(seed=0):
+    """A sweep-like table: runs at low shallow rho spike (and carry high pre-spike rms_t)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for b2 in (0.95, 0.999):
+        for rho in (0.3, 3.0, 300.0):
+            for s in range(6):
+                spiky = rho < 10
+                rows.append({"b2": b2, "median_rho": rho, "seed": s, "update_clip": False,
+                             "num_spikes": int(spiky), "diverged": False,
+                             "pre_rms_t": 3.0 + rng.random() if spiky else np.nan,
+                             "max_rms_t": (3.0 + rng.random()) if spiky else 1.0 + 0.5 * rng.random(),
+                             "lead_rms_t": float(rng.integers(2, 6)) if spiky else np.nan})
+    return pd.DataFrame(rows)
+
+
+CANDIDATES = "".join(
+    f"[[candidate]]\nb1 = 0.9\nb2 = {b2}\neps = {eps}\nlr = 1e-3\nglobal_batch_size = 64\n"
+    for eps in (1e-5, 1e-8) for b2 in (0.95, 0.99))
+
+
+@pytest.fixture
+def cands(tmp_path):
+    p = tmp_path / "cands.toml"
+    p.write_text(CANDIDATES)
+    return str(p)
+
+
+@pytest.fixture
+def profile_file(tmp_path):
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps(PROFILE))
+    return p
+
+
+def test_predictions_validate_and_rank_by_risk(tmp_path, profile_file, cands):
+    table = _table()
+    table.to_parquet(tmp_path / "runs.parquet")
+    out = tmp_path / "pred.json"
+    assert P.main(["--profile", str(profile_file), "--sweep", str(tmp_path / "runs.parquet"),
+                   "--candidates", cands, "--out", str(out)]) == 0
+    pred = load_predictions(out)
+    risks = [s["risk"] for s in sorted(pred.settings, key=lambda s: s["rank"])]
+    assert risks == sorted(risks) and all(0 <= r <= 1 for r in risks)
+    assert [s["rank"] for s in pred.settings] == list(range(1, len(pred.settings) + 1))
+    assert pred.validate == [s["id"] for s in pred.settings[:3]]
+    by_eps = {s["eps"]: s for s in pred.settings if s["b2"] == 0.95}
+    # eps 1e-5 puts the shallow layers at rho ~ 2 (spiky in the table); eps 1e-8 at ~2000
+    assert by_eps[1e-5]["risk"] > 0.6 and by_eps[1e-5]["risk_label"] == "high"
+    assert by_eps[1e-8]["risk"] < 0.2 and by_eps[1e-8]["risk_label"] == "low"
+    rule = {r.id: r for r in pred.alarm_rules}["rms_t_shallow"]
+    # the threshold separates the table's classes and says it came from the sweep
+    assert 1.5 <= rule.threshold <= 3.0 and rule.source.startswith("sweep")
+    assert rule.depths == (-1, 0) and 2 <= rule.expected_lead_steps[0] <= rule.expected_lead_steps[1] <= 5
+    assert all(r.source for r in pred.alarm_rules)
+    # profile as measured / assumed is carried into the file
+    assert pred.profile["rho_by_depth"]["-1"] == 0.5 and pred.profile["shallow_depths"] == [-1, 0]
+
+
+def test_without_sweep_falls_back_to_theory(tmp_path, profile_file, cands):
+    out = tmp_path / "pred.json"
+    assert P.main(["--profile", str(profile_file), "--candidates", cands, "--out", str(out)]) == 0
+    pred = load_predictions(out)
+    rules = {r.id: r for r in pred.alarm_rules}
+    assert rules["rms_t_shallow"].source.startswith("literature")
+    assert rules["grad_mom_cos_shallow"].source.startswith("theory")
+    assert "sat_frac_shallow" not in rules         # no data, no invented threshold
+    assert abs(rules["bimodality_shallow"].threshold - 5 / 9) < 1e-12
+
+
+def test_profile_from_run_dir(tmp_path, cands):
+    from adamspike.rundir import RunWriter
+    from adamspike.metrics import METRIC_NAMES
+
+    run = tmp_path / "run"
+    cfg = {"model": {"preset": "tiny", "num_layers": 2}, "optim": {"eps": 1e-6, "lr": 1e-3, "b1": 0.9},
+           "train": {"global_batch_size": 8}}
+    with RunWriter(run, backend="jax", config=cfg) as w:
+        for step in (1, 2, 3):
+            rows = []
+            for name, depth, g in (("embed", -1, 1e-7), ("layers.0.w1", 0, 4e-6), ("layers.1.w1", 1, 1e-4)):
+                m = {k: 0.0 for k in METRIC_NAMES}
+                m.update(grad_rms=g * step, rho=g * step / 1e-6, grad_mom_cos=0.05)
+                rows.append({"name": name, "depth": depth, "kind": "w1", "numel": 4, **m})
+            w.log_layers(step, rows=rows)
+    prof = P.load_profile(str(run))
+    assert prof["eps_ref"] == 1e-6 and prof["num_layers"] == 2
+    np.testing.assert_allclose([prof["rho_by_depth"][d] for d in (-1, 0, 1)], [0.2, 8.0, 200.0], rtol=1e-5)
+    assert all(0 <= v < 1 for v in prof["phi_by_depth"].values())
+    out = tmp_path / "pred.json"
+    assert P.main(["--profile", str(run), "--candidates", cands, "--out", str(out)]) == 0
+    load_predictions(out)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--profile", "nope-70b"], "--profile"),
+    (["--profile", "llama2-70b", "--sweep", "missing.parquet"], "sweep table not found"),
+])
+def test_bad_inputs_exit_2(tmp_path, capsys, args, needle):
+    assert P.main([*args, "--out", str(tmp_path / "p.json")]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_bad_candidates_and_existing_out(tmp_path, profile_file, capsys):
+    c = tmp_path / "c.toml"
+    c.write_text("[[candidate]]\nb1 = 0.9\nb2 = 1.5\neps = 1e-8\nlr = 1e-4\nglobal_batch_size = 8\n")
+    assert P.main(["--profile", str(profile_file), "--candidates", str(c),
+                   "--out", str(tmp_path / "p.json")]) == 2
+    assert "candidate[0].b2" in capsys.readouterr().err
+    existing = tmp_path / "old.json"
+    existing.write_text("keep me")
+    assert P.main(["--profile", str(profile_file), "--out", str(existing)]) == 2
+    assert existing.read_text() == "keep me"
