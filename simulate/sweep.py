@@ -68,7 +68,6 @@ PRE_WINDOW = 8            # Wortsman 2023a: rms_t leads loss spikes by 1-8 steps
 PRECURSORS = ("rms_t", "sat_frac", "bimodality", "grad_mom_cos", "rho")
 SUMMARY_COLUMNS = ("num_spikes", "spike_rate", "max_spike_height", "mean_recovery_steps",
                    "recovered_frac", "final_loss", "min_loss", "diverged", "median_rho")
-SPIKE_KEYS = ("window", "k", "min_rel_jump", "min_history", "log", "absorb")
 
 
 # ----------------------------------------------------------------------------- problems
@@ -117,13 +116,25 @@ class Param:
 BatchFn = Callable[[dict, dict, np.ndarray], dict]
 
 
+def _detect_default(signal: np.ndarray, **kw) -> pd.DataFrame:
+    from analysis.spikes import detect_spikes
+    return detect_spikes(signal, np.arange(1, len(signal) + 1), **kw)
+
+
 @dataclass(frozen=True)
 class Problem:
+    """A batched problem. `run` may add a "signal" trace [N, T] that spikes are detected on
+    (default: the loss); `detect(signal_1d, **spikes)` returns analysis.spikes columns
+    (start, height, duration, recovered); `height_unit` says what `height` measures."""
     name: str
     params: Mapping[str, Param]
     run: BatchFn
-    spikes: Mapping[str, Any] = field(default_factory=dict)   # default detect_spikes kwargs
+    spikes: Mapping[str, Any] = field(default_factory=dict)   # default detector kwargs
     max_vmap: int = 256                                       # runs per vmapped call
+    detect: Callable[..., pd.DataFrame] = _detect_default
+    spike_keys: tuple[str, ...] = ("window", "k", "min_rel_jump", "min_history", "log", "absorb")
+    height_unit: str = "relative"                             # peak / baseline - 1
+    check: Callable[[dict], None] | None = None               # cross-field check of a cell
 
 
 PROBLEMS: dict[str, Problem | Callable[[], Problem]] = {}
@@ -150,7 +161,7 @@ def _lazy(module: str, attr: str = "SWEEP_PROBLEM") -> Callable[[], Problem]:
     return load
 
 
-register_problem(_lazy("simulate.sweep_problems", "QUADRATIC"), "quadratic")
+register_problem(_lazy("simulate.sweep_problems", "QUADRATIC"), "quadratic")  # noqa: E305
 register_problem(_lazy("simulate.sweep_problems", "MLP"), "mlp")
 register_problem(_lazy("simulate.sweep_problems", "LLAMA"), "llama")
 
@@ -244,10 +255,14 @@ def grid_from_dict(data: Mapping[str, Any], source: str = "") -> Grid:
         raise ConfigError("grid: empty (no axis to sweep); add e.g. grid.eps = [1e-8, 1e-4]")
     spikes = {**problem.spikes}
     for k, v in dict(data.get("spikes", {})).items():
-        if k not in SPIKE_KEYS:
-            raise ConfigError(f"unknown grid key: spikes.{k} (known: {', '.join(SPIKE_KEYS)})")
+        if k not in problem.spike_keys:
+            raise ConfigError(f"unknown grid key: spikes.{k} (known: {', '.join(problem.spike_keys)})")
         spikes[k] = v
-    return Grid(problem, fixed, axes, list(seeds), spikes, source)
+    grid = Grid(problem, fixed, axes, list(seeds), spikes, source)
+    if problem.check is not None:
+        for cell in grid.cells():
+            problem.check(cell)
+    return grid
 
 
 def cell_id(problem: str, params: Mapping[str, Any]) -> str:
@@ -277,18 +292,19 @@ def in_shard(cid: str, shard: tuple[int, int] | None) -> bool:
 
 # ----------------------------------------------------------------------------- summaries
 
-def summarize_run(loss: np.ndarray, traces: Mapping[str, np.ndarray], spikes: Mapping[str, Any]) -> dict:
-    """Per-run numbers from a loss trace and precursor traces (all length T, step = index+1)."""
-    from analysis.spikes import detect_spikes
-
+def summarize_run(loss: np.ndarray, traces: Mapping[str, np.ndarray], spikes: Mapping[str, Any],
+                  signal: np.ndarray | None = None,
+                  detect: Callable[..., pd.DataFrame] = _detect_default) -> dict:
+    """Per-run numbers from a loss trace and precursor traces (all length T, step = index+1);
+    spikes are detected on `signal` (default: the loss) up to the first non-finite loss."""
     loss = np.asarray(loss, dtype=np.float64)
     num_steps = len(loss)
     finite = np.isfinite(loss)
     first_bad = int(np.argmin(finite)) if not finite.all() else num_steps
     good = loss[:first_bad]
     diverged = first_bad < num_steps or (len(good) > 1 and good[-1] >= good[0])
-    steps = np.arange(1, len(good) + 1)
-    sp = detect_spikes(good, steps, **spikes) if len(good) >= 3 else None
+    sig = good if signal is None else np.asarray(signal, dtype=np.float64)[:first_bad]
+    sp = detect(sig, **spikes) if len(sig) >= 3 else None
     n = 0 if sp is None else len(sp)
     row = {
         "num_spikes": n,
@@ -350,10 +366,13 @@ def run_group(problem: Problem, cells: list[tuple[str, dict]], seeds: list[int],
         seed_arr = np.asarray([s for _, _, s in padded], dtype=np.int64)
         out = problem.run(static, scalars, seed_arr)
         loss = np.asarray(out["loss"])
+        signal = out.get("signal")
         for i, (cid, p, s) in enumerate(chunk):
             traces = {m: np.asarray(out[m][i]) for m in PRECURSORS if m in out}
-            rows[cid].append({"problem": problem.name, "cell_id": cid, **p, "seed": int(s),
-                              **summarize_run(loss[i], traces, spikes)})
+            row = summarize_run(loss[i], traces, spikes, None if signal is None else signal[i],
+                                problem.detect)
+            rows[cid].append({"problem": problem.name, "cell_id": cid, **p, "seed": int(s), **row,
+                              "spike_height_unit": problem.height_unit})
     return {cid: pd.DataFrame(r) for cid, r in rows.items()}
 
 
