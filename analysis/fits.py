@@ -1,0 +1,355 @@
+"""Measured telemetry against the closed forms of theory/.
+
+1. update_rms. Each (step, tensor) row gives rho = rms(g)/eps and grad_mom_cos. The theory
+   stream is Gaussian AR(1) per coordinate, zero mean (snr = 0): phi follows from
+   grad_mom_cos by inverting theory.adam_moments.grad_mom_cos (stationary, monotone in
+   phi), and the prediction is theory.eps_regime.update_rms(rho, b1, b2, phi). A positive
+   gradient mean would also raise grad_mom_cos; with snr = 0 it is read as phi (stated, not
+   hidden). The prediction is tabulated once per (b1, b2) on a (log10 rho, phi) grid with
+   the second-order method (within ~1 % of the exact one at phi <= 0.3, ~4 % at 0.5) and
+   interpolated; outside the rho range it follows the frozen (linear) and scale-invariant
+   (flat) limits. For b2 > 0.99 the grid would cost minutes, and there the v_hat
+   fluctuations are negligible, so the deterministic-v limit
+       update_rms = sqrt(E m_hat^2) / (rms(g) + eps)
+   is used (0.2996 vs exact 0.2993 at b2 = 0.999, phi = 0.3, rho = 100).
+   Reported: R^2 of log(update_rms) (measured vs predicted, no free parameter), the median
+   ratio, and a one-parameter fit of an effective eps scale c (prediction at rho * c; c = 1
+   means the run's eps acts as configured) with its R^2. Rows before step 3 / (1 - b2) are
+   left out (the tabulated theory is stationary).
+2. rms_t. Bound 1/sqrt(1-b2) after a dormant stretch (theory.transients.dormant_rms_t_bound):
+   fraction of rows above it. Transients: at a step-up of a tensor's gradient scale by
+   kappa after a quiet stretch, the measured rms_t for k = 1..K against
+   theory.transients.step_up(b1, b2, kappa) (computed for b2 <= 0.99 only: its cost grows
+   like 1/(1-b2)); `fit_b2_transient` picks the b2 whose curves explain the events best.
+3. Regime per spike: the median rho of each depth group before the spike, classified by
+   theory.eps_regime.regime (frozen < 0.1 <= transition <= 10 < scale-invariant), and
+   Bai's eps* = lr lam (1-b1)/(2(1+b1)) where the run records a curvature.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+from scipy.interpolate import RegularGridInterpolator
+from scipy.optimize import minimize_scalar
+
+from analysis.precursors import depth_group
+from theory.adam_moments import grad_mom_cos as theory_grad_mom_cos
+from theory.eps_regime import regime, update_rms
+from theory.quadratic import critical_eps
+from theory.transients import dormant_rms_t_bound, step_up
+
+LOG_RHO_GRID = np.linspace(-2.5, 2.5, 31)
+PHI_GRID = np.array([-0.3, -0.15, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+KAPPA_GRID = np.array([1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0])
+EXPENSIVE_B2 = 0.99
+MAX_FIT_ROWS = 200_000
+
+
+def r2_score(y: np.ndarray, yhat: np.ndarray) -> float:
+    """1 - SS_res / SS_tot (can be negative: the prediction is worse than the mean)."""
+    y, yhat = np.asarray(y, float), np.asarray(yhat, float)
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    if ss_tot == 0:
+        return math.nan
+    return 1.0 - float(np.sum((y - yhat) ** 2)) / ss_tot
+
+
+# ------------------------------------------------------------------ phi from grad_mom_cos
+
+@functools.lru_cache(maxsize=16)
+def _cos_table(b1: float) -> tuple[np.ndarray, np.ndarray]:
+    phi = np.linspace(-0.99, 0.99, 397)
+    cos = np.array([theory_grad_mom_cos(b1, phi=float(p)) for p in phi])
+    return phi, cos
+
+
+def phi_from_cos(cos, b1: float) -> np.ndarray:
+    """Invert the stationary zero-mean grad_mom_cos(phi) (clipped to phi in [-0.99, 0.99])."""
+    phi, c = _cos_table(float(b1))
+    return np.interp(np.asarray(cos, float), c, phi)
+
+
+# ------------------------------------------------------------------ update_rms model
+
+@dataclass(frozen=True)
+class UpdateRmsModel:
+    """Theory's update_rms(rho, phi) at fixed (b1, b2), tabulated (see module doc)."""
+    b1: float
+    b2: float
+
+    @functools.cached_property
+    def method(self) -> str:
+        return "deterministic-v limit" if self.b2 > EXPENSIVE_B2 else "second-order grid"
+
+    @functools.cached_property
+    def _interp(self) -> RegularGridInterpolator:
+        return _grid(self.b1, self.b2)
+
+    def __call__(self, rho, phi) -> np.ndarray:
+        rho = np.asarray(rho, float)
+        phi = np.clip(np.asarray(phi, float), PHI_GRID[0], PHI_GRID[-1])
+        if self.b2 > EXPENSIVE_B2:
+            em2 = _em2(self.b1, phi)
+            return np.sqrt(em2) * rho / (rho + 1.0)
+        lr = np.log10(rho)
+        lo, hi = LOG_RHO_GRID[0], LOG_RHO_GRID[-1]
+        out = 10.0 ** self._interp(np.stack([np.clip(lr, lo, hi), phi], axis=-1))
+        return np.where(lr < lo, out * 10.0 ** (lr - lo), out)  # frozen: linear in rho
+
+
+def _em2(b1: float, phi: np.ndarray) -> np.ndarray:
+    """Stationary E m_hat^2 / sigma^2 of a zero-mean AR(1) stream."""
+    c = (1 - b1) / (1 + b1)
+    return c * (1 + phi * b1) / (1 - phi * b1)
+
+
+@functools.lru_cache(maxsize=8)
+def _grid(b1: float, b2: float) -> RegularGridInterpolator:
+    vals = np.empty((len(LOG_RHO_GRID), len(PHI_GRID)))
+    for i, lr in enumerate(LOG_RHO_GRID):
+        for j, p in enumerate(PHI_GRID):
+            vals[i, j] = update_rms(10.0 ** lr, b1, b2, float(p), method="second_order")
+    return RegularGridInterpolator((LOG_RHO_GRID, PHI_GRID), np.log10(vals))
+
+
+def optim_params(config: dict) -> dict:
+    """b1, b2, eps, lr, grad_clip from a run's config (optim section), None if absent."""
+    o = (config or {}).get("optim", {}) or {}
+    return {k: (float(o[k]) if o.get(k) is not None else None)
+            for k in ("b1", "b2", "eps", "lr", "grad_clip")}
+
+
+@dataclass
+class UpdateFit:
+    b1: float
+    b2: float
+    method: str
+    num_rows: int
+    r2_log: float            # no free parameter
+    median_ratio: float      # measured / predicted
+    eps_scale: float         # fitted c: prediction at rho * c
+    r2_log_fitted: float
+    by_group: pd.DataFrame   # group, regime: num_rows, median ratio, r2
+    rows: pd.DataFrame = field(repr=False)  # step, name, depth, rho, phi, measured, predicted
+
+
+def fit_update_rms(layers: pd.DataFrame, b1: float, b2: float, *, min_step: int | None = None,
+                   max_rows: int = MAX_FIT_ROWS, seed: int = 0) -> UpdateFit:
+    """Measured update_rms against theory (module doc, item 1)."""
+    need = ["step", "name", "depth", "rho", "update_rms", "grad_mom_cos"]
+    missing = [c for c in need if c not in layers]
+    if missing:
+        raise ValueError(f"layers table lacks column(s) {missing} for the update_rms fit")
+    min_step = int(math.ceil(3.0 / (1.0 - b2))) if min_step is None else int(min_step)
+    df = layers[need]
+    ok = ((df["step"].to_numpy() >= min_step) & np.isfinite(df["rho"].to_numpy())
+          & (df["rho"].to_numpy() > 0) & np.isfinite(df["update_rms"].to_numpy())
+          & (df["update_rms"].to_numpy() > 0) & np.isfinite(df["grad_mom_cos"].to_numpy()))
+    idx = np.flatnonzero(ok)
+    if len(idx) > max_rows:  # a seeded uniform subsample keeps 70B-sized traces cheap
+        idx = np.sort(np.random.default_rng(seed).choice(idx, max_rows, replace=False))
+    if len(idx) < 3:
+        raise ValueError(f"only {len(idx)} usable layer rows (step >= {min_step}, finite "
+                         "positive rho and update_rms) for the update_rms fit")
+    sub = df.iloc[idx]
+    rho = sub["rho"].to_numpy(float)
+    phi = phi_from_cos(sub["grad_mom_cos"].to_numpy(float), b1)
+    meas = sub["update_rms"].to_numpy(float)
+    model = UpdateRmsModel(float(b1), float(b2))
+    pred = model(rho, phi)
+    y = np.log(meas)
+    r2 = r2_score(y, np.log(pred))
+
+    def loss(logc):
+        return float(np.mean((y - np.log(model(rho * 10.0 ** logc, phi))) ** 2))
+
+    res = minimize_scalar(loss, bounds=(-4, 4), method="bounded", options={"xatol": 1e-4})
+    c = 10.0 ** res.x
+    pred_c = model(rho * c, phi)
+    rows = pd.DataFrame({"step": sub["step"].to_numpy(), "name": sub["name"].astype(str).to_numpy(),
+                         "depth": sub["depth"].to_numpy(), "rho": rho, "phi": phi,
+                         "measured": meas, "predicted": pred})
+    rows["group"] = depth_group(rows["depth"])
+    rows["regime"] = np.select([rho < 0.1, rho > 10.0], ["frozen", "scale_invariant"],
+                               "transition")
+    by = []
+    for (g, rg), part in rows.groupby(["group", "regime"], sort=True):
+        by.append({"group": g, "regime": rg, "num_rows": len(part),
+                   "median_ratio": float(np.median(part["measured"] / part["predicted"])),
+                   "r2_log": r2_score(np.log(part["measured"]), np.log(part["predicted"]))
+                   if len(part) > 2 else math.nan})
+    return UpdateFit(b1=float(b1), b2=float(b2), method=model.method, num_rows=len(rows),
+                     r2_log=r2, median_ratio=float(np.median(meas / pred)), eps_scale=float(c),
+                     r2_log_fitted=r2_score(y, np.log(pred_c)), by_group=pd.DataFrame(by),
+                     rows=rows)
+
+
+# ------------------------------------------------------------------ rms_t
+
+@dataclass
+class RmsTCheck:
+    bound: float
+    num_rows: int
+    frac_above_bound: float
+    max_rms_t: float
+    max_over_bound: float
+    transients: pd.DataFrame        # one row per detected step-up event
+    transient_r2: float             # measured vs theory curve, over all events' points
+    note: str = ""
+
+
+def find_step_ups(layers: pd.DataFrame, *, kappa_min: float = 2.0, quiet: int = 20,
+                  max_k: int = 20) -> pd.DataFrame:
+    """Per tensor: steps where grad_rms jumps >= kappa_min x the median of the previous
+    `quiet` consecutive logged steps; the loud stretch lasts while grad_rms stays >= half
+    the jump. Returns name, depth, onset, kappa, and the rms_t values k = 1..K as a list."""
+    cols = ["step", "name", "depth", "grad_rms", "rms_t"]
+    df = layers[cols].sort_values(["name", "step"], kind="stable")
+    out = []
+    for name, g in df.groupby("name", sort=False, observed=True):
+        st = g["step"].to_numpy()
+        gr = g["grad_rms"].to_numpy(float)
+        rt = g["rms_t"].to_numpy(float)
+        i = quiet
+        while i < len(st):
+            if st[i] - st[i - quiet] != quiet:  # need consecutive steps
+                i += 1
+                continue
+            base = np.median(gr[i - quiet:i])
+            if base > 0 and gr[i] >= kappa_min * base:
+                kappa = gr[i] / base
+                j = i
+                while j + 1 < len(st) and j + 1 - i < max_k and st[j + 1] == st[j] + 1 \
+                        and gr[j + 1] >= 0.5 * kappa * base:
+                    j += 1
+                out.append({"name": name, "depth": int(g["depth"].iloc[0]), "onset": int(st[i]),
+                            "kappa": float(kappa), "rms_t": rt[i:j + 1].tolist()})
+                i = j + quiet + 1
+            else:
+                i += 1
+    return pd.DataFrame(out, columns=["name", "depth", "onset", "kappa", "rms_t"])
+
+
+@functools.lru_cache(maxsize=128)
+def _step_up_curve(b1: float, b2: float, kappa: float, steps: int) -> np.ndarray:
+    return step_up(b1, b2, kappa, steps=steps)["rms_t"]
+
+
+def transient_curve(b1: float, b2: float, kappa: float, steps: int) -> np.ndarray:
+    """theory.transients.step_up rms_t for k = 1..steps at the nearest KAPPA_GRID value."""
+    kb = float(KAPPA_GRID[np.argmin(np.abs(np.log(KAPPA_GRID) - math.log(kappa)))])
+    return _step_up_curve(float(b1), float(b2), kb, int(steps))
+
+
+def _transient_points(events: pd.DataFrame, b1: float, b2: float, max_k: int):
+    ys, yh = [], []
+    for ev in events.itertuples(index=False):
+        meas = np.asarray(ev.rms_t, float)[:max_k]
+        th = transient_curve(b1, b2, ev.kappa, max_k)[:len(meas)]
+        ok = np.isfinite(meas)
+        ys.append(meas[ok])
+        yh.append(th[ok])
+    if not ys:
+        return np.zeros(0), np.zeros(0)
+    return np.concatenate(ys), np.concatenate(yh)
+
+
+def check_rms_t(layers: pd.DataFrame, b1: float, b2: float, *, max_k: int = 20,
+                max_events: int = 200) -> RmsTCheck:
+    """rms_t against its dormant bound and the step-up transient (module doc, item 2)."""
+    bound = dormant_rms_t_bound(b2)
+    rt = layers["rms_t"].to_numpy(float)
+    rt = rt[np.isfinite(rt)]
+    events = find_step_ups(layers, max_k=max_k) if "grad_rms" in layers else \
+        pd.DataFrame(columns=["name", "depth", "onset", "kappa", "rms_t"])
+    note = ""
+    r2 = math.nan
+    if len(events) > max_events:
+        events = events.nlargest(max_events, "kappa")
+        note = f"the {max_events} largest step-ups are compared. "
+    if b2 > EXPENSIVE_B2:
+        note += (f"b2 = {b2} > {EXPENSIVE_B2}: theory.transients.step_up not evaluated "
+                 "(its cost grows like 1/(1-b2)); bound check only.")
+    elif len(events):
+        y, yh = _transient_points(events, b1, b2, max_k)
+        r2 = r2_score(y, yh) if len(y) > 2 else math.nan
+        events = events.assign(peak=[max(v) if v else math.nan for v in events["rms_t"]],
+                               theory_peak=[float(transient_curve(b1, b2, k, max_k).max())
+                                            for k in events["kappa"]])
+    return RmsTCheck(bound=bound, num_rows=len(rt),
+                     frac_above_bound=float(np.mean(rt > bound * (1 + 1e-6))) if len(rt)
+                     else math.nan,
+                     max_rms_t=float(rt.max()) if len(rt) else math.nan,
+                     max_over_bound=float(rt.max() / bound) if len(rt) else math.nan,
+                     transients=events, transient_r2=r2, note=note)
+
+
+def fit_b2_transient(events: pd.DataFrame, b1: float, candidates=(0.9, 0.95, 0.98, 0.99),
+                     max_k: int = 20) -> tuple[float, dict]:
+    """The candidate b2 whose step-up curves fit the events' rms_t best (least squares);
+    returns (b2, {b2: sse})."""
+    sse = {}
+    for b2 in candidates:
+        if b2 > EXPENSIVE_B2:
+            raise ValueError(f"b2 candidate {b2} > {EXPENSIVE_B2}: too costly to evaluate")
+        y, yh = _transient_points(events, b1, b2, max_k)
+        sse[float(b2)] = float(np.sum((y - yh) ** 2))
+    return min(sse, key=sse.get), sse
+
+
+# ------------------------------------------------------------------ regime per spike
+
+def _find_curvature(config: dict) -> float | None:
+    """A recorded curvature (lam_max / lam / curvature) anywhere in the config."""
+    stack = [config or {}]
+    while stack:
+        d = stack.pop()
+        for k, v in d.items():
+            if isinstance(v, dict):
+                stack.append(v)
+            elif k in ("lam_max", "lam", "curvature") and isinstance(v, (int, float)) and v > 0:
+                return float(v)
+    return None
+
+
+def spike_regimes(layers: pd.DataFrame, spikes: pd.DataFrame, config: dict, *,
+                  window: int = 50) -> pd.DataFrame:
+    """Per spike and depth group: median rho before the spike, its regime, the number of
+    tensors in each regime, and Bai's eps* where a curvature is recorded."""
+    op = optim_params(config)
+    lam = _find_curvature(config)
+    rows = []
+    st = layers["step"].to_numpy()
+    for sid, sp in enumerate(spikes.itertuples(index=False)):
+        s = int(sp.start)
+        lo, hi = np.searchsorted(st, s - window), np.searchsorted(st, s)
+        pre = layers.iloc[lo:hi]
+        if pre.empty:
+            continue
+        per_tensor = pre.groupby("name", observed=True).agg(rho=("rho", "median"),
+                                                            depth=("depth", "first"))
+        per_tensor = per_tensor[np.isfinite(per_tensor["rho"]) & (per_tensor["rho"] > 0)]
+        per_tensor["group"] = depth_group(per_tensor["depth"])
+        for g, part in per_tensor.groupby("group"):
+            med = float(part["rho"].median())
+            regs = [regime(r) for r in part["rho"]]
+            row = {"spike_id": sid, "start": s, "group": g, "rho_median": med,
+                   "regime": regime(med), "num_tensors": len(part),
+                   "num_frozen": regs.count("frozen"),
+                   "num_transition": regs.count("transition"),
+                   "num_scale_invariant": regs.count("scale_invariant"),
+                   "eps_star": math.nan, "eps_above_eps_star": None}
+            if lam is not None and op["lr"] and op["b1"] is not None:
+                es = critical_eps(op["lr"], lam, op["b1"])
+                row["eps_star"] = es
+                row["eps_above_eps_star"] = bool(op["eps"] is not None and op["eps"] >= es)
+            rows.append(row)
+    return pd.DataFrame(rows, columns=["spike_id", "start", "group", "rho_median", "regime",
+                                       "num_tensors", "num_frozen", "num_transition",
+                                       "num_scale_invariant", "eps_star",
+                                       "eps_above_eps_star"])
