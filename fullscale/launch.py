@@ -1,0 +1,593 @@
+"""Cluster launch scripts: `adamspike launch` (one run) and `adamspike plan` (one run per
+predicted setting).
+
+    adamspike launch --config configs/llama2-70b.toml --cluster configs/cluster-128x8.toml \
+        --master-addr node-000 --out launch/baseline
+    adamspike plan --predictions predictions.json --base configs/llama2-70b.toml --out plan/ --top 3
+
+`launch` writes into a new directory OUT (an existing non-empty one is an error):
+
+    run.toml             the resolved run config (dist.device set, paths made absolute)
+    train_torchrun.sh    fullscale.train under torchrun (FSDP2; needs torch >= 2.4)
+    train_mindspeed.sh   the same optimizer and schedule for MindSpeed-LLM / Megatron
+                         pretrain_gpt.py (TP x PP), for the CANN 7 / torch 2.1 stack
+    launch.json          what was generated and how to start it
+
+Each script is ONE script for all nodes, parameterised by the node rank: on node k run
+`bash train_torchrun.sh k` (or with NODE_RANK=k in the environment). The scripts set the
+HCCL / Ascend environment for npu (sourcing the toolkit's set_env.sh) or NCCL's for cuda.
+
+Checks (errors name the flag or key): nodes and devices per node >= 1, the world size
+divides train.global_batch_size, the per-rank batch is a multiple of the micro batch; for
+the Megatron script TP divides the heads and kv groups, PP divides the layers, TP x PP
+divides the world size and the data-parallel size divides the global batch.
+
+Mapping to Megatron arguments: loss scale s is folded into eps and the clip threshold
+(Adam on s L with eps equals Adam on L with eps/s, the clip threshold on the scaled
+gradient c equals c/s on the unscaled one); features Megatron does not have (GLM embedding
+gradient shrink, StableAdamW update clipping, z-loss, spike guard, batch skipping, online
+alarms) are listed in the script header and a warning, not silently dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adamspike.config import ConfigError, load_config, param, to_dict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- cluster
+
+@dataclass
+class ClusterSection:
+    nodes: int = param(1, lo=1)
+    devices_per_node: int = param(8, lo=1)
+    master_addr: str = param("127.0.0.1", help="host of node rank 0")
+    master_port: int = param(29500, lo=1, hi=65535)
+    device: str = param("npu", choices=("npu", "cuda", "cpu"))
+
+
+@dataclass
+class NpuSection:
+    set_env: str = param("/usr/local/Ascend/ascend-toolkit/set_env.sh")
+    hccl_connect_timeout: int = param(1200, lo=1, help="s; AscendSpeed scripts use 1200")
+    hccl_exec_timeout: int = param(1836, lo=0, help="s; A2 default 1836, 0 = never")
+    ascend_global_log_level: int = param(3, lo=0, hi=4, help="0 debug .. 3 error")
+    ascend_global_event_enable: int = param(0, lo=0, hi=1, help="1 when debugging HCCL faults")
+
+
+@dataclass
+class CudaSection:
+    nccl_debug: str = param("WARN", choices=("VERSION", "WARN", "INFO", "TRACE"))
+
+
+@dataclass
+class MegatronSection:
+    tp: int = param(0, lo=0, help="tensor parallel size, 0 = auto (8 for >= 30B params, else 1)")
+    pp: int = param(0, lo=0, help="pipeline parallel size, 0 = auto (8 for >= 30B params, else 1)")
+    sequence_parallel: bool = param(True)
+    distributed_optimizer: bool = param(True)
+
+
+@dataclass
+class ClusterConfig:
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    npu: NpuSection = field(default_factory=NpuSection)
+    cuda: CudaSection = field(default_factory=CudaSection)
+    megatron: MegatronSection = field(default_factory=MegatronSection)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """TOML for a nested dict of scalars / lists (None values are left out: absent = default)."""
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int):
+            return str(v)
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                raise ConfigError(f"cannot write non-finite {v!r} to TOML")
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        raise ConfigError(f"cannot write {type(v).__name__} to TOML")
+
+    lines, tables = [], []
+    for k, v in data.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        elif v is not None:
+            lines.append(f"{k} = {value(v)}")
+    for name, table in tables:
+        lines += ["", f"[{name}]"] + [f"{k} = {value(v)}" for k, v in table.items() if v is not None]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _new_dir(out: Path):
+    """A temporary sibling of `out`, renamed onto it by _commit_dir; `out` must not exist
+    (or be an empty directory)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out: {out} already exists; refusing to overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+
+
+def _commit_dir(tmp: Path, out: Path) -> None:
+    tmp.chmod(0o755)             # mkdtemp makes it 0700
+    if out.exists():
+        out.rmdir()              # empty (checked in _new_dir)
+    os.replace(tmp, out)
+
+
+def _abs(path: str) -> str:
+    return str(Path(path).expanduser().resolve()) if path else path
+
+
+def _auto_parallel(num_params: int, n: int) -> int:
+    return n if n else (8 if num_params >= 30e9 else 1)
+
+
+def _q(s: str | Path) -> str:
+    return shlex.quote(str(s))
+
+
+# ----------------------------------------------------------------------------- the plan
+
+@dataclass
+class Launch:
+    run: Any                  # RunConfig (resolved)
+    cluster: ClusterConfig
+    run_dir: Path
+    engines: tuple[str, ...]
+    world_size: int = 0
+    micro_batch: int = 0
+    tp: int = 1
+    pp: int = 1
+    notes: list[str] = field(default_factory=list)
+
+
+def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatron")) -> Launch:
+    """Validate a run config against a cluster; resolve micro batch and TP/PP."""
+    from adamspike.llama import num_params
+    from fullscale.hf import resolve_model
+
+    c = cluster.cluster
+    if c.master_addr == "MASTER_HOST" and c.nodes > 1:
+        raise ConfigError("--master-addr: required (the cluster config still has the placeholder "
+                          "MASTER_HOST); pass node rank 0's host name or address")
+    world = c.nodes * c.devices_per_node
+    G = run.train.global_batch_size
+    if G % world:
+        raise ConfigError(f"--nodes x --devices-per-node = {c.nodes} x {c.devices_per_node} = {world} "
+                          f"does not divide train.global_batch_size = {G}")
+    per_rank = G // world
+    mb = run.train.micro_batch_size or per_rank
+    if per_rank % mb:
+        raise ConfigError(f"train.micro_batch_size = {mb} does not divide the per-rank batch "
+                          f"{per_rank} (= train.global_batch_size {G} / world size {world})")
+    launch = Launch(run, cluster, run_dir, tuple(engines), world, mb)
+    if "megatron" in engines:
+        cfg = resolve_model(run.model)
+        m = cluster.megatron
+        tp, pp = _auto_parallel(num_params(cfg), m.tp), _auto_parallel(num_params(cfg), m.pp)
+        hint = " (or --engine fsdp to write only the torchrun script)"
+        if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+            raise ConfigError(f"--tp {tp} must divide num_heads {cfg.num_heads} and num_kv_heads "
+                              f"{cfg.num_kv_heads}{hint}")
+        if cfg.num_layers % pp:
+            raise ConfigError(f"--pp {pp} must divide num_layers {cfg.num_layers}{hint}")
+        if world % (tp * pp):
+            raise ConfigError(f"--tp x --pp = {tp * pp} must divide the world size {world}{hint}")
+        dp = world // (tp * pp)
+        mmb = run.train.micro_batch_size or max(1, G // dp)
+        if G % (dp * mmb):
+            raise ConfigError(f"Megatron: data-parallel size {dp} x micro batch {mmb} does not divide "
+                              f"train.global_batch_size {G}{hint}")
+        launch.tp, launch.pp = tp, pp
+        launch.notes += _megatron_gaps(run)
+    return launch
+
+
+def _megatron_gaps(run) -> list[str]:
+    gaps = []
+    if run.model.embed_grad_shrink != 1.0:
+        gaps.append(f"model.embed_grad_shrink = {run.model.embed_grad_shrink}: no Megatron flag; "
+                    "the Megatron run trains WITHOUT the GLM embedding-gradient shrink")
+    if run.optim.update_clip:
+        gaps.append("optim.update_clip (StableAdamW): no Megatron flag; not applied")
+    if run.train.z_loss:
+        gaps.append(f"train.z_loss = {run.train.z_loss}: no Megatron flag; not applied")
+    if run.guard.enabled:
+        gaps.append("guard (rollback + batch skip): not available; restart from --load by hand")
+    if run.data.skip_batches or run.data.poison_steps:
+        gaps.append("data.skip_batches / data.poison_steps: not applied by Megatron")
+    if run.alarms.predictions:
+        gaps.append("alarms.predictions: not evaluated online; run `adamspike analyze --predictions` "
+                    "on the imported Megatron log")
+    if run.optim.implementation != "foreach":
+        gaps.append("optim.implementation: Megatron uses its own (fused) Adam")
+    if run.data.source != "indexed":
+        gaps.append("data.source = synthetic: Megatron gets --mock-data (random tokens), not the "
+                    "same synthetic task")
+    return gaps
+
+
+# ----------------------------------------------------------------------------- scripts
+
+def _header(title: str, launch: Launch, script: str) -> list[str]:
+    c = launch.cluster.cluster
+    return ["#!/usr/bin/env bash",
+            f"# {title}",
+            f"# Generated by `adamspike launch` on {time.strftime('%Y-%m-%d %H:%M:%S %Z')}.",
+            f"# {c.nodes} nodes x {c.devices_per_node} {c.device} = {launch.world_size} ranks. "
+            "One script for every node:",
+            f"#   on node k (0 .. {c.nodes - 1}):  bash {script} k     (or NODE_RANK=k bash {script})",
+            "set -euo pipefail",
+            f"NNODES={c.nodes}",
+            'NODE_RANK="${1:-${NODE_RANK:-}}"',
+            'if [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || (( 10#$NODE_RANK >= NNODES )); then',
+            f'  echo "usage: $0 NODE_RANK   (an integer in 0..{c.nodes - 1}, got \'$NODE_RANK\')" >&2',
+            "  exit 2",
+            "fi",
+            f'MASTER_ADDR="${{MASTER_ADDR:-{c.master_addr}}}"',
+            f'MASTER_PORT="${{MASTER_PORT:-{c.master_port}}}"',
+            ""]
+
+
+def _device_env(launch: Launch, megatron: bool) -> list[str]:
+    c, npu, cuda = launch.cluster.cluster, launch.cluster.npu, launch.cluster.cuda
+    devices = ",".join(str(i) for i in range(c.devices_per_node))
+    lines = []
+    if c.device == "npu":
+        lines += ["# Ascend environment (CANN). set_env.sh reads unset variables, hence set +u.",
+                  f"set +u; source {_q(npu.set_env)}; set -u",
+                  f"export ASCEND_RT_VISIBLE_DEVICES={devices}",
+                  f"export HCCL_CONNECT_TIMEOUT={npu.hccl_connect_timeout}   # link setup, s",
+                  f"export HCCL_EXEC_TIMEOUT={npu.hccl_exec_timeout}   # ranks waiting in a collective, s",
+                  f"export ASCEND_GLOBAL_LOG_LEVEL={npu.ascend_global_log_level}   # 0 debug .. 3 error",
+                  f"export ASCEND_GLOBAL_EVENT_ENABLE={npu.ascend_global_event_enable}   # 1: event logs "
+                  "for HCCL faults (plog in ~/ascend/log)",
+                  "# HCCL_IF_IP: this node's address on the HCCL network; set it (in the environment)",
+                  "# when a host has several NICs and HCCL picks the wrong one.",
+                  'if [[ -n "${HCCL_IF_IP:-}" ]]; then export HCCL_IF_IP; fi']
+    elif c.device == "cuda":
+        lines += [f"export CUDA_VISIBLE_DEVICES={devices}",
+                  f"export NCCL_DEBUG={cuda.nccl_debug}",
+                  "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # fail fast on a hung collective",
+                  "# NCCL_SOCKET_IFNAME: set it (in the environment) when hosts have several NICs.",
+                  'if [[ -n "${NCCL_SOCKET_IFNAME:-}" ]]; then export NCCL_SOCKET_IFNAME; fi']
+    if megatron:
+        lines.append("export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron: ordered TP/SP overlap")
+    return lines + [""]
+
+
+def torchrun_script(launch: Launch, run_toml: Path) -> str:
+    c = launch.cluster.cluster
+    log_dir = launch.run_dir / "logs"
+    lines = _header("fullscale.train (FSDP2) under torchrun", launch, "train_torchrun.sh")
+    lines += _device_env(launch, megatron=False)
+    lines += [f'ADAMSPIKE_HOME="${{ADAMSPIKE_HOME:-{REPO_ROOT}}}"   # the adamspike checkout',
+              'TORCHRUN="${TORCHRUN:-torchrun}"',
+              'cd "$ADAMSPIKE_HOME"',
+              f"mkdir -p {_q(log_dir)}",
+              f'"$TORCHRUN" --nnodes {c.nodes} --nproc-per-node {c.devices_per_node} '
+              '--node-rank "$NODE_RANK" \\',
+              '  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --max-restarts 0 \\',
+              f"  -m fullscale.train --config {_q(run_toml)} --out {_q(launch.run_dir)} \\",
+              f'  2>&1 | tee -a {_q(log_dir)}/"node${{NODE_RANK}}.log"',
+              ""]
+    return "\n".join(lines)
+
+
+def megatron_args(launch: Launch) -> list[str]:
+    """pretrain_gpt.py arguments equivalent to the run config (see the module docstring)."""
+    from fullscale.hf import resolve_model
+
+    run = launch.run
+    cfg = resolve_model(run.model)
+    o, t = run.optim, run.train
+    s = t.loss_scale
+    dp = launch.world_size // (launch.tp * launch.pp)
+    mb = t.micro_batch_size or t.global_batch_size // dp
+    ckpt = launch.run_dir / "megatron_checkpoints"
+    args = [
+        f"--tensor-model-parallel-size {launch.tp}", f"--pipeline-model-parallel-size {launch.pp}",
+        f"--num-layers {cfg.num_layers}", f"--hidden-size {cfg.dim}",
+        f"--ffn-hidden-size {cfg.ffn_dim}", f"--num-attention-heads {cfg.num_heads}",
+        f"--group-query-attention --num-query-groups {cfg.num_kv_heads}",
+        f"--seq-length {t.seq_len}", f"--max-position-embeddings {cfg.max_seq_len}",
+        "--position-embedding-type rope", f"--rotary-base {cfg.rope_theta:g}",
+        f"--normalization RMSNorm --norm-epsilon {cfg.norm_eps:g}", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--attention-dropout 0.0", "--hidden-dropout 0.0", f"--init-method-std {cfg.init_std:g}",
+        "--make-vocab-size-divisible-by 1",   # keep the vocabulary unpadded (32000)
+        f"--micro-batch-size {mb}", f"--global-batch-size {t.global_batch_size}",
+        f"--train-iters {t.num_steps}", f"--seed {t.seed}",
+        f"--lr {o.lr:g}", f"--min-lr {o.min_lr:g}", f"--lr-decay-style {o.schedule}",
+        f"--lr-warmup-iters {o.warmup_steps}", f"--lr-decay-iters {t.num_steps}",
+        "--optimizer adam", f"--adam-beta1 {o.b1:g}", f"--adam-beta2 {o.b2:g}",
+        f"--adam-eps {o.eps / s:g}", f"--weight-decay {o.weight_decay:g}",
+        f"--clip-grad {o.grad_clip / s:g}",
+    ]
+    if t.dtype == "bf16":
+        args.append("--bf16")
+    if t.activation_checkpointing:
+        args.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    m = launch.cluster.megatron
+    if m.sequence_parallel and launch.tp > 1:
+        args.append("--sequence-parallel")
+    if m.distributed_optimizer:
+        args.append("--use-distributed-optimizer")
+    if launch.cluster.cluster.device == "npu":
+        args += ["--use-flash-attn", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"]
+    if run.data.source == "indexed":
+        args += [f"--data-path {_q(run.data.path)}", "--split 100,0,0"]
+        if cfg.vocab_size == 32000:
+            args.append('--tokenizer-type Llama2Tokenizer --tokenizer-model "$TOKENIZER_MODEL"')
+        else:
+            args.append(f"--tokenizer-type NullTokenizer --vocab-size {cfg.vocab_size}")
+    else:
+        args += ["--mock-data", f"--tokenizer-type NullTokenizer --vocab-size {cfg.vocab_size}"]
+    every = run.checkpoint.every or t.num_steps
+    args += [f"--save {_q(ckpt)}", f"--load {_q(ckpt)}", f"--save-interval {every}",
+             "--log-interval 1", f"--eval-interval {t.num_steps}", "--eval-iters 0"]
+    return args
+
+
+def mindspeed_script(launch: Launch) -> str:
+    c = launch.cluster.cluster
+    run = launch.run
+    log = launch.run_dir / "megatron_logs"
+    lines = _header("MindSpeed-LLM / Megatron pretrain_gpt.py, same optimizer and schedule", launch,
+                    "train_mindspeed.sh")
+    if run.train.loss_scale != 1.0:
+        lines.insert(5, f"# train.loss_scale = {run.train.loss_scale:g} folded in: --adam-eps = eps / s, "
+                        "--clip-grad = grad_clip / s")
+    for i, gap in enumerate(launch.notes):
+        lines.insert(5 + i, f"# NOTE: {gap}")
+    lines += _device_env(launch, megatron=True)
+    lines += ['MINDSPEED_LLM_DIR="${MINDSPEED_LLM_DIR:?set MINDSPEED_LLM_DIR to the MindSpeed-LLM '
+              '(ModelLink) or Megatron-LM checkout holding pretrain_gpt.py}"']
+    if run.data.source == "indexed" and "$TOKENIZER_MODEL" in " ".join(megatron_args(launch)):
+        lines.append('TOKENIZER_MODEL="${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the LLaMA2 tokenizer.model}"')
+    lines += ['cd "$MINDSPEED_LLM_DIR"', f"mkdir -p {_q(log)}",
+              # underscore spellings: accepted by every torchrun, including torch 2.1's
+              f"DISTRIBUTED_ARGS=(--nnodes {c.nodes} --nproc_per_node {c.devices_per_node} "
+              '--node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")',
+              "torchrun \"${DISTRIBUTED_ARGS[@]}\" pretrain_gpt.py \\"]
+    lines += [f"  {a} \\" for a in megatron_args(launch)]
+    lines += [f'  2>&1 | tee -a {_q(log)}/"node${{NODE_RANK}}.log"',
+              f"# Import the log for analysis: adamspike analyze {_q(log)}/node{c.nodes - 1}.log "
+              "(the last rank prints the training log)", ""]
+    return "\n".join(lines)
+
+
+def write_launch(launch: Launch, out: Path, final: Path | None = None) -> dict[str, Any]:
+    """Write run.toml, the scripts and launch.json into a new directory `out`; the files
+    refer to themselves under `final` (default `out`), where the caller will move them."""
+    out = Path(out).resolve()
+    final = Path(final).resolve() if final is not None else out
+    tmp = _new_dir(out)
+    try:
+        run_toml = final / "run.toml"
+        (tmp / "run.toml").write_text(
+            "# Resolved by `adamspike launch`; edit the source config and regenerate instead.\n"
+            + dump_toml(to_dict(launch.run)))
+        scripts = {}
+        if "fsdp" in launch.engines:
+            (tmp / "train_torchrun.sh").write_text(torchrun_script(launch, run_toml))
+            scripts["torchrun"] = str(final / "train_torchrun.sh")
+        if "megatron" in launch.engines:
+            (tmp / "train_mindspeed.sh").write_text(mindspeed_script(launch))
+            scripts["mindspeed"] = str(final / "train_mindspeed.sh")
+        for name in scripts:
+            p = tmp / Path(scripts[name]).name
+            p.chmod(0o755)
+        c = launch.cluster.cluster
+        info = {"run_toml": str(run_toml), "run_dir": str(launch.run_dir), "scripts": scripts,
+                "nodes": c.nodes, "devices_per_node": c.devices_per_node, "world_size": launch.world_size,
+                "device": c.device, "master_addr": c.master_addr, "master_port": c.master_port,
+                "micro_batch": launch.micro_batch, "megatron_tp": launch.tp, "megatron_pp": launch.pp,
+                "megatron_notes": launch.notes,
+                "start": "on node k: bash SCRIPT k   (k = 0 .. nodes-1)",
+                "cluster_config": to_dict(launch.cluster)}
+        (tmp / "launch.json").write_text(json.dumps(info, indent=2) + "\n")
+        _commit_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return info
+
+
+# ----------------------------------------------------------------------------- CLI
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", help="cluster TOML (configs/cluster-128x8.toml); flags override it")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--devices-per-node", type=int)
+    p.add_argument("--master-addr")
+    p.add_argument("--master-port", type=int)
+    p.add_argument("--device", choices=("npu", "cuda", "cpu"))
+    p.add_argument("--tp", type=int, help="Megatron tensor parallel size (0 = auto)")
+    p.add_argument("--pp", type=int, help="Megatron pipeline parallel size (0 = auto)")
+    p.add_argument("--engine", choices=("both", "fsdp", "megatron"), default="both",
+                   help="which scripts to write (default both)")
+
+
+def _cluster(args) -> ClusterConfig:
+    overrides = []
+    for flag, key in (("nodes", "cluster.nodes"), ("devices_per_node", "cluster.devices_per_node"),
+                      ("master_addr", "cluster.master_addr"), ("master_port", "cluster.master_port"),
+                      ("device", "cluster.device"), ("tp", "megatron.tp"), ("pp", "megatron.pp")):
+        v = getattr(args, flag)
+        if v is not None:
+            overrides += [f"--{key}", str(v)]
+    try:
+        return load_config(ClusterConfig, args.cluster, overrides)
+    except ConfigError as e:
+        # name the CLI flag rather than the TOML key when the value came from a flag
+        msg = str(e)
+        for flag, key in (("--nodes", "cluster.nodes"), ("--devices-per-node", "cluster.devices_per_node"),
+                          ("--master-port", "cluster.master_port"), ("--tp", "megatron.tp"),
+                          ("--pp", "megatron.pp")):
+            if msg.startswith(key) and f"--{key}" in overrides:
+                msg = f"{flag} ({key}){msg[len(key):]}"
+        raise ConfigError(msg) from None
+
+
+def _engines(name: str) -> tuple[str, ...]:
+    return {"both": ("fsdp", "megatron"), "fsdp": ("fsdp",), "megatron": ("megatron",)}[name]
+
+
+def _resolve_run(run, device: str):
+    """Absolute paths, and dist.device set to the cluster's device."""
+    from adamspike.config import replace
+
+    return replace(run, **{"dist.device": device, "data.path": _abs(run.data.path),
+                           "model.hf_config": _abs(run.model.hf_config),
+                           "alarms.predictions": _abs(run.alarms.predictions)})
+
+
+def _fail(prog: str, e: Exception) -> int:
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    return 2
+
+
+def launch_main(argv: list[str]) -> int:
+    from adamspike.train_config import RunConfig
+
+    p = _Parser(prog="adamspike launch", description="Write per-node launch scripts for one run. "
+                "Extra --section.key value pairs override the run config.", allow_abbrev=False)
+    p.add_argument("--config", required=True, help="run config TOML")
+    p.add_argument("--out", required=True, help="new directory for the scripts")
+    p.add_argument("--run-dir", help="run directory the job writes (default OUT/run)")
+    _cluster_args(p)
+    try:
+        args, overrides = p.parse_known_args(argv)
+        if overrides and not overrides[0].startswith("--"):
+            raise ConfigError(f"unexpected argument {overrides[0]!r}")
+        cluster = _cluster(args)
+        run = _resolve_run(load_config(RunConfig, args.config, overrides), cluster.cluster.device)
+        out = Path(args.out).resolve()
+        run_dir = Path(args.run_dir).resolve() if args.run_dir else out / "run"
+        launch = prepare(run, cluster, run_dir, _engines(args.engine))
+        info = write_launch(launch, out)
+    except SystemExit as e:
+        return int(e.code or 0)
+    except ConfigError as e:
+        return _fail("adamspike launch", e)
+    for note in launch.notes:
+        print(f"adamspike launch: warning: Megatron script: {note}", file=sys.stderr)
+    print(f"wrote {out}: " + ", ".join(Path(s).name for s in info["scripts"].values())
+          + f" for {info['nodes']} x {info['devices_per_node']} {info['device']}; on node k run: "
+          f"bash {next(iter(info['scripts'].values()))} k")
+    return 0
+
+
+def _safe_id(setting_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", setting_id).strip("._") or "setting"
+
+
+def plan_main(argv: list[str]) -> int:
+    """One run config + launch scripts per setting in predictions.json's `validate` list."""
+    from adamspike.config import replace
+    from adamspike.predictions import PredictionsError, load_predictions
+    from adamspike.train_config import RunConfig
+
+    p = _Parser(prog="adamspike plan",
+                description="Run configs and launch scripts for the settings predictions.json recommends. "
+                "Extra --section.key value pairs override the base config.", allow_abbrev=False)
+    p.add_argument("--predictions", required=True)
+    p.add_argument("--base", required=True, help="base run config TOML (e.g. configs/llama2-70b.toml)")
+    p.add_argument("--out", required=True, help="new directory: one subdirectory per setting")
+    p.add_argument("--top", type=int, help="only the first N settings of `validate`")
+    p.add_argument("--runs-dir", help="where the runs write (default OUT/<setting>/run)")
+    _cluster_args(p)
+    prog = "adamspike plan"
+    try:
+        args, overrides = p.parse_known_args(argv)
+        if overrides and not overrides[0].startswith("--"):
+            raise ConfigError(f"unexpected argument {overrides[0]!r}")
+        if args.top is not None and args.top < 1:
+            raise ConfigError(f"--top: must be >= 1, got {args.top}")
+        pred_path = Path(args.predictions)
+        if not pred_path.is_file():
+            raise ConfigError(f"--predictions: file not found: {pred_path}")
+        preds = load_predictions(pred_path)
+        ids = preds.validate[:args.top] if args.top else list(preds.validate)
+        if not ids:
+            raise ConfigError(f"{pred_path}: the validate list is empty; nothing to plan")
+        cluster = _cluster(args)
+        base = load_config(RunConfig, args.base, overrides)
+        out = Path(args.out).resolve()
+        tmp = _new_dir(out)
+    except SystemExit as e:
+        return int(e.code or 0)
+    except (ConfigError, PredictionsError) as e:
+        return _fail(prog, e)
+    try:
+        pred_copy = tmp / "predictions.json"
+        shutil.copyfile(pred_path, pred_copy)
+        rows, seen = [], set()
+        for sid in ids:
+            s = preds.setting(sid)
+            name = _safe_id(sid)
+            if name in seen:
+                raise ConfigError(f"{pred_path}: settings {sid!r} and another map to the same directory {name!r}")
+            seen.add(name)
+            # min_lr keeps its ratio to lr (e.g. cosine to 10%), so a lower lr stays valid.
+            ratio = base.optim.min_lr / base.optim.lr
+            try:
+                run = replace(base, **{"optim.b1": s["b1"], "optim.b2": s["b2"], "optim.eps": s["eps"],
+                                       "optim.lr": s["lr"], "optim.min_lr": s["lr"] * ratio,
+                                       "train.global_batch_size": s["global_batch_size"],
+                                       "alarms.predictions": str(out / "predictions.json")})
+            except ConfigError as e:
+                raise ConfigError(f"setting {sid!r}: {e}") from None
+            run = _resolve_run(run, cluster.cluster.device)
+            run_dir = (Path(args.runs_dir).resolve() / name) if args.runs_dir else out / name / "run"
+            try:
+                launch = prepare(run, cluster, run_dir, _engines(args.engine))
+            except ConfigError as e:
+                raise ConfigError(f"setting {sid!r}: {e}") from None
+            info = write_launch(launch, tmp / name, final=out / name)
+            rows.append({"id": sid, "dir": str(out / name), "rank": s.get("rank"), "risk": s.get("risk"),
+                         "risk_label": s.get("risk_label"), "b1": s["b1"], "b2": s["b2"], "eps": s["eps"],
+                         "lr": s["lr"], "global_batch_size": s["global_batch_size"],
+                         "scripts": [Path(x).name for x in info["scripts"].values()],
+                         "megatron_notes": launch.notes})
+        (tmp / "plan.json").write_text(json.dumps(
+            {"predictions": str(out / "predictions.json"), "base": _abs(args.base), "settings": rows},
+            indent=2) + "\n")
+        _commit_dir(tmp, out)
+    except (ConfigError, PredictionsError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return _fail(prog, e)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"wrote {out}: {len(rows)} setting(s): " + ", ".join(r["id"] for r in rows))
+    return 0

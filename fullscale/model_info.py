@@ -1,0 +1,265 @@
+"""What a LLaMA run costs before it runs: parameters, FLOPs/token, memory per card, step time.
+
+Parameters come from adamspike.llama.param_specs and are cross-checked against
+fullscale.model.Transformer built on the meta device (no memory allocated).
+FLOPs/token: adamspike.llama.flops_per_token (6 N_non-embedding + 12 L d T, PaLM convention).
+
+Memory per card, data-parallel FSDP/ZeRO-3 over a shard group of S cards (S = world size for
+"fsdp", S = k for "hsdp:k" with world/k replicas). B = bytes per element.
+
+  sharded state   N/S x bytes/param
+                  layout "fsdp2" (this trainer): fp32 params 4 + grads (reduce dtype 4|2)
+                  + Adam m 4 + v 4  = 16 B/param (14 with bf16 grads)
+                  layout "megatron": bf16 params 2 + grads (2|4 with fp32 accumulation)
+                  + fp32 master 4 + m 4 + v 4 = 16 B/param (18 with fp32 grads)
+  transient       gathered block params  P_block x B_c x (2 with prefetch of the next block)
+                  block grads in backward P_block x (B_c + reduce B when the dtypes differ)
+                  root group (embedding, final norm, head; not resharded) P_root x B_c
+  activations     full checkpointing: L x b x T x d x B_c (block inputs)
+                  + one block recomputed: 2 x b x T x (15 d + 5 kv + 4 f) x B_c
+                    (saved forward tensors of RMSNorm, q/k/v, RoPE, repeated k/v, flash
+                    attention output, SwiGLU, and their gradients; an estimate)
+                  without checkpointing: L x the block term
+  logits          b x T x V x (B_c + 4 + 4) (compute-dtype logits, fp32 copy, fp32 gradient)
+
+Per-step cost (assumptions are arguments; defaults documented in DEFAULTS):
+  compute  = flops_per_token x tokens_per_step / (world x peak x MFU)   [MFU of model FLOPs]
+  bytes received per card and micro-step: all-gather forward N (S-1)/S B_c, all-gather
+  backward (blocks only) N_blocks (S-1)/S B_c, reduce-scatter N (S-1)/S B_r, and for hsdp an
+  all-reduce across the replicas 2 (R-1)/R N/S B_r; a collective over a group larger than a
+  node runs at the inter-node bandwidth, else at the intra-node one. Step time is reported
+  with perfect overlap max(compute, comm) and without overlap (compute + comm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from adamspike.config import ConfigError, load_config, to_dict
+from adamspike.llama import PRESETS, LlamaConfig, flops_per_token, num_params, param_specs, preset
+
+GB = 1e9
+
+
+@dataclass
+class Assumptions:
+    """Hardware assumptions of the cost model (all overridable from the CLI)."""
+    mfu: float = 0.45                 # model-FLOPs utilisation (reported 70B runs: 0.41-0.60)
+    peak_flops: float = 313e12        # bf16 dense per card; configs/devices.toml "Ascend910B"
+    intra_node_gbs: float = 150.0     # ring bus bandwidth per card inside a node, GB/s
+    inter_node_gbs: float = 20.0      # per card across nodes: 200 Gb/s RoCE at ~80%, GB/s
+    devices_per_node: int = 8
+    device_memory_gb: float = 64.0    # 910B HBM (torch reports 62432 MB usable on a 910B2C)
+
+
+DEFAULTS = Assumptions()
+
+
+def parse_sharding(text: str, world_size: int) -> tuple[str, int]:
+    """"fsdp" -> ("fsdp", world); "hsdp:k" -> ("hsdp", k) with k dividing the world size."""
+    if text == "fsdp":
+        return "fsdp", world_size
+    if text.startswith("hsdp:"):
+        try:
+            k = int(text[5:])
+        except ValueError:
+            raise ConfigError(f"--sharding: expected hsdp:K with an integer K, got {text!r}") from None
+        if k < 1 or world_size % k:
+            raise ConfigError(f"--sharding: shard group size {k} must be >= 1 and divide "
+                              f"--world-size {world_size}")
+        return "hsdp", k
+    raise ConfigError(f"--sharding: expected fsdp or hsdp:K, got {text!r}")
+
+
+def param_counts(cfg: LlamaConfig) -> dict[str, int]:
+    specs = param_specs(cfg)
+    by_kind = lambda k: sum(s.numel for s in specs if s.kind == k)  # noqa: E731
+    per_block = sum(s.numel for s in specs if s.depth == 0)
+    return {"total": num_params(cfg), "embedding": by_kind("embed"), "output": by_kind("output"),
+            "non_embedding": num_params(cfg, embeddings=False), "per_block": per_block,
+            "blocks": per_block * cfg.num_layers,
+            "root": sum(s.numel for s in specs if not 0 <= s.depth < cfg.num_layers)}
+
+
+def meta_param_count(cfg: LlamaConfig) -> int:
+    """Parameters of fullscale.model.Transformer built on the meta device."""
+    import torch
+    from fullscale.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def memory_per_card(cfg: LlamaConfig, *, world_size: int, seq_len: int, micro_batch: int,
+                    sharding: str = "fsdp", layout: str = "fsdp2", grad_dtype: str | None = None,
+                    dtype: str = "bf16", activation_checkpointing: bool = True,
+                    prefetch: bool = True) -> dict[str, float]:
+    """Bytes per card by component (see the module docstring) plus "total"."""
+    _, shard = parse_sharding(sharding, world_size)
+    if layout not in ("fsdp2", "megatron"):
+        raise ConfigError(f"--layout: expected fsdp2 or megatron, got {layout!r}")
+    grad_dtype = grad_dtype or ("fp32" if layout == "fsdp2" else "bf16")
+    if grad_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"--grad-dtype: expected fp32 or bf16, got {grad_dtype!r}")
+    bc = 2 if dtype == "bf16" else 4
+    br = 4 if grad_dtype == "fp32" else 2
+    n = param_counts(cfg)
+    N, Pb = n["total"], n["per_block"]
+    state_per_param = (4 + br + 8) if layout == "fsdp2" else (2 + br + 4 + 8)
+    b, T, d, L = micro_batch, seq_len, cfg.dim, cfg.num_layers
+    kv = cfg.num_kv_heads * cfg.head_dim
+    block_act = 2 * b * T * (15 * d + 5 * kv + 4 * cfg.ffn_dim) * bc
+    out = {
+        "state_sharded": N / shard * state_per_param,
+        "gathered_block_params": Pb * bc * (2 if prefetch else 1),
+        "block_grads_backward": Pb * (bc + (br if br != bc else 0)),
+        "root_unsharded": n["root"] * bc if shard > 1 else 0.0,
+        "activations_checkpoints": L * b * T * d * bc if activation_checkpointing else 0.0,
+        "activations_blocks": block_act if activation_checkpointing else L * block_act,
+        "logits": b * T * cfg.vocab_size * (bc + 4 + 4),
+    }
+    out["state_bytes_per_param"] = float(state_per_param)
+    out["total"] = sum(v for k, v in out.items() if k != "state_bytes_per_param")
+    return out
+
+
+def step_cost(cfg: LlamaConfig, *, world_size: int, seq_len: int, micro_batch: int,
+              global_batch: int, sharding: str = "fsdp", grad_dtype: str = "fp32",
+              dtype: str = "bf16", assumptions: Assumptions = DEFAULTS) -> dict[str, float]:
+    """Compute and communication time of one optimizer step (module docstring)."""
+    kind, S = parse_sharding(sharding, world_size)
+    if global_batch % (world_size * micro_batch):
+        raise ConfigError(f"--global-batch {global_batch} is not divisible by --world-size "
+                          f"{world_size} x --micro-batch {micro_batch}")
+    a = assumptions
+    accum = global_batch // (world_size * micro_batch)
+    R = world_size // S
+    bc, br = (2 if dtype == "bf16" else 4), (4 if grad_dtype == "fp32" else 2)
+    n = param_counts(cfg)
+    tokens = global_batch * seq_len
+    fpt = flops_per_token(cfg, seq_len)
+    compute_s = fpt * tokens / (world_size * a.peak_flops * a.mfu)
+    frac = (S - 1) / S
+    shard_bw = (a.intra_node_gbs if S <= a.devices_per_node else a.inter_node_gbs) * GB
+    volumes = {  # bytes per card per step
+        "all_gather_forward": accum * n["total"] * frac * bc,
+        "all_gather_backward": accum * n["blocks"] * frac * bc,
+        "reduce_scatter": accum * n["total"] * frac * br,
+        "all_reduce_replicas": accum * 2 * (R - 1) / R * n["total"] / S * br if R > 1 else 0.0,
+    }
+    times = {k: v / shard_bw for k, v in volumes.items() if k != "all_reduce_replicas"}
+    times["all_reduce_replicas"] = volumes["all_reduce_replicas"] / (a.inter_node_gbs * GB)
+    comm_s = sum(times.values())
+    overlap_s, serial_s = max(compute_s, comm_s), compute_s + comm_s
+    per_card = tokens / world_size
+    return {
+        "sharding": kind, "shard_group": S, "replicas": R, "grad_accum_steps": accum,
+        "tokens_per_step": tokens, "flops_per_step": fpt * tokens, "compute_s": compute_s,
+        **{f"{k}_bytes": v for k, v in volumes.items()},
+        **{f"{k}_s": v for k, v in times.items()},
+        "comm_bytes": sum(volumes.values()), "comm_s": comm_s,
+        "step_s_overlapped": overlap_s, "step_s_serial": serial_s,
+        "tokens_per_s_per_card_overlapped": per_card / overlap_s,
+        "tokens_per_s_per_card_serial": per_card / serial_s,
+        "mfu_serial": compute_s / serial_s * a.mfu,
+    }
+
+
+# ----------------------------------------------------------------------------- config args
+
+def resolve_config(arg: str):
+    """--config: a preset name, a RunConfig TOML or a HF config.json ->
+    (LlamaConfig, RunConfig or None, description)."""
+    from adamspike.train_config import RunConfig
+    from fullscale.hf import load_hf_config, resolve_model
+
+    if arg in PRESETS:
+        return preset(arg), None, f"preset {arg}"
+    path = Path(arg)
+    if path.suffix == ".json" or (path.is_dir() and (path / "config.json").is_file()):
+        return load_hf_config(path), None, f"HF config {path}"
+    if path.suffix == ".toml":
+        run = load_config(RunConfig, path)
+        return resolve_model(run.model), run, f"run config {path}"
+    raise ConfigError(f"--config: {arg!r} is neither a preset ({', '.join(PRESETS)}), a .toml run "
+                      "config nor a HF config.json")
+
+
+def model_info(cfg: LlamaConfig, *, world_size: int = 1, seq_len: int | None = None,
+               micro_batch: int = 1, global_batch: int | None = None, sharding: str = "fsdp",
+               layout: str = "fsdp2", grad_dtype: str | None = None, dtype: str = "bf16",
+               activation_checkpointing: bool = True, prefetch: bool = True,
+               assumptions: Assumptions = DEFAULTS, meta_check: bool = True) -> dict[str, Any]:
+    """Everything `adamspike model info` prints, as one JSON-able dict."""
+    if world_size < 1:
+        raise ConfigError(f"--world-size: must be >= 1, got {world_size}")
+    if micro_batch < 1:
+        raise ConfigError(f"--micro-batch: must be >= 1, got {micro_batch}")
+    seq_len = cfg.max_seq_len if seq_len is None else seq_len
+    if not 1 <= seq_len <= cfg.max_seq_len:
+        raise ConfigError(f"--seq-len: {seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+    global_batch = world_size * micro_batch if global_batch is None else global_batch
+    if global_batch < 1:
+        raise ConfigError(f"--global-batch: must be >= 1, got {global_batch}")
+    grad_dtype = grad_dtype or ("fp32" if layout == "fsdp2" else "bf16")
+    counts = param_counts(cfg)
+    if meta_check:
+        counts["meta_device"] = meta_param_count(cfg)
+        if counts["meta_device"] != counts["total"]:
+            raise RuntimeError(f"fullscale.model.Transformer has {counts['meta_device']} parameters, "
+                               f"param_specs says {counts['total']}")
+    memory = memory_per_card(cfg, world_size=world_size, seq_len=seq_len, micro_batch=micro_batch,
+                             sharding=sharding, layout=layout, grad_dtype=grad_dtype, dtype=dtype,
+                             activation_checkpointing=activation_checkpointing, prefetch=prefetch)
+    memory["device_memory"] = assumptions.device_memory_gb * GB
+    memory["fits"] = memory["total"] <= memory["device_memory"]
+    cost = step_cost(cfg, world_size=world_size, seq_len=seq_len, micro_batch=micro_batch,
+                     global_batch=global_batch, sharding=sharding, grad_dtype=grad_dtype,
+                     dtype=dtype, assumptions=assumptions)
+    return {
+        "architecture": to_dict(cfg), "params": counts,
+        "flops_per_token": flops_per_token(cfg, seq_len), "seq_len": seq_len,
+        "world_size": world_size, "micro_batch": micro_batch, "global_batch": global_batch,
+        "sharding": sharding, "layout": layout, "grad_dtype": grad_dtype, "dtype": dtype,
+        "activation_checkpointing": activation_checkpointing, "prefetch": prefetch,
+        "memory_bytes": memory, "cost": cost, "assumptions": dataclasses.asdict(assumptions),
+    }
+
+
+def format_info(info: dict[str, Any], source: str = "") -> str:
+    p, m, c, a = info["params"], info["memory_bytes"], info["cost"], info["assumptions"]
+    arch = info["architecture"]
+    lines = [f"model: {source}" if source else "model:",
+             f"  dim {arch['dim']}, layers {arch['num_layers']}, heads {arch['num_heads']} "
+             f"(kv {arch['num_kv_heads']}), ffn {arch['ffn_dim']}, vocab {arch['vocab_size']}",
+             f"parameters: {p['total']:,} (embedding {p['embedding']:,}, head {p['output']:,}, "
+             f"per block {p['per_block']:,})"
+             + (f"; meta-device model: {p['meta_device']:,}" if "meta_device" in p else ""),
+             f"FLOPs/token at seq {info['seq_len']}: {info['flops_per_token'] / 1e9:.1f} G",
+             f"memory per card: world {info['world_size']}, {info['sharding']}, layout {info['layout']}, "
+             f"micro batch {info['micro_batch']}, {info['dtype']}, grads {info['grad_dtype']}, "
+             f"activation checkpointing {'on' if info['activation_checkpointing'] else 'off'}"]
+    for k, v in m.items():
+        if k in ("total", "device_memory", "fits", "state_bytes_per_param"):
+            continue
+        lines.append(f"  {k:<26} {v / GB:9.2f} GB")
+    lines.append(f"  {'total':<26} {m['total'] / GB:9.2f} GB of {m['device_memory'] / GB:.0f} GB "
+                 f"({'fits' if m['fits'] else 'DOES NOT FIT'}; state {m['state_bytes_per_param']:.0f} B/param)")
+    lines += [f"step cost: global batch {info['global_batch']} x {info['seq_len']} = "
+              f"{c['tokens_per_step']:,} tokens, {c['grad_accum_steps']} micro-step(s), shard group "
+              f"{c['shard_group']} x {c['replicas']} replica(s)",
+              f"  compute {c['compute_s']:.2f} s at MFU {a['mfu']:.2f} of {a['peak_flops'] / 1e12:.0f} TF",
+              f"  all-gather fwd {c['all_gather_forward_bytes'] / GB:.1f} GB {c['all_gather_forward_s']:.2f} s, "
+              f"bwd {c['all_gather_backward_bytes'] / GB:.1f} GB {c['all_gather_backward_s']:.2f} s, "
+              f"reduce-scatter {c['reduce_scatter_bytes'] / GB:.1f} GB {c['reduce_scatter_s']:.2f} s, "
+              f"replica all-reduce {c['all_reduce_replicas_bytes'] / GB:.1f} GB {c['all_reduce_replicas_s']:.2f} s",
+              f"  (bandwidth per card: intra-node {a['intra_node_gbs']:.0f} GB/s, inter-node "
+              f"{a['inter_node_gbs']:.0f} GB/s, {a['devices_per_node']} per node)",
+              f"  step {c['step_s_overlapped']:.2f} s overlapped / {c['step_s_serial']:.2f} s serial -> "
+              f"{c['tokens_per_s_per_card_overlapped']:.0f} / {c['tokens_per_s_per_card_serial']:.0f} "
+              "tokens/s/card"]
+    return "\n".join(lines)
