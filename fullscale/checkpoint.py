@@ -431,9 +431,12 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
             dcp.load(state, checkpoint_id=str(path), no_dist=not _initialized())
         set_state_dict(model, optimizer if has_optim else [], model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))
-    except Exception as e:  # noqa: BLE001 - DCP raises many types; name the checkpoint
-        raise CheckpointError(path, f"model/optimizer state does not load into this model "
-                                    f"({type(e).__name__}: {str(e)[:500]})") from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise CheckpointError(path, "model/optimizer state does not load into this model "
+                                    f"({lines[-1][:500] if lines else type(e).__name__})") from None
     if scheduler is not None and trainer.get("scheduler") is not None:
         scheduler.load_state_dict(trainer["scheduler"])
     if position is not None and trainer.get("position") is not None:
