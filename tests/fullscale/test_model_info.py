@@ -1,0 +1,117 @@
+"""fullscale.model_info: 70B parameter count, FLOPs/token, memory per card, step cost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adamspike.config import ConfigError
+from adamspike.llama import PRESETS, flops_per_token
+from fullscale.model_info import (Assumptions, memory_per_card, meta_param_count, model_info,
+                                  resolve_config, step_cost)
+
+ROOT = Path(__file__).resolve().parents[2]
+N70 = 68_976_648_192
+C70 = PRESETS["llama2-70b"]
+
+
+def test_model_info_70b_json_subprocess():
+    r = subprocess.run([sys.executable, "-m", "adamspike", "model", "info", "--config", "llama2-70b",
+                        "--world-size", "1024", "--json"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    p = info["params"]
+    assert p["total"] == N70 and p["meta_device"] == N70          # specs == torch model on meta
+    assert p["embedding"] == p["output"] == 262_144_000 and p["per_block"] == 855_654_400
+    # 6 * 68,714,504,192 + 12 * 80 * 8192 * 4096
+    assert info["flops_per_token"] == 444_499_279_872 and info["seq_len"] == 4096
+    m = info["memory_bytes"]
+    assert m["state_sharded"] == pytest.approx(16 * N70 / 1024)   # 1.08 GB / card
+    assert m["activations_checkpoints"] == 80 * 4096 * 8192 * 2     # 5.37 GB
+    assert 12e9 < m["total"] < 25e9 and m["fits"]
+    c = info["cost"]
+    assert c["tokens_per_step"] == 1024 * 4096 and c["grad_accum_steps"] == 1
+    assert c["compute_s"] == pytest.approx(444_499_279_872 * 1024 * 4096 / (1024 * 313e12 * 0.45))
+
+
+def test_meta_device_count_matches_specs_for_every_preset():
+    for name in ("tiny", "small", "llama2-7b"):
+        cfg = PRESETS[name]
+        assert meta_param_count(cfg) == model_info(cfg, meta_check=False)["params"]["total"]
+
+
+def test_memory_layouts_and_sharding():
+    kw = dict(world_size=1024, seq_len=4096, micro_batch=1)
+    fsdp2 = memory_per_card(C70, **kw)
+    assert fsdp2["state_bytes_per_param"] == 16
+    assert memory_per_card(C70, **kw, grad_dtype="bf16")["state_bytes_per_param"] == 14
+    assert memory_per_card(C70, **kw, layout="megatron")["state_bytes_per_param"] == 16
+    mg32 = memory_per_card(C70, **kw, layout="megatron", grad_dtype="fp32")
+    assert mg32["state_sharded"] == pytest.approx(18 * N70 / 1024)             # notes: 1.21 GB
+    hsdp = memory_per_card(C70, **kw, sharding="hsdp:8")
+    assert hsdp["state_sharded"] == pytest.approx(16 * N70 / 8)                 # 138 GB: no fit
+    no_ac = memory_per_card(C70, **kw, activation_checkpointing=False)
+    assert no_ac["activations_checkpoints"] == 0 and no_ac["activations_blocks"] == 80 * fsdp2["activations_blocks"]
+    assert memory_per_card(C70, **kw, prefetch=False)["gathered_block_params"] == 855_654_400 * 2
+    two = memory_per_card(C70, world_size=1024, seq_len=4096, micro_batch=2)
+    assert two["logits"] == 2 * fsdp2["logits"] and two["state_sharded"] == fsdp2["state_sharded"]
+
+
+def test_step_cost_volumes_and_bandwidth_domains():
+    a = Assumptions(mfu=0.5, peak_flops=300e12, intra_node_gbs=100.0, inter_node_gbs=10.0)
+    f = step_cost(C70, world_size=1024, seq_len=4096, micro_batch=1, global_batch=1024, assumptions=a)
+    frac = 1023 / 1024
+    assert f["all_gather_forward_bytes"] == pytest.approx(2 * N70 * frac)
+    assert f["all_gather_backward_bytes"] == pytest.approx(2 * 80 * 855_654_400 * frac)
+    assert f["reduce_scatter_bytes"] == pytest.approx(4 * N70 * frac)
+    assert f["all_reduce_replicas_bytes"] == 0
+    assert f["comm_s"] == pytest.approx(f["comm_bytes"] / 10e9)                 # spans nodes
+    h = step_cost(C70, world_size=1024, seq_len=4096, micro_batch=1, global_batch=1024,
+                  sharding="hsdp:8", assumptions=a)
+    assert (h["shard_group"], h["replicas"]) == (8, 128)
+    assert h["all_reduce_replicas_bytes"] == pytest.approx(2 * 127 / 128 * N70 / 8 * 4)
+    assert h["reduce_scatter_s"] == pytest.approx(h["reduce_scatter_bytes"] / 100e9)   # in a node
+    assert h["all_reduce_replicas_s"] == pytest.approx(h["all_reduce_replicas_bytes"] / 10e9)
+    assert h["compute_s"] == f["compute_s"] and h["comm_s"] < f["comm_s"]
+    # gradient accumulation multiplies per-micro-step traffic, not compute per token
+    g = step_cost(C70, world_size=256, seq_len=4096, micro_batch=1, global_batch=1024, assumptions=a)
+    assert g["grad_accum_steps"] == 4 and g["compute_s"] == pytest.approx(4 * f["compute_s"])
+    assert g["step_s_overlapped"] == max(g["compute_s"], g["comm_s"])
+    assert g["step_s_serial"] == pytest.approx(g["compute_s"] + g["comm_s"])
+
+
+def test_config_sources(tmp_path):
+    cfg, run, src = resolve_config(str(ROOT / "configs" / "llama2-70b.toml"))
+    assert cfg == C70 and run.train.global_batch_size == 1024 and "run config" in src
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps({"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+                              "rms_norm_eps": 1e-5, "max_position_embeddings": 64}))
+    cfg, run, _ = resolve_config(str(hf))
+    assert run is None and cfg.dim == 64 and cfg.ffn_dim == 192
+    with pytest.raises(ConfigError, match="neither a preset"):
+        resolve_config("llama2-71b")
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(world_size=1024, sharding="hsdp:3"), "hsdp:3|shard group size 3"),
+    (dict(world_size=1024, sharding="zero9"), "expected fsdp or hsdp:K"),
+    (dict(seq_len=5000), "--seq-len: 5000"),
+    (dict(world_size=1024, global_batch=1000), "--global-batch 1000 is not divisible"),
+    (dict(world_size=0), "--world-size"),
+    (dict(micro_batch=0), "--micro-batch"),
+])
+def test_bad_arguments(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        model_info(C70, meta_check=False, **kw)
+
+
+def test_flops_per_token_grows_with_seq_len():
+    a = model_info(C70, seq_len=2048, meta_check=False)["flops_per_token"]
+    assert a == flops_per_token(C70, 2048)
+    assert model_info(C70, seq_len=4096, meta_check=False)["flops_per_token"] - a == 12 * 80 * 8192 * 2048
