@@ -47,6 +47,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 FORMAT = "adamspike-torch-ckpt/1"
 MARKER = "COMPLETE"
 TRAINER_FILE = "trainer.pt"
+# DCP warns on every single-process save/load (also from its async thread); that is intended.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _PARTIAL_DIR = re.compile(r"^step-(\d{8})\.partial$")
 
@@ -244,10 +246,14 @@ def _state_of(obj: Any) -> Any:
 
 # ----------------------------------------------------------------------------- save
 
+_pending: dict[str, Any] | None = None     # an async save whose marker is not written yet
+_async_group = None                        # gloo group for DCP's background thread
+
+
 def save(ckpt_root: str | Path, step: int, model: torch.nn.Module,
          optimizer: torch.optim.Optimizer | None, scheduler: Any = None,
          extra: dict | None = None, *, position: Any = None, guard: Any = None,
-         keep: int | None = None) -> Path:
+         keep: int | None = None, async_save: bool = False) -> Path:
     """Write checkpoint `step` under ckpt_root (collective) and return its directory.
 
     model / optimizer go through DCP (`get_state_dict`: FSDP2 DTensors stay sharded);
@@ -257,9 +263,17 @@ def save(ckpt_root: str | Path, step: int, model: torch.nn.Module,
     `keep`: keep only the newest `keep` complete checkpoints (older ones are deleted after
     this one is complete; None keeps all).
 
+    async_save (checkpoint.async_save): the state is staged (copied to CPU memory) before
+    this returns and written by DCP in a background thread over a separate gloo group;
+    the checkpoint becomes complete (marker, rename, pruning) only in
+    `finalize_pending()`, which the next save() calls first and the trainer must call
+    before it exits. Until then latest() does not see it.
+
     Raises NonFiniteError (nothing written) when any parameter or optimizer state is nan/inf:
     log `err.payload` as a "checkpoint_refused" event. Raises CheckpointError for bad extra.
     """
+    global _pending
+    finalize_pending()
     rank, world = _rank_world()
     final = step_dir(ckpt_root, step)
     partial = final.with_name(final.name + ".partial")
@@ -280,22 +294,65 @@ def save(ckpt_root: str | Path, step: int, model: torch.nn.Module,
         partial.mkdir()
     _barrier()
 
+    _write(partial / f"rng-{rank:05d}.pt", _to_bytes(rng_state(), final, "rng state"))
+    if rank == 0:
+        _write(partial / TRAINER_FILE, trainer_bytes)
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
     state = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
+        if async_save:
+            future = dcp.async_save(state, checkpoint_id=str(partial), no_dist=not _initialized(),
+                                    process_group=_background_group())
+            _pending = {"future": future, "partial": partial, "final": final, "step": int(step),
+                        "keep": keep, "root": Path(ckpt_root)}
+            return final
         dcp.save(state, checkpoint_id=str(partial), no_dist=not _initialized())
-    _write(partial / f"rng-{rank:05d}.pt", _to_bytes(rng_state(), final, "rng state"))
-    if rank == 0:
-        _write(partial / TRAINER_FILE, trainer_bytes)
-    _barrier()
+    _finish(partial, final, int(step), keep, Path(ckpt_root))
+    return final
 
+
+def _background_group():
+    """A gloo group for async saves: their collectives must not interleave with training's."""
+    global _async_group
+    if not _initialized():
+        return None
+    if _async_group is None:
+        _async_group = dist.new_group(backend="gloo")
+    return _async_group
+
+
+def finalize_pending() -> Path | None:
+    """Complete an async save (collective): wait for its writes, then write the marker and
+    rename. Returns the completed checkpoint's path, or None if nothing was pending.
+    A failed background write raises CheckpointError (the checkpoint stays incomplete)."""
+    global _pending
+    if _pending is None:
+        return None
+    job, _pending = _pending, None
+    future = job["future"]
+    try:
+        (future.upload_completion if hasattr(future, "upload_completion") else future).result()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001
+        raise CheckpointError(job["final"], f"async save failed ({type(e).__name__}: "
+                                            f"{str(e)[:300]})") from None
+    _finish(job["partial"], job["final"], job["step"], job["keep"], job["root"])
+    return job["final"]
+
+
+def _finish(partial: Path, final: Path, step: int, keep: int | None, root: Path) -> None:
+    """All files are written: hash them (each rank a share), then rank 0 writes COMPLETE,
+    renames partial -> final and prunes."""
+    rank, world = _rank_world()
+    _barrier()
     files = sorted(p.name for p in partial.iterdir() if p.is_file() and p.name != MARKER)
     mine = {f: {"size": (partial / f).stat().st_size, "sha256": _sha256(partial / f)}
             for f in files[rank::world]}
     gathered = _gather(mine)
     if rank == 0:
-        manifest = {"format": FORMAT, "step": int(step), "world_size": world,
+        manifest = {"format": FORMAT, "step": step, "world_size": world,
                     "time": time.time(), "files": {k: v for d in gathered for k, v in d.items()}}
         _write_marker(partial, manifest)
         trash = None
@@ -307,9 +364,8 @@ def save(ckpt_root: str | Path, step: int, model: torch.nn.Module,
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         if keep is not None:
-            prune(ckpt_root, keep)
+            prune(root, keep)
     _barrier()
-    return final
 
 
 def _write_marker(directory: Path, manifest: dict) -> None:
@@ -413,6 +469,7 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     scheduler / position / guard via their load_state_dict, and this rank's RNG states (only
     when the world size is unchanged; extra["rng_restored"] says whether).
     """
+    finalize_pending()
     path = Path(path)
     rank, world = _rank_world()
     manifest = verify(path, hashes=verify_hashes)
@@ -462,6 +519,7 @@ def load_latest_valid(ckpt_root: str | Path, model: torch.nn.Module,
     the spike step of a rollback). Returns (step, path, extra, rejected) where `rejected`
     lists the CheckpointErrors of newer, corrupt ones (log each as an event), or None when
     no complete checkpoint exists. Raises the newest error if all are corrupt."""
+    finalize_pending()
     candidates = [c for c in complete(ckpt_root) if before_step is None or c[0] < before_step]
     rejected: list[CheckpointError] = []
     for step, path in reversed(candidates):
@@ -484,6 +542,7 @@ def steps_of(ckpt_root: str | Path) -> list[int]:
     return [s for s, _ in complete(ckpt_root)]
 
 
-__all__: Iterable[str] = ("CheckpointError", "NonFiniteError", "save", "load", "latest",
+__all__: Iterable[str] = ("CheckpointError", "NonFiniteError", "save", "finalize_pending",
+                          "load", "latest",
                           "load_latest_valid", "complete", "verify", "read_manifest", "prune",
                           "discard_newer", "step_dir", "rng_state", "set_rng_state")

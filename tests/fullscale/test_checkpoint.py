@@ -84,6 +84,21 @@ def test_roundtrip_resumes_bitwise(tmp_path):
     assert (np.random.rand(), random.random()) == expect_draws
 
 
+def test_async_save_stages_the_state_and_completes_on_finalize(tmp_path):
+    m, opt, sched = _model()
+    _train(m, opt, sched, range(2))
+    expect = [p.detach().clone() for p in m.parameters()]
+    path = ck.save(tmp_path, 2, m, opt, sched, {"a": 1}, async_save=True)
+    _train(m, opt, sched, range(2))              # training goes on while it is written
+    assert ck.latest(tmp_path) is None           # not complete before finalize
+    assert ck.finalize_pending() == path and ck.latest(tmp_path) == (2, path)
+    assert ck.finalize_pending() is None
+    m2, opt2, sched2 = _model(seed=5)
+    ck.load(path, m2, opt2, sched2)
+    for a, b in zip(expect, m2.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_keep_and_latest_ignore_partial(tmp_path):
     m, opt, sched = _model()
     for s in (2, 4, 6):
@@ -280,8 +295,13 @@ def step(i):
 
 result = {"rank": rank}
 if mode == "first":
-    [step(i) for i in range(3)]
-    ck.save(root, 3, m, opt, None, {"world": world})
+    step(0)
+    ck.save(root, 1, m, opt, None, {"world": world}, async_save=True)   # written while training
+    full = {n: p.full_tensor() for n, p in m.named_parameters()}
+    if rank == 0:
+        torch.save(full, Path(out) / "full_at_1.pt")
+    [step(i) for i in range(1, 3)]
+    ck.save(root, 3, m, opt, None, {"world": world})     # completes the async one first
     full = {n: p.full_tensor() for n, p in m.named_parameters()}   # collective
     if rank == 0:
         torch.save(full, Path(out) / "full_at_3.pt")
@@ -305,19 +325,20 @@ print(json.dumps(result))
 """
 
 
-def test_two_process_fsdp2_resume_reshard_and_nonfinite(tmp_path):
+def test_two_process_fsdp2_async_resume_reshard_and_nonfinite(tmp_path):
     root = tmp_path / "ckpt"
     first = _run_pair("first", root, tmp_path)
     files = sorted(p.name for p in (root / "step-00000003").iterdir())
     assert files == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp", "rng-00000.pt",
                      "rng-00001.pt", "trainer.pt"]
+    assert ck.steps_of(root) == [1, 3]
     resumed = _run_pair("resume", root, tmp_path)
     for a, b in zip(first, resumed):
         assert a["losses"] == b["losses"]          # bitwise, per rank
         assert b["extra_world"] == 2
     assert all(r["refused"] and r["num_nonfinite"] == 1 for r in resumed)
     assert resumed[1]["names"] == ["0.weight"] and resumed[0]["names"] == []
-    assert ck.steps_of(root) == [3] and not (root / "step-00000009.partial").exists()
+    assert ck.steps_of(root) == [1, 3] and not (root / "step-00000009.partial").exists()
 
     # Reshard: the 2-rank checkpoint loads into a plain 1-process module (global tensors).
     torch.manual_seed(7)
@@ -325,7 +346,10 @@ def test_two_process_fsdp2_resume_reshard_and_nonfinite(tmp_path):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     extra = ck.load(root / "step-00000003", m, opt, None)
     assert extra["rng_restored"] is False          # world size changed: RNG not restored
-    full = torch.load(tmp_path / "full_at_3.pt")
-    assert set(full) == {n for n, _ in m.named_parameters()}
-    for n, p in m.named_parameters():
-        assert torch.equal(p.detach(), full[n]), n
+    for at in (3, 1):   # 1: the async save holds the state of its step, not a later one
+        if at == 1:
+            ck.load(root / "step-00000001", m, opt, None)
+        full = torch.load(tmp_path / f"full_at_{at}.pt")
+        assert set(full) == {n for n, _ in m.named_parameters()}
+        for n, p in m.named_parameters():
+            assert torch.equal(p.detach(), full[n]), (at, n)
