@@ -84,11 +84,15 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local() if hasattr(x, "to_local") else x
 
 
-def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+def _all_reduce_shards(t: torch.Tensor, params) -> torch.Tensor:
+    """Sum over the ranks the parameters are sharded across (no-op for plain tensors)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+    for p in params:
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and mesh.size() > 1 and any(pl.is_shard() for pl in p.placements):
+            dist.all_reduce(t, group=mesh.get_group())
+            break
     return t
 
 
@@ -110,7 +114,7 @@ def update_clip_rms(optimizer: torch.optim.AdamW) -> torch.Tensor:
         q = torch.where(denom > 0, g * g / torch.where(denom > 0, denom, 1.0), 0.0)
         rows.append(torch.stack([q.sum(), torch.tensor(float(g.numel()), dtype=torch.float64,
                                                           device=g.device)]))
-    sums = _all_reduce(torch.stack(rows))
+    sums = _all_reduce_shards(torch.stack(rows), [g["params"][0] for g in optimizer.param_groups])
     return torch.sqrt(sums[:, 0] / sums[:, 1].clamp_min(1.0))
 
 
