@@ -1,0 +1,264 @@
+"""`adamspike simulate <problem> ...`: run one simulated problem, write a run directory.
+
+    adamspike simulate quadratic --eps 1e-4 --steps 30000 --out RUN [--dim 8 --lam-min 0.01 ...]
+    adamspike simulate mlp --kind sin|deep --steps 20000 --out RUN [--lr ... --loss-scale ...]
+    adamspike simulate streams --b2 0.95 --phi 0.9 --steps 200 [--out stats.json]
+    adamspike simulate llama --config configs/tiny.toml --out RUN [--key value overrides]
+
+Exit status: 0 ok, 2 bad input (the message names the parameter; nothing existing is
+overwritten), 3 a part that is not built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+PROBLEMS = ("quadratic", "mlp", "streams", "llama")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so simulate_main returns 2."""
+
+    def error(self, message):
+        raise _UsageError(f"{self.prog}: error: {message}")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _flag_name(msg: str) -> str:
+    """'grad_clip: must be ...' -> '--grad-clip: must be ...'."""
+    m = re.match(r"^([a-z0-9_]+):", msg)
+    return f"--{m.group(1).replace('_', '-')}{msg[m.end() - 1:]}" if m else msg
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"out: {out} exists and is not an empty directory (nothing was overwritten)")
+
+
+def _optim_args(p: argparse.ArgumentParser, lr: float, b2: float, eps: float) -> None:
+    g = p.add_argument_group("optimizer (adamspike.train_config.OptimSection)")
+    g.add_argument("--lr", type=float, default=lr)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--schedule", default="constant")
+    g.add_argument("--warmup-steps", type=int, default=0)
+    g.add_argument("--b1", type=float, default=0.9)
+    g.add_argument("--b2", type=float, default=b2)
+    g.add_argument("--eps", type=float, default=eps)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--grad-clip", type=float, default=0.0, help="0 = off")
+    g.add_argument("--update-clip", action="store_true", help="StableAdamW update clipping")
+
+
+def _optim(args):
+    from adamspike.config import from_dict
+    from adamspike.train_config import OptimSection
+    keys = ("lr", "min_lr", "schedule", "warmup_steps", "b1", "b2", "eps", "weight_decay",
+            "grad_clip", "update_clip")
+    return from_dict(OptimSection, {k: getattr(args, k) for k in keys})
+
+
+def _positive(name, value, allow_zero=False):
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}: must be {'>=' if allow_zero else '>'} 0, got {value}")
+
+
+# ----------------------------------------------------------------------------- quadratic
+
+def _quadratic(argv) -> int:
+    p = _Parser(prog="adamspike simulate quadratic",
+                description="Adam on a 1-D / N-D quadratic (Bai et al.); see simulate.quadratic")
+    p.add_argument("--out", type=Path, required=True, help="run directory (must not exist)")
+    p.add_argument("--steps", type=int, default=30_000)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--b1", type=float, default=0.9)
+    p.add_argument("--b2", type=float, default=0.999)
+    p.add_argument("--noise", type=float, default=0.0, help="gradient noise std")
+    p.add_argument("--theta0", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dim", type=int, default=1)
+    p.add_argument("--lam-min", type=float, default=None, help="default: lam-max")
+    p.add_argument("--lam-max", type=float, default=1.0)
+    p.add_argument("--rotate", action="store_true", help="random orthogonal eigenbasis")
+    p.add_argument("--no-rescale", action="store_true",
+                   help="plain floating point (theta may underflow; see simulate.quadratic)")
+    p.add_argument("--dtype", default="float64")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    from simulate.quadratic import QuadraticSpec, count_spikes, eps_star, run_quadratic
+    from simulate.runner import quadratic_traces, write_run
+    _positive("lr", a.lr)
+    _positive("eps", a.eps, allow_zero=True)
+    _positive("noise", a.noise, allow_zero=True)
+    for k in ("b1", "b2"):
+        if not 0 <= getattr(a, k) < 1:
+            raise ValueError(f"{k}: must be in [0, 1), got {getattr(a, k)}")
+    _check_out(a.out)
+    spec = QuadraticSpec(num_steps=a.steps, dim=a.dim, lam_min=a.lam_max if a.lam_min is None
+                         else a.lam_min, lam_max=a.lam_max, rotate=a.rotate,
+                         rescale=not a.no_rescale, dtype=a.dtype)
+    hp = {"lr": a.lr, "eps": a.eps, "b1": a.b1, "b2": a.b2, "noise": a.noise,
+          "theta0": a.theta0, "seed": a.seed}
+    t0 = time.perf_counter()
+    out = run_quadratic(hp, spec)
+    wall = time.perf_counter() - t0
+    es = eps_star(a.lr, spec.lam_max, a.b1)
+    problem = {"kind": "quadratic", **hp, "dim": spec.dim, "lam_min": spec.lam_min,
+               "lam_max": spec.lam_max, "rotate": spec.rotate, "rescale": spec.rescale,
+               "dtype": spec.dtype, "eps_star": es}
+    config = {"problem": problem, "num_steps": a.steps}
+    write_run(a.out, quadratic_traces(out, spec, hp, wall), config=config, problem=problem,
+              progress=not a.no_progress)
+    spikes = count_spikes(out["log10_loss"])
+    print(json.dumps({"out": str(a.out), "eps_star": es, "num_spikes": int(len(spikes)),
+                      "first_spike": int(spikes.start.min()) if len(spikes) else None,
+                      "final_log10_loss": float(out["log10_loss"][-1])}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- mlp
+
+def _mlp(argv) -> int:
+    p = _Parser(prog="adamspike simulate mlp",
+                description="2-layer FNN on sin x + sin 4x ('sin') or a deep tanh MLP ('deep')")
+    p.add_argument("--out", type=Path, required=True, help="run directory (must not exist)")
+    p.add_argument("--kind", default="sin", help="sin | deep")
+    p.add_argument("--steps", type=int, default=20_000)
+    p.add_argument("--width", type=int, default=None, help="default 256 (sin) / 64 (deep)")
+    p.add_argument("--depth", type=int, default=None, help="hidden layers; default 1 (sin) / 8 (deep)")
+    p.add_argument("--num-points", type=int, default=None, help="default 256 (sin) / 1024 (deep)")
+    p.add_argument("--batch-size", type=int, default=None, help="0 = full batch; default 0 (sin) / 128 (deep)")
+    p.add_argument("--init-gain", type=float, default=1.0)
+    p.add_argument("--input-scale", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loss-scale", type=float, default=1.0, help="Adam on s*L (= eps/s)")
+    p.add_argument("--layers-every", type=int, default=1)
+    p.add_argument("--hist-every", type=int, default=100, help="0 = no histograms")
+    p.add_argument("--no-progress", action="store_true")
+    _optim_args(p, lr=1e-3, b2=0.999, eps=1e-8)
+    a = p.parse_args(argv)
+    from adamspike.config import to_dict
+    from simulate.mlp import KINDS, MLPSpec, train
+    from simulate.runner import write_run
+    if a.kind not in KINDS:
+        raise ValueError(f"kind: must be one of {list(KINDS)}, got {a.kind!r}")
+    deep = a.kind == "deep"
+    spec = MLPSpec(kind=a.kind, width=a.width or (64 if deep else 256),
+                   depth=a.depth or (8 if deep else 1),
+                   num_points=a.num_points or (1024 if deep else 256),
+                   batch_size=(128 if deep else 0) if a.batch_size is None else a.batch_size,
+                   init_gain=a.init_gain, input_scale=a.input_scale, seed=a.seed)
+    optim = _optim(a)
+    _positive("loss_scale", a.loss_scale)
+    if a.steps < 1:
+        raise ValueError(f"steps: must be >= 1, got {a.steps}")
+    if a.layers_every < 1:
+        raise ValueError(f"layers_every: must be >= 1, got {a.layers_every}")
+    if a.hist_every < 0:
+        raise ValueError(f"hist_every: must be >= 0, got {a.hist_every}")
+    _check_out(a.out)
+    traces = train(spec, optim, a.steps, loss_scale=a.loss_scale, hist_every=a.hist_every,
+                   progress=not a.no_progress)
+    problem = {"kind": f"mlp-{a.kind}", **{k: getattr(spec, k) for k in spec.__dataclass_fields__},
+               "loss_scale": a.loss_scale}
+    config = {"problem": problem, "optim": to_dict(optim), "num_steps": a.steps,
+              "telemetry": {"every": a.layers_every, "hist_every": a.hist_every}}
+    write_run(a.out, traces, config=config, problem=problem, layers_every=a.layers_every,
+              progress=not a.no_progress)
+    print(json.dumps({"out": str(a.out), "final_loss": float(traces["loss"][-1]),
+                      "min_loss": float(traces["loss"].min())}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- streams
+
+def _streams(argv) -> int:
+    try:
+        streams = importlib.import_module("simulate.streams")
+    except ModuleNotFoundError as e:
+        if e.name in ("simulate.streams",):
+            print("adamspike simulate streams: not built (simulate/streams.py missing)", file=sys.stderr)
+            return 3
+        raise
+    if not hasattr(streams, "simulate_streams"):
+        print("adamspike simulate streams: not built (simulate.streams.simulate_streams missing)",
+              file=sys.stderr)
+        return 3
+    p = _Parser(prog="adamspike simulate streams",
+                description="Monte-Carlo AR(1) gradient streams through Adam (simulate.streams)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--coords", type=int, default=65536, help="coordinates per configuration")
+    p.add_argument("--b1", type=float, default=0.9)
+    p.add_argument("--b2", type=float, default=0.95)
+    p.add_argument("--eps", type=float, default=0.0)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--mu", type=float, default=0.0)
+    p.add_argument("--phi", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--record", default="last", help="last | all")
+    p.add_argument("--out", type=Path, default=None, help="write the statistics as JSON here")
+    a = p.parse_args(argv)
+    if a.record not in ("last", "all"):
+        raise ValueError(f"record: must be 'last' or 'all', got {a.record!r}")
+    if a.out is not None and a.out.exists():
+        raise ValueError(f"out: {a.out} exists (nothing was overwritten)")
+    cfg = {k: getattr(a, k) for k in ("b1", "b2", "eps", "sigma", "mu", "phi")}
+    stats = streams.simulate_streams([cfg], a.steps, a.coords, seed=a.seed, record=a.record)
+    res = {"config": cfg, "steps": a.steps, "coords": a.coords, "seed": a.seed,
+           "stats": {k: (v[0].tolist() if hasattr(v, "tolist") else v) for k, v in stats.items()}}
+    text = json.dumps(res, indent=None if a.out is None else 2, allow_nan=True)
+    if a.out is not None:
+        from adamspike.rundir import atomic_write_bytes
+        atomic_write_bytes(a.out, text.encode())
+    else:
+        print(text)
+    return 0
+
+
+# ----------------------------------------------------------------------------- llama
+
+def _llama(argv) -> int:
+    try:
+        mod = importlib.import_module("simulate.llama_train")
+    except ModuleNotFoundError as e:
+        if e.name == "simulate.llama_train":
+            print("adamspike simulate llama: not built (simulate/llama_train.py missing)", file=sys.stderr)
+            return 3
+        raise
+    return int(mod.main(argv))
+
+
+def simulate_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    problem, rest = argv[0], argv[1:]
+    if problem not in PROBLEMS:
+        print(f"adamspike simulate: error: problem: unknown {problem!r} (choose from "
+              f"{', '.join(PROBLEMS)})", file=sys.stderr)
+        return 2
+    handler = {"quadratic": _quadratic, "mlp": _mlp, "streams": _streams, "llama": _llama}[problem]
+    try:
+        return handler(rest)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except _UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except ValueError as e:  # ConfigError, RunFormatError and our checks are ValueErrors
+        print(f"adamspike simulate {problem}: error: {_flag_name(str(e))}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(simulate_main())
