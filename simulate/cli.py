@@ -99,6 +99,8 @@ def _quadratic(argv) -> int:
     _positive("lr", a.lr)
     _positive("eps", a.eps, allow_zero=True)
     _positive("noise", a.noise, allow_zero=True)
+    if a.steps < 1:
+        raise ValueError(f"steps: must be >= 1, got {a.steps}")
     for k in ("b1", "b2"):
         if not 0 <= getattr(a, k) < 1:
             raise ValueError(f"{k}: must be in [0, 1), got {getattr(a, k)}")
