@@ -25,8 +25,27 @@ stderr) and returns numpy traces for simulate.runner: per step loss, lr, grad_no
 clipping), clipped, update_norm, and per step / tensor the telemetry sums; r histograms at
 steps divisible by hist_every.
 
-Measured settings (float32, seed 0; see DEMO below and the report): filled in from runs of
-`adamspike simulate mlp`; the unit tests use short runs only.
+Measured (float32, seed 0, constant lr, no clipping unless said; spikes = analysis.spikes
+.detect_spikes(loss, window=100, k=6, min_rel_jump=1, log=True), i.e. loss >= 2x the
+rolling median and beyond 6 MAD; "10x" = peak >= 10x baseline):
+  sin, width 256, lr 1e-2, 2e4 steps, b1 0.9:
+    eps 1e-8, b2 0.999: 638 spikes (288 >= 10x, 90 >= 100x, max 729x); final loss 5.4e-5
+    eps 1e-8, b2 0.99 : 144 (24 >= 10x, max 286x); final 2.0e-3
+    eps 1e-8, b2 0.9  : 0 spikes (the loss chatters within a ~10x band); final 8.9e-3
+    eps 1e-3, b2 0.999: 274 (58 >= 10x, max 51x); final 4.3e-3
+    eps 0.1,  b2 0.999: 0 spikes, but the net barely fits (final 1.4e-1: Adam -> SGD, lr/eps)
+    update_clip, eps 1e-8, b2 0.999: 51 spikes (24 >= 10x) but max 51254x (not investigated)
+  sin at width 100 / 1000, lr 1e-3 / 1e-2: eps 1e-8, b2 0.999 spikes in every case (72..561
+    detections, max 5.6x..77x); b2 0.9 and eps 0.1 none (eps 0.1 again fits badly).
+  deep (width 64, depth 8, 1024 points, batch 128, lr 1e-3, grad_clip 1, 6000 steps, eps
+    1e-8): no run spiked (<= 1 detection, max 7x) at loss scale 1 / 1e-3 / 1e-5, b2 0.999 /
+    0.95. rho per weight (layers 0..7, output; last 500 steps), loss scale 1:
+    4e4 2.4e4 2.1e4 2e4 2.1e4 2.3e4 2.7e4 3.8e4 5e5 (U-shaped: the middle layers, not the
+    first, are smallest; only ~2x, the output layer 10x above); loss scale 1e-3 divides rho
+    by 1e3 (43 .. 26 .. 560) and 1e-5 puts every layer below eps (rho 0.012..0.14, update
+    rms 1e-3: the eps-dominated regime). input_scale 0.01 / 0.001 did not make layer 0 the
+    smallest either (Adam grows W0 to compensate). With update_clip the deep runs reached
+    much lower loss (1e-6..2e-7) and then showed 7..8 spikes >= 10x.
 """
 
 from __future__ import annotations
@@ -44,7 +63,7 @@ import optax
 from adamspike.train_config import OptimSection
 from simulate import optim as O
 from adamspike.metrics import NUM_HIST_BINS
-from simulate.telemetry import NUM_SUMS, hist_counts, step_telemetry, update_direction
+from simulate.telemetry import hist_counts, step_telemetry, update_direction
 
 KINDS = ("sin", "deep")
 DEEP_INPUT_DIM = 16
