@@ -11,6 +11,7 @@ import pytest
 
 from adamspike.train_config import GuardSection
 from analysis.spikes import detect_spikes
+from fullscale import checkpoint
 from fullscale.guard import SpikeGuard
 
 
@@ -114,3 +115,89 @@ def test_state_round_trip_and_config_mismatch():
     assert h.observe(42, 9.0).action == g.observe(42, 9.0).action == "rollback"
     with pytest.raises(ValueError, match="window"):
         SpikeGuard(_cfg(window=32)).load_state_dict(g.state_dict())
+
+
+# ----------------------------------------------------------------------------- end to end
+
+GUARD_RUN = """
+[model]
+preset = "tiny"
+[optim]
+lr = 3e-3
+warmup_steps = 5
+schedule = "constant"
+[train]
+num_steps = 60
+global_batch_size = 8
+seq_len = 32
+seed = 0
+[data]
+poison_steps = [40]
+[telemetry]
+every = 10
+hist_every = 0
+[checkpoint]
+every = 10
+keep = 2
+[guard]
+enabled = true
+window = 20
+skip_batches = 5
+max_retries = 2
+"""
+
+
+def _train(tmp_path, name, *overrides):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = tmp_path / "guard.toml"
+    config.write_text(GUARD_RUN)
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / name
+    proc = subprocess.run([sys.executable, "-m", "fullscale.train", "--config", str(config),
+                           "--out", str(out), *overrides], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                            "PYTHONPATH": str(root)})
+    return proc, out
+
+
+def test_guard_end_to_end_spike_rollback_skip_recover(tmp_path):
+    from adamspike.rundir import load_run
+
+    proc, out = _train(tmp_path, "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = load_run(out, tables=("steps",))
+    ev = run.events
+    guard_events = ev[ev["type"].isin(["spike", "nonfinite_loss", "rollback", "skip_batches",
+                                       "abort"])]
+    assert guard_events["type"].tolist() == ["spike", "rollback", "skip_batches"]
+    spike, rollback, skip = (guard_events.iloc[i] for i in range(3))
+    assert spike["step"] == 40 and spike["loss"] > spike["threshold"]
+    assert (rollback["from_step"], rollback["to_step"]) == (40, 30)
+    assert rollback["checkpoint"].endswith("step-00000030")
+    # batches 31..40 were read since the checkpoint (> skip_batches = 5): all are skipped
+    assert (skip["first_batch"], skip["last_batch"], skip["offset_after"]) == (31, 40, 10)
+
+    steps = run.steps.set_index("step")
+    assert steps.index.tolist() == list(range(1, 61))      # each step once, re-run rows kept
+    before = steps.loss.loc[30:39].mean()
+    after = steps.loss.loc[41:50].mean()
+    assert steps.loss.loc[40] < spike["threshold"]         # step 40 now reads a clean batch
+    assert after < 1.05 * before, (before, after)
+    print(f"spike loss {spike['loss']:.3f} (threshold {spike['threshold']:.3f}); mean loss "
+          f"steps 30-39 {before:.3f}, 41-50 after recovery {after:.3f}")
+
+
+def test_guard_end_to_end_gives_up_after_max_retries(tmp_path):
+    from adamspike.rundir import load_run
+
+    proc, out = _train(tmp_path, "run", "--guard.max_retries", "0", "--train.num_steps", "45")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "guard.max_retries = 0" in proc.stderr and "Traceback" not in proc.stderr
+    types = load_run(out, tables=()).events["type"].tolist()
+    assert types.count("spike") == 1 and "rollback" not in types and types[-1] == "abort"
+    # nothing after the spike was checkpointed: the newest state is the good one of step 30
+    assert checkpoint.steps_of(out / "checkpoints") == [20, 30]
