@@ -63,7 +63,8 @@ def test_tiny_run_learns_and_writes_the_run_directory(tmp_path):
 def test_poisoned_batch_spikes_and_skipped_batch_is_consumed_without_update(tmp_path):
     out = tmp_path / "run"
     assert _train(out, "--train.num_steps", "24", "--data.poison_steps", "22",
-                  "--data.skip_batches", "6", "--telemetry.every", "2", "--guard.window", "8") == 0
+                  "--data.skip_batches", "6", "--telemetry.every", "2", "--guard.window", "8",
+                  "--guard.min_rel_jump", "0.1") == 0
     s = load_run(out).steps.set_index("step")
     assert s.loc[6, "skipped"] and np.isnan(s.loc[6, "loss"]) and s.loc[6, "update_norm"] == 0
     assert not s.drop(6)["skipped"].any()
