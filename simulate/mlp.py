@@ -46,6 +46,13 @@ rolling median and beyond 6 MAD; "10x" = peak >= 10x baseline):
     rms 1e-3: the eps-dominated regime). input_scale 0.01 / 0.001 did not make layer 0 the
     smallest either (Adam grows W0 to compensate). With update_clip the deep runs reached
     much lower loss (1e-6..2e-7) and then showed 7..8 spikes >= 10x.
+  deep, FULL batch (256 points, batch_size 0), no clipping, 1e4 steps, eps 1e-8:
+    lr 1e-3, b2 0.999: converges to ~5e-15, then 43 spikes (first at step 1911), the
+      largest from ~1e-15 back to ~1e-2; loss scale 1e-3: 22 spikes (11 >= 10x)
+    lr 3e-3, b2 0.999: 4 spikes (first 7418), same 1e-15 -> 1e-2 kind
+    b2 0.9 (lr 1e-3 and 3e-3) and eps 0.1: no spike (final 2e-5 / 5e-6 and 1e-5 / 1e-9)
+    lr 3e-3, b2 0.9: rho rises monotonically with depth, 31 (layer 0) .. 1.6e3 (layer 7)
+      .. 8e4 (output): here the shallow layers do have the smallest gradients.
 """
 
 from __future__ import annotations
