@@ -7,7 +7,9 @@ The loop, top to bottom (one optimizer step s = 1..train.num_steps):
     config -> device + process group -> model on meta -> parallelize -> to_empty ->
     init_weights -> AdamW + LambdaLR -> data source -> run directory (rank 0) -> [resume]
     for each step s:
-        data.skip_batches hit?      log the step with skipped=True, no update, data consumed
+        data.skip_batches hit?      forward/backward for loss and grad_norm, logged with
+                                    skipped=True; no update (parameters, Adam state and its
+                                    step count untouched), lr schedule advances ("skip" event)
         micro-batches of this rank  (sampler.local_batch: batch s + offset, poison_steps)
         forward / backward          loss_scale * (ce + z_loss * mean(logsumexp^2)) / accum
         loss = mean over the global batch (all-reduced); clip (threshold grad_clip * s)
@@ -60,7 +62,7 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -254,6 +256,8 @@ def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
 
     # --- the loop ------------------------------------------------------------------------
     scale, num_steps = cfg.train.loss_scale, cfg.train.num_steps
+    # skipped steps still read and measure their batch (as simulate/llama_train.py)
+    cfg_measure = replace(cfg, data=replace(cfg.data, skip_batches=[]))
     tokens_per_step = plan.global_batch_size * cfg.train.seq_len
     group = shard_group(p for g in optimizer.param_groups for p in g["params"])
     progress = _progress(rank, num_steps, start_step - 1)
@@ -262,29 +266,25 @@ def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
         while step <= num_steps:
             t0 = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
-            if is_skipped(step, cfg):  # data.skip_batches: batch consumed, no update
+            if is_skipped(step, cfg):  # data.skip_batches: measured, not trained on
+                loss = _forward_backward(model, source, step, cfg_measure, rank, world,
+                                         position.offset, device)
+                grad_norm, _ = clip_gradients(model.parameters(), 0.0)   # norm only
+                optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
                 position.step = step
                 if rank == 0:
-                    writer.log_step(step=step, tokens=step * tokens_per_step, loss=math.nan,
-                                    lr=lr, grad_norm=math.nan, clipped=False,
-                                    update_norm=0.0, step_time_s=time.perf_counter() - t0,
-                                    skipped=True)
-                    writer.event("skipped_step", step=step, reason="data.skip_batches")
+                    writer.log_step(step=step, tokens=step * tokens_per_step, loss=loss, lr=lr,
+                                    grad_norm=grad_norm, clipped=False, update_norm=0.0,
+                                    step_time_s=time.perf_counter() - t0, skipped=True)
+                    writer.event("skip", step=step, reason="data.skip_batches", loss=loss)
                 _maybe_checkpoint(cfg, step, ckpt_root, model, optimizer, scheduler, position,
                                   guard, writer, rank)
                 step += 1
                 progress.update(1)
                 continue
 
-            # forward / backward over this rank's micro-batches
-            micro = local_batch(source, step, cfg, rank, world, offset=position.offset)
-            loss_sum = torch.zeros((), device=device)
-            for mb in micro:
-                loss = loss_terms(model(mb.inputs.to(device)), mb.targets.to(device), cfg.train.z_loss)
-                (loss * (scale / len(micro))).backward()
-                loss_sum += loss.detach()
-            loss = _mean_over_ranks(loss_sum / len(micro))
+            loss = _forward_backward(model, source, step, cfg, rank, world, position.offset, device)
             grad_norm, clipped = clip_gradients(model.parameters(), cfg.optim.grad_clip * scale)
 
             # spike guard: judge the loss before its update is applied
@@ -371,6 +371,18 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             keys.append(prefix + k)
     return keys
+
+
+def _forward_backward(model, source, step, cfg, rank, world, offset, device) -> float:
+    """Gradients of loss_scale * loss over this rank's micro-batches (accumulated in
+    p.grad); returns the unscaled loss averaged over the global batch."""
+    micro = local_batch(source, step, cfg, rank, world, offset=offset)
+    loss_sum = torch.zeros((), device=device)
+    for mb in micro:
+        loss = loss_terms(model(mb.inputs.to(device)), mb.targets.to(device), cfg.train.z_loss)
+        (loss * (cfg.train.loss_scale / len(micro))).backward()
+        loss_sum += loss.detach()
+    return _mean_over_ranks(loss_sum / len(micro))
 
 
 def _progress(rank: int, total: int, initial: int):

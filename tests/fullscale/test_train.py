@@ -66,7 +66,9 @@ def test_poisoned_batch_spikes_and_skipped_batch_is_consumed_without_update(tmp_
                   "--data.skip_batches", "6", "--telemetry.every", "2", "--guard.window", "8",
                   "--guard.min_rel_jump", "0.1") == 0
     s = load_run(out).steps.set_index("step")
-    assert s.loc[6, "skipped"] and np.isnan(s.loc[6, "loss"]) and s.loc[6, "update_norm"] == 0
+    # the skipped batch is measured (loss, grad norm) but not trained on
+    assert s.loc[6, "skipped"] and s.loc[6, "update_norm"] == 0
+    assert np.isfinite(s.loc[6, "loss"]) and s.loc[6, "grad_norm"] > 0
     assert not s.drop(6)["skipped"].any()
     # all targets = token 0: the loss jumps to about -log p(0) ~ log(64) (measured ~4.1
     # against ~3.3 around it at this point of training)
@@ -74,12 +76,14 @@ def test_poisoned_batch_spikes_and_skipped_batch_is_consumed_without_update(tmp_
     assert s.loc[22, "loss"] > 1.15 * normal
     assert s.loc[22, "loss"] == s.loc[4:, "loss"].max()
     ev = load_run(out).events
-    assert "skipped_step" in ev["type"].tolist()
+    assert ev[ev["type"] == "skip"]["step"].tolist() == [6]
     assert ev[ev["type"] == "spike"]["step"].tolist() == [22]   # detector runs with guard off
-    # the skipped step consumed batch 6: the run with no skip reads a different batch at 7
+    # step 6 read batch 6: same loss as a run without the skip (same weights after the 5
+    # identical warmup steps, whose lr does not depend on num_steps)
     out2 = tmp_path / "noskip"
     assert _train(out2, "--train.num_steps", "7", "--telemetry.enabled", "false") == 0
-    assert load_run(out2).steps.set_index("step").loc[7, "loss"] != s.loc[7, "loss"]
+    s2 = load_run(out2).steps.set_index("step")
+    assert s2.loc[6, "loss"] == pytest.approx(s.loc[6, "loss"], rel=1e-6)
 
 
 def test_guard_rolls_back_and_skips_past_a_poisoned_batch(tmp_path):
