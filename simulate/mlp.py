@@ -34,7 +34,11 @@ rolling median and beyond 6 MAD; "10x" = peak >= 10x baseline):
     eps 1e-8, b2 0.9  : 0 spikes (the loss chatters within a ~10x band); final 8.9e-3
     eps 1e-3, b2 0.999: 274 (58 >= 10x, max 51x); final 4.3e-3
     eps 0.1,  b2 0.999: 0 spikes, but the net barely fits (final 1.4e-1: Adam -> SGD, lr/eps)
-    update_clip, eps 1e-8, b2 0.999: 51 spikes (24 >= 10x) but max 51254x (not investigated)
+    update_clip, eps 1e-8, b2 0.999: 51 spikes (24 >= 10x), but larger: max 51254x, peaks
+      at loss 4..44, ~1000-step recoveries. At the onset of the three largest the unclipped
+      direction already has update_rms 1.2..1.6 while rms_t is 0.05..1.1 (v_hat is not
+      stale: the loud-gradient trigger stays off); rms_t reaches 5..25 only after the loss
+      has jumped, so the clip slows the recovery instead of preventing the onset.
   sin at width 100 / 1000, lr 1e-3 / 1e-2: eps 1e-8, b2 0.999 spikes in every case (72..561
     detections, max 5.6x..77x); b2 0.9 and eps 0.1 none (eps 0.1 again fits badly).
   deep (width 64, depth 8, 1024 points, batch 128, lr 1e-3, grad_clip 1, 6000 steps, eps
