@@ -190,6 +190,16 @@ def test_guard_end_to_end_spike_rollback_skip_recover(tmp_path):
     print(f"spike loss {spike['loss']:.3f} (threshold {spike['threshold']:.3f}); mean loss "
           f"steps 30-39 {before:.3f}, 41-50 after recovery {after:.3f}")
 
+    # The skip offset and the guard state survive a resume: stop at 50, resume to 60, and
+    # the trace is bitwise that of the uninterrupted run (constant lr: num_steps only ends it).
+    proc, out2 = _train(tmp_path, "split", "--train.num_steps", "50")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, _ = _train(tmp_path, "split", "--train.num_steps", "60", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    split = load_run(out2, tables=("steps",))
+    assert split.steps["loss"].tolist() == run.steps["loss"].tolist()
+    assert "config_changed" in set(split.events["type"])
+
 
 def test_guard_end_to_end_gives_up_after_max_retries(tmp_path):
     from adamspike.rundir import load_run
