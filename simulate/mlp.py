@@ -151,11 +151,18 @@ def forward(params, x, depth: int):
 
 
 def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: float = 1.0,
-          hist_every: int = 0, chunk: int = 1000, progress: bool = True) -> dict:
+          hist_every: int = 0, curvature: bool = False, chunk: int = 1000,
+          progress: bool = True) -> dict:
     """Train and return numpy traces (see module docstring): keys loss, lr, grad_norm,
     clipped, update_norm, step_time_s (chunk wall time / chunk steps), sums
     (num_steps, num_tensors, NUM_SUMS), hist_steps, hists (len(hist_steps), num_tensors,
-    bins), names, depths, kinds, numels, eps, batch_size."""
+    bins), names, depths, kinds, numels, eps, batch_size.
+
+    curvature=True adds Bai et al.'s gradient-direction curvature of the preconditioned
+    Hessian, one Hessian-vector product per step (forward-over-reverse):
+        lam_hat_grad = g^T P H g / ||g||^2,  P = [(1-b1)/(1+b1)] / (1-b1^t) / (sqrt(v_hat) + eps)
+    (g: the gradient Adam consumed, H: Hessian of the (scaled) minibatch loss at the
+    parameters g was taken at, v_hat after the step) and threshold = 2 / lr_t."""
     if num_steps < 1:
         raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
     if hist_every < 0:
@@ -178,6 +185,7 @@ def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: flo
 
     def step(carry, t):
         params, opt_state = carry
+        params_before = params
         loss, grads = jax.value_and_grad(lambda p: loss_scale * loss_fn(p, t))(params)
         prev = O.adam_state(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -185,8 +193,20 @@ def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: flo
         grad_norm, _, clipped = O.clip_info(opt_state)
         sums, _ = step_telemetry(O.consumed_grads(grads, opt_state), prev,
                                  O.adam_state(opt_state), params, b1, b2, eps)
+        lr_t = sched(t - 1)
         out = {"loss": loss / loss_scale, "grad_norm": grad_norm, "clipped": clipped,
-               "update_norm": O.global_norm(updates), "lr": sched(t - 1), "sums": sums}
+               "update_norm": O.global_norm(updates), "lr": lr_t, "sums": sums}
+        if curvature:
+            st = O.adam_state(opt_state)
+            g = O.consumed_grads(grads, opt_state)
+            scaled_grad = jax.grad(lambda p: loss_scale * loss_fn(p, t))
+            hg = jax.jvp(scaled_grad, (params_before,), (g,))[1]
+            c = (1 - b1) / (1 + b1) / (1 - b1 ** st.count)
+            bc2 = 1 - b2 ** st.count
+            num = sum(jnp.sum(g[k] * hg[k] * c / (jnp.sqrt(st.nu[k] / bc2) + eps)) for k in g)
+            den = sum(jnp.sum(g[k] * g[k]) for k in g)
+            out["lam_hat_grad"] = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+            out["threshold"] = 2.0 / lr_t
         if hist_every:
             def hists():
                 st = O.adam_state(opt_state)

@@ -57,3 +57,21 @@ def test_init_and_spec_errors():
             MLPSpec(**kw)
     with pytest.raises(ValueError, match="num_steps"):
         train(MLPSpec(), OptimSection(), 0, progress=False)
+
+
+def test_sin_fnn_spikes_follow_curvature_crossings():
+    """Bai et al.: on the sin x + sin 4x FNN (full batch, b2 = 0.999, eps = 1e-8) every large
+    loss spike comes after lam_hat_grad = g^T P H g / ||g||^2 exceeded 2/lr; the crossing is
+    not permanent (it is a precursor, not a constant)."""
+    from analysis.spikes import detect_spikes
+
+    opt = OptimSection(lr=1e-2, eps=1e-8, b2=0.999, grad_clip=0.0, schedule="constant")
+    tr = train(MLPSpec(kind="sin", width=256), opt, 3000, curvature=True, chunk=3000,
+               progress=False)
+    sp = detect_spikes(tr["loss"], window=100, k=6.0, min_rel_jump=1.0, log=True)
+    big = sp[sp.height >= 9]
+    assert len(big) >= 2
+    above = tr["lam_hat_grad"] > tr["threshold"]
+    for s in big.start:
+        assert above[max(0, s - 101):s - 1].any(), s
+    assert 0.01 < above[500:].mean() < 0.5
