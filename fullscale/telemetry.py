@@ -53,29 +53,44 @@ def _edges(dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(e)
 
 
-def tensor_sums(g, m_hat, v_hat, p, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(SUM_FIELDS sums of one flat local tensor, with g_mprev / mprev2 left 0; r)."""
-    r = m_hat / (v_hat.sqrt() + eps)
-    r2, g2 = r * r, g * g
-    denom = v_hat.clamp_min(eps * eps)
+def tensor_sums(g, m, v, p, bc1: float, bc2: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(SUM_FIELDS sums of one flat local tensor, with g_mprev / mprev2 left 0; r).
+
+    g, m = exp_avg, v = exp_avg_sq, p: flat tensors of the compute dtype; bc1 = 1 - b1^t,
+    bc2 = 1 - b2^t. Written for few passes: dot products instead of product + sum, and
+    in-place updates of a handful of temporaries (one tensor at a time)."""
+    m_hat = m / bc1
+    v_hat = v / bc2
+    den = v_hat.sqrt()
+    eps_small = torch.count_nonzero(den < eps)
+    r = torch.div(m_hat, den.add_(eps), out=den)          # r = m_hat / (sqrt(v_hat) + eps)
+    r2 = r * r
+    v_sum = v_hat.sum()
+    denom = v_hat.clamp_min_(eps * eps)                   # max(v_hat, eps^2), in place
     if eps > 0:
-        g2_over_v = (g2 / denom).sum()
+        g2_over_v = torch.dot(g / denom, g)
     else:  # v_hat = 0 implies g = 0 (v >= (1 - b2) g^2): count 0
         ok = denom > 0
-        g2_over_v = torch.where(ok, g2 / torch.where(ok, denom, 1.0), 0.0).sum()
-    zero = g2_over_v.new_zeros(())
+        g2_over_v = torch.where(ok, g * g / torch.where(ok, denom, 1.0), 0.0).sum()
+    zero = v_sum.new_zeros(())
     out = torch.stack([
-        g2_over_v.new_tensor(float(g.numel())), g2.sum(), r.sum(), r2.sum(), (r2 * r).sum(),
-        (r2 * r2).sum(), g2_over_v, (r.abs() > SAT_THRESHOLD).sum().to(g.dtype),
-        (v_hat.sqrt() < eps).sum().to(g.dtype), (m_hat * m_hat).sum(), v_hat.sum(), zero, zero,
-        (p * p).sum()])
+        v_sum.new_tensor(float(g.numel())), torch.dot(g, g), r.sum(), r2.sum(), torch.dot(r2, r),
+        torch.dot(r2, r2), g2_over_v, torch.count_nonzero(r.abs() > SAT_THRESHOLD).to(g.dtype),
+        eps_small.to(g.dtype), torch.dot(m_hat, m_hat), v_sum, zero, zero, torch.dot(p, p)])
     return out, r
 
 
 def hist_counts(r: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """Counts (NUM_HIST_BINS,) of r on edges, ends clipped, last edge in the last bin."""
-    idx = (torch.bucketize(r, edges, right=True) - 1).clamp_(0, NUM_HIST_BINS - 1)
-    return torch.bincount(idx, minlength=NUM_HIST_BINS).to(r.dtype)
+    """Counts (NUM_HIST_BINS,) of r on edges, ends clipped, last edge in the last bin.
+
+    The bin index comes from the equal-width formula, then is corrected by one comparison
+    with each neighbouring edge, so the result is numpy.histogram's exactly (bucketize
+    gives the same answer at ~2.5x the cost on CPU)."""
+    lo, width = float(HIST_EDGES[0]), float(HIST_EDGES[1] - HIST_EDGES[0])
+    idx = r.sub(lo).div_(width).floor_().clamp_(0, NUM_HIST_BINS - 1).long()
+    idx -= (r < edges[idx]).long()                        # below its left edge
+    idx += (r >= edges[idx + 1]) & (idx < NUM_HIST_BINS - 1)   # at / past its right edge
+    return torch.bincount(idx.clamp_(0, NUM_HIST_BINS - 1), minlength=NUM_HIST_BINS).to(r.dtype)
 
 
 @dataclass
@@ -132,7 +147,7 @@ class Telemetry:
             state = self.optimizer.state.get(p, {})
             if "exp_avg" in state:
                 m = _local(state["exp_avg"]).to(self.dtype).reshape(-1)
-                rows.append(torch.stack([(g * m).sum(), (m * m).sum()]))
+                rows.append(torch.stack([torch.dot(g, m), torch.dot(m, m)]))
             else:  # first step: m_prev = 0
                 rows.append(g.new_zeros(2))
         self._mprev = torch.stack(rows)
@@ -148,11 +163,9 @@ class Telemetry:
         for p in self.params:
             state = self.optimizer.state[p]
             t = int(state["step"])
-            g = _local(p.grad).to(self.dtype).reshape(-1)
-            m_hat = _local(state["exp_avg"]).to(self.dtype).reshape(-1) / (1 - self.b1 ** t)
-            v_hat = _local(state["exp_avg_sq"]).to(self.dtype).reshape(-1) / (1 - self.b2 ** t)
-            sums, r = tensor_sums(g, m_hat, v_hat, _local(p).detach().to(self.dtype).reshape(-1),
-                                  self.eps)
+            flat = [_local(x).detach().to(self.dtype).reshape(-1)
+                    for x in (p.grad, state["exp_avg"], state["exp_avg_sq"], p)]
+            sums, r = tensor_sums(*flat, 1 - self.b1 ** t, 1 - self.b2 ** t, self.eps)
             rows.append(torch.cat([sums, hist_counts(r, self.edges)]) if with_hist else sums)
         table = torch.stack(rows)
         table[:, _G_MPREV], table[:, _MPREV2] = self._mprev[:, 0], self._mprev[:, 1]

@@ -1,0 +1,91 @@
+"""Cost of per-tensor Adam telemetry in the torch trainer's step, on CPU.
+
+One training step = forward + backward + clip + AdamW step of a LLaMA preset (tiny, small)
+on a synthetic batch, timed three ways, interleaved in every repeat so that machine noise
+hits all variants alike:
+    off        no telemetry
+    every      fullscale.telemetry every step (before_step + after_step, float64 sums)
+    every+hist the same plus the r histogram (64 bins) of every tensor
+Prints median ms per step and the ratio to "off" (target: <= 1.05).
+
+    python bench/bench_telemetry_torch.py [--repeats 30] [--threads 1] [--presets tiny small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from adamspike.llama import PRESETS, spec_by_name
+from adamspike.train_config import OptimSection
+from fullscale.model import Transformer
+from fullscale.optim import build_optimizer, clip_gradients
+from fullscale.telemetry import Telemetry
+
+VARIANTS = ("off", "every", "every+hist")
+
+
+def make_setup(preset: str, batch: int, seq_len: int):
+    cfg = PRESETS[preset]
+    model = Transformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    opt = build_optimizer(model, OptimSection(lr=1e-3, eps=1e-8))
+    tel = {"off": None,
+           "every": Telemetry(opt, spec_by_name(cfg), every=1, hist_every=0),
+           "every+hist": Telemetry(opt, spec_by_name(cfg), every=1, hist_every=1)}
+    x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(1))
+    return model, opt, tel, x
+
+
+def one_step(model, opt, tel, x, step) -> float:
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    clip_gradients(model.parameters(), 1.0)
+    if tel is not None:
+        tel.before_step(step)
+    opt.step()
+    if tel is not None:
+        tel.after_step(step)
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), batch {args.batch} x "
+          f"{args.seq_len} tokens, median of {args.repeats} interleaved repeats")
+    print(f"{'preset':8s} {'tensors':>7s} " + " ".join(f"{v + ' ms':>14s}" for v in VARIANTS)
+          + "   ratio every   ratio every+hist")
+    for preset in args.presets:
+        model, opt, tel, x = make_setup(preset, args.batch, min(args.seq_len, PRESETS[preset].max_seq_len))
+        times = {v: [] for v in VARIANTS}
+        step = 0
+        for r in range(args.warmup + args.repeats):
+            for v in VARIANTS:
+                step += 1
+                dt = one_step(model, opt, tel[v], x, step)
+                if r >= args.warmup:
+                    times[v].append(dt)
+            print(f"\r{preset}: repeat {r + 1}/{args.warmup + args.repeats}", end="", file=sys.stderr)
+        print("\r", end="", file=sys.stderr)
+        med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+        print(f"{preset:8s} {len(tel['every'].names):7d} " + " ".join(f"{med[v]:14.2f}" for v in VARIANTS)
+              + f"   {med['every'] / med['off']:11.3f}   {med['every+hist'] / med['off']:16.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
