@@ -92,6 +92,7 @@ def _quadratic(argv) -> int:
     p.add_argument("--no-rescale", action="store_true",
                    help="plain floating point (theta may underflow; see simulate.quadratic)")
     p.add_argument("--dtype", default="float64")
+    p.add_argument("--layers-every", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     from simulate.quadratic import QuadraticSpec, count_spikes, eps_star, run_quadratic
@@ -101,6 +102,8 @@ def _quadratic(argv) -> int:
     _positive("noise", a.noise, allow_zero=True)
     if a.steps < 1:
         raise ValueError(f"steps: must be >= 1, got {a.steps}")
+    if a.layers_every < 1:
+        raise ValueError(f"layers_every: must be >= 1, got {a.layers_every}")
     for k in ("b1", "b2"):
         if not 0 <= getattr(a, k) < 1:
             raise ValueError(f"{k}: must be in [0, 1), got {getattr(a, k)}")
@@ -119,7 +122,7 @@ def _quadratic(argv) -> int:
                "dtype": spec.dtype, "eps_star": es}
     config = {"problem": problem, "num_steps": a.steps}
     write_run(a.out, quadratic_traces(out, spec, hp, wall), config=config, problem=problem,
-              progress=not a.no_progress)
+              layers_every=a.layers_every, progress=not a.no_progress)
     spikes = count_spikes(out["log10_loss"])
     print(json.dumps({"out": str(a.out), "eps_star": es, "num_spikes": int(len(spikes)),
                       "first_spike": int(spikes.start.min()) if len(spikes) else None,
@@ -145,6 +148,8 @@ def _mlp(argv) -> int:
     p.add_argument("--loss-scale", type=float, default=1.0, help="Adam on s*L (= eps/s)")
     p.add_argument("--layers-every", type=int, default=1)
     p.add_argument("--hist-every", type=int, default=100, help="0 = no histograms")
+    p.add_argument("--curvature", action="store_true",
+                   help="log lam_hat_grad (one Hessian-vector product per step) and 2/lr")
     p.add_argument("--no-progress", action="store_true")
     _optim_args(p, lr=1e-3, b2=0.999, eps=1e-8)
     a = p.parse_args(argv)
@@ -169,7 +174,7 @@ def _mlp(argv) -> int:
         raise ValueError(f"hist_every: must be >= 0, got {a.hist_every}")
     _check_out(a.out)
     traces = train(spec, optim, a.steps, loss_scale=a.loss_scale, hist_every=a.hist_every,
-                   progress=not a.no_progress)
+                   curvature=a.curvature, progress=not a.no_progress)
     problem = {"kind": f"mlp-{a.kind}", **{k: getattr(spec, k) for k in spec.__dataclass_fields__},
                "loss_scale": a.loss_scale}
     config = {"problem": problem, "optim": to_dict(optim), "num_steps": a.steps,

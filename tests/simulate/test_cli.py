@@ -40,7 +40,7 @@ def test_mlp_run_directory(tmp_path, capsys):
     out = tmp_path / "m"
     rc = simulate_main(["mlp", "--kind", "deep", "--width", "8", "--depth", "2",
                         "--num-points", "32", "--batch-size", "8", "--steps", "60",
-                        "--hist-every", "20", "--grad-clip", "0.1", "--lr", "1e-2",
+                        "--hist-every", "20", "--grad-clip", "0.1", "--lr", "1e-2", "--curvature",
                         "--out", str(out), "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     run = load_run(out)
@@ -53,6 +53,8 @@ def test_mlp_run_directory(tmp_path, capsys):
     assert (counts.sum(1) == [numel[n] for n in run.hists.name.astype(str)]).all()
     assert set(run.layers.kind.astype(str)) == {"param", "output"}
     assert run.config["optim"]["grad_clip"] == 0.1
+    assert np.isfinite(run.steps.lam_hat_grad).all()
+    np.testing.assert_allclose(run.steps.threshold, 2 / run.steps.lr, rtol=1e-6)
 
 
 def test_streams_json(tmp_path):
