@@ -22,6 +22,10 @@ every rank raises the same `CheckpointError`), so a corrupt checkpoint is reject
 state is touched; `load_latest_valid()` falls back to older ones.
 
 Every function is collective when torch.distributed is initialised (call it on all ranks).
+ckpt_root must be one shared filesystem for all ranks (as DCP's FileSystemWriter assumes).
+Re-saving an existing step (after a rollback) moves the old directory aside before the
+rename; a crash in that instant loses that one step's checkpoint, never an older one.
+Pruning renames a directory to `.deleting-*` before removing it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 FORMAT = "adamspike-torch-ckpt/1"
 MARKER = "COMPLETE"
 TRAINER_FILE = "trainer.pt"
+RESERVED_EXTRA = frozenset({"step", "rng_restored", "position", "guard"})
 # DCP warns on every single-process save/load (also from its async thread); that is intended.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -278,6 +283,10 @@ def save(ckpt_root: str | Path, step: int, model: torch.nn.Module,
     final = step_dir(ckpt_root, step)
     partial = final.with_name(final.name + ".partial")
 
+    reserved = sorted(set(extra or {}) & RESERVED_EXTRA)
+    if reserved:
+        raise CheckpointError(final, f"extra uses reserved key(s) {reserved} (load() returns "
+                                     "them itself)")
     count, names = _nonfinite(model, optimizer)
     if count:
         raise NonFiniteError(final, int(step), count, names)
@@ -387,8 +396,13 @@ def prune(ckpt_root: str | Path, keep: int) -> list[Path]:
         m = _PARTIAL_DIR.match(p.name)
         if m and newest is not None and int(m.group(1)) < newest:
             removed.append(p)
-    for p in removed:
-        shutil.rmtree(p, ignore_errors=True)
+    for p in removed:  # rename first: a prune killed halfway never leaves a torn "complete" dir
+        doomed = p.with_name(f".deleting-{p.name}-{os.getpid()}")
+        try:
+            os.replace(p, doomed)
+        except OSError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
     return removed
 
 
@@ -462,7 +476,9 @@ def verify(path: str | Path, *, hashes: bool = True) -> dict:
 def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
          scheduler: Any = None, *, position: Any = None, guard: Any = None,
          restore_rng: bool = True, verify_hashes: bool = True) -> dict:
-    """Restore a checkpoint in place (collective) and return its `extra` dict, with "step".
+    """Restore a checkpoint in place (collective) and return its `extra` dict plus the
+    reserved keys "step", "rng_restored", "position" and "guard" (the saved state dicts, for
+    SpikeGuard.rollback).
 
     The manifest is verified first (CheckpointError, state untouched, if anything is missing,
     truncated or corrupt). Then model + optimizer (DCP; resharded if the world size changed),

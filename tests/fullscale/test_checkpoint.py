@@ -84,6 +84,7 @@ def test_roundtrip_resumes_bitwise(tmp_path):
     assert (np.random.rand(), random.random()) == expect_draws
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # from DCP's thread
 def test_async_save_stages_the_state_and_completes_on_finalize(tmp_path):
     m, opt, sched = _model()
     _train(m, opt, sched, range(2))
@@ -189,6 +190,8 @@ def test_bad_extra_and_mismatched_model(tmp_path):
     m, opt, sched = _model()
     with pytest.raises(ck.CheckpointError, match="cannot be stored safely"):
         ck.save(tmp_path, 1, m, opt, sched, {"obj": object()})
+    with pytest.raises(ck.CheckpointError, match=r"reserved key\(s\) \['step'\]"):
+        ck.save(tmp_path, 1, m, opt, sched, {"step": 1})
     assert not any(tmp_path.iterdir())
     p = ck.save(tmp_path, 1, m, opt, sched)
     other = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
