@@ -1,0 +1,122 @@
+"""`adamspike analyze`: spikes, precursors, alarm scores and theory fits for run directories.
+
+    adamspike analyze RUN... [--predictions p.json] [--out DIR] [--from-study DIR]
+                      [--log megatron.log [--seq-len 4096] [--clip 1.0] [--b1 .. --b2 .. --eps ..]]
+
+Writes DIR/<run>/report.md (+ CSV tables, summary.json, figures/) per run and DIR/report.md
+over all runs. `--log` first imports a Megatron / MindSpeed / AscendSpeed training log into
+DIR/<log name>.run (a run directory, backend "megatron") and analyses it with the rest.
+Bad input (a missing or empty run directory, another schema version, a log without
+iteration lines, a malformed predictions file) is reported on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="adamspike analyze", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("runs", nargs="*", metavar="RUN", help="run directories")
+    ap.add_argument("--from-study", metavar="DIR", help="analyse the runs of a reproduce folder")
+    ap.add_argument("--predictions", help="predictions.json whose alarm rules are scored")
+    ap.add_argument("--out", default="analysis_out", help="output directory")
+    ap.add_argument("--log", action="append", default=[], metavar="LOG",
+                    help="a Megatron-style training log to import and analyse (repeatable)")
+    ap.add_argument("--seq-len", type=int, help="tokens per sample, for a log's token counts")
+    ap.add_argument("--clip", type=float, help="grad-clip threshold the log's run used")
+    for b in ("b1", "b2", "eps", "lr"):
+        ap.add_argument(f"--{b}", type=float, help=f"optimizer {b} of the log's run")
+    ap.add_argument("--window", type=int, default=50, help="spike rule: past steps")
+    ap.add_argument("--k", type=float, default=6.0, help="spike rule: MAD multiplier")
+    ap.add_argument("--min-rel-jump", type=float, default=0.2, help="spike rule: rel. jump")
+    ap.add_argument("--log-loss", choices=("auto", "yes", "no"), default="auto",
+                    help="run the spike rule on log(loss) (auto: when it spans > 2 decades)")
+    ap.add_argument("--precursor-window", type=int, default=50)
+    ap.add_argument("--baseline", type=int, default=200, help="precursor baseline steps")
+    ap.add_argument("--horizon", type=int, help="alarm horizon (default: per rule)")
+    ap.add_argument("--min-lead", type=int, default=0, help="alarm must precede by >= this")
+    ap.add_argument("--no-figures", action="store_true")
+    return ap
+
+
+def _fail(msg: str) -> int:
+    print(f"adamspike analyze: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    from adamspike.predictions import PredictionsError, load_predictions
+    from adamspike.rundir import RunFormatError
+    from analysis.megatron_log import MegatronLogError, import_megatron_log
+    from analysis.report import (AnalysisError, SpikeParams, analyze_run, write_index,
+                                 write_run_report)
+    from figures.cli import find_runs, run_names
+
+    args = _parser().parse_args(argv)
+    if args.window < 2 or args.k < 0 or args.min_rel_jump < 0:
+        return _fail("--window must be >= 2, --k and --min-rel-jump >= 0")
+    out = Path(args.out)
+    runs = [Path(r) for r in args.runs]
+    if args.from_study:
+        study = Path(args.from_study)
+        if not study.is_dir():
+            return _fail(f"{study}: study folder does not exist")
+        found = find_runs(study / "runs" if (study / "runs").is_dir() else study)
+        if not found:
+            return _fail(f"{study}: no run directories (run.json) found")
+        runs += found
+    for r in runs:
+        if not r.exists():
+            return _fail(f"{r}: run directory does not exist")
+        if not (r / "run.json").is_file():
+            return _fail(f"{r}: not a run directory (no run.json)")
+    preds = None
+    if args.predictions:
+        try:
+            preds = load_predictions(args.predictions)
+        except PredictionsError as e:
+            return _fail(str(e))
+    for log in args.log:
+        dest = out / (Path(log).name + ".run")
+        optim = {k: getattr(args, k) for k in ("b1", "b2", "eps", "lr")
+                 if getattr(args, k) is not None}
+        try:
+            parsed = import_megatron_log(log, dest, seq_len=args.seq_len, clip=args.clip,
+                                         optim=optim)
+        except (MegatronLogError, RunFormatError) as e:
+            return _fail(str(e))
+        st = parsed.stats
+        print(f"imported {log}: {len(parsed.steps)} steps, {st['num_malformed']} malformed "
+              f"line(s){' at ' + ', '.join(str(m['line']) for m in st['malformed'][:10]) if st['malformed'] else ''}"
+              f" -> {dest}", file=sys.stderr)
+        runs.append(dest)
+    if not runs:
+        return _fail("no runs given (RUN..., --from-study or --log)")
+    log_mode = {"auto": None, "yes": True, "no": False}[args.log_loss]
+    params = SpikeParams(args.window, args.k, args.min_rel_jump, log_mode)
+    names = run_names(runs)
+    analyses = []
+    for path, name in tqdm(list(zip(runs, names)), desc="analyze", unit="run", file=sys.stderr,
+                           disable=len(runs) < 2):
+        try:
+            ra = analyze_run(path, predictions=preds, horizon=args.horizon,
+                             min_lead=args.min_lead, spike_params=params,
+                             window=args.precursor_window, baseline=args.baseline, name=name)
+        except (RunFormatError, AnalysisError) as e:
+            return _fail(str(e))
+        write_run_report(ra, out / name, figures=not args.no_figures)
+        analyses.append(ra)
+    index = write_index(analyses, out, names)
+    print(index)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

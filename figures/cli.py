@@ -1,0 +1,229 @@
+"""`adamspike figures`: regenerate every figure of the study.
+
+    adamspike figures [RUN...] [--from-study DIR] [--sweep TABLE] [--out DIR] [--quick]
+
+Run figures (one set per run directory, in OUT/<run name>/), theory figures (OUT/theory/)
+and sweep figures (OUT/sweep/, when a sweep table is given or found in the study folder).
+The figure scripts are listed in REGISTRY and called through their `main(argv)`; a script
+that is not there is reported as missing, one whose input is absent as skipped, one that
+fails as failed with its error; nothing is faked. `generate` returns the files written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import inspect
+import io
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+# (module, kind): kind "run" figures take RUN... --out; "theory" take --out [--quick];
+# "sweep" take --table TABLE --out.
+REGISTRY: list[tuple[str, str]] = [
+    ("figures.fig_loss_spikes", "run"),
+    ("figures.fig_grad_norm", "run"),
+    ("figures.fig_layer_grad_rms", "run"),
+    ("figures.fig_r_heatmap", "run"),
+    ("figures.fig_precursors", "run"),
+    ("figures.fig_theory_fit", "run"),
+    ("figures.fig_galton", "theory"),
+    ("figures.fig_r_hist_bimodal", "theory"),
+    ("figures.fig_update_rms_vs_rho", "theory"),
+    ("figures.fig_rms_t_transient", "theory"),
+    ("figures.fig_phase_diagram", "sweep"),
+    ("figures.fig_replication", "sweep"),
+]
+
+
+@dataclass
+class Outcome:
+    module: str
+    target: str
+    status: str            # ok | missing | skipped | failed
+    detail: str = ""
+    files: list[Path] = field(default_factory=list)
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """Run directories (with a run.json) under root, not descending into a run."""
+    root = Path(root)
+    if (root / "run.json").is_file():
+        return [root]
+    out = []
+    if root.is_dir():
+        for child in sorted(p for p in root.iterdir() if p.is_dir()):
+            out.extend(find_runs(child))
+    return out
+
+
+def run_names(runs: Iterable[Path]) -> list[str]:
+    """Distinct output names for run directories (parent prefixes where names clash)."""
+    runs = [Path(r) for r in runs]
+    names = [r.name for r in runs]
+    for i, r in enumerate(runs):
+        if names.count(r.name) > 1:
+            names[i] = f"{r.parent.name}_{r.name}"
+    seen: dict[str, int] = {}
+    for i, n in enumerate(names):
+        if n in seen:
+            seen[n] += 1
+            names[i] = f"{n}_{seen[n]}"
+        else:
+            seen[n] = 0
+    return names
+
+
+def _snapshot(d: Path) -> dict[Path, float]:
+    return {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()} if d.exists() else {}
+
+
+def _written(d: Path, before: dict[Path, float]) -> list[Path]:
+    return sorted(p for p, t in _snapshot(d).items() if before.get(p) != t)
+
+
+def run_figure_main(argv, doc: str, prepare: Callable, plot: Callable, *, tables=("steps",),
+                    layer_columns=None, extra_args=()) -> int:
+    """The `main(argv)` of a run figure: RUN... --out DIR; exit 2 on bad input."""
+    from adamspike.rundir import RunFormatError, load_run
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    ap.add_argument("--out", required=True, help="output directory")
+    for flag, dest in extra_args:
+        ap.add_argument(flag, dest=dest, default=None)
+    args = ap.parse_args(argv)
+    names = run_names(args.runs)
+    rc = 0
+    for path, name in zip(args.runs, names):
+        out = Path(args.out) if len(args.runs) == 1 else Path(args.out) / name
+        try:
+            run = load_run(path, tables=tables, layer_columns=layer_columns)
+            kw = {d: getattr(args, d) for _, d in extra_args if getattr(args, d) is not None}
+            files = plot(prepare(run, **kw), out)
+        except (RunFormatError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            rc = 2
+            continue
+        for f in files:
+            print(f)
+    return rc
+
+
+def _accepts(mod, flag: str) -> bool:
+    try:
+        return f'"{flag}"' in inspect.getsource(mod) or f"'{flag}'" in inspect.getsource(mod)
+    except (OSError, TypeError):
+        return False
+
+
+def _call_main(mod, argv: list[str], out: Path, target: str) -> Outcome:
+    before = _snapshot(out)
+    buf_err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(buf_err):
+            rc = mod.main(argv)
+    except SystemExit as e:  # argparse inside the figure
+        rc = e.code if isinstance(e.code, int) else 2
+    except Exception as e:  # noqa: BLE001 - a failing figure is reported, not fatal
+        return Outcome(mod.__name__, target, "failed", f"{type(e).__name__}: {e}",
+                       _written(out, before))
+    files = _written(out, before)
+    if rc not in (0, None):
+        err = buf_err.getvalue().strip().splitlines()
+        return Outcome(mod.__name__, target, "failed" if not files else "partial",
+                       f"exit {rc}: {err[-1] if err else ''}", files)
+    return Outcome(mod.__name__, target, "ok", "", files)
+
+
+def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *,
+             sweep: str | Path | None = None, quick: bool = False,
+             theory: bool = True, registry=None) -> tuple[list[Path], list[Outcome]]:
+    """Regenerate all figures; returns (files written, one Outcome per module x target)."""
+    from adamspike.rundir import RunFormatError, load_run
+
+    out = Path(out)
+    runs = [Path(r) for r in runs]
+    outcomes: list[Outcome] = []
+    mods = {}
+    for name, kind in registry or REGISTRY:
+        try:
+            mods[name] = (importlib.import_module(name), kind)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                outcomes.append(Outcome(name, "", "failed", f"import error: {e}"))
+            else:
+                outcomes.append(Outcome(name, "", "missing", "module not in this checkout"))
+    run_mods = [m for m, k in mods.values() if k == "run"]
+    for path, rname in zip(runs, run_names(runs)):
+        try:
+            run = load_run(path)
+        except RunFormatError as e:
+            outcomes += [Outcome(m.__name__, str(path), "failed", str(e)) for m in run_mods]
+            continue
+        for m in run_mods:
+            d = out / rname
+            before = _snapshot(d)
+            try:
+                m.plot(m.prepare(run), d)
+                outcomes.append(Outcome(m.__name__, str(path), "ok", "", _written(d, before)))
+            except ValueError as e:  # the run lacks this figure's input
+                outcomes.append(Outcome(m.__name__, str(path), "skipped", str(e)))
+            except Exception as e:  # noqa: BLE001
+                outcomes.append(Outcome(m.__name__, str(path), "failed",
+                                        f"{type(e).__name__}: {e}"))
+    for m, kind in mods.values():
+        if kind == "theory" and theory:
+            d = out / "theory"
+            argv = ["--out", str(d)] + (["--quick"] if quick and _accepts(m, "--quick") else [])
+            outcomes.append(_call_main(m, argv, d, "theory"))
+        elif kind == "sweep":
+            if sweep is None or not Path(sweep).exists():
+                outcomes.append(Outcome(m.__name__, str(sweep or ""), "skipped",
+                                        "no sweep table" if sweep is None else
+                                        f"{sweep} does not exist"))
+                continue
+            d = out / "sweep"
+            flag = "--table" if _accepts(m, "--table") else "--sweep"
+            outcomes.append(_call_main(m, [flag, str(sweep), "--out", str(d)], d, str(sweep)))
+    files = sorted({f for o in outcomes for f in o.files})
+    return files, outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="adamspike figures", description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="*", metavar="RUN", help="run directories")
+    ap.add_argument("--from-study", metavar="DIR",
+                    help="a `adamspike reproduce` output folder: its runs/ and sweep/")
+    ap.add_argument("--sweep", metavar="TABLE", help="sweep directory or table")
+    ap.add_argument("--out", default="figures_out", help="output directory")
+    ap.add_argument("--quick", action="store_true", help="CI scale where a figure supports it")
+    ap.add_argument("--no-theory", action="store_true", help="skip the theory figures")
+    args = ap.parse_args(argv)
+    runs = [Path(r) for r in args.runs]
+    sweep = args.sweep
+    if args.from_study:
+        study = Path(args.from_study)
+        if not study.is_dir():
+            print(f"adamspike figures: {study}: study folder does not exist", file=sys.stderr)
+            return 2
+        runs += find_runs(study / "runs" if (study / "runs").is_dir() else study)
+        if sweep is None and (study / "sweep").exists():
+            sweep = study / "sweep"
+    for r in runs:
+        if not (r / "run.json").is_file():
+            print(f"adamspike figures: {r}: not a run directory (no run.json)", file=sys.stderr)
+            return 2
+    files, outcomes = generate(runs, args.out, sweep=sweep, quick=args.quick,
+                               theory=not args.no_theory)
+    for o in outcomes:
+        tgt = f" [{o.target}]" if o.target else ""
+        msg = f" ({o.detail})" if o.detail else ""
+        print(f"{o.status:8s} {o.module}{tgt}: {len(o.files)} file(s){msg}", file=sys.stderr)
+    for f in files:
+        print(f)
+    return 1 if any(o.status == "failed" for o in outcomes) else 0

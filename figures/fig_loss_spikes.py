@@ -1,0 +1,65 @@
+"""Figure 1 of the seed report: the training loss with the detected spikes marked.
+
+Loss vs step (log y when it spans more than two decades); each spike detected by
+analysis.spikes.detect_spikes (rolling median + k MAD of the past `window` steps) is shaded
+from its start for its duration (red when it never came back inside the band), its peak
+marked and labelled with the height over the baseline.
+
+    python -m figures.fig_loss_spikes RUN... --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from figures import style
+
+
+def prepare(run, *, window: int = 50, k: float = 6.0, min_rel_jump: float = 0.2,
+            log: bool | None = None) -> dict:
+    from analysis.spikes import detect_spikes
+
+    st = run.steps
+    loss = st["loss"].to_numpy(float)
+    fin = loss[np.isfinite(loss) & (loss > 0)]
+    if log is None:
+        log = bool(len(fin) and fin.max() / fin.min() > 100)
+    spikes = detect_spikes(loss, st["step"].to_numpy(), window=window, k=k,
+                           min_rel_jump=min_rel_jump, log=log)
+    return {"name": Path(run.path).name, "step": st["step"].to_numpy(), "loss": loss,
+            "spikes": spikes, "log": log}
+
+
+def plot(data: dict, out_dir) -> list[Path]:
+    style.apply()
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot(data["step"], data["loss"], color="#333333", lw=0.9, label="loss")
+    if data["log"]:
+        ax.set_yscale("log")
+    sp = data["spikes"]
+    for r in sp.itertuples(index=False):
+        color = style.COLORS["spike"] if r.recovered else "#c0392b"
+        ax.axvspan(r.start, r.start + max(r.duration, 1), color=color, alpha=0.35, lw=0)
+        if np.isfinite(r.peak):
+            ax.plot([r.peak_step], [r.peak], "v", color="#c0392b", ms=4)
+            ax.annotate(f"+{100 * r.height:.0f}%", (r.peak_step, r.peak), fontsize=7,
+                        xytext=(2, 3), textcoords="offset points")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{data['name']}: loss, {len(sp)} spike(s) detected")
+    return style.save(fig, out_dir, "loss_spikes")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from figures.cli import run_figure_main
+    return run_figure_main(argv, __doc__, prepare, plot, tables=("steps",))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
