@@ -35,7 +35,8 @@ works. Traces (arrays with a leading step axis, step t = 1..num_steps, after the
     (num_steps, NUM_SUMS) of the single tensor theta (simulate.telemetry.tensor_sums, true
     units; values below ~1e-308 underflow to 0 there), and with `record_coords`
     log10_abs_theta and lam_hat_diag (num_steps, dim): per-coordinate preconditioned
-    curvature (the eigen-directions when rotate=False).
+    curvature (the eigen-directions when rotate=False), plus log10_abs_eig (|Q^T theta|,
+    the eigen-coordinates, column i along lams[i]) when rotate=True.
 
 Spike criterion (`count_spikes`, specific to this problem where the loss falls over hundreds
 of decades): on the 50-step running max of log10 loss, a rise of >= 3 decades within 100
@@ -56,7 +57,10 @@ at 1e-4..2.6e-4 theta underflows to 0 before v_hat has decayed enough, so the ru
 stable. Plain float32: no spike at any eps with b2 = 0.999 (theta freezes at ~1e-38).
 N-D (dim 8, lam log-uniform 1..0.01, rotate=False, eps = 1e-8: 30 spikes, first 13291;
 eps = 2e-4, between eps*(lam_2) = 1.4e-4 and eps*(lam_1): 12 spikes, every one carried by
-the lam_max direction; eps = 3e-4: none). Gradient noise 1e-3 (eps = 1e-8): no separate
+the lam_max direction; eps = 3e-4: none). Rotated eigenbasis (rotate=True, seeds 0 / 1):
+eps = 1e-8: 38 / 62 spikes, 37 / 53 of them carried by the lam_max eigen-direction (the
+rest by lam_2); eps = 2e-4 and 2.5e-4: 16 / 24 and 7 / 11 spikes, all along lam_max;
+eps = 2.7e-4, 3e-4: none, so eps* (from lam_max) is the boundary in a rotated basis too. Gradient noise 1e-3 (eps = 1e-8): no separate
 spikes, the loss sits at the noise floor ~1e-6.5.
 """
 
@@ -194,6 +198,10 @@ def simulate_quadratic(hparams: dict, spec: QuadraticSpec) -> dict:
             out["log10_abs_theta"] = jnp.where(a > 0, jnp.log10(jnp.where(a > 0, a, 1.0))
                                                + LOG10_2 * k.astype(dt), -jnp.inf)
             out["lam_hat_diag"] = pre * lams if not spec.rotate else pre * jnp.diagonal(hess)
+            if spec.rotate:  # eigen-coordinates z = Q^T theta (z_i along curvature lams[i])
+                az = jnp.abs(q.T @ th_new)
+                out["log10_abs_eig"] = jnp.where(az > 0, jnp.log10(jnp.where(az > 0, az, 1.0))
+                                                 + LOG10_2 * k.astype(dt), -jnp.inf)
         if spec.rescale:  # renormalise so max(|th|, |m|) is in [0.5, 1): exact power-of-2 shift
             top = jnp.maximum(jnp.max(jnp.abs(th_new)), jnp.max(jnp.abs(m)))
             _, e = jnp.frexp(jnp.where(top > 0, top, 1.0))

@@ -65,19 +65,23 @@ def test_rescaled_equals_plain_float64_and_optax():
     np.testing.assert_allclose(b["loss"], np.asarray(loss), rtol=1e-9)
 
 
-def test_nd_spikes_along_the_stiff_direction():
-    """eps between eps*(lam_2) and eps*(lam_1): only the lam_max direction can destabilise;
-    at every spike peak it carries the loss."""
+@pytest.mark.parametrize("rotate", [False, True])
+def test_nd_spikes_along_the_stiff_direction(rotate):
+    """eps between eps*(lam_2) and eps*(lam_1): only the lam_max eigen-direction
+    destabilises; at every spike peak it carries the loss (also in a rotated basis)."""
     spec = QuadraticSpec(num_steps=30_000, dim=8, lam_min=0.01, lam_max=1.0, record_coords=True,
-                         record_sums=False)
+                         record_sums=False, rotate=rotate)
     lams = spec.lams()
     eps = 0.5 * (eps_star(LR, lams[0], B1) + eps_star(LR, lams[1], B1))
     out = run_quadratic({"eps": eps}, spec)
     sp = count_spikes(out["log10_loss"])
     assert len(sp) >= 3
-    contrib = 2 * out["log10_abs_theta"] + np.log10(lams)  # log10(lam_i theta_i^2)
+    z = out["log10_abs_eig" if rotate else "log10_abs_theta"]
+    contrib = 2 * z + np.log10(lams)  # log10(lam_i z_i^2), z: eigen-coordinates
     dominant = [int(np.argmax(contrib[p - 1])) for p in sp.peak_step]
     assert dominant == [0] * len(sp)
+    if rotate:
+        return
     # the preconditioned curvature of the stiff direction passes 2/lr, the others never do
     assert (out["lam_hat_diag"][:, 0] > out["threshold"]).any()
     assert (out["lam_hat_diag"][5000:, 1:] < out["threshold"]).all()
