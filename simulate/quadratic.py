@@ -60,8 +60,9 @@ eps = 2e-4, between eps*(lam_2) = 1.4e-4 and eps*(lam_1): 12 spikes, every one c
 the lam_max direction; eps = 3e-4: none). Rotated eigenbasis (rotate=True, seeds 0 / 1):
 eps = 1e-8: 38 / 62 spikes, 37 / 53 of them carried by the lam_max eigen-direction (the
 rest by lam_2); eps = 2e-4 and 2.5e-4: 16 / 24 and 7 / 11 spikes, all along lam_max;
-eps = 2.7e-4, 3e-4: none, so eps* (from lam_max) is the boundary in a rotated basis too. Gradient noise 1e-3 (eps = 1e-8): no separate
-spikes, the loss sits at the noise floor ~1e-6.5.
+eps = 2.7e-4, 3e-4: none, so eps* (from lam_max) is the boundary in a rotated basis too.
+Gradient noise 1e-3 (eps = 1e-8): no separate spikes, the loss sits at the noise floor
+~1e-6.5.
 """
 
 from __future__ import annotations
