@@ -160,7 +160,7 @@ def _tilt(mu, sigma, phi, a, c, s_grid):
     return logz, mN, vN
 
 
-def laplace(mu, sigma, phi, a, c, eps, *, h: float = 0.25, span: float = 50.0):
+def laplace(mu, sigma, phi, a, c, eps, *, h: float = 0.5, span: float = 50.0):
     """Exact E[N/(sqrtV+eps)], E[N^2/(sqrtV+eps)^2], E[|N|/(sqrtV+eps)], E[N^2/V].
 
     Trapezoid rule in log s on [-span, span] around 1/E[V] (step h); exponentially
