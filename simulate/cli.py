@@ -141,7 +141,8 @@ def _mlp(argv) -> int:
     p.add_argument("--width", type=int, default=None, help="default 256 (sin) / 64 (deep)")
     p.add_argument("--depth", type=int, default=None, help="hidden layers; default 1 (sin) / 8 (deep)")
     p.add_argument("--num-points", type=int, default=None, help="default 256 (sin) / 1024 (deep)")
-    p.add_argument("--batch-size", type=int, default=None, help="0 = full batch; default 0 (sin) / 128 (deep)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="0 = full batch; default 0 (sin) / 128 (deep)")
     p.add_argument("--init-gain", type=float, default=1.0)
     p.add_argument("--input-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -238,7 +239,8 @@ def _llama(argv) -> int:
         mod = importlib.import_module("simulate.llama_train")
     except ModuleNotFoundError as e:
         if e.name == "simulate.llama_train":
-            print("adamspike simulate llama: not built (simulate/llama_train.py missing)", file=sys.stderr)
+            print("adamspike simulate llama: not built (simulate/llama_train.py missing)",
+                  file=sys.stderr)
             return 3
         raise
     return int(mod.main(argv))

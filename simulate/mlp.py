@@ -91,7 +91,7 @@ class MLPSpec:
     num_points: int = 256       # training set size
     batch_size: int = 0         # 0 = full batch
     init_gain: float = 1.0
-    input_scale: float = 1.0    # "deep": inputs are multiplied by this (small = small first-layer grads)
+    input_scale: float = 1.0    # "deep": x is multiplied by this (small: small W0 gradients)
     seed: int = 0
 
     def __post_init__(self):
@@ -130,7 +130,8 @@ def init_params(spec: MLPSpec) -> dict[str, np.ndarray]:
     dims = [d_in] + [spec.width] * spec.depth
     params = {}
     for i in range(spec.depth):
-        params[f"layers.{i}.weight"] = rng.normal(size=(dims[i + 1], dims[i])) * spec.init_gain / math.sqrt(dims[i])
+        std = spec.init_gain / math.sqrt(dims[i])
+        params[f"layers.{i}.weight"] = rng.normal(size=(dims[i + 1], dims[i])) * std
         params[f"layers.{i}.bias"] = np.zeros(dims[i + 1])
     params["output.weight"] = rng.normal(size=(1, spec.width)) / math.sqrt(spec.width)
     params["output.bias"] = np.zeros(1)
