@@ -63,10 +63,8 @@ def find_runs(root: str | Path) -> list[Path]:
 def run_names(runs: Iterable[Path]) -> list[str]:
     """Distinct output names for run directories (parent prefixes where names clash)."""
     runs = [Path(r) for r in runs]
-    names = [r.name for r in runs]
-    for i, r in enumerate(runs):
-        if names.count(r.name) > 1:
-            names[i] = f"{r.parent.name}_{r.name}"
+    base = [r.name for r in runs]
+    names = [f"{r.parent.name}_{r.name}" if base.count(r.name) > 1 else r.name for r in runs]
     seen: dict[str, int] = {}
     for i, n in enumerate(names):
         if n in seen:

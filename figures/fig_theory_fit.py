@@ -71,7 +71,7 @@ def plot(data: dict, out_dir) -> list[Path]:
     b.set_xlabel("step")
     b.set_ylabel("rms_t")
     b.set_title(f"rms_t vs the dormant bound (b2 = {data['b2']:g})", fontsize=8)
-    b.legend(loc="upper right")
+    b.legend(loc="center right")
     fig.suptitle(f"{data['name']}: telemetry vs theory", fontsize=10)
     return style.save(fig, out_dir, "theory_fit")
 

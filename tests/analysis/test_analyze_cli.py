@@ -1,0 +1,91 @@
+"""`adamspike analyze` end to end, and its exit-2 errors for bad input."""
+
+import json
+import shutil
+
+import pytest
+
+from adamspike.predictions import AlarmRule, Predictions, save_predictions
+from adamspike.rundir import RunWriter
+from analysis.cli import main
+
+
+def test_analyze_writes_report_and_figures(synthetic_run, tmp_path, capsys):
+    pred = Predictions(alarm_rules=[AlarmRule(id="rms_t_shallow", metric="rms_t",
+                                              depths=(-1, 1), threshold=2.0,
+                                              expected_lead_steps=(1, 8))])
+    save_predictions(pred, tmp_path / "p.json")
+    out = tmp_path / "out"
+    assert main([str(synthetic_run), "--predictions", str(tmp_path / "p.json"),
+                 "--out", str(out)]) == 0
+    report = (out / "synthetic" / "report.md").read_text()
+    assert "**2 spike(s)**, 2 recovered" in report
+    assert "| 300 | 300 |" in report and "| 450 | 450 |" in report
+    assert "rms_t: shallow led 2/2 (median 10 steps), deep 0/2" in report
+    assert "| rms_t_shallow | 8 | 2 | 2 | 1 | 2 | 2 | 1 |" in report  # precision 1, recall 1
+    assert "update_rms vs theory" in report
+    figs = sorted((out / "synthetic" / "figures").iterdir())
+    names = {f.name for f in figs}
+    for stem in ("loss_spikes", "grad_norm", "layer_grad_rms", "r_heatmap", "precursors",
+                 "theory_fit"):
+        assert {f"{stem}.png", f"{stem}.pdf"} <= names
+    assert all(f.stat().st_size > 1000 for f in figs)
+    summary = json.loads((out / "synthetic" / "summary.json").read_text())
+    assert summary["spike_starts"] == [300, 450]
+    assert abs(summary["update_fit"]["eps_scale"] - 1) < 0.05  # the generator's truth is 1
+    index = (out / "report.md").read_text()
+    assert "[synthetic](synthetic/report.md)" in index and "## Run `synthetic`" in index
+
+
+def _megatron_line(it, loss):
+    return (f" [2024-06-01 12:00:{it % 60:02d}] iteration {it:8d}/{1000:8d} | consumed samples: "
+            f"{it * 8:12d} | elapsed time per iteration (ms): 1234.5 | learning rate: "
+            f"1.000000E-04 | global batch size:     8 | lm loss: {loss:.6E} | loss scale: 1.0 | "
+            f"grad norm: {0.5:.3f} | number of skipped iterations:   0 | "
+            f"number of nan iterations:   0 |")
+
+
+def test_analyze_megatron_log(tmp_path, capsys):
+    lines = [_megatron_line(i, 3.0 + (4.0 if i == 150 else 0.0)) for i in range(1, 201)]
+    lines.append(_megatron_line(201, 3.0)[:70])
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    assert main(["--log", str(log), "--seq-len", "4096", "--clip", "1.0", "--b1", "0.9",
+                 "--b2", "0.95", "--eps", "1e-5", "--out", str(out), "--no-figures"]) == 0
+    err = capsys.readouterr().err
+    assert "200 steps, 1 malformed line(s) at 201" in err
+    report = (out / "train.log.run" / "report.md").read_text()
+    assert "**1 malformed** (not imported; line numbers: 201)" in report
+    assert "**1 spike(s)**" in report and "| 150 | 150 |" in report
+    assert "no per-layer telemetry" in report
+
+
+def _bad(argv, capsys, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_bad_inputs_exit_2(synthetic_run, tmp_path, capsys):
+    out = ["--out", str(tmp_path / "o")]
+    _bad([str(tmp_path / "nope"), *out], capsys, "does not exist")
+    (tmp_path / "plain").mkdir()
+    _bad([str(tmp_path / "plain"), *out], capsys, "no run.json")
+    v2 = tmp_path / "v2"
+    shutil.copytree(synthetic_run, v2)
+    meta = json.loads((v2 / "run.json").read_text())
+    meta["schema_version"] = 99
+    (v2 / "run.json").write_text(json.dumps(meta))
+    _bad([str(v2), *out], capsys, "schema_version 99 is not supported")
+    with RunWriter(tmp_path / "empty", backend="torch", config={}):
+        pass
+    _bad([str(tmp_path / "empty"), *out], capsys, "no steps rows")
+    log = tmp_path / "chatter.log"
+    log.write_text("> building dataset\nusing world size: 8\n")
+    _bad(["--log", str(log), *out], capsys, "no parseable iteration lines")
+    (tmp_path / "p.json").write_text("{not json")
+    _bad([str(synthetic_run), "--predictions", str(tmp_path / "p.json"), *out], capsys,
+         "invalid JSON")
+    _bad([*out], capsys, "no runs given")
+    _bad([str(synthetic_run), "--window", "1", *out], capsys, "--window")

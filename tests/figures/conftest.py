@@ -1,0 +1,10 @@
+import pytest
+
+from analysis.synthetic import write_synthetic_run
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+    """A short synthetic run (analysis.synthetic) with one spike at step 200."""
+    path = tmp_path_factory.mktemp("figruns") / "small"
+    return write_synthetic_run(path, num_steps=320, spikes=(200,), lead=8, seed=1)

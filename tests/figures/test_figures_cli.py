@@ -1,0 +1,62 @@
+"""`adamspike figures`: every run figure written, missing modules reported, bad input exit 2."""
+
+import pytest
+
+from adamspike.rundir import RunWriter
+from figures import fig_loss_spikes
+from figures.cli import find_runs, generate, main, run_names
+
+
+def test_generate_run_figures_and_report_missing(small_run, tmp_path):
+    registry = [("figures.fig_loss_spikes", "run"), ("figures.fig_layer_grad_rms", "run"),
+                ("figures.fig_does_not_exist", "theory"), ("figures.fig_phase_diagram", "sweep")]
+    files, outcomes = generate([small_run], tmp_path / "figs", registry=registry)
+    status = {o.module: o.status for o in outcomes}
+    assert status == {"figures.fig_loss_spikes": "ok", "figures.fig_layer_grad_rms": "ok",
+                      "figures.fig_does_not_exist": "missing",
+                      "figures.fig_phase_diagram": "skipped"}
+    assert {f.name for f in files} == {"loss_spikes.png", "loss_spikes.pdf",
+                                       "layer_grad_rms.png", "layer_grad_rms.pdf"}
+    assert all(f.parent.name == "small" and f.stat().st_size > 1000 for f in files)
+
+
+def test_main_from_study(small_run, tmp_path, capsys, monkeypatch):
+    # all six run figures are drawn end to end by tests/analysis/test_analyze_cli.py
+    import figures.cli as cli
+    monkeypatch.setattr(cli, "REGISTRY", [("figures.fig_r_heatmap", "run"),
+                                          ("figures.fig_precursors", "run"),
+                                          ("figures.fig_phase_diagram", "sweep")])
+    study = tmp_path / "study" / "runs"
+    study.mkdir(parents=True)
+    (study / "small").symlink_to(small_run, target_is_directory=True)
+    rc = main(["--from-study", str(tmp_path / "study"), "--out", str(tmp_path / "o"),
+               "--no-theory"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    written = out.split()
+    for stem in ("r_heatmap", "precursors"):
+        assert any(w.endswith(f"small/{stem}.pdf") for w in written)
+    assert "skipped  figures.fig_phase_diagram" in err
+
+
+def test_figure_main_bad_input(tmp_path, capsys):
+    assert main([str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    assert "no run.json" in capsys.readouterr().err
+    with RunWriter(tmp_path / "steps_only", backend="torch", config={}) as w:
+        for s in range(1, 5):
+            w.log_step(step=s, tokens=s, loss=1.0, lr=1e-3, grad_norm=1.0, clipped=False,
+                       update_norm=0.1, step_time_s=0.1, skipped=False)
+    from figures import fig_layer_grad_rms
+    assert fig_layer_grad_rms.main([str(tmp_path / "steps_only"), "--out", str(tmp_path)]) == 2
+    assert "no per-layer telemetry" in capsys.readouterr().err
+    assert fig_loss_spikes.main([str(tmp_path / "steps_only"), "--out", str(tmp_path / "f")]) == 0
+
+
+def test_find_runs_and_names(small_run, tmp_path):
+    (tmp_path / "a" / "x").mkdir(parents=True)
+    (tmp_path / "a" / "x" / "run.json").write_text("{}")
+    (tmp_path / "b" / "x").mkdir(parents=True)
+    (tmp_path / "b" / "x" / "run.json").write_text("{}")
+    runs = find_runs(tmp_path)
+    assert [r.parent.name for r in runs] == ["a", "b"]
+    assert run_names(runs) == ["a_x", "b_x"]
