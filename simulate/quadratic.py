@@ -48,7 +48,11 @@ eps* = 2.632e-4). b2 = 0.999: the loss falls to ~1e-600 (the plain float64 floor
 6.3e-5; eps = 1e-8: 24, first 13291, peak 5.8e-5; 1e-4: 19, first 14256, peak 2.3e-5;
 2e-4: 12, first 16173, peak 3.2e-6; 2.5e-4: 5, first 19356, peak 7.6e-8; 2.6e-4: 1 spike
 at 22364 (a rise from 1e-997 to 1e-28); 2.7e-4, 2.8e-4: none (converges to ~1e-1366).
-So the boundary lies in (2.6e-4, 2.7e-4), bracketing eps*. Lower b2 (eps = 1e-8):
+So the boundary lies in (2.6e-4, 2.7e-4), bracketing eps*. The first lam_hat_grad > 2/lr
+step (13255, 14211, 16108, 19244, 22096 for eps = 0, 1e-4, 2e-4, 2.5e-4, 2.6e-4) is
+~50 steps before theory.quadratic.decay_steps_to_instability's pure-decay time from
+v_hat at step 3000 (the 1/(1-b2^t) factor of v_hat still decays: ln(1.05)/ln(1/0.999) =
+49 steps); the loss spike starts 36..270 steps after the crossing. Lower b2 (eps = 1e-8):
 b2 = 0.99: 3 spikes, first at 1595, peak 5.4e-6; b2 = 0.95: one spike at step 386, peak
 7.2e-7, after which the loss chatters between ~1e-8 and ~1e-20 (lam_hat_grad sits at 2/lr:
 a sustained edge-of-stability cycle, not separate spikes); with eps >= 2.7e-4 no spike at
@@ -115,8 +119,9 @@ class QuadraticSpec:
 
 def eps_star(lr: float, lam: float, b1: float) -> float:
     """eps* = lr lam (1-b1) / (2 (1+b1)): eps >= eps* rules out the late-training
-    instability along a direction of curvature lam (theory.md section 4)."""
-    return lr * lam * (1 - b1) / (2 * (1 + b1))
+    instability along a direction of curvature lam (theory.quadratic.critical_eps)."""
+    from theory.quadratic import critical_eps
+    return critical_eps(lr, lam, b1)
 
 
 def _rotation(dim: int, seed, dtype):

@@ -6,7 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from simulate.quadratic import QuadraticSpec, count_spikes, eps_star, run_quadratic, simulate_quadratic
+from simulate.quadratic import QuadraticSpec, count_spikes, run_quadratic, simulate_quadratic
+from adamspike.metrics import SUM_FIELDS
+from theory.quadratic import critical_eps as eps_star  # eps* = lr lam (1-b1) / (2 (1+b1))
+from theory.quadratic import decay_steps_to_instability
 
 LR, B1 = 1e-2, 0.9
 
@@ -16,7 +19,7 @@ def test_spikes_below_eps_star_and_none_above():
     formula; spikes at 0.5 eps* and 0.95 eps*, none at 1.05 eps* and 2 eps*."""
     es = eps_star(LR, 1.0, B1)
     factors = (0.5, 0.95, 1.05, 2.0)
-    spec = QuadraticSpec(num_steps=30_000, record_sums=False)
+    spec = QuadraticSpec(num_steps=30_000)
     out = run_quadratic([{"lr": LR, "b1": B1, "b2": 0.999, "eps": f * es} for f in factors], spec)
     counts = []
     for i, f in enumerate(factors):
@@ -27,6 +30,11 @@ def test_spikes_below_eps_star_and_none_above():
             # Bai's predictor: curvature along the gradient above 2/lr just before each spike
             for s in sp.start:
                 assert (lam_grad[max(0, s - 200):s] > thr).any(), (f, s)
+            # onset time = theory's pure-decay time from v_hat at step 3000 (within 1%)
+            v0 = out["sums"][i][3000 - 1, SUM_FIELDS.index("v_hat")]
+            predicted = 3000 + decay_steps_to_instability(v0, LR, 1.0, B1, 0.999, f * es)
+            first = np.flatnonzero(lam_grad > thr)[0] + 1
+            assert abs(first - predicted) < 0.01 * predicted, (f, first, predicted)
         else:
             assert (lam_grad[5000:] <= thr * (1 + 1e-9)).all(), f
             assert out["log10_loss"][i][-1] < -1000  # converged for good
