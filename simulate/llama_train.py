@@ -1,0 +1,237 @@
+"""Train the JAX tiny LLaMA on synthetic tokens and write a run directory (never torch).
+
+    adamspike simulate llama --config configs/tiny.toml --out RUN [--section.key value ...]
+
+Reads `adamspike.train_config.RunConfig` (sections model, optim, train, data, telemetry; the
+torch trainer reads the same file). Step s (1-based) reads the samples
+`adamspike.order.sample_indices(s, global_batch_size, data.num_samples, train.seed)` of
+`SyntheticTokens(data.task, vocab_size, train.seq_len, data.num_samples, train.seed,
+data.alpha)`, the same batches the torch trainer reads.
+
+One jitted step: value_and_grad of `loss_scale * loss` -> simulate.optim.adamw (torch-style
+global-norm clip at grad_clip * loss_scale, Adam, decoupled weight decay, lr_at(s)) ->
+telemetry sums of simulate.telemetry.step_telemetry on logged steps (+ r histograms on
+hist steps). Three compiled variants (plain / telemetry / telemetry + hist) so steps that log
+nothing pay nothing.
+
+Gradient frame: every gradient quantity (steps.grad_norm, layers.grad_rms, rho, ...) is
+that of the differentiated objective loss_scale * loss, i.e. what Adam consumed. With
+loss_scale s, rho = rms(s g) / eps = rms(g) / (eps / s): the equivalent-eps ratio. The logged
+loss is the unscaled loss (CE + z-loss term).
+
+Data knobs:
+- data.skip_batches: at these steps the batch is read and its loss and pre-clip gradient
+  norm are logged (skipped = true, update_norm = 0, no layers row), but the step's result is
+  discarded: parameters and Adam state (moments and step count, hence bias correction) are
+  left untouched (Levanter's skip-step semantics); the lr schedule still advances
+  (lr of row s is lr_at(s), as a torch loop that sets lr per step and skips
+  optimizer.step()). An event "skip" is written.
+- data.poison_steps: at these steps every target is replaced by POISON_TOKEN (0), a
+  deterministic loss spike.
+A non-finite loss stops the run after logging that step (event "diverged").
+
+Toy spikes (item 3 of the study): see configs/toy_spike.toml and configs/toy_stable.toml,
+whose headers give the settings and the measured numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from adamspike.config import ConfigError, load_config, to_dict
+from adamspike.llama import LlamaConfig, spec_by_name
+from adamspike.order import sample_indices
+from adamspike.rundir import RunFormatError, RunWriter, environment
+from adamspike.synthdata import SyntheticTokens
+from adamspike.train_config import RunConfig
+from simulate import llama as jllama
+from simulate import optim as jopt
+from simulate import telemetry as jtel
+
+POISON_TOKEN = 0
+
+
+# ----------------------------------------------------------------------------- data
+
+def dataset(cfg: RunConfig, llama: LlamaConfig) -> SyntheticTokens:
+    d = cfg.data
+    return SyntheticTokens(d.task, llama.vocab_size, cfg.train.seq_len, d.num_samples,
+                           cfg.train.seed, d.alpha)
+
+
+def batch_at(data: SyntheticTokens, cfg: RunConfig, step: int) -> np.ndarray:
+    """Tokens (global_batch_size, seq_len + 1) of optimizer step `step`, poison applied."""
+    idx = sample_indices(step, cfg.train.global_batch_size, cfg.data.num_samples, cfg.train.seed)
+    batch = data.batch(idx)
+    if step in cfg.data.poison_steps:
+        batch[:, 1:] = POISON_TOKEN
+    return batch
+
+
+# ----------------------------------------------------------------------------- steps
+
+_STEP_CACHE: dict[str, tuple] = {}
+
+
+def make_steps(cfg: RunConfig):
+    """(tx, step): the optax chain and the jitted step(params, opt_state, batch, telemetry,
+    hist) (the last two static) -> (params, opt_state, out). Cached per (model, optim,
+    train) settings, so runs of one process that share them compile once."""
+    train = {k: v for k, v in to_dict(cfg.train).items() if k != "seed"}  # seed: not compiled in
+    key = json.dumps([to_dict(cfg.model), to_dict(cfg.optim), train], sort_keys=True)
+    if key not in _STEP_CACHE:
+        if len(_STEP_CACHE) >= 8:  # bounded: sweeps in one process keep a few
+            _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
+        _STEP_CACHE[key] = _make_steps(cfg)
+    return _STEP_CACHE[key]
+
+
+def _make_steps(cfg: RunConfig):
+    t, o = cfg.train, cfg.optim
+    llama = cfg.model.llama()
+    tx = jopt.adamw(o, t.num_steps, t.loss_scale)
+    value_and_grad = jax.value_and_grad(
+        lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss,
+                                    cfg.model.embed_grad_shrink), has_aux=True)
+
+    def step(params, opt_state, batch, telemetry: bool, hist: bool):
+        (_, aux), grads = value_and_grad(params, batch)
+        updates, new_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        grad_norm, _, clipped = jopt.clip_info(new_state)
+        out = {"loss": aux["loss"], "grad_norm": grad_norm, "clipped": clipped,
+               "update_norm": jopt.global_norm(updates)}
+        if telemetry:
+            sums, hists = jtel.step_telemetry(
+                jopt.consumed_grads(grads, new_state), jopt.adam_state(opt_state),
+                jopt.adam_state(new_state), new_params, o.b1, o.b2, o.eps, with_hist=hist)
+            out["sums"] = sums
+            if hist:
+                out["hists"] = hists
+        return new_params, new_state, out
+
+    return tx, jax.jit(step, static_argnums=(3, 4))
+
+
+def advance_schedule(opt_state):
+    """A skipped step: only the lr schedule's count moves (Adam's count and moments stay)."""
+    if isinstance(opt_state, optax.ScaleByScheduleState):
+        return opt_state._replace(count=opt_state.count + 1)
+    if isinstance(opt_state, tuple) and not hasattr(opt_state, "_fields"):
+        return tuple(advance_schedule(s) for s in opt_state)
+    return opt_state
+
+
+# ----------------------------------------------------------------------------- loop
+
+def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
+    """Run cfg to completion (or divergence); return the run directory."""
+    if cfg.data.source != "synthetic":
+        raise ConfigError("data.source: the JAX toy trains on synthetic data only "
+                          f"(got {cfg.data.source!r}); use `adamspike train` for indexed data")
+    if cfg.model.hf_config:
+        raise ConfigError("model.hf_config: not supported by the JAX toy; use a preset")
+    cfg.check()
+    llama = cfg.model.llama()
+    t, o, tel = cfg.train, cfg.optim, cfg.telemetry
+    data = dataset(cfg, llama)
+    tx, step_fn = make_steps(cfg)
+    params = jllama.init_params(llama, jax.random.PRNGKey(t.seed))
+    opt_state = tx.init(params)
+
+    specs = spec_by_name(llama)
+    names = jtel.tensor_names(params)  # telemetry row order
+    depths = [specs[n].depth for n in names]
+    kinds = [specs[n].kind for n in names]
+    numels = [specs[n].numel for n in names]
+    skip, tokens_per_step = set(cfg.data.skip_batches), t.global_batch_size * t.seq_len
+    env = environment(jax=jax.__version__, optax=optax.__version__,
+                      device=str(jax.devices()[0]), world_size=1)
+
+    with RunWriter(out_dir, backend="jax", config=to_dict(cfg), env=env,
+                   flush_every_s=tel.flush_every_s) as writer, \
+            ThreadPoolExecutor(max_workers=1) as loader, \
+            _progress(t.num_steps, progress) as bar:
+        writer.event("start", step=0, num_params=int(sum(numels)),
+                     entropy_rate=data.entropy_rate())
+        # The next batch is drawn on a thread while this step computes (numpy, host side).
+        pending = loader.submit(batch_at, data, cfg, 1)
+        for step in range(1, t.num_steps + 1):
+            t0 = time.perf_counter()
+            batch = jnp.asarray(pending.result())
+            if step < t.num_steps:
+                pending = loader.submit(batch_at, data, cfg, step + 1)
+            log = tel.enabled and step % tel.every == 0
+            hist = log and tel.hist_every > 0 and step % tel.hist_every == 0 and step not in skip
+            new_params, new_state, out = step_fn(params, opt_state, batch, log, hist)
+            out = jax.device_get(out)
+            row = dict(loss=float(out["loss"]), grad_norm=float(out["grad_norm"]),
+                       clipped=bool(out["clipped"]), update_norm=float(out["update_norm"]),
+                       skipped=step in skip)
+            if step in skip:  # keep params and Adam state; only the lr schedule advances
+                opt_state = advance_schedule(opt_state)
+                row.update(clipped=False, update_norm=0.0)
+                writer.event("skip", step=step, reason="data.skip_batches", loss=row["loss"])
+            else:
+                params, opt_state = new_params, new_state
+                if log:
+                    writer.log_layers(step, columns=jtel.layer_columns(
+                        names, depths, kinds, numels, out["sums"], o.eps))
+                if hist:
+                    for i, n in enumerate(names):
+                        writer.log_hist(step, n, depths[i], kinds[i], out["hists"][i])
+            writer.log_step(step=step, tokens=step * tokens_per_step, lr=o.lr_at(step, t.num_steps),
+                            step_time_s=time.perf_counter() - t0, **row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=f"{row['grad_norm']:.3g}",
+                            refresh=False)
+            if not math.isfinite(row["loss"]):
+                writer.event("diverged", step=step, loss=row["loss"])
+                break
+        writer.event("end", step=step)
+    return Path(out_dir)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="llama", unit="step", disable=not enabled, file=sys.stderr,
+                mininterval=0.5)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="adamspike simulate llama",
+        description="Train the JAX tiny LLaMA on synthetic tokens; write a run directory.")
+    ap.add_argument("--config", type=Path, help="TOML RunConfig (default: built-in defaults)")
+    ap.add_argument("--out", type=Path, required=True, help="run directory (must not exist)")
+    ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    args, overrides = ap.parse_known_args(argv)
+    try:
+        cfg = load_config(RunConfig, args.config, overrides)
+        if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+            raise RunFormatError(f"--out {args.out}: exists and is not an empty directory "
+                                 "(nothing was overwritten)")
+        out = train(cfg, args.out, progress=not args.no_progress)
+    except (ConfigError, RunFormatError) as e:
+        print(f"adamspike simulate llama: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
