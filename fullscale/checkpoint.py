@@ -153,10 +153,12 @@ def _nonfinite(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     counts = torch.stack([(~torch.isfinite(_local(t.detach()))).sum().to(device)
                           for _, t in tensors]) if tensors else torch.zeros(1, dtype=torch.long,
                                                                            device=device)
-    total = counts.sum().to(torch.long)
+    # float32 all-reduce: every backend (gloo, nccl, hccl) has it; exact below 2^24 values,
+    # and only "> 0" decides.
+    total = counts.sum().to(torch.float32)
     if _initialized():
         dist.all_reduce(total)
-    count = int(total.item())
+    count = int(round(float(total.item())))
     bad = [n for (n, _), c in zip(tensors, counts.tolist()) if c] if count else []
     return count, bad
 

@@ -155,6 +155,8 @@ def test_corrupt_checkpoint_is_rejected_and_falls_back(tmp_path, damage):
     assert str(bad) in str(err.value) and problem in str(err.value)
     step, path, extra, rejected = ck.load_latest_valid(tmp_path, m2, opt2, sched2)
     assert (step, extra["which"]) == (2, 2) and len(rejected) == 1
+    assert ck.load_latest_valid(tmp_path, m2, opt2, sched2, before_step=4)[3] == []
+    assert ck.load_latest_valid(tmp_path, m2, opt2, sched2, before_step=2) is None
     assert str(bad) in str(rejected[0])
     for a, b in zip(good, m2.parameters()):
         assert torch.equal(a, b)
