@@ -68,6 +68,12 @@ def write_run(out: str | Path, traces: Mapping[str, Any], *, config: Mapping[str
         if sums.shape != (num_steps, len(names), NUM_SUMS):
             raise ValueError(f"traces['sums']: shape {sums.shape}, expected "
                              f"({num_steps}, {len(names)}, {NUM_SUMS})")
+    if "hists" in traces:  # validated before anything is written
+        hists = np.asarray(traces["hists"])
+        hist_steps = np.asarray(traces["hist_steps"])
+        if hists.shape != (len(hist_steps), len(traces["names"]), NUM_HIST_BINS):
+            raise ValueError(f"traces['hists']: shape {hists.shape} does not match "
+                             f"hist_steps / names")
     if has_layers:  # finalize all steps at once (vectorised), then slice per step
         key_cols = layer_columns(names, traces["depths"], traces["kinds"], traces["numels"],
                                  np.ones((len(names), NUM_SUMS)), 1.0)
@@ -93,11 +99,6 @@ def write_run(out: str | Path, traces: Mapping[str, Any], *, config: Mapping[str
             if bar is not None and step % 1000 == 0:
                 bar.update(1000)
         if "hists" in traces:
-            hists = np.asarray(traces["hists"])
-            hist_steps = np.asarray(traces["hist_steps"])
-            if hists.shape != (len(hist_steps), len(traces["names"]), NUM_HIST_BINS):
-                raise ValueError(f"traces['hists']: shape {hists.shape} does not match "
-                                 f"hist_steps / names")
             for j, step in enumerate(hist_steps):
                 if hist_every and step % hist_every:
                     continue
@@ -114,7 +115,8 @@ def write_run(out: str | Path, traces: Mapping[str, Any], *, config: Mapping[str
 def quadratic_traces(out: Mapping[str, Any], spec, hparams: Mapping[str, Any],
                      wall_s: float) -> dict:
     """simulate.quadratic output -> runner traces: one tensor "theta" (depth 0, kind
-    "param"), never clipped, constant lr, step_time_s = wall time / steps."""
+    "param"), never clipped, constant lr, step_time_s = wall time / steps; no r
+    histograms (the problem does not record them)."""
     from simulate.quadratic import HPARAM_DEFAULTS
     hparams = {**HPARAM_DEFAULTS, **hparams}
     n = len(out["log10_loss"])

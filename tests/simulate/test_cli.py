@@ -96,3 +96,17 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
     assert (out / "keep.txt").read_text() == "precious" and len(list(out.iterdir())) == 1
     assert simulate_main(["quadratic", "--steps", "10"]) == 2  # --out is required
     assert "--out" in capsys.readouterr().err
+
+
+def test_runner_rejects_bad_traces_before_writing(tmp_path):
+    from simulate.runner import write_run
+    n = 5
+    base = {"loss": np.ones(n), "lr": np.ones(n), "grad_norm": np.ones(n),
+            "clipped": np.zeros(n, bool), "update_norm": np.ones(n)}
+    with pytest.raises(ValueError, match="update_norm"):
+        write_run(tmp_path / "a", {k: v for k, v in base.items() if k != "update_norm"},
+                  config={}, problem={}, progress=False)
+    bad = {**base, "sums": np.zeros((n, 2, 3)), "names": ["a", "b"]}
+    with pytest.raises(ValueError, match="sums"):
+        write_run(tmp_path / "b", bad, config={}, problem={}, progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
