@@ -28,6 +28,7 @@ same machine.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -92,6 +93,7 @@ def hash_normals(key_a, key_b, t, n: int, dtype):
     return (jnp.float32(math.sqrt(2.0)) * erfinv(u)).astype(dtype)
 
 
+@functools.lru_cache(maxsize=32)
 def _build(n_coords: int, steps: int, n_groups: int, record_all: bool, mu_random: bool,
            dtype, rng: str = "hash"):
     import jax
@@ -128,22 +130,29 @@ def _build(n_coords: int, steps: int, n_groups: int, record_all: bool, mu_random
         state0 = tx.init(jnp.zeros((n_coords,), dtype))
         a = jnp.sqrt(1.0 - phi * phi)
 
-        def body(carry, xs):
-            z, state, _, _, _ = carry
-            t, sig = xs
+        def step(z, state, t, sig):
             e = noise(kloop, t)
             z = jnp.where(t == 0, z, phi * z + a * e)
             g = mus + sig * z
             mprev = state.mu
             upd, state = tx.update(g, state)
-            out = sums(g, mprev, upd, state, eps, b1, b2) if record_all else jnp.zeros(())
-            return (z, state, g, mprev, upd), out
+            return z, state, g, mprev, upd
 
-        zeros = jnp.zeros((n_coords,), dtype)
-        (z, state, g, mprev, upd), outs = jax.lax.scan(
-            body, (z0, state0, zeros, zeros, zeros), (jnp.arange(steps), sig_t))
+        ts = jnp.arange(steps)
         if record_all:
+            def body(carry, xs):
+                z, state, g, mprev, upd = step(*carry, *xs)
+                return (z, state), sums(g, mprev, upd, state, eps, b1, b2)
+
+            _, outs = jax.lax.scan(body, (z0, state0), (ts, sig_t))
             return outs                                          # (steps, 15, G)
+
+        def body(carry, xs):
+            z, state, _, _, _ = step(*carry, *xs)
+            return (z, state), None
+
+        (z, state), _ = jax.lax.scan(body, (z0, state0), (ts[:-1], sig_t[:-1]))
+        _, state, g, mprev, upd = step(z, state, ts[-1], sig_t[-1])
         return sums(g, mprev, upd, state, eps, b1, b2)[None]     # (1, 15, G)
 
     return jax.jit(jax.vmap(one_clean))
