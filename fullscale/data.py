@@ -117,7 +117,7 @@ class IndexedTokens:
                                   f"{num_doc_idx} document indices) implies {expected} "
                                   "(truncated or corrupt index)")
         self.dtype_code, self.dtype = code, np.dtype(DTYPES[code])
-        self.multimodal = size != expected or False
+        self.multimodal = size != expected
         self.num_sequences = int(num_seq)
         if num_seq + num_doc_idx:
             mm = np.memmap(path, mode="r", dtype=np.uint8)

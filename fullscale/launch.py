@@ -12,6 +12,10 @@ predicted setting).
     train_mindspeed.sh   the same optimizer and schedule for MindSpeed-LLM / Megatron
                          pretrain_gpt.py (TP x PP), for the CANN 7 / torch 2.1 stack
     launch.json          what was generated and how to start it
+    logs/                node<k>.log of each node (created by the torchrun script)
+
+The fullscale run writes RUN (default OUT/run, --run-dir); the Megatron script writes its
+checkpoints and logs to RUN_megatron/ (its --load = --save, so a rerun resumes).
 
 Each script is ONE script for all nodes, parameterised by the node rank: on node k run
 `bash train_torchrun.sh k` (or with NODE_RANK=k in the environment). The scripts set the
@@ -281,20 +285,31 @@ def _device_env(launch: Launch, megatron: bool) -> list[str]:
 
 def torchrun_script(launch: Launch, run_toml: Path) -> str:
     c = launch.cluster.cluster
-    log_dir = launch.run_dir / "logs"
+    # Logs live next to the scripts: the trainer wants its run directory new (or --resume).
+    log_dir = run_toml.parent / "logs"
     lines = _header("fullscale.train (FSDP2) under torchrun", launch, "train_torchrun.sh")
     lines += _device_env(launch, megatron=False)
     lines += [f'ADAMSPIKE_HOME="${{ADAMSPIKE_HOME:-{REPO_ROOT}}}"   # the adamspike checkout',
               'TORCHRUN="${TORCHRUN:-torchrun}"',
+              "# After a fault (a hung collective, a dead node) rerun with RESUME=1 on every node:",
+              "# training continues from the newest valid checkpoint in the run directory.",
+              'RESUME_ARGS=()',
+              'if [[ "${RESUME:-0}" == 1 ]]; then RESUME_ARGS=(--resume); fi',
               'cd "$ADAMSPIKE_HOME"',
               f"mkdir -p {_q(log_dir)}",
               f'"$TORCHRUN" --nnodes {c.nodes} --nproc-per-node {c.devices_per_node} '
               '--node-rank "$NODE_RANK" \\',
               '  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --max-restarts 0 \\',
-              f"  -m fullscale.train --config {_q(run_toml)} --out {_q(launch.run_dir)} \\",
+              f"  -m fullscale.train --config {_q(run_toml)} --out {_q(launch.run_dir)} "
+              '${RESUME_ARGS[@]+"${RESUME_ARGS[@]}"} \\',
               f'  2>&1 | tee -a {_q(log_dir)}/"node${{NODE_RANK}}.log"',
               ""]
     return "\n".join(lines)
+
+
+def megatron_dir(launch: Launch) -> Path:
+    """Megatron's checkpoints and logs: RUN_megatron/ beside the fullscale run directory."""
+    return launch.run_dir.with_name(launch.run_dir.name + "_megatron")
 
 
 def megatron_args(launch: Launch) -> list[str]:
@@ -307,7 +322,7 @@ def megatron_args(launch: Launch) -> list[str]:
     s = t.loss_scale
     dp = launch.world_size // (launch.tp * launch.pp)
     mb = t.micro_batch_size or t.global_batch_size // dp
-    ckpt = launch.run_dir / "megatron_checkpoints"
+    ckpt = megatron_dir(launch) / "checkpoints"
     args = [
         f"--tensor-model-parallel-size {launch.tp}", f"--pipeline-model-parallel-size {launch.pp}",
         f"--num-layers {cfg.num_layers}", f"--hidden-size {cfg.dim}",
@@ -355,7 +370,7 @@ def megatron_args(launch: Launch) -> list[str]:
 def mindspeed_script(launch: Launch) -> str:
     c = launch.cluster.cluster
     run = launch.run
-    log = launch.run_dir / "megatron_logs"
+    log = megatron_dir(launch) / "logs"
     lines = _header("MindSpeed-LLM / Megatron pretrain_gpt.py, same optimizer and schedule", launch,
                     "train_mindspeed.sh")
     if run.train.loss_scale != 1.0:
@@ -403,6 +418,7 @@ def write_launch(launch: Launch, out: Path, final: Path | None = None) -> dict[s
             p.chmod(0o755)
         c = launch.cluster.cluster
         info = {"run_toml": str(run_toml), "run_dir": str(launch.run_dir), "scripts": scripts,
+                "megatron_dir": str(megatron_dir(launch)) if "megatron" in launch.engines else None,
                 "nodes": c.nodes, "devices_per_node": c.devices_per_node, "world_size": launch.world_size,
                 "device": c.device, "master_addr": c.master_addr, "master_port": c.master_port,
                 "micro_batch": launch.micro_batch, "megatron_tp": launch.tp, "megatron_pp": launch.pp,

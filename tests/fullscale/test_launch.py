@@ -187,3 +187,31 @@ def test_plan_errors(tmp_path, capsys):
 def test_dump_toml_round_trip():
     d = {"a": 1, "s": 'x"y', "t": {"f": 1e-8, "l": [1, 2], "b": True, "n": None}}
     assert tomllib.loads(dump_toml(d)) == {"a": 1, "s": 'x"y', "t": {"f": 1e-8, "l": [1, 2], "b": True}}
+
+
+def test_torchrun_script_runs_with_the_right_argv(tmp_path):
+    """Execute the generated script with a stand-in torchrun that records its arguments."""
+    out = tmp_path / "cpu"
+    assert launch_main(["--config", str(ROOT / "configs" / "tiny.toml"), "--nodes", "2",
+                        "--devices-per-node", "2", "--device", "cpu", "--master-addr", "h0",
+                        "--out", str(out), "--engine", "fsdp"]) == 0
+    fake = tmp_path / "fake_torchrun"
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "TORCHRUN": str(fake), "ADAMSPIKE_HOME": str(tmp_path)}
+
+    def argv(rank, **extra):
+        r = subprocess.run(["bash", str(out / "train_torchrun.sh"), rank], capture_output=True,
+                           text=True, env={**env, **extra})
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split("\n")[:-1]
+
+    a = argv("1")
+    assert a == ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "1", "--master-addr", "h0",
+                 "--master-port", "29500", "--max-restarts", "0", "-m", "fullscale.train",
+                 "--config", str(out / "run.toml"), "--out", str(out / "run")]
+    assert argv("0", RESUME="1", MASTER_ADDR="other")[-1] == "--resume"
+    assert "other" in argv("0", MASTER_ADDR="other")
+    # logs beside the scripts; the run directory itself is left for the trainer to create
+    assert (out / "logs" / "node1.log").read_text().startswith("--nnodes")
+    assert not (out / "run").exists()
