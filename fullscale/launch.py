@@ -149,6 +149,11 @@ def _auto_parallel(num_params: int, n: int) -> int:
     return n if n else (8 if num_params >= 30e9 else 1)
 
 
+def _num(x: float) -> str:
+    """A number for a Megatron flag: integral values as integers (some flags are type=int)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 def _q(s: str | Path) -> str:
     return shlex.quote(str(s))
 
@@ -329,7 +334,7 @@ def megatron_args(launch: Launch) -> list[str]:
         f"--ffn-hidden-size {cfg.ffn_dim}", f"--num-attention-heads {cfg.num_heads}",
         f"--group-query-attention --num-query-groups {cfg.num_kv_heads}",
         f"--seq-length {t.seq_len}", f"--max-position-embeddings {cfg.max_seq_len}",
-        "--position-embedding-type rope", f"--rotary-base {cfg.rope_theta:g}",
+        "--position-embedding-type rope", f"--rotary-base {_num(cfg.rope_theta)}",
         f"--normalization RMSNorm --norm-epsilon {cfg.norm_eps:g}", "--swiglu",
         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
         "--attention-dropout 0.0", "--hidden-dropout 0.0", f"--init-method-std {cfg.init_std:g}",
