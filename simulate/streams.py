@@ -257,3 +257,45 @@ def check_optax_update(b1: float = 0.9, b2: float = 0.95, eps: float = 0.3, step
             ref = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
             err = max(err, float(np.max(np.abs(np.asarray(upd) - ref))))
     return err
+
+
+def sample_updates(config: dict, steps: int, n_coords: int = 65536, *, seed: int = 0,
+                   mu_sign: str = "random", rng: str = "hash") -> np.ndarray:
+    """The raw r = optax update of every coordinate after `steps` steps (for histograms)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    (c,) = _as_configs([config])
+    steps = int(steps)
+    if steps < 1:
+        raise ValueError(f"steps: must be >= 1, got {steps!r}")
+    with jax.enable_x64(True):
+        dt = jnp.float64
+        tx = optax.scale_by_adam(b1=c["b1"], b2=c["b2"], eps=c["eps"])
+        key = jax.random.PRNGKey(int(seed))
+        ksign, kz, kloop = jax.random.split(key, 3)
+
+        def noise(k, t):
+            if rng == "threefry":
+                return jax.random.normal(jax.random.fold_in(k, t), (n_coords,), dt)
+            return hash_normals(k[0].astype(jnp.uint32), k[1].astype(jnp.uint32), t, n_coords, dt)
+
+        @jax.jit
+        def run():
+            sign = (jnp.where(jax.random.bernoulli(ksign, 0.5, (n_coords,)), 1.0, -1.0)
+                    if mu_sign == "random" else jnp.ones((n_coords,)))
+            mus = (c["mu"] * sign).astype(dt)
+            a = math.sqrt(1 - c["phi"] ** 2)
+
+            def body(carry, t):
+                z, st, _ = carry
+                z = jnp.where(t == 0, z, c["phi"] * z + a * noise(kloop, t))
+                upd, st = tx.update(mus + c["sigma"] * z, st)
+                return (z, st, upd), None
+
+            init = (noise(kz, jnp.int32(0)), tx.init(jnp.zeros((n_coords,), dt)), jnp.zeros((n_coords,), dt))
+            (_, _, upd), _ = jax.lax.scan(body, init, jnp.arange(steps))
+            return upd
+
+        return np.asarray(run(), dtype=float)
