@@ -66,7 +66,7 @@ def plot(data: dict, out_dir):
     bx.set_xscale("log")
     bx.set_xlabel("k")
     bx.set_ylabel("|r_k|")
-    bx.set_title("solid: constant gradient after dormancy; dashed: rms r, noisy step-up")
+    bx.set_title("solid: constant g after dormancy; dashed: rms r (left case)")
     bx.legend()
     return save(fig, out_dir, "fig_rms_t_transient")
 
