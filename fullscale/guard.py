@@ -30,9 +30,9 @@ Trainer sketch:
     if d.action != "ok":
         for type, fields in d.events: writer.event(type, **fields)
         if d.action == "abort": raise SystemExit(...)
-        found = checkpoint.latest(ckpt_root, before_step=step)      # none -> abort
-        extra = checkpoint.load(found[1], model, optimizer, scheduler)  # not guard=/position=
-        plan = guard.rollback(step, extra, offset_now=position.offset)
+        found = checkpoint.load_latest_valid(ckpt_root, model, optimizer, scheduler,
+                                             before_step=step)   # None -> abort; no guard=
+        plan = guard.rollback(step, found[2], offset_now=position.offset)
         position.load_state_dict(plan.position)
         for type, fields in plan.events: writer.event(type, **fields)
         # continue the loop at plan.resume_step
