@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of exiting, so errors come back as status 2."""
 
     def error(self, message):
-        raise ConfigError(f"{self.prog}: {message}")
+        raise ConfigError(message)
 
 
 def _fail(prog: str, e: Exception) -> int:
@@ -45,7 +45,7 @@ def model_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, help="sequences per card per forward (default: run config, else 1)")
     p.add_argument("--global-batch", type=int,
                    help="sequences per optimizer step (default: run config, else world x micro batch)")
-    p.add_argument("--sharding", default="fsdp", help="fsdp (shard over all cards) or hsdp:K")
+    p.add_argument("--sharding", default="fsdp", help="fsdp (shard over all cards), hsdp:K (shard within groups of K), or megatron:tpTppP (Megatron TP x PP x DP)")
     p.add_argument("--layout", default="fsdp2", choices=("fsdp2", "megatron"),
                    help="state layout: fsdp2 (fp32 sharded params, this trainer) or megatron (bf16 + fp32 master)")
     p.add_argument("--grad-dtype", choices=("fp32", "bf16"),

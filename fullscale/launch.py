@@ -442,7 +442,7 @@ def write_launch(launch: Launch, out: Path, final: Path | None = None) -> dict[s
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        raise ConfigError(f"{self.prog}: {message}")
+        raise ConfigError(message)
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:

@@ -29,6 +29,22 @@ Per-step cost (assumptions are arguments; defaults documented in DEFAULTS):
   all-reduce across the replicas 2 (R-1)/R N/S B_r; a collective over a group larger than a
   node runs at the inter-node bandwidth, else at the intra-node one. Step time is reported
   with perfect overlap max(compute, comm) and without overlap (compute + comm).
+
+Megatron / MindSpeed-LLM layout ("megatron:tpTppP"; the engine of train_mindspeed.sh): TP x
+PP model parallel, DP = world / (TP PP) data parallel with the distributed optimizer,
+sequence parallelism, full recompute, 1F1B schedule with m = global / (DP b) micro-batches.
+Per card on the first pipeline stage (embedding, PP micro-batches in flight) and the last
+(head, logits), whichever is larger:
+  weights bf16 2 P_rank, main grads fp32 4 P_rank (Megatron's default under bf16; bf16 2 with
+  --grad-dtype bf16), fp32 master + m + v 12 P_rank/DP
+  with P_rank = (L/PP) P_block / TP + (V d)/TP;
+  activations: in-flight micro-batches x (L/PP) x b T d B_c / TP + one block recomputed / TP;
+  logits b T V / TP x (B_c + 8) on the last stage.
+Cost: compute x (1 + (PP-1)/m) (pipeline bubble); TP collectives with SP (all-gather +
+reduce-scatter twice per block in forward, backward and recompute: 12 x (TP-1)/TP x b T d B_c
+per block per micro-batch) at the intra-node bandwidth; PP sends 2 b T d B_c / TP per
+micro-batch and DP reduce-scatter of grads + all-gather of bf16 weights ((DP-1)/DP P_rank
+each) at the inter-node bandwidth.
 """
 
 from __future__ import annotations
@@ -169,6 +185,102 @@ def step_cost(cfg: LlamaConfig, *, world_size: int, seq_len: int, micro_batch: i
     }
 
 
+def parse_megatron(text: str, world_size: int) -> tuple[int, int]:
+    """"megatron:tp8pp8" -> (8, 8), with TP x PP dividing the world size."""
+    import re
+
+    m = re.fullmatch(r"megatron:tp(\d+)pp(\d+)", text)
+    if not m:
+        raise ConfigError(f"--sharding: expected megatron:tpTppP (e.g. megatron:tp8pp8), got {text!r}")
+    tp, pp = int(m.group(1)), int(m.group(2))
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ConfigError(f"--sharding: TP x PP = {tp * pp} must divide --world-size {world_size}")
+    return tp, pp
+
+
+def _megatron_shape(cfg: LlamaConfig, world_size: int, sharding: str, micro_batch: int,
+                    global_batch: int | None):
+    tp, pp = parse_megatron(sharding, world_size)
+    if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+        raise ConfigError(f"--sharding: TP {tp} must divide num_heads {cfg.num_heads} and "
+                          f"num_kv_heads {cfg.num_kv_heads}")
+    if cfg.num_layers % pp:
+        raise ConfigError(f"--sharding: PP {pp} must divide num_layers {cfg.num_layers}")
+    dp = world_size // (tp * pp)
+    if global_batch is not None and global_batch % (dp * micro_batch):
+        raise ConfigError(f"--global-batch {global_batch} is not divisible by data-parallel size {dp} "
+                          f"x --micro-batch {micro_batch}")
+    m = (global_batch // (dp * micro_batch)) if global_batch is not None else pp
+    return tp, pp, dp, m
+
+
+def megatron_memory(cfg: LlamaConfig, *, world_size: int, seq_len: int, micro_batch: int,
+                    sharding: str, global_batch: int | None = None, grad_dtype: str = "fp32",
+                    dtype: str = "bf16") -> dict[str, float]:
+    """Bytes per card of the Megatron layout (module docstring), at the larger pipeline end."""
+    tp, pp, dp, m = _megatron_shape(cfg, world_size, sharding, micro_batch, global_batch)
+    bc, br = (2 if dtype == "bf16" else 4), (4 if grad_dtype == "fp32" else 2)
+    n = param_counts(cfg)
+    b, T, d = micro_batch, seq_len, cfg.dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    layers = cfg.num_layers // pp
+    p_rank = (layers * n["per_block"] + cfg.vocab_size * d) / tp
+    checkpoint = layers * b * T * d * bc / tp
+    block = 2 * b * T * (15 * d + 5 * kv + 4 * cfg.ffn_dim) * bc / tp
+
+    def stage(in_flight: int, logits: float) -> dict[str, float]:
+        return {"weights": bc * p_rank, "main_grads": br * p_rank, "optimizer_sharded": 12 * p_rank / dp,
+                "activations_checkpoints": in_flight * checkpoint, "activations_blocks": block,
+                "logits": logits}
+
+    first = stage(min(pp, m), 0.0 if pp > 1 else b * T * cfg.vocab_size * (bc + 8) / tp)
+    last = stage(1, b * T * cfg.vocab_size * (bc + 8) / tp)
+    name, out = max((("first", first), ("last", last)), key=lambda x: sum(x[1].values()))
+    total = sum(out.values())
+    # bytes per parameter held on this card (its 1/(TP PP) share of the model)
+    return {**out, "total": total, "state_bytes_per_param": float(bc + br + 12 / dp), "stage": name}
+
+
+def megatron_cost(cfg: LlamaConfig, *, world_size: int, seq_len: int, micro_batch: int,
+                  global_batch: int, sharding: str, grad_dtype: str = "fp32", dtype: str = "bf16",
+                  assumptions: Assumptions = DEFAULTS) -> dict[str, float]:
+    """Step time of the Megatron layout (module docstring)."""
+    tp, pp, dp, m = _megatron_shape(cfg, world_size, sharding, micro_batch, global_batch)
+    a = assumptions
+    bc, br = (2 if dtype == "bf16" else 4), (4 if grad_dtype == "fp32" else 2)
+    n = param_counts(cfg)
+    b, T, d = micro_batch, seq_len, cfg.dim
+    layers = cfg.num_layers // pp
+    p_rank = (layers * n["per_block"] + cfg.vocab_size * d) / tp
+    tokens = global_batch * seq_len
+    fpt = flops_per_token(cfg, seq_len)
+    compute_s = fpt * tokens / (world_size * a.peak_flops * a.mfu)
+    bubble_s = compute_s * (pp - 1) / m
+    tp_bw = (a.intra_node_gbs if tp <= a.devices_per_node else a.inter_node_gbs) * GB
+    volumes = {
+        "tensor_parallel": m * layers * 12 * (tp - 1) / tp * b * T * d * bc,
+        "pipeline_p2p": m * 2 * b * T * d * bc / tp if pp > 1 else 0.0,
+        "dp_reduce_scatter": (dp - 1) / dp * p_rank * br,
+        "dp_all_gather": (dp - 1) / dp * p_rank * bc,
+    }
+    times = {"tensor_parallel": volumes["tensor_parallel"] / tp_bw,
+             **{k: v / (a.inter_node_gbs * GB) for k, v in volumes.items() if k != "tensor_parallel"}}
+    comm_s = sum(times.values())
+    busy = compute_s + bubble_s
+    overlap_s, serial_s = max(busy, comm_s), busy + comm_s
+    per_card = tokens / world_size
+    return {
+        "sharding": "megatron", "tp": tp, "pp": pp, "dp": dp, "grad_accum_steps": m,
+        "tokens_per_step": tokens, "flops_per_step": fpt * tokens, "compute_s": compute_s,
+        "pipeline_bubble_s": bubble_s,
+        **{f"{k}_bytes": v for k, v in volumes.items()}, **{f"{k}_s": v for k, v in times.items()},
+        "comm_bytes": sum(volumes.values()), "comm_s": comm_s,
+        "step_s_overlapped": overlap_s, "step_s_serial": serial_s,
+        "tokens_per_s_per_card_overlapped": per_card / overlap_s,
+        "tokens_per_s_per_card_serial": per_card / serial_s,
+    }
+
+
 # ----------------------------------------------------------------------------- config args
 
 def resolve_config(arg: str):
@@ -205,6 +317,9 @@ def model_info(cfg: LlamaConfig, *, world_size: int = 1, seq_len: int | None = N
     global_batch = world_size * micro_batch if global_batch is None else global_batch
     if global_batch < 1:
         raise ConfigError(f"--global-batch: must be >= 1, got {global_batch}")
+    if sharding.startswith("megatron:"):
+        layout = "megatron"       # the engine fixes the layout (full recompute, fp32 main grads)
+        grad_dtype = grad_dtype or "fp32"
     grad_dtype = grad_dtype or ("fp32" if layout == "fsdp2" else "bf16")
     counts = param_counts(cfg)
     if meta_check:
@@ -212,14 +327,17 @@ def model_info(cfg: LlamaConfig, *, world_size: int = 1, seq_len: int | None = N
         if counts["meta_device"] != counts["total"]:
             raise RuntimeError(f"fullscale.model.Transformer has {counts['meta_device']} parameters, "
                                f"param_specs says {counts['total']}")
-    memory = memory_per_card(cfg, world_size=world_size, seq_len=seq_len, micro_batch=micro_batch,
-                             sharding=sharding, layout=layout, grad_dtype=grad_dtype, dtype=dtype,
-                             activation_checkpointing=activation_checkpointing, prefetch=prefetch)
+    shape = dict(world_size=world_size, seq_len=seq_len, micro_batch=micro_batch, sharding=sharding,
+                 grad_dtype=grad_dtype, dtype=dtype)
+    if layout == "megatron" and sharding.startswith("megatron:"):
+        memory = megatron_memory(cfg, global_batch=global_batch, **shape)
+        cost = megatron_cost(cfg, global_batch=global_batch, assumptions=assumptions, **shape)
+    else:
+        memory = memory_per_card(cfg, layout=layout, activation_checkpointing=activation_checkpointing,
+                                 prefetch=prefetch, **shape)
+        cost = step_cost(cfg, global_batch=global_batch, assumptions=assumptions, **shape)
     memory["device_memory"] = assumptions.device_memory_gb * GB
     memory["fits"] = memory["total"] <= memory["device_memory"]
-    cost = step_cost(cfg, world_size=world_size, seq_len=seq_len, micro_batch=micro_batch,
-                     global_batch=global_batch, sharding=sharding, grad_dtype=grad_dtype,
-                     dtype=dtype, assumptions=assumptions)
     return {
         "architecture": to_dict(cfg), "params": counts,
         "flops_per_token": flops_per_token(cfg, seq_len), "seq_len": seq_len,
@@ -244,20 +362,22 @@ def format_info(info: dict[str, Any], source: str = "") -> str:
              f"micro batch {info['micro_batch']}, {info['dtype']}, grads {info['grad_dtype']}, "
              f"activation checkpointing {'on' if info['activation_checkpointing'] else 'off'}"]
     for k, v in m.items():
-        if k in ("total", "device_memory", "fits", "state_bytes_per_param"):
+        if k in ("total", "device_memory", "fits", "state_bytes_per_param", "stage"):
             continue
         lines.append(f"  {k:<26} {v / GB:9.2f} GB")
     lines.append(f"  {'total':<26} {m['total'] / GB:9.2f} GB of {m['device_memory'] / GB:.0f} GB "
                  f"({'fits' if m['fits'] else 'DOES NOT FIT'}; state {m['state_bytes_per_param']:.0f} B/param)")
+    layout = (f"TP {c['tp']} x PP {c['pp']} x DP {c['dp']}" if c["sharding"] == "megatron"
+              else f"shard group {c['shard_group']} x {c['replicas']} replica(s)")
     lines += [f"step cost: global batch {info['global_batch']} x {info['seq_len']} = "
-              f"{c['tokens_per_step']:,} tokens, {c['grad_accum_steps']} micro-step(s), shard group "
-              f"{c['shard_group']} x {c['replicas']} replica(s)",
-              f"  compute {c['compute_s']:.2f} s at MFU {a['mfu']:.2f} of {a['peak_flops'] / 1e12:.0f} TF",
-              f"  all-gather fwd {c['all_gather_forward_bytes'] / GB:.1f} GB {c['all_gather_forward_s']:.2f} s, "
-              f"bwd {c['all_gather_backward_bytes'] / GB:.1f} GB {c['all_gather_backward_s']:.2f} s, "
-              f"reduce-scatter {c['reduce_scatter_bytes'] / GB:.1f} GB {c['reduce_scatter_s']:.2f} s, "
-              f"replica all-reduce {c['all_reduce_replicas_bytes'] / GB:.1f} GB {c['all_reduce_replicas_s']:.2f} s",
-              f"  (bandwidth per card: intra-node {a['intra_node_gbs']:.0f} GB/s, inter-node "
+              f"{c['tokens_per_step']:,} tokens, {c['grad_accum_steps']} micro-step(s), {layout}",
+              f"  compute {c['compute_s']:.2f} s at MFU {a['mfu']:.2f} of {a['peak_flops'] / 1e12:.0f} TF"
+              + (f" + pipeline bubble {c['pipeline_bubble_s']:.2f} s" if "pipeline_bubble_s" in c else "")]
+    for k in c:
+        if k.endswith("_bytes") and k != "comm_bytes":
+            name = k[:-len("_bytes")]
+            lines.append(f"  {name.replace('_', ' '):<24} {c[k] / GB:8.1f} GB {c[name + '_s']:8.2f} s")
+    lines += [f"  (bandwidth per card: intra-node {a['intra_node_gbs']:.0f} GB/s, inter-node "
               f"{a['inter_node_gbs']:.0f} GB/s, {a['devices_per_node']} per node)",
               f"  step {c['step_s_overlapped']:.2f} s overlapped / {c['step_s_serial']:.2f} s serial -> "
               f"{c['tokens_per_s_per_card_overlapped']:.0f} / {c['tokens_per_s_per_card_serial']:.0f} "

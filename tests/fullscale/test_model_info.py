@@ -115,3 +115,32 @@ def test_flops_per_token_grows_with_seq_len():
     a = model_info(C70, seq_len=2048, meta_check=False)["flops_per_token"]
     assert a == flops_per_token(C70, 2048)
     assert model_info(C70, seq_len=4096, meta_check=False)["flops_per_token"] - a == 12 * 80 * 8192 * 2048
+
+
+def test_megatron_tp8_pp8_layout_matches_the_notes():
+    """TP8/PP8/DP16 + distributed optimizer on 1024 cards: per rank ~2.2 GB bf16 weights,
+    ~4.3 GB fp32 main grads, ~0.8 GB optimizer state (fullscale notes, section 5)."""
+    from fullscale.model_info import megatron_cost, megatron_memory
+
+    kw = dict(world_size=1024, seq_len=4096, micro_batch=1, sharding="megatron:tp8pp8", global_batch=1024)
+    mem = megatron_memory(C70, **kw)
+    p_rank = (10 * 855_654_400 + 32000 * 8192) / 8
+    assert mem["weights"] == pytest.approx(2 * p_rank) and 2.1e9 < mem["weights"] < 2.3e9
+    assert mem["main_grads"] == pytest.approx(4 * p_rank) and 4.2e9 < mem["main_grads"] < 4.5e9
+    assert mem["optimizer_sharded"] == pytest.approx(12 * p_rank / 16)
+    assert mem["stage"] == "first" and mem["activations_checkpoints"] == pytest.approx(8 * 10 * 4096 * 8192 * 2 / 8)
+    c = megatron_cost(C70, **kw)
+    assert (c["tp"], c["pp"], c["dp"], c["grad_accum_steps"]) == (8, 8, 16, 64)
+    assert c["pipeline_bubble_s"] == pytest.approx(c["compute_s"] * 7 / 64)
+    assert c["tensor_parallel_bytes"] == pytest.approx(64 * 10 * 12 * 7 / 8 * 4096 * 8192 * 2)
+    assert c["dp_reduce_scatter_bytes"] == pytest.approx(15 / 16 * p_rank * 4)
+    info = model_info(C70, meta_check=False, **kw)
+    assert info["layout"] == "megatron" and info["grad_dtype"] == "fp32" and info["memory_bytes"]["fits"]
+    with pytest.raises(ConfigError, match="TP x PP = 64 must divide --world-size 32"):
+        megatron_memory(C70, **{**kw, "world_size": 32})
+    with pytest.raises(ConfigError, match="PP 3 must divide num_layers 80"):
+        megatron_memory(C70, **{**kw, "sharding": "megatron:tp8pp3", "world_size": 1032, "global_batch": 43})
+    with pytest.raises(ConfigError, match="data-parallel size 16"):
+        megatron_cost(C70, **{**kw, "global_batch": 1000})
+    with pytest.raises(ConfigError, match="expected megatron:tpTppP"):
+        megatron_memory(C70, **{**kw, "sharding": "megatron:8x8"})
