@@ -47,16 +47,18 @@ Params = dict[str, jax.Array]
 
 def init_params(cfg: LlamaConfig, key: jax.Array) -> Params:
     """Megatron-style init from the specs: N(0, std^2) (std per spec), norm weights ones.
-    One PRNG key per tensor, split in spec order (deterministic for a seed)."""
+    One PRNG key per tensor, split in spec order (deterministic for a seed); one compiled
+    function draws all tensors."""
     specs = param_specs(cfg)
-    keys = jax.random.split(key, len(specs))
-    params = {}
-    for spec, k in zip(specs, keys):
-        if spec.init == "ones":
-            params[spec.name] = jnp.ones(spec.shape, jnp.float32)
-        else:
-            params[spec.name] = spec.init_std * jax.random.normal(k, spec.shape, jnp.float32)
-    return params
+
+    def draw(key):
+        keys = jax.random.split(key, len(specs))
+        return {s.name: jnp.ones(s.shape, jnp.float32) if s.init == "ones"
+                else s.init_std * jax.random.normal(k, s.shape, jnp.float32)
+                for s, k in zip(specs, keys)}
+
+    params = jax.jit(draw)(key)
+    return {s.name: params[s.name] for s in specs}  # spec order (jit returns sorted keys)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
