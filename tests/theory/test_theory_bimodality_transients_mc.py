@@ -71,11 +71,11 @@ def test_rms_t_bound_approached_for_dormant_v():
 
 
 def test_step_up_transient_vs_mc(check_z):
-    """rms_t, rms r, E|r| for k = 1..20 loud steps after 1500 quiet ones (exact theory with
+    """rms_t, rms r, E|r| for k = 1..20 loud steps after 800 quiet ones (exact theory with
     the finite quiet stretch and bias correction), z-score family check."""
     from simulate.streams import simulate_streams
 
-    quiet, steps = 1500, 20
+    quiet, steps = 800, 20
     cfgs = [(0.9, 0.95, 10.0, 0.0), (0.9, 0.99, 3.0, 0.0), (0.9, 0.999, 10.0, 0.0),
             (0.8, 0.95, 3.0, 0.5), (0.95, 0.99, 10.0, -0.5)]
     total = quiet + steps
