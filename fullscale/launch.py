@@ -171,12 +171,14 @@ class Launch:
     tp: int = 1
     pp: int = 1
     notes: list[str] = field(default_factory=list)
+    memory_gb: dict[str, float] = field(default_factory=dict)   # fullscale.model_info estimates
 
 
 def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatron")) -> Launch:
     """Validate a run config against a cluster; resolve micro batch and TP/PP."""
     from adamspike.llama import num_params
     from fullscale.hf import resolve_model
+    from fullscale.model_info import megatron_memory, memory_per_card
 
     c = cluster.cluster
     if c.master_addr == "MASTER_HOST" and c.nodes > 1:
@@ -184,17 +186,21 @@ def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatr
                           "MASTER_HOST); pass node rank 0's host name or address")
     world = c.nodes * c.devices_per_node
     G = run.train.global_batch_size
-    if G % world:
-        raise ConfigError(f"--nodes x --devices-per-node = {c.nodes} x {c.devices_per_node} = {world} "
-                          f"does not divide train.global_batch_size = {G}")
-    per_rank = G // world
-    mb = run.train.micro_batch_size or per_rank
-    if per_rank % mb:
-        raise ConfigError(f"train.micro_batch_size = {mb} does not divide the per-rank batch "
-                          f"{per_rank} (= train.global_batch_size {G} / world size {world})")
-    launch = Launch(run, cluster, run_dir, tuple(engines), world, mb)
+    cfg = resolve_model(run.model)
+    launch = Launch(run, cluster, run_dir, tuple(engines), world)
+    if "fsdp" in engines:
+        if G % world:
+            raise ConfigError(f"--nodes x --devices-per-node = {c.nodes} x {c.devices_per_node} = {world} "
+                              f"does not divide train.global_batch_size = {G}")
+        per_rank = G // world
+        launch.micro_batch = mb = run.train.micro_batch_size or per_rank
+        if per_rank % mb:
+            raise ConfigError(f"train.micro_batch_size = {mb} does not divide the per-rank batch "
+                              f"{per_rank} (= train.global_batch_size {G} / world size {world})")
+        launch.memory_gb["fsdp"] = memory_per_card(
+            cfg, world_size=world, seq_len=run.train.seq_len, micro_batch=mb, dtype=run.train.dtype,
+            activation_checkpointing=run.train.activation_checkpointing)["total"] / 1e9
     if "megatron" in engines:
-        cfg = resolve_model(run.model)
         m = cluster.megatron
         tp, pp = _auto_parallel(num_params(cfg), m.tp), _auto_parallel(num_params(cfg), m.pp)
         hint = " (or --engine fsdp to write only the torchrun script)"
@@ -212,6 +218,9 @@ def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatr
                               f"train.global_batch_size {G}{hint}")
         launch.tp, launch.pp = tp, pp
         launch.notes += _megatron_gaps(run)
+        launch.memory_gb["megatron"] = megatron_memory(
+            cfg, world_size=world, seq_len=run.train.seq_len, micro_batch=mmb,
+            sharding=f"megatron:tp{tp}pp{pp}", global_batch=G, dtype=run.train.dtype)["total"] / 1e9
     return launch
 
 
@@ -428,6 +437,7 @@ def write_launch(launch: Launch, out: Path, final: Path | None = None) -> dict[s
                 "device": c.device, "master_addr": c.master_addr, "master_port": c.master_port,
                 "micro_batch": launch.micro_batch, "megatron_tp": launch.tp, "megatron_pp": launch.pp,
                 "megatron_notes": launch.notes,
+                "estimated_memory_gb_per_card": launch.memory_gb,
                 "start": "on node k: bash SCRIPT k   (k = 0 .. nodes-1)",
                 "cluster_config": to_dict(launch.cluster)}
         (tmp / "launch.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -522,10 +532,22 @@ def launch_main(argv: list[str]) -> int:
         return _fail("adamspike launch", e)
     for note in launch.notes:
         print(f"adamspike launch: warning: Megatron script: {note}", file=sys.stderr)
+    _memory_warnings("adamspike launch", launch)
     print(f"wrote {out}: " + ", ".join(Path(s).name for s in info["scripts"].values())
           + f" for {info['nodes']} x {info['devices_per_node']} {info['device']}; on node k run: "
           f"bash {next(iter(info['scripts'].values()))} k")
     return 0
+
+
+def _memory_warnings(prog: str, launch: Launch) -> None:
+    """Warn when fullscale.model_info's estimate exceeds a 910B's 64 GB (npu only: the GPU
+    model is not known here)."""
+    if launch.cluster.cluster.device != "npu":
+        return
+    for engine, gb in launch.memory_gb.items():
+        if gb > 64:
+            print(f"{prog}: warning: {engine}: estimated {gb:.0f} GB per card exceeds the 910B's 64 GB "
+                  "(see `adamspike model info`)", file=sys.stderr)
 
 
 def _safe_id(setting_id: str) -> str:
@@ -595,6 +617,7 @@ def plan_main(argv: list[str]) -> int:
             except ConfigError as e:
                 raise ConfigError(f"setting {sid!r}: {e}") from None
             info = write_launch(launch, tmp / name, final=out / name)
+            _memory_warnings(prog, launch)
             rows.append({"id": sid, "dir": str(out / name), "rank": s.get("rank"), "risk": s.get("risk"),
                          "risk_label": s.get("risk_label"), "b1": s["b1"], "b2": s["b2"], "eps": s["eps"],
                          "lr": s["lr"], "global_batch_size": s["global_batch_size"],

@@ -57,6 +57,9 @@ def test_launch_128x8_npu_scripts(tmp_path, capsys):
     assert run.optim == base.optim and run.train == base.train and run.dist.device == "npu"
     info = json.loads((out / "launch.json").read_text())
     assert info["world_size"] == 1024 and (info["megatron_tp"], info["megatron_pp"]) == (8, 8)
+    mem = info["estimated_memory_gb_per_card"]          # fullscale.model_info, both engines fit
+    assert 12 < mem["fsdp"] < 25 and 5 < mem["megatron"] < 12
+    assert "exceeds" not in capsys.readouterr().err
 
     ms = (out / "train_mindspeed.sh").read_text()
     f = _flags(ms)
@@ -215,3 +218,11 @@ def test_torchrun_script_runs_with_the_right_argv(tmp_path):
     # logs beside the scripts; the run directory itself is left for the trainer to create
     assert (out / "logs" / "node1.log").read_text().startswith("--nnodes")
     assert not (out / "run").exists()
+
+
+def test_launch_warns_when_the_memory_estimate_does_not_fit(tmp_path, capsys):
+    assert launch_main(["--config", str(BASE), "--cluster", str(CLUSTER), "--nodes", "1",
+                        "--out", str(tmp_path / "one"), "--engine", "fsdp",
+                        "--train.global_batch_size", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "fsdp: estimated 158 GB per card exceeds the 910B's 64 GB" in err
