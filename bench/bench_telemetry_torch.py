@@ -6,7 +6,9 @@ hits all variants alike:
     off        no telemetry
     every      fullscale.telemetry every step (before_step + after_step, float64 sums)
     every+hist the same plus the r histogram (64 bins) of every tensor
-Prints median ms per step and the ratio to "off" (target: <= 1.05).
+Prints median ms per step and the ratio to "off" (target: <= 1.05), for wall-clock time
+and for this process's CPU time (the robust number on a shared machine: with one thread,
+CPU time is what the step costs, whatever else runs).
 
     python bench/bench_telemetry_torch.py [--repeats 30] [--threads 1] [--presets tiny small]
 """
@@ -42,8 +44,8 @@ def make_setup(preset: str, batch: int, seq_len: int):
     return model, opt, tel, x
 
 
-def one_step(model, opt, tel, x, step) -> float:
-    t0 = time.perf_counter()
+def one_step(model, opt, tel, x, step) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
     opt.zero_grad(set_to_none=True)
     F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
     clip_gradients(model.parameters(), 1.0)
@@ -52,7 +54,7 @@ def one_step(model, opt, tel, x, step) -> float:
     opt.step()
     if tel is not None:
         tel.after_step(step)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def main(argv=None) -> int:
@@ -67,23 +69,26 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), batch {args.batch} x "
           f"{args.seq_len} tokens, median of {args.repeats} interleaved repeats")
-    print(f"{'preset':8s} {'tensors':>7s} " + " ".join(f"{v + ' ms':>14s}" for v in VARIANTS)
+    print(f"{'preset':8s} {'tensors':>7s} {'clock':>5s} " + " ".join(f"{v + ' ms':>14s}" for v in VARIANTS)
           + "   ratio every   ratio every+hist")
     for preset in args.presets:
         model, opt, tel, x = make_setup(preset, args.batch, min(args.seq_len, PRESETS[preset].max_seq_len))
-        times = {v: [] for v in VARIANTS}
+        times = {v: ([], []) for v in VARIANTS}
         step = 0
         for r in range(args.warmup + args.repeats):
             for v in VARIANTS:
                 step += 1
-                dt = one_step(model, opt, tel[v], x, step)
+                wall, cpu = one_step(model, opt, tel[v], x, step)
                 if r >= args.warmup:
-                    times[v].append(dt)
+                    times[v][0].append(wall)
+                    times[v][1].append(cpu)
             print(f"\r{preset}: repeat {r + 1}/{args.warmup + args.repeats}", end="", file=sys.stderr)
         print("\r", end="", file=sys.stderr)
-        med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
-        print(f"{preset:8s} {len(tel['every'].names):7d} " + " ".join(f"{med[v]:14.2f}" for v in VARIANTS)
-              + f"   {med['every'] / med['off']:11.3f}   {med['every+hist'] / med['off']:16.3f}")
+        for k, clock in enumerate(("wall", "cpu")):
+            med = {v: statistics.median(t[k]) * 1e3 for v, t in times.items()}
+            print(f"{preset:8s} {len(tel['every'].names):7d} {clock:>5s} "
+                  + " ".join(f"{med[v]:14.2f}" for v in VARIANTS)
+                  + f"   {med['every'] / med['off']:11.3f}   {med['every+hist'] / med['off']:16.3f}")
     return 0
 
 
