@@ -102,7 +102,8 @@ class StepTelemetry:
 
 
 class Telemetry:
-    """Collects per-tensor metrics every `every` steps, histograms every `hist_every`.
+    """Collects per-tensor metrics every `every` steps, histograms every `hist_every`
+    (on logged steps, i.e. at common multiples of both).
 
     All ranks call `before_step(step)` just before optimizer.step() and `after_step(step)`
     just after it (both are no-ops on steps that are not logged); `after_step` performs the

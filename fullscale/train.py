@@ -203,6 +203,9 @@ def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
     if cfg.train.seq_len > arch.max_seq_len:
         raise ConfigError(f"train.seq_len: {cfg.train.seq_len} exceeds model max_seq_len={arch.max_seq_len}")
     plan = batch_plan(cfg, world)
+    if cfg.alarms.predictions and not cfg.telemetry.enabled:
+        raise ConfigError("alarms.predictions: the alarm rules read per-tensor telemetry; set "
+                          "telemetry.enabled = true")
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
         model = Transformer(arch, embed_grad_shrink=cfg.model.embed_grad_shrink)

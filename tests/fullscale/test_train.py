@@ -141,3 +141,37 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys):
     assert _train(out, "--train.num_steps", "1") == 2          # never overwrite a run
     assert "not empty" in capsys.readouterr().err
     assert sorted(p.name for p in (out / "steps").iterdir()) == before
+
+
+def test_optimizer_and_model_knobs_run_through_the_trainer(tmp_path):
+    """update clipping, z-loss, loss scale, GLM shrink, fp32 AC: the run trains, the lr column
+    is the schedule (not the per-tensor clipped lr), rho is in the frame of s * loss."""
+    out = tmp_path / "run"
+    assert _train(out, "--train.num_steps", "12", "--optim.update_clip", "true",
+                  "--train.z_loss", "1e-3", "--train.loss_scale", "1e-3",
+                  "--model.embed_grad_shrink", "0.1", "--train.activation_checkpointing", "true",
+                  "--optim.eps", "1e-8") == 0
+    run = load_run(out)
+    optim = OptimSection(lr=3e-3, warmup_steps=5)
+    np.testing.assert_allclose(run.steps["lr"], [optim.lr_at(k, 12) for k in range(1, 13)])
+    assert np.isfinite(run.steps["loss"]).all()
+    assert run.steps["loss"].iloc[-3:].mean() < run.steps["loss"].iloc[:3].mean()
+    layers = run.layers
+    np.testing.assert_allclose(layers["rho"], layers["grad_rms"] / 1e-8, rtol=1e-5)
+
+
+def test_loss_terms_z_loss_formula():
+    from fullscale.train import loss_terms
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=g)
+    targets = torch.randint(0, 7, (2, 5), generator=g)
+    z = torch.logsumexp(logits, -1)
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(loss_terms(logits, targets, 0.0), ce)
+    torch.testing.assert_close(loss_terms(logits, targets, 0.5), ce + 0.5 * (z * z).mean())
+
+
+def test_alarms_need_telemetry(tmp_path, capsys):
+    assert _train(tmp_path / "run", "--alarms.predictions", "p.json",
+                  "--telemetry.enabled", "false") == 2
+    assert "telemetry.enabled" in capsys.readouterr().err
