@@ -400,24 +400,45 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
     if not parts:
         return pd.DataFrame({c: pd.Series(dtype=schema[c].to_pandas_dtype()) for c in schema
                              if columns is None or c in columns})
+    # name / kind are read dictionary-encoded: they become categoricals without one Python
+    # string per row (a 70B trace has ~15M layer rows)
+    dict_cols = [c for c in ("name", "kind") if c in schema and (columns is None or c in columns)]
     try:
-        tbls = [pq.read_table(p, columns=columns) for p in parts]
+        tbls = [pq.read_table(p, columns=columns, read_dictionary=dict_cols) for p in parts]
         tbl = pa.concat_tables(tbls, promote_options="permissive")
     except Exception as e:  # noqa: BLE001
         raise RunFormatError(f"{d}: unreadable parquet parts ({e})") from None
     missing = [c for c in schema if c not in tbl.column_names and (columns is None or c in columns)]
     if missing:
         raise RunFormatError(f"{d}: missing column(s) {', '.join(missing)}")
-    df = tbl.to_pandas()
-    keys = [k for k in TABLE_KEYS[table] if k in df.columns]
-    if len(keys) == len(TABLE_KEYS[table]):
-        if df.duplicated(keys, keep="last").any():
-            df = df.drop_duplicates(keys, keep="last")
-        df = df.sort_values(keys, kind="stable").reset_index(drop=True)
+    del tbls
+    df = tbl.to_pandas(self_destruct=True, split_blocks=True)  # frees arrow memory as it goes
+    del tbl
     for c in ("name", "kind"):
         if c in df.columns:
-            df[c] = df[c].astype("category")
+            cat = df[c].astype("category")
+            # lexical category order, so sorting by the categorical sorts by the string
+            df[c] = cat.cat.reorder_categories(sorted(cat.cat.categories))
+    keys = [k for k in TABLE_KEYS[table] if k in df.columns]
+    if len(keys) == len(TABLE_KEYS[table]):
+        df = _sorted_unique(df, keys)
     return df
+
+
+def _sorted_unique(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Rows in key order, keeping the last-written row of a duplicated key (numpy on an
+    int64 key: step, then the lexically ordered name code)."""
+    step = df["step"].to_numpy().astype(np.int64)
+    key = step - (step.min() if len(step) else 0)
+    if len(keys) == 2:
+        codes = df[keys[1]].cat.codes.to_numpy().astype(np.int64)
+        key = key * (int(codes.max()) + 2 if len(codes) else 1) + codes + 1
+    if len(key) < 2 or bool(np.all(np.diff(key) > 0)):
+        return df.reset_index(drop=True)
+    order = np.argsort(key, kind="stable")
+    skey = key[order]
+    last = np.append(skey[1:] != skey[:-1], True)  # stable sort: the last of equal keys
+    return df.take(order[last]).reset_index(drop=True)
 
 
 def read_events(path: str | Path) -> tuple[pd.DataFrame, int]:
