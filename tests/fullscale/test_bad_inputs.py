@@ -164,6 +164,7 @@ def test_bad_input_process_exit_status(world, name):
     assert _snapshot(world["dir"]) == world["snapshot"]
 
 
+@pytest.mark.slow
 def test_world_size_not_dividing_the_batch(world):
     """2 gloo ranks, global batch 5: both ranks exit 2 naming the key and the world size."""
     with socket.socket() as s:

@@ -330,6 +330,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_two_process_fsdp2_async_resume_reshard_and_nonfinite(tmp_path):
     root = tmp_path / "ckpt"
     first = _run_pair("first", root, tmp_path)

@@ -70,6 +70,7 @@ timeout_s = {TIMEOUT_S}
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_trainer_rank_failure(tmp_path, sig):
     """2-rank trainer checkpointing every step (so the failure usually lands inside a save);

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from adamspike.rundir import load_run
@@ -19,7 +20,7 @@ from adamspike.train_config import RunConfig
 from fullscale import checkpoint as ck
 
 ROOT = Path(__file__).resolve().parents[2]
-NUM_STEPS = 48
+NUM_STEPS = 32
 
 CONFIG = f"""
 [model]
@@ -77,6 +78,7 @@ def _num_step_parts(run: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_kill_minus_9_then_resume_is_bitwise_identical(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(CONFIG)
@@ -123,6 +125,7 @@ def test_kill_minus_9_then_resume_is_bitwise_identical(tmp_path):
         assert torch.equal(sa[k], sb[k]), k
 
 
+@pytest.mark.slow
 def test_two_rank_resume_from_a_mid_run_checkpoint_is_bitwise_identical(tmp_path):
     """FSDP2 over 2 gloo ranks: a copy of a finished run cut back to its step-8 checkpoint
     (as if both ranks had died after step 11) and resumed re-logs steps 9..16 bitwise
