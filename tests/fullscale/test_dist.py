@@ -53,9 +53,12 @@ def _compare(one, two, rtol, metric_rtol, cos_atol):
 
 @pytest.mark.slow
 def test_two_processes_fp32_match_one_process(tmp_path):
-    # 2 ranks x 2 micro-batches of 2  vs  1 rank x 2 micro-batches of 4
-    two = _torchrun(tmp_path / "two", "--train.micro_batch_size", "2")
-    one = _one_process(tmp_path / "one", "--train.micro_batch_size", "4")
+    # 2 ranks x 2 micro-batches of 2  vs  1 rank x 2 micro-batches of 4; with StableAdamW
+    # update clipping (its rms_t is all-reduced over the shards; b2 = 0.5 makes it act)
+    knobs = ["--optim.update_clip", "true", "--optim.b2", "0.5"]
+    two = _torchrun(tmp_path / "two", "--train.micro_batch_size", "2", *knobs)
+    one = _one_process(tmp_path / "one", "--train.micro_batch_size", "4", *knobs)
+    assert one.layers["rms_t"].max() > 1.05             # the clip did act
     assert two.meta["batch_plan"]["local_batch_size"] == 4
     h1, h2 = _compare(one, two, rtol=1e-5, metric_rtol=1e-4, cos_atol=1e-4)
     assert np.abs(h1 - h2).sum() <= 0.001 * h1.sum()    # a few r values at a bin edge at most
