@@ -1,0 +1,36 @@
+"""`adamspike reproduce --quick` end to end: every stage runs, every figure exists."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_reproduce_quick(tmp_path):
+    out = tmp_path / "study"
+    res = subprocess.run([sys.executable, "-m", "adamspike", "reproduce", "--quick", "--out",
+                          str(out)], capture_output=True, text=True, timeout=900)
+    stages = json.loads((out / "stages.json").read_text())
+    bad = {s["name"]: s["status"] for s in stages if s["status"] != "ok"}
+    logs = {n: (out / "logs" / f"{n}.log").read_text()[-2000:] for n in bad}
+    assert res.returncode == 0 and not bad, (bad, logs, res.stderr[-3000:])
+    figures = sorted((out / "figures").rglob("*.png"))
+    assert len(figures) >= 10
+    for png in figures:
+        assert png.stat().st_size > 0 and png.with_suffix(".pdf").stat().st_size > 0, png
+    report = (out / "STUDY.md").read_text()
+    assert "Replication table" in report and "| ok |" in report.replace(" ok ", " ok ")
+    pred = json.loads((out / "predictions.json").read_text())
+    assert pred["schema"] == "adamspike.predictions" and pred["validate"]
+    assert (out / "analysis" / "report.md").stat().st_size > 0
+
+
+def test_reproduce_refuses_nonempty_out(tmp_path):
+    (tmp_path / "keep.txt").write_text("precious")
+    res = subprocess.run([sys.executable, "-m", "adamspike", "reproduce", "--quick", "--out",
+                          str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 2 and "not empty" in res.stderr
+    assert (tmp_path / "keep.txt").read_text() == "precious"
