@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 import warnings
@@ -180,8 +181,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _setup_distributed(cfg: RunConfig) -> bool:
     """Process group from torchrun, or a one-rank group of our own (returns True then)."""
-    import os
-
     info = devices.detect(cfg.dist.device, int(os.environ.get("LOCAL_RANK", 0)))
     devices.init_distributed(info, cfg.dist.timeout_s)
     if dist.is_initialized():
@@ -191,8 +190,6 @@ def _setup_distributed(cfg: RunConfig) -> bool:
 
 
 def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
-    import os
-
     # --- device, model, optimizer ----------------------------------------------------
     rank, world = dist.get_rank(), dist.get_world_size()
     info = devices.detect(cfg.dist.device, int(os.environ.get("LOCAL_RANK", 0)))
