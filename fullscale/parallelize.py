@@ -15,6 +15,9 @@ Decisions:
   in fp32 inside the model and the logits are fp32. "fp32": no casting at all.
 - Activation checkpointing is the model's per-block flag (torch.utils.checkpoint, non
   reentrant), so parameter names stay `layers.{i}...` for telemetry and checkpoints.
+- Gradient accumulation: gradients are reduce-scattered after every micro-batch (FSDP2's
+  default), so no rank ever holds an unsharded gradient of the whole model (at 70B that
+  would be 276 GB in fp32); the trainer scales each micro-batch loss by 1 / accum.
 - reshard_after_forward=True for blocks (ZeRO-3: the 70B layout), False for the root,
   whose parameters are needed again at once by backward.
 
