@@ -412,32 +412,45 @@ def _check_sweep_json(out: Path, grid_json: dict) -> None:
         atomic_write_bytes(meta, json.dumps({"grid": grid_json}, indent=2).encode())
 
 
+def run_cells(problem: Problem, cells: Sequence[Mapping[str, Any]], seeds: Sequence[int], out: str | Path,
+              spikes: Mapping[str, Any] | None = None, progress: bool = True,
+              desc: str | None = None) -> pd.DataFrame:
+    """Run (or resume) explicit cells (full parameter dicts) x seeds into out/cells/; returns
+    their rows in the given cell order. Cells sharing static params are vmapped together."""
+    from tqdm import tqdm
+
+    cells_dir = Path(out) / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    spikes = dict(problem.spikes if spikes is None else spikes)
+    ids = [(cell_id(problem.name, p), dict(p)) for p in cells]
+    todo = [(c, p) for c, p in dict(ids).items() if not (cells_dir / f"{c}.parquet").exists()]
+    groups: dict[tuple, list] = {}
+    for c, p in todo:
+        groups.setdefault(_static_key(problem, p), []).append((c, p))
+    per_call = max(1, problem.max_vmap // len(seeds))
+    bar = tqdm(total=len(todo) * len(seeds), desc=desc or f"sweep {problem.name}", unit="run",
+               disable=not progress, file=sys.stderr)
+    for members in groups.values():
+        for lo in range(0, len(members), per_call):
+            part = members[lo:lo + per_call]
+            for c, df in run_group(problem, part, list(seeds), spikes).items():
+                _write_parquet_atomic(cells_dir / f"{c}.parquet", df)
+            bar.update(len(part) * len(seeds))
+    bar.close()
+    return read_cells(Path(out), [c for c, _ in ids])
+
+
 def run_sweep(grid: Grid, out: str | Path, shard: tuple[int, int] | None = None,
               progress: bool = True) -> pd.DataFrame:
     """Run (or resume) a grid into `out`; returns the table of this shard's runs."""
-    from tqdm import tqdm
-
     out = Path(out)
     grid_json = json.loads(json.dumps(grid.to_json()))
     _check_sweep_json(out, grid_json)
-    cells_dir = out / "cells"
-    cells_dir.mkdir(parents=True, exist_ok=True)
-    mine = [(cell_id(grid.problem.name, p), p) for p in grid.cells()]
-    mine = [(c, p) for c, p in mine if in_shard(c, shard)]
-    todo = [(c, p) for c, p in mine if not (cells_dir / f"{c}.parquet").exists()]
-    groups: dict[tuple, list] = {}
-    for c, p in todo:
-        groups.setdefault(_static_key(grid.problem, p), []).append((c, p))
-    bar = tqdm(total=len(todo) * len(grid.seeds), desc=f"sweep {grid.problem.name}", unit="run",
-               disable=not progress, file=sys.stderr)
-    for members in groups.values():
-        for lo in range(0, len(members), max(1, grid.problem.max_vmap // len(grid.seeds))):
-            part = members[lo:lo + max(1, grid.problem.max_vmap // len(grid.seeds))]
-            for c, df in run_group(grid.problem, part, grid.seeds, grid.spikes).items():
-                _write_parquet_atomic(cells_dir / f"{c}.parquet", df)
-            bar.update(len(part) * len(grid.seeds))
-    bar.close()
-    table = _sort_table(read_cells(out, [c for c, _ in mine]), grid_json)
+    mine = [p for p in grid.cells() if in_shard(cell_id(grid.problem.name, p), shard)]
+    table = run_cells(grid.problem, mine, grid.seeds, out, grid.spikes, progress) if mine \
+        else pd.DataFrame()
+    if not table.empty:
+        table = _sort_table(table, grid_json)
     stem = "runs" if shard is None else f"runs.shard-{shard[0]}-of-{shard[1]}"
     _write_table(table, out, stem)
     return table

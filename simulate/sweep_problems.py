@@ -10,11 +10,19 @@ quadratic  simulate.quadratic (Bai et al.): 1/2 theta^T H theta under Adam, floa
            (analysis.spikes on the running max of log10 loss, >= min_decades high), so
            spike heights are in decades. Seeds only matter through gradient noise
            (`noise` > 0). The single tensor theta is its own "shallow layer".
+mlp        simulate.mlp's networks ("sin": Bai's 2-layer FNN on sin x + sin 4x; "deep": a tanh
+           MLP whose shallow layers get the smallest gradients when init_gain < 1), trained
+           here with the same optax pieces as simulate.mlp.train (torch-formula global-norm
+           clip, optax Adam with optional StableAdamW update clipping, constant lr, no weight
+           decay) but vmapped over seeds (initialisation, data for "deep", minibatch order)
+           and lr / eps / b1 / b2. Shallow = the depth-0 tensors (layers.0.weight / bias);
+           precursors are the max over them (bimodality: of layers.0.weight).
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 
@@ -103,4 +111,122 @@ QUADRATIC = Problem(
     spike_keys=("window", "min_decades", "detect_window", "k"),
     height_unit="decades",
     check=_check_quadratic,
+)
+
+
+# ----------------------------------------------------------------------------- mlp
+
+MLP_SHALLOW = ("layers.0.bias", "layers.0.weight")
+
+
+def _mlp_spec(p: dict, seed: int = 0):
+    from simulate.mlp import MLPSpec
+    return MLPSpec(kind=p["kind"], width=p["width"], depth=p["depth"], num_points=p["num_points"],
+                   batch_size=p["batch"], init_gain=p["init_gain"], seed=seed)
+
+
+def _check_mlp(cell: dict) -> None:
+    try:
+        _mlp_spec(cell)
+    except ValueError as e:
+        raise ConfigError(f"mlp cell: {e}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _mlp_fn(static_items: tuple):
+    """jit(vmap(run_one)) for one static setting."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from simulate import optim as O
+    from simulate.mlp import forward
+    from simulate.telemetry import step_telemetry
+
+    st = dict(static_items)
+    depth, batch, steps = st["depth"], st["batch"], st["steps"]
+    scale = float(st["loss_scale"])
+
+    def run_one(params, x, y, key, hp):
+        tx = optax.chain(O.clip_by_global_norm_torch(st["grad_clip"] * scale),
+                         O.scale_by_adam_stable(hp["b1"], hp["b2"], hp["eps"], st["update_clip"]),
+                         optax.scale_by_learning_rate(hp["lr"]))
+        names = sorted(params)
+        shallow = [names.index(n) for n in MLP_SHALLOW]
+
+        def loss_fn(p, t):
+            if batch:
+                idx = jax.random.choice(jax.random.fold_in(key, t), x.shape[0], (batch,), replace=False)
+                xb, yb = x[idx], y[idx]
+            else:
+                xb, yb = x, y
+            return jnp.mean((forward(p, xb, depth) - yb) ** 2)
+
+        def step(carry, t):
+            p, s = carry
+            loss, g = jax.value_and_grad(lambda q: scale * loss_fn(q, t))(p)
+            prev = O.adam_state(s)
+            upd, s = tx.update(g, s, p)
+            p = optax.apply_updates(p, upd)
+            sums, _ = step_telemetry(O.consumed_grads(g, s), prev, O.adam_state(s), p,
+                                     hp["b1"], hp["b2"], hp["eps"])
+            return (p, s), {"loss": loss / scale, "sums": sums[jnp.asarray(shallow)]}
+
+        _, out = jax.lax.scan(step, (params, tx.init(params)), jnp.arange(1, steps + 1))
+        return out
+
+    return jax.jit(jax.vmap(run_one))
+
+
+def _run_mlp(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
+    import jax
+
+    from adamspike.metrics import finalize, shape_stats
+    from simulate.mlp import dataset, init_params
+
+    specs = [_mlp_spec(static, int(s)) for s in seeds]
+    inits = [init_params(sp) for sp in specs]
+    params = {k: np.stack([p[k] for p in inits]) for k in inits[0]}
+    data = [dataset(sp) for sp in specs]
+    x, y = np.stack([d[0] for d in data]), np.stack([d[1] for d in data])
+    keys = np.stack([np.asarray(jax.random.PRNGKey(int(s) + 7)) for s in seeds])
+    hp = {k: np.asarray(scalars[k], np.float32) for k in ("lr", "eps", "b1", "b2")}
+    out = jax.tree.map(np.asarray, _mlp_fn(tuple(sorted(static.items())))(params, x, y, keys, hp))
+    traces = {k: [] for k in ("rms_t", "sat_frac", "bimodality", "grad_mom_cos", "rho")}
+    for sums, e in zip(out["sums"], scalars["eps"]):      # sums [T, 2 shallow tensors, NUM_SUMS]
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN steps (e.g. cos at t=1)
+            m = finalize(sums, float(e) if e > 0 else 1.0)
+            w = MLP_SHALLOW.index("layers.0.weight")
+            traces["bimodality"].append(shape_stats(m["r_mean"][:, w], m["r_m2"][:, w],
+                                                    m["r_m3"][:, w], m["r_m4"][:, w])["bimodality"])
+            for k in ("rms_t", "sat_frac", "grad_mom_cos"):
+                traces[k].append(np.nanmax(m[k], axis=1))
+            traces["rho"].append(np.nanmedian(m["rho"], axis=1) if e > 0
+                                 else np.full(len(sums), np.inf))
+    return {"loss": out["loss"], **{k: np.asarray(v) for k, v in traces.items()}}
+
+
+MLP = Problem(
+    name="mlp",
+    params={
+        "steps": Param(5000, static=True, lo=10),
+        "kind": Param("sin", static=True, choices=("sin", "deep")),
+        "width": Param(256, static=True, lo=1),
+        "depth": Param(1, static=True, lo=1),
+        "num_points": Param(256, static=True, lo=1),
+        "batch": Param(0, static=True, lo=0),
+        "init_gain": Param(1.0, static=True, lo=0.0, lo_open=True),
+        "grad_clip": Param(0.0, static=True, lo=0.0),
+        "update_clip": Param(False, static=True),
+        "loss_scale": Param(1.0, static=True, lo=0.0, lo_open=True),
+        "lr": Param(1e-3, lo=0.0, lo_open=True),
+        "eps": Param(1e-8, lo=0.0),
+        "b1": Param(0.9, **_B),
+        "b2": Param(0.999, **_B),
+    },
+    run=_run_mlp,
+    spikes={"window": 50, "k": 6.0, "min_rel_jump": 0.5, "log": True},
+    max_vmap=32,
+    check=_check_mlp,
 )
