@@ -438,7 +438,14 @@ def _sorted_unique(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     order = np.argsort(key, kind="stable")
     skey = key[order]
     last = np.append(skey[1:] != skey[:-1], True)  # stable sort: the last of equal keys
-    return df.take(order[last]).reset_index(drop=True)
+    sel = order[last]
+    # one column at a time, so a 70B-sized table is never held twice
+    cols = {}
+    for c in list(df.columns):
+        cols[c] = df[c].to_numpy()[sel] if not isinstance(df[c].dtype, pd.CategoricalDtype) \
+            else df[c].take(sel).reset_index(drop=True)
+        del df[c]
+    return pd.DataFrame(cols, copy=False)
 
 
 def read_events(path: str | Path) -> tuple[pd.DataFrame, int]:
