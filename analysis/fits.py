@@ -146,17 +146,17 @@ def fit_update_rms(layers: pd.DataFrame, b1: float, b2: float, *, min_step: int 
     if missing:
         raise ValueError(f"layers table lacks column(s) {missing} for the update_rms fit")
     min_step = int(math.ceil(3.0 / (1.0 - b2))) if min_step is None else int(min_step)
-    df = layers[need]
-    ok = ((df["step"].to_numpy() >= min_step) & np.isfinite(df["rho"].to_numpy())
-          & (df["rho"].to_numpy() > 0) & np.isfinite(df["update_rms"].to_numpy())
-          & (df["update_rms"].to_numpy() > 0) & np.isfinite(df["grad_mom_cos"].to_numpy()))
+    col = {c: layers[c].to_numpy() for c in ("step", "rho", "update_rms", "grad_mom_cos")}
+    ok = ((col["step"] >= min_step) & np.isfinite(col["rho"]) & (col["rho"] > 0)
+          & np.isfinite(col["update_rms"]) & (col["update_rms"] > 0)
+          & np.isfinite(col["grad_mom_cos"]))
     idx = np.flatnonzero(ok)
     if len(idx) > max_rows:  # a seeded uniform subsample keeps 70B-sized traces cheap
         idx = np.sort(np.random.default_rng(seed).choice(idx, max_rows, replace=False))
     if len(idx) < 3:
         raise ValueError(f"only {len(idx)} usable layer rows (step >= {min_step}, finite "
                          "positive rho and update_rms) for the update_rms fit")
-    sub = df.iloc[idx]
+    sub = layers.iloc[idx][need]
     rho = sub["rho"].to_numpy(float)
     phi = phi_from_cos(sub["grad_mom_cos"].to_numpy(float), b1)
     meas = sub["update_rms"].to_numpy(float)
@@ -203,35 +203,60 @@ class RmsTCheck:
     note: str = ""
 
 
+def _name_codes(layers: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(tensor names, per-row code) without materialising one string per row."""
+    cat = layers["name"]
+    if not isinstance(cat.dtype, pd.CategoricalDtype):
+        cat = cat.astype("category")
+    return np.asarray(cat.cat.categories, dtype=object), cat.cat.codes.to_numpy()
+
+
+def _matrix(layers: pd.DataFrame, column: str, codes, num_names, steps) -> np.ndarray:
+    """(num_steps, num_tensors) matrix of one column, NaN where a tensor was not logged."""
+    si = np.searchsorted(steps, layers["step"].to_numpy())
+    m = np.full((len(steps), num_names), np.nan)
+    m[si, codes] = layers[column].to_numpy(dtype=np.float64)
+    return m
+
+
 def find_step_ups(layers: pd.DataFrame, *, kappa_min: float = 2.0, quiet: int = 20,
                   max_k: int = 20) -> pd.DataFrame:
     """Per tensor: steps where grad_rms jumps >= kappa_min x the median of the previous
     `quiet` consecutive logged steps; the loud stretch lasts while grad_rms stays >= half
-    the jump. Returns name, depth, onset, kappa, and the rms_t values k = 1..K as a list."""
-    cols = ["step", "name", "depth", "grad_rms", "rms_t"]
-    df = layers[cols].sort_values(["name", "step"], kind="stable")
+    the jump (and steps stay consecutive), at most max_k steps; the next event may start
+    `quiet` steps after it. Returns name, depth, onset, kappa, and rms_t for k = 1..K."""
+    names, codes = _name_codes(layers)
+    steps = np.unique(layers["step"].to_numpy())
+    gr = _matrix(layers, "grad_rms", codes, len(names), steps)
+    rt = _matrix(layers, "rms_t", codes, len(names), steps)
+    depth = np.zeros(len(names), np.int64)
+    depth[codes] = layers["depth"].to_numpy()
+    # the median of the previous `quiet` rows is >= their minimum, so only points above
+    # kappa_min x the rolling minimum (cheap) can qualify; the median is taken there
+    low = pd.DataFrame(gr).rolling(quiet, min_periods=quiet).min().shift(1).to_numpy()
+    consec = np.zeros(len(steps), bool)
+    consec[quiet:] = steps[quiet:] - steps[:-quiet] == quiet
+    with np.errstate(invalid="ignore"):
+        pre = consec[:, None] & (low > 0) & (gr >= kappa_min * low)
     out = []
-    for name, g in df.groupby("name", sort=False, observed=True):
-        st = g["step"].to_numpy()
-        gr = g["grad_rms"].to_numpy(float)
-        rt = g["rms_t"].to_numpy(float)
-        i = quiet
-        while i < len(st):
-            if st[i] - st[i - quiet] != quiet:  # need consecutive steps
-                i += 1
+    for ti in np.unique(np.nonzero(pre)[1]):
+        rows = np.flatnonzero(pre[:, ti])
+        next_free = -1
+        for i in rows:
+            if i < next_free:
                 continue
-            base = np.median(gr[i - quiet:i])
-            if base > 0 and gr[i] >= kappa_min * base:
-                kappa = gr[i] / base
-                j = i
-                while j + 1 < len(st) and j + 1 - i < max_k and st[j + 1] == st[j] + 1 \
-                        and gr[j + 1] >= 0.5 * kappa * base:
-                    j += 1
-                out.append({"name": name, "depth": int(g["depth"].iloc[0]), "onset": int(st[i]),
-                            "kappa": float(kappa), "rms_t": rt[i:j + 1].tolist()})
-                i = j + quiet + 1
-            else:
-                i += 1
+            b = float(np.median(gr[i - quiet:i, ti]))
+            if not (b > 0 and gr[i, ti] >= kappa_min * b):
+                continue
+            kappa = gr[i, ti] / b
+            j = i
+            while (j + 1 < len(steps) and j + 1 - i < max_k and steps[j + 1] == steps[j] + 1
+                   and gr[j + 1, ti] >= 0.5 * kappa * b):
+                j += 1
+            out.append({"name": str(names[ti]), "depth": int(depth[ti]),
+                        "onset": int(steps[i]), "kappa": float(kappa),
+                        "rms_t": rt[i:j + 1, ti].tolist()})
+            next_free = j + quiet + 1
     return pd.DataFrame(out, columns=["name", "depth", "onset", "kappa", "rms_t"])
 
 

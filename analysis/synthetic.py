@@ -77,7 +77,7 @@ def write_synthetic_run(path: str | Path, *, model: str = "tiny", num_steps: int
     steps_iter = range(1, num_steps + 1)
     if progress:
         from tqdm import tqdm
-        steps_iter = tqdm(steps_iter, desc="synthetic run", unit="step")
+        steps_iter = tqdm(steps_iter, desc="synthetic run", unit="step", mininterval=5)
     with RunWriter(path, backend="torch", config=config, env=env,
                    flush_every_rows=flush_every_rows, flush_every_s=1e9) as w:
         for t in steps_iter:

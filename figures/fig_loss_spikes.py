@@ -10,7 +10,6 @@ marked and labelled with the height over the baseline.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
