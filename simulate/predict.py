@@ -38,7 +38,7 @@ Alarm rules (each rule's `source` says where its threshold comes from):
       Youden's J between pre-spike maxima (sweep column pre_<m>, the PRE_WINDOW steps before
       each spike) of spiking runs and run maxima (max_<m>) of runs without spikes; expected
       lead = the 10-90% range of the measured lead_<m>. Without enough sweep data (< 3 runs
-      per class): rms_t 2.0 with lead [1, 8] (Wortsman 2023a, as in notes/theory.md);
+      per class) or when the best split is poor (Youden J = TPR - FPR < 0.2): rms_t 2.0 with lead [1, 8] (Wortsman 2023a, as in notes/theory.md);
       grad_mom_cos = theory.adam_moments.grad_mom_cos at the SNR where the r-bimodality
       crosses 5/9 (theory.bimodality.snr_bc_crossing); sat_frac is then left out.
   bimodality of shallow tensors (median > 5/9: most shallow tensors bimodal): Sarle's
@@ -62,6 +62,7 @@ from adamspike.config import ConfigError, read_toml
 from adamspike.predictions import AlarmRule, Predictions, PredictionsError, save_predictions
 
 MIN_CLASS_RUNS = 3
+MIN_YOUDEN_J = 0.2           # a data threshold must separate the classes at least this well
 PRIOR_RUNS = 2.0
 RHO_BANDWIDTH_DECADES = 0.5
 B2_BANDWIDTH_DECADES = 0.25
@@ -318,13 +319,18 @@ def alarm_rules(profile: Mapping[str, Any], table: pd.DataFrame | None, table_na
     depths = [min(sh), max(sh)]
     rules = []
     for m in ("rms_t", "sat_frac", "grad_mom_cos"):
-        thr, lead, src = math.nan, None, ""
+        thr, lead, src, weak = math.nan, None, "", ""
         if table is not None and f"pre_{m}" in table and f"max_{m}" in table:
             spiked = table["num_spikes"] > 0
             pos = table.loc[spiked, f"pre_{m}"].dropna().to_numpy(float)
             neg = table.loc[~spiked & ~table["diverged"].astype(bool), f"max_{m}"].dropna().to_numpy(float)
             if len(pos) >= MIN_CLASS_RUNS and len(neg) >= MIN_CLASS_RUNS:
                 thr, tpr, fpr = youden_threshold(pos, neg)
+            if math.isfinite(thr) and tpr - fpr < MIN_YOUDEN_J:
+                weak = (f"sweep {table_name}: {m} does not separate spiking from calm runs "
+                        f"(best TPR {tpr:.2f}, FPR {fpr:.2f}); ")
+                thr = math.nan
+            if math.isfinite(thr):
                 leads = table.loc[spiked, f"lead_{m}"].dropna().to_numpy(float)
                 if len(leads):
                     lead = [max(1, int(math.floor(np.quantile(leads, 0.1)))),
@@ -333,14 +339,15 @@ def alarm_rules(profile: Mapping[str, Any], table: pd.DataFrame | None, table_na
                        f"({len(pos)} spiking runs) vs run maxima ({len(neg)} runs without spikes): "
                        f"TPR {tpr:.2f}, FPR {fpr:.2f}")
         if not math.isfinite(thr):
+            src = weak
             if m == "rms_t":
                 thr, lead = 2.0, [1, 8]
-                src = "literature: StableAdamW (Wortsman 2023a), rms_t exceeds ~2-5 1-8 steps before spikes"
+                src += "literature: StableAdamW (Wortsman 2023a), rms_t exceeds ~2-5 1-8 steps before spikes"
             elif m == "grad_mom_cos":
                 snr = snr_bc_crossing(b1, b2)
                 norm = math.sqrt(1 + snr * snr)
                 thr = grad_mom_cos(b1, 1 / norm, snr / norm)
-                src = (f"theory: grad_mom_cos at the SNR {snr:.3f} where r turns bimodal "
+                src += (f"theory: grad_mom_cos at the SNR {snr:.3f} where r turns bimodal "
                        "(theory.bimodality.snr_bc_crossing, theory.adam_moments.grad_mom_cos)")
             else:
                 continue

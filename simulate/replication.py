@@ -15,9 +15,10 @@ under DIR/cells/):
              differ), eps* = 2.63e-4.
 Each claim is tested where the toy problems spike; the seed report's own setting (b2 = 0.95)
 does not spike in these toys, so its eps claims are tested at b2 = 0.999 (said per row).
-Claims that need embeddings or batch skipping (GLM shrink, PaLM-style skipping) are run on
-the JAX tiny LLaMA when its spiking config (configs/toy_spike.toml) exists; otherwise their
-rows say "not run" (verdict inconclusive) rather than report a number.
+Claims that need embeddings or batch skipping (GLM shrink, PaLM-style skipping) need the JAX
+tiny LLaMA, whose spiking config (configs/toy_spike.toml) takes ~2 min per run on 2 cores:
+their rows say "not run" (verdict inconclusive) rather than report a number; test them with
+`adamspike sweep run` on a llama grid (configs/sweep_llama.toml) when time allows.
 
 Confidence intervals: percentile bootstrap, 2000 resamples (seeded): of the difference of
 means (treatment - control; seeds resampled within each arm), of a relative difference
@@ -270,8 +271,9 @@ def replicate(out: str | Path, quick: bool = False, num_seeds: int = 5, progress
                 "id": c.id, "source": c.source, "claim": c.claim, "problem": c.problem,
                 "experiment": c.experiment, "metric": c.metric, "rule": RULES[c.rule],
                 "n_seeds": 0, "ci_method": "", "verdict": "inconclusive",
-                "note": "not run: needs the JAX tiny LLaMA spiking setup (embeddings / batch "
-                        "skipping), not available to this replication"})
+                "note": "not run: needs the JAX tiny LLaMA (embeddings / batch skipping); its "
+                        "spiking config (configs/toy_spike.toml) takes ~2 min per run on 2 cores, "
+                        "so 2 arms x 5 seeds exceed this replication's ~8 min budget"})
             continue
         from simulate.sweep import cell_id
         t = tables[c.problem]

@@ -17,12 +17,18 @@ mlp        simulate.mlp's networks ("sin": Bai's 2-layer FNN on sin x + sin 4x; 
            decay) but vmapped over seeds (initialisation, data for "deep", minibatch order)
            and lr / eps / b1 / b2. Shallow = the depth-0 tensors (layers.0.weight / bias);
            precursors are the max over them (bimodality: of layers.0.weight).
+llama      the JAX tiny LLaMA (simulate.llama_train.train, configs/toy_spike.toml defaults:
+           copy task, constant lr 1e-2 after 50 warmup steps, no clipping), run one after
+           another (every knob is static: the trainer is a host loop that writes a run
+           directory, read back here). Shallow = embedding and block 0 (max / median over
+           their tensors). Slow: ~2 min per 1500-step run on 2 cores.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -229,4 +235,83 @@ MLP = Problem(
     spikes={"window": 50, "k": 6.0, "min_rel_jump": 0.5, "log": True},
     max_vmap=32,
     check=_check_mlp,
+)
+
+
+# ----------------------------------------------------------------------------- llama
+
+LLAMA_SHALLOW_MAX_DEPTH = 0   # embedding (-1) and block 0: tiny has 2 blocks, L // 10 = 0
+
+
+def _llama_config(p: dict, seed: int):
+    from adamspike.config import from_dict
+    from adamspike.train_config import RunConfig
+
+    data = {"model": {"preset": p["preset"], "embed_grad_shrink": p["embed_grad_shrink"]},
+            "optim": {"lr": p["lr"], "schedule": "constant", "warmup_steps": p["warmup_steps"],
+                      "b1": p["b1"], "b2": p["b2"], "eps": p["eps"], "weight_decay": 0.0,
+                      "grad_clip": p["grad_clip"], "update_clip": p["update_clip"]},
+            "train": {"num_steps": p["steps"], "global_batch_size": p["batch"],
+                      "seq_len": p["seq_len"], "seed": seed, "loss_scale": p["loss_scale"]},
+            "data": {"task": p["task"]},
+            "telemetry": {"every": 1, "hist_every": 0}}
+    return from_dict(RunConfig, data)
+
+
+def _check_llama(cell: dict) -> None:
+    _llama_config(cell, 0)   # raises ConfigError naming the key
+
+
+def _run_llama(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
+    """One run after another (the trainer is a host loop writing a run directory, read back
+    with adamspike.rundir.load_run); traces padded with NaN after a divergence."""
+    import tempfile
+
+    from adamspike.metrics import shape_stats
+    from adamspike.rundir import load_run
+    from simulate.llama_train import train
+
+    steps = static["steps"]
+    out = {k: np.full((len(seeds), steps), np.nan)
+           for k in ("loss", "rms_t", "sat_frac", "bimodality", "grad_mom_cos", "rho")}
+    cols = ["rms_t", "sat_frac", "grad_mom_cos", "rho", "r_mean", "r_m2", "r_m3", "r_m4"]
+    for i, seed in enumerate(seeds):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = load_run(train(_llama_config(static, int(seed)), Path(tmp) / "run", progress=False),
+                           tables=("steps", "layers"), layer_columns=cols)
+        idx = run.steps["step"].to_numpy() - 1
+        out["loss"][i, idx] = run.steps["loss"].to_numpy()
+        lay = run.layers[run.layers["depth"] <= LLAMA_SHALLOW_MAX_DEPTH].copy()
+        lay["bimodality"] = shape_stats(lay["r_mean"], lay["r_m2"], lay["r_m3"], lay["r_m4"])["bimodality"]
+        g = lay.groupby("step")
+        agg = {"rms_t": g["rms_t"].max(), "sat_frac": g["sat_frac"].max(),
+               "grad_mom_cos": g["grad_mom_cos"].max(), "bimodality": g["bimodality"].median(),
+               "rho": g["rho"].median()}
+        for k, ser in agg.items():
+            out[k][i, ser.index.to_numpy() - 1] = ser.to_numpy()
+    return out
+
+
+LLAMA = Problem(
+    name="llama",
+    params={
+        "steps": Param(1500, static=True, lo=2),
+        "preset": Param("tiny", static=True),
+        "task": Param("copy", static=True, choices=("copy", "markov")),
+        "batch": Param(32, static=True, lo=1),
+        "seq_len": Param(32, static=True, lo=2),
+        "lr": Param(1e-2, static=True, lo=0.0, lo_open=True),
+        "warmup_steps": Param(50, static=True, lo=0),
+        "eps": Param(1e-8, static=True, lo=0.0),
+        "b1": Param(0.9, static=True, **_B),
+        "b2": Param(0.999, static=True, **_B),
+        "grad_clip": Param(0.0, static=True, lo=0.0),
+        "update_clip": Param(False, static=True),
+        "embed_grad_shrink": Param(1.0, static=True, lo=0.0, hi=1.0, lo_open=True),
+        "loss_scale": Param(1.0, static=True, lo=0.0, lo_open=True),
+    },
+    run=_run_llama,
+    spikes={"window": 50, "k": 6.0, "min_rel_jump": 0.2},
+    max_vmap=1,
+    check=_check_llama,
 )
