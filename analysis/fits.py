@@ -14,7 +14,9 @@
    is used (0.2996 vs exact 0.2993 at b2 = 0.999, phi = 0.3, rho = 100).
    Reported: R^2 of log(update_rms) (measured vs predicted, no free parameter), the median
    ratio, and a one-parameter fit of an effective eps scale c (prediction at rho * c; c = 1
-   means the run's eps acts as configured) with its R^2. Rows before step 3 / (1 - b2) are
+   means the run's eps acts as configured) with its R^2. c is identifiable only when rows
+   reach rho <= 10 (in the scale-invariant regime update_rms does not depend on eps):
+   `eps_scale_identifiable` is False when fewer than 5 % of the rows do. Rows before step 3 / (1 - b2) are
    left out (the tabulated theory is stationary).
 2. rms_t. Bound 1/sqrt(1-b2) after a dormant stretch (theory.transients.dormant_rms_t_bound):
    fraction of rows above it. Transients: at a step-up of a tensor's gradient scale by
@@ -136,6 +138,8 @@ class UpdateFit:
     r2_log_fitted: float
     by_group: pd.DataFrame   # group, regime: num_rows, median ratio, r2
     rows: pd.DataFrame = field(repr=False)  # step, name, depth, rho, phi, measured, predicted
+    frac_eps_sensitive: float = math.nan  # rows with rho <= 10 (where eps matters)
+    eps_scale_identifiable: bool = True   # False: (almost) all rows scale-invariant
 
 
 def fit_update_rms(layers: pd.DataFrame, b1: float, b2: float, *, min_step: int | None = None,
@@ -183,7 +187,9 @@ def fit_update_rms(layers: pd.DataFrame, b1: float, b2: float, *, min_step: int 
                    "median_ratio": float(np.median(part["measured"] / part["predicted"])),
                    "r2_log": r2_score(np.log(part["measured"]), np.log(part["predicted"]))
                    if len(part) > 2 else math.nan})
+    frac_sens = float(np.mean(rho <= 10.0))
     return UpdateFit(b1=float(b1), b2=float(b2), method=model.method, num_rows=len(rows),
+                     frac_eps_sensitive=frac_sens, eps_scale_identifiable=frac_sens >= 0.05,
                      r2_log=r2, median_ratio=float(np.median(meas / pred)), eps_scale=float(c),
                      r2_log_fitted=r2_score(y, np.log(pred_c)), by_group=pd.DataFrame(by),
                      rows=rows)

@@ -290,9 +290,7 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
         L += [f"**update_rms vs theory** ({uf.num_rows} rows, b1 = {uf.b1:g}, b2 = {uf.b2:g}, "
               f"{uf.method}; phi from grad_mom_cos assuming zero-mean gradients): "
               f"R^2 of log values **{_f(uf.r2_log)}** with no free parameter, median "
-              f"measured/theory {_f(uf.median_ratio)}. A fitted effective-eps scale "
-              f"c = {_f(uf.eps_scale)} (theory at rho x c) gives R^2 {_f(uf.r2_log_fitted)}"
-              f"{'; c far from 1 means the layers do not behave as the configured eps predicts' if abs(math.log10(uf.eps_scale)) > 0.3 else ''}.",
+              f"measured/theory {_f(uf.median_ratio)}. " + _eps_scale_sentence(uf),
               "", md_table(uf.by_group, ["group", "regime", "num_rows", "median_ratio",
                                          "r2_log"],
                            ["group", "regime", "rows", "median measured/theory", "R^2 (log)"])]
@@ -326,16 +324,30 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
     return "\n".join(L) + "\n"
 
 
+def _eps_scale_sentence(uf) -> str:
+    if not uf.eps_scale_identifiable:
+        return (f"The effective-eps scale is not identifiable here: only "
+                f"{_f(100 * uf.frac_eps_sensitive)}% of rows have rho <= 10, and in the "
+                "scale-invariant regime update_rms does not depend on eps.")
+    s = (f"A fitted effective-eps scale c = {_f(uf.eps_scale)} (theory at rho x c) gives "
+         f"R^2 {_f(uf.r2_log_fitted)}")
+    if abs(math.log10(uf.eps_scale)) > 0.3:
+        s += "; c far from 1 means the layers do not behave as the configured eps predicts"
+    return s + "."
+
+
+def _lead_text(row) -> str:
+    led = f"{int(row.num_led)}/{int(row.num_spikes)}"
+    return led + (f" (median {_f(row.lead_median)} steps)" if row.num_led else "")
+
+
 def _shallow_vs_deep(summary: pd.DataFrame) -> str:
     s = summary.set_index(["group", "metric"])
     parts = []
     for m in ("rms_t", "update_rms", "sat_frac", "bimodality", "grad_mom_cos", "rho"):
         if ("shallow", m) in s.index and ("deep", m) in s.index:
             a, b = s.loc[("shallow", m)], s.loc[("deep", m)]
-            parts.append(f"{m}: shallow led {int(a.num_led)}/{int(a.num_spikes)}"
-                         f" (median {_f(a.lead_median)} steps), deep "
-                         f"{int(b.num_led)}/{int(b.num_spikes)}"
-                         f" (median {_f(b.lead_median)})")
+            parts.append(f"{m}: shallow led {_lead_text(a)}, deep {_lead_text(b)}")
     return ("Shallow vs deep: " + "; ".join(parts) + ".") if parts else ""
 
 
@@ -359,6 +371,8 @@ def summary_dict(ra: RunAnalysis) -> dict:
         "spike_starts": [int(s) for s in ra.spikes["start"]],
         "num_grad_norm_spikes": len(ra.grad_spikes), "scores": ra.scores,
         "update_fit": None if uf is None else {"r2_log": uf.r2_log, "eps_scale": uf.eps_scale,
+                                               "eps_scale_identifiable":
+                                                   uf.eps_scale_identifiable,
                                                "r2_log_fitted": uf.r2_log_fitted,
                                                "median_ratio": uf.median_ratio,
                                                "num_rows": uf.num_rows, "method": uf.method},
@@ -451,7 +465,8 @@ def write_index(analyses: list[RunAnalysis], out_dir: str | Path,
     L = ["# Loss-spike analysis", "", f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by "
          "`adamspike analyze`.", "",
          "| run | backend | steps | spikes | recovered | max height % | update_rms R^2 (log) "
-         "| eps scale c | max rms_t / bound |", "|---|---|---|---|---|---|---|---|---|"]
+         "| eps scale c (n/i: not identifiable) | max rms_t / bound |",
+         "|---|---|---|---|---|---|---|---|---|"]
     for ra, d in zip(analyses, run_dirs):
         s = summary_dict(ra)
         uf, ck = s["update_fit"] or {}, s["rms_t"] or {}
@@ -459,7 +474,7 @@ def write_index(analyses: list[RunAnalysis], out_dir: str | Path,
         L.append(f"| [{ra.name}]({d}/report.md) | {s['backend']} | {s['num_steps']} | "
                  f"{s['num_spikes']} | {s['num_recovered']} | "
                  f"{_f(100 * mh) if mh is not None else '-'} | {_f(uf.get('r2_log'))} | "
-                 f"{_f(uf.get('eps_scale'))} | "
+                 f"{_f(uf.get('eps_scale')) if uf.get('eps_scale_identifiable') else 'n/i'} | "
                  f"{_f(ck['max_rms_t'] / ck['bound']) if ck else '-'} |")
     for ra, d in zip(analyses, run_dirs):
         body = (out / d / "report.md").read_text().replace("](figures/", f"]({d}/figures/")

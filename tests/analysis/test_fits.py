@@ -50,6 +50,14 @@ def test_update_rms_fit_recovers_eps_scale(eps_scale):
     assert set(fit.by_group["regime"]) == {"frozen", "transition", "scale_invariant"}
 
 
+def test_eps_scale_not_identifiable_when_all_scale_invariant():
+    df = _layers_from_theory(1.0)
+    df = df[df["rho"] > 20]
+    fit = fit_update_rms(df, 0.9, 0.95)
+    assert not fit.eps_scale_identifiable and fit.frac_eps_sensitive == 0.0
+    assert fit.r2_log > 0  # the no-parameter prediction still holds there
+
+
 def test_update_rms_fit_on_synthetic_run(synthetic_run):
     run = load_run(synthetic_run)
     fit = fit_update_rms(run.layers, 0.9, 0.95)
