@@ -32,6 +32,8 @@ Storage (DIR):
     cells/<cell_id>.parquet       one row per seed of a finished cell, written atomically
     runs.parquet, runs.csv        the tidy table of this invocation's cells (unsharded), or
     runs.shard-K-of-N.parquet     ... of one shard
+    runs/<cell_id>-s<seed>/       with --save-runs N: full run directories of the first N
+                                  cells at the first seed (simulate.runner / the trainer)
 A restarted run skips cells whose file exists: no recomputation.  `--shard k/n` (1 <= k <= n)
 keeps the cells with int(cell_id, 16) % n == k-1; merging the shards' cells gives the same
 table as an unsharded run.
@@ -135,6 +137,7 @@ class Problem:
     spike_keys: tuple[str, ...] = ("window", "k", "min_rel_jump", "min_history", "log", "absorb")
     height_unit: str = "relative"                             # peak / baseline - 1
     check: Callable[[dict], None] | None = None               # cross-field check of a cell
+    save: Callable[[dict, int, Path], None] | None = None     # write one run directory
 
 
 PROBLEMS: dict[str, Problem | Callable[[], Problem]] = {}
@@ -441,7 +444,7 @@ def run_cells(problem: Problem, cells: Sequence[Mapping[str, Any]], seeds: Seque
 
 
 def run_sweep(grid: Grid, out: str | Path, shard: tuple[int, int] | None = None,
-              progress: bool = True) -> pd.DataFrame:
+              progress: bool = True, save_runs: int = 0) -> pd.DataFrame:
     """Run (or resume) a grid into `out`; returns the table of this shard's runs."""
     out = Path(out)
     grid_json = json.loads(json.dumps(grid.to_json()))
@@ -453,7 +456,27 @@ def run_sweep(grid: Grid, out: str | Path, shard: tuple[int, int] | None = None,
         table = _sort_table(table, grid_json)
     stem = "runs" if shard is None else f"runs.shard-{shard[0]}-of-{shard[1]}"
     _write_table(table, out, stem)
+    if save_runs:
+        save_run_dirs(grid, mine[:save_runs], out / "runs", progress)
     return table
+
+
+def save_run_dirs(grid: Grid, cells: Sequence[Mapping[str, Any]], runs_dir: Path,
+                  progress: bool = True) -> list[Path]:
+    """Full run directories (adamspike.rundir, via the problem's `save`) for `cells` at the
+    grid's first seed: runs_dir/<cell_id>-s<seed>. Existing ones are kept as they are."""
+    from tqdm import tqdm
+
+    if grid.problem.save is None:
+        raise ConfigError(f"--save-runs: problem {grid.problem.name!r} cannot write run directories")
+    seed, paths = grid.seeds[0], []
+    for p in tqdm(cells, desc="save runs", disable=not progress, file=sys.stderr):
+        path = runs_dir / f"{cell_id(grid.problem.name, p)}-s{seed}"
+        if not (path / "run.json").exists():
+            runs_dir.mkdir(parents=True, exist_ok=True)
+            grid.problem.save(dict(p), seed, path)
+        paths.append(path)
+    return paths
 
 
 def read_cells(out: Path, ids: Sequence[str] | None = None) -> pd.DataFrame:
@@ -523,6 +546,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="sweep directory (cells/, runs.parquet)")
     r.add_argument("--shard", help="k/n: this process runs the k-th of n deterministic slices")
     r.add_argument("--quick", action="store_true", help="apply the grid's [quick] overrides")
+    r.add_argument("--save-runs", type=int, default=0, metavar="N",
+                   help="also write full run directories (DIR/runs/) for the first N cells, seed 0")
     r.add_argument("--no-progress", action="store_true")
     m = sub.add_parser("merge", help="merge shard directories into one table")
     m.add_argument("dirs", nargs="+")
@@ -547,7 +572,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             shard = parse_shard(args.shard)
             grid = load_grid(args.grid, quick=args.quick)
-            table = run_sweep(grid, args.out, shard, progress=not args.no_progress)
+            if args.save_runs < 0:
+                raise ConfigError(f"--save-runs: must be >= 0, got {args.save_runs}")
+            table = run_sweep(grid, args.out, shard, progress=not args.no_progress,
+                              save_runs=args.save_runs)
             print(f"{len(table)} runs -> {args.out}")
         else:
             table = merge(args.dirs, args.out, force=args.force)

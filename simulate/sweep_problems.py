@@ -95,6 +95,21 @@ def _detect_quadratic(signal: np.ndarray, **kw):
     return sp
 
 
+def _save_quadratic(p: dict, seed: int, path: Path) -> None:
+    import time
+
+    from simulate.quadratic import run_quadratic
+    from simulate.runner import quadratic_traces, write_run
+
+    spec = _quadratic_spec(p)
+    hp = {k: p[k] for k in ("lr", "eps", "b1", "b2", "noise", "theta0")} | {"seed": seed}
+    t0 = time.perf_counter()
+    out = run_quadratic(hp, spec)
+    write_run(path, quadratic_traces(out, spec, hp, time.perf_counter() - t0),
+              config={"problem": "quadratic", **p, "seed": seed},
+              problem={"kind": "quadratic", **p, "seed": seed}, progress=False)
+
+
 QUADRATIC = Problem(
     name="quadratic",
     params={
@@ -117,6 +132,7 @@ QUADRATIC = Problem(
     spike_keys=("window", "min_decades", "detect_window", "k"),
     height_unit="decades",
     check=_check_quadratic,
+    save=_save_quadratic,
 )
 
 
@@ -213,6 +229,20 @@ def _run_mlp(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
     return {"loss": out["loss"], **{k: np.asarray(v) for k, v in traces.items()}}
 
 
+def _save_mlp(p: dict, seed: int, path: Path) -> None:
+    from adamspike.train_config import OptimSection
+    from simulate.mlp import train
+    from simulate.runner import write_run
+
+    if p["loss_scale"] != 1.0:
+        raise ConfigError("--save-runs: mlp run directories support loss_scale = 1 only")
+    optim = OptimSection(lr=p["lr"], schedule="constant", b1=p["b1"], b2=p["b2"], eps=p["eps"],
+                         weight_decay=0.0, grad_clip=p["grad_clip"], update_clip=p["update_clip"])
+    traces = train(_mlp_spec(p, seed), optim, p["steps"], progress=False)
+    write_run(path, traces, config={"problem": "mlp", **p, "seed": seed},
+              problem={"kind": "mlp", **p, "seed": seed}, progress=False)
+
+
 MLP = Problem(
     name="mlp",
     params={
@@ -235,6 +265,7 @@ MLP = Problem(
     spikes={"window": 50, "k": 6.0, "min_rel_jump": 0.5, "log": True},
     max_vmap=32,
     check=_check_mlp,
+    save=_save_mlp,
 )
 
 
@@ -292,6 +323,11 @@ def _run_llama(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
     return out
 
 
+def _save_llama(p: dict, seed: int, path: Path) -> None:
+    from simulate.llama_train import train
+    train(_llama_config(p, seed), path, progress=False)
+
+
 LLAMA = Problem(
     name="llama",
     params={
@@ -314,4 +350,5 @@ LLAMA = Problem(
     spikes={"window": 50, "k": 6.0, "min_rel_jump": 0.2},
     max_vmap=1,
     check=_check_llama,
+    save=_save_llama,
 )

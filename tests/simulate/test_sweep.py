@@ -178,3 +178,23 @@ def test_mlp_problem_matches_simulate_mlp_train():
                     progress=False)
         np.testing.assert_allclose(out["loss"][i], ref["loss"], rtol=2e-4, atol=1e-6)
     assert out["rms_t"].shape == (2, 30) and np.isfinite(out["rms_t"]).all()
+
+
+def test_save_runs_writes_loadable_run_dirs(tmp_path, capsys, grid_file):
+    from adamspike.rundir import load_run
+
+    g = tmp_path / "q.toml"
+    g.write_text("[sweep]\nproblem = 'quadratic'\nseeds = 2\n[fixed]\nsteps = 300\n"
+                 "[grid]\neps = [1e-8, 1e-3]\n")
+    out = tmp_path / "o"
+    assert S.main(["run", "--grid", str(g), "--out", str(out), "--save-runs", "1",
+                   "--no-progress"]) == 0
+    (run_dir,) = (out / "runs").iterdir()
+    run = load_run(run_dir)
+    assert len(run.steps) == 300 and set(run.layers["name"]) == {"theta"}
+    table = pd.read_parquet(out / "runs.parquet")
+    assert run_dir.name == f"{table.cell_id[0]}-s0"
+    # the toy problem cannot write run directories: a clear error, exit 2
+    assert S.main(["run", "--grid", str(grid_file), "--out", str(tmp_path / "t"), "--save-runs", "1",
+                   "--no-progress"]) == 2
+    assert "--save-runs" in capsys.readouterr().err
