@@ -50,7 +50,6 @@ of (spike start - step of that maximum), and median_rho.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import io
 import itertools

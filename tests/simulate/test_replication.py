@@ -65,6 +65,10 @@ def test_small_real_replication(tmp_path):
     assert "not run" in rows.loc["report.glm_shrink"].note
     md = R.to_markdown(table)
     assert "bai.lower_b2" in md and "supported" in md
+    from figures import fig_replication as F
+    table.to_csv(tmp_path / "replication.csv", index=False)
+    assert F.main(["--table", str(tmp_path), "--out", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "replication.pdf").is_file()
     # a second call finds every cell on disk
     again = R.replicate(tmp_path, num_seeds=5, progress=False, claim_list=claims)
     pd.testing.assert_frame_equal(table, again)

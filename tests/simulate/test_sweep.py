@@ -198,3 +198,17 @@ def test_save_runs_writes_loadable_run_dirs(tmp_path, capsys, grid_file):
     assert S.main(["run", "--grid", str(grid_file), "--out", str(tmp_path / "t"), "--save-runs", "1",
                    "--no-progress"]) == 2
     assert "--save-runs" in capsys.readouterr().err
+
+
+def test_phase_diagram_from_a_sweep_table(grid_file, tmp_path):
+    from figures import fig_phase_diagram as F
+
+    table = S.run_sweep(S.load_grid(grid_file), tmp_path / "out", progress=False)
+    data = F.prepare(table)
+    (panel,) = [p for p in data["panels"] if (p["x"], p["y"]) == ("eps", "b2")]
+    # toy: spikes iff eps < 1e-4, at every b2 and batch
+    np.testing.assert_array_equal(panel["rate"], [[1, 1, 0], [1, 1, 0]])
+    assert (panel["count"] == 6).all() and panel["eps_star"] is None
+    assert F.main(["--table", str(tmp_path / "out"), "--out", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "phase_diagram.png").is_file()
+    assert F.main(["--table", str(tmp_path / "missing"), "--out", str(tmp_path / "fig")]) == 2
