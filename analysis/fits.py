@@ -120,10 +120,19 @@ def _grid(b1: float, b2: float) -> RegularGridInterpolator:
 
 
 def optim_params(config: dict) -> dict:
-    """b1, b2, eps, lr, grad_clip from a run's config (optim section), None if absent."""
-    o = (config or {}).get("optim", {}) or {}
-    return {k: (float(o[k]) if o.get(k) is not None else None)
-            for k in ("b1", "b2", "eps", "lr", "grad_clip")}
+    """b1, b2, eps, lr, grad_clip from a run's config: the optim section (RunConfig), else
+    the problem section (simulate's quadratic / mlp runs); None if absent."""
+    config = config or {}
+    out = {}
+    for k in ("b1", "b2", "eps", "lr", "grad_clip"):
+        v = None
+        for sec in ("optim", "problem"):
+            d = config.get(sec) or {}
+            if isinstance(d, dict) and d.get(k) is not None:
+                v = float(d[k])
+                break
+        out[k] = v
+    return out
 
 
 @dataclass

@@ -36,19 +36,46 @@ class SpikeParams:
     k: float = 6.0
     min_rel_jump: float = 0.2
     log: bool | None = None          # None: log scale when the loss spans > 2 decades
+    absorb: bool | None = None       # None: on with log scale (a trend over decades)
+    envelope: int | None = None      # running max over N steps first; None: 50 for
+                                     # quadratic problems (dips where theta crosses 0)
+
+    def resolved(self, x: np.ndarray, config: dict | None = None) -> "SpikeParams":
+        log = self.log
+        if log is None:
+            pos = x[np.isfinite(x) & (x > 0)]
+            log = bool(len(pos) and np.log10(pos.max()) - np.log10(pos.min()) > 2)
+        env = self.envelope
+        if env is None:
+            kind = ((config or {}).get("problem") or {}).get("kind")
+            env = 50 if kind == "quadratic" else 0
+        return SpikeParams(self.window, self.k, self.min_rel_jump, log,
+                           log if self.absorb is None else self.absorb, int(env))
+
+    def describe(self) -> str:
+        s = (f"loss > median + {self.k:g} x 1.4826 MAD of the previous {self.window} normal "
+             f"steps and > (1 + {self.min_rel_jump:g}) x median")
+        if self.log:
+            s += " (on log loss)"
+        if self.envelope:
+            s += f", applied to the {self.envelope}-step running max of the loss"
+        if self.absorb:
+            s += ("; every finite value enters the history (the band follows the level: "
+                  "'recovered' means the rise stopped, not a return to the old level)")
+        return s
 
 
 def loss_spikes(steps: pd.DataFrame, params: SpikeParams = SpikeParams(),
-                column: str = "loss") -> tuple[pd.DataFrame, bool]:
-    """Spikes of a steps column with the report's rule; returns (spikes, log used)."""
+                column: str = "loss", config: dict | None = None
+                ) -> tuple[pd.DataFrame, SpikeParams]:
+    """Spikes of a steps column with the report's rule; returns (spikes, resolved rule)."""
     x = steps[column].to_numpy(float)
-    log = params.log
-    if log is None:
-        pos = x[np.isfinite(x) & (x > 0)]
-        log = bool(len(pos) and pos.max() / pos.min() > 100)
-    sp = detect_spikes(x, steps["step"].to_numpy(), window=params.window, k=params.k,
-                       min_rel_jump=params.min_rel_jump, log=log)
-    return sp, log
+    p = params.resolved(x, config)
+    if p.envelope > 1:
+        x = pd.Series(x).rolling(p.envelope, min_periods=1).max().to_numpy()
+    sp = detect_spikes(x, steps["step"].to_numpy(), window=p.window, k=p.k,
+                       min_rel_jump=p.min_rel_jump, log=p.log, absorb=p.absorb)
+    return sp, p
 
 
 @dataclass
@@ -92,7 +119,7 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
         raise AnalysisError(f"{path}: the run has no steps rows (nothing was logged)")
     if "loss" not in st or not np.isfinite(st["loss"].to_numpy(float)).any():
         raise AnalysisError(f"{path}: no finite loss values in the steps table")
-    spikes, log = loss_spikes(st, spike_params)
+    spikes, resolved = loss_spikes(st, spike_params, config=run.config)
     gn = st["grad_norm"].to_numpy(float)
     grad_spikes = (detect_spikes(gn, st["step"].to_numpy(), window=spike_params.window,
                                  k=spike_params.k, log=True)
@@ -110,7 +137,7 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     ra = RunAnalysis(name=name or path.name, path=path, meta=run.meta, num_steps=len(st),
                      num_layer_steps=int(lay["step"].nunique()) if not lay.empty else 0,
                      num_tensors=int(lay["name"].nunique()) if not lay.empty else 0,
-                     spike_params=spike_params, loss_log=log, spikes=spikes,
+                     spike_params=resolved, loss_log=resolved.log, spikes=spikes,
                      grad_spikes=grad_spikes, scores=scores,
                      events={"counts": {str(k): int(v) for k, v in ev_counts.items()},
                              "torn_lines": run.torn_event_lines}, run=run)
@@ -228,15 +255,14 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
               f" loss column `{imp.get('loss_key')}`; tokens from {imp.get('tokens_from')}."]
     p = ra.spike_params
     L += ["", "## Loss spikes", "",
-          f"Rule: loss > median + {p.k:g} x 1.4826 MAD of the previous {p.window} normal "
-          f"steps and > (1 + {p.min_rel_jump:g}) x median{' (on log loss)' if ra.loss_log else ''};"
-          " NaN/inf count as spikes; consecutive anomalous steps form one spike.", ""]
+          f"Rule: {p.describe()}; NaN/inf count as spikes; consecutive anomalous steps form "
+          "one spike.", ""]
     if sp.empty:
         L.append("**No loss spikes detected.**")
     else:
         nrec = int(sp["recovered"].sum())
         L += [f"**{len(sp)} spike(s)**, {nrec} recovered, {len(sp) - nrec} not; largest "
-              f"+{100 * np.nanmax(sp['height']):.0f}% at step "
+              f"+{_f(100 * np.nanmax(sp['height']))}% at step "
               f"{int(sp.loc[sp['height'].idxmax(), 'peak_step']) if sp['height'].notna().any() else '-'}.",
               "", md_table(sp.assign(height_pct=100 * sp["height"]),
                            ["start", "peak_step", "peak", "baseline", "height_pct", "duration",
@@ -304,7 +330,7 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
               f"(grad_rms >= 2x its recent median): {len(ck.transients)}"
               + (f", R^2 of measured vs theory.transients.step_up rms_t curves "
                  f"{_f(ck.transient_r2)}" if not math.isnan(ck.transient_r2) else "")
-              + (f". {ck.note}" if ck.note else "") + "."]
+              + (f". {ck.note.strip().rstrip('.')}" if ck.note else "") + "."]
     if ra.regimes is not None and len(ra.regimes):
         L += ["", "**eps regime before each spike** (median rho = grad_rms / eps over the "
               "window; frozen < 0.1 <= transition <= 10 < scale-invariant):", "",

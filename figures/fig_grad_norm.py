@@ -19,6 +19,7 @@ from figures import style
 
 
 def prepare(run, *, window: int = 50, k: float = 6.0) -> dict:
+    from analysis.report import SpikeParams, loss_spikes
     from analysis.spikes import detect_spikes
 
     st = run.steps
@@ -29,7 +30,7 @@ def prepare(run, *, window: int = 50, k: float = 6.0) -> dict:
             "clip": float(clip) if clip else None,
             "clipped": st["clipped"].to_numpy(bool) if "clipped" in st else np.zeros(len(st), bool),
             "grad_spikes": detect_spikes(gn, steps, window=window, k=k, log=True),
-            "loss_spikes": detect_spikes(st["loss"].to_numpy(float), steps, window=window, k=k)}
+            "loss_spikes": loss_spikes(st, SpikeParams(window, k), config=run.config)[0]}
 
 
 def plot(data: dict, out_dir) -> list[Path]:

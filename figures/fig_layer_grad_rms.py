@@ -58,7 +58,8 @@ def plot(data: dict, out_dir) -> list[Path]:
     ax.set_title(f"{data['name']}: per-layer gradient RMS")
     sm = cm.ScalarMappable(norm=norm, cmap=cmap)
     fig.colorbar(sm, ax=ax, label="depth (-1 = embedding)")
-    ax.legend(loc="best")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best")
     return style.save(fig, out_dir, "layer_grad_rms")
 
 

@@ -1,7 +1,8 @@
 """Figure 1 of the seed report: the training loss with the detected spikes marked.
 
-Loss vs step (log y when it spans more than two decades); each spike detected by
-analysis.spikes.detect_spikes (rolling median + k MAD of the past `window` steps) is shaded
+Loss vs step (log y when it spans more than two decades); each spike detected by the
+report's rule (analysis.report.loss_spikes: rolling median + k MAD of the past `window`
+steps, analysis.spikes.detect_spikes) is shaded
 from its start for its duration (red when it never came back inside the band), its peak
 marked and labelled with the height over the baseline.
 
@@ -20,17 +21,12 @@ from figures import style
 
 def prepare(run, *, window: int = 50, k: float = 6.0, min_rel_jump: float = 0.2,
             log: bool | None = None) -> dict:
-    from analysis.spikes import detect_spikes
+    from analysis.report import SpikeParams, loss_spikes
 
     st = run.steps
-    loss = st["loss"].to_numpy(float)
-    fin = loss[np.isfinite(loss) & (loss > 0)]
-    if log is None:
-        log = bool(len(fin) and fin.max() / fin.min() > 100)
-    spikes = detect_spikes(loss, st["step"].to_numpy(), window=window, k=k,
-                           min_rel_jump=min_rel_jump, log=log)
-    return {"name": Path(run.path).name, "step": st["step"].to_numpy(), "loss": loss,
-            "spikes": spikes, "log": log}
+    spikes, rule = loss_spikes(st, SpikeParams(window, k, min_rel_jump, log), config=run.config)
+    return {"name": Path(run.path).name, "step": st["step"].to_numpy(),
+            "loss": st["loss"].to_numpy(float), "spikes": spikes, "log": rule.log}
 
 
 def plot(data: dict, out_dir) -> list[Path]:

@@ -24,13 +24,13 @@ METRICS = ("rms_t", "update_rms", "sat_frac", "bimodality", "grad_mom_cos", "rho
 
 def prepare(run, *, window: int = 50, baseline: int = 200, spikes=None) -> dict:
     from analysis.precursors import precursors
-    from analysis.spikes import detect_spikes
+    from analysis.report import loss_spikes
 
     if run.layers.empty:
         raise ValueError(f"{run.path}: no per-layer telemetry (layers table is empty)")
     st = run.steps
     if spikes is None:
-        spikes = detect_spikes(st["loss"].to_numpy(float), st["step"].to_numpy())
+        spikes = loss_spikes(st, config=run.config)[0]
     pre = precursors(run.layers, spikes, window=window, baseline=baseline)
     tr = pre.trajectories.merge(pre.leads[["spike_id", "group", "metric", "baseline"]],
                                 on=["spike_id", "group", "metric"])

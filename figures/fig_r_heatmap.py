@@ -39,7 +39,7 @@ def _pick(hists, shallow: str | None, deep: str | None) -> tuple[str, str]:
 
 
 def prepare(run, *, shallow: str | None = None, deep: str | None = None) -> dict:
-    from analysis.spikes import detect_spikes
+    from analysis.report import loss_spikes
 
     h = run.hists
     if h.empty:
@@ -53,7 +53,7 @@ def prepare(run, *, shallow: str | None = None, deep: str | None = None) -> dict
         panels[label] = {"name": n, "depth": int(g["depth"].iloc[0]),
                          "step": g["step"].to_numpy(), "frac": frac}
     st = run.steps
-    spikes = detect_spikes(st["loss"].to_numpy(float), st["step"].to_numpy()) if len(st) else None
+    spikes = loss_spikes(st, config=run.config)[0] if len(st) else None
     return {"name": Path(run.path).name, "edges": run.hist_edges, "panels": panels,
             "spike_starts": [] if spikes is None else list(spikes["start"])}
 
