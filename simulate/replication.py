@@ -28,6 +28,9 @@ Verdict rules (`RULES`):
                        if it excludes 0 in the other direction or every seed of both arms
                        gives the same non-zero value; else inconclusive (also when the metric
                        is 0 in every run of both arms: nothing to compare).
+  removes              supported if every treatment run has the metric at 0 and the
+                       difference CI is < 0; not supported if the CI of the treatment mean
+                       lies above 0 (spikes remain); else inconclusive.
   weak                 supported if the relative CI lies inside (-0.5, 0.5); not supported if
                        it lies outside; else inconclusive.
   at_least X           supported if CI low > X; not supported if CI high < X; else inconclusive.
@@ -52,6 +55,7 @@ from adamspike.config import ConfigError
 NUM_BOOT = 2000
 RULES = {
     "decrease": "CI of (treatment - control) entirely < 0",
+    "removes": "every treatment run at 0 and CI of (treatment - control) entirely < 0",
     "increase": "CI of (treatment - control) entirely > 0",
     "weak": "CI of (treatment - control) / control inside (-0.5, 0.5)",
     "at_least": "CI of the mean entirely > {x}",
@@ -98,16 +102,16 @@ def claims() -> list[Claim]:
               "num_spikes", "weak", {"batch": 32}, {"batch": 0},
               "full batch (256 points) -> minibatch 32"),
         Claim("report.lower_eps", "seed report", "lowering eps alone avoids spikes", "mlp",
-              "num_spikes", "decrease", {"eps": 1e-8}, {"eps": 1e-5}, "eps 1e-5 -> 1e-8",
+              "num_spikes", "removes", {"eps": 1e-8}, {"eps": 1e-5}, "eps 1e-5 -> 1e-8",
               note=b2note),
         Claim("report.eps_lower_b2", "seed report", "changing eps and lowering b2 avoids spikes",
-              "mlp", "num_spikes", "decrease", {"eps": 1e-8, "b2": 0.95}, {"eps": 1e-5},
+              "mlp", "num_spikes", "removes", {"eps": 1e-8, "b2": 0.95}, {"eps": 1e-5},
               "(eps 1e-5, b2 0.999) -> (eps 1e-8, b2 0.95)"),
         Claim("report.recovers", "seed report", "the loss recovers after a spike", "mlp",
               "recovered_frac", "at_least", {}, None, "baseline (spiking) runs", arg=0.5,
               only_spiking=True),
         Claim("report.batch_skip", "seed report; PaLM", "rollback + skipping batches avoids the spike",
-              "llama", "num_spikes", "decrease", {"skip": True}, {}, "tiny LLaMA, skip after spike"),
+              "llama", "num_spikes", "removes", {"skip": True}, {}, "tiny LLaMA, skip after spike"),
         Claim("report.lower_lr", "seed report", "a lower learning rate reduces spikes", "mlp",
               "num_spikes", "decrease", {"lr": 3e-3}, {}, "lr 1e-2 -> 3e-3"),
         Claim("report.glm_shrink", "seed report; GLM-130B", "GLM embedding-gradient shrink (a=0.1) helps",
@@ -121,15 +125,15 @@ def claims() -> list[Claim]:
               "num_spikes", "increase", {"batch": 0}, {"batch": 32}, "minibatch 32 -> full batch 256"),
         Claim("wortsman.lead", "Wortsman 2023a", "rms_t leads loss spikes by 1-8 steps", "mlp",
               "lead_rms_t", "within", {}, None,
-              "steps from the shallow rms_t maximum (8-step window) to the spike start",
+              "steps from the shallow rms_t maximum (32-step window) to the spike start",
               arg=(1, 8), only_spiking=True),
         Claim("wortsman.update_clip", "Wortsman 2023a", "StableAdamW update clipping removes spikes",
-              "mlp", "num_spikes", "decrease", {"update_clip": True}, {}, "update clipping off -> on"),
+              "mlp", "num_spikes", "removes", {"update_clip": True}, {}, "update clipping off -> on"),
         Claim("bai.eps_star", "Bai 2025", "eps >= eps* removes spikes", "quadratic", "num_spikes",
-              "decrease", {"eps": 2.8e-4}, {"eps": 2.5e-4},
+              "removes", {"eps": 2.8e-4}, {"eps": 2.5e-4},
               "eps 2.5e-4 -> 2.8e-4 around eps* = 2.63e-4"),
         Claim("bai.eps_large_fnn", "Bai 2025", "a large eps (0.1) removes the FNN's spikes", "mlp",
-              "num_spikes", "decrease", {"eps": 0.1}, {}, "eps 1e-8 -> 0.1"),
+              "num_spikes", "removes", {"eps": 0.1}, {}, "eps 1e-8 -> 0.1"),
         Claim("bai.lower_b2", "Bai 2025", "lower b2 shrinks spikes", "quadratic", "max_spike_height",
               "decrease", {"b2": 0.95}, {}, "b2 0.999 -> 0.95 (height in decades)"),
     ]
@@ -213,6 +217,13 @@ def evaluate(c: Claim, treat: pd.DataFrame, control: pd.DataFrame | None,
     k = control[c.metric].to_numpy(float)
     kind = "rel" if c.rule == "weak" else "diff"
     est, lo, hi = bootstrap_ci(t, k, kind, rng)
+    if c.rule == "removes":
+        _, t_lo, _ = bootstrap_ci(t, None, "mean", rng)
+        v = ("supported" if np.all(t == 0) and hi < 0 else
+             "not supported" if t_lo > 0 else "inconclusive")
+        return {**row, "n_seeds": int(min(len(t), len(k))), "control_mean": float(k.mean()),
+                "treatment_mean": float(t.mean()), "effect": est, "ci_low": lo, "ci_high": hi,
+                "verdict": v}
     degenerate = bool(len(t) and np.all(t == t[0]) and np.all(k == t[0]))
     if degenerate and t[0] == 0:   # e.g. no spikes in either arm: nothing to compare
         row["note"] = (c.note + "; " if c.note else "") + f"{c.metric} = 0 in every run of both arms"

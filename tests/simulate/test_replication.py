@@ -40,6 +40,15 @@ def test_bootstrap_ci_covers_the_difference():
     assert est == lo == hi == 2.0
 
 
+def test_removes_rule():
+    rng = np.random.default_rng(0)
+    c = R.Claim("x", "s", "c", "quadratic", "num_spikes", "removes", {}, {})
+    ctl = pd.DataFrame({"num_spikes": [4, 5, 6, 5, 4]})
+    assert R.evaluate(c, pd.DataFrame({"num_spikes": [0] * 5}), ctl, rng)["verdict"] == "supported"
+    fewer = R.evaluate(c, pd.DataFrame({"num_spikes": [1, 2, 1, 2, 1]}), ctl, rng)
+    assert fewer["effect"] < 0 and fewer["verdict"] == "not supported"   # fewer, not removed
+
+
 def test_evaluate_degenerate_arms_are_inconclusive():
     zeros = pd.DataFrame({"num_spikes": [0] * 5})
     c = R.Claim("x", "s", "c", "quadratic", "num_spikes", "decrease", {}, {})
