@@ -2,7 +2,8 @@
 
     python -m figures.fig_replication --table DIR_or_replication.csv --out DIR
 
-Reads replication.csv (written by `adamspike sweep replicate`). One horizontal bar per
+Reads replication.csv (written by `adamspike sweep replicate`); --table may also be the
+replication folder, or a study's sweep/ folder (then ../replication/replication.csv). One horizontal bar per
 claim, grouped by the kind of effect (difference of means, relative difference, one-cell
 mean), since their units differ; the marker is the point estimate, the line its 95%
 percentile-bootstrap CI, the colour the verdict. Rows that were not run are listed with
@@ -25,9 +26,11 @@ VERDICT_COLORS = {"supported": "#17a589", "not supported": "#c0392b", "inconclus
 def _load(path: str) -> pd.DataFrame:
     p = Path(path)
     if p.is_dir():
-        p = p / "replication.csv"
+        # a replication folder, or a study's sweep/ folder next to its replication/
+        cands = [p / "replication.csv", p.parent / "replication" / "replication.csv"]
+        p = next((c for c in cands if c.is_file()), cands[0])
     if not p.is_file():
-        raise FileNotFoundError(f"{path}: replication.csv not found")
+        raise FileNotFoundError(f"{path}: replication.csv not found (nor ../replication/)")
     return pd.read_csv(p)
 
 
