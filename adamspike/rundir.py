@@ -404,7 +404,11 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
     # string per row (a 70B trace has ~15M layer rows)
     dict_cols = [c for c in ("name", "kind") if c in schema and (columns is None or c in columns)]
     try:
-        tbls = [pq.read_table(p, columns=columns, read_dictionary=dict_cols) for p in parts]
+        tbls = []
+        for i, p in enumerate(parts):
+            tbls.append(pq.read_table(p, columns=columns, read_dictionary=dict_cols))
+            if i % 32 == 31:
+                _release_arrow_memory()  # decode buffers
         tbl = pa.concat_tables(tbls, promote_options="permissive")
     except Exception as e:  # noqa: BLE001
         raise RunFormatError(f"{d}: unreadable parquet parts ({e})") from None
@@ -414,6 +418,7 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
     del tbls
     df = tbl.to_pandas(self_destruct=True, split_blocks=True)  # frees arrow memory as it goes
     del tbl
+    _release_arrow_memory()
     for c in ("name", "kind"):
         if c in df.columns:
             cat = df[c].astype("category")
@@ -445,7 +450,16 @@ def _sorted_unique(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
         cols[c] = df[c].to_numpy()[sel] if not isinstance(df[c].dtype, pd.CategoricalDtype) \
             else df[c].take(sel).reset_index(drop=True)
         del df[c]
+        _release_arrow_memory()  # the freed column may sit in arrow's allocator cache
     return pd.DataFrame(cols, copy=False)
+
+
+def _release_arrow_memory() -> None:
+    """Hand arrow's cached free memory back to the OS (large reads otherwise keep it)."""
+    try:
+        pa.default_memory_pool().release_unused()
+    except Exception:  # noqa: BLE001 - an allocator without this knob
+        pass
 
 
 def read_events(path: str | Path) -> tuple[pd.DataFrame, int]:
