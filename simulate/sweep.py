@@ -501,7 +501,10 @@ def merge(dirs: Sequence[str | Path], out: str | Path, force: bool = False) -> p
         meta = d / "sweep.json"
         if not meta.is_file():
             raise ConfigError(f"{d}: not a sweep directory (no sweep.json)")
-        grids.append(json.loads(meta.read_text())["grid"])
+        try:
+            grids.append(json.loads(meta.read_text())["grid"])
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise ConfigError(f"{meta}: malformed sweep.json ({e})") from None
         frames.append(read_cells(d))
     if any(g != grids[0] for g in grids[1:]):
         raise ConfigError("merge: the directories hold sweeps of different grids")
