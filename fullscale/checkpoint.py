@@ -30,6 +30,7 @@ Pruning renames a directory to `.deleting-*` before removing it.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import json
@@ -39,6 +40,7 @@ import re
 import shutil
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -316,7 +318,7 @@ def save(ckpt_root: str | Path, step: int, model: torch.nn.Module,
             future = dcp.async_save(state, checkpoint_id=str(partial), no_dist=not _initialized(),
                                     process_group=_background_group())
             _pending = {"future": future, "partial": partial, "final": final, "step": int(step),
-                        "keep": keep, "root": Path(ckpt_root)}
+                        "keep": keep, "root": Path(ckpt_root), "rank": rank, "world": world}
             return final
         dcp.save(state, checkpoint_id=str(partial), no_dist=not _initialized())
     _finish(partial, final, int(step), keep, Path(ckpt_root))
@@ -329,8 +331,20 @@ def _background_group():
     if not _initialized():
         return None
     if _async_group is None:
-        _async_group = dist.new_group(backend="gloo")
+        # new_group's default timeout is 30 min, not the one the run chose (dist.timeout_s):
+        # a dead peer would then hang the background thread, and the exit, for 30 min.
+        _async_group = dist.new_group(backend="gloo", timeout=_default_timeout())
     return _async_group
+
+
+def _default_timeout() -> timedelta:
+    """The default process group's timeout (private torch API; 300 s if unreadable)."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        dev = dist.distributed_c10d._get_pg_default_device(pg)
+        return pg._get_backend(dev).options._timeout
+    except Exception:  # noqa: BLE001 - torch versions differ
+        return timedelta(seconds=300)
 
 
 def finalize_pending() -> Path | None:
@@ -351,6 +365,39 @@ def finalize_pending() -> Path | None:
                                             f"{str(e)[:300]})") from None
     _finish(job["partial"], job["final"], job["step"], job["keep"], job["root"])
     return job["final"]
+
+
+def _finalize_at_exit() -> None:
+    """atexit: complete an async save still pending when the process ends on a path that
+    skipped finalize_pending() (guard abort, user error). Not collective (the process group
+    may be gone): each rank waits for its own writes; rank 0, whose DCP future resolves only
+    after every rank's data and .metadata are written, lists the files with their sizes
+    (no hashes: hashing all shards on one rank could take minutes) and renames; older
+    checkpoints are not pruned. Never raises; a failed save stays .partial."""
+    global _pending
+    if _pending is None:
+        return
+    job, _pending = _pending, None
+    future = job["future"]
+    try:
+        (future.upload_completion if hasattr(future, "upload_completion") else future).result()
+        if job["rank"] != 0 or job["final"].exists():
+            return
+        partial = job["partial"]
+        files = {p.name: {"size": p.stat().st_size, "sha256": None}
+                 for p in sorted(partial.iterdir()) if p.is_file() and p.name != MARKER}
+        if len([f for f in files if f.startswith("rng-")]) != job["world"]:
+            return
+        _write_marker(partial, {"format": FORMAT, "step": job["step"], "world_size": job["world"],
+                                "time": time.time(), "files": files,
+                                "finalized": "at exit, sizes only"})
+        os.replace(partial, job["final"])
+        _fsync_dir(job["final"].parent)
+    except BaseException:  # noqa: BLE001 - best effort at interpreter exit
+        return
+
+
+atexit.register(_finalize_at_exit)
 
 
 def _finish(partial: Path, final: Path, step: int, keep: int | None, root: Path) -> None:
@@ -465,7 +512,8 @@ def verify(path: str | Path, *, hashes: bool = True) -> dict:
             elif f.stat().st_size != want.get("size"):
                 problems.append(f"{name} has {f.stat().st_size} bytes, manifest says "
                                 f"{want.get('size')} (truncated?)")
-            elif hashes and i % world == rank and _sha256(f) != want.get("sha256"):
+            elif (hashes and i % world == rank and want.get("sha256") is not None
+                  and _sha256(f) != want["sha256"]):
                 problems.append(f"{name} does not match its sha256 (corrupt)")
     except CheckpointError as e:
         manifest, problems = None, [e.problem]

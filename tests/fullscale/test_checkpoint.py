@@ -94,6 +94,15 @@ def test_async_save_stages_the_state_and_completes_on_finalize(tmp_path):
     assert ck.latest(tmp_path) is None           # not complete before finalize
     assert ck.finalize_pending() == path and ck.latest(tmp_path) == (2, path)
     assert ck.finalize_pending() is None
+    # A process that ends with a save pending completes it at exit (atexit, not collective).
+    code = ("import torch; from torch import nn; from fullscale import checkpoint as ck; "
+            "m = nn.Linear(3, 2); ck.save(r'%s', 7, m, torch.optim.AdamW(m.parameters()), "
+            "None, async_save=True); raise SystemExit(3)" % tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert ck.latest(tmp_path)[0] == 7
+    assert ck.read_manifest(ck.step_dir(tmp_path, 7))["finalized"] == "at exit, sizes only"
     m2, opt2, sched2 = _model(seed=5)
     ck.load(path, m2, opt2, sched2)
     for a, b in zip(expect, m2.parameters()):

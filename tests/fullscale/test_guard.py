@@ -210,10 +210,15 @@ def test_guard_end_to_end_spike_rollback_skip_recover(tmp_path):
 def test_guard_end_to_end_gives_up_after_max_retries(tmp_path):
     from adamspike.rundir import load_run
 
-    proc, out = _train(tmp_path, "run", "--guard.max_retries", "0", "--train.num_steps", "45")
+    proc, out = _train(tmp_path, "run", "--guard.max_retries", "0", "--train.num_steps", "45",
+                       "--checkpoint.async_save", "true")
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "guard.max_retries = 0" in proc.stderr and "Traceback" not in proc.stderr
     types = load_run(out, tables=()).events["type"].tolist()
     assert types.count("spike") == 1 and "rollback" not in types and types[-1] == "abort"
-    # nothing after the spike was checkpointed: the newest state is the good one of step 30
-    assert checkpoint.steps_of(out / "checkpoints") == [20, 30]
+    # Nothing after the spike was checkpointed: the newest state is the good one of step 30,
+    # whose async save the abort left pending; it was completed at exit (sizes-only manifest).
+    assert checkpoint.steps_of(out / "checkpoints")[-1] == 30
+    newest = checkpoint.step_dir(out / "checkpoints", 30)
+    assert checkpoint.read_manifest(newest)["finalized"] == "at exit, sizes only"
+    checkpoint.verify(newest)

@@ -71,11 +71,15 @@ timeout_s = {TIMEOUT_S}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_trainer_rank_failure(tmp_path, sig):
+@pytest.mark.parametrize("sig, async_save", [(signal.SIGKILL, False), (signal.SIGSTOP, False),
+                                             (signal.SIGSTOP, True)],
+                         ids=["killed", "hung", "hung-async-save"])
+def test_trainer_rank_failure(tmp_path, sig, async_save):
     """2-rank trainer checkpointing every step (so the failure usually lands inside a save);
     rank 1 dies or hangs at a seeded random moment after the first checkpoints: rank 0
-    logs a fault, exits non-zero within dist.timeout_s, and its newest checkpoint loads."""
+    logs a fault, exits non-zero within dist.timeout_s, and its newest checkpoint loads.
+    With async saves the background thread's gloo group must carry the same timeout (a
+    new_group defaults to 30 min): that hang was found by this test."""
     from adamspike.rundir import load_run
     from adamspike.train_config import RunConfig
     from fullscale.model import Transformer
@@ -84,7 +88,8 @@ def test_trainer_rank_failure(tmp_path, sig):
     config, out = tmp_path / "run.toml", tmp_path / "run"
     config.write_text(TRAIN_RUN)
     code = "import sys; from fullscale.train import main; sys.exit(main())"
-    survivor, victim = _launch(code, ["--config", str(config), "--out", str(out)])
+    survivor, victim = _launch(code, ["--config", str(config), "--out", str(out),
+                                      "--checkpoint.async_save", str(async_save).lower()])
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and survivor.poll() is None and \
@@ -110,4 +115,4 @@ def test_trainer_rank_failure(tmp_path, sig):
     model = Transformer(RunConfig().model.llama())
     ck.load(path, model, build_optimizer(model, RunConfig().optim), None, restore_rng=False)
     assert step >= 1 and all(torch.isfinite(p).all() for p in model.parameters())
-    print(f"{sig.name}: rank 0 exited {rc} after {elapsed:.1f} s; newest checkpoint {step}")
+    print(f"{sig.name} async={async_save}: rank 0 exited {rc} after {elapsed:.1f} s; newest checkpoint {step}")
