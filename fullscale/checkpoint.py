@@ -16,6 +16,7 @@ Write protocol (a checkpoint killed at any point is never picked up):
  3. each rank hashes a share of the files (file i by rank i mod W), rank 0 gathers the hashes,
     writes COMPLETE atomically and renames the directory to `step-XXXXXXXX`;
  4. rank 0 then deletes the oldest complete checkpoints beyond `keep`.
+With async_save, step 2 runs in DCP's background thread and steps 3-4 in finalize_pending().
 `latest()` only sees renamed directories holding COMPLETE. `load()` first verifies the
 manifest (files present, sizes, hashes: each rank hashes its share, results are gathered so
 every rank raises the same `CheckpointError`), so a corrupt checkpoint is rejected before any
@@ -275,8 +276,9 @@ def save(ckpt_root: str | Path, step: int, model: torch.nn.Module,
     async_save (checkpoint.async_save): the state is staged (copied to CPU memory) before
     this returns and written by DCP in a background thread over a separate gloo group;
     the checkpoint becomes complete (marker, rename, pruning) only in
-    `finalize_pending()`, which the next save() calls first and the trainer must call
-    before it exits. Until then latest() does not see it.
+    `finalize_pending()`, which the next save() / load() calls first and the trainer calls
+    at the end; a process that exits with a save pending (abort) completes it in an atexit
+    hook without collectives (manifest with sizes only). Until then latest() does not see it.
 
     Raises NonFiniteError (nothing written) when any parameter or optimizer state is nan/inf:
     log `err.payload` as a "checkpoint_refused" event. Raises CheckpointError for bad extra.
@@ -330,11 +332,12 @@ def _background_group():
     global _async_group
     if not _initialized():
         return None
-    if _async_group is None:
+    default = dist.distributed_c10d._get_default_group()
+    if _async_group is None or _async_group[0] is not default:   # new run in this process
         # new_group's default timeout is 30 min, not the one the run chose (dist.timeout_s):
         # a dead peer would then hang the background thread, and the exit, for 30 min.
-        _async_group = dist.new_group(backend="gloo", timeout=_default_timeout())
-    return _async_group
+        _async_group = (default, dist.new_group(backend="gloo", timeout=_default_timeout()))
+    return _async_group[1]
 
 
 def _default_timeout() -> timedelta:
