@@ -11,6 +11,8 @@ Problems (simulate.sweep_problems, real runs through `simulate.sweep.run_cells`,
 under DIR/cells/):
   mlp        Bai's 2-layer FNN on sin x + sin 4x (simulate.mlp "sin"), full batch unless
              stated, lr 1e-2, b = (0.9, 0.999), eps 1e-8: it spikes tens of times per run.
+  mlp_deep   a 4 x 64 tanh MLP (simulate.mlp "deep", init gain 0.5): gradients shrink toward
+             the input, so the first layer is the "shallow layer" nearest eps.
   quadratic  1/2 theta^2 (simulate.quadratic), lr 1e-2, gradient noise 1e-9 (so seeds
              differ), eps* = 2.63e-4.
 Each claim is tested where the toy problems spike; the seed report's own setting (b2 = 0.95)
@@ -80,6 +82,7 @@ class Claim:
     arg: Any = None                    # X for at_least, (a, b) for within
     only_spiking: bool = False         # one-cell metric over runs with >= 1 spike
     note: str = ""
+    base: str = ""                     # key of base_cells (default: the problem)
 
 
 def base_cells(quick: bool) -> dict[str, dict]:
@@ -88,7 +91,9 @@ def base_cells(quick: bool) -> dict[str, dict]:
            "lr": 1e-2, "eps": 1e-8, "b1": 0.9, "b2": 0.999}
     quad = {"steps": 20000, "lr": 1e-2, "eps": 1e-8, "b2": 0.999,
             "noise": 1e-9}
-    return {"mlp": mlp, "quadratic": quad}
+    deep = {"kind": "deep", "width": 32 if quick else 64, "depth": 4, "init_gain": 0.5,
+            "steps": 1000 if quick else 4000, "lr": 1e-2, "eps": 1e-8, "b1": 0.9, "b2": 0.999}
+    return {"mlp": mlp, "mlp_deep": deep, "quadratic": quad}
 
 
 def claims() -> list[Claim]:
@@ -98,6 +103,12 @@ def claims() -> list[Claim]:
               "shallow-layer gradients near eps are tied to spikes", "mlp", "num_spikes",
               "increase", {"eps": 3e-4}, {"eps": 1e-8},
               "eps 1e-8 -> 3e-4 moves the first layer from rho ~ 3e4 to rho ~ 1", note=b2note),
+        Claim("report.shallow_eps_deep", "seed report (LLaMA2-70B); Molybog 2023",
+              "shallow-layer gradients near eps are tied to spikes (deep net)", "mlp",
+              "num_spikes", "increase", {"eps": 1e-4}, {"eps": 1e-8},
+              "deep tanh MLP (4 x 64, init gain 0.5: the first layer has the smallest "
+              "gradients); eps 1e-8 -> 1e-4 moves it from rho ~ 2e4 to rho ~ 1", base="mlp_deep",
+              note=b2note),
         Claim("report.batch_weak", "seed report", "batch size affects spikes only weakly", "mlp",
               "num_spikes", "weak", {"batch": 32}, {"batch": 0},
               "full batch (256 points) -> minibatch 32"),
@@ -260,11 +271,11 @@ def replicate(out: str | Path, quick: bool = False, num_seeds: int = 5, progress
     want: dict[str, list[dict]] = {}
     plan = []
     for c in claim_list:
-        if c.problem not in bases:
+        if (c.base or c.problem) not in bases:
             plan.append((c, None, None))
             continue
         prob = get_problem(c.problem)
-        base = bases[c.problem]
+        base = bases[c.base or c.problem]
         tc = _full_cell(prob, {**base, **c.treatment})
         cc = None if c.control is None else _full_cell(prob, {**base, **c.control})
         want.setdefault(c.problem, []).extend([tc] + ([cc] if cc is not None else []))
