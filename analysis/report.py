@@ -341,12 +341,15 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
                         "scale-inv.", "Bai eps*", "eps >= eps*"])]
     elif ra.notes.get("regimes"):
         L += ["", f"Regimes not computed: {ra.notes['regimes']}."]
-    if figures:
+    skipped = {k[len("figure "):]: v for k, v in ra.notes.items() if k.startswith("figure ")}
+    if figures or skipped:
         L += ["", "## Figures", ""]
-        for f in figures:
+        for f in figures or []:
             if f.suffix == ".png":
                 rel = f.relative_to(out_dir) if out_dir else f
                 L.append(f"![{f.stem}]({rel})")
+        for name, why in skipped.items():
+            L.append(f"- {name}: not drawn ({why})")
     return "\n".join(L) + "\n"
 
 
