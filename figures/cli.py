@@ -1,6 +1,7 @@
 """`adamspike figures`: regenerate every figure of the study.
 
-    adamspike figures [RUN...] [--from-study DIR] [--sweep TABLE] [--out DIR] [--quick]
+    adamspike figures [RUN...] [--from-study DIR] [--sweep TABLE] [--replication DIR]
+                      [--out DIR] [--quick]
 
 Run figures (one set per run directory, in OUT/<run name>/), theory figures (OUT/theory/)
 and sweep figures (OUT/sweep/, when a sweep table is given or found in the study folder).
@@ -22,7 +23,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 # (module, kind): kind "run" figures take RUN... --out; "theory" take --out [--quick];
-# "sweep" take --table TABLE --out.
+# "sweep" take --table SWEEP --out; "replication" take --table REPLICATION (or the sweep
+# folder, next to which a study keeps replication/) --out.
 REGISTRY: list[tuple[str, str]] = [
     ("figures.fig_loss_spikes", "run"),
     ("figures.fig_grad_norm", "run"),
@@ -35,7 +37,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("figures.fig_update_rms_vs_rho", "theory"),
     ("figures.fig_rms_t_transient", "theory"),
     ("figures.fig_phase_diagram", "sweep"),
-    ("figures.fig_replication", "sweep"),
+    ("figures.fig_replication", "replication"),
 ]
 
 
@@ -139,7 +141,8 @@ def _call_main(mod, argv: list[str], out: Path, target: str) -> Outcome:
 
 
 def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *,
-             sweep: str | Path | None = None, quick: bool = False,
+             sweep: str | Path | None = None, replication: str | Path | None = None,
+             quick: bool = False,
              theory: bool = True, registry=None) -> tuple[list[Path], list[Outcome]]:
     """Regenerate all figures; returns (files written, one Outcome per module x target)."""
     from adamspike.rundir import RunFormatError, load_run
@@ -179,15 +182,16 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
             d = out / "theory"
             argv = ["--out", str(d)] + (["--quick"] if quick and _accepts(m, "--quick") else [])
             outcomes.append(_call_main(m, argv, d, "theory"))
-        elif kind == "sweep":
-            if sweep is None or not Path(sweep).exists():
-                outcomes.append(Outcome(m.__name__, str(sweep or ""), "skipped",
-                                        "no sweep table" if sweep is None else
-                                        f"{sweep} does not exist"))
+        elif kind in ("sweep", "replication"):
+            table = sweep if kind == "sweep" else (replication or sweep)
+            if table is None or not Path(table).exists():
+                outcomes.append(Outcome(m.__name__, str(table or ""), "skipped",
+                                        f"no {kind} table" if table is None else
+                                        f"{table} does not exist"))
                 continue
-            d = out / "sweep"
-            flag = "--table" if _accepts(m, "--table") else "--sweep"
-            outcomes.append(_call_main(m, [flag, str(sweep), "--out", str(d)], d, str(sweep)))
+            d = out / kind
+            flag = "--table" if _accepts(m, "--table") else f"--{kind}"
+            outcomes.append(_call_main(m, [flag, str(table), "--out", str(d)], d, str(table)))
     files = sorted({f for o in outcomes for f in o.files})
     return files, outcomes
 
@@ -198,12 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-study", metavar="DIR",
                     help="a `adamspike reproduce` output folder: its runs/ and sweep/")
     ap.add_argument("--sweep", metavar="TABLE", help="sweep directory or table")
+    ap.add_argument("--replication", metavar="DIR", help="replication directory or csv")
     ap.add_argument("--out", default="figures_out", help="output directory")
     ap.add_argument("--quick", action="store_true", help="CI scale where a figure supports it")
     ap.add_argument("--no-theory", action="store_true", help="skip the theory figures")
     args = ap.parse_args(argv)
     runs = [Path(r) for r in args.runs]
-    sweep = args.sweep
+    sweep, replication = args.sweep, args.replication
     if args.from_study:
         study = Path(args.from_study)
         if not study.is_dir():
@@ -212,11 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         runs += find_runs(study / "runs" if (study / "runs").is_dir() else study)
         if sweep is None and (study / "sweep").exists():
             sweep = study / "sweep"
+        if replication is None and (study / "replication").exists():
+            replication = study / "replication"
     for r in runs:
         if not (r / "run.json").is_file():
             print(f"adamspike figures: {r}: not a run directory (no run.json)", file=sys.stderr)
             return 2
-    files, outcomes = generate(runs, args.out, sweep=sweep, quick=args.quick,
+    files, outcomes = generate(runs, args.out, sweep=sweep, replication=replication,
+                               quick=args.quick,
                                theory=not args.no_theory)
     for o in outcomes:
         tgt = f" [{o.target}]" if o.target else ""

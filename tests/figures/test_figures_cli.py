@@ -60,3 +60,27 @@ def test_find_runs_and_names(small_run, tmp_path):
     runs = find_runs(tmp_path)
     assert [r.parent.name for r in runs] == ["a", "b"]
     assert run_names(runs) == ["a_x", "b_x"]
+
+
+def test_registry_calls_main_with_inputs(tmp_path, monkeypatch):
+    # stand-ins for the theory / replication scripts: they record argv and write a file
+    mod_dir = tmp_path / "mods"
+    mod_dir.mkdir()
+    (mod_dir / "fake_theory_fig.py").write_text(
+        "import sys, pathlib\n"
+        "def main(argv):\n"
+        "    i = argv.index('--out'); d = pathlib.Path(argv[i + 1]); d.mkdir(parents=True)\n"
+        "    (d / 'fake.png').write_text(' '.join(argv)); return 0  # accepts \"--quick\"\n")
+    (mod_dir / "fake_broken_fig.py").write_text(
+        "def main(argv):\n    raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(mod_dir))
+    table = tmp_path / "replication"
+    table.mkdir()
+    files, outcomes = generate([], tmp_path / "o", replication=table, quick=True,
+                               registry=[("fake_theory_fig", "theory"),
+                                         ("fake_broken_fig", "replication")])
+    st = {o.module: (o.status, o.detail) for o in outcomes}
+    assert st["fake_theory_fig"] == ("ok", "")
+    assert st["fake_broken_fig"] == ("failed", "RuntimeError: boom")
+    assert [f.name for f in files] == ["fake.png"]
+    assert files[0].read_text().endswith("--quick")
