@@ -1,11 +1,14 @@
 """End-to-end JAX toy LLaMA training: learning, the run directory, skips, poison, seeds, CLI."""
 
 import math
+import os
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from filelock import FileLock
 
 from adamspike.config import load_config
 from adamspike.llama import spec_by_name
@@ -30,7 +33,15 @@ def _cfg(*extra):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    path = lt.train(_cfg(), tmp_path_factory.mktemp("llama") / "run", progress=False)
+    """One training run shared by the tests of this module, also across pytest-xdist
+    workers (the first worker trains it under a file lock, the others read it)."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    path = root / "llama_train_shared_run"
+    with FileLock(str(path) + ".lock"):
+        if not (path / "run.json").exists() or "end" not in set(load_run(path).events.type):
+            shutil.rmtree(path, ignore_errors=True)
+            lt.train(_cfg(), path, progress=False)
     return load_run(path)
 
 
