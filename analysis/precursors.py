@@ -22,6 +22,7 @@ bimodality coefficient of r (from the raw moments, adamspike.metrics.shape_stats
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,7 @@ class Precursors:
     summary: pd.DataFrame        # group, metric, num_spikes, num_led, lead quantiles
     window: int
     baseline: int
+    tensor_leads: pd.DataFrame | None = None  # spike_id, name, depth, group, metric, lead
 
 
 def depth_group(depth) -> np.ndarray:
@@ -147,7 +149,58 @@ def precursors(layers: pd.DataFrame, spikes: pd.DataFrame, *, window: int = 50,
     lead_df = pd.DataFrame(leads, columns=["spike_id", "start", "group", "metric", "baseline",
                                            "band_hi", "num_baseline", "pre_max",
                                            "lead_sustained", "lead_first", "onset_step"])
-    return Precursors(traj_df, lead_df, summarize_leads(lead_df), window, baseline)
+    return Precursors(traj_df, lead_df, summarize_leads(lead_df), window, baseline,
+                      tensor_leads(layers, spikes, window=window, baseline=baseline, k=k,
+                                   rel_margin=rel_margin, two_sided=two_sided,
+                                   metrics=metrics))
+
+
+def tensor_leads(layers: pd.DataFrame, spikes: pd.DataFrame, *, window: int = 50,
+                 baseline: int = 200, k: float = 4.0, rel_margin: float = 0.1,
+                 two_sided: bool = False, metrics=PRECURSOR_METRICS) -> pd.DataFrame:
+    """The sustained lead per tensor against its own band (same rule as the groups'), for
+    'which layer moved first'. Vectorised over tensors on a (step x tensor) matrix."""
+    layers = with_derived(layers)
+    metrics = [m for m in metrics if m in layers]
+    rows = []
+    st_all = layers["step"].to_numpy()
+    for sid, s in enumerate(spikes["start"].to_numpy(dtype=np.int64)):
+        part = layers.loc[(st_all >= s - window - baseline) & (st_all < s)]
+        if part.empty:
+            continue
+        names = part["name"].astype(str).to_numpy()
+        uniq, col = np.unique(names, return_inverse=True)
+        steps, row = np.unique(part["step"].to_numpy(), return_inverse=True)
+        depth = np.zeros(len(uniq), np.int64)
+        depth[col] = part["depth"].to_numpy()
+        in_base, in_win = steps < s - window, steps >= s - window
+        for m in metrics:
+            mat = np.full((len(steps), len(uniq)), np.nan)
+            mat[row, col] = part[m].to_numpy(dtype=np.float64)
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
+                base = mat[in_base]
+                med = np.nanmedian(base, axis=0) if len(base) else np.full(len(uniq), np.nan)
+                mad = np.nanmedian(np.abs(base - med), axis=0) if len(base) else med
+                half = np.maximum(np.maximum(k * MAD_TO_SIGMA * mad, rel_margin * np.abs(med)),
+                                  1e-12)
+                win = mat[in_win]
+                out = win > med + half
+                if two_sided:
+                    out |= win < med - half
+            lead = np.full(len(uniq), np.nan)
+            if len(win):
+                # length of the out-of-band run that ends at the last pre-spike step
+                trail = np.cumprod(out[::-1], axis=0).sum(axis=0)
+                ok = (trail > 0) & np.isfinite(med)
+                sw = steps[in_win]
+                lead[ok] = s - sw[len(sw) - trail[ok]]
+            rows.append(pd.DataFrame({"spike_id": sid, "start": int(s), "name": uniq,
+                                      "depth": depth, "metric": m, "lead": lead}))
+    df = (pd.concat(rows, ignore_index=True) if rows else
+          pd.DataFrame(columns=["spike_id", "start", "name", "depth", "metric", "lead"]))
+    df["group"] = depth_group(df["depth"]) if len(df) else pd.Series(dtype=str)
+    return df
 
 
 def summarize_leads(leads: pd.DataFrame) -> pd.DataFrame:

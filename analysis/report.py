@@ -296,6 +296,9 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
                        ["metric", "group", "led", "spikes", "median lead", "q25", "q75",
                         "min", "max"])]
         L += ["", _shallow_vs_deep(pre.summary)]
+        first = _first_movers(pre.tensor_leads)
+        if first:
+            L += ["", first]
     L += ["", "## Alarm rules", ""]
     if ra.alarm_scores is None:
         L.append(f"Not scored: {ra.notes.get('alarms')}.")
@@ -370,6 +373,24 @@ def _lead_text(row) -> str:
     return led + (f" (median {_f(row.lead_median)} steps)" if row.num_led else "")
 
 
+def _first_movers(tl: pd.DataFrame | None, metric: str = "rms_t", top: int = 3) -> str:
+    """Per spike, the tensors whose own rms_t band broke earliest (sustained)."""
+    if tl is None or tl.empty:
+        return ""
+    d = tl[(tl["metric"] == metric) & tl["lead"].notna()]
+    if d.empty:
+        return f"No single tensor's {metric} left its own band in a sustained way before a spike."
+    parts = []
+    for (sid, s), g in d.groupby(["spike_id", "start"]):
+        g = g.sort_values(["lead", "depth"], ascending=[False, True]).head(top)
+        parts.append(f"spike {s}: " + ", ".join(f"`{r.name}` ({int(r.lead)})"
+                                                for r in g.itertuples()))
+    n_t = tl.loc[tl["metric"] == metric, "name"].nunique()
+    return (f"Earliest tensors by their own {metric} band (lead in steps; {len(d)} "
+            f"tensor-spike pairs led out of {n_t} tensors x {tl['spike_id'].nunique()} "
+            "spikes): " + "; ".join(parts) + ".")
+
+
 def _shallow_vs_deep(summary: pd.DataFrame) -> str:
     s = summary.set_index(["group", "metric"])
     parts = []
@@ -441,6 +462,7 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path, *, figures: bool = Tr
     if ra.precursors is not None:
         _write_csv(ra.precursors.leads, out / "precursor_leads.csv", written)
         _write_csv(ra.precursors.summary, out / "lead_summary.csv", written)
+        _write_csv(ra.precursors.tensor_leads, out / "tensor_leads.csv", written)
     _write_csv(ra.alarm_scores, out / "alarm_scores.csv", written)
     if ra.update_fit is not None:
         _write_csv(ra.update_fit.by_group, out / "update_rms_fit.csv", written)
