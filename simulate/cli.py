@@ -223,9 +223,11 @@ def _streams(argv) -> int:
     stats = streams.simulate_streams([cfg], a.steps, a.coords, seed=a.seed, record=a.record)
     res = {"config": cfg, "steps": a.steps, "coords": a.coords, "seed": a.seed,
            "stats": {k: (v[0].tolist() if hasattr(v, "tolist") else v) for k, v in stats.items()}}
+    res["theory"] = _theory_check(cfg, a.steps, res["stats"])
     text = json.dumps(res, indent=None if a.out is None else 2, allow_nan=True)
     if a.out is not None:
         from adamspike.rundir import atomic_write_bytes
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(a.out, text.encode())
     else:
         print(text)
@@ -244,6 +246,20 @@ def _llama(argv) -> int:
             return 3
         raise
     return int(mod.main(argv))
+
+
+def _theory_check(cfg: dict, steps: int, stats: dict) -> dict:
+    """The exact closed forms (theory.adam_moments) at the same step, with z = (MC - theory)/SE."""
+    from theory.adam_moments import update_stats
+
+    th = update_stats(cfg["b1"], cfg["b2"], cfg["eps"], cfg["sigma"], cfg["mu"], cfg["phi"],
+                      t=steps, method="exact")
+    out = {}
+    for k in ("r_mean", "r_rms", "r_abs"):
+        mc, se = stats.get(k), stats.get(k + "_se")
+        if isinstance(mc, float) and isinstance(se, float) and se > 0:
+            out[k] = {"theory": th[k], "mc": mc, "se": se, "z": (mc - th[k]) / se}
+    return out
 
 
 def simulate_main(argv: list[str] | None = None) -> int:
