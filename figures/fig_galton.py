@@ -11,12 +11,11 @@ icc for several n, with the 5/9 line and the U-shape threshold icc = 1/3.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
 
-from figures.style import apply, save
+from figures.style import apply, computed_figure_main, save
 from theory import bimodality as B
 from theory import galton as G
 
@@ -84,13 +83,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="figures_out")
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    for p in plot(prepare(args.quick), args.out):
-        print(p)
-    return 0
+    return computed_figure_main(__doc__, prepare, plot, argv)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ Bottom-right: BC vs SNR for phi = 0 and 0.5 (theory line, MC points), with 5/9.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
 import numpy as np
 
-from figures.style import apply, save
+from figures.style import apply, computed_figure_main, save
 from theory import adam_moments as A
 from theory.bimodality import r_bimodality
 
@@ -84,13 +83,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="figures_out")
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    for p in plot(prepare(args.quick), args.out):
-        print(p)
-    return 0
+    return computed_figure_main(__doc__, prepare, plot, argv)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ after dormancy, |r_k| = (1-b1^k)/sqrt(1-b2^k), with its peaks (6.57 at k = 12, 2
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
 
-from figures.style import apply, save
+from figures.style import apply, computed_figure_main, save
 from theory import transients as T
 
 B1, KAPPA = 0.9, 10.0
@@ -72,13 +71,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="figures_out")
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    for p in plot(prepare(args.quick), args.out):
-        print(p)
-    return 0
+    return computed_figure_main(__doc__, prepare, plot, argv)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ for i.i.d.); shaded: the frozen (< 0.1) and transition (0.1..10) regimes.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
 import numpy as np
 
-from figures.style import apply, save
+from figures.style import apply, computed_figure_main, save
 from theory import eps_regime as E
 
 CASES = ((0.9, 0.95, 0.0, 0.0), (0.9, 0.999, 0.0, 0.0), (0.9, 0.95, 0.5, 1.0))
@@ -60,13 +59,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="figures_out")
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    for p in plot(prepare(args.quick), args.out):
-        print(p)
-    return 0
+    return computed_figure_main(__doc__, prepare, plot, argv)
 
 
 if __name__ == "__main__":

@@ -35,3 +35,16 @@ def save(fig, out_dir: str | Path, name: str) -> list[Path]:
         fig.savefig(p)
     plt.close(fig)
     return paths
+
+
+def computed_figure_main(doc: str, prepare, plot, argv=None) -> int:
+    """`main` of a figure computed from theory / Monte-Carlo: --out DIR, --quick."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--out", default="figures_out")
+    ap.add_argument("--quick", action="store_true", help="smaller Monte-Carlo sizes")
+    args = ap.parse_args(argv)
+    for p in plot(prepare(args.quick), args.out):
+        print(p)
+    return 0
