@@ -28,7 +28,8 @@ def prepare(run) -> dict:
     steps = np.unique(med["step"].to_numpy())
     keep = set(steps[:: max(1, len(steps) // MAX_POINTS)])
     med = med[med["step"].isin(keep)]
-    eps = (run.config.get("optim") or {}).get("eps")
+    eps = ((run.config.get("optim") or {}).get("eps")
+           or (run.config.get("problem") or {}).get("eps"))  # toy problems keep their own
     return {"name": Path(run.path).name, "eps": float(eps) if eps else None,
             "by_depth": {int(d): (g["step"].to_numpy(), g["grad_rms"].to_numpy(float))
                          for d, g in med.groupby("depth")}}

@@ -25,8 +25,16 @@ def prepare(run, *, window: int = 50, k: float = 6.0, min_rel_jump: float = 0.2,
 
     st = run.steps
     spikes, rule = loss_spikes(st, SpikeParams(window, k, min_rel_jump, log), config=run.config)
+    # The trainer's spike guard rolls back and re-runs steps, so a guarded spike is not in the
+    # steps table (readers keep the re-run row); it lives in the events.
+    ev = run.events
+    guard = (ev[ev["type"].isin(["spike", "nonfinite_loss", "rollback"])]
+             if len(ev) and "type" in ev else ev.iloc[0:0])
+    guard_events = [(str(r["type"]), int(r["step"])) for _, r in guard.iterrows()
+                    if r.get("step") == r.get("step")]
     return {"name": Path(run.path).name, "step": st["step"].to_numpy(),
-            "loss": st["loss"].to_numpy(float), "spikes": spikes, "log": rule.log}
+            "loss": st["loss"].to_numpy(float), "spikes": spikes, "log": rule.log,
+            "guard_events": guard_events}
 
 
 def plot(data: dict, out_dir) -> list[Path]:
@@ -45,9 +53,16 @@ def plot(data: dict, out_dir) -> list[Path]:
             ax.plot([r.peak_step], [r.peak], "v", color="#c0392b", ms=4)
             ax.annotate(f"+{100 * r.height:.0f}%", (r.peak_step, r.peak), fontsize=7,
                         xytext=(2, 3), textcoords="offset points")
+    for i, (kind, step) in enumerate(data.get("guard_events", [])):
+        ax.axvline(step, color="#7d3c98" if kind == "rollback" else "#c0392b", ls=":", lw=1,
+                   label=f"guard: {kind}" if kind not in [k for k, _ in data["guard_events"][:i]] else None)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(f"{data['name']}: loss, {len(sp)} spike(s) detected")
+    guarded = sum(k != "rollback" for k, _ in data.get("guard_events", []))
+    ax.set_title(f"{data['name']}: loss, {len(sp)} spike(s) detected"
+                 + (f", {guarded} caught and rolled back by the guard" if guarded else ""))
+    if data.get("guard_events"):
+        ax.legend()
     return style.save(fig, out_dir, "loss_spikes")
 
 
