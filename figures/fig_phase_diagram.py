@@ -14,9 +14,7 @@ placed by log interpolation between neighbouring values). Writes phase_diagram.p
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -114,21 +112,10 @@ def plot(data: dict, out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fig_phase_diagram", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--table", required=True, help="sweep directory or runs.parquet / .csv")
-    ap.add_argument("--out", required=True, help="output directory")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
-    try:
-        data = prepare(_load(args.table))
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"fig_phase_diagram: {e}", file=sys.stderr)
-        return 2
-    for p in plot(data, args.out):
-        print(p)
-    return 0
+    from figures import style
+
+    return style.table_figure_main("fig_phase_diagram", __doc__, _load, prepare, plot, argv,
+                                   table_help="sweep directory or runs.parquet / .csv")
 
 
 if __name__ == "__main__":

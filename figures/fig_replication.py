@@ -12,9 +12,7 @@ percentile-bootstrap CI, the colour the verdict. Rows that were not run are list
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -86,21 +84,10 @@ def plot(panels: list[dict], out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fig_replication", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--table", required=True, help="replication directory or replication.csv")
-    ap.add_argument("--out", required=True, help="output directory")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
-    try:
-        panels = prepare(_load(args.table))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"fig_replication: {e}", file=sys.stderr)
-        return 2
-    for p in plot(panels, args.out):
-        print(p)
-    return 0
+    from figures import style
+
+    return style.table_figure_main("fig_replication", __doc__, _load, prepare, plot, argv,
+                                   table_help="replication directory or replication.csv")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ libraries, so any Exception means "no NPU" and its message is kept for run.json.
 
 from __future__ import annotations
 
+import importlib
+
 import os
 import platform
 import tomllib
@@ -49,8 +51,8 @@ def import_torch_npu(refresh: bool = False):
     global _npu_module, _npu_error
     if _npu_module is _NPU_UNSET or refresh:
         try:
-            import torch_npu  # noqa: F401  (registers torch.npu and the hccl backend)
-            _npu_module, _npu_error = torch_npu, None
+            # importing registers torch.npu and the hccl backend
+            _npu_module, _npu_error = importlib.import_module("torch_npu"), None
         except Exception as e:  # noqa: BLE001 - any failure means "no NPU"
             _npu_module, _npu_error = None, f"{type(e).__name__}: {e}"
     return _npu_module
