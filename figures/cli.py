@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import inspect
 import io
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-# (module, kind): kind "run" figures take RUN... --out; "theory" take --out [--quick];
+# (module, kind): kind "run" figures take RUN... --out; "theory" take --out [--quick]
+# (figures.style.computed_figure_main);
 # "sweep" take --table SWEEP --out; "replication" take --table REPLICATION (or the sweep
 # folder, next to which a study keeps replication/) --out.
 REGISTRY: list[tuple[str, str]] = [
@@ -114,13 +114,6 @@ def run_figure_main(argv, doc: str, prepare: Callable, plot: Callable, *, tables
     return rc
 
 
-def _accepts(mod, flag: str) -> bool:
-    try:
-        return f'"{flag}"' in inspect.getsource(mod) or f"'{flag}'" in inspect.getsource(mod)
-    except (OSError, TypeError):
-        return False
-
-
 def _call_main(mod, argv: list[str], out: Path, target: str) -> Outcome:
     before = _snapshot(out)
     buf_err = io.StringIO()
@@ -180,7 +173,7 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
     for m, kind in mods.values():
         if kind == "theory" and theory:
             d = out / "theory"
-            argv = ["--out", str(d)] + (["--quick"] if quick and _accepts(m, "--quick") else [])
+            argv = ["--out", str(d)] + (["--quick"] if quick else [])
             outcomes.append(_call_main(m, argv, d, "theory"))
         elif kind in ("sweep", "replication"):
             table = sweep if kind == "sweep" else (replication or sweep)
@@ -190,8 +183,7 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
                                         f"{table} does not exist"))
                 continue
             d = out / kind
-            flag = "--table" if _accepts(m, "--table") else f"--{kind}"
-            outcomes.append(_call_main(m, [flag, str(table), "--out", str(d)], d, str(table)))
+            outcomes.append(_call_main(m, ["--table", str(table), "--out", str(d)], d, str(table)))
     files = sorted({f for o in outcomes for f in o.files})
     return files, outcomes
 

@@ -19,6 +19,10 @@ def test_reproduce_quick(tmp_path):
     assert res.returncode == 0 and not bad, (bad, logs, res.stderr[-3000:])
     figures = sorted((out / "figures").rglob("*.png"))
     assert len(figures) >= 10
+    names = {p.stem for p in figures}
+    assert {"phase_diagram", "replication", "fig_galton", "fig_update_rms_vs_rho",
+            "loss_spikes", "grad_norm", "layer_grad_rms", "r_heatmap", "precursors",
+            "theory_fit"} <= names, names
     for png in figures:
         assert png.stat().st_size > 0 and png.with_suffix(".pdf").stat().st_size > 0, png
     report = (out / "STUDY.md").read_text()
