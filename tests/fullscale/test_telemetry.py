@@ -18,7 +18,7 @@ from adamspike.metrics import METRIC_NAMES, histogram, reference_metrics, update
 from adamspike.train_config import OptimSection
 from fullscale.model import Transformer
 from fullscale.optim import build_optimizer, clip_gradients
-from fullscale.telemetry import Telemetry, TensorBoardScalars
+from fullscale.telemetry import DEFAULT_MAX_ELEMENTS, Telemetry, TensorBoardScalars, plan_chunks
 
 TINY = PRESETS["tiny"]
 
@@ -47,12 +47,14 @@ def _reference(opt, named, m_prev, eps, b1, b2):
     return out
 
 
-def test_metrics_equal_numpy_reference_unsharded():
+# 1000: tensors split across chunks and chunks shared by tensors (bounded temporaries)
+@pytest.mark.parametrize("max_elements", [DEFAULT_MAX_ELEMENTS, 1000])
+def test_metrics_equal_numpy_reference_unsharded(max_elements):
     torch.manual_seed(0)
     model = Transformer(TINY)
     model.init_weights(torch.Generator().manual_seed(0))
     opt = build_optimizer(model, OPTIM)
-    tel = Telemetry(opt, spec_by_name(TINY), every=1, hist_every=2)
+    tel = Telemetry(opt, spec_by_name(TINY), every=1, hist_every=2, max_elements=max_elements)
     named = list(model.named_parameters())
     gen = torch.Generator().manual_seed(1)
     checked = 0
@@ -83,6 +85,25 @@ def test_metrics_equal_numpy_reference_unsharded():
     sat, eps_frac = out.columns["sat_frac"], out.columns["eps_frac"]
     assert 0 < sat.max() and sat.min() < 1 and eps_frac.max() > 0
     assert np.isnan(out.columns["grad_mom_cos"]).sum() == 0
+
+
+def test_plan_chunks_covers_every_element_once_within_the_bound():
+    sizes = [5, 0, 12, 3, 12, 7]
+    for max_elements in (1, 4, 12, 100):
+        chunks = plan_chunks(sizes, max_elements)
+        assert all(sum(hi - lo for _, lo, hi in c) <= max_elements for c in chunks)
+        covered = {i: [] for i in range(len(sizes))}
+        for c in chunks:
+            for i, lo, hi in c:
+                assert 0 <= lo < hi <= sizes[i]
+                covered[i].append((lo, hi))
+        for i, n in enumerate(sizes):   # contiguous pieces tiling [0, n) in order
+            pieces = covered[i]
+            starts = [lo for lo, _ in pieces]
+            assert starts == ([0] + [hi for _, hi in pieces[:-1]] if n else [])
+            assert (pieces[-1][1] if pieces else 0) == n
+    with pytest.raises(ValueError, match="max_elements"):
+        Telemetry(build_optimizer(Transformer(TINY), OPTIM), spec_by_name(TINY), max_elements=0)
 
 
 def test_before_step_is_required_and_every_is_honoured():
