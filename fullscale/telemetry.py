@@ -24,8 +24,10 @@ each chunk is processed with a fixed number of whole-chunk kernels writing into 
     row sat    = |r| > 0.9                             row g2_over_v = g^2 / max(v_hat, eps^2)
 
 then the per-tensor sums are one reduction per (tensor, chunk) segment; no host sync until
-the one all-reduced table is copied to the host. Transient memory: 11 rows of
-`max_elements` in the compute dtype (+ int64 bin indices on histogram steps).
+the one all-reduced table is copied to the host. Memory: a scratch of 11 rows x
+`max_elements` in the compute dtype plus one staging row of the parameters' dtype, kept
+between logged steps (bounded whatever the model size; on CPU re-faulting fresh pages each
+step cost more than the math), + int64 bin indices on histogram steps.
 
 Precision: elementwise math and sums in float64 on cpu / cuda (the same operations as the
 numpy reference, which the test compares at rtol 1e-6 on fp32 data); float32 on npu, where
@@ -54,7 +56,10 @@ _COL = {f: i for i, f in enumerate(SUM_FIELDS)}
 # after_step's scratch rows: SUM_FIELDS columns 1..10 (g2 .. v_hat), then p2
 _ROWS = SUM_FIELDS[_COL["g2"]:_COL["v_hat"] + 1] + ("p2",)
 _R = {f: i for i, f in enumerate(_ROWS)}
-DEFAULT_MAX_ELEMENTS = 1 << 20   # per chunk: 11 float64 rows = 88 MiB of temporaries at most
+# elements per chunk: on CPU 11 float64 rows = 88 MiB of temporaries at most; accelerators
+# take bigger chunks (fewer kernel launches for multi-GB shards; 11 x 32 MiB float64 rows)
+DEFAULT_MAX_ELEMENTS = 1 << 20
+ACCELERATOR_MAX_ELEMENTS = 1 << 22
 
 Segment = tuple[int, int, int]   # (tensor index, start, stop) in the tensor's flat local view
 
@@ -205,7 +210,10 @@ class Telemetry:
 
     def __init__(self, optimizer: torch.optim.Optimizer, specs: Mapping[str, Any], *,
                  every: int = 1, hist_every: int = 0, compute_dtype: torch.dtype | None = None,
-                 max_elements: int = DEFAULT_MAX_ELEMENTS):
+                 max_elements: int | None = None):
+        dev = _local(optimizer.param_groups[0]["params"][0]).device
+        if max_elements is None:
+            max_elements = DEFAULT_MAX_ELEMENTS if dev.type == "cpu" else ACCELERATOR_MAX_ELEMENTS
         if max_elements < 1:
             raise ValueError(f"telemetry: max_elements must be >= 1, got {max_elements}")
         self.optimizer, self.every, self.hist_every = optimizer, int(every), int(hist_every)
