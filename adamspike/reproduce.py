@@ -7,7 +7,8 @@ process (the JAX and torch halves never share an interpreter):
     -> replication table -> predictions.json -> plan -> tiny torch run driven by the
     predictions -> analysis -> figures -> STUDY.md
 
-A stage whose command is not built yet is reported as missing, a stage that fails is
+Independent stages overlap (`--jobs`, default 2); a stage starts once the stages it
+needs have succeeded and those it reads after have finished. A stage whose command is not built yet is reported as missing, a stage that fails is
 reported as failed (with the tail of its log) and the stages that need its output are
 skipped; nothing is faked. Each stage's stdout/stderr go to OUT/logs/<stage>.log and a
 finished stage leaves OUT/.stages/<stage>.json, so `--resume` continues an interrupted
@@ -23,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,9 +39,15 @@ class Stage:
     name: str
     title: str
     argv: list[str]                  # arguments of `adamspike`
-    needs: list[str] = field(default_factory=list)
+    needs: list[str] = field(default_factory=list)   # must have succeeded
+    after: list[str] = field(default_factory=list)   # must have finished (any status)
     outputs: list[str] = field(default_factory=list)   # paths relative to OUT it must leave
     stdout_to: str | None = None     # file (relative to OUT) that receives stdout
+
+
+# Stages that leave run directories under OUT/runs (analysis and figures read them all).
+RUN_STAGES = ["quadratic_spike", "quadratic_stable", "mlp", "llama_spike", "llama_stable",
+              "torch_run"]
 
 
 def stages(out: Path, quick: bool) -> list[Stage]:
@@ -107,10 +115,11 @@ def stages(out: Path, quick: bool) -> list[Stage]:
               needs=["predict"], outputs=["runs/torch_tiny/run.json"]),
         Stage("analyze", "Spikes, precursors, alarm scores, theory fits",
               ["analyze", "--from-study", str(out), "--predictions", o("predictions.json"),
-               "--out", o("analysis")], needs=["predict"], outputs=["analysis"]),
+               "--out", o("analysis")], needs=["predict"], after=RUN_STAGES,
+              outputs=["analysis"]),
         Stage("figures", "Every figure of the study",
               ["figures", "--from-study", str(out), "--out", o("figures"), *q],
-              outputs=["figures"]),
+              after=RUN_STAGES + ["sweep", "replication"], outputs=["figures"]),
     ]
 
 
@@ -178,12 +187,72 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
     return path
 
 
+def _skipped(st: Stage, out: Path, reason: str) -> dict:
+    log = out / "logs" / f"{st.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(reason + "\n")
+    return {"name": st.name, "title": st.title, "status": "skipped", "returncode": None,
+            "seconds": 0.0, "log": str(log.relative_to(out)), "missing_outputs": [],
+            "argv": st.argv, "reason": reason}
+
+
+def _schedule(plan: list[Stage], out: Path, env: dict, marks: Path, resume: bool,
+              jobs: int) -> list[dict]:
+    """Run the stages, up to `jobs` at once, each once its `needs` and `after` are done.
+    Results come back in plan order."""
+    names = {st.name for st in plan}
+    pending = list(plan)
+    status: dict[str, str] = {}
+    results: dict[str, dict] = {}
+    running: dict = {}
+    bar = tqdm(total=len(plan), desc="reproduce", unit="stage", file=sys.stderr)
+
+    def finish(st: Stage, res: dict) -> None:
+        status[st.name] = res["status"]
+        results[st.name] = res
+        bar.update(1)
+        tqdm.write(f"[{res['status']:>7}] {st.name} ({res['seconds']} s)", file=sys.stderr)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        while pending or running:
+            for st in list(pending):
+                waits = [n for n in st.needs + st.after if n in names and n not in status]
+                if waits:
+                    continue
+                pending.remove(st)
+                mark = marks / f"{st.name}.json"
+                failed = [n for n in st.needs if status.get(n, "ok") != "ok"]
+                if resume and mark.exists():
+                    finish(st, json.loads(mark.read_text()))
+                elif failed:
+                    finish(st, _skipped(st, out, "needs " + ", ".join(failed)))
+                else:
+                    running[pool.submit(_run_stage, st, out, env)] = st
+            if not running:
+                if pending:  # a dependency outside the plan that never finishes
+                    for st in pending:
+                        finish(st, _skipped(st, out, "dependencies not in this run"))
+                    pending.clear()
+                continue
+            finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            for fut in finished:
+                st = running.pop(fut)
+                res = fut.result()
+                if res["status"] == "ok":
+                    (marks / f"{st.name}.json").write_text(json.dumps(res, indent=2))
+                finish(st, res)
+    bar.close()
+    return [results[st.name] for st in plan]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike reproduce", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out/study", help="output folder (must be new or empty)")
     ap.add_argument("--quick", action="store_true", help="CI scale (a few minutes)")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted study")
     ap.add_argument("--only", nargs="+", metavar="STAGE", help="run only these stages")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                    help="stages run at once (independent stages overlap; default 2)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     if out.exists() and any(out.iterdir()) and not args.resume:
@@ -202,29 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         plan = [s for s in plan if s.name in args.only]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ADAMSPIKE_STUDY": str(out)}
-    env.setdefault("OMP_NUM_THREADS", "2")
-    results: list[dict] = []
-    done: dict[str, str] = {}
-    bar = tqdm(plan, desc="reproduce", unit="stage", file=sys.stderr)
-    for st in bar:
-        bar.set_postfix_str(st.name)
-        mark = marks / f"{st.name}.json"
-        if args.resume and mark.exists():
-            res = json.loads(mark.read_text())
-        elif any(done.get(n, "ok") != "ok" for n in st.needs):
-            res = {"name": st.name, "title": st.title, "status": "skipped", "returncode": None,
-                   "seconds": 0.0, "log": f"logs/{st.name}.log", "missing_outputs": [],
-                   "argv": st.argv,
-                   "reason": "needs " + ", ".join(n for n in st.needs if done.get(n) != "ok")}
-            (out / res["log"]).parent.mkdir(parents=True, exist_ok=True)
-            (out / res["log"]).write_text(res["reason"] + "\n")
-        else:
-            res = _run_stage(st, out, env)
-            if res["status"] == "ok":
-                mark.write_text(json.dumps(res, indent=2))
-        done[st.name] = res["status"]
-        results.append(res)
-        tqdm.write(f"[{res['status']:>7}] {st.name} ({res['seconds']} s)", file=sys.stderr)
+    # overlapping stages share the cores instead of oversubscribing them
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, args.jobs))))
+    results = _schedule(plan, out, env, marks, args.resume, max(1, args.jobs))
     (out / "stages.json").write_text(json.dumps(results, indent=2))
     report = write_study_report(out, results, args.quick)
     print(f"study written to {out} (report: {report})")
