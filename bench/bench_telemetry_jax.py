@@ -7,11 +7,15 @@ the median over repeats of a block of steps (device-synchronised); the ratio to 
 printed. Target: telemetry on <= 1.05 x off (histograms run every hist_every steps only,
 so their cost is amortised; shown separately).
 
-Measured (2 shared, heavily loaded CPU cores, so +-5%): tiny, batch 16 x 32: telemetry
-1.05-1.16, + hist 1.33-1.68; batch 64 x 32: telemetry 1.09, + hist 1.06. The sums cost a
-fixed ~1.2 ms per step on the tiny model's 100k parameters (14 reductions per tensor;
-stacking them into one (n, 13) reduction measured 2x slower), so the ratio falls as the
-tokens per step grow; the 5% target is not met on the smallest configuration.
+Measured (2 shared, heavily loaded CPU cores, load average 2-5, so +-5%): tiny, batch 16 x 32.
+Per-tensor loop (14 reductions x 21 tensors, searchsorted + scatter per tensor): telemetry
+1.05-1.19, + hist 1.26-1.68. Packed layout (simulate.telemetry.step_telemetry: all tensors
+in one block-padded array, 13 block reductions, one 0/1 matmul to per-tensor sums; binning by
+the uniform grid + one exact edge comparison each side, one scatter): three runs of 21
+repeats gave telemetry 1.073 / 1.005 / 1.057, + hist 1.132 / 1.047 / 1.083; earlier runs of
+11-15 repeats 1.00-1.20 as the load moved. The telemetry function alone (jitted on the tiny
+model's 106,816 parameters) went from 1.4 to 0.65-0.8 ms (sums) and 2.8 to 1.0 ms (+ hist).
+On this machine the 5% target is met in some runs and missed by up to ~2 points in others.
 
     python bench/bench_telemetry_jax.py [--preset tiny] [--batch 16] [--seq 32]
                                         [--repeats 15] [--steps 20]

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from adamspike import metrics
@@ -109,3 +110,56 @@ def test_eps_zero_and_zero_state():
 def test_layer_columns_shape_error():
     with pytest.raises(ValueError, match="sums"):
         T.layer_columns(["a"], [0], ["param"], [3], np.zeros((2, T.NUM_SUMS)), 1e-8)
+
+
+def _odd_sized_state(dtype, eps):
+    """A pytree whose sizes straddle the packing block (1, < BLOCK, BLOCK, > BLOCK, not
+    multiples). (Edge placement is test_histogram_edges_and_clipping_match_numpy's job: here
+    jitted and numpy r differ by an ulp, XLA turning x / c into x * (1/c).)"""
+    rng = np.random.default_rng(7)
+    shapes = {"a": (1,), "b": (3, 5), "c": (T.BLOCK,), "d": (T.BLOCK + 37,), "e": (9, 300)}
+    t, b1, b2 = 4, 0.9, 0.95
+    g, mu, nu, mp, p = ({k: rng.normal(size=s) * sc for k, s in shapes.items()}
+                        for sc in (1.0, 0.3, 1.0, 0.3, 1.0))
+    nu = {k: v * v * (1e-4 if k == "e" else 1.0) for k, v in nu.items()}  # "e": sqrt(v) < eps
+    cast = lambda tree: {k: jnp.asarray(v, dtype) for k, v in tree.items()}  # noqa: E731
+    new = optax.ScaleByAdamState(count=jnp.asarray(t, jnp.int32), mu=cast(mu), nu=cast(nu))
+    prev = new._replace(mu=cast(mp))
+    return cast(g), prev, new, cast(p), b1, b2
+
+
+@pytest.mark.parametrize("eps", [1e-2, 0.0])
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 2e-5), (jnp.float64, 1e-12)])
+def test_packed_layout_odd_sizes(dtype, rtol, eps):
+    """The packed (block-padded) computation equals the numpy reference per tensor for sizes
+    that do not fill whole blocks: padding adds nothing to any sum or histogram."""
+    with jax.enable_x64(dtype == jnp.float64):
+        g, prev, new, params, b1, b2 = _odd_sized_state(dtype, eps)
+        sums, hists = jax.jit(T.step_telemetry, static_argnames="with_hist")(
+            g, prev, new, params, b1, b2, eps, with_hist=True)
+        sums, hists = np.asarray(sums), np.asarray(hists)
+        bc1, bc2 = (np.asarray(1 - b ** new.count, dtype) for b in (b1, b2))
+        r_jit = jax.jit(lambda mu, nu: T.update_direction(mu / bc1, nu / bc2,
+                                                          jnp.asarray(eps, dtype)))
+        for i, k in enumerate(T.tensor_names(g)):
+            m_hat = np.asarray(new.mu[k]) / bc1
+            v_hat = np.asarray(new.nu[k]) / bc2
+            with np.errstate(invalid="ignore", divide="ignore"):
+                want = metrics.shard_sums(np.asarray(g[k]), m_hat, v_hat, np.asarray(prev.mu[k]),
+                                          np.asarray(params[k]), eps)
+            np.testing.assert_array_equal(sums[i, [0, 7, 8]], want[[0, 7, 8]], err_msg=k)
+            np.testing.assert_allclose(sums[i], want, rtol=rtol, atol=0, err_msg=k)
+            # the packed histogram equals that of this tensor's own (jitted) r alone
+            r = r_jit(new.mu[k], new.nu[k])
+            np.testing.assert_array_equal(hists[i], np.asarray(T.hist_counts(r)), err_msg=k)
+            if dtype == jnp.float64:
+                np.testing.assert_array_equal(
+                    hists[i], metrics.histogram(metrics.update_direction(m_hat, v_hat, eps)))
+        assert (hists.sum(axis=1) == sums[:, 0]).all()
+        if eps > 0:
+            assert sums[4, 8] > 0  # "e" is in the eps regime: the padded-count correction matters
+
+
+def test_hist_bins_nan_goes_to_last_bin():
+    got = np.asarray(T.hist_counts(jnp.array([np.nan, 0.0], jnp.float32)))
+    assert got[-1] == 1 and got.sum() == 2
