@@ -247,13 +247,10 @@ def _check_setting(s: Mapping[str, Any], where: str) -> None:
 
 
 def load_predictions(path: str | Path) -> Predictions:
+    from adamspike.rundir import read_json
+
     path = Path(path)
-    if not path.is_file():
-        raise PredictionsError(f"{path}: predictions file not found")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PredictionsError(f"{path}: invalid JSON ({e})") from None
+    data = read_json(path, PredictionsError, f"{path}: predictions file not found")
     return from_json(data, where=str(path))
 
 

@@ -107,6 +107,17 @@ def _atomic_write_table(path: Path, table: pa.Table) -> None:
     _fsync_dir(path.parent)
 
 
+def read_json(path: Path, error: type[Exception], missing: str) -> Any:
+    """Parse a JSON file; a missing file or bad JSON raises `error` naming the path."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(missing)
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: invalid JSON ({e})") from None
+
+
 def _json_default(o: Any) -> Any:
     if isinstance(o, (np.integer,)):
         return int(o)
@@ -377,12 +388,7 @@ def read_meta(path: str | Path) -> dict:
     if not path.is_dir():
         raise RunFormatError(f"{path}: not a directory")
     meta_path = path / "run.json"
-    if not meta_path.is_file():
-        raise RunFormatError(f"{path}: not a run directory (no run.json)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunFormatError(f"{meta_path}: invalid JSON ({e})") from None
+    meta = read_json(meta_path, RunFormatError, f"{path}: not a run directory (no run.json)")
     if not isinstance(meta, dict) or "schema_version" not in meta:
         raise RunFormatError(f"{meta_path}: missing schema_version")
     if meta["schema_version"] != SCHEMA_VERSION:

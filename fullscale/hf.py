@@ -14,12 +14,12 @@ else is a ConfigError naming the field. Only the architecture is imported, not w
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
 from adamspike.config import ConfigError
 from adamspike.llama import LlamaConfig, PRESETS
+from adamspike.rundir import read_json
 
 REQUIRED = {"hidden_size": "dim", "intermediate_size": "ffn_dim", "num_hidden_layers": "num_layers",
             "num_attention_heads": "num_heads", "vocab_size": "vocab_size",
@@ -89,12 +89,7 @@ def load_hf_config(path: str | Path) -> LlamaConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"model.hf_config: file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: invalid JSON: {e}") from None
+    data = read_json(path, ConfigError, f"model.hf_config: file not found: {path}")
     return from_hf_dict(data, str(path))
 
 

@@ -15,12 +15,7 @@ from fullscale.model import Transformer, apply_rope, rope_tables
 TINY = PRESETS["tiny"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()   # 2 cores, 2 xdist workers: avoid oversubscription
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(cfg=TINY, seed=0, **kw):

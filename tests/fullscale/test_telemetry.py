@@ -23,12 +23,7 @@ from fullscale.telemetry import DEFAULT_MAX_ELEMENTS, Telemetry, TensorBoardScal
 TINY = PRESETS["tiny"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()   # 2 cores, 2 xdist workers: avoid oversubscription
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 OPTIM = OptimSection(lr=1e-2, b1=0.9, b2=0.95, eps=1e-4, weight_decay=0.1, grad_clip=0.5)

@@ -20,13 +20,7 @@ TINY = ["--model.preset", "tiny", "--train.global_batch_size", "8", "--train.seq
 NUM_TENSORS = len(param_specs(PRESETS["tiny"]))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # 2 cores shared by 2 xdist workers: more threads oversubscribe and crawl
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _train(out, *extra):
