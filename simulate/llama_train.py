@@ -28,7 +28,23 @@ Data knobs:
   optimizer.step()). An event "skip" is written.
 - data.poison_steps: at these steps every target is replaced by POISON_TOKEN (0), a
   deterministic loss spike.
-A non-finite loss stops the run after logging that step (event "diverged").
+A non-finite loss stops the run after logging that step (event "diverged"), unless the
+guard rolls back.
+
+Spike guard (`guard` section, simulate.guard; the torch trainer's policy and event names):
+the loss of every trained step is judged online by analysis.spikes.RollingSpikeDetector
+(guard.window, guard.mad_k, guard.min_rel_jump) before its update is applied; "spike" events
+are logged whether or not the guard is enabled. With guard.enabled a spike restores the last
+good in-memory snapshot (taken every checkpoint.every steps, which must then be > 0; "good":
+the loss of its parameters was normal), skips max(guard.skip_batches, batches read since the
+snapshot) batches (the data offset grows: step s then reads batch s + offset, as the torch
+DataPosition), and re-runs the steps after the snapshot; after guard.max_retries rollbacks
+in one incident the next spike aborts the run (event "abort", the run directory ends
+there). Events: "spike" -> "rollback" -> "skip_batches" | "abort". Rows: the abandoned
+trajectory's rows are never written (rows are held back until their step is at or before
+the good snapshot), so each step appears once, from the trajectory of the final weights;
+the discarded losses survive in the "spike" events. The "end" event counts rollbacks and
+skipped batches.
 
 Toy spikes, measured (configs/toy_spike.toml vs configs/toy_stable.toml). Tiny preset
 (2 layers, dim 64), copy task (loss floor log(64)/2 = 2.079), batch 32 x 32, constant lr 1e-2
@@ -96,6 +112,7 @@ from adamspike.train_config import RunConfig
 from simulate import llama as jllama
 from simulate import optim as jopt
 from simulate import telemetry as jtel
+from simulate.guard import SnapshotGuard
 
 POISON_TOKEN = 0
 
@@ -108,11 +125,13 @@ def dataset(cfg: RunConfig, llama: LlamaConfig) -> SyntheticTokens:
                            cfg.train.seed, d.alpha)
 
 
-def batch_at(data: SyntheticTokens, cfg: RunConfig, step: int) -> np.ndarray:
-    """Tokens (global_batch_size, seq_len + 1) of optimizer step `step`, poison applied."""
-    idx = sample_indices(step, cfg.train.global_batch_size, cfg.data.num_samples, cfg.train.seed)
+def batch_at(data: SyntheticTokens, cfg: RunConfig, step: int, offset: int = 0) -> np.ndarray:
+    """Tokens (global_batch_size, seq_len + 1) of optimizer step `step` at data offset
+    `offset` (it reads batch step + offset; data.poison_steps name batches, as in torch)."""
+    idx = sample_indices(step, cfg.train.global_batch_size, cfg.data.num_samples, cfg.train.seed,
+                         offset=offset)
     batch = data.batch(idx)
-    if step in cfg.data.poison_steps:
+    if step + offset in cfg.data.poison_steps:
         batch[:, 1:] = POISON_TOKEN
     return batch
 
@@ -174,12 +193,16 @@ def advance_schedule(opt_state):
 # ----------------------------------------------------------------------------- loop
 
 def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
-    """Run cfg to completion (or divergence); return the run directory."""
+    """Run cfg to completion (or divergence, or a guard abort); return the run directory."""
     if cfg.data.source != "synthetic":
         raise ConfigError("data.source: the JAX toy trains on synthetic data only "
                           f"(got {cfg.data.source!r}); use `adamspike train` for indexed data")
     if cfg.model.hf_config:
         raise ConfigError("model.hf_config: not supported by the JAX toy; use a preset")
+    if cfg.guard.enabled and cfg.checkpoint.every < 1:
+        raise ConfigError("checkpoint.every: guard.enabled needs snapshots to roll back to; the "
+                          "JAX trainer keeps one in memory every checkpoint.every steps "
+                          f"(got {cfg.checkpoint.every}; e.g. 25)")
     cfg.check()
     llama = cfg.model.llama()
     t, o, tel = cfg.train, cfg.optim, cfg.telemetry
@@ -187,6 +210,7 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
     tx, step_fn = make_steps(cfg)
     params = jllama.init_params(llama, jax.random.PRNGKey(t.seed))
     opt_state = tx.init(params)
+    guard = SnapshotGuard(cfg.guard, cfg.checkpoint.every, params, opt_state)
 
     specs = spec_by_name(llama)
     names = jtel.tensor_names(params)  # telemetry row order
@@ -201,15 +225,17 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                    flush_every_s=tel.flush_every_s) as writer, \
             ThreadPoolExecutor(max_workers=1) as loader, \
             _progress(t.num_steps, progress) as bar:
+        rows = _Rows(writer, buffered=cfg.guard.enabled)
         writer.event("start", step=0, num_params=int(sum(numels)),
                      entropy_rate=data.entropy_rate())
         # The next batch is drawn on a thread while this step computes (numpy, host side).
-        pending = loader.submit(batch_at, data, cfg, 1)
-        for step in range(1, t.num_steps + 1):
+        offset, step = 0, 1
+        pending = loader.submit(batch_at, data, cfg, 1, offset)
+        while step <= t.num_steps:
             t0 = time.perf_counter()
             batch = jnp.asarray(pending.result())
             if step < t.num_steps:
-                pending = loader.submit(batch_at, data, cfg, step + 1)
+                pending = loader.submit(batch_at, data, cfg, step + 1, offset)
             log = tel.enabled and step % tel.every == 0
             hist = log and tel.hist_every > 0 and step % tel.hist_every == 0 and step not in skip
             new_params, new_state, out = step_fn(params, opt_state, batch, log, hist)
@@ -222,23 +248,79 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                 row.update(clipped=False, update_norm=0.0)
                 writer.event("skip", step=step, reason="data.skip_batches", loss=row["loss"])
             else:
+                # spike guard: judge the loss before its update is applied
+                decision = guard.observe(step, row["loss"])
+                for kind, fields in decision.events:
+                    writer.event(kind, **fields)
+                if decision.action == "abort":
+                    break
+                if decision.action == "rollback":
+                    snap, offset, events = guard.rollback(step, offset)
+                    for kind, fields in events:
+                        writer.event(kind, **fields)
+                    rows.discard()          # the abandoned trajectory's rows (steps > snap)
+                    params, opt_state, step = snap.params, snap.opt_state, snap.step + 1
+                    pending.result()
+                    pending = loader.submit(batch_at, data, cfg, step, offset)
+                    bar.reset(total=t.num_steps)
+                    bar.update(step - 1)
+                    continue
                 params, opt_state = new_params, new_state
                 if log:
-                    writer.log_layers(step, columns=jtel.layer_columns(
+                    rows.add(step, writer.log_layers, step, columns=jtel.layer_columns(
                         names, depths, kinds, numels, out["sums"], o.eps))
                 if hist:
                     for i, n in enumerate(names):
-                        writer.log_hist(step, n, depths[i], kinds[i], out["hists"][i])
-            writer.log_step(step=step, tokens=step * tokens_per_step, lr=o.lr_at(step, t.num_steps),
-                            step_time_s=time.perf_counter() - t0, **row)
+                        rows.add(step, writer.log_hist, step, n, depths[i], kinds[i],
+                                 out["hists"][i])
+            rows.add(step, writer.log_step, step=step, tokens=step * tokens_per_step,
+                     lr=o.lr_at(step, t.num_steps), step_time_s=time.perf_counter() - t0, **row)
+            guard.after_step(step, params, opt_state, offset)
+            rows.commit(guard.good.step)
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=f"{row['grad_norm']:.3g}",
                             refresh=False)
             if not math.isfinite(row["loss"]):
                 writer.event("diverged", step=step, loss=row["loss"])
                 break
-        writer.event("end", step=step)
+            step += 1
+        rows.commit(None)
+        writer.event("end", step=min(step, t.num_steps), num_rollbacks=guard.num_rollbacks,
+                     num_skipped_batches=guard.num_skipped)
     return Path(out_dir)
+
+
+class _Rows:
+    """Rows of the run directory, written at once, or (guard enabled) held back until the
+    step they belong to is at or before the guard's good snapshot: a rollback then drops
+    the abandoned trajectory's rows (never written), so the tables hold each step once,
+    from the trajectory of the final weights (the torch trainer rewrites re-run steps and
+    its reader keeps the last row: the same tables). Costs at most ~2 x checkpoint.every
+    steps of rows in memory and in what a crash can lose."""
+
+    def __init__(self, writer: RunWriter, buffered: bool):
+        self.writer, self.buffered = writer, buffered
+        self.held: list[tuple[int, Any, tuple, dict]] = []
+
+    def add(self, at: int, fn, *args, **kwargs) -> None:
+        """fn(*args, **kwargs) now, or (buffered) once step `at` is committed."""
+        if self.buffered:
+            self.held.append((at, fn, args, kwargs))
+        else:
+            fn(*args, **kwargs)
+
+    def commit(self, upto: int | None) -> None:
+        """Write the held rows of steps <= upto (None: all)."""
+        keep = []
+        for item in self.held:
+            if upto is None or item[0] <= upto:
+                item[1](*item[2], **item[3])
+            else:
+                keep.append(item)
+        self.held = keep
+
+    def discard(self) -> None:
+        self.held = []
 
 
 def _progress(total: int, enabled: bool):

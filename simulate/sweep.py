@@ -45,7 +45,8 @@ and for each precursor trace the problem reports (rms_t, sat_frac, bimodality, g
 rho of its shallow parameters): max_<m> over the run and pre_<m> = max over the PRE_WINDOW (8)
 steps before each spike start (maximum over spikes; NaN without spikes), lead_<m> = mean over
 spikes of (spike start - step of the maximum over the LEAD_WINDOW (32) steps before it), and
-median_rho.
+median_rho, and any per-run numbers the problem reports itself (llama: online_spikes and the
+spike guard's guard_rollbacks, guard_skipped_batches, guard_aborted).
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ class Param:
 
 
 # run(static params, {scalar name: float array [N]}, seeds int array [N]) ->
-#     {"loss": [N, T], optional precursor traces [N, T] from PRECURSORS}
+#     {"loss": [N, T], optional precursor traces [N, T] from PRECURSORS,
+#      optional "scalars": {column: [N]} per-run numbers added to the table as they are}
 BatchFn = Callable[[dict, dict, np.ndarray], dict]
 
 
@@ -373,10 +375,12 @@ def run_group(problem: Problem, cells: list[tuple[str, dict]], seeds: list[int],
         out = problem.run(static, scalars, seed_arr)
         loss = np.asarray(out["loss"])
         signal = out.get("signal")
+        extra = out.get("scalars", {})
         for i, (cid, p, s) in enumerate(chunk):
             traces = {m: np.asarray(out[m][i]) for m in PRECURSORS if m in out}
             row = summarize_run(loss[i], traces, spikes, None if signal is None else signal[i],
                                 problem.detect)
+            row.update({k: float(np.asarray(v)[i]) for k, v in extra.items()})
             rows[cid].append({"problem": problem.name, "cell_id": cid, **p, "seed": int(s), **row,
                               "spike_height_unit": problem.height_unit})
     return {cid: pd.DataFrame(r) for cid, r in rows.items()}

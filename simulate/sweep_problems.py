@@ -31,6 +31,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from adamspike.config import ConfigError
 from simulate.sweep import Param, Problem
@@ -272,6 +273,7 @@ MLP = Problem(
 # ----------------------------------------------------------------------------- llama
 
 LLAMA_SHALLOW_MAX_DEPTH = 0   # embedding (-1) and block 0: tiny has 2 blocks, L // 10 = 0
+LLAMA_SCALARS = ("online_spikes", "guard_rollbacks", "guard_skipped_batches", "guard_aborted")
 
 
 def _llama_config(p: dict, seed: int):
@@ -285,7 +287,10 @@ def _llama_config(p: dict, seed: int):
             "train": {"num_steps": p["steps"], "global_batch_size": p["batch"],
                       "seq_len": p["seq_len"], "seed": seed, "loss_scale": p["loss_scale"]},
             "data": {"task": p["task"]},
-            "telemetry": {"every": 1, "hist_every": 0}}
+            "telemetry": {"every": 1, "hist_every": 0},
+            "guard": {"enabled": p["guard"], "skip_batches": p["guard_skip_batches"],
+                      "max_retries": p["guard_max_retries"]},
+            "checkpoint": {"every": p["snapshot_every"]}}
     return from_dict(RunConfig, data)
 
 
@@ -295,7 +300,13 @@ def _check_llama(cell: dict) -> None:
 
 def _run_llama(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
     """One run after another (the trainer is a host loop writing a run directory, read back
-    with adamspike.rundir.load_run); traces padded with NaN after a divergence."""
+    with adamspike.rundir.load_run); traces padded with NaN after a divergence or a guard
+    abort. With the guard, the loss trace is the kept trajectory (rolled-back steps are
+    replaced by their re-runs); the spike that made the guard abort is put back at its step,
+    so an abort counts as a spike the guard did not avoid (and as diverged). Per-run
+    scalars: guard_rollbacks, guard_skipped_batches, guard_aborted (0 without the guard) and
+    online_spikes (the detector's "spike" / "nonfinite_loss" events: spiking steps of an
+    unguarded run, detections that were rolled back or aborted a guarded one)."""
     import tempfile
 
     from adamspike.metrics import shape_stats
@@ -305,6 +316,7 @@ def _run_llama(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
     steps = static["steps"]
     out = {k: np.full((len(seeds), steps), np.nan)
            for k in ("loss", "rms_t", "sat_frac", "bimodality", "grad_mom_cos", "rho")}
+    extra = {k: np.zeros(len(seeds)) for k in LLAMA_SCALARS}
     cols = ["rms_t", "sat_frac", "grad_mom_cos", "rho", "r_mean", "r_m2", "r_m3", "r_m4"]
     for i, seed in enumerate(seeds):
         with tempfile.TemporaryDirectory() as tmp:
@@ -312,6 +324,18 @@ def _run_llama(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
                            tables=("steps", "layers"), layer_columns=cols)
         idx = run.steps["step"].to_numpy() - 1
         out["loss"][i, idx] = run.steps["loss"].to_numpy()
+        ev = run.events
+        types = ev["type"].astype(str) if "type" in ev else pd.Series([], dtype=str)
+        detected = ev[types.isin(["spike", "nonfinite_loss"]).to_numpy()]
+        extra["online_spikes"][i] = len(detected)
+        extra["guard_rollbacks"][i] = int((types == "rollback").sum())
+        if (types == "skip_batches").any():
+            extra["guard_skipped_batches"][i] = float(
+                ev.loc[(types == "skip_batches").to_numpy(), "num_batches"].sum())
+        if (types == "abort").any():
+            extra["guard_aborted"][i] = 1.0
+            last = pd.to_numeric(detected["loss"], errors="coerce").iloc[-1]
+            out["loss"][i, int(detected["step"].iloc[-1]) - 1] = last if np.isfinite(last) else np.inf
         lay = run.layers[run.layers["depth"] <= LLAMA_SHALLOW_MAX_DEPTH].copy()
         lay["bimodality"] = shape_stats(lay["r_mean"], lay["r_m2"], lay["r_m3"], lay["r_m4"])["bimodality"]
         g = lay.groupby("step")
@@ -320,7 +344,7 @@ def _run_llama(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
                "rho": g["rho"].median()}
         for k, ser in agg.items():
             out[k][i, ser.index.to_numpy() - 1] = ser.to_numpy()
-    return out
+    return {**out, "scalars": extra}
 
 
 def _save_llama(p: dict, seed: int, path: Path) -> None:
@@ -345,6 +369,12 @@ LLAMA = Problem(
         "update_clip": Param(False, static=True),
         "embed_grad_shrink": Param(1.0, static=True, lo=0.0, hi=1.0, lo_open=True),
         "loss_scale": Param(1.0, static=True, lo=0.0, lo_open=True),
+        # PaLM-style spike guard (simulate.guard; guard.window / mad_k / min_rel_jump stay at
+        # their defaults 50 / 6 / 0.2, the detector settings of `spikes` below)
+        "guard": Param(False, static=True),
+        "guard_skip_batches": Param(200, static=True, lo=0),
+        "guard_max_retries": Param(3, static=True, lo=0),
+        "snapshot_every": Param(25, static=True, lo=1),
     },
     run=_run_llama,
     spikes={"window": 50, "k": 6.0, "min_rel_jump": 0.2},

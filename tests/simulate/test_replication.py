@@ -59,9 +59,10 @@ def test_evaluate_degenerate_arms_are_inconclusive():
 
 
 def test_small_real_replication(tmp_path):
-    """Two Bai claims on the real quadratic (5 seeds): rows, CIs and verdicts; resumable."""
+    """Two Bai claims on the real quadratic (5 seeds): rows, CIs and verdicts; resumable.
+    --quick (the quadratic is the same) leaves the llama row "not run"."""
     claims = [c for c in R.claims() if c.id in ("bai.lower_b2", "bai.eps_star", "report.glm_shrink")]
-    table = R.replicate(tmp_path, num_seeds=5, progress=False, claim_list=claims)
+    table = R.replicate(tmp_path, quick=True, num_seeds=5, progress=False, claim_list=claims)
     assert list(table.columns) == R.COLUMNS and list(table.id) == [c.id for c in claims]
     rows = table.set_index("id")
     b2 = rows.loc["bai.lower_b2"]
@@ -79,8 +80,61 @@ def test_small_real_replication(tmp_path):
     assert F.main(["--table", str(tmp_path), "--out", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "replication.pdf").is_file()
     # a second call finds every cell on disk
-    again = R.replicate(tmp_path, num_seeds=5, progress=False, claim_list=claims)
+    again = R.replicate(tmp_path, quick=True, num_seeds=5, progress=False, claim_list=claims)
     pd.testing.assert_frame_equal(table, again)
+
+
+LLAMA_CLAIMS = ("report.batch_skip", "report.glm_shrink")
+
+
+def test_full_replication_runs_the_llama_claims(tmp_path, monkeypatch):
+    """Without --quick the two llama claims have runnable cells (valid trainer configs) that
+    differ from their shared control only by the treatment, and reach run_cells; their rows
+    come from the (here stubbed) sweep table, with the also-metrics in the note."""
+    import simulate.sweep as S
+    from simulate.sweep_problems import _llama_config
+
+    claims = [c for c in R.claims() if c.id in LLAMA_CLAIMS]
+    assert [c.problem for c in claims] == ["llama", "llama"]
+    prob = S.get_problem("llama")
+    base = R.base_cells(False)["llama"]
+    assert "llama" not in R.base_cells(True)
+    cells = {}
+    for c in claims:
+        tc, cc = R._full_cell(prob, {**base, **c.treatment}), R._full_cell(prob, {**base, **c.control})
+        assert {k for k in tc if tc[k] != cc[k]} == set(c.treatment)
+        cfg = _llama_config(tc, 0)
+        assert cfg.train.num_steps == R.LLAMA_STEPS and cfg.optim.b2 == 0.999
+        cells[c.id] = (tc, cc)
+    assert cells["report.batch_skip"][1] == cells["report.glm_shrink"][1]   # one control
+    guard_cfg = _llama_config(cells["report.batch_skip"][0], 3)
+    assert guard_cfg.guard.enabled and guard_cfg.checkpoint.every == 25 and guard_cfg.train.seed == 3
+    assert _llama_config(cells["report.glm_shrink"][0], 0).model.embed_grad_shrink == 0.1
+
+    seen = {}
+
+    def fake_run_cells(problem, cell_list, seeds, out, progress=True, desc=None):
+        seen[problem.name] = (cell_list, list(seeds))
+        rows = []
+        for cell in cell_list:
+            spikes = 1 if cell["guard"] else (1 if cell["embed_grad_shrink"] < 1 else 3)
+            for s in seeds:
+                rows.append({"cell_id": S.cell_id(problem.name, cell), "seed": s,
+                             "num_spikes": spikes + (s % 2), "final_loss": 2.1, "max_spike_height": 0.3,
+                             "online_spikes": 2.0, "guard_rollbacks": 2.0 * cell["guard"],
+                             "guard_aborted": 0.0})
+        return pd.DataFrame(rows)
+
+    monkeypatch.setattr(S, "run_cells", fake_run_cells)
+    table = R.replicate(tmp_path, num_seeds=5, progress=False, claim_list=claims).set_index("id")
+    run, seeds = seen["llama"]
+    assert len(run) == 3 and seeds == [0, 1, 2, 3, 4]   # control + two treatments, once each
+    skip, glm = table.loc["report.batch_skip"], table.loc["report.glm_shrink"]
+    assert skip.n_seeds == 5 and skip.control_mean == 3.4 and skip.treatment_mean == 1.4
+    assert skip.verdict == "not supported"   # spikes remain in the treatment
+    assert "guard_rollbacks: control 0, treatment 2" in skip.note and "by construction" in skip.note
+    assert glm.treatment_mean == 1.4 and glm.ci_high < 0 and glm.verdict == "supported"
+    assert "final_loss: control 2.1, treatment 2.1" in glm.note
 
 
 def test_cli_bad_seeds(tmp_path, capsys):
