@@ -117,6 +117,11 @@ class TelemetrySection:
     flush_every_s: float = param(30.0, lo=0.0)
     tensorboard: bool = param(False)
     enabled: bool = param(True)
+    precision: str = param("float32", choices=("float32", "float64"),
+                           help="torch trainer: compute dtype of the metrics (npu: float32)")
+    compile: str = param("auto", choices=("auto", "on", "off"),
+                         help="torch trainer: torch.compile the telemetry kernels; auto = on "
+                              "for cpu / cuda unless ADAMSPIKE_TELEMETRY_COMPILE=off")
 
 
 @dataclass

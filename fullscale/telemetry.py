@@ -5,35 +5,51 @@ bias-corrected state after the step m_hat = exp_avg / (1 - b1^t), v_hat = exp_av
 (1 - b2^t) (t = state["step"]), the raw momentum before the step m_prev and the parameter
 after the step, the SUM_FIELDS sums are computed on this rank's local shard (FSDP2
 DTensors via `.to_local()`), stacked into one (num_tensors, len(SUM_FIELDS) [+ 64 hist
-bins]) tensor and summed across ranks with ONE all_reduce; `adamspike.metrics.finalize`
-turns the sums into METRIC_NAMES. Sums of shards are sums of the whole tensor, so sharded
-and unsharded runs log the same numbers (up to summation order).
+bins]) float64 table and summed across ranks with ONE all_reduce;
+`adamspike.metrics.finalize` turns the sums into METRIC_NAMES. Sums of shards are sums of
+the whole tensor, so sharded and unsharded runs log the same numbers (up to rounding).
 
-No extra memory across the step: the two sums that need m_prev (sum g m_prev and
-sum m_prev^2) are computed by `before_step()`, just before optimizer.step(), so no copy of
-m is kept; `after_step()` computes everything else.
+m_prev without a copy of m: AdamW's first moment is m_t = b1 m_prev + (1 - b1) g (torch's
+`lerp`), so after the step m_prev = (m_t - (1 - b1) g) / b1, elementwise. The fp32 state
+m_t is rounded, so m_prev is recovered to ~2^-24 (|m_t| + (1 - b1)|g|) / b1 per element,
+whatever the compute precision: grad_mom_cos is exact to ~1e-7 (|m_t| + 0.1|g|) / |m_prev|,
+which stays small even when a spiking gradient is 1000x the momentum. `before_step()`
+notes which tensors have no state yet (m_prev = 0 exactly: their m_prev sums are 0).
 
-Speed: a per-tensor loop would issue ~20 small kernels per tensor (most of the cost for
-small models). Instead the local tensors are laid end to end in chunks of at most
-`max_elements` elements (a big tensor is split across chunks, small ones share one) and
-each chunk is processed with a fixed number of whole-chunk kernels writing into one
-(rows, chunk) scratch, each row holding one SUM_FIELDS term, e.g.
+Layout: the local tensors are laid end to end in chunks of at most `max_elements`
+elements (a big tensor is split across chunks, small ones share one), each segment
+starting on a multiple of BLOCK = 256 (its tail padded with zeros). Per chunk, g, m, v, p
+are copied into a persistent (4, width) buffer (one `_foreach_copy_` each) and one kernel,
+`block_sums`, computes every SUM_FIELDS term of every element and sums each over its
+256-element block:
 
-    row v_hat  = cat(exp_avg_sq) / bc2                 row r1 = m_hat / (sqrt(v_hat) + eps)
-    row eps    = sqrt(v_hat) < eps                     row r2, r3, r4 = r^2, r^2 r, r^2 r^2
-    row sat    = |r| > 0.9                             row g2_over_v = g^2 / max(v_hat, eps^2)
+    m_hat = m / bc1          v_hat = v / bc2          r = m_hat / (sqrt(v_hat) + eps)
+    terms g^2, r, r^2, r^3, r^4, g^2 / max(v_hat, eps^2), |r| > 0.9, sqrt(v_hat) < eps,
+          m_hat^2, v_hat, g m_prev, m_prev^2, p^2
 
-then the per-tensor sums are one reduction per (tensor, chunk) segment; no host sync until
-the one all-reduced table is copied to the host. Memory: a scratch of 11 rows x
-`max_elements` in the compute dtype plus one staging row of the parameters' dtype, kept
-between logged steps (bounded whatever the model size; on CPU re-faulting fresh pages each
-step cost more than the math), + int64 bin indices on histogram steps.
+then the blocks' sums are added to their tensors' rows of the table (index_add, float64).
+Padding contributes 0 to every term but `sqrt(v_hat) < eps` and the histogram's bin of 0,
+which are corrected by the known pad counts. On histogram steps a second kernel,
+`bin_index`, gives every element's bin (offset by 64 x its tensor), counted by one bincount.
 
-Precision: elementwise math and sums in float64 on cpu / cuda (the same operations as the
-numpy reference, which the test compares at rtol 1e-6 on fp32 data); float32 on npu, where
-float64 kernels are not dependable. Histogram edges are rounded up to the compute dtype, so
-`e_i <= r` is the decision numpy makes in float64; values outside HIST_EDGES go to the end
-bins. Counts are carried in the compute dtype (exact in float64; in float32 up to 2^24).
+Speed: `block_sums` and `bin_index` are compiled with torch.compile (one fused loop that
+reads g, m, v, p once, instead of ~25 whole-chunk passes that write temporaries; on the
+tiny CPU step the overhead fell from 3-3.5 ms eager to 1.0-1.6 ms, see
+bench/bench_telemetry_torch.py), by default (`compile="auto"`) on cpu and cuda; npu runs
+them eagerly (the same functions, op by op). The first logged step pays
+the compilation (~5 s on CPU for the tiny model; cached on disk by inductor for later
+runs); if compiling fails (no C++ compiler, no triton, ...) the trainer warns once and
+runs eagerly. TORCHDYNAMO_DISABLE=1 also makes them run eagerly. Memory: the (4, width)
+buffer in the compute dtype (bounded by max_elements, kept between logged steps) plus the
+kernels' (13, width / 256) outputs; int64 bin indices on histogram steps.
+
+Precision: elementwise math in the compute dtype, `precision` = "float32" (default, like
+the JAX side and npu, where float64 kernels are not dependable) or "float64" (the same
+operations as the numpy reference); block sums of 256 elements in that dtype, their totals
+in float64, so counts are exact. float32 metrics agree with the float64 numpy reference to
+~1e-6 relative (sums of signed terms: to ~1e-7 of the sum of their magnitudes). Histogram
+edges are rounded up to the compute dtype, so `e_i <= r` is the decision numpy makes in
+float64 on the same r; values outside HIST_EDGES go to the end bins, NaN to the last.
 
 Optional TensorBoard scalars (`telemetry.tensorboard`): needs the `tensorboard` package; if
 it is missing the trainer warns once and carries on.
@@ -42,6 +58,7 @@ it is missing the trainer warns once and carries on.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -53,24 +70,21 @@ from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, SAT_THRES
 
 NUM_SUMS = len(SUM_FIELDS)
 _COL = {f: i for i, f in enumerate(SUM_FIELDS)}
-# after_step's scratch rows: SUM_FIELDS columns 1..10 (g2 .. v_hat), then p2
-_ROWS = SUM_FIELDS[_COL["g2"]:_COL["v_hat"] + 1] + ("p2",)
-_R = {f: i for i, f in enumerate(_ROWS)}
-# elements per chunk: on CPU 11 float64 rows = 88 MiB of temporaries at most; accelerators
-# take bigger chunks (fewer kernel launches for multi-GB shards; 11 x 32 MiB float64 rows)
+# elements per chunk: on CPU a (4, 1M) float32 buffer (16 MiB); accelerators take bigger
+# chunks (fewer launches for multi-GB shards)
 DEFAULT_MAX_ELEMENTS = 1 << 20
 ACCELERATOR_MAX_ELEMENTS = 1 << 22
+BLOCK = 256
+PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
+COMPILE_MODES = ("auto", "on", "off")
+# the bin that holds r = 0 (the padding's r)
+_ZERO_BIN = int(np.searchsorted(HIST_EDGES, 0.0, side="right")) - 1
 
 Segment = tuple[int, int, int]   # (tensor index, start, stop) in the tensor's flat local view
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local() if hasattr(x, "to_local") else x
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """The local shard as a 1-D tensor (callers run under no_grad: no detach needed)."""
-    return _local(x).reshape(-1)
 
 
 def _edges(dtype: torch.dtype) -> torch.Tensor:
@@ -82,113 +96,182 @@ def _edges(dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(e)
 
 
-def plan_chunks(sizes, max_elements: int) -> list[list[Segment]]:
-    """The tensors' elements laid end to end, smallest tensors first, cut into chunks of at
-    most max_elements. Sorting by size makes runs of equal-sized segments (a transformer
-    has few distinct shapes), each reduced by one kernel (`_segment_sums`)."""
-    chunks, cur, room = [], [], max_elements
-    for i in sorted(range(len(sizes)), key=lambda i: sizes[i]):
+def _padded(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def plan_chunks(sizes, max_elements: int, block: int = 1, shapes=None) -> list[list[Segment]]:
+    """The tensors' elements laid end to end, smallest first (equal shapes next to each
+    other), each segment starting on a multiple of `block` (its tail padded up to the next
+    one), cut into chunks of at most max(max_elements, block) padded elements: a big tensor
+    is split across chunks, small ones share one."""
+    cap = max(max_elements // block, 1) * block
+    chunks, cur, room = [], [], cap
+    key = (lambda i: (sizes[i], tuple(shapes[i]))) if shapes is not None else (lambda i: sizes[i])
+    for i in sorted(range(len(sizes)), key=key):
         n, lo = sizes[i], 0
         while lo < n:
             take = min(n - lo, room)
             cur.append((i, lo, lo + take))
-            lo, room = lo + take, room - take
+            lo, room = lo + take, room - _padded(take, block)
             if room == 0:
                 chunks.append(cur)
-                cur, room = [], max_elements
+                cur, room = [], cap
     if cur:
         chunks.append(cur)
     return chunks
 
 
-def _gather(flats, segs, out: torch.Tensor, stage: torch.Tensor | None = None) -> torch.Tensor:
-    """Concatenate the segments' slices of flats into out, casting to out's dtype.
+# ----------------------------------------------------------------------------- kernels
 
-    A cast inside cat is ~2x slower than a same-dtype cat into `stage` (a buffer of the
-    sources' dtype) followed by one whole-chunk cast."""
-    parts = [flats[i] if lo == 0 and hi == flats[i].shape[0] else flats[i][lo:hi]
-             for i, lo, hi in segs]
-    if len(parts) == 1:
-        return out.copy_(parts[0])
-    if stage is not None and stage.dtype != out.dtype and all(x.dtype == stage.dtype for x in parts):
-        return out.copy_(torch.cat(parts, out=stage[:out.numel()]))
-    return torch.cat(parts, out=out)
+def _bias_corrections(bc, block_tensor):
+    """Per block (as a column), the bias corrections 1 - b1^t, 1 - b2^t of its tensor."""
+    per_block = bc[:, block_tensor]
+    return per_block[0][:, None], per_block[1][:, None]
 
 
-def _segment_sums(w: torch.Tensor, segs) -> torch.Tensor:
-    """(num_segments, rows) sums of the columns of w belonging to each segment: one
-    reduction per run of equal-length segments, viewed as (rows, segments, length)."""
-    sums, a, k = [], 0, 0
-    while k < len(segs):
-        n, j = segs[k][2] - segs[k][1], k + 1
-        while j < len(segs) and segs[j][2] - segs[j][1] == n:
-            j += 1
-        sums.append(w[:, a:a + (j - k) * n].reshape(w.shape[0], j - k, n).sum(2).T)
-        a, k = a + (j - k) * n, j
-    return torch.cat(sums)
+def _update_direction(m, v, bc1, bc2, eps: float):
+    """(nb, BLOCK) views of m, v and (nb, 1) bias corrections -> m_hat, v_hat, sqrt, r."""
+    m_hat, v_hat = m / bc1, v / bc2
+    s = torch.sqrt(v_hat)
+    r = m_hat / (s + eps)
+    if eps == 0:   # 0/0 where v = 0 (the padding and untouched coordinates): r = 0
+        r = torch.where(v_hat > 0, r, 0.0)
+    return m_hat, v_hat, s, r
 
 
-def _bias_correct(x: torch.Tensor, segs, bc: list[float]) -> None:
-    """x /= bc of each segment's tensor, in place (one kernel when all share one step)."""
-    vals = {bc[i] for i, _, _ in segs}
-    if len(vals) == 1:
-        x.div_(vals.pop())
-        return
-    a = 0
-    for i, lo, hi in segs:
-        x[a:a + hi - lo].div_(bc[i])
-        a += hi - lo
+def block_sums(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, b1: float,
+               eps: float) -> torch.Tensor:
+    """The SUM_FIELDS terms g2 .. p2 (SUM_FIELDS[1:]) summed over each BLOCK-element block.
 
-
-def chunk_sums(w: torch.Tensor, g, m, v, p, segs, bc1, bc2, eps: float,
-               stage: torch.Tensor | None = None) -> torch.Tensor:
-    """The after-step SUM_FIELDS terms of one chunk, row by row into w (_ROWS x chunk).
-
-    Returns r (a view of row r1). Each row ends holding the elementwise term whose sum is
-    that field: the same float operations as adamspike.metrics.shard_sums."""
-    row = {f: w[k] for f, k in _R.items()}
-    v_hat, m_hat, r = row["v_hat"], row["m_hat2"], row["r1"]
-    _bias_correct(_gather(v, segs, v_hat, stage), segs, bc2)
-    _bias_correct(_gather(m, segs, m_hat, stage), segs, bc1)
-    torch.sqrt(v_hat, out=r)
-    torch.lt(r, eps, out=row["eps_small"])                # sqrt(v_hat) < eps
-    torch.div(m_hat, r.add_(eps), out=r)                  # r = m_hat / (sqrt(v_hat) + eps)
-    m_hat.mul_(m_hat)
-    torch.mul(r, r, out=row["r2"])
-    torch.mul(row["r2"], r, out=row["r3"])
-    torch.mul(row["r2"], row["r2"], out=row["r4"])
-    torch.abs(r, out=row["sat"]).gt_(SAT_THRESHOLD)
-    g2 = _gather(g, segs, row["g2"], stage)
-    g2.mul_(g2)
-    q = row["g2_over_v"]
+    x: (4, width) rows g, m, v, p of one chunk (m = exp_avg, v = exp_avg_sq after the
+    step); bc: (2, num_tensors) 1 - b1^t, 1 - b2^t of each tensor (t its Adam step);
+    block_tensor: (width / BLOCK,) the tensor of each block. Returns (13, width / BLOCK) in x's dtype.
+    m_prev = (m - (1 - b1) g) / b1."""
+    g, m, v, p = (row.view(-1, BLOCK) for row in x)
+    bc1, bc2 = _bias_corrections(bc, block_tensor)
+    m_hat, v_hat, s, r = _update_direction(m, v, bc1, bc2, eps)
+    g2, r2 = g * g, r * r
     if eps > 0:
-        torch.div(g2, torch.clamp_min(v_hat, eps * eps, out=q), out=q)
+        q = g2 / torch.clamp_min(v_hat, eps * eps)
     else:  # v_hat = 0 implies g = 0 (v >= (1 - b2) g^2): count 0
-        torch.div(g2, v_hat, out=q).masked_fill_(v_hat <= 0, 0.0)
-    p2 = _gather(p, segs, row["p2"], stage)
-    p2.mul_(p2)
-    return r
+        q = torch.where(v_hat > 0, g2 / v_hat, 0.0)
+    m_prev = (m - (1 - b1) * g) / b1
+    one = torch.ones((), dtype=x.dtype, device=x.device)
+    terms = (g2, r, r2, r2 * r, r2 * r2, q, torch.where(r.abs() > SAT_THRESHOLD, one, 0.0),
+             torch.where(s < eps, one, 0.0), m_hat * m_hat, v_hat, g * m_prev, m_prev * m_prev,
+             p * p)
+    return torch.stack([t.sum(1) for t in terms])
 
 
-def hist_counts(r: torch.Tensor, edges: torch.Tensor, segs=None) -> torch.Tensor:
-    """Counts (num_segments, NUM_HIST_BINS) of r on edges (ends clipped, last edge in the
-    last bin), r being the segments laid end to end (segs=None: one segment, all of r).
+def bin_index(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, edges: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """Every element's bin of r on edges (ends clipped, last edge in the last bin, NaN in the
+    last bin) plus NUM_HIST_BINS x its tensor index: int64 (width,), for one bincount.
 
-    The bin index comes from the equal-width formula, then is corrected by one comparison
-    with each neighbouring edge, so the result is numpy.histogram's exactly (bucketize
-    gives the same answer at ~2.5x the cost on CPU); one bincount covers all segments."""
+    The bin comes from the equal-width formula, corrected by one comparison with each
+    neighbouring edge, so it is numpy.histogram's bin of the same value exactly."""
+    bc1, bc2 = _bias_corrections(bc, block_tensor)
+    _, _, _, r = _update_direction(x[1].view(-1, BLOCK), x[2].view(-1, BLOCK), bc1, bc2, eps)
     lo, width = float(HIST_EDGES[0]), float(HIST_EDGES[1] - HIST_EDGES[0])
-    idx = r.sub(lo).div_(width).floor_().clamp_(0, NUM_HIST_BINS - 1).long()
-    idx -= (r < edges[idx]).long()                        # below its left edge
-    idx += (r >= edges[idx + 1]) & (idx < NUM_HIST_BINS - 1)   # at / past its right edge
-    idx.clamp_(0, NUM_HIST_BINS - 1)
-    num_segs = 1 if segs is None else len(segs)
-    if num_segs > 1:
-        lengths = torch.tensor([hi - lo for _, lo, hi in segs], device=r.device)
-        offsets = torch.arange(num_segs, device=r.device) * NUM_HIST_BINS
-        idx += torch.repeat_interleave(offsets, lengths)
-    counts = torch.bincount(idx, minlength=num_segs * NUM_HIST_BINS)
-    return counts.view(num_segs, NUM_HIST_BINS).to(r.dtype)
+    idx = torch.nan_to_num((r - lo) / width, nan=NUM_HIST_BINS - 1.0)
+    idx = torch.clamp(torch.floor(idx), 0, NUM_HIST_BINS - 1).long()
+    idx = idx - (r < edges[idx]).long()                                  # below its left edge
+    idx = idx + ((r >= edges[idx + 1]) & (idx < NUM_HIST_BINS - 1)).long()  # at / past its right
+    idx = torch.clamp(idx, 0, NUM_HIST_BINS - 1)
+    return (idx + block_tensor[:, None] * NUM_HIST_BINS).view(-1)
+
+
+def _auto_compiles(device: torch.device) -> bool:
+    """compile = "auto": on cpu / cuda, unless ADAMSPIKE_TELEMETRY_COMPILE=off (a test suite
+    running many short trainings) or TORCHDYNAMO_DISABLE=1."""
+    env = os.environ.get("ADAMSPIKE_TELEMETRY_COMPILE", "auto")
+    if env not in COMPILE_MODES:
+        raise ValueError(f"ADAMSPIKE_TELEMETRY_COMPILE must be one of {COMPILE_MODES}, got {env!r}")
+    if env != "auto":
+        return env == "on"
+    return device.type in ("cpu", "cuda") and os.environ.get("TORCHDYNAMO_DISABLE") != "1"
+
+
+class _Kernel:
+    """fn, compiled (torch.compile, static shapes) if mode is "on" or ("auto" and
+    `_auto_compiles`); on the first failure of the compiled version: one warning, then fn
+    eagerly."""
+
+    def __init__(self, fn, mode: str, device: torch.device):
+        self.fn = fn
+        use = mode == "on" or (mode == "auto" and _auto_compiles(device))
+        self.compiled = torch.compile(fn, dynamic=False, fullgraph=True) if use else None
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler/backend failure
+                warnings.warn(f"telemetry: torch.compile of {self.fn.__name__} failed "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                              "running it eagerly (slower)", RuntimeWarning, stacklevel=2)
+                self.compiled = None
+        return self.fn(*args)
+
+
+class _Chunk:
+    """One chunk of the layout, built once (shapes do not change): where each segment goes
+    in each row of the chunk's buffer, as views shaped like the sources (copying in needs no
+    reshape of the source), and the tensor of each BLOCK-wide block.
+
+    Copying in: a run of whole, equal-shaped tensors that fill their blocks exactly lands
+    in one `torch.stack(..., out=view)` (one dispatch instead of one per tensor, when the
+    sources have the buffer's dtype); the other segments in one `_foreach_copy_`."""
+
+    def __init__(self, segs: list[Segment], shapes, buffer: torch.Tensor, stack: bool):
+        self.segs = segs
+        starts, a = [], 0
+        for _, lo, hi in segs:
+            starts.append(a)
+            a += _padded(hi - lo, BLOCK)
+        # the buffer itself when it is all this chunk's: a view input costs torch.compile's
+        # wrapper more per call
+        self.x = buffer if a == buffer.shape[1] else buffer[:, :a]
+        whole = [lo == 0 and hi == math.prod(shapes[i]) for i, lo, hi in segs]
+        runs, k = [], 0          # (first, count) of stackable runs
+        while k < len(segs):
+            i, lo, hi = segs[k]
+            j = k + 1
+            if stack and whole[k] and (hi - lo) % BLOCK == 0:
+                while (j < len(segs) and whole[j] and tuple(shapes[segs[j][0]]) == tuple(shapes[i])):
+                    j += 1
+            runs.append((k, j - k))
+            k = j
+        self.stacked = [(k, n) for k, n in runs if n > 1]
+        single = [k for k, n in runs if n == 1]
+        self.stacked_src = [[segs[k + q][0] for q in range(n)] for k, n in self.stacked]
+        self.single_src = [(segs[k], whole[k]) for k in single]
+        self.stacked_dst = [[row[starts[k]:starts[k] + n * (segs[k][2] - segs[k][1])]
+                             .view(n, *shapes[segs[k][0]]) for k, n in self.stacked]
+                            for row in self.x]
+        self.single_dst = [[row[starts[k]:starts[k] + segs[k][2] - segs[k][1]]
+                            .view(shapes[segs[k][0]] if whole[k] else (segs[k][2] - segs[k][1],))
+                            for k in single] for row in self.x]
+        self.block_tensor = torch.tensor([i for i, lo, hi in segs
+                                          for _ in range(_padded(hi - lo, BLOCK) // BLOCK)],
+                                         device=buffer.device)
+        # the chunks share the buffer: another chunk's data may sit in this one's padding
+        pad = [torch.arange(s + hi - lo, _padded(s + hi - lo, BLOCK)) for (_, lo, hi), s in zip(segs, starts)]
+        self.pad_columns = torch.cat(pad).to(buffer.device) if pad else torch.zeros(0, dtype=torch.long)
+
+    def clear_padding(self) -> None:
+        if self.pad_columns.numel():
+            self.x.index_fill_(1, self.pad_columns, 0.0)
+
+    def copy_in(self, k: int, locals_: list[torch.Tensor]) -> None:
+        """Row k <- the chunk's elements of locals_ (cast to the buffer's dtype); the
+        padding keeps its zeros."""
+        for dst, idx in zip(self.stacked_dst[k], self.stacked_src):
+            torch.stack([locals_[i] for i in idx], out=dst)
+        if self.single_src:
+            torch._foreach_copy_(self.single_dst[k], [locals_[i] if whole else locals_[i].reshape(-1)[lo:hi]
+                                                      for (i, lo, hi), whole in self.single_src])
 
 
 @dataclass
@@ -209,8 +292,13 @@ class Telemetry:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, specs: Mapping[str, Any], *,
-                 every: int = 1, hist_every: int = 0, compute_dtype: torch.dtype | None = None,
-                 max_elements: int | None = None):
+                 every: int = 1, hist_every: int = 0, precision: str = "float32",
+                 compile: str = "auto", max_elements: int | None = None):
+        if precision not in PRECISIONS:
+            raise ValueError(f"telemetry: precision must be one of {sorted(PRECISIONS)}, "
+                             f"got {precision!r}")
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"telemetry: compile must be one of {COMPILE_MODES}, got {compile!r}")
         dev = _local(optimizer.param_groups[0]["params"][0]).device
         if max_elements is None:
             max_elements = DEFAULT_MAX_ELEMENTS if dev.type == "cpu" else ACCELERATOR_MAX_ELEMENTS
@@ -226,17 +314,33 @@ class Telemetry:
         group = optimizer.param_groups[0]
         self.b1, self.b2 = group["betas"]
         self.eps = float(group["eps"])
-        dev = _local(self.params[0]).device
         self.device = dev
-        self.dtype = compute_dtype or (torch.float32 if dev.type == "npu" else torch.float64)
+        # float64 kernels are not dependable on npu: float32 there whatever was asked
+        self.dtype = torch.float32 if dev.type == "npu" else PRECISIONS[precision]
         self.edges = _edges(self.dtype).to(dev)
         self.depth = np.array([getattr(specs.get(n), "depth", 0) for n in self.names], dtype=np.int32)
         self.kind = np.array([getattr(specs.get(n), "kind", "param") for n in self.names], dtype=object)
         self.numel = np.array([p.numel() for p in self.params], dtype=np.int64)  # global numel
         self.group = shard_group(self.params)
-        self.param_dtype = _local(self.params[0]).dtype
-        self._work: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._mprev: torch.Tensor | None = None
+        self._dtensors = any(hasattr(p, "to_local") for p in self.params)
+        shapes = [tuple(_local(p).shape) for p in self.params]
+        plan = plan_chunks([math.prod(s) for s in shapes], self.max_elements, BLOCK, shapes)
+        width = max((sum(_padded(hi - lo, BLOCK) for _, lo, hi in c) for c in plan), default=0)
+        # zeros: the padding must stay 0. Kept between logged steps (on CPU, faulting in
+        # fresh pages every step cost more than the math); bounded by max_elements.
+        self.buffer = torch.zeros((4, width), dtype=self.dtype, device=dev)
+        stack = _local(self.params[0]).dtype == self.dtype and all(
+            _local(p).dtype == self.dtype for p in self.params)
+        self.chunks = [_Chunk(segs, shapes, self.buffer, stack) for segs in plan]
+        pad = np.zeros(len(shapes))
+        for segs in plan:
+            for i, lo, hi in segs:
+                pad[i] += _padded(hi - lo, BLOCK) - (hi - lo)
+        self._pad = torch.tensor(pad, dtype=torch.float64, device=dev)
+        self._n = torch.tensor([math.prod(s) for s in shapes], dtype=torch.float64, device=dev)
+        self._block_sums = _Kernel(block_sums, compile, dev)
+        self._bin_index = _Kernel(bin_index, compile, dev)
+        self._fresh: list[bool] | None = None
 
     def active(self, step: int) -> bool:
         return step % self.every == 0
@@ -244,76 +348,55 @@ class Telemetry:
     def hist_active(self, step: int) -> bool:
         return self.hist_every > 0 and step % self.hist_every == 0
 
-    def _scratch(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, width) compute-dtype scratch and a (width,) staging buffer of the
-        parameters' dtype, kept between logged steps: on CPU, faulting in fresh pages every
-        step cost more than the math. Bounded by max_elements, whatever the model size."""
-        width = max((sum(hi - lo for _, lo, hi in c) for c in chunks), default=0)
-        if self._work is None or self._work[0].shape[1] < width:
-            self._work = None   # free the old one first
-            self._work = (torch.empty((len(_ROWS), width), dtype=self.dtype, device=self.device),
-                          torch.empty(width, dtype=self.param_dtype, device=self.device))
-        return self._work
-
-    def _segment_index(self, segs) -> torch.Tensor:
-        return torch.tensor([i for i, _, _ in segs], device=self.device)
-
-    @torch.no_grad()
     def before_step(self, step: int) -> None:
-        """sum g m_prev and sum m_prev^2 per tensor, from exp_avg before it is updated."""
+        """Note the tensors without Adam state yet (their m_prev is 0)."""
         if not self.active(step):
-            self._mprev = None
+            self._fresh = None
             return
         state = self.optimizer.state
-        g = [_flat(p.grad) for p in self.params]
-        m = [_flat(state[p]["exp_avg"]) if "exp_avg" in state.get(p, {})
-             else torch.zeros_like(g[i]) for i, p in enumerate(self.params)]   # first step: 0
-        chunks = plan_chunks([x.numel() for x in g], self.max_elements)
-        out = torch.zeros((len(self.params), 2), dtype=self.dtype, device=self.device)
-        w, stage = self._scratch(chunks)
-        for segs in chunks:
-            n = sum(hi - lo for _, lo, hi in segs)
-            gm, mm = _gather(g, segs, w[0, :n], stage), _gather(m, segs, w[1, :n], stage)
-            gm.mul_(mm)
-            mm.mul_(mm)
-            out.index_add_(0, self._segment_index(segs), _segment_sums(w[:2, :n], segs))
-        self._mprev = out
+        self._fresh = [p not in state or "exp_avg" not in state[p] for p in self.params]
 
     @torch.no_grad()
     def after_step(self, step: int) -> StepTelemetry | None:
         if not self.active(step):
             return None
-        if self._mprev is None:
+        if self._fresh is None:
             raise RuntimeError(f"telemetry: before_step({step}) was not called before the step")
+        fresh, self._fresh = self._fresh, None
         with_hist = self.hist_active(step)
         state = self.optimizer.state
         sts = [state[p] for p in self.params]
-        g = [_flat(p.grad) for p in self.params]
-        m = [_flat(st["exp_avg"]) for st in sts]
-        v = [_flat(st["exp_avg_sq"]) for st in sts]
-        p = [_flat(x) for x in self.params]
+        sources = ([p.grad for p in self.params], [st["exp_avg"] for st in sts],
+                   [st["exp_avg_sq"] for st in sts], self.params)
+        if self.group is not None or self._dtensors:
+            sources = tuple([_local(x) for x in src] for src in sources)
         t = [int(st["step"]) for st in sts]
-        bc1 = [1 - self.b1 ** k for k in t]
-        bc2 = [1 - self.b2 ** k for k in t]
+        bc = torch.tensor([[1 - self.b1 ** k for k in t], [1 - self.b2 ** k for k in t]],
+                          dtype=self.dtype, device=self.device)
         table = torch.zeros((len(self.params), NUM_SUMS + (NUM_HIST_BINS if with_hist else 0)),
-                            dtype=self.dtype, device=self.device)
-        sizes = [x.numel() for x in g]
-        chunks = plan_chunks(sizes, self.max_elements)
-        table[:, _COL["n"]] = torch.tensor(sizes, dtype=self.dtype)
-        table[:, _COL["g_mprev"]:_COL["mprev2"] + 1] = self._mprev
-        self._mprev = None
-        w, stage = self._scratch(chunks)
-        after = table[:, _COL["g2"]:_COL["v_hat"] + 1]
-        for segs in chunks:
-            n = sum(hi - lo for _, lo, hi in segs)
-            r = chunk_sums(w[:, :n], g, m, v, p, segs, bc1, bc2, self.eps, stage)
-            sums, index = _segment_sums(w[:, :n], segs), self._segment_index(segs)
-            after.index_add_(0, index, sums[:, :-1])
-            table[:, _COL["p2"]].index_add_(0, index, sums[:, -1])
+                            dtype=torch.float64, device=self.device)
+        for c in self.chunks:
+            if len(self.chunks) > 1:
+                c.clear_padding()
+            for k, src in enumerate(sources):
+                c.copy_in(k, src)
+            sums = self._block_sums(c.x, bc, c.block_tensor, self.b1, self.eps)
+            table[:, 1:NUM_SUMS].index_add_(0, c.block_tensor, sums.T.double())
             if with_hist:
-                table[:, NUM_SUMS:].index_add_(0, index, hist_counts(r, self.edges, segs))
+                idx = self._bin_index(c.x, bc, c.block_tensor, self.edges, self.eps)
+                counts = torch.bincount(idx, minlength=len(self.params) * NUM_HIST_BINS)
+                table[:, NUM_SUMS:] += counts.view(len(self.params), NUM_HIST_BINS)
+        table[:, _COL["n"]] = self._n
+        # the padding: sqrt(0) < eps, and r = 0 in the bin of 0
+        if self.eps > 0:
+            table[:, _COL["eps_small"]] -= self._pad
+        if with_hist:
+            table[:, NUM_SUMS + _ZERO_BIN] -= self._pad
+        if any(fresh):   # m_prev = 0 exactly (m_t - (1 - b1) g is rounding noise)
+            mask = torch.tensor(fresh, device=self.device)
+            table[mask, _COL["g_mprev"]:_COL["mprev2"] + 1] = 0.0
         _all_reduce(table, self.group)
-        table = table.cpu().double().numpy()
+        table = table.cpu().numpy()
         sums = table[:, :NUM_SUMS]
         metrics = finalize(sums, self.eps)
         columns = {"name": list(self.names), "depth": self.depth, "kind": list(self.kind),

@@ -215,7 +215,8 @@ def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
     source = build_source(cfg.data, cfg.train.seq_len, arch.vocab_size, cfg.train.seed)
     position, guard = DataPosition(), SpikeGuard(cfg.guard)
     telemetry = (Telemetry(optimizer, spec_by_name(arch), every=cfg.telemetry.every,
-                           hist_every=cfg.telemetry.hist_every) if cfg.telemetry.enabled else None)
+                           hist_every=cfg.telemetry.hist_every, precision=cfg.telemetry.precision,
+                           compile=cfg.telemetry.compile) if cfg.telemetry.enabled else None)
     alarms = _rank0_call(rank, lambda: build_alarms(cfg.alarms))   # evaluated on rank 0
     ckpt_root = out / "checkpoints"
 

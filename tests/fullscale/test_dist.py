@@ -1,6 +1,7 @@
 """2 processes (torchrun, gloo, FSDP2) train the same model as 1 process: same initial
 weights, same batches, losses / norms / telemetry equal up to floating-point summation
-order (measured here: fp32 ~3e-7 relative on the loss, bf16 ~7e-5)."""
+order (measured here: fp32 ~3e-7 relative on the loss, bf16 ~7e-5, grad norms up to
+1e-3 on a CPU with native bf16)."""
 
 import os
 import subprocess
@@ -69,5 +70,7 @@ def test_two_processes_fp32_match_one_process(tmp_path):
 def test_two_processes_bf16_match_one_process(tmp_path):
     two = _torchrun(tmp_path / "two", "--train.dtype", "bf16")
     one = _one_process(tmp_path / "one", "--train.dtype", "bf16")
-    _compare(one, two, rtol=1e-3, metric_rtol=0.1, cos_atol=0.05)
+    # bf16 carries 8 significant bits (2^-8 = 3.9e-3): a different reduction order may move
+    # a norm by about one bf16 ulp (seen: 1.03e-3 on a CPU with native bf16 instructions)
+    _compare(one, two, rtol=2 ** -8, metric_rtol=0.1, cos_atol=0.05)
     assert two.config["train"]["dtype"] == one.config["train"]["dtype"] == "bf16"
