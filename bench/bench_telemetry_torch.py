@@ -14,8 +14,11 @@ hits all variants alike:
                a machine where torch.compile fails, gets)
 Prints median ms per step and the ratio to "off" (target for "every" and "hist/10":
 <= 1.05), for wall-clock time and for this process's CPU time (the robust number on a
-shared machine: with one thread, CPU time is what the step costs, whatever else runs), and
-the one-time compilation seconds (paid at the first logged step; inductor caches it on disk).
+shared machine: with one thread, CPU time is what the step costs, whatever else runs), the
+"paired" ratio (median over repeats of each variant's CPU time / the "off" step run just
+before it: steadier when the machine's speed drifts between repeats; hist/10 from those of
+every and every+hist), and the one-time
+compilation seconds (paid at the first logged step; inductor caches it on disk).
 
     python bench/bench_telemetry_torch.py [--repeats 30] [--threads 1] [--presets tiny small]
 
@@ -89,6 +92,7 @@ def main(argv=None) -> int:
         model, opt, tel, x = make_setup(preset, args.batch, min(args.seq_len, PRESETS[preset].max_seq_len))
         times = {v: ([], []) for v in VARIANTS}
         hist_steps = ([], [])          # hist/10's steps that drew histograms
+        paired = {v: [] for v in VARIANTS}   # per repeat: cpu time / that repeat's "off"
         step = 0
         t0 = time.perf_counter()
         for v in ("every", "every+hist"):   # compile both kernels (shared by the variants)
@@ -100,6 +104,8 @@ def main(argv=None) -> int:
                 step += 1
                 # hist/10 draws its histograms on every 10th of its own steps (repeat r)
                 wall, cpu = one_step(model, opt, tel[v], x, r + 1 if v == "hist/10" else step)
+                if r >= args.warmup and v != "hist/10":
+                    paired[v].append(cpu)
                 if r >= args.warmup:
                     into = hist_steps if v == "hist/10" and (r + 1) % 10 == 0 else times[v]
                     into[0].append(wall)
@@ -113,6 +119,13 @@ def main(argv=None) -> int:
             print(f"{preset:8s} {len(tel['every'].names):7d} {clock:>5s} "
                   + " ".join(f"{med[v]:14.2f}" for v in VARIANTS)
                   + "   " + " ".join(f"{med[v] / med['off']:16.3f}" for v in VARIANTS[1:]))
+        # neighbours in one repeat share the machine's state: the median of their ratios is
+        # steadier than the ratio of medians when the machine's speed drifts
+        ratio = {v: statistics.median(a / b for a, b in zip(paired[v], paired["off"]))
+                 for v in VARIANTS[1:] if v != "hist/10"}
+        ratio["hist/10"] = ratio["every"] + (ratio["every+hist"] - ratio["every"]) / 10
+        print(f"{preset:8s} {'':7s} {'paired':>5s} {'':74s}   " + " ".join(
+            f"{ratio[v]:16.3f}" if v in ratio else f"{'-':>16s}" for v in VARIANTS[1:]))
         print(f"{preset:8s} compiling the kernels (first logged steps): {compile_s:.1f} s")
     return 0
 

@@ -164,6 +164,15 @@ def block_sums(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, b1
     return torch.stack([t.sum(1) for t in terms])
 
 
+def tensor_sums(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, acc: torch.Tensor,
+                b1: float, eps: float) -> torch.Tensor:
+    """acc (num_tensors, NUM_SUMS) float64 + this chunk's `block_sums` added up per tensor
+    (in float64) into columns g2 .. p2."""
+    per_block = block_sums(x, bc, block_tensor, b1, eps).T.to(torch.float64)
+    per_tensor = torch.zeros((acc.shape[0], NUM_SUMS - 1), dtype=torch.float64, device=x.device)
+    return acc + torch.nn.functional.pad(per_tensor.index_add(0, block_tensor, per_block), (1, 0))
+
+
 def bin_index(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, edges: torch.Tensor,
               eps: float) -> torch.Tensor:
     """Every element's bin of r on edges (ends clipped, last edge in the last bin, NaN in the
@@ -338,7 +347,12 @@ class Telemetry:
                 pad[i] += _padded(hi - lo, BLOCK) - (hi - lo)
         self._pad = torch.tensor(pad, dtype=torch.float64, device=dev)
         self._n = torch.tensor([math.prod(s) for s in shapes], dtype=torch.float64, device=dev)
-        self._block_sums = _Kernel(block_sums, compile, dev)
+        # n, and the padding's sqrt(0) < eps (subtracted): the start of every step's table
+        self._base = torch.zeros((len(shapes), NUM_SUMS), dtype=torch.float64, device=dev)
+        self._base[:, _COL["n"]] = self._n
+        if self.eps > 0:
+            self._base[:, _COL["eps_small"]] = -self._pad
+        self._tensor_sums = _Kernel(tensor_sums, compile, dev)
         self._bin_index = _Kernel(bin_index, compile, dev)
         self._fresh: list[bool] | None = None
 
@@ -373,28 +387,27 @@ class Telemetry:
         t = [int(st["step"]) for st in sts]
         bc = torch.tensor([[1 - self.b1 ** k for k in t], [1 - self.b2 ** k for k in t]],
                           dtype=self.dtype, device=self.device)
-        table = torch.zeros((len(self.params), NUM_SUMS + (NUM_HIST_BINS if with_hist else 0)),
-                            dtype=torch.float64, device=self.device)
+        table = self._base
+        hist = None
         for c in self.chunks:
             if len(self.chunks) > 1:
                 c.clear_padding()
             for k, src in enumerate(sources):
                 c.copy_in(k, src)
-            sums = self._block_sums(c.x, bc, c.block_tensor, self.b1, self.eps)
-            table[:, 1:NUM_SUMS].index_add_(0, c.block_tensor, sums.T.double())
+            table = self._tensor_sums(c.x, bc, c.block_tensor, table, self.b1, self.eps)
             if with_hist:
                 idx = self._bin_index(c.x, bc, c.block_tensor, self.edges, self.eps)
                 counts = torch.bincount(idx, minlength=len(self.params) * NUM_HIST_BINS)
-                table[:, NUM_SUMS:] += counts.view(len(self.params), NUM_HIST_BINS)
-        table[:, _COL["n"]] = self._n
-        # the padding: sqrt(0) < eps, and r = 0 in the bin of 0
-        if self.eps > 0:
-            table[:, _COL["eps_small"]] -= self._pad
-        if with_hist:
-            table[:, NUM_SUMS + _ZERO_BIN] -= self._pad
+                hist = counts if hist is None else hist + counts
         if any(fresh):   # m_prev = 0 exactly (m_t - (1 - b1) g is rounding noise)
-            mask = torch.tensor(fresh, device=self.device)
-            table[mask, _COL["g_mprev"]:_COL["mprev2"] + 1] = 0.0
+            table = table.clone()
+            table[torch.tensor(fresh, device=self.device), _COL["g_mprev"]:_COL["mprev2"] + 1] = 0.0
+        if with_hist:    # the padding's r = 0 sits in the bin of 0
+            hist = hist.view(len(self.params), NUM_HIST_BINS).double()
+            hist[:, _ZERO_BIN] -= self._pad
+            table = torch.cat([table, hist], 1)
+        elif table is self._base:   # no chunk (no parameters): do not hand out the base
+            table = table.clone()
         _all_reduce(table, self.group)
         table = table.cpu().numpy()
         sums = table[:, :NUM_SUMS]

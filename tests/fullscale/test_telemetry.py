@@ -139,7 +139,7 @@ def test_metrics_equal_numpy_reference_unsharded(max_elements, precision, compil
                                         f"step {step} {name}")
                 checked += 1
     assert checked == 4 * len(named)
-    assert (tel._block_sums.compiled is not None) == (compile == "on")
+    assert (tel._tensor_sums.compiled is not None) == (compile == "on")
     # the run exercised the interesting regimes, not only one corner
     sat, eps_frac = out.columns["sat_frac"], out.columns["eps_frac"]
     assert 0 < sat.max() and sat.min() < 1 and eps_frac.max() > 0
