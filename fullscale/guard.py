@@ -10,7 +10,8 @@ normal losses, step t spikes when
 once min(window, max(5, window // 2)) losses are in the history; a non-finite loss always
 triggers. Spiking losses do not enter the history.
 
-Policy per observed loss (`observe(step, loss) -> Decision`):
+Policy per observed loss (`observe(step, loss) -> Decision`, analysis.guard_policy, shared
+with the JAX trainer's simulate.guard):
 - "ok": normal; the loss joins the history.
 - "rollback": spike or non-finite loss, and fewer than `max_retries` rollbacks in the
   current incident. The trainer then restores the newest checkpoint with step < the spike
@@ -40,19 +41,12 @@ Trainer sketch:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from analysis.spikes import RollingSpikeDetector
+from analysis.guard_policy import Decision, GuardPolicy
 
-
-@dataclass
-class Decision:
-    action: str                 # "ok" | "rollback" | "abort"
-    reason: str
-    stats: dict[str, Any] = field(default_factory=dict)
-    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+__all__ = ["Decision", "RollbackPlan", "SpikeGuard"]
 
 
 @dataclass
@@ -63,51 +57,9 @@ class RollbackPlan:
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
-class SpikeGuard:
-    def __init__(self, cfg: Any):
-        """cfg: adamspike.train_config.GuardSection (enabled, window, mad_k, min_rel_jump,
-        skip_batches, max_retries)."""
-        self.cfg = cfg
-        self.detector = RollingSpikeDetector(window=cfg.window, k=cfg.mad_k,
-                                             min_rel_jump=cfg.min_rel_jump)
-        self.retries = 0                # rollbacks in the current incident
-        self.num_rollbacks = 0          # over the whole run
-        self.ok_since_rollback = 0      # consecutive normal steps after the last rollback
-        self.last_spike_step: int | None = None
-
-    # -- detection ----------------------------------------------------------------
-    def observe(self, step: int, loss: float) -> Decision:
-        """Judge the loss of optimizer step `step` (see module doc)."""
-        loss = float(loss)
-        spiked = self.detector.update(loss)
-        stats = {"step": int(step), "loss": loss, "baseline": self.detector.baseline,
-                 "threshold": self.detector.threshold,
-                 "history": len(self.detector.state_dict()["history"]),
-                 "retries": self.retries, "max_retries": self.cfg.max_retries}
-        if not spiked:
-            if self.retries:
-                self.ok_since_rollback += 1
-                if self.ok_since_rollback >= self.cfg.window:   # incident over
-                    self.retries, self.ok_since_rollback = 0, 0
-            return Decision("ok", "", stats)
-        finite = math.isfinite(loss)
-        what = ("non-finite loss" if not finite else
-                f"loss spike: {loss:.6g} > threshold {self.detector.threshold:.6g} "
-                f"(median {self.detector.baseline:.6g})")
-        spike_event = ("spike" if finite else "nonfinite_loss", {**stats, "reason": what})
-        if not self.cfg.enabled:
-            return Decision("ok", f"{what} at step {step} (guard disabled)", stats, [spike_event])
-        self.last_spike_step = int(step)
-        if self.retries >= self.cfg.max_retries:
-            reason = (f"{what} at step {step} after {self.retries} rollback(s) "
-                      f"(guard.max_retries = {self.cfg.max_retries})")
-            return Decision("abort", reason, stats,
-                            [spike_event, ("abort", {"step": int(step), "reason": reason})])
-        self.retries += 1
-        self.num_rollbacks += 1
-        self.ok_since_rollback = 0
-        return Decision("rollback", f"{what} at step {step} (rollback {self.retries} of at most "
-                                    f"{self.cfg.max_retries})", stats, [spike_event])
+class SpikeGuard(GuardPolicy):
+    """analysis.guard_policy.GuardPolicy (detection, retries, abort) + rollback to an on-disk
+    checkpoint and the guard's state in checkpoints."""
 
     # -- recovery -----------------------------------------------------------------
     def rollback(self, spike_step: int, checkpoint_extra: dict[str, Any],

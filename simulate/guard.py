@@ -1,7 +1,7 @@
 """PaLM-style spike guard of the JAX trainer: in-memory snapshots, rollback, batch skipping.
 
-The policy is the torch trainer's (fullscale.guard.SpikeGuard; simulate does not import
-fullscale), configured by the same `guard` section (adamspike.train_config.GuardSection:
+The policy is the torch trainer's (analysis.guard_policy.GuardPolicy, which
+fullscale.guard.SpikeGuard also builds on; simulate does not import fullscale), configured by the same `guard` section (adamspike.train_config.GuardSection:
 enabled, window, mad_k, min_rel_jump, skip_batches, max_retries, same meanings):
 
 - Detection is THE project rule, `analysis.spikes.RollingSpikeDetector(window, mad_k,
@@ -29,11 +29,12 @@ last_batch, num_batches, offset_before, offset_after), or "abort" (step, reason)
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from analysis.spikes import RollingSpikeDetector
+from analysis.guard_policy import Decision, GuardPolicy
+
+__all__ = ["Decision", "Snapshot", "SnapshotGuard"]
 
 
 @dataclass
@@ -45,61 +46,25 @@ class Snapshot:
     detector: dict[str, Any]    # RollingSpikeDetector state after judging `step`
 
 
-@dataclass
-class Decision:
-    action: str                 # "ok" | "rollback" | "abort"
-    reason: str
-    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+class SnapshotGuard(GuardPolicy):
+    """analysis.guard_policy.GuardPolicy (detection, retries, abort; shared with the torch
+    trainer) + in-memory snapshots and rollback."""
 
-
-class SnapshotGuard:
     def __init__(self, cfg: Any, every: int, params: Any, opt_state: Any):
         """cfg: GuardSection; every: snapshot interval (checkpoint.every, > 0 when enabled)."""
-        self.cfg = cfg
+        super().__init__(cfg)
         self.every = int(every)
-        self.detector = RollingSpikeDetector(window=cfg.window, k=cfg.mad_k,
-                                             min_rel_jump=cfg.min_rel_jump)
         self.good = Snapshot(0, params, opt_state, 0, self.detector.state_dict())
         self.candidate: Snapshot | None = None
-        self.retries = 0                # rollbacks in the current incident
-        self.num_rollbacks = 0          # over the whole run
         self.num_skipped = 0            # batches skipped by rollbacks
-        self.ok_since_rollback = 0
 
-    # -- detection ----------------------------------------------------------------
     def observe(self, step: int, loss: float) -> Decision:
-        """Judge the loss of step `step` before its update is applied."""
-        loss = float(loss)
-        spiked = self.detector.update(loss)
-        if not spiked:
-            if self.candidate is not None and self.candidate.step < step:
-                self.good, self.candidate = self.candidate, None   # its loss was normal
-            if self.retries:
-                self.ok_since_rollback += 1
-                if self.ok_since_rollback >= self.cfg.window:     # incident over
-                    self.retries, self.ok_since_rollback = 0, 0
-            return Decision("ok", "")
-        stats = {"step": int(step), "loss": loss, "baseline": self.detector.baseline,
-                 "threshold": self.detector.threshold,
-                 "history": len(self.detector.state_dict()["history"]),
-                 "retries": self.retries, "max_retries": self.cfg.max_retries}
-        finite = math.isfinite(loss)
-        what = ("non-finite loss" if not finite else
-                f"loss spike: {loss:.6g} > threshold {self.detector.threshold:.6g} "
-                f"(median {self.detector.baseline:.6g})")
-        spike_event = ("spike" if finite else "nonfinite_loss", {**stats, "reason": what})
-        if not self.cfg.enabled:
-            return Decision("ok", f"{what} at step {step} (guard disabled)", [spike_event])
-        if self.retries >= self.cfg.max_retries:
-            reason = (f"{what} at step {step} after {self.retries} rollback(s) "
-                      f"(guard.max_retries = {self.cfg.max_retries})")
-            return Decision("abort", reason,
-                            [spike_event, ("abort", {"step": int(step), "reason": reason})])
-        self.retries += 1
-        self.num_rollbacks += 1
-        self.ok_since_rollback = 0
-        return Decision("rollback", f"{what} at step {step} (rollback {self.retries} of at most "
-                                    f"{self.cfg.max_retries})", [spike_event])
+        """Judge the loss of step `step` before its update is applied; a normal loss also
+        confirms the pending snapshot (its parameters gave it) as the rollback target."""
+        d = super().observe(step, loss)
+        if not d.spiked and self.candidate is not None and self.candidate.step < step:
+            self.good, self.candidate = self.candidate, None
+        return d
 
     # -- snapshots ----------------------------------------------------------------
     def after_step(self, step: int, params: Any, opt_state: Any, offset: int) -> None:
