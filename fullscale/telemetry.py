@@ -19,27 +19,29 @@ notes which tensors have no state yet (m_prev = 0 exactly: their m_prev sums are
 Layout: the local tensors are laid end to end in chunks of at most `max_elements`
 elements (a big tensor is split across chunks, small ones share one), each segment
 starting on a multiple of BLOCK = 256 (its tail padded with zeros). Per chunk, g, m, v, p
-are copied into a persistent (4, width) buffer (one `_foreach_copy_` each) and one kernel,
-`block_sums`, computes every SUM_FIELDS term of every element and sums each over its
+are copied into a persistent (4, width) buffer (a run of equal-shaped tensors by one
+`torch.stack(out=...)`, the rest by one `_foreach_copy_`) and one kernel, `tensor_sums`
+(around `block_sums`), computes every SUM_FIELDS term of every element, sums each over its
 256-element block:
 
     m_hat = m / bc1          v_hat = v / bc2          r = m_hat / (sqrt(v_hat) + eps)
     terms g^2, r, r^2, r^3, r^4, g^2 / max(v_hat, eps^2), |r| > 0.9, sqrt(v_hat) < eps,
           m_hat^2, v_hat, g m_prev, m_prev^2, p^2
 
-then the blocks' sums are added to their tensors' rows of the table (index_add, float64).
+and adds the blocks' sums to their tensors' rows of the float64 table (index_add).
 Padding contributes 0 to every term but `sqrt(v_hat) < eps` and the histogram's bin of 0,
 which are corrected by the known pad counts. On histogram steps a second kernel,
 `bin_index`, gives every element's bin (offset by 64 x its tensor), counted by one bincount.
 
-Speed: `block_sums` and `bin_index` are compiled with torch.compile (one fused loop that
+Speed: `tensor_sums` and `bin_index` are compiled with torch.compile (one fused loop that
 reads g, m, v, p once, instead of ~25 whole-chunk passes that write temporaries; on the
-tiny CPU step the overhead fell from 3-3.5 ms eager to 1.0-1.6 ms, see
-bench/bench_telemetry_torch.py), by default (`compile="auto"`) on cpu and cuda; npu runs
+tiny CPU step the overhead fell from 3-3.5 ms eager to 1-1.5 ms, paired ratio 1.03-1.05,
+see bench/bench_telemetry_torch.py), by default (`compile="auto"`) on cpu and cuda; npu runs
 them eagerly (the same functions, op by op). The first logged step pays
 the compilation (~5 s on CPU for the tiny model; cached on disk by inductor for later
 runs); if compiling fails (no C++ compiler, no triton, ...) the trainer warns once and
-runs eagerly. TORCHDYNAMO_DISABLE=1 also makes them run eagerly. Memory: the (4, width)
+runs eagerly. TORCHDYNAMO_DISABLE=1 or ADAMSPIKE_TELEMETRY_COMPILE=off also make
+"auto" run them eagerly (the test suite sets the latter). Memory: the (4, width)
 buffer in the compute dtype (bounded by max_elements, kept between logged steps) plus the
 kernels' (13, width / 256) outputs; int64 bin indices on histogram steps.
 
