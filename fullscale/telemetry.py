@@ -340,8 +340,7 @@ class Telemetry:
         # zeros: the padding must stay 0. Kept between logged steps (on CPU, faulting in
         # fresh pages every step cost more than the math); bounded by max_elements.
         self.buffer = torch.zeros((4, width), dtype=self.dtype, device=dev)
-        stack = _local(self.params[0]).dtype == self.dtype and all(
-            _local(p).dtype == self.dtype for p in self.params)
+        stack = all(_local(p).dtype == self.dtype for p in self.params)
         self.chunks = [_Chunk(segs, shapes, self.buffer, stack) for segs in plan]
         pad = np.zeros(len(shapes))
         for segs in plan:
@@ -384,7 +383,7 @@ class Telemetry:
         sts = [state[p] for p in self.params]
         sources = ([p.grad for p in self.params], [st["exp_avg"] for st in sts],
                    [st["exp_avg_sq"] for st in sts], self.params)
-        if self.group is not None or self._dtensors:
+        if self._dtensors:   # FSDP2: the local shards
             sources = tuple([_local(x) for x in src] for src in sources)
         t = [int(st["step"]) for st in sts]
         bc = torch.tensor([[1 - self.b1 ** k for k in t], [1 - self.b2 ** k for k in t]],
