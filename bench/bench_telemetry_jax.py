@@ -1,30 +1,29 @@
 """Overhead of the per-tensor Adam telemetry in the JAX toy LLaMA train step.
 
 Three compiled variants of simulate.llama_train's step (the same function the trainer
-runs), measured side by side in one process, interleaved round-robin so machine load hits
-all of them alike: telemetry off, telemetry sums on, sums + r histograms. Each timing is
-the median over repeats of a block of steps (device-synchronised); the ratio to "off" is
-printed. Target: telemetry on <= 1.05 x off (histograms run every hist_every steps only,
-so their cost is amortised; shown separately).
+runs), measured side by side in one process: telemetry off, telemetry sums on, sums + r
+histograms. Every repeat runs a block of steps of each variant back to back (the order
+rotating between repeats), device-synchronised; printed per variant:
+    median   ms per step over the repeats, and its ratio to "off"
+    paired   median over repeats of (this variant's block / the "off" block of the same
+             repeat): the steadier number when the machine's speed drifts between repeats
+    hist/10  the trainer's default (metrics every step, histograms every 10th):
+             telemetry + (telemetry+hist - telemetry) / 10, from the paired ratios
+Target: telemetry and hist/10 <= 1.05 x off. CPU time (time.process_time) is printed beside
+wall time: pinned to one core (taskset -c 0), it is what the step costs whatever else runs.
 
-Measured (2 shared, heavily loaded CPU cores, load average 2-5, so +-5%): tiny, batch 16 x 32.
-Per-tensor loop (14 reductions x 21 tensors, searchsorted + scatter per tensor): telemetry
-1.05-1.19, + hist 1.26-1.68. Packed layout (simulate.telemetry.step_telemetry: all tensors
-in one block-padded array, 13 block reductions, one 0/1 matmul to per-tensor sums; binning by
-the uniform grid + one exact edge comparison each side, one scatter): three runs of 21
-repeats gave telemetry 1.073 / 1.005 / 1.057, + hist 1.132 / 1.047 / 1.083; earlier runs of
-11-15 repeats 1.00-1.20 as the load moved. The telemetry function alone (jitted on the tiny
-model's 106,816 parameters) went from 1.4 to 0.65-0.8 ms (sums) and 2.8 to 1.0 ms (+ hist).
-On this machine the 5% target is met in some runs and missed by up to ~2 points in others.
+The telemetry's cost is per parameter and the step's per token, so the ratio falls as the
+batch grows: `--batch 32` is configs/toy_spike.toml's batch (the study's spiking runs).
 
-    python bench/bench_telemetry_jax.py [--preset tiny] [--batch 16] [--seq 32]
-                                        [--repeats 15] [--steps 20]
+    taskset -c 0 python bench/bench_telemetry_jax.py [--preset tiny] [--batch 16] [--seq 32]
+                                                     [--repeats 31] [--steps 10]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import jax
@@ -43,8 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--steps", type=int, default=20, help="steps per timed block")
+    ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
     args = ap.parse_args(argv)
     cfg = load_config(RunConfig, None, [
         "--model.preset", args.preset, "--train.global_batch_size", str(args.batch),
@@ -61,21 +60,32 @@ def main(argv=None) -> int:
         jax.block_until_ready(compiled[name](params, state, batch))
         print(f"compile {name:15s} {time.perf_counter() - t0:6.2f} s")
 
-    times = {name: [] for name in VARIANTS}
-    for _ in range(args.repeats):
-        for name, fn in compiled.items():
-            p, s = params, state
-            t0 = time.perf_counter()
+    names = list(VARIANTS)
+    wall = {n: [] for n in names}
+    cpu = {n: [] for n in names}
+    for r in range(args.repeats + 1):  # repeat 0 warms up
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, p, s = compiled[name], params, state
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 p, s, out = fn(p, s, batch)
             jax.block_until_ready((p, s, out))
-            times[name].append((time.perf_counter() - t0) / args.steps)
-    base = statistics.median(times["off"])
-    print(f"{args.preset} preset, batch {args.batch} x {args.seq} tokens, "
-          f"median of {args.repeats} x {args.steps} steps")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{name:15s} {med * 1e3:8.3f} ms/step   ratio {med / base:5.3f}")
+            if r:
+                wall[name].append((time.perf_counter() - t0) / args.steps)
+                cpu[name].append((time.process_time() - c0) / args.steps)
+        print(f"\rrepeat {r}/{args.repeats}", end="", file=sys.stderr)
+    print("\r", end="", file=sys.stderr)
+    print(f"{args.preset} preset, batch {args.batch} x {args.seq} tokens, {args.repeats} repeats"
+          f" x {args.steps} steps, {len(jax.tree.leaves(params))} tensors")
+    for clock, times in (("wall", wall), ("cpu", cpu)):
+        base = statistics.median(times["off"])
+        paired = {n: statistics.median(a / b for a, b in zip(times[n], times["off"]))
+                  for n in names}
+        paired["hist/10"] = paired["telemetry"] + (paired["telemetry+hist"] - paired["telemetry"]) / 10
+        for name in names + ["hist/10"]:
+            med = (f"{statistics.median(times[name]) * 1e3:8.3f} ms/step   ratio "
+                   f"{statistics.median(times[name]) / base:5.3f}") if name in times else " " * 31
+            print(f"{clock:4s} {name:15s} {med}   paired {paired[name]:5.3f}")
     return 0
 
 

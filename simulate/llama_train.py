@@ -179,8 +179,8 @@ def _make_steps(cfg: RunConfig):
                "update_norm": jopt.global_norm(updates)}
         if telemetry:
             sums, hists = jtel.step_telemetry(
-                jopt.consumed_grads(grads, new_state), jopt.adam_state(opt_state),
-                jopt.adam_state(new_state), new_params, o.b1, o.b2, o.eps, with_hist=hist)
+                grads, jopt.adam_state(opt_state), jopt.adam_state(new_state), new_params,
+                o.b1, o.b2, o.eps, with_hist=hist, grad_scale=jopt.clip_info(new_state)[1])
             out["sums"] = sums
             if hist:
                 out["hists"] = hists

@@ -49,6 +49,7 @@ def update_direction(m_hat, v_hat, eps):
 
 
 BLOCK = 1024  # elements per block of the packed layout (see step_telemetry)
+LANES = 128   # minor axis of a block, (BLOCK // LANES, LANES): the width of the accumulators
 
 
 def _elementwise_terms(g, m_hat, v_hat, m_prev, p, eps, valid):
@@ -115,32 +116,52 @@ def tensor_names(tree) -> list[str]:
 
 
 def _pack(leaves, dt, block):
-    """Concatenate raveled leaves, each zero-padded to a multiple of `block`, as
-    (num_blocks, block); returns it and the number of blocks of each leaf."""
+    """Concatenate raveled leaves, each zero-padded to a multiple of `block` (one concatenate
+    with constant zero pieces, no pad kernels), as (num_blocks, block); returns it and the
+    number of blocks of each leaf."""
     parts, nblocks = [], []
     for x in leaves:
         x = jnp.ravel(x).astype(dt)
         nb = max(1, -(-x.size // block))
-        parts.append(jnp.pad(x, (0, nb * block - x.size)))
+        parts.append(x)
+        if nb * block > x.size:
+            parts.append(jnp.zeros(nb * block - x.size, dt))
         nblocks.append(nb)
     return jnp.concatenate(parts).reshape(-1, block), nblocks
 
 
+def _column_sums(terms):
+    """Sums over axis 1 of same-shaped (num_blocks, rows, LANES) terms in one variadic
+    reduce: a single XLA loop that reads the inputs once and keeps LANES-wide accumulators
+    per term (reducing a non-minor axis vectorises; 13 separate reductions or a reduce over
+    the minor axis cost twice as much on XLA:CPU). Returns (num_blocks, len(terms))."""
+    zeros = tuple(jnp.zeros((), terms[0].dtype) for _ in terms)
+    cols = jax.lax.reduce(tuple(terms), zeros,
+                          lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
+    return jnp.stack(cols, axis=1).sum(axis=2)
+
+
 def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
-                   with_hist: bool = False):
+                   with_hist: bool = False, grad_scale=None):
     """Sums (num_tensors, NUM_SUMS) and, if with_hist (static), histograms
     (num_tensors, NUM_HIST_BINS) int32, else None.
 
-    grads: the gradient Adam consumed at this step (optim.consumed_grads); prev_adam_state /
+    grads: the gradient Adam consumed at this step (optim.consumed_grads), or, with
+    grad_scale (a scalar, optim.clip_info's factor), the raw gradient that times grad_scale
+    is the consumed one: the product is then taken inside the packed computation (the same
+    float multiply, so bit-identical) instead of materialising a scaled copy of every
+    tensor for the packing (21 extra kernels in the tiny LLaMA's step); prev_adam_state /
     new_adam_state: optax.ScaleByAdamState before / after the step; params: after the step.
     b1, b2, eps may be traced.
 
     Layout (speed): a per-tensor loop costs ~14 small reductions per tensor, each a separate
     XLA kernel. Instead every input is packed once into one (num_blocks, BLOCK) array (each
-    tensor zero-padded to whole blocks), the 13 terms are reduced over the block axis in one
-    pass, and the per-block partial sums are added per tensor by a (num_tensors, num_blocks)
-    0/1 matrix product. Padding (g = m = v = p = 0, r masked to 0) contributes 0 to every
-    sum except `sqrt(v_hat) < eps`, whose padded count is known and subtracted."""
+    tensor zero-padded to whole blocks), the 13 terms are reduced per block in one variadic
+    reduce (`_column_sums`), and the per-block partial sums are added per tensor by a
+    (num_tensors, num_blocks) 0/1 matrix product. Padding (g = m = v = p = 0) contributes 0 to
+    every sum except `sqrt(v_hat) < eps`, whose padded count is known and subtracted; r there
+    is 0 / (0 + eps) = 0 when eps > 0, and is masked to 0 only when eps may be 0 (traced, or
+    0), the mask costing as much again on XLA:CPU."""
     g_l = jax.tree.leaves(grads)
     mu_l = jax.tree.leaves(new_adam_state.mu)
     nu_l = jax.tree.leaves(new_adam_state.nu)
@@ -153,13 +174,23 @@ def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
     bc1 = (1 - b1 ** count).astype(dt)
     bc2 = (1 - b2 ** count).astype(dt)
     eps_t = jnp.asarray(eps, dt)
+    shape = (-1, BLOCK // LANES, LANES)
+    if grad_scale is not None and any(x.dtype != dt for x in g_l):  # scale in their dtype
+        g_l = [x * jnp.asarray(grad_scale).astype(x.dtype) for x in g_l]
+        grad_scale = None
     g, nblocks = _pack(g_l, dt, BLOCK)
-    mu, nu, mp, p = (_pack(x, dt, BLOCK)[0] for x in (mu_l, nu_l, mp_l, p_l))
+    g = g.reshape(shape)
+    if grad_scale is not None:
+        g = g * jnp.asarray(grad_scale).astype(dt)
+    mu, nu, mp, p = (_pack(x, dt, BLOCK)[0].reshape(shape) for x in (mu_l, nu_l, mp_l, p_l))
     sizes = np.array([x.size for x in g_l])
-    valid = np.concatenate([np.arange(nb * BLOCK) < n for nb, n in zip(nblocks, sizes)])
-    r, terms = _elementwise_terms(g, mu / bc1, nu / bc2, mp, p, eps_t,
-                                  jnp.asarray(valid.reshape(-1, BLOCK)))
-    block_sums = jnp.stack([t.sum(axis=1) for t in terms], axis=1)  # (num_blocks, 13)
+    if isinstance(eps, (int, float)) and eps > 0:
+        valid = True
+    else:
+        valid = np.concatenate([np.arange(nb * BLOCK) < n for nb, n in zip(nblocks, sizes)])
+        valid = jnp.asarray(valid.reshape(shape))
+    r, terms = _elementwise_terms(g, mu / bc1, nu / bc2, mp, p, eps_t, valid)
+    block_sums = _column_sums(terms)  # (num_blocks, 13)
     owner = np.repeat(np.arange(len(g_l)), nblocks)
     seg = np.zeros((len(g_l), owner.size), np.dtype(dt))
     seg[owner, np.arange(owner.size)] = 1

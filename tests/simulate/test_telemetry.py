@@ -163,3 +163,28 @@ def test_packed_layout_odd_sizes(dtype, rtol, eps):
 def test_hist_bins_nan_goes_to_last_bin():
     got = np.asarray(T.hist_counts(jnp.array([np.nan, 0.0], jnp.float32)))
     assert got[-1] == 1 and got.sum() == 2
+
+
+@pytest.mark.parametrize("eps", [1e-2, 3e-5])
+def test_static_eps_and_grad_scale_paths_equal_traced(eps):
+    """With eps a Python float > 0 the padding is not masked (r = 0 / eps = 0 there), and with
+    grad_scale the raw gradient is scaled inside the packed computation: both give exactly
+    the counts and histograms of the general path (eps traced, pre-scaled gradient), and
+    float sums that equal the numpy reference as closely as the general path's do (the
+    two programs fuse, and so round, differently)."""
+    g, prev, new, params, b1, b2 = _odd_sized_state(jnp.float32, eps)
+    scale = jnp.float32(0.37)
+    scaled = jax.tree.map(lambda x: x * scale, g)
+    general = jax.jit(T.step_telemetry, static_argnames="with_hist")(
+        scaled, prev, new, params, b1, b2, eps, with_hist=True)
+    fast = jax.jit(lambda g, s: T.step_telemetry(g, prev, new, params, b1, b2, eps,
+                                                 with_hist=True, grad_scale=s))(g, scale)
+    (sums_g, hist_g), (sums_f, hist_f) = general, fast
+    np.testing.assert_array_equal(np.asarray(hist_f), np.asarray(hist_g))
+    np.testing.assert_array_equal(np.asarray(sums_f)[:, [0, 7, 8]], np.asarray(sums_g)[:, [0, 7, 8]])
+    bc1, bc2 = (np.float32(1 - b ** new.count) for b in (b1, b2))
+    for i, k in enumerate(T.tensor_names(g)):
+        want = metrics.shard_sums(np.asarray(scaled[k]), np.asarray(new.mu[k]) / bc1,
+                                  np.asarray(new.nu[k]) / bc2, np.asarray(prev.mu[k]),
+                                  np.asarray(params[k]), eps)
+        np.testing.assert_allclose(np.asarray(sums_f)[i], want, rtol=2e-5, atol=0, err_msg=k)
