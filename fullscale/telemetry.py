@@ -35,8 +35,9 @@ which are corrected by the known pad counts. On histogram steps a second kernel,
 
 Speed: `tensor_sums` and `bin_index` are compiled by inductor (one fused loop that
 reads g, m, v, p once, instead of ~25 whole-chunk passes that write temporaries; on the
-tiny CPU step the overhead fell from 3-3.5 ms eager to 1-1.5 ms, paired ratio 1.03-1.05,
-see bench/bench_telemetry_torch.py), by default (`compile="auto"`) on cpu and cuda; npu runs
+tiny CPU step the overhead fell from 3-3.5 ms eager to 0.7-1.5 ms, paired ratio 1.034-1.041,
+see bench/bench_telemetry_torch.py; calling inductor's code directly instead of through
+torch.compile saved ~0.1 ms per call), by default (`compile="auto"`) on cpu and cuda; npu runs
 them eagerly (the same functions, op by op). The first logged step pays
 the compilation (~5 s on CPU for the tiny model; cached on disk by inductor for later
 runs); if compiling fails (no C++ compiler, no triton, ...) the trainer warns once and
