@@ -387,9 +387,11 @@ class Telemetry:
         self._fresh: list[bool] | None = None
 
     def _bias_correction_table(self, steps) -> torch.Tensor:
-        """(2, num_tensors) 1 - b1^t, 1 - b2^t of each tensor's Adam step t, on the device;
-        the steps read in one go (one stack, not a host sync per tensor)."""
-        if steps and all(type(k) is torch.Tensor and k.device == steps[0].device for k in steps):
+        """(2, num_tensors) 1 - b1^t, 1 - b2^t of each tensor's Adam step t, on the device.
+        Steps kept on an accelerator (capturable / fused AdamW) are read in one go (one
+        host sync, not one per tensor); on CPU, int() per tensor is the cheaper (~40 us)."""
+        if (steps and all(type(k) is torch.Tensor and k.device == steps[0].device for k in steps)
+                and steps[0].device.type != "cpu"):
             steps = torch.stack([k.reshape(()) for k in steps]).tolist()
         t = [int(k) for k in steps]
         return torch.tensor([[1 - self.b1 ** k for k in t], [1 - self.b2 ** k for k in t]],
