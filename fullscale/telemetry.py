@@ -227,9 +227,11 @@ class _Kernel:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        # the constants only: the graph must not keep this call's tensors alive
+        consts = [None if i in where else a for i, a in enumerate(args)]
 
         def on_tensors(*tensors):
-            full = list(args)
+            full = list(consts)
             for i, t in zip(where, tensors):
                 full[i] = t
             return self.fn(*full)
