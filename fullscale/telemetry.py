@@ -238,7 +238,12 @@ class _Kernel:
 
         tensors = [args[i] for i in where]
         code = inductor_compile(make_fx(on_tensors)(*tensors), tensors)
-        return lambda *a: code(*[a[i] for i in where])
+
+        def call(*a):
+            out = code(*[a[i] for i in where])
+            return out[0] if isinstance(out, (list, tuple)) else out
+
+        return call
 
     def __call__(self, *args):
         if self.compiled is not None:
@@ -247,8 +252,7 @@ class _Kernel:
             try:
                 if key not in self.compiled:
                     self.compiled[key] = self._compile(args)
-                out = self.compiled[key](*args)
-                return out[0] if isinstance(out, (list, tuple)) else out
+                return self.compiled[key](*args)
             except Exception as e:  # noqa: BLE001 - any compiler/backend failure
                 warnings.warn(f"telemetry: compiling {self.fn.__name__} failed "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "

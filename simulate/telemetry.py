@@ -149,7 +149,7 @@ def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
     grads: the gradient Adam consumed at this step (optim.consumed_grads), or, with
     grad_scale (a scalar, optim.clip_info's factor), the raw gradient that times grad_scale
     is the consumed one: the product is then taken inside the packed computation (the same
-    float multiply, so bit-identical) instead of materialising a scaled copy of every
+    float multiply, so the same consumed gradient) instead of materialising a scaled copy of every
     tensor for the packing (21 extra kernels in the tiny LLaMA's step); prev_adam_state /
     new_adam_state: optax.ScaleByAdamState before / after the step; params: after the step.
     b1, b2, eps may be traced.
