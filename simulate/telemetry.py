@@ -52,10 +52,11 @@ BLOCK = 1024  # elements per block of the packed layout (see step_telemetry)
 LANES = 128   # minor axis of a block, (BLOCK // LANES, LANES): the width of the accumulators
 
 
-def _elementwise_terms(g, m_hat, v_hat, m_prev, p, eps, valid):
-    """r and the 13 per-element terms whose sums are SUM_FIELDS[1:] (count terms as 0/1).
-    r is set to 0 where not `valid` (padding: 0/0 when eps = 0)."""
-    r = jnp.where(valid, update_direction(m_hat, v_hat, eps), 0.0)
+def _elementwise_terms(g, m_hat, v_hat, r, m_prev, p, eps, valid):
+    """r and the 13 per-element terms whose sums are SUM_FIELDS[1:] (count terms as 0/1),
+    given r = update_direction(m_hat, v_hat, eps); r is set to 0 where not `valid`
+    (padding: 0/0 when eps = 0)."""
+    r = jnp.where(valid, r, 0.0)
     r2 = r * r
     g2 = g * g
     denom = jnp.maximum(v_hat, eps * eps)
@@ -71,7 +72,9 @@ def tensor_sums(g, m_hat, v_hat, m_prev, p, eps) -> jax.Array:
     """The SUM_FIELDS sums of one tensor, shape (NUM_SUMS,), dtype of g (at least float32)."""
     dt = jnp.result_type(g.dtype, jnp.float32)
     g, m_hat, v_hat, m_prev, p = (jnp.ravel(x).astype(dt) for x in (g, m_hat, v_hat, m_prev, p))
-    _, terms = _elementwise_terms(g, m_hat, v_hat, m_prev, p, jnp.asarray(eps, dt), True)
+    eps = jnp.asarray(eps, dt)
+    _, terms = _elementwise_terms(g, m_hat, v_hat, update_direction(m_hat, v_hat, eps), m_prev,
+                                  p, eps, True)
     return jnp.stack([jnp.asarray(g.size, dt)] + [t.sum() for t in terms])
 
 
@@ -148,20 +151,22 @@ def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
 
     grads: the gradient Adam consumed at this step (optim.consumed_grads), or, with
     grad_scale (a scalar, optim.clip_info's factor), the raw gradient that times grad_scale
-    is the consumed one: the product is then taken inside the packed computation (the same
-    float multiply, so the same consumed gradient) instead of materialising a scaled copy of every
-    tensor for the packing (21 extra kernels in the tiny LLaMA's step); prev_adam_state /
-    new_adam_state: optax.ScaleByAdamState before / after the step; params: after the step.
-    b1, b2, eps may be traced.
+    is the consumed one: the product is then taken inside the telemetry's own loops (the
+    same float multiply, so the same consumed gradient) instead of materialising a scaled
+    copy of every tensor; prev_adam_state / new_adam_state: optax.ScaleByAdamState before /
+    after the step; params: after the step. b1, b2, eps may be traced.
 
-    Layout (speed): a per-tensor loop costs ~14 small reductions per tensor, each a separate
-    XLA kernel. Instead every input is packed once into one (num_blocks, BLOCK) array (each
-    tensor zero-padded to whole blocks), the 13 terms are reduced per block in one variadic
-    reduce (`_column_sums`), and the per-block partial sums are added per tensor by a
-    (num_tensors, num_blocks) 0/1 matrix product. Padding (g = m = v = p = 0) contributes 0 to
-    every sum except `sqrt(v_hat) < eps`, whose padded count is known and subtracted; r there
-    is 0 / (0 + eps) = 0 when eps > 0, and is masked to 0 only when eps may be 0 (traced, or
-    0), the mask costing as much again on XLA:CPU."""
+    Layout (speed): a per-tensor loop of 13 reductions costs ~14 small XLA kernels per
+    tensor. Instead every tensor is seen as (num_blocks, BLOCK // LANES, LANES) blocks and
+    its 13 terms are summed per block by one variadic reduce (`_column_sums`), then over
+    its blocks. A tensor that fills whole blocks (size a multiple of BLOCK, in the compute
+    dtype: most weight matrices) is only reshaped, a free bitcast, and read in place; the
+    others are packed together into one zero-padded array (one concatenate per input) whose
+    per-block sums are added per tensor by a (tensors, blocks) 0/1 matrix product. Copying
+    every tensor into one packed array cost as much as the reduction itself. Padding
+    (g = m = v = p = 0) contributes 0 to every sum except `sqrt(v_hat) < eps`, whose padded
+    count is known and subtracted; r there is 0 / (0 + eps) = 0 when eps > 0, and is masked
+    to 0 only when eps may be 0 (traced, or 0), the mask costing as much again on XLA:CPU."""
     g_l = jax.tree.leaves(grads)
     mu_l = jax.tree.leaves(new_adam_state.mu)
     nu_l = jax.tree.leaves(new_adam_state.nu)
@@ -174,39 +179,69 @@ def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
     bc1 = (1 - b1 ** count).astype(dt)
     bc2 = (1 - b2 ** count).astype(dt)
     eps_t = jnp.asarray(eps, dt)
-    shape = (-1, BLOCK // LANES, LANES)
     if grad_scale is not None and any(x.dtype != dt for x in g_l):  # scale in their dtype
         g_l = [x * jnp.asarray(grad_scale).astype(x.dtype) for x in g_l]
         grad_scale = None
-    g, nblocks = _pack(g_l, dt, BLOCK)
-    g = g.reshape(shape)
-    if grad_scale is not None:
-        g = g * jnp.asarray(grad_scale).astype(dt)
-    mu, nu, mp, p = (_pack(x, dt, BLOCK)[0].reshape(shape) for x in (mu_l, nu_l, mp_l, p_l))
+    scale = None if grad_scale is None else jnp.asarray(grad_scale).astype(dt)
+    shape = (-1, BLOCK // LANES, LANES)
+
+    def block_terms(g, mu, nu, mp, p, valid):
+        """r and the (num_blocks, 13) block sums of inputs of one shape, viewed as
+        (num_blocks, rows, LANES). m_hat, v_hat and r come first, in the inputs' shape: in a
+        whole tensor's shape they are optax's own expressions, which XLA computes once for
+        both the update and the telemetry."""
+        m_hat, v_hat = mu / bc1, nu / bc2
+        r = update_direction(m_hat, v_hat, eps_t)
+        g, m_hat, v_hat, mp, p, r = (x.reshape(shape) for x in (g, m_hat, v_hat, mp, p, r))
+        if scale is not None:
+            g = g * scale
+        r, terms = _elementwise_terms(g, m_hat, v_hat, r, mp, p, eps_t, valid)
+        return r, _column_sums(terms)
+
+    leaves = list(zip(g_l, mu_l, nu_l, mp_l, p_l))
     sizes = np.array([x.size for x in g_l])
-    if isinstance(eps, (int, float)) and eps > 0:
-        valid = True
-    else:
-        valid = np.concatenate([np.arange(nb * BLOCK) < n for nb, n in zip(nblocks, sizes)])
-        valid = jnp.asarray(valid.reshape(shape))
-    r, terms = _elementwise_terms(g, mu / bc1, nu / bc2, mp, p, eps_t, valid)
-    block_sums = _column_sums(terms)  # (num_blocks, 13)
-    owner = np.repeat(np.arange(len(g_l)), nblocks)
-    seg = np.zeros((len(g_l), owner.size), np.dtype(dt))
-    seg[owner, np.arange(owner.size)] = 1
-    tensor = jnp.dot(jnp.asarray(seg), block_sums, precision=jax.lax.Precision.HIGHEST)
-    num_pad = np.asarray(nblocks) * BLOCK - sizes
+    whole = [i for i, xs in enumerate(leaves)
+             if sizes[i] % BLOCK == 0 and all(x.dtype == dt for x in xs)]
+    packed = [i for i in range(len(leaves)) if i not in set(whole)]
+    rows, rs = [None] * len(leaves), {}
+    for i in whole:   # in place: no padding, nothing to mask
+        rs[i], block_sums = block_terms(*leaves[i], True)
+        rows[i] = block_sums.sum(axis=0)
+    num_pad = np.zeros(len(leaves), np.int64)
+    if packed:
+        g, nblocks = _pack([g_l[i] for i in packed], dt, BLOCK)
+        mu, nu, mp, p = (_pack([x[i] for i in packed], dt, BLOCK)[0]
+                         for x in (mu_l, nu_l, mp_l, p_l))
+        num_pad[packed] = np.asarray(nblocks) * BLOCK - sizes[packed]
+        if isinstance(eps, (int, float)) and eps > 0:
+            valid = True
+        else:
+            valid = np.concatenate([np.arange(nb * BLOCK) < sizes[i]
+                                    for nb, i in zip(nblocks, packed)])
+            valid = jnp.asarray(valid.reshape(shape))
+        r_packed, block_sums = block_terms(g, mu, nu, mp, p, valid)
+        owner = np.repeat(np.arange(len(packed)), nblocks)
+        seg = np.zeros((len(packed), owner.size), np.dtype(dt))
+        seg[owner, np.arange(owner.size)] = 1
+        tensor = jnp.dot(jnp.asarray(seg), block_sums, precision=jax.lax.Precision.HIGHEST)
+        for j, i in enumerate(packed):
+            rows[i] = tensor[j]
     eps_col = SUM_FIELDS.index("eps_small") - 1
-    tensor = tensor.at[:, eps_col].add(jnp.where(eps_t > 0, -jnp.asarray(num_pad, dt), 0))
+    tensor = jnp.stack(rows).at[:, eps_col].add(
+        jnp.where(eps_t > 0, -jnp.asarray(num_pad, dt), 0))
     sums = jnp.concatenate([jnp.asarray(sizes, dt)[:, None], tensor], axis=1)
     if not with_hist:
         return sums, None
-    # One binning pass over the packed r and one scatter into (num_tensors, bins); the
-    # padding (r = 0) lands in 0's bin and is taken out again.
-    idx = hist_bins(jnp.ravel(r))
-    flat = jnp.asarray(np.repeat(owner * NUM_HIST_BINS, BLOCK), jnp.int32) + idx
-    hists = jnp.zeros(len(g_l) * NUM_HIST_BINS, jnp.int32).at[flat].add(1)
-    hists = hists.reshape(len(g_l), NUM_HIST_BINS)
+    # One binning pass over every r and one scatter into (num_tensors, bins); the
+    # padding's r = 0 lands in 0's bin and is taken out again.
+    r_all = [jnp.ravel(rs[i]) for i in whole]
+    offsets = [np.full(sizes[i], i * NUM_HIST_BINS) for i in whole]
+    if packed:
+        r_all.append(jnp.ravel(r_packed))
+        offsets.append(np.repeat(np.asarray(packed)[owner] * NUM_HIST_BINS, BLOCK))
+    flat = jnp.asarray(np.concatenate(offsets), jnp.int32) + hist_bins(jnp.concatenate(r_all))
+    hists = jnp.zeros(len(leaves) * NUM_HIST_BINS, jnp.int32).at[flat].add(1)
+    hists = hists.reshape(len(leaves), NUM_HIST_BINS)
     zero_bin = int(np.searchsorted(_EDGES[np.dtype(dt)], 0.0, side="right")) - 1
     return sums, hists.at[:, zero_bin].add(-jnp.asarray(num_pad, jnp.int32))
 

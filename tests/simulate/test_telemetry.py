@@ -113,11 +113,12 @@ def test_layer_columns_shape_error():
 
 
 def _odd_sized_state(dtype, eps):
-    """A pytree whose sizes straddle the packing block (1, < BLOCK, BLOCK, > BLOCK, not
-    multiples). (Edge placement is test_histogram_edges_and_clipping_match_numpy's job: here
+    """A pytree whose sizes straddle the packing block (1, < BLOCK, > BLOCK, not multiples:
+    packed) or fill whole blocks (BLOCK, 2 BLOCK as a matrix: read in place). (Edge placement is test_histogram_edges_and_clipping_match_numpy's job: here
     jitted and numpy r differ by an ulp, XLA turning x / c into x * (1/c).)"""
     rng = np.random.default_rng(7)
-    shapes = {"a": (1,), "b": (3, 5), "c": (T.BLOCK,), "d": (T.BLOCK + 37,), "e": (9, 300)}
+    shapes = {"a": (1,), "b": (3, 5), "c": (T.BLOCK,), "d": (T.BLOCK + 37,), "e": (9, 300),
+              "f": (4, T.BLOCK // 2)}
     t, b1, b2 = 4, 0.9, 0.95
     g, mu, nu, mp, p = ({k: rng.normal(size=s) * sc for k, s in shapes.items()}
                         for sc in (1.0, 0.3, 1.0, 0.3, 1.0))
