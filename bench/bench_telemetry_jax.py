@@ -17,13 +17,18 @@ batch grows: `--batch 32` is configs/toy_spike.toml's batch (the study's spiking
 
 Measured (2-core shared VM, one core, 2026-12-03; the machine's speed drifted by 40 %
 between runs): the packed layout with 13 minor-axis reductions cost 0.95-1.15 ms per step
-(paired 1.07-1.08 on a 9-14 ms step). Now (one variadic column reduce, no padding mask for
-a static eps > 0, the clip factor applied inside the packed computation instead of 21
-scaled gradient copies): telemetry paired 1.032 / 1.043 / 1.046 / 1.055 in four runs
-(about 0.4-0.6 ms), hist/10 1.039-1.053, histograms on every step 1.09-1.12; at batch 32
-(configs/toy_spike.toml) 1.034, hist/10 1.037. The 5 % target is met in most runs, not in
-all: what remains is XLA:CPU packing five 111,616-element arrays (~0.25 ms) and the fused
-pass over them.
+(paired 1.07-1.08 on a 9-14 ms step). With one variadic column reduce over the packed
+array (no padding mask for a static eps > 0, the clip factor applied inside the packed
+computation): paired 1.032 / 1.043 / 1.046 / 1.055 in four runs. Now the 16 whole-block
+tensors of the tiny model are read in place and only the five norm vectors are packed,
+and r is optax's own expression, which XLA computes once for the update and the
+telemetry. In one process, against the previous code (three compiled programs, 40
+interleaved repeats, five runs): previous 1.050-1.070, now 1.021-1.046 (one run 1.072
+against 1.070), now / previous 0.974-0.999. This script, four runs: paired 1.030 / 1.048
+/ 1.051 / 1.052, hist/10 1.036-1.056, histograms on every step 1.09-1.10; at batch 32
+(configs/toy_spike.toml) 1.020, hist/10 1.023. The 5 % target is met at batch 32 and in
+some runs at batch 16, not in all: what remains is one fused pass per tensor over g,
+m, v, m_prev, p and r (~0.3-0.45 ms), which runs to 5 % of the 9-11 ms step at batch 16.
 
     taskset -c 0 python bench/bench_telemetry_jax.py [--preset tiny] [--batch 16] [--seq 32]
                                                      [--repeats 31] [--steps 10]

@@ -114,8 +114,9 @@ def test_layer_columns_shape_error():
 
 def _odd_sized_state(dtype, eps):
     """A pytree whose sizes straddle the packing block (1, < BLOCK, > BLOCK, not multiples:
-    packed) or fill whole blocks (BLOCK, 2 BLOCK as a matrix: read in place). (Edge placement is test_histogram_edges_and_clipping_match_numpy's job: here
-    jitted and numpy r differ by an ulp, XLA turning x / c into x * (1/c).)"""
+    packed) or fill whole blocks (BLOCK, and 2 BLOCK as a matrix: read in place). (Edge
+    placement is test_histogram_edges_and_clipping_match_numpy's job: here jitted and numpy
+    r differ by an ulp, XLA turning x / c into x * (1/c).)"""
     rng = np.random.default_rng(7)
     shapes = {"a": (1,), "b": (3, 5), "c": (T.BLOCK,), "d": (T.BLOCK + 37,), "e": (9, 300),
               "f": (4, T.BLOCK // 2)}
@@ -132,8 +133,9 @@ def _odd_sized_state(dtype, eps):
 @pytest.mark.parametrize("eps", [1e-2, 0.0])
 @pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 2e-5), (jnp.float64, 1e-12)])
 def test_packed_layout_odd_sizes(dtype, rtol, eps):
-    """The packed (block-padded) computation equals the numpy reference per tensor for sizes
-    that do not fill whole blocks: padding adds nothing to any sum or histogram."""
+    """The packed (block-padded) and in-place computations equal the numpy reference per
+    tensor, for sizes that do not fill whole blocks (padding adds nothing to any sum or
+    histogram) and for those that do."""
     with jax.enable_x64(dtype == jnp.float64):
         g, prev, new, params, b1, b2 = _odd_sized_state(dtype, eps)
         sums, hists = jax.jit(T.step_telemetry, static_argnames="with_hist")(
@@ -150,7 +152,7 @@ def test_packed_layout_odd_sizes(dtype, rtol, eps):
                                           np.asarray(params[k]), eps)
             np.testing.assert_array_equal(sums[i, [0, 7, 8]], want[[0, 7, 8]], err_msg=k)
             np.testing.assert_allclose(sums[i], want, rtol=rtol, atol=0, err_msg=k)
-            # the packed histogram equals that of this tensor's own (jitted) r alone
+            # the histogram equals that of this tensor's own (jitted) r alone
             r = r_jit(new.mu[k], new.nu[k])
             np.testing.assert_array_equal(hists[i], np.asarray(T.hist_counts(r)), err_msg=k)
             if dtype == jnp.float64:
