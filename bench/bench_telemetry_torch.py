@@ -21,10 +21,12 @@ every and every+hist), and the one-time
 compilation seconds (paid at the first logged step; inductor caches it on disk).
 
     python bench/bench_telemetry_torch.py [--repeats 30] [--threads 1] [--presets tiny small]
+                                          [--batch 16] [--seq-lens 32 64]
 
 The telemetry cost is per parameter (one fused pass over g, m, v, p of each local shard),
-independent of the tokens in the step, so the ratio falls as tokens per step grow: try
-`--presets small --batch 64 --seq-len 128`.
+independent of the tokens in the step, so the ratio falls as tokens per step grow. Both
+sequence lengths are measured by default: 32 is configs/tiny.toml's (and the trainer's
+default) 16 x 32 batch, 64 doubles the tokens; try `--presets small --batch 64 --seq-lens 128`.
 """
 
 from __future__ import annotations
@@ -81,15 +83,17 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[32, 64])
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), batch {args.batch} x "
-          f"{args.seq_len} tokens, median of {args.repeats} interleaved repeats")
+    print(f"torch {torch.__version__}, {args.threads} thread(s), batch {args.batch} sequences, "
+          f"median of {args.repeats} interleaved repeats")
     print(f"{'preset':8s} {'tensors':>7s} {'clock':>5s} " + " ".join(f"{v + ' ms':>14s}" for v in VARIANTS)
           + "   " + " ".join(f"{'ratio ' + v:>16s}" for v in VARIANTS[1:]))
-    for preset in args.presets:
-        model, opt, tel, x = make_setup(preset, args.batch, min(args.seq_len, PRESETS[preset].max_seq_len))
+    for preset, seq_len in [(pr, sl) for pr in args.presets for sl in args.seq_lens]:
+        seq_len = min(seq_len, PRESETS[preset].max_seq_len)
+        model, opt, tel, x = make_setup(preset, args.batch, seq_len)
+        label = f"{preset}/{seq_len}"
         times = {v: ([], []) for v in VARIANTS}
         hist_steps = ([], [])          # hist/10's steps that drew histograms
         paired = {v: [] for v in VARIANTS}   # per repeat: cpu time / that repeat's "off"
@@ -110,13 +114,13 @@ def main(argv=None) -> int:
                     into = hist_steps if v == "hist/10" and (r + 1) % 10 == 0 else times[v]
                     into[0].append(wall)
                     into[1].append(cpu)
-            print(f"\r{preset}: repeat {r + 1}/{args.warmup + args.repeats}", end="", file=sys.stderr)
+            print(f"\r{label}: repeat {r + 1}/{args.warmup + args.repeats}", end="", file=sys.stderr)
         print("\r", end="", file=sys.stderr)
         for k, clock in enumerate(("wall", "cpu")):
             med = {v: statistics.median(t[k]) * 1e3 for v, t in times.items()}
             if hist_steps[k]:
                 med["hist/10"] += (statistics.median(hist_steps[k]) * 1e3 - med["hist/10"]) / 10
-            print(f"{preset:8s} {len(tel['every'].names):7d} {clock:>5s} "
+            print(f"{label:8s} {len(tel['every'].names):7d} {clock:>5s} "
                   + " ".join(f"{med[v]:14.2f}" for v in VARIANTS)
                   + "   " + " ".join(f"{med[v] / med['off']:16.3f}" for v in VARIANTS[1:]))
         # neighbours in one repeat share the machine's state: the median of their ratios is
@@ -124,9 +128,9 @@ def main(argv=None) -> int:
         ratio = {v: statistics.median(a / b for a, b in zip(paired[v], paired["off"]))
                  for v in VARIANTS[1:] if v != "hist/10"}
         ratio["hist/10"] = ratio["every"] + (ratio["every+hist"] - ratio["every"]) / 10
-        print(f"{preset:8s} {'':7s} {'paired':>5s} {'':74s}   " + " ".join(
+        print(f"{label:8s} {'':7s} {'paired':>5s} {'':74s}   " + " ".join(
             f"{ratio[v]:16.3f}" if v in ratio else f"{'-':>16s}" for v in VARIANTS[1:]))
-        print(f"{preset:8s} compiling the kernels (first logged steps): {compile_s:.1f} s")
+        print(f"{label:8s} compiling the kernels (first logged steps): {compile_s:.1f} s")
     return 0
 
 

@@ -35,7 +35,8 @@ which are corrected by the known pad counts. On histogram steps a second kernel,
 
 Speed: `tensor_sums` and `bin_index` are compiled by inductor (one fused loop that
 reads g, m, v, p once, instead of ~25 whole-chunk passes that write temporaries; on the
-tiny CPU step the overhead fell from 3-3.5 ms eager to 0.7-1.7 ms, paired ratio 1.034-1.050,
+tiny CPU step the overhead fell from 3-3.5 ms eager to 0.7-1.7 ms, paired ratio 1.023-1.050
+at 16 x 64 tokens and 1.056-1.073 at the trainer's default 16 x 32 (the target is 1.05),
 see bench/bench_telemetry_torch.py; calling inductor's code directly instead of through
 torch.compile saved ~0.1 ms per call), by default (`compile="auto"`) on cpu and cuda; npu runs
 them eagerly (the same functions, op by op). The first logged step pays
