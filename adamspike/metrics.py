@@ -33,6 +33,8 @@ METRIC_NAMES = ("grad_rms", "rho", "update_rms", "rms_t", "sat_frac", "eps_frac"
 SUM_FIELDS = ("n", "g2", "r1", "r2", "r3", "r4", "g2_over_v", "sat", "eps_small",
               "m_hat2", "v_hat", "g_mprev", "mprev2", "p2")
 
+_COLUMN = {k: i for i, k in enumerate(SUM_FIELDS)}
+
 HIST_EDGES = np.linspace(-1.6, 1.6, 65)
 NUM_HIST_BINS = len(HIST_EDGES) - 1
 
@@ -69,25 +71,26 @@ def finalize(sums, eps: float) -> dict[str, float]:
     """Metrics from (all-reduced) SUM_FIELDS sums. `sums` is a sequence in SUM_FIELDS order
     or an array of shape (num_tensors, len(SUM_FIELDS)), giving arrays per metric."""
     s = np.asarray(sums, dtype=np.float64)
-    f = {k: s[..., i] for i, k in enumerate(SUM_FIELDS)}
-    n = f["n"]
+    c = _COLUMN
     with np.errstate(divide="ignore", invalid="ignore"):
-        grad_rms = np.sqrt(f["g2"] / n)
+        per_n = s / s[..., :1]   # every sum / n in one pass (small arrays: calls are the cost)
+        grad_rms = np.sqrt(per_n[..., c["g2"]])
+        g2, mprev2 = s[..., c["g2"]], s[..., c["mprev2"]]
         out = {
             "grad_rms": grad_rms,
             "rho": grad_rms / eps if eps > 0 else np.full_like(grad_rms, np.inf),
-            "update_rms": np.sqrt(f["r2"] / n),
-            "rms_t": np.sqrt(f["g2_over_v"] / n),
-            "sat_frac": f["sat"] / n,
-            "eps_frac": f["eps_small"] / n,
-            "r_mean": f["r1"] / n,
-            "r_m2": f["r2"] / n,
-            "r_m3": f["r3"] / n,
-            "r_m4": f["r4"] / n,
-            "m_v_ratio": np.sqrt(f["m_hat2"] / f["v_hat"]),
-            "grad_mom_cos": np.where((f["g2"] > 0) & (f["mprev2"] > 0),
-                                     f["g_mprev"] / np.sqrt(f["g2"] * f["mprev2"]), np.nan),
-            "param_rms": np.sqrt(f["p2"] / n),
+            "update_rms": np.sqrt(per_n[..., c["r2"]]),
+            "rms_t": np.sqrt(per_n[..., c["g2_over_v"]]),
+            "sat_frac": per_n[..., c["sat"]],
+            "eps_frac": per_n[..., c["eps_small"]],
+            "r_mean": per_n[..., c["r1"]],
+            "r_m2": per_n[..., c["r2"]],
+            "r_m3": per_n[..., c["r3"]],
+            "r_m4": per_n[..., c["r4"]],
+            "m_v_ratio": np.sqrt(s[..., c["m_hat2"]] / s[..., c["v_hat"]]),
+            "grad_mom_cos": np.where((g2 > 0) & (mprev2 > 0),
+                                     s[..., c["g_mprev"]] / np.sqrt(g2 * mprev2), np.nan),
+            "param_rms": np.sqrt(per_n[..., c["p2"]]),
         }
     if s.ndim == 1:
         return {k: float(v) for k, v in out.items()}

@@ -33,19 +33,25 @@ Padding contributes 0 to every term but `sqrt(v_hat) < eps` and the histogram's 
 which are corrected by the known pad counts. On histogram steps a second kernel,
 `bin_index`, gives every element's bin (offset by 64 x its tensor), counted by one bincount.
 
-Speed: `tensor_sums` and `bin_index` are compiled by inductor (one fused loop that
-reads g, m, v, p once, instead of ~25 whole-chunk passes that write temporaries; on the
-tiny CPU step the overhead fell from 3-3.5 ms eager to 0.7-1.7 ms, paired ratio 1.023-1.050
-at 16 x 64 tokens and 1.056-1.073 at the trainer's default 16 x 32 (the target is 1.05),
-see bench/bench_telemetry_torch.py; calling inductor's code directly instead of through
-torch.compile saved ~0.1 ms per call), by default (`compile="auto"`) on cpu and cuda; npu runs
-them eagerly (the same functions, op by op). The first logged step pays
-the compilation (~5 s on CPU for the tiny model; cached on disk by inductor for later
-runs); if compiling fails (no C++ compiler, no triton, ...) the trainer warns once and
-runs eagerly. TORCHDYNAMO_DISABLE=1 or ADAMSPIKE_TELEMETRY_COMPILE=off also make
-"auto" run them eagerly (the test suite sets the latter). Memory: the (4, width)
-buffer in the compute dtype (bounded by max_elements, kept between logged steps) plus the
-kernels' (13, width / 256) outputs; int64 bin indices on histogram steps.
+Speed: by default (`compile="auto"`: cpu and cuda) the kernels are compiled. On cpu the
+sums and histograms come from fullscale.cpu_kernel's native multi-tensor loop, which reads
+g, m, v, p in place (no buffer, no padding) with the same elementwise operations and block
+sums; on cuda (and on cpu when the native kernel cannot be built, or the tensors are not
+contiguous float32 / float64) `tensor_sums` and `bin_index` are compiled by inductor (one
+fused loop that reads the buffer once, instead of ~25 whole-chunk passes that write
+temporaries; calling inductor's code directly instead of through torch.compile saves ~0.1
+ms per call). npu runs them eagerly (the same functions, op by op). On the tiny CPU step
+(bench/bench_telemetry_torch.py, 16 x 32 tokens, 8.3-9 ms) telemetry costs 0.45-0.5 ms with
+the native kernel (paired ratio 1.046-1.053; hist/10 1.053-1.056), against 0.6-0.7 ms
+(1.056-1.073) with inductor's kernels and 3-3.5 ms eager; a histogram step adds 0.2 ms
+(inductor: 1.4 ms). The first logged step pays the build: the native kernel's C compile
+(~1.5 s, once per machine and source version, cached on disk) or inductor's compilation (~5 s on CPU for the
+tiny model; cached on disk by inductor for later runs); if compiling fails (no C / C++
+compiler, no triton, ...) the trainer warns once and falls back (native -> inductor ->
+eager). TORCHDYNAMO_DISABLE=1 or ADAMSPIKE_TELEMETRY_COMPILE=off also make "auto" run the
+kernels eagerly (the test suite sets the latter). Memory: the (4, width) buffer in the
+compute dtype (bounded by max_elements, kept between logged steps; unused by the native
+path) plus the kernels' (13, width / 256) outputs; int64 bin indices on histogram steps.
 
 Precision: elementwise math in the compute dtype, `precision` = "float32" (default, like
 the JAX side and npu, where float64 kernels are not dependable) or "float64" (the same
@@ -391,6 +397,17 @@ class Telemetry:
             self._base[:, _COL["eps_small"]] = -self._pad
         self._tensor_sums = _Kernel(tensor_sums, compile, dev)
         self._bin_index = _Kernel(bin_index, compile, dev)
+        # compiled kernels on cpu: sums and histograms by the native multi-tensor kernels,
+        # which read the tensors in place (fullscale.cpu_kernel; no padding to correct)
+        self._native = None
+        if dev.type == "cpu" and self._tensor_sums.compiled is not None:
+            from fullscale import cpu_kernel
+
+            lib = cpu_kernel.load()
+            if lib is not None:
+                self._native = cpu_kernel.NativeSums(lib, self.dtype, self.edges)
+                self._native_base = torch.zeros_like(self._base)
+                self._native_base[:, _COL["n"]] = self._n
         self._fresh: list[bool] | None = None
 
     def _bias_correction_table(self, steps) -> torch.Tensor:
@@ -403,6 +420,28 @@ class Telemetry:
         t = [int(k) for k in steps]
         return torch.tensor([[1 - self.b1 ** k for k in t], [1 - self.b2 ** k for k in t]],
                             dtype=self.dtype, device=self.device)
+
+    def _sums_in_chunks(self, sources, steps, with_hist: bool) -> torch.Tensor:
+        """The table (NUM_SUMS [+ NUM_HIST_BINS] columns) through the chunked buffer: copy
+        in, then the `tensor_sums` (and `bin_index`) kernels per chunk."""
+        bc = self._bias_correction_table(steps)
+        table, hist = self._base, None
+        for c in self.chunks:
+            if len(self.chunks) > 1:
+                c.clear_padding()
+            for k, src in enumerate(sources):
+                c.copy_in(k, src)
+            table = self._tensor_sums(c.x, bc, c.block_tensor, table, self.b1, self.eps)
+            if with_hist:
+                idx = self._bin_index(c.x, bc, c.block_tensor, self.edges, self.eps)
+                counts = torch.bincount(idx, minlength=len(self.params) * NUM_HIST_BINS)
+                hist = counts if hist is None else hist + counts
+        if with_hist:    # the padding's r = 0 sits in the bin of 0
+            hist = hist.view(len(self.params), NUM_HIST_BINS).double()
+            hist[:, _ZERO_BIN] -= self._pad
+            return torch.cat([table, hist], 1)
+        # no chunk (no parameters): do not hand out the base
+        return table.clone() if table is self._base else table
 
     def active(self, step: int) -> bool:
         return step % self.every == 0
@@ -432,28 +471,16 @@ class Telemetry:
                    [st["exp_avg_sq"] for st in sts], self.params)
         if self._dtensors:   # FSDP2: the local shards
             sources = tuple([_local(x) for x in src] for src in sources)
-        bc = self._bias_correction_table([st["step"] for st in sts])
-        table = self._base
-        hist = None
-        for c in self.chunks:
-            if len(self.chunks) > 1:
-                c.clear_padding()
-            for k, src in enumerate(sources):
-                c.copy_in(k, src)
-            table = self._tensor_sums(c.x, bc, c.block_tensor, table, self.b1, self.eps)
-            if with_hist:
-                idx = self._bin_index(c.x, bc, c.block_tensor, self.edges, self.eps)
-                counts = torch.bincount(idx, minlength=len(self.params) * NUM_HIST_BINS)
-                hist = counts if hist is None else hist + counts
+        steps = [st["step"] for st in sts]
+        table = None
+        if self._native is not None:   # None when the tensors do not qualify
+            table = self._native(sources, steps, self._native_base, self.b1, self.b2, self.eps,
+                                 hist=with_hist)
+        if table is None:
+            table = self._sums_in_chunks(sources, steps, with_hist)
         if any(fresh):   # m_prev = 0 exactly (m_t - (1 - b1) g is rounding noise)
             table = table.clone()
             table[torch.tensor(fresh, device=self.device), _COL["g_mprev"]:_COL["mprev2"] + 1] = 0.0
-        if with_hist:    # the padding's r = 0 sits in the bin of 0
-            hist = hist.view(len(self.params), NUM_HIST_BINS).double()
-            hist[:, _ZERO_BIN] -= self._pad
-            table = torch.cat([table, hist], 1)
-        elif table is self._base:   # no chunk (no parameters): do not hand out the base
-            table = table.clone()
         _all_reduce(table, self.group)
         table = table.cpu().numpy()
         sums = table[:, :NUM_SUMS]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from adamspike.llama import PRESETS, spec_by_name
-from adamspike.metrics import (HIST_EDGES, METRIC_NAMES, SAT_THRESHOLD, histogram,
+from adamspike.metrics import (HIST_EDGES, METRIC_NAMES, SAT_THRESHOLD, SUM_FIELDS, histogram,
                                reference_metrics, update_direction)
 from adamspike.train_config import OptimSection
 from fullscale.model import Transformer
@@ -107,15 +107,22 @@ def check_against_reference(columns, hists, i, ref, precision, where=""):
 
 
 # 1000: tensors split across chunks and chunks shared by tensors (bounded temporaries)
-@pytest.mark.parametrize("precision,compile", [("float32", "on"), ("float32", "off"), ("float64", "off")])
+# compile "on" on cpu: sums by the native kernel (fullscale.cpu_kernel), or with native
+# False by the inductor kernels (what cuda runs, and cpu when the native kernel is missing)
+@pytest.mark.parametrize("precision,compile,native", [
+    ("float32", "on", True), ("float32", "on", False), ("float32", "off", False),
+    ("float64", "on", True), ("float64", "off", False)])
 @pytest.mark.parametrize("max_elements", [DEFAULT_MAX_ELEMENTS, 1000])
-def test_metrics_equal_numpy_reference_unsharded(max_elements, precision, compile):
+def test_metrics_equal_numpy_reference_unsharded(max_elements, precision, compile, native):
     torch.manual_seed(0)
     model = Transformer(TINY)
     model.init_weights(torch.Generator().manual_seed(0))
     opt = build_optimizer(model, OPTIM)
     tel = Telemetry(opt, spec_by_name(TINY), every=1, hist_every=2, max_elements=max_elements,
                     precision=precision, compile=compile)
+    assert (tel._native is not None) == (compile == "on")
+    if not native:
+        tel._native = None
     named = list(model.named_parameters())
     gen = torch.Generator().manual_seed(1)
     checked = 0
@@ -140,10 +147,91 @@ def test_metrics_equal_numpy_reference_unsharded(max_elements, precision, compil
                 checked += 1
     assert checked == 4 * len(named)
     assert (tel._tensor_sums.compiled is not None) == (compile == "on")
+    if native:   # sums and histograms never went through the inductor kernels
+        assert tel._native is not None and not tel._tensor_sums.compiled
+        assert not tel._bin_index.compiled
     # the run exercised the interesting regimes, not only one corner
     sat, eps_frac = out.columns["sat_frac"], out.columns["eps_frac"]
     assert 0 < sat.max() and sat.min() < 1 and eps_frac.max() > 0
     assert np.isnan(out.columns["grad_mom_cos"]).sum() == 0
+
+
+def _trained_tiny(eps=OPTIM.eps, steps=3):
+    model = Transformer(TINY)
+    model.init_weights(torch.Generator().manual_seed(0))
+    opt = build_optimizer(model, OptimSection(lr=1e-2, eps=eps, grad_clip=0.5))
+    x = torch.randint(0, TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+@pytest.mark.parametrize("eps", [1e-4, 0.0])
+def test_native_kernel_equals_inductor_kernel(eps, precision):
+    """The native multi-tensor kernels perform the inductor kernels' operations per element:
+    the same r, so the same histograms, bit for bit; the counts of the sums exactly; the
+    other sums to rounding (the two add a block's elements in a different order: float64
+    measured <= 5e-15 relative)."""
+    model, opt = _trained_tiny(eps)
+    kw = dict(precision=precision, compile="on", hist_every=1)
+    native = Telemetry(opt, spec_by_name(TINY), **kw)
+    inductor = Telemetry(opt, spec_by_name(TINY), **kw)
+    inductor._native = None
+    for tel in (native, inductor):
+        tel.before_step(4)
+    opt.step()
+    a, b = native.after_step(4), inductor.after_step(4)
+    assert native._native is not None and inductor._tensor_sums.compiled
+    np.testing.assert_array_equal(a.hists, b.hists)
+    assert (a.hists.sum(1) == native.numel).all()
+    finite = np.isfinite(b.sums)
+    np.testing.assert_array_equal(np.isfinite(a.sums), finite)
+    rtol = 1e-12 if precision == "float64" else 1e-5
+    np.testing.assert_allclose(a.sums[finite], b.sums[finite], rtol=rtol, atol=0)
+    counts = [SUM_FIELDS.index(f) for f in ("n", "sat", "eps_small")]
+    np.testing.assert_array_equal(a.sums[:, counts], b.sums[:, counts])
+
+
+def test_native_kernel_declines_what_it_cannot_read():
+    """Non-contiguous, mixed-dtype or mis-sized tensors, a missing gradient or steps that
+    are not tensors: the native kernel returns None (the trainer then copies into the
+    inductor / eager kernels' buffer)."""
+    from fullscale import cpu_kernel
+
+    model, opt = _trained_tiny()
+    tel = Telemetry(opt, spec_by_name(TINY), compile="on")
+    params = tel.params
+    sts = [opt.state[p] for p in params]
+    sources = [[p.grad for p in params], [s["exp_avg"] for s in sts],
+               [s["exp_avg_sq"] for s in sts], params]
+    steps = [s["step"] for s in sts]
+    call = lambda src, st=steps: tel._native(src, st, tel._native_base, 0.9, 0.95, 1e-4)  # noqa: E731
+    assert call(sources) is not None
+    w = next(i for i, p in enumerate(params) if p.ndim == 2)
+    for k, bad in ((0, sources[0][w].t()), (1, sources[1][w].double()), (0, None),
+                   (2, sources[2][w][:1])):
+        src = [list(x) for x in sources]
+        src[k][w] = bad
+        assert call(src) is None
+    assert call(sources, [torch.tensor([float(s)]) for s in range(len(steps))]) is not None
+    assert call(sources, [int(s) for s in steps]) is None
+    assert isinstance(tel._native, cpu_kernel.NativeSums)
+
+
+def test_native_kernel_unavailable_is_a_warning_and_the_other_kernels_run(tmp_path, monkeypatch):
+    from fullscale import cpu_kernel
+
+    monkeypatch.setenv("ADAMSPIKE_KERNEL_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_kernel, "_LOADED", {})
+    model, opt = _trained_tiny()
+    with pytest.warns(RuntimeWarning, match="native CPU sums kernel is unavailable"):
+        tel = Telemetry(opt, spec_by_name(TINY), compile="on")
+    assert tel._native is None and tel._tensor_sums.compiled is not None
+    assert not list((tmp_path / "kernels").glob("*.so"))
 
 
 def test_plan_chunks_covers_every_element_once_within_the_bound():
