@@ -15,12 +15,17 @@ NaN in the last bin), branch-free so that it vectorises, counted into four inter
 tables. The tensors come from L3 or memory (the optimizer's passes have evicted most of
 them from L2): the loop prefetches PF blocks ahead, and the next tensor's first blocks.
 
-Measured on the tiny model (106,816 elements, 2-core Xeon VM, float32): 0.19 ms per call
-with the data in cache, 0.35-0.38 ms in-step; the histogram adds 0.15 ms (the inductor
-path: copy-in 0.4 ms + sums kernel 0.43 ms, and 1.4 ms for a histogram step). The
-arithmetic is divider-bound (five divisions and a square root per element); multiplying by
-the reciprocals of 1 - b^t and b1 instead would save 0.04 ms in cache and nothing
-measurable in-step, so the kernel keeps the divisions of `block_sums`.
+Measured on the tiny model (106,816 elements, 2-core Xeon VM, float32): the C loop takes
+0.19 ms with the data in cache and 0.21 ms in-step (0.3 ms before prefetching); the
+histogram adds 0.15 ms. In-step the Python around it cost as much as the loop: numpy's
+array constructors alone took 78 us with cold caches, so the pointers travel in ctypes
+arrays built from plain lists (the call: 0.38 -> 0.29 ms). The inductor path took 0.4 ms
+to copy into its buffer, 0.43 ms for the sums kernel and 1.4 ms more on a histogram step.
+The loop is divider-bound (five divisions and a square root per element). Tried: float32
+reciprocals of 1 - b^t and b1 (0.15 ms in cache, but not the same rounding as a division)
+and their exact form, x * (1 / (double)c) rounded to float, which is x / c correctly
+rounded (checked for every finite float32 x and 15 divisors c) but slower (0.23 ms): the
+kernel keeps the divisions of `block_sums`.
 
 The C source is compiled on first use with the system C compiler ($CC, else cc) at -O3
 for this machine's instruction set, and kept in $ADAMSPIKE_KERNEL_DIR (default
@@ -49,7 +54,6 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from adamspike.metrics import HIST_EDGES, NUM_HIST_BINS, SAT_THRESHOLD, SUM_FIELDS
@@ -258,7 +262,12 @@ class NativeSums:
     def __init__(self, lib, dtype: torch.dtype, edges: torch.Tensor):
         """edges: HIST_EDGES rounded up to `dtype` (fullscale.telemetry's `_edges`)."""
         assert edges.dtype == dtype and edges.is_cpu and edges.numel() == NUM_HIST_BINS + 1
-        self.lib, self.dtype, self.edges = lib, dtype, edges.contiguous()
+        self.dtype, self.edges = dtype, edges.contiguous()
+        self._fns = {(input_dt, hist): getattr(lib, ("tensor_sums_hist_" if hist else "tensor_sums_")
+                                               + suffix)
+                     for (input_dt, compute_dt), suffix in KERNELS.items() if compute_dt == dtype
+                     for hist in (False, True)}
+        self._lo, self._width = float(HIST_EDGES[0]), float(HIST_EDGES[1] - HIST_EDGES[0])
 
     def __call__(self, sources, steps, acc: torch.Tensor, b1: float, b2: float, eps: float,
                  hist: bool = False) -> torch.Tensor | None:
@@ -266,10 +275,15 @@ class NativeSums:
         steps: each tensor's Adam step, a one-element CPU tensor (AdamW's state["step"]),
         all float32 or all float64; acc: (num_tensors, NUM_SUMS) float64, not modified.
         Returns a new float64 table: acc + the sums in columns 1.., and with `hist` the
-        NUM_HIST_BINS counts of r after them (exact integers)."""
-        dt = sources[0][0].dtype if sources[0] and sources[0][0] is not None else None
-        suffix = KERNELS.get((dt, self.dtype))
-        if suffix is None or any(len(src) != len(steps) for src in sources):
+        NUM_HIST_BINS counts of r after them (exact integers).
+
+        Called every logged step: in-step, with cold caches, each Python-level call costs
+        (numpy's array constructors took 78 us of it), so the pointers go to C in ctypes
+        arrays built from plain lists."""
+        num = len(steps)
+        dt = sources[0][0].dtype if num and sources[0][0] is not None else None
+        fn = self._fns.get((dt, hist))
+        if fn is None or any(len(src) != num for src in sources):
             return None
         ptrs, sizes = [], []
         for src in sources:
@@ -278,29 +292,23 @@ class NativeSums:
                     return None
                 ptrs.append(t.data_ptr())
                 sizes.append(t.numel())
-        if not all(type(k) is torch.Tensor for k in steps):   # e.g. plain ints
+        step_dt = steps[0].dtype if type(steps[0]) is torch.Tensor else None
+        if step_dt not in (torch.float32, torch.float64):
             return None
-        step_dt = steps[0].dtype if steps else torch.float32
-        for k in steps:
-            if (k.dtype is not step_dt or not k.is_cpu
-                    or k.numel() != 1 or step_dt not in (torch.float32, torch.float64)):
+        for k in steps:   # each a one-element CPU tensor (not an int: AdamW's tensor steps)
+            if type(k) is not torch.Tensor or k.dtype is not step_dt or not k.is_cpu or k.numel() != 1:
                 return None
             ptrs.append(k.data_ptr())
-        sizes = np.array(sizes, dtype=np.int64).reshape(len(sources), -1)
-        if (sizes != sizes[0]).any():   # the kernel reads numel elements of each
-            return None
-        numel = sizes[0]
-        ptrs = np.array(ptrs, dtype=np.int64).reshape(len(sources) + 1, -1)
-        g, m, v, p, st = (row.ctypes.data for row in ptrs)
-        step_f64 = int(step_dt == torch.float64)
-        num = len(numel)
-        table = (torch.cat([acc, acc.new_zeros((num, NUM_HIST_BINS))], 1) if hist
-                 else acc.clone())
-        assert table.is_contiguous() and table.dtype == torch.float64 and acc.shape[1] == NUM_TERMS + 1
-        stride, base, size = table.shape[1], table.data_ptr(), table.element_size()
-        lo, width = float(HIST_EDGES[0]), float(HIST_EDGES[1] - HIST_EDGES[0])
-        getattr(self.lib, ("tensor_sums_hist_" if hist else "tensor_sums_") + suffix)(
-            num, g, m, v, p, numel.ctypes.data, st, step_f64, float(b1), float(b2), float(eps),
-            base + size, stride, self.edges.data_ptr(), lo, width,
-            base + size * (NUM_TERMS + 1) if hist else None)
+        numel = sizes[:num]
+        if any(sizes[j * num:(j + 1) * num] != numel for j in range(1, len(sources))):
+            return None   # the kernel reads numel elements of each
+        ptr_array = (ctypes.c_int64 * len(ptrs))(*ptrs)
+        numel_array = (ctypes.c_int64 * num)(*numel)
+        at = ctypes.addressof(ptr_array)
+        table = torch.cat([acc, acc.new_zeros((num, NUM_HIST_BINS))], 1) if hist else acc.clone()
+        stride, base = table.shape[1], table.data_ptr()
+        fn(num, at, at + 8 * num, at + 16 * num, at + 24 * num, ctypes.addressof(numel_array),
+           at + 32 * num, int(step_dt == torch.float64), float(b1), float(b2), float(eps),
+           base + 8, stride, self.edges.data_ptr(), self._lo, self._width,
+           base + 8 * (NUM_TERMS + 1) if hist else None)
         return table

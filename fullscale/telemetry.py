@@ -41,14 +41,14 @@ contiguous float32 / float64) `tensor_sums` and `bin_index` are compiled by indu
 fused loop that reads the buffer once, instead of ~25 whole-chunk passes that write
 temporaries; calling inductor's code directly instead of through torch.compile saves ~0.1
 ms per call). npu runs them eagerly (the same functions, op by op). On the tiny CPU step
-(bench/bench_telemetry_torch.py, 16 x 32 tokens, 8.3-9 ms) telemetry costs 0.45-0.5 ms with
-the native kernel (paired ratio 1.046-1.053; hist/10 1.053-1.056), against 0.6-0.7 ms
-(1.056-1.073) with inductor's kernels and 3-3.5 ms eager; a histogram step adds 0.2 ms
-(inductor: 1.4 ms). The first logged step pays the build: the native kernel's C compile
-(~1.5 s, once per machine and source version, cached on disk) or inductor's compilation (~5 s on CPU for the
-tiny model; cached on disk by inductor for later runs); if compiling fails (no C / C++
-compiler, no triton, ...) the trainer warns once and falls back (native -> inductor ->
-eager). TORCHDYNAMO_DISABLE=1 or ADAMSPIKE_TELEMETRY_COMPILE=off also make "auto" run the
+(bench/bench_telemetry_torch.py, 16 x 32 tokens, 8.5-9 ms) telemetry costs ~0.45 ms with
+the native kernel (paired ratio 1.054; hist/10 1.056), against 1.093-1.098 with inductor's
+kernels and 1.29 eager; a histogram step adds 0.2 ms (inductor: 1.4 ms); at 16 x 64,
+1.030-1.035 (inductor 1.06-1.08). The first logged step pays the build: the native
+kernel's C compile (~1.5 s, once per machine and source version, cached on disk) or
+inductor's compilation (~5 s on CPU for the tiny model; cached on disk by inductor for
+later runs); if compiling fails (no C / C++ compiler, no triton, ...) the trainer warns
+once and falls back (native -> inductor -> eager). TORCHDYNAMO_DISABLE=1 or ADAMSPIKE_TELEMETRY_COMPILE=off also make "auto" run the
 kernels eagerly (the test suite sets the latter). Memory: the (4, width) buffer in the
 compute dtype (bounded by max_elements, kept between logged steps; unused by the native
 path) plus the kernels' (13, width / 256) outputs; int64 bin indices on histogram steps.
@@ -443,6 +443,12 @@ class Telemetry:
         # no chunk (no parameters): do not hand out the base
         return table.clone() if table is self._base else table
 
+    def _states(self) -> list:
+        """Each parameter's optimizer state dict (None where it has none), by identity:
+        `state[p]` would call the Python-level Tensor.__hash__ once per tensor."""
+        by_id = {id(k): v for k, v in self.optimizer.state.items()}
+        return [by_id.get(id(p)) for p in self.params]
+
     def active(self, step: int) -> bool:
         return step % self.every == 0
 
@@ -454,8 +460,8 @@ class Telemetry:
         if not self.active(step):
             self._fresh = None
             return
-        state = self.optimizer.state
-        self._fresh = [p not in state or "exp_avg" not in state[p] for p in self.params]
+        sts = self._states()
+        self._fresh = [st is None or "exp_avg" not in st for st in sts]
 
     @torch.no_grad()
     def after_step(self, step: int) -> StepTelemetry | None:
@@ -465,8 +471,11 @@ class Telemetry:
             raise RuntimeError(f"telemetry: before_step({step}) was not called before the step")
         fresh, self._fresh = self._fresh, None
         with_hist = self.hist_active(step)
-        state = self.optimizer.state
-        sts = [state[p] for p in self.params]
+        sts = self._states()
+        if any(st is None for st in sts):
+            missing = [n for n, st in zip(self.names, sts) if st is None]
+            raise RuntimeError(f"telemetry: no optimizer state after the step for {missing[:5]} "
+                               "(a parameter without a gradient?)")
         sources = ([p.grad for p in self.params], [st["exp_avg"] for st in sts],
                    [st["exp_avg_sq"] for st in sts], self.params)
         if self._dtensors:   # FSDP2: the local shards
