@@ -45,11 +45,13 @@ compute dtype, no fused multiply-add: -ffp-contract=off):
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
+import importlib.util
 import os
 import platform
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import warnings
 from pathlib import Path
@@ -61,11 +63,15 @@ from adamspike.metrics import HIST_EDGES, NUM_HIST_BINS, SAT_THRESHOLD, SUM_FIEL
 BLOCK = 256
 LANES = 16
 NUM_TERMS = len(SUM_FIELDS) - 1   # SUM_FIELDS[1:]: the n column is the caller's
+MODULE = "adamspike_telemetry_native"
 assert NUM_HIST_BINS & (NUM_HIST_BINS - 1) == 0   # the kernel's NaN bin is a mask
 
 _SOURCE = r"""
+#include <Python.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <math.h>
 #include <stdint.h>
+#include <vector>
 
 #define BLOCK %(block)d
 #define LANES %(lanes)d
@@ -96,10 +102,11 @@ _SOURCE = r"""
    counted into hist[i * stride + bin], as telemetry.bin_index bins it: the equal-width
    guess (NaN in the last bin), clamped, then one comparison with each neighbouring edge. */
 #define DEFINE(NAME, IT, T, SQRT, FABS, HIST)                                         \
-void NAME(int64_t num, const int64_t *gp, const int64_t *mp_, const int64_t *vp,     \
+static void NAME(int64_t num, const int64_t *gp, const int64_t *mp_, const int64_t *vp,     \
           const int64_t *pp, const int64_t *numel, const int64_t *stepp,             \
           int step_f64, double b1, double b2, double eps, double *out,               \
-          int64_t stride, const T *edges, double lo, double width, double *hist) {   \
+          int64_t stride, const void *edges_, double lo, double width, double *hist) { \
+  const T *edges = (const T *)edges_;                                                \
   const T b1t = (T)b1, omb1 = (T)(1 - b1), e = (T)eps, e2 = (T)(eps * eps);          \
   const T sat = (T)%(sat)r, lo_ = (T)lo, w = (T)width;                              \
   const int zero_eps = eps == 0;                                                     \
@@ -183,14 +190,113 @@ DEFINE(tensor_sums_f32_as_f64, float, double, sqrt, fabs, 0)
 DEFINE(tensor_sums_hist_f32, float, float, sqrtf, fabsf, 1)
 DEFINE(tensor_sums_hist_f64, double, double, sqrt, fabs, 1)
 DEFINE(tensor_sums_hist_f32_as_f64, float, double, sqrt, fabs, 1)
-""" % {"block": BLOCK, "lanes": LANES, "terms": NUM_TERMS, "bins": NUM_HIST_BINS,
-     "sat": float(SAT_THRESHOLD)}
 
-# (tensors' dtype, compute dtype) -> the suffix of the tensor_sums_* / tensor_hist_* functions
-KERNELS = {(torch.float32, torch.float32): "f32",
-           (torch.float64, torch.float64): "f64",
-           (torch.float32, torch.float64): "f32_as_f64"}
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+/* ---- the Python entry point: tensors unpacked in C++ (a Python-level attribute read
+   per tensor cost more, in-step, than the kernel) ---- */
+
+typedef void (*kernel_fn)(int64_t, const int64_t *, const int64_t *, const int64_t *,
+                          const int64_t *, const int64_t *, const int64_t *, int, double,
+                          double, double, double *, int64_t, const void *, double, double,
+                          double *);
+
+/* ptrs[i], sizes[i] of the list's tensors; false unless each is a defined, contiguous CPU
+   tensor of dtype dt with storage (a DTensor wrapper has none) */
+static bool gather(PyObject *list, Py_ssize_t num, c10::ScalarType dt, int64_t *ptrs,
+                   int64_t *sizes) {
+  if (!PyList_Check(list) || PyList_GET_SIZE(list) != num) return false;
+  for (Py_ssize_t i = 0; i < num; ++i) {
+    PyObject *o = PyList_GET_ITEM(list, i);
+    if (!THPVariable_Check(o)) return false;   /* None (no gradient), not a tensor */
+    const at::Tensor &t = THPVariable_Unpack(o);
+    if (!t.defined() || !t.has_storage() || t.scalar_type() != dt || !t.device().is_cpu()
+        || !t.is_contiguous())
+      return false;
+    ptrs[i] = (int64_t)(intptr_t)t.const_data_ptr();
+    sizes[i] = t.numel();
+  }
+  return true;
+}
+
+static PyObject *sums(PyObject *, PyObject *args) {
+  PyObject *lists[5], *acc_obj, *edges_obj;
+  double b1, b2, eps;
+  int hist, compute_f64;
+  if (!PyArg_ParseTuple(args, "OOOOOOdddpOp", &lists[0], &lists[1], &lists[2], &lists[3],
+                        &lists[4], &acc_obj, &b1, &b2, &eps, &hist, &edges_obj, &compute_f64))
+    return NULL;
+  try {
+    if (!PyList_Check(lists[4]) || !THPVariable_Check(acc_obj) || !THPVariable_Check(edges_obj))
+      Py_RETURN_NONE;
+    const Py_ssize_t num = PyList_GET_SIZE(lists[4]);
+    if (num == 0 || !PyList_Check(lists[0]) || PyList_GET_SIZE(lists[0]) != num
+        || !THPVariable_Check(PyList_GET_ITEM(lists[0], 0)))
+      Py_RETURN_NONE;
+    const c10::ScalarType dt = THPVariable_Unpack(PyList_GET_ITEM(lists[0], 0)).scalar_type();
+    kernel_fn fn = NULL;
+    if (dt == at::kFloat && !compute_f64) fn = hist ? tensor_sums_hist_f32 : tensor_sums_f32;
+    else if (dt == at::kDouble && compute_f64) fn = hist ? tensor_sums_hist_f64 : tensor_sums_f64;
+    else if (dt == at::kFloat && compute_f64)
+      fn = hist ? tensor_sums_hist_f32_as_f64 : tensor_sums_f32_as_f64;
+    if (!fn) Py_RETURN_NONE;
+    std::vector<int64_t> ptrs(5 * num), numel(num);
+    if (!gather(lists[0], num, dt, ptrs.data(), numel.data())) Py_RETURN_NONE;
+    for (int k = 1; k < 4; ++k) {   /* exp_avg, exp_avg_sq, param: the gradient's sizes */
+      PyObject *list = lists[k];
+      if (!PyList_Check(list) || PyList_GET_SIZE(list) != num) Py_RETURN_NONE;
+      for (Py_ssize_t i = 0; i < num; ++i) {
+        PyObject *o = PyList_GET_ITEM(list, i);
+        if (!THPVariable_Check(o)) Py_RETURN_NONE;
+        const at::Tensor &t = THPVariable_Unpack(o);
+        if (!t.defined() || !t.has_storage() || t.scalar_type() != dt || !t.device().is_cpu()
+            || !t.is_contiguous() || t.numel() != numel[i])
+          Py_RETURN_NONE;
+        ptrs[k * num + i] = (int64_t)(intptr_t)t.const_data_ptr();
+      }
+    }
+    /* steps: one-element CPU tensors, all float32 or all float64 (AdamW's state["step"]) */
+    int step_f64 = -1;
+    for (Py_ssize_t i = 0; i < num; ++i) {
+      PyObject *o = PyList_GET_ITEM(lists[4], i);
+      if (!THPVariable_Check(o)) Py_RETURN_NONE;   /* e.g. plain ints */
+      const at::Tensor &t = THPVariable_Unpack(o);
+      const c10::ScalarType st = t.defined() ? t.scalar_type() : at::kByte;
+      const int f64 = st == at::kDouble ? 1 : st == at::kFloat ? 0 : -1;
+      if (f64 < 0 || (step_f64 >= 0 && f64 != step_f64) || !t.has_storage()
+          || !t.device().is_cpu() || t.numel() != 1)
+        Py_RETURN_NONE;
+      step_f64 = f64;
+      ptrs[4 * num + i] = (int64_t)(intptr_t)t.const_data_ptr();
+    }
+    const at::Tensor &acc = THPVariable_Unpack(acc_obj), &edges = THPVariable_Unpack(edges_obj);
+    if (acc.scalar_type() != at::kDouble || !acc.device().is_cpu() || acc.dim() != 2
+        || acc.size(0) != num || acc.size(1) != NT + 1
+        || edges.scalar_type() != (compute_f64 ? at::kDouble : at::kFloat)
+        || !edges.is_contiguous() || edges.numel() != NB + 1)
+      Py_RETURN_NONE;
+    at::Tensor table = acc.new_zeros({(int64_t)num, NT + 1 + (hist ? NB : 0)});
+    table.narrow(1, 0, NT + 1).copy_(acc);
+    double *out = table.mutable_data_ptr<double>();
+    const int64_t *p = ptrs.data();
+    fn(num, p, p + num, p + 2 * num, p + 3 * num, numel.data(), p + 4 * num, step_f64, b1,
+       b2, eps, out + 1, NT + 1 + (hist ? NB : 0), edges.const_data_ptr(), %(lo)r,
+       %(width)r, hist ? out + NT + 1 : NULL);
+    return THPVariable_Wrap(std::move(table));
+  } catch (const std::exception &e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return NULL;
+  }
+}
+
+static PyMethodDef methods[] = {{"sums", sums, METH_VARARGS, "the SUM_FIELDS sums"},
+                                {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "%(module)s", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_%(module)s(void) { return PyModule_Create(&module); }
+""" % {"block": BLOCK, "lanes": LANES, "terms": NUM_TERMS, "bins": NUM_HIST_BINS,
+     "sat": float(SAT_THRESHOLD), "lo": float(HIST_EDGES[0]),
+     "width": float(HIST_EDGES[1] - HIST_EDGES[0]), "module": MODULE}
+
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17",
+          "-shared", "-fPIC", "-w"]
 _LOADED: dict[str, object] = {}
 
 
@@ -205,52 +311,65 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
+def _torch_build() -> tuple[list[str], list[str]]:
+    """Compiler and linker arguments for torch's headers and libraries (what
+    torch.utils.cpp_extension passes, without importing it: setuptools is heavy)."""
+    root = Path(torch.__file__).parent
+    lib = root / "lib"
+    cflags = [f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+              f"-I{sysconfig.get_paths()['include']}",
+              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    ldflags = [f"-L{lib}", "-ltorch_python", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
+    if sys.platform == "darwin":
+        ldflags.append("-undefined dynamic_lookup")
+    return cflags, ldflags
+
+
 def _library_path() -> Path:
-    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, platform.machine(), _cpu_features()])
+    """Built once per source, flags, CPU kind, compiler, torch and Python (the module links
+    against torch's C++ ABI)."""
+    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, platform.machine(), _cpu_features(),
+                                    os.environ.get("CXX", "c++"), torch.__version__, sys.version])
                          .encode()).hexdigest()[:16]
     root = Path(os.environ.get("ADAMSPIKE_KERNEL_DIR")
                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "adamspike" / "kernels")
-    return root / f"telemetry_sums_{key}.so"
+    return root / key / (MODULE + sysconfig.get_config_var("EXT_SUFFIX"))
 
 
 def _build(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, lib = Path(tmp) / "sums.c", Path(tmp) / "sums.so"
+        src, lib = Path(tmp) / "sums.cpp", Path(tmp) / path.name
         src.write_text(_SOURCE)
-        cc = os.environ.get("CC", "cc")
-        run = subprocess.run([cc, *_FLAGS, str(src), "-o", str(lib), "-lm"],
-                             capture_output=True, text=True, timeout=120)
+        cxx = os.environ.get("CXX", "c++")
+        cflags, ldflags = _torch_build()
+        run = subprocess.run([cxx, *_FLAGS, *cflags, str(src), "-o", str(lib), *ldflags],
+                             capture_output=True, text=True, timeout=300)
         if run.returncode:
-            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-500:]}")
-        os.replace(lib, path)   # atomic: concurrent builders leave one whole library
+            raise RuntimeError(f"{cxx} failed: {run.stderr.strip()[-500:]}")
+        os.replace(lib, path)   # atomic: concurrent builders leave one whole module
 
 
 def load():
-    """The ctypes library (built on first use), or None (with one warning) if it cannot be
-    built or loaded here."""
+    """The extension module (built on first use, ~10 s), or None (with one warning) if it
+    cannot be built or loaded here."""
     path = _library_path()
     if str(path) in _LOADED:
         return _LOADED[str(path)]
-    lib = None
+    module = None
     try:
         if not path.exists():
             _build(path)
-        lib = ctypes.CDLL(str(path))
-        i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
-        for suffix in KERNELS.values():
-            for name in ("tensor_sums_", "tensor_sums_hist_"):
-                fn = getattr(lib, name + suffix)
-                fn.restype = None
-                fn.argtypes = ([i64] + [ptr] * 6 + [ctypes.c_int] + [f64] * 3 + [ptr, i64, ptr]
-                               + [f64] * 2 + [ptr])
-    except Exception as e:  # noqa: BLE001 - no compiler, sandboxed dlopen, ...
+        spec = importlib.util.spec_from_file_location(MODULE, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - no compiler, no headers, sandboxed dlopen, ...
         warnings.warn(f"telemetry: the native CPU sums kernel is unavailable ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}); using the other kernels",
                       RuntimeWarning, stacklevel=2)
-        lib = None
-    _LOADED[str(path)] = lib
-    return lib
+        module = None
+    _LOADED[str(path)] = module
+    return module
 
 
 class NativeSums:
@@ -259,15 +378,11 @@ class NativeSums:
     path's cast); `__call__` returns None when the inputs do not qualify (the caller then
     uses its other kernels)."""
 
-    def __init__(self, lib, dtype: torch.dtype, edges: torch.Tensor):
+    def __init__(self, module, dtype: torch.dtype, edges: torch.Tensor):
         """edges: HIST_EDGES rounded up to `dtype` (fullscale.telemetry's `_edges`)."""
+        assert dtype in (torch.float32, torch.float64)
         assert edges.dtype == dtype and edges.is_cpu and edges.numel() == NUM_HIST_BINS + 1
-        self.dtype, self.edges = dtype, edges.contiguous()
-        self._fns = {(input_dt, hist): getattr(lib, ("tensor_sums_hist_" if hist else "tensor_sums_")
-                                               + suffix)
-                     for (input_dt, compute_dt), suffix in KERNELS.items() if compute_dt == dtype
-                     for hist in (False, True)}
-        self._lo, self._width = float(HIST_EDGES[0]), float(HIST_EDGES[1] - HIST_EDGES[0])
+        self.module, self.dtype, self.edges = module, dtype, edges.contiguous()
 
     def __call__(self, sources, steps, acc: torch.Tensor, b1: float, b2: float, eps: float,
                  hist: bool = False) -> torch.Tensor | None:
@@ -277,38 +392,8 @@ class NativeSums:
         Returns a new float64 table: acc + the sums in columns 1.., and with `hist` the
         NUM_HIST_BINS counts of r after them (exact integers).
 
-        Called every logged step: in-step, with cold caches, each Python-level call costs
-        (numpy's array constructors took 78 us of it), so the pointers go to C in ctypes
-        arrays built from plain lists."""
-        num = len(steps)
-        dt = sources[0][0].dtype if num and sources[0][0] is not None else None
-        fn = self._fns.get((dt, hist))
-        if fn is None or any(len(src) != num for src in sources):
-            return None
-        ptrs, sizes = [], []
-        for src in sources:
-            for t in src:   # the cheap attributes (t.device builds an object per call)
-                if t is None or t.dtype is not dt or not t.is_cpu or not t.is_contiguous():
-                    return None
-                ptrs.append(t.data_ptr())
-                sizes.append(t.numel())
-        step_dt = steps[0].dtype if type(steps[0]) is torch.Tensor else None
-        if step_dt not in (torch.float32, torch.float64):
-            return None
-        for k in steps:   # each a one-element CPU tensor (not an int: AdamW's tensor steps)
-            if type(k) is not torch.Tensor or k.dtype is not step_dt or not k.is_cpu or k.numel() != 1:
-                return None
-            ptrs.append(k.data_ptr())
-        numel = sizes[:num]
-        if any(sizes[j * num:(j + 1) * num] != numel for j in range(1, len(sources))):
-            return None   # the kernel reads numel elements of each
-        ptr_array = (ctypes.c_int64 * len(ptrs))(*ptrs)
-        numel_array = (ctypes.c_int64 * num)(*numel)
-        at = ctypes.addressof(ptr_array)
-        table = torch.cat([acc, acc.new_zeros((num, NUM_HIST_BINS))], 1) if hist else acc.clone()
-        stride, base = table.shape[1], table.data_ptr()
-        fn(num, at, at + 8 * num, at + 16 * num, at + 24 * num, ctypes.addressof(numel_array),
-           at + 32 * num, int(step_dt == torch.float64), float(b1), float(b2), float(eps),
-           base + 8, stride, self.edges.data_ptr(), self._lo, self._width,
-           base + 8 * (NUM_TERMS + 1) if hist else None)
-        return table
+        The tensors are unpacked in C++: in-step, with cold caches, reading five attributes
+        of each of the 105 tensors from Python cost more (~0.17 ms) than the kernel."""
+        return self.module.sums(*(list(x) for x in sources), list(steps), acc, float(b1),
+                                float(b2), float(eps), bool(hist), self.edges,
+                                self.dtype == torch.float64)

@@ -225,7 +225,7 @@ def test_native_kernel_unavailable_is_a_warning_and_the_other_kernels_run(tmp_pa
     from fullscale import cpu_kernel
 
     monkeypatch.setenv("ADAMSPIKE_KERNEL_DIR", str(tmp_path / "kernels"))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(cpu_kernel, "_LOADED", {})
     model, opt = _trained_tiny()
     with pytest.warns(RuntimeWarning, match="native CPU sums kernel is unavailable"):
