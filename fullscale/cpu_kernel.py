@@ -3,7 +3,7 @@
 On the tiny CPU step, fullscale.telemetry's inductor kernels spent more time being fed than
 computing: copying g, m, v, p into their buffer (~0.4 ms in-step), and a compiled kernel
 that reads the 21 tensors in place instead paid ~0.3 ms in inductor's wrapper (one buffer
-per tensor and term). This module is the multi-tensor loop written once in C: for every
+per tensor and term). This module is the multi-tensor loop written once, natively: for every
 tensor, for every BLOCK-element block, the 13 terms of `telemetry.block_sums` are summed
 in LANES independent lanes (vectorised by the compiler without reordering any addition),
 the lanes are added in order into the block's sum in the compute dtype, and the block sums
@@ -15,24 +15,31 @@ NaN in the last bin), branch-free so that it vectorises, counted into four inter
 tables. The tensors come from L3 or memory (the optimizer's passes have evicted most of
 them from L2): the loop prefetches PF blocks ahead, and the next tensor's first blocks.
 
-Measured on the tiny model (106,816 elements, 2-core Xeon VM, float32): the C loop takes
-0.19 ms with the data in cache and 0.21 ms in-step (0.3 ms before prefetching); the
-histogram adds 0.15 ms. In-step the Python around it cost as much as the loop: numpy's
-array constructors alone took 78 us with cold caches, so the pointers travel in ctypes
-arrays built from plain lists (the call: 0.38 -> 0.29 ms). The inductor path took 0.4 ms
-to copy into its buffer, 0.43 ms for the sums kernel and 1.4 ms more on a histogram step.
-The loop is divider-bound (five divisions and a square root per element). Tried: float32
-reciprocals of 1 - b^t and b1 (0.15 ms in cache, but not the same rounding as a division)
-and their exact form, x * (1 / (double)c) rounded to float, which is x / c correctly
-rounded (checked for every finite float32 x and 15 divisors c) but slower (0.23 ms): the
-kernel keeps the divisions of `block_sums`.
+The loop is C inside a small C++ extension module, whose one function `sums` takes the
+Python lists of tensors and unpacks them in C++ (their pointers, dtypes, sizes and
+contiguity): in-step, with cold caches, reading those attributes from Python for the
+tiny model's 105 tensors cost more than the loop (0.08-0.17 ms, numpy's array
+constructors for the pointers 78 us of it).
 
-The C source is compiled on first use with the system C compiler ($CC, else cc) at -O3
-for this machine's instruction set, and kept in $ADAMSPIKE_KERNEL_DIR (default
-~/.cache/adamspike/kernels) under a name that hashes the source, the flags and the CPU's
-feature flags (a home directory shared by different CPUs gets one build per CPU kind).
-No compiler, a failed build or a failed load: `load` returns None and the caller keeps
-its inductor / eager kernels.
+Measured on the tiny model (106,816 elements, 2-core Xeon VM, float32): the loop takes
+0.19 ms with the data in cache and 0.21 ms in-step (0.3 ms before prefetching); the
+histogram adds 0.15 ms; the whole call 0.23 ms in-step (with ctypes and Python-side
+checks: 0.29-0.38 ms). The inductor path took 0.4 ms to copy into its buffer, 0.43 ms for
+the sums kernel and 1.4 ms more on a histogram step. The loop is divider-bound (five
+divisions and a square root per element). Tried: float32 reciprocals of 1 - b^t and b1
+(0.15 ms in cache, but not the same rounding as a division) and their exact form,
+x * (1 / (double)c) rounded to float, which is x / c correctly rounded (checked for every
+finite float32 x and 15 divisors c) but slower (0.23 ms): the kernel keeps the divisions
+of `block_sums`.
+
+The source is compiled on first use (~10-15 s) with the system C++ compiler ($CXX, else
+c++) at -O3 for this machine's instruction set, against the running torch's headers and
+libraries (as torch.utils.cpp_extension would, without its setuptools import), and kept
+in $ADAMSPIKE_KERNEL_DIR (default ~/.cache/adamspike/kernels) under a directory that
+hashes the source, the flags, the CPU's feature flags, the compiler, torch's and Python's
+versions (a home directory shared by different machines gets one build per kind). No
+compiler, no headers, a failed build or a failed load: `load` returns None (one warning)
+and the caller keeps its inductor / eager kernels.
 
 Elementwise, exactly the operations of `telemetry.block_sums` (one rounding each in the
 compute dtype, no fused multiply-add: -ffp-contract=off):

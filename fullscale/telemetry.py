@@ -41,17 +41,18 @@ contiguous float32 / float64) `tensor_sums` and `bin_index` are compiled by indu
 fused loop that reads the buffer once, instead of ~25 whole-chunk passes that write
 temporaries; calling inductor's code directly instead of through torch.compile saves ~0.1
 ms per call). npu runs them eagerly (the same functions, op by op). On the tiny CPU step
-(bench/bench_telemetry_torch.py, 16 x 32 tokens, 8.5-9 ms) telemetry costs ~0.45 ms with
-the native kernel (paired ratio 1.054; hist/10 1.056), against 1.093-1.098 with inductor's
-kernels and 1.29 eager; a histogram step adds 0.2 ms (inductor: 1.4 ms); at 16 x 64,
-1.030-1.035 (inductor 1.06-1.08). The first logged step pays the build: the native
-kernel's C compile (~1.5 s, once per machine and source version, cached on disk) or
-inductor's compilation (~5 s on CPU for the tiny model; cached on disk by inductor for
-later runs); if compiling fails (no C / C++ compiler, no triton, ...) the trainer warns
-once and falls back (native -> inductor -> eager). TORCHDYNAMO_DISABLE=1 or ADAMSPIKE_TELEMETRY_COMPILE=off also make "auto" run the
-kernels eagerly (the test suite sets the latter). Memory: the (4, width) buffer in the
-compute dtype (bounded by max_elements, kept between logged steps; unused by the native
-path) plus the kernels' (13, width / 256) outputs; int64 bin indices on histogram steps.
+(bench/bench_telemetry_torch.py, 16 x 32 tokens, 8.5-9 ms) telemetry costs ~0.35 ms with
+the native kernel (paired ratio 1.030-1.044; hist/10 1.033-1.046), against 1.10 with
+inductor's kernels and 1.28-1.29 eager; a histogram step adds 0.2 ms (inductor: 1.4 ms);
+at 16 x 64, 1.027-1.032 (inductor 1.06). Builds: the native kernel's C++ compile when
+Telemetry is created (~10-15 s, once per machine, torch and source version, cached on
+disk), inductor's at the first logged step that uses it (~5 s on CPU for the tiny model;
+cached on disk by inductor). If a build fails (no C++ compiler or headers, no triton, ...)
+the trainer warns once and falls back (native -> inductor -> eager). TORCHDYNAMO_DISABLE=1
+or ADAMSPIKE_TELEMETRY_COMPILE=off also make "auto" run the kernels eagerly (the test
+suite sets the latter). Memory: the (4, width) buffer in the compute dtype (bounded by
+max_elements, kept between logged steps; unused by the native path) plus the kernels'
+(13, width / 256) outputs; int64 bin indices on histogram steps.
 
 Precision: elementwise math in the compute dtype, `precision` = "float32" (default, like
 the JAX side and npu, where float64 kernels are not dependable) or "float64" (the same
