@@ -3,8 +3,15 @@
 The torch telemetry kernels run eagerly in the suite (ADAMSPIKE_TELEMETRY_COMPILE=off):
 compiling them costs ~5 s per process and the suite starts dozens of short trainings.
 tests/fullscale/test_telemetry.py asks for compile = "on" explicitly where it checks the
-compiled kernels against the numpy reference and a compiled training run."""
+compiled kernels against the numpy reference and a compiled training run.
+
+Property tests (hypothesis) are derandomized: the same examples on every run and machine,
+so that a failure reproduces (an edge case it finds becomes an explicit regression test)."""
 
 import os
 
+from hypothesis import settings
+
 os.environ.setdefault("ADAMSPIKE_TELEMETRY_COMPILE", "off")
+settings.register_profile("adamspike", derandomize=True, database=None)
+settings.load_profile("adamspike")

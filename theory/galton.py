@@ -136,13 +136,33 @@ def markov_pmf(n: int, persist: float, p: float = 0.5) -> np.ndarray:
     return f.sum(0)
 
 
+def _markov_pair_sum(n: int, a: float) -> float:
+    """S = sum_{k=1}^{n-1} (n - k) a^k, the correlated pairs' weight in var K = pq (n + 2S).
+
+    The closed form a (n (1-a) - (1 - a^n)) / (1-a)^2 cancels catastrophically as a -> 1
+    (at a = 1 - 1e-16 and n = 1 it gave var = 2pq instead of pq). With t = 1 - a (exact)
+    and 1 - a^n = -expm1(n log a) it loses at most ~20 ulps while n t >= 0.1; below
+    that, the positive terms are summed directly (in chunks: n < 0.1 / t)."""
+    if n < 2 or a == 0.0:
+        return 0.0
+    t = 1.0 - a
+    if t == 0.0:
+        return n * (n - 1) / 2.0
+    log_a = math.log1p(-t) if a >= 0.5 else math.log(a)   # t exact for a >= 1/2
+    if n * t >= 0.1:
+        return a * (n * t + math.expm1(n * log_a)) / (t * t)
+    total, chunk = 0.0, 1 << 20
+    for lo in range(1, n, chunk):
+        k = np.arange(lo, min(n, lo + chunk), dtype=np.float64)
+        total += float(np.dot(n - k, np.exp(k * log_a)))
+    return total
+
+
 def markov_moments(n: int, persist: float, p: float = 0.5) -> dict:
-    """Closed-form mean and variance of K for Markov-persistent deflections."""
+    """Mean n p and variance p q (n + 2 sum_{k=1}^{n-1} (n-k) a^k) of K for
+    Markov-persistent deflections (corr(X_i, X_j) = a^|i-j|), evaluated stably for a
+    near 1 (`_markov_pair_sum`)."""
     n, p = _np(n, p)
     a = V.prob("persist", persist)
     q = 1 - p
-    if a == 1.0:
-        var = n * n * p * q
-    else:
-        var = p * q * (n * (1 + a) / (1 - a) - 2 * a * (1 - a ** n) / (1 - a) ** 2)
-    return {"mean": n * p, "var": var}
+    return {"mean": n * p, "var": p * q * (n + 2.0 * _markov_pair_sum(n, a))}

@@ -52,6 +52,22 @@ def test_pmfs_sum_to_one_and_match_moments(n, icc, p, persist):
     assert np.dot((k - n * p) ** 2, mk) == pytest.approx(mm["var"], rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.parametrize("persist", [0.0, 0.5, 0.99, 1 - 1e-6, 1 - 1e-12, 1 - 2 ** -53, 1.0])
+@pytest.mark.parametrize("n", [1, 2, 7, 60])
+def test_markov_variance_is_stable_as_persistence_tends_to_one(n, persist):
+    """Found by the property test (n = 1, persist = 1 - 2^-53): the textbook closed form
+    cancels catastrophically near a = 1 (it gave var = 2pq at n = 1, where var = pq); the
+    DP pmf's variance and the direct sum pq (n + 2 sum (n-k) a^k) agree to rounding."""
+    for p in (0.5, 0.03):
+        k = np.arange(1, n)
+        direct = p * (1 - p) * (n + 2 * float(np.dot(n - k, persist ** k)))
+        mm = Gt.markov_moments(n, persist, p)
+        assert mm["var"] == pytest.approx(direct, rel=1e-13)
+        pmf = Gt.markov_pmf(n, persist, p)
+        kk = np.arange(n + 1)
+        assert np.dot((kk - n * p) ** 2, pmf) == pytest.approx(mm["var"], rel=1e-9)
+
+
 @pytest.mark.parametrize("n,icc,p", [(20, 0.4, 0.5), (12, 0.1, 0.3), (30, 0.7, 0.5)])
 def test_betabinom_higher_moments_closed_form(n, icc, p):
     pmf = Gt.betabinom_pmf(n, icc, p)
