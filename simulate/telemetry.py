@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, SAT_THRESHOLD, SUM_FIELDS, finalize
+from simulate import native_telemetry
 
 NUM_SUMS = len(SUM_FIELDS)
 
@@ -145,7 +146,7 @@ def _column_sums(terms):
 
 
 def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
-                   with_hist: bool = False, grad_scale=None):
+                   with_hist: bool = False, grad_scale=None, native: bool = True):
     """Sums (num_tensors, NUM_SUMS) and, if with_hist (static), histograms
     (num_tensors, NUM_HIST_BINS) int32, else None.
 
@@ -154,7 +155,10 @@ def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
     is the consumed one: the product is then taken inside the telemetry's own loops (the
     same float multiply, so the same consumed gradient) instead of materialising a scaled
     copy of every tensor; prev_adam_state / new_adam_state: optax.ScaleByAdamState before /
-    after the step; params: after the step. b1, b2, eps may be traced.
+    after the step; params: after the step. b1, b2, eps may be traced. native (static): on
+    CPU, with static b1, b2, eps > 0 and one dtype, the sums come from
+    simulate.native_telemetry's C loop (an FFI call in the same jitted step) instead of
+    the XLA reductions below.
 
     Layout (speed): a per-tensor loop of 13 reductions costs ~14 small XLA kernels per
     tensor. Instead every tensor is seen as (num_blocks, BLOCK // LANES, LANES) blocks and
@@ -183,6 +187,9 @@ def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
         g_l = [x * jnp.asarray(grad_scale).astype(x.dtype) for x in g_l]
         grad_scale = None
     scale = None if grad_scale is None else jnp.asarray(grad_scale).astype(dt)
+    if native and native_telemetry.usable((g_l, mu_l, nu_l, mp_l, p_l), dt, b1, b2, eps):
+        return native_telemetry.step_sums(g_l, mu_l, nu_l, mp_l, p_l, bc1, bc2, scale, b1,
+                                          eps, dt, with_hist)
     shape = (-1, BLOCK // LANES, LANES)
 
     def block_terms(g, mu, nu, mp, p, valid):

@@ -8,8 +8,26 @@ import pytest
 
 from adamspike import metrics
 from adamspike.train_config import OptimSection
+from simulate import native_telemetry as N
 from simulate import optim as O
 from simulate import telemetry as T
+
+
+def _jitted(b1, b2, eps, path, **kw):
+    """step_telemetry(g, prev, new, params) jitted with b1, b2, eps static, on the native
+    path (simulate.native_telemetry: an FFI call) or on XLA's (native=False); checks which
+    one the traced program takes."""
+    native = path == "native"
+
+    def fn(g, prev, new, params):
+        return T.step_telemetry(g, prev, new, params, b1, b2, eps, with_hist=True,
+                                native=native, **kw)
+
+    def call(*args):
+        assert (N.TARGET in str(jax.make_jaxpr(fn)(*args))) == native
+        return jax.jit(fn)(*args)
+
+    return call
 
 
 def _loss(p, x, y):
@@ -51,13 +69,19 @@ def _reference(opt, g, prev, new, params):
     return np.stack(rows), rs
 
 
+# path: "traced" (b1, b2, eps traced: XLA's reductions), "native" (static: the C loop by
+# FFI), "xla" (static, native=False)
+@pytest.mark.parametrize("path", ["traced", "native", "xla"])
 @pytest.mark.parametrize("eps,regime", [(1e-6, "sat_frac"), (3e-3, "eps_frac")])
 @pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.float64, 1e-12)])
-def test_metrics_equal_numpy_reference(dtype, rtol, eps, regime):
+def test_metrics_equal_numpy_reference(dtype, rtol, eps, regime, path):
     with jax.enable_x64(dtype == jnp.float64):
         opt, g, prev, new, params = _run(dtype, eps=eps)
-        sums, hists = jax.jit(T.step_telemetry, static_argnames="with_hist")(
-            g, prev, new, params, opt.b1, opt.b2, opt.eps, with_hist=True)
+        if path == "traced":
+            sums, hists = jax.jit(T.step_telemetry, static_argnames="with_hist")(
+                g, prev, new, params, opt.b1, opt.b2, opt.eps, with_hist=True)
+        else:
+            sums, hists = _jitted(opt.b1, opt.b2, opt.eps, path)(g, prev, new, params)
         assert sums.dtype == dtype and hists.shape == (3, metrics.NUM_HIST_BINS)
         want_sums, rs = _reference(opt, g, prev, new, params)
         names = T.tensor_names(g)
@@ -130,16 +154,20 @@ def _odd_sized_state(dtype, eps):
     return cast(g), prev, new, cast(p), b1, b2
 
 
-@pytest.mark.parametrize("eps", [1e-2, 0.0])
+@pytest.mark.parametrize("eps,path", [(1e-2, "traced"), (0.0, "traced"), (1e-2, "native")])
 @pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 2e-5), (jnp.float64, 1e-12)])
-def test_packed_layout_odd_sizes(dtype, rtol, eps):
+def test_packed_layout_odd_sizes(dtype, rtol, eps, path):
     """The packed (block-padded) and in-place computations equal the numpy reference per
     tensor, for sizes that do not fill whole blocks (padding adds nothing to any sum or
-    histogram) and for those that do."""
+    histogram) and for those that do; so does the native loop (no padding: each tensor's
+    last block is partial), for the same sizes."""
     with jax.enable_x64(dtype == jnp.float64):
         g, prev, new, params, b1, b2 = _odd_sized_state(dtype, eps)
-        sums, hists = jax.jit(T.step_telemetry, static_argnames="with_hist")(
-            g, prev, new, params, b1, b2, eps, with_hist=True)
+        if path == "traced":
+            sums, hists = jax.jit(T.step_telemetry, static_argnames="with_hist")(
+                g, prev, new, params, b1, b2, eps, with_hist=True)
+        else:
+            sums, hists = _jitted(b1, b2, eps, path)(g, prev, new, params)
         sums, hists = np.asarray(sums), np.asarray(hists)
         bc1, bc2 = (np.asarray(1 - b ** new.count, dtype) for b in (b1, b2))
         r_jit = jax.jit(lambda mu, nu: T.update_direction(mu / bc1, nu / bc2,
@@ -181,7 +209,8 @@ def test_static_eps_and_grad_scale_paths_equal_traced(eps):
     general = jax.jit(T.step_telemetry, static_argnames="with_hist")(
         scaled, prev, new, params, b1, b2, eps, with_hist=True)
     fast = jax.jit(lambda g, s: T.step_telemetry(g, prev, new, params, b1, b2, eps,
-                                                 with_hist=True, grad_scale=s))(g, scale)
+                                                 with_hist=True, grad_scale=s,
+                                                 native=False))(g, scale)
     (sums_g, hist_g), (sums_f, hist_f) = general, fast
     np.testing.assert_array_equal(np.asarray(hist_f), np.asarray(hist_g))
     np.testing.assert_array_equal(np.asarray(sums_f)[:, [0, 7, 8]], np.asarray(sums_g)[:, [0, 7, 8]])
@@ -191,3 +220,63 @@ def test_static_eps_and_grad_scale_paths_equal_traced(eps):
                                   np.asarray(new.nu[k]) / bc2, np.asarray(prev.mu[k]),
                                   np.asarray(params[k]), eps)
         np.testing.assert_allclose(np.asarray(sums_f)[i], want, rtol=2e-5, atol=0, err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_native_equals_xla_path(dtype):
+    """The C loop and XLA's reductions on the same real state: the same r (so the same
+    histograms, bit for bit) and counts; the other sums to the compute dtype's rounding
+    (they add in different orders; the loop's totals are float64)."""
+    with jax.enable_x64(dtype == jnp.float64):
+        opt, g, prev, new, params = _run(dtype, eps=1e-6)
+        scale = jnp.asarray(0.37, dtype)
+        args = (jax.tree.map(lambda x: x / scale, g), prev, new, params)
+        (sn, hn), (sx, hx) = (_jitted(opt.b1, opt.b2, opt.eps, path, grad_scale=scale)(*args)
+                              for path in ("native", "xla"))
+        np.testing.assert_array_equal(np.asarray(hn), np.asarray(hx))
+        np.testing.assert_array_equal(np.asarray(sn)[:, [0, 7, 8]], np.asarray(sx)[:, [0, 7, 8]])
+        rtol = 1e-5 if dtype == jnp.float32 else 1e-12
+        np.testing.assert_allclose(np.asarray(sn), np.asarray(sx), rtol=rtol, atol=0)
+
+
+def test_native_path_under_vmap_equals_one_call_per_member():
+    """Under vmap (a sweep's seeds) the FFI call gets every operand broadcast to the batch
+    and loops over it: each member's sums and histograms are those of its own call."""
+    states = [_odd_sized_state(jnp.float32, 1e-2) for _ in range(3)]
+    states = [jax.tree.map(lambda x, k=k: x * (1 + 0.1 * k), st[:4]) for k, st in enumerate(states)]
+    b1, b2 = 0.9, 0.95
+
+    def one(g, prev, new, params):
+        return T.step_telemetry(g, prev, new, params, b1, b2, 1e-2, with_hist=True)
+
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    assert N.TARGET in str(jax.make_jaxpr(jax.vmap(one))(*stacked))
+    sums, hists = jax.jit(jax.vmap(one))(*stacked)
+    for k, st in enumerate(states):
+        s1, h1 = jax.jit(one)(*st)
+        np.testing.assert_array_equal(np.asarray(sums[k]), np.asarray(s1))
+        np.testing.assert_array_equal(np.asarray(hists[k]), np.asarray(h1))
+
+
+def test_native_path_only_where_it_applies():
+    """A traced or zero eps, or mixed dtypes, keep XLA's reductions."""
+    g, prev, new, params, b1, b2 = _odd_sized_state(jnp.float32, 1e-2)
+
+    def traced(g, prev, new, params, eps):
+        return T.step_telemetry(g, prev, new, params, b1, b2, eps)
+
+    assert N.TARGET not in str(jax.make_jaxpr(traced)(g, prev, new, params, 1e-2))
+    for eps, grads in ((0.0, g), (1e-2, {**g, "a": g["a"].astype(jnp.bfloat16)})):
+        jaxpr = jax.make_jaxpr(lambda *a, e=eps: T.step_telemetry(*a, b1, b2, e))(grads, prev, new, params)
+        assert N.TARGET not in str(jaxpr)
+
+
+def test_native_kernel_unavailable_is_a_warning_and_xla_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAMSPIKE_KERNEL_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(N, "_STATE", {})
+    g, prev, new, params, b1, b2 = _odd_sized_state(jnp.float32, 1e-2)
+    with pytest.warns(RuntimeWarning, match="native CPU kernel is unavailable"):
+        jaxpr = jax.make_jaxpr(lambda *a: T.step_telemetry(*a, b1, b2, 1e-2))(g, prev, new, params)
+    assert N.TARGET not in str(jaxpr)
+    assert not list((tmp_path / "kernels").glob("*/*.so"))
