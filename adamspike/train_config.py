@@ -120,8 +120,10 @@ class TelemetrySection:
     precision: str = param("float32", choices=("float32", "float64"),
                            help="torch trainer: compute dtype of the metrics (npu: float32)")
     compile: str = param("auto", choices=("auto", "on", "off"),
-                         help="torch trainer: torch.compile the telemetry kernels; auto = on "
-                              "for cpu / cuda unless ADAMSPIKE_TELEMETRY_COMPILE=off")
+                         help="torch trainer: compiled telemetry kernels (cpu: native, cuda: "
+                              "inductor); auto = on for cpu / cuda unless "
+                              "ADAMSPIKE_TELEMETRY_COMPILE=off. JAX trainer: off keeps XLA's "
+                              "reductions instead of the native CPU kernel")
 
 
 @dataclass

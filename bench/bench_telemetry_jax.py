@@ -1,9 +1,11 @@
 """Overhead of the per-tensor Adam telemetry in the JAX toy LLaMA train step.
 
-Three compiled variants of simulate.llama_train's step (the same function the trainer
+Four compiled variants of simulate.llama_train's step (the same function the trainer
 runs), measured side by side in one process: telemetry off, telemetry sums on, sums + r
-histograms. Every repeat runs a block of steps of each variant back to back (the order
-rotating between repeats), device-synchronised; printed per variant:
+histograms (both with the native CPU kernel, simulate.native_telemetry, the default), and
+"xla": the sums by XLA's reductions (native=False). Every repeat runs a block of steps of
+each variant back to back (the order rotating between repeats), device-synchronised;
+printed per variant:
     median   ms per step over the repeats, and its ratio to "off"
     paired   median over repeats of (this variant's block / the "off" block of the same
              repeat): the steadier number when the machine's speed drifts between repeats
@@ -15,20 +17,16 @@ wall time: pinned to one core (taskset -c 0), it is what the step costs whatever
 The telemetry's cost is per parameter and the step's per token, so the ratio falls as the
 batch grows: `--batch 32` is configs/toy_spike.toml's batch (the study's spiking runs).
 
-Measured (2-core shared VM, one core, 2026-12-03; the machine's speed drifted by 40 %
-between runs): the packed layout with 13 minor-axis reductions cost 0.95-1.15 ms per step
-(paired 1.07-1.08 on a 9-14 ms step). With one variadic column reduce over the packed
-array (no padding mask for a static eps > 0, the clip factor applied inside the packed
-computation): paired 1.032 / 1.043 / 1.046 / 1.055 in four runs. Now the 16 whole-block
-tensors of the tiny model are read in place and only the five norm vectors are packed,
-and r is optax's own expression, which XLA computes once for the update and the
-telemetry. In one process, against the previous code (three compiled programs, 40
-interleaved repeats, five runs): previous 1.050-1.070, now 1.021-1.046 (one run 1.072
-against 1.070), now / previous 0.974-0.999. This script, four runs: paired 1.030 / 1.048
-/ 1.051 / 1.052, hist/10 1.036-1.056, histograms on every step 1.09-1.10; at batch 32
-(configs/toy_spike.toml) 1.020, hist/10 1.023. The 5 % target is met at batch 32 and in
-some runs at batch 16, not in all: what remains is one fused pass per tensor over g,
-m, v, m_prev, p and r (~0.3-0.45 ms), which runs to 5 % of the 9-11 ms step at batch 16.
+Measured (2-core shared VM, one core, 2026-12-03; the machine's speed drifts by up to 40 %
+between sessions). XLA's reductions, in their successive layouts: the packed layout with
+13 minor-axis reductions, paired 1.07-1.08 on a 9-14 ms step; one variadic column reduce
+over the packed array, 1.032-1.055; whole-block tensors read in place and r shared with
+optax's update, 1.030-1.052 (hist/10 1.036-1.056) on a 9-11 ms step. Later the same day
+the machine ran the step in 5.8-5.9 ms and XLA's ~0.3 ms became 1.051-1.059 (hist/10
+1.060-1.066): XLA:CPU compiles the variadic reduce to scalar code. The native loop
+(adamspike.native, the torch trainer's too, called by FFI inside the jitted step): paired
+1.019-1.029 in four runs (hist/10 1.023-1.032, histograms on every step 1.053-1.057),
+against 1.051 for XLA's reductions in the same run; at batch 32, 1.010 (hist/10 1.012).
 
     taskset -c 0 python bench/bench_telemetry_jax.py [--preset tiny] [--batch 16] [--seq 32]
                                                      [--repeats 31] [--steps 10]
@@ -49,7 +47,9 @@ from adamspike.train_config import RunConfig
 from simulate import llama as jl
 from simulate import llama_train as lt
 
-VARIANTS = {"off": (False, False), "telemetry": (True, False), "telemetry+hist": (True, True)}
+# (telemetry, histograms, native CPU kernel)
+VARIANTS = {"off": (False, False, True), "telemetry": (True, False, True),
+            "telemetry+hist": (True, True, True), "xla": (True, False, False)}
 
 
 def main(argv=None) -> int:
@@ -69,9 +69,9 @@ def main(argv=None) -> int:
     state = tx.init(params)
     batch = jnp.asarray(lt.batch_at(lt.dataset(cfg, llama), cfg, 1))
     compiled = {}
-    for name, (tel, hist) in VARIANTS.items():
+    for name, (tel, hist, native) in VARIANTS.items():
         t0 = time.perf_counter()
-        compiled[name] = step.lower(params, state, batch, tel, hist).compile()
+        compiled[name] = step.lower(params, state, batch, tel, hist, native).compile()
         jax.block_until_ready(compiled[name](params, state, batch))
         print(f"compile {name:15s} {time.perf_counter() - t0:6.2f} s")
 

@@ -151,8 +151,9 @@ _STEP_CACHE: dict[str, tuple] = {}
 
 def make_steps(cfg: RunConfig):
     """(tx, step): the optax chain and the jitted step(params, opt_state, batch, telemetry,
-    hist) (the last two static) -> (params, opt_state, out). Cached per (model, optim,
-    train) settings, so runs of one process that share them compile once."""
+    hist, native=True) (the last three static; native: the telemetry's native CPU kernel,
+    simulate.native_telemetry, where it applies) -> (params, opt_state, out). Cached per
+    (model, optim, train) settings, so runs of one process that share them compile once."""
     train = {k: v for k, v in to_dict(cfg.train).items() if k != "seed"}  # seed: not compiled in
     key = json.dumps([to_dict(cfg.model), to_dict(cfg.optim), train], sort_keys=True)
     if key not in _STEP_CACHE:
@@ -170,7 +171,7 @@ def _make_steps(cfg: RunConfig):
         lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss,
                                     cfg.model.embed_grad_shrink), has_aux=True)
 
-    def step(params, opt_state, batch, telemetry: bool, hist: bool):
+    def step(params, opt_state, batch, telemetry: bool, hist: bool, native: bool = True):
         (_, aux), grads = value_and_grad(params, batch)
         updates, new_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -180,13 +181,14 @@ def _make_steps(cfg: RunConfig):
         if telemetry:
             sums, hists = jtel.step_telemetry(
                 grads, jopt.adam_state(opt_state), jopt.adam_state(new_state), new_params,
-                o.b1, o.b2, o.eps, with_hist=hist, grad_scale=jopt.clip_info(new_state)[1])
+                o.b1, o.b2, o.eps, with_hist=hist, grad_scale=jopt.clip_info(new_state)[1],
+                native=native)
             out["sums"] = sums
             if hist:
                 out["hists"] = hists
         return new_params, new_state, out
 
-    return tx, jax.jit(step, static_argnums=(3, 4))
+    return tx, jax.jit(step, static_argnums=(3, 4, 5))
 
 
 def advance_schedule(opt_state):
@@ -214,6 +216,7 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
     cfg.check()
     llama = cfg.model.llama()
     t, o, tel = cfg.train, cfg.optim, cfg.telemetry
+    native = tel.compile != "off"   # the telemetry's native CPU kernel where it applies
     data = dataset(cfg, llama)
     tx, step_fn = make_steps(cfg)
     params = jllama.init_params(llama, jax.random.PRNGKey(t.seed))
@@ -246,7 +249,7 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                 pending = loader.submit(batch_at, data, cfg, step + 1, offset)
             log = tel.enabled and step % tel.every == 0
             hist = log and tel.hist_every > 0 and step % tel.hist_every == 0 and step not in skip
-            new_params, new_state, out = step_fn(params, opt_state, batch, log, hist)
+            new_params, new_state, out = step_fn(params, opt_state, batch, log, hist, native)
             out = jax.device_get(out)
             row = dict(loss=float(out["loss"]), grad_norm=float(out["grad_norm"]),
                        clipped=bool(out["clipped"]), update_norm=float(out["update_norm"]),
