@@ -250,10 +250,17 @@ def init_distributed(info: DeviceInfo, timeout_s: float = 300.0) -> tuple[int, i
     return rank, world_size, local_rank
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(synchronize: bool = False) -> None:
+    """Destroy every process group. synchronize (a run that finished on every rank): a
+    barrier first, so that no rank tears down gloo while another still has work in flight
+    (seen once in the 2-process CPU test: rank 1 aborted at exit with "terminate called
+    without an active exception" after all 10 steps). Not after a failure: a dead rank
+    would leave the others waiting for the timeout."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if synchronize and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -162,12 +162,14 @@ def _local(x):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = parser().parse_known_args(argv)
-    own_group = False
+    own_group = finished = False
     try:
         cfg = load_config(RunConfig, args.config, overrides)
         cfg.check()
         own_group = _setup_distributed(cfg)
-        return train(cfg, Path(args.out), resume=args.resume)
+        rc = train(cfg, Path(args.out), resume=args.resume)
+        finished = True
+        return rc
     except USER_ERRORS as e:
         print(f"adamspike train: error: {e}", file=sys.stderr)
         return 2
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     finally:
         if own_group or dist.is_initialized():
-            devices.destroy_distributed()
+            devices.destroy_distributed(synchronize=finished)
 
 
 def _setup_distributed(cfg: RunConfig) -> bool:
