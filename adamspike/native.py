@@ -20,14 +20,14 @@ correct). Per element, one rounding each in T, no fused multiply-add (-ffp-contr
 
 with c1 = 1 - b1^t, c2 = 1 - b2^t given per tensor (as double, rounded to T). On histogram
 steps the same pass keeps the block's r and bins it as the frameworks' `bin_index` /
-`hist_bins` do (the equal-width guess, clamped, then one comparison with each neighbouring
-edge; NaN in the last bin), branch-free so that it vectorises (edges by gathers), counted
+`hist_bins` do (HIST_EDGES rounded up to T; the equal-width guess, clamped, then one
+comparison with each neighbouring edge; NaN in the last bin), branch-free so that it vectorises (edges by gathers), counted
 into four interleaved tables. The tensors come from L3 or memory after the optimizer's
 passes: the loop prefetches PF blocks ahead, and the next tensor's first blocks.
 
 Functions: tensor_sums[_hist][_mprev]_{f32, f64, f32_as_f64} (input dtype, compute dtype),
     (num, g, m, v, m_prev, p: int64 arrays of num data pointers (m_prev unused without
-     _mprev), numel, c1, c2, b1, eps, gscale, out, stride, edges, lo, width, hist)
+     _mprev), numel, c1, c2, b1, eps, gscale, out, stride, hist)
 adding the 13 sums of tensor i into out[i * stride + 0..12] and, with _hist, its
 NUM_HIST_BINS counts into hist[i * stride + 0..63].
 
@@ -53,7 +53,6 @@ from adamspike.metrics import HIST_EDGES, NUM_HIST_BINS, SAT_THRESHOLD, SUM_FIEL
 BLOCK = 256
 LANES = 16
 NUM_TERMS = len(SUM_FIELDS) - 1   # SUM_FIELDS[1:]: the n column is the caller's
-HIST_LO, HIST_WIDTH = float(HIST_EDGES[0]), float(HIST_EDGES[1] - HIST_EDGES[0])
 assert NUM_HIST_BINS & (NUM_HIST_BINS - 1) == 0   # the kernel's NaN bin is a mask
 
 KERNEL_SOURCE = r"""
@@ -67,6 +66,11 @@ KERNEL_SOURCE = r"""
 #ifndef PF
 #define PF 2
 #endif
+#define HIST_LO %(lo)r
+#define HIST_WIDTH %(width)r
+
+/* HIST_EDGES (float64); the kernels round them up to T: x >= e_T <=> x >= e for x in T */
+static const double kHistEdges[NB + 1] = {%(edges)s};
 
 /* One element's 13 terms, added into lane accumulators a[k] (k = 0 .. NT-1); with HIST,
    its r is kept in rr[J] for the histogram. */
@@ -88,15 +92,18 @@ KERNEL_SOURCE = r"""
 #define PREFETCH(PTR, BYTES)                                                         \
   for (int64_t c_ = 0; c_ < (BYTES); c_ += 64) __builtin_prefetch((const char *)(PTR) + c_)
 
-#define DEFINE(NAME, IT, T, SQRT, FABS, HIST, MPREV)                                  \
+#define DEFINE(NAME, IT, T, SQRT, FABS, NEXTAFTER, HIST, MPREV)                       \
 static void NAME(int64_t num, const int64_t *gp, const int64_t *mp_, const int64_t *vp, \
                  const int64_t *mprevp, const int64_t *pp, const int64_t *numel,     \
                  const double *c1s, const double *c2s, double b1, double eps,        \
-                 double gscale, double *out, int64_t stride, const void *edges_,     \
-                 double lo, double width, double *hist) {                            \
-  const T *edges = (const T *)edges_;                                                \
+                 double gscale, double *out, int64_t stride, double *hist) {         \
+  T edges[NB + 1];                                                                   \
+  for (int k = 0; k <= NB; ++k) {                                                    \
+    edges[k] = (T)kHistEdges[k];                                                     \
+    if ((double)edges[k] < kHistEdges[k]) edges[k] = NEXTAFTER(edges[k], (T)INFINITY); \
+  }                                                                                  \
   const T b1t = (T)b1, omb1 = (T)(1 - b1), e = (T)eps, e2 = (T)(eps * eps);          \
-  const T sat = (T)%(sat)r, lo_ = (T)lo, w = (T)width, gs = (T)gscale;              \
+  const T sat = (T)%(sat)r, lo_ = (T)HIST_LO, w = (T)HIST_WIDTH, gs = (T)gscale;    \
   const int zero_eps = eps == 0;                                                     \
   T rr[BLOCK];                                                                       \
   int32_t bin[BLOCK];                                                                \
@@ -164,20 +171,20 @@ static void NAME(int64_t num, const int64_t *gp, const int64_t *mp_, const int64
   }                                                                                  \
 }
 
-#define DEFINE_ALL(SUFFIX, IT, T, SQRT, FABS)                                         \
-  DEFINE(tensor_sums_##SUFFIX, IT, T, SQRT, FABS, 0, 0)                               \
-  DEFINE(tensor_sums_hist_##SUFFIX, IT, T, SQRT, FABS, 1, 0)                          \
-  DEFINE(tensor_sums_mprev_##SUFFIX, IT, T, SQRT, FABS, 0, 1)                         \
-  DEFINE(tensor_sums_hist_mprev_##SUFFIX, IT, T, SQRT, FABS, 1, 1)
+#define DEFINE_ALL(SUFFIX, IT, T, SQRT, FABS, NEXTAFTER)                              \
+  DEFINE(tensor_sums_##SUFFIX, IT, T, SQRT, FABS, NEXTAFTER, 0, 0)                    \
+  DEFINE(tensor_sums_hist_##SUFFIX, IT, T, SQRT, FABS, NEXTAFTER, 1, 0)               \
+  DEFINE(tensor_sums_mprev_##SUFFIX, IT, T, SQRT, FABS, NEXTAFTER, 0, 1)              \
+  DEFINE(tensor_sums_hist_mprev_##SUFFIX, IT, T, SQRT, FABS, NEXTAFTER, 1, 1)
 
-DEFINE_ALL(f32, float, float, sqrtf, fabsf)
-DEFINE_ALL(f64, double, double, sqrt, fabs)
-DEFINE_ALL(f32_as_f64, float, double, sqrt, fabs)
+DEFINE_ALL(f32, float, float, sqrtf, fabsf, nextafterf)
+DEFINE_ALL(f64, double, double, sqrt, fabs, nextafter)
+DEFINE_ALL(f32_as_f64, float, double, sqrt, fabs, nextafter)
 
 typedef void (*kernel_fn)(int64_t, const int64_t *, const int64_t *, const int64_t *,
                           const int64_t *, const int64_t *, const int64_t *, const double *,
                           const double *, double, double, double, double *, int64_t,
-                          const void *, double, double, double *);
+                          double *);
 
 /* the kernel for (input float64?, compute float64?, hist, mprev), or NULL */
 static kernel_fn pick_kernel(int in_f64, int compute_f64, int hist, int mprev) {
@@ -190,7 +197,9 @@ static kernel_fn pick_kernel(int in_f64, int compute_f64, int hist, int mprev) {
 #undef PICK
 }
 """ % {"block": BLOCK, "lanes": LANES, "terms": NUM_TERMS, "bins": NUM_HIST_BINS,
-       "sat": float(SAT_THRESHOLD)}
+       "sat": float(SAT_THRESHOLD), "lo": float(HIST_EDGES[0]),
+       "width": float(HIST_EDGES[1] - HIST_EDGES[0]),
+       "edges": ", ".join(repr(float(e)) for e in HIST_EDGES)}
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17",
          "-shared", "-fPIC", "-w"]

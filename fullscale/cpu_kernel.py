@@ -41,14 +41,12 @@ from pathlib import Path
 import torch
 
 from adamspike import native
-from adamspike.metrics import NUM_HIST_BINS
 
 MODULE = "adamspike_telemetry_native"
-NT, NB = native.NUM_TERMS, NUM_HIST_BINS
 
 _BINDING = r"""
 /* ---- torch binding: sums(grads, exp_avgs, exp_avg_sqs, params, steps, acc, b1, b2, eps,
-   hist, edges, compute_f64) -> the float64 table, or None if the inputs do not qualify */
+   hist, compute_f64) -> the float64 table, or None if the inputs do not qualify */
 
 /* ptrs[i], sizes[i] of the list's tensors; false unless each is a defined, contiguous CPU
    tensor of dtype dt with storage (a DTensor wrapper has none) and, given sizes_in, of
@@ -70,14 +68,14 @@ static bool gather(PyObject *list, Py_ssize_t num, c10::ScalarType dt, int64_t *
 }
 
 static PyObject *sums(PyObject *, PyObject *args) {
-  PyObject *lists[5], *acc_obj, *edges_obj;
+  PyObject *lists[5], *acc_obj;
   double b1, b2, eps;
   int hist, compute_f64;
-  if (!PyArg_ParseTuple(args, "OOOOOOdddpOp", &lists[0], &lists[1], &lists[2], &lists[3],
-                        &lists[4], &acc_obj, &b1, &b2, &eps, &hist, &edges_obj, &compute_f64))
+  if (!PyArg_ParseTuple(args, "OOOOOOdddpp", &lists[0], &lists[1], &lists[2], &lists[3],
+                        &lists[4], &acc_obj, &b1, &b2, &eps, &hist, &compute_f64))
     return NULL;
   try {
-    if (!PyList_Check(lists[4]) || !THPVariable_Check(acc_obj) || !THPVariable_Check(edges_obj))
+    if (!PyList_Check(lists[4]) || !THPVariable_Check(acc_obj))
       Py_RETURN_NONE;
     const Py_ssize_t num = PyList_GET_SIZE(lists[4]);
     if (num == 0 || !PyList_Check(lists[0]) || PyList_GET_SIZE(lists[0]) != num
@@ -108,11 +106,9 @@ static PyObject *sums(PyObject *, PyObject *args) {
       c1[i] = 1 - pow(b1, k);
       c2[i] = 1 - pow(b2, k);
     }
-    const at::Tensor &acc = THPVariable_Unpack(acc_obj), &edges = THPVariable_Unpack(edges_obj);
+    const at::Tensor &acc = THPVariable_Unpack(acc_obj);
     if (acc.scalar_type() != at::kDouble || !acc.device().is_cpu() || acc.dim() != 2
-        || acc.size(0) != num || acc.size(1) != NT + 1
-        || edges.scalar_type() != (compute_f64 ? at::kDouble : at::kFloat)
-        || !edges.is_contiguous() || edges.numel() != NB + 1)
+        || acc.size(0) != num || acc.size(1) != NT + 1)
       Py_RETURN_NONE;
     const int64_t stride = NT + 1 + (hist ? NB : 0);
     at::Tensor table = acc.new_zeros({(int64_t)num, stride});
@@ -120,8 +116,7 @@ static PyObject *sums(PyObject *, PyObject *args) {
     double *out = table.mutable_data_ptr<double>();
     const int64_t *p = ptrs.data();
     fn(num, p, p + num, p + 2 * num, NULL, p + 3 * num, numel.data(), c1.data(), c2.data(),
-       b1, eps, 1.0, out + 1, stride, edges.const_data_ptr(), %(lo)r, %(width)r,
-       hist ? out + NT + 1 : NULL);
+       b1, eps, 1.0, out + 1, stride, hist ? out + NT + 1 : NULL);
     return THPVariable_Wrap(std::move(table));
   } catch (const std::exception &e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
@@ -133,7 +128,7 @@ static PyMethodDef methods[] = {{"sums", sums, METH_VARARGS, "the SUM_FIELDS sum
                                 {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "%(module)s", NULL, -1, methods};
 PyMODINIT_FUNC PyInit_%(module)s(void) { return PyModule_Create(&module); }
-""" % {"lo": native.HIST_LO, "width": native.HIST_WIDTH, "module": MODULE}
+""" % {"module": MODULE}
 
 _SOURCE = ("#include <Python.h>\n#include <torch/csrc/autograd/python_variable.h>\n"
            "#include <vector>\n" + native.KERNEL_SOURCE + _BINDING)
@@ -184,11 +179,9 @@ class NativeSums:
     path's cast); `__call__` returns None when the inputs do not qualify (the caller then
     uses its other kernels)."""
 
-    def __init__(self, module, dtype: torch.dtype, edges: torch.Tensor):
-        """edges: HIST_EDGES rounded up to `dtype` (fullscale.telemetry's `_edges`)."""
+    def __init__(self, module, dtype: torch.dtype):
         assert dtype in (torch.float32, torch.float64)
-        assert edges.dtype == dtype and edges.is_cpu and edges.numel() == NB + 1
-        self.module, self.dtype, self.edges = module, dtype, edges.contiguous()
+        self.module, self.dtype = module, dtype
 
     def __call__(self, sources, steps, acc: torch.Tensor, b1: float, b2: float, eps: float,
                  hist: bool = False) -> torch.Tensor | None:
@@ -198,5 +191,4 @@ class NativeSums:
         acc + the sums in columns 1.., and with `hist` the NUM_HIST_BINS counts of r after
         them (exact integers)."""
         return self.module.sums(*(list(x) for x in sources), list(steps), acc, float(b1),
-                                float(b2), float(eps), bool(hist), self.edges,
-                                self.dtype == torch.float64)
+                                float(b2), float(eps), bool(hist), self.dtype == torch.float64)

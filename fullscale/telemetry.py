@@ -406,7 +406,7 @@ class Telemetry:
 
             lib = cpu_kernel.load()
             if lib is not None:
-                self._native = cpu_kernel.NativeSums(lib, self.dtype, self.edges)
+                self._native = cpu_kernel.NativeSums(lib, self.dtype)
                 self._native_base = torch.zeros_like(self._base)
                 self._native_base[:, _COL["n"]] = self._n
         self._fresh: list[bool] | None = None

@@ -28,15 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from adamspike import native
-from adamspike.metrics import HIST_EDGES, NUM_HIST_BINS, SUM_FIELDS
+from adamspike.metrics import NUM_HIST_BINS, SUM_FIELDS
 
 TARGET = "adamspike_telemetry_sums"
 NUM_SUMS = len(SUM_FIELDS)
 
 _BINDING = r"""
 namespace ffi = xla::ffi;
-
-static const double kEdges[NB + 1] = {%(edges)s};
 
 /* args: bc1, bc2, scale (each of the batch's shape), then g, mu_t, nu_t, mu_{t-1}, p of
    the num tensors (each batch x tensor); rets: sums (batch x num x (NT + 1)) and, with
@@ -61,12 +59,12 @@ static ffi::Error Impl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t
     if (buf->element_type() != dt)
       return ffi::Error::InvalidArgument("adamspike telemetry: mixed dtypes");
     const int64_t count = (int64_t)buf->element_count();
-    if (batch == 0 || count %% batch)
+    if (batch == 0 || count % batch)
       return ffi::Error::InvalidArgument("adamspike telemetry: operands differ in batch");
     if (j < 3 && count != batch)
       return ffi::Error::InvalidArgument("adamspike telemetry: scalars differ in batch");
     if (j >= 3) {
-      const int64_t i = (j - 3) %% num;
+      const int64_t i = (j - 3) % num;
       if (j < 3 + num) numel[i] = count / batch;
       else if (numel[i] != count / batch)
         return ffi::Error::InvalidArgument("adamspike telemetry: tensor sizes differ");
@@ -85,12 +83,6 @@ static ffi::Error Impl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t
       return ffi::Error::InvalidArgument("adamspike telemetry: counts of the wrong shape");
     counts = (int32_t *)(*h)->untyped_data();
   }
-  float edges32[NB + 1];
-  for (int k = 0; k <= NB; ++k) {   /* rounded up: x >= e32 <=> x >= e64 for float x */
-    edges32[k] = (float)kEdges[k];
-    if ((double)edges32[k] < kEdges[k]) edges32[k] = nextafterf(edges32[k], INFINITY);
-  }
-  const void *edges = f64 ? (const void *)kEdges : (const void *)edges32;
   kernel_fn fn = pick_kernel(f64, f64, hist, 1);
   const int64_t stride = NT + 1 + (hist ? NB : 0);
   std::vector<int64_t> ptrs(5 * num);
@@ -106,8 +98,7 @@ static ffi::Error Impl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t
     std::fill(table.begin(), table.end(), 0.0);
     const int64_t *p = ptrs.data();
     fn(num, p, p + num, p + 2 * num, p + 3 * num, p + 4 * num, numel.data(), c1.data(),
-       c2.data(), b1, eps, sc[2], table.data() + 1, stride, edges, %(lo)r, %(width)r,
-       hist ? table.data() + NT + 1 : NULL);
+       c2.data(), b1, eps, sc[2], table.data() + 1, stride, hist ? table.data() + NT + 1 : NULL);
     for (int64_t i = 0; i < num; ++i) {
       table[i * stride] = (double)numel[i];
       for (int k = 0; k <= NT; ++k) {
@@ -131,8 +122,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamspikeTelemetrySums, Impl,
                                   .Attr<bool>("hist")
                                   .Attr<double>("b1")
                                   .Attr<double>("eps"));
-""" % {"edges": ", ".join(repr(float(e)) for e in HIST_EDGES), "lo": native.HIST_LO,
-       "width": native.HIST_WIDTH}
+"""
 
 _SOURCE = ('#include "xla/ffi/api/ffi.h"\n#include <algorithm>\n#include <vector>\n'
            + native.KERNEL_SOURCE + _BINDING)
