@@ -1,0 +1,43 @@
+"""Depth groups: the one definition of "shallow" and "deep" used everywhere.
+
+A parameter tensor has a depth (the run-directory contract): -1 for the embedding,
+0..L-1 for the transformer blocks, L for the final norm and the output head. Groups:
+
+    embed    depth == -1
+    shallow  0 <= depth < num_shallow_blocks(L),  num_shallow_blocks(L) = max(1, L // 10)
+    deep     num_shallow_blocks(L) <= depth < L
+    head     depth == L
+
+At LLaMA2-70B (L = 80) the shallow group is blocks 0..7, so the embedding plus the shallow
+group (`shallow_depths`) are depths -1..7, where the seed report saw updates tied to eps.
+Models without blocks (the quadratic, an MLP) give their depths directly: an MLP of L
+layers has depths 0..L-1 and uses the same rule, with no embed or head group.
+"""
+
+from __future__ import annotations
+
+GROUPS = ("embed", "shallow", "deep", "head")
+
+
+def num_shallow_blocks(num_layers: int) -> int:
+    """Blocks in the shallow group: max(1, L // 10) (8 of LLaMA2-70B's 80)."""
+    if int(num_layers) < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    return max(1, int(num_layers) // 10)
+
+
+def depth_group(depth: int, num_layers: int) -> str:
+    """The group of a tensor at `depth` in a model of `num_layers` blocks."""
+    depth, num_layers = int(depth), int(num_layers)
+    if depth == -1:
+        return "embed"
+    if depth == num_layers:
+        return "head"
+    if not 0 <= depth < num_layers:
+        raise ValueError(f"depth {depth} outside -1..{num_layers}")
+    return "shallow" if depth < num_shallow_blocks(num_layers) else "deep"
+
+
+def shallow_depths(num_layers: int) -> list[int]:
+    """The depths the alarms and reports call shallow: the embedding and the shallow blocks."""
+    return [-1, *range(num_shallow_blocks(num_layers))]
