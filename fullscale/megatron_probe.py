@@ -1,0 +1,946 @@
+"""Per-tensor Adam telemetry inside an unmodified Megatron-LM / MindSpeed-LLM run.
+
+The probe wraps `megatron.training.training.train_step`. That function zeroes the
+gradients at its start and calls `optimizer.step()` inside, so code that runs right after
+it sees the post-step state (the gradient Adam consumed, exp_avg, exp_avg_sq, the updated
+main parameters) before the next zero_grad; it receives `model` (a list of model chunks)
+and `optimizer` as its 3rd and 4th arguments in every Megatron version since 2023.
+On logged steps the probe computes, for every parameter tensor of the model, the
+`adamspike.metrics.SUM_FIELDS` sums (and r-histogram counts) of the elements this rank
+owns, all-reduces one (num_tensors, 14 [+ 64]) float64 table over the world, and the last
+rank (the one Megatron's `training_log` prints on) turns it into the run directory's
+`layers` / `hists` rows with `adamspike.metrics.finalize`; a `steps` row is written every
+step. `adamspike analyze` / `figures` then treat the run like one of ours (backend
+"megatron").
+
+Reaching Adam's state (megatron.core.optimizer; names checked against megatron-core 0.16
+and Megatron-LM main): `ChainedOptimizer.chained_optimizers` is walked recursively; per
+leaf optimizer, (model parameter, main parameter, flat range of the model parameter the
+main parameter holds):
+  - `DistributedOptimizer`: `model_float16_groups` <-> `shard_fp32_from_float16_groups`
+    and `model_fp32_groups` <-> `shard_fp32_groups`, the range from
+    `_get_model_param_range_map(p)["param"]` (this data-parallel rank's slice);
+  - `Float16OptimizerWithFloat16Params`: `float16_groups` <-> `fp32_from_float16_groups`,
+    and `fp32_from_fp32_groups` (model = main), whole tensors;
+  - `FP32Optimizer` (and a plain torch optimizer): the inner param groups, whole tensors.
+The state is `leaf.optimizer.state[main]["exp_avg" | "exp_avg_sq"]`, the gradient
+`main.grad` (after Megatron's clipping: the one Adam consumed), the step t from
+`state["step"]` (torch AdamW) or the param group's "step" (apex / TE FusedAdam).
+
+Exact reduction (every tensor's metrics equal those of the unsharded state): a rank adds
+its elements' sums to its tensors' rows only where it owns them: data-parallel replicas
+(non-distributed optimizer: DP rank 0 of the data-parallel-with-context-parallel group;
+expert parameters: expert-DP rank 0; distributed optimizer: every DP rank owns its
+disjoint slice, and only instance 0 when there are several optimizer instances),
+tensor-parallel copies of non-split tensors (`tensor_model_parallel` false: TP rank 0)
+and, for a tied embedding, the copy on the last pipeline stage (`shared_embedding` off
+the first stage) count once; TP-split and pipeline-stage tensors are disjoint, so plain
+sums over the world are sums over the whole tensor. The tensor list is the union over all
+ranks (one `all_gather_object` at the first logged step). Names come from
+`model.named_parameters()` with `module.` prefixes stripped and each transformer layer's
+local index replaced by its global `layer_number - 1` (pipeline stages and virtual chunks
+number their layers from 0).
+
+Metrics: the trainer's definitions (adamspike.metrics; m_prev reconstructed as in
+fullscale.telemetry: m_prev = (m_t - (1 - b1) g) / b1, exactly 0 at t = 1); b1, b2, eps
+and lr from the optimizer's param groups. Elementwise math in float64 (cpu, cuda) or
+float32 (npu, where float64 kernels are not dependable); counts are integer sums.
+
+Where it runs: python >= 3.8, torch >= 2.1 (+ torch_npu), numpy; no jax / pandas / scipy.
+The writer is `adamspike.rundir.RunWriter` (parquet) when pandas and pyarrow import, else
+a plain one (atomically written JSON-lines parts `TABLE/part-NNNNNN.jsonl`, the same
+events.jsonl and run.json) that `adamspike.rundir.load_run` reads as well.
+
+Use (see docs/mindspeed_probe.md):
+  - plain Megatron-LM:  python -m fullscale.megatron_probe --out RUN -- pretrain_gpt.py ARGS
+    (under torchrun: `torchrun ... -m fullscale.megatron_probe --out RUN -- pretrain_gpt.py ARGS`)
+  - MindSpeed-LLM: the same launcher imports `mindspeed_llm.megatron_adaptor` first (its
+    patches are applied once), or two lines after that import in pretrain_gpt.py:
+        from fullscale.megatron_probe import install
+        install()
+    which registers the wrapper with `mindspeed.patch_utils.MindSpeedPatchesManager`
+    (`register_patch(name, fn)` with fn's name ending in `_wrapper`: stacked on top of
+    MindSpeed's own patches) and calls `apply_patches()`.
+Settings come from install()'s arguments or the environment: ADAMSPIKE_PROBE_OUT (the run
+directory; required), ADAMSPIKE_PROBE_EVERY (telemetry every K steps, default 10),
+ADAMSPIKE_PROBE_HIST_EVERY (histograms every H steps, 0 = never, default 100),
+ADAMSPIKE_PROBE_FLUSH_S (seconds between flushes, default 60).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, SAT_THRESHOLD, SUM_FIELDS, finalize
+
+TRAIN_STEP = "megatron.training.training.train_step"
+NUM_SUMS = len(SUM_FIELDS)
+_COL = {f: i for i, f in enumerate(SUM_FIELDS)}
+PLAIN_SCHEMA_VERSION = 1
+ENV_PREFIX = "ADAMSPIKE_PROBE_"
+
+
+class ProbeError(RuntimeError):
+    """The probe cannot read this optimizer / model (named in the message)."""
+
+
+# ----------------------------------------------------------------------------- names
+
+_LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)$")
+
+
+def _strip_module(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def global_names(chunks: Sequence[torch.nn.Module]) -> Dict[int, str]:
+    """id(param) -> its name in the whole model: `module.` prefixes stripped, each
+    transformer layer's local index replaced by its global `layer_number - 1`."""
+    out: Dict[int, str] = {}
+    for chunk in chunks:
+        renames = []
+        for mod_name, mod in chunk.named_modules():
+            m = _LAYER_RE.search(mod_name)
+            num = getattr(mod, "layer_number", None)
+            if m and isinstance(num, int):
+                renames.append((_strip_module(mod_name) + ".",
+                                _strip_module(mod_name[:m.start(2)]) + f"{num - 1}."))
+        renames.sort(key=lambda r: -len(r[0]))
+        for name, p in chunk.named_parameters():
+            name = _strip_module(name)
+            for old, new in renames:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            out.setdefault(id(p), name)
+    return out
+
+
+# kinds of Megatron tensors (core and legacy names); fused ones get fused kinds
+_KIND_RULES = (
+    (re.compile(r"layer_?norm|_norm\b|norm\.|\bnorm_"), "norm"),
+    (re.compile(r"linear_qkv|query_key_value"), "wqkv"),
+    (re.compile(r"linear_q\b|linear_q\.|\.query\."), "wq"),
+    (re.compile(r"linear_kv|key_value"), "wkv"),
+    (re.compile(r"linear_proj|self_attention\.dense|attention\.dense"), "wo"),
+    (re.compile(r"linear_fc2|dense_4h_to_h"), "w2"),
+    (re.compile(r"linear_fc1|dense_h_to_4h"), "w13"),
+)
+
+
+def depth_kind(name: str, num_layers: int, gated: bool = True) -> Tuple[int, str]:
+    """The run directory's (depth, kind) of a Megatron parameter name: -1 / embed for the
+    embeddings, the block index for `layers.N.`, num_layers for the final norm / output."""
+    if "embedding" in name.split(".")[0] or ".embedding." in name or name.startswith("embedding"):
+        return -1, "embed"
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    if m:
+        rest = name[m.end():]
+        for rx, kind in _KIND_RULES:
+            if rx.search(rest):
+                if kind == "w13" and not gated:
+                    kind = "w1"
+                return int(m.group(1)), kind
+        return int(m.group(1)), "param"
+    if "output_layer" in name:
+        return num_layers, "output"
+    if "norm" in name:
+        return num_layers, "norm"
+    return num_layers, "param"
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+def leaf_optimizers(optimizer) -> list:
+    """The non-chained Megatron optimizers under `optimizer` (ChainedOptimizer's
+    `chained_optimizers`, recursively)."""
+    subs = getattr(optimizer, "chained_optimizers", None)
+    if subs is None:
+        return [optimizer]
+    return [leaf for s in subs for leaf in leaf_optimizers(s)]
+
+
+def _inner(leaf):
+    """The torch optimizer that holds Adam's state."""
+    inner = getattr(leaf, "optimizer", None)
+    return inner if inner is not None and hasattr(inner, "state") else leaf
+
+
+def _pairs(leaf):
+    """(model param, main param, start, stop) for every tensor `leaf` updates; start:stop
+    is the flat range of the model parameter the main parameter holds."""
+    out = []
+    if hasattr(leaf, "shard_fp32_from_float16_groups"):            # DistributedOptimizer
+        groups = list(zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups)) + \
+            list(zip(leaf.model_fp32_groups, leaf.shard_fp32_groups))
+        for model_group, main_group in groups:
+            for p, main in zip(model_group, main_group):
+                if main is None:
+                    raise ProbeError("distributed optimizer without fp32 main parameters "
+                                     "(precision-aware optimizer): not supported by the probe")
+                r = leaf._get_model_param_range_map(p)["param"]
+                out.append((p, main, int(r.start), int(r.end)))
+    elif hasattr(leaf, "fp32_from_float16_groups"):                # Float16Optimizer...
+        for model_group, main_group in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
+            for p, main in zip(model_group, main_group):
+                out.append((p, main, 0, p.numel()))
+        for group in leaf.fp32_from_fp32_groups:
+            for p in group:
+                out.append((p, p, 0, p.numel()))
+    else:                                                          # FP32Optimizer, torch
+        for group in _inner(leaf).param_groups:
+            for p in group["params"]:
+                out.append((p, p, 0, p.numel()))
+    return out
+
+
+def _group_of(inner, main) -> dict:
+    for g in inner.param_groups:
+        for q in g["params"]:
+            if q is main:
+                return g
+    raise ProbeError("a main parameter is in none of its optimizer's param groups")
+
+
+def hyper_params(optimizer) -> Dict[str, float]:
+    """b1, b2, eps, lr, weight_decay of the (first non-empty) param group, checking that
+    b1, b2, eps agree across groups (the metrics assume one eps)."""
+    groups = [g for leaf in leaf_optimizers(optimizer) for g in _inner(leaf).param_groups
+              if g["params"]]
+    if not groups:
+        raise ProbeError("optimizer has no parameters")
+    g0 = groups[0]
+    for g in groups[1:]:
+        if tuple(g["betas"]) != tuple(g0["betas"]) or g["eps"] != g0["eps"]:
+            raise ProbeError(f"param groups disagree on betas/eps ({g['betas']}, {g['eps']} vs "
+                             f"{g0['betas']}, {g0['eps']})")
+    b1, b2 = (float(x) for x in g0["betas"])
+    lrs = [float(g["lr"]) for g in groups]
+    return {"b1": b1, "b2": b2, "eps": float(g0["eps"]), "lr": max(lrs),
+            "weight_decay": float(g0.get("weight_decay", 0.0))}
+
+
+# ----------------------------------------------------------------------------- parallel
+
+def _parallel_ranks() -> Dict[str, int]:
+    """tp, dp (with context parallel), expert-dp ranks and pp first/last stage flags;
+    zeros / True without megatron's parallel_state (a single-process model)."""
+    out = {"tp": 0, "dp": 0, "edp": 0, "pp_first": True}
+    try:
+        from megatron.core import parallel_state as ps
+        if not ps.model_parallel_is_initialized():
+            return out
+        out["tp"] = ps.get_tensor_model_parallel_rank()
+        try:
+            out["dp"] = ps.get_data_parallel_rank(with_context_parallel=True)
+        except TypeError:   # old signature
+            out["dp"] = ps.get_data_parallel_rank()
+        for fn in ("get_expert_data_parallel_rank", "get_data_modulo_expert_parallel_rank"):
+            if hasattr(ps, fn):
+                try:
+                    out["edp"] = getattr(ps, fn)()
+                    break
+                except Exception:  # noqa: BLE001 - no expert groups in this run
+                    pass
+        out["pp_first"] = ps.is_pipeline_first_stage(ignore_virtual=True)
+    except ImportError:
+        pass
+    return out
+
+
+def _distopt_instance(leaf) -> int:
+    """This rank's index among distributed-optimizer instances (0 when only one)."""
+    grp = getattr(leaf, "inter_distributed_optimizer_instance_group", None)
+    if grp is None or not torch.distributed.is_initialized():
+        return 0
+    return torch.distributed.get_rank(group=grp)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def shard_sums(g, m, v, p, bc1: float, bc2: float, b1: float, eps: float, fresh: bool,
+               dtype: torch.dtype, hist_edges: Optional[torch.Tensor] = None):
+    """The SUM_FIELDS sums (float64 cpu tensor, NUM_SUMS) of one owned slice, and its
+    r-histogram counts (NUM_HIST_BINS) when `hist_edges` (the 63 inner edges) is given.
+    m, v: exp_avg, exp_avg_sq after the step; g the gradient it consumed; p the main
+    parameter after the step; bc1, bc2 = 1 - b1^t, 1 - b2^t."""
+    g, m, v, p = (x.reshape(-1).to(dtype) for x in (g, m, v, p))
+    acc = torch.float64 if dtype == torch.float64 or g.device.type != "npu" else dtype
+    m_hat, v_hat = m / bc1, v / bc2
+    s = torch.sqrt(v_hat)
+    r = m_hat / (s + eps)
+    if eps == 0:
+        r = torch.where(v_hat > 0, r, torch.zeros_like(r))
+    g2, r2 = g * g, r * r
+    if eps > 0:
+        q = g2 / torch.clamp(v_hat, min=eps * eps)
+    else:
+        q = torch.where(v_hat > 0, g2 / torch.where(v_hat > 0, v_hat, torch.ones_like(v_hat)),
+                        torch.zeros_like(v_hat))
+    vals = [g2, r, r2, r2 * r, r2 * r2, q]
+    sums = [x.sum(dtype=acc) for x in vals]
+    counts = [(r.abs() > SAT_THRESHOLD).sum(), (s < eps).sum()]
+    sums2 = [(m_hat * m_hat).sum(dtype=acc), v_hat.sum(dtype=acc)]
+    if fresh:
+        zero = torch.zeros((), dtype=acc, device=g.device)
+        mp = [zero, zero]
+    else:
+        m_prev = (m - (1 - b1) * g) / b1
+        mp = [(g * m_prev).sum(dtype=acc), (m_prev * m_prev).sum(dtype=acc)]
+    n = torch.tensor(float(g.numel()), dtype=torch.float64)
+    row = torch.stack([t.to(torch.float64).reshape(()) for t in
+                       sums + counts + sums2 + mp + [(p * p).sum(dtype=acc)]]).cpu()
+    row = torch.cat([n.reshape(1), row])
+    if hist_edges is None:
+        return row, None
+    # bin i holds e_i <= r < e_{i+1}; out-of-range values in the end bins, NaN in the last
+    idx = torch.bucketize(r, hist_edges, right=True)
+    idx = torch.where(torch.isnan(r), torch.full_like(idx, NUM_HIST_BINS - 1), idx)
+    counts = torch.bincount(idx, minlength=NUM_HIST_BINS).to(torch.float64).cpu()
+    return row, counts
+
+
+def _inner_edges(dtype: torch.dtype, device) -> torch.Tensor:
+    """HIST_EDGES[1:-1] rounded up to `dtype`, so `e <= r` in dtype is numpy's float64
+    decision on the same r."""
+    npdt = np.float64 if dtype == torch.float64 else np.float32
+    e = HIST_EDGES[1:-1].astype(npdt)
+    up = e.astype(np.float64) < HIST_EDGES[1:-1]
+    e[up] = np.nextafter(e[up], np.array(np.inf, dtype=npdt))
+    return torch.from_numpy(e).to(device)
+
+
+def _step_of(state: dict, group: dict) -> int:
+    k = state.get("step", group.get("step"))
+    if k is None:
+        raise ProbeError("no Adam step count in the optimizer state or param group")
+    return int(k.item() if isinstance(k, torch.Tensor) else k)
+
+
+# ----------------------------------------------------------------------------- writers
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _clean(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    if isinstance(o, np.generic):
+        return _clean(o.item())
+    if isinstance(o, np.ndarray):
+        return _clean(o.tolist())
+    return o
+
+
+class PlainRunWriter:
+    """The run-directory writer without pandas / pyarrow: run.json, events.jsonl and
+    TABLE/part-NNNNNN.jsonl parts (one JSON object per row; non-finite floats as null),
+    each part written to a temporary name, fsynced and renamed (a crash loses at most the
+    rows since the last flush). Read by adamspike.rundir.load_run. Same API subset as
+    RunWriter: log_step, log_layers(columns=), log_hist, event, flush, close."""
+
+    TABLES = ("steps", "layers", "hists")
+
+    def __init__(self, path: str, *, backend: str, config: dict, env: dict,
+                 extra_meta: Optional[dict] = None, resume_from_step: Optional[int] = None,
+                 flush_every_s: float = 60.0, hist_edges=HIST_EDGES):
+        self.path = str(path)
+        self.flush_every_s = float(flush_every_s)
+        self._rows: Dict[str, List[dict]] = {t: [] for t in self.TABLES}
+        self._last = time.monotonic()
+        meta_path = os.path.join(self.path, "run.json")
+        if resume_from_step is None:
+            if os.path.exists(meta_path) or (os.path.isdir(self.path) and os.listdir(self.path)):
+                raise ProbeError(f"{self.path}: run directory exists and is not empty")
+            for t in self.TABLES:
+                os.makedirs(os.path.join(self.path, t), exist_ok=True)
+            meta = {"schema_version": 1, "backend": backend, "config": config, "environment": env,
+                    "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "hist_edges": [float(x) for x in hist_edges], **(extra_meta or {})}
+            _atomic_write(meta_path, json.dumps(_clean(meta), indent=2).encode())
+            self._next = {t: 0 for t in self.TABLES}
+        else:
+            self._next = {t: self._truncate(t, int(resume_from_step)) for t in self.TABLES}
+            self.event("resume", step=int(resume_from_step))
+
+    def _parts(self, table: str) -> List[str]:
+        d = os.path.join(self.path, table)
+        return sorted(f for f in os.listdir(d) if f.startswith("part-") and f.endswith(".jsonl"))
+
+    def _truncate(self, table: str, step: int) -> int:
+        d = os.path.join(self.path, table)
+        os.makedirs(d, exist_ok=True)
+        for f in self._parts(table):
+            full = os.path.join(d, f)
+            with open(full, encoding="utf-8") as fh:
+                rows = [json.loads(x) for x in fh if x.strip()]
+            keep = [r for r in rows if r["step"] <= step]
+            if not keep:
+                os.unlink(full)
+            elif len(keep) < len(rows):
+                _atomic_write(full, "".join(json.dumps(r) + "\n" for r in keep).encode())
+        parts = self._parts(table)
+        return int(parts[-1][5:11]) + 1 if parts else 0
+
+    def log_step(self, **row) -> None:
+        self._rows["steps"].append(row)
+        self._maybe_flush()
+
+    def log_layers(self, step: int, columns: dict) -> None:
+        n = len(columns["name"])
+        cols = {k: (list(v) if not isinstance(v, np.ndarray) else v.tolist()) for k, v in columns.items()}
+        self._rows["layers"].extend({"step": int(step), **{k: cols[k][i] for k in cols}}
+                                    for i in range(n))
+        self._maybe_flush()
+
+    def log_hist(self, step: int, name: str, depth: int, kind: str, counts) -> None:
+        self._rows["hists"].append({"step": int(step), "name": name, "depth": int(depth),
+                                    "kind": kind, "counts": [int(c) for c in counts]})
+
+    def event(self, type: str, **fields) -> None:
+        line = json.dumps(_clean({"time": time.time(), "type": type, **fields}), allow_nan=False)
+        with open(os.path.join(self.path, "events.jsonl"), "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def _maybe_flush(self) -> None:
+        if time.monotonic() - self._last >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        for t, rows in self._rows.items():
+            if rows:
+                name = os.path.join(self.path, t, f"part-{self._next[t]:06d}.jsonl")
+                _atomic_write(name, "".join(json.dumps(_clean(r), allow_nan=False) + "\n"
+                                            for r in rows).encode())
+                self._next[t] += 1
+                self._rows[t] = []
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+
+
+def open_writer(path: str, *, config: dict, env: dict, extra_meta: dict,
+                resume_from_step: Optional[int], flush_every_s: float, plain: bool = False):
+    """RunWriter (parquet) when adamspike.rundir imports (pandas + pyarrow), else the
+    plain writer. A run directory keeps the format it was started with."""
+    if resume_from_step is not None and os.path.isdir(os.path.join(path, "steps")):
+        plain = plain or any(f.endswith(".jsonl") for f in os.listdir(os.path.join(path, "steps")))
+    if not plain:
+        try:
+            from adamspike.rundir import RunWriter  # needs pandas + pyarrow
+        except ImportError:
+            plain = True
+    if plain:
+        return PlainRunWriter(path, backend="megatron", config=config, env=env,
+                              extra_meta=extra_meta, resume_from_step=resume_from_step,
+                              flush_every_s=flush_every_s)
+    return RunWriter(path, backend="megatron", config=config, env=env, extra_meta=extra_meta,
+                     resume_from_step=resume_from_step, flush_every_s=flush_every_s)
+
+
+# ----------------------------------------------------------------------------- probe
+
+class _Slot:
+    """One owned slice of a model tensor on this rank."""
+    __slots__ = ("row", "model", "main", "start", "stop", "inner", "group")
+
+    def __init__(self, row, model, main, start, stop, inner, group):
+        self.row, self.model, self.main, self.start, self.stop = row, model, main, start, stop
+        self.inner, self.group = inner, group
+
+
+class MegatronProbe:
+    """Per-tensor Adam telemetry of a Megatron model + optimizer.
+
+    `collect(model, optimizer, step)` after optimizer.step() on every rank (collective on
+    logged steps) returns the (num_tensors, NUM_SUMS [+ NUM_HIST_BINS]) all-reduced table
+    and writes it on the writer rank; `after_train_step(...)` is what the train_step
+    wrapper calls (steps row + collect).
+
+    Args:
+      out: the run directory (created by the writer rank; resumed when it exists).
+      every, hist_every: telemetry every K steps, histograms every H (0: never).
+      precision: "float64" | "float32" elementwise dtype (npu: float32 always).
+      writer_rank: the rank that writes (default: the last, where Megatron logs).
+      config: extra run.json config (e.g. model / train sections).
+      plain: force the plain JSON-lines writer.
+    """
+
+    def __init__(self, out: str, *, every: int = 10, hist_every: int = 100,
+                 precision: str = "float64", writer_rank: Optional[int] = None,
+                 config: Optional[dict] = None, flush_every_s: float = 60.0,
+                 plain: bool = False):
+        if every < 1 or hist_every < 0:
+            raise ProbeError(f"every must be >= 1 and hist_every >= 0, got {every}, {hist_every}")
+        if precision not in ("float32", "float64"):
+            raise ProbeError(f"precision must be float32 or float64, got {precision!r}")
+        self.out, self.every, self.hist_every = str(out), int(every), int(hist_every)
+        self.precision = precision
+        self.extra_config = dict(config or {})
+        self.flush_every_s, self.plain = float(flush_every_s), bool(plain)
+        dist = torch.distributed
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.writer_rank = self.world - 1 if writer_rank is None else int(writer_rank)
+        self.writer = None
+        self._layout = None          # (names, depth, kind, slots) once built
+        self._optimizer_id = None
+        self.overhead_s = 0.0        # time spent in collect (this rank)
+
+    # -- layout ----------------------------------------------------------------------
+    def _build(self, chunks, optimizer) -> None:
+        names = global_names(chunks)
+        cfg = getattr(chunks[0], "config", None)
+        num_layers = int(getattr(cfg, "num_layers", 0) or 0)
+        gated = bool(getattr(cfg, "gated_linear_unit", True))
+        ranks = _parallel_ranks()
+        local: List[Tuple[str, Any, Any, int, int, Any, dict]] = []
+        for leaf in leaf_optimizers(optimizer):
+            inner = _inner(leaf)
+            distributed = hasattr(leaf, "shard_fp32_from_float16_groups")
+            instance = _distopt_instance(leaf) if distributed else 0
+            for p, main, start, stop in _pairs(leaf):
+                if id(p) not in names:
+                    raise ProbeError("an optimizer parameter is not in model.named_parameters()")
+                name = names[id(p)]
+                expert = getattr(p, "allreduce", True) is False
+                if distributed:
+                    own = instance == 0
+                else:
+                    own = (ranks["edp"] if expert else ranks["dp"]) == 0
+                if not getattr(p, "tensor_model_parallel", False) and ranks["tp"] != 0:
+                    own = False
+                if getattr(p, "shared_embedding", False) and not ranks["pp_first"] \
+                        and "output_layer" in name:
+                    own = False   # the last stage's copy of a tied embedding
+                if own and stop > start:
+                    local.append((name, p, main, start, stop, inner, _group_of(inner, main)))
+        mine = sorted({x[0] for x in local})
+        if self.world > 1:
+            gathered: List[Any] = [None] * self.world
+            torch.distributed.all_gather_object(gathered, mine)
+            all_names = sorted({n for part in gathered for n in part})
+        else:
+            all_names = mine
+        if num_layers == 0:
+            num_layers = 1 + max([int(m.group(1)) for n in all_names
+                                  for m in [re.search(r"layers\.(\d+)\.", n)] if m] or [-1])
+        row = {n: i for i, n in enumerate(all_names)}
+        dk = [depth_kind(n, num_layers, gated) for n in all_names]
+        slots = [_Slot(row[name], p, main, start, stop, inner, group)
+                 for name, p, main, start, stop, inner, group in local]
+        self.num_layers = num_layers
+        self._layout = (all_names, np.array([d for d, _ in dk], dtype=np.int32),
+                        [k for _, k in dk], slots)
+        self._optimizer_id = id(optimizer)
+        self.device = slots[0].main.device if slots else torch.device("cpu")
+        self.dtype = torch.float32 if (self.device.type == "npu" or self.precision == "float32") \
+            else torch.float64
+        self.edges = _inner_edges(self.dtype, self.device)
+
+    # -- per step --------------------------------------------------------------------
+    def active(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def hist_active(self, step: int) -> bool:
+        return self.hist_every > 0 and step % self.hist_every == 0
+
+    @torch.no_grad()
+    def table(self, chunks, optimizer, step: int) -> np.ndarray:
+        """The all-reduced (num_tensors, NUM_SUMS [+ NUM_HIST_BINS]) float64 table of this
+        step (collective: every rank calls it)."""
+        if self._layout is None or self._optimizer_id != id(optimizer):
+            self._build(chunks, optimizer)
+        names, _, _, slots = self._layout
+        hp = hyper_params(optimizer)
+        b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
+        with_hist = self.hist_active(step)
+        width = NUM_SUMS + (NUM_HIST_BINS if with_hist else 0)
+        tab = torch.zeros((len(names), width), dtype=torch.float64)
+        for s in slots:
+            st = s.inner.state.get(s.main)
+            if not st or "exp_avg" not in st or s.main.grad is None:
+                continue   # no update this step (skipped iteration): rows stay 0
+            t = _step_of(st, s.group)
+            view = s.model.detach().reshape(-1)[s.start:s.stop] if s.main is s.model else None
+            p = s.main if view is None else view
+            row, counts = shard_sums(s.main.grad, st["exp_avg"], st["exp_avg_sq"], p,
+                                     1 - b1 ** t, 1 - b2 ** t, b1, eps, t == 1, self.dtype,
+                                     self.edges if with_hist else None)
+            tab[s.row, :NUM_SUMS] += row
+            if with_hist:
+                tab[s.row, NUM_SUMS:] += counts
+        if self.world > 1:
+            dev = self.device if self.device.type != "cpu" else torch.device("cpu")
+            t_dev = tab.to(dev)
+            torch.distributed.all_reduce(t_dev)
+            tab = t_dev.cpu()
+        return tab.numpy()
+
+    def collect(self, chunks, optimizer, step: int) -> Optional[np.ndarray]:
+        """Telemetry of `step` if it is logged: the table (every rank), written on the
+        writer rank."""
+        if not self.active(step):
+            return None
+        t0 = time.perf_counter()
+        tab = self.table(chunks, optimizer, step)
+        names, depth, kind, _ = self._layout
+        if self.writer is not None:
+            eps = hyper_params(optimizer)["eps"]
+            sums = tab[:, :NUM_SUMS]
+            ok = sums[:, 0] > 0      # tensors that were updated this step
+            if ok.any():
+                metrics = finalize(sums[ok], eps)
+                sel = np.flatnonzero(ok)
+                self.writer.log_layers(step, columns={
+                    "name": [names[i] for i in sel], "depth": depth[sel],
+                    "kind": [kind[i] for i in sel], "numel": sums[ok, 0].astype(np.int64),
+                    **{k: np.asarray(metrics[k], dtype=np.float64) for k in METRIC_NAMES}})
+                if tab.shape[1] > NUM_SUMS:
+                    for i in sel:
+                        self.writer.log_hist(step, names[i], int(depth[i]), kind[i],
+                                             np.rint(tab[i, NUM_SUMS:]).astype(np.int64))
+        self.overhead_s += time.perf_counter() - t0
+        return tab
+
+    # -- writer ----------------------------------------------------------------------
+    def _open(self, optimizer, step: int, env_extra: dict) -> None:
+        if self.rank != self.writer_rank or self.writer is not None:
+            return
+        hp = hyper_params(optimizer)
+        clip = _clip_grad(optimizer)
+        config = {"optim": {"lr": hp["lr"], "b1": hp["b1"], "b2": hp["b2"], "eps": hp["eps"],
+                            "weight_decay": hp["weight_decay"], "grad_clip": clip},
+                  "telemetry": {"every": self.every, "hist_every": self.hist_every,
+                                "precision": self.precision, "source": "fullscale.megatron_probe"}}
+        for k, v in self.extra_config.items():
+            config[k] = {**config.get(k, {}), **v} if isinstance(v, dict) else v
+        env = {"python": sys.version.split()[0], "torch": torch.__version__,
+               "numpy": np.__version__, "world_size": self.world, **env_extra}
+        resume = step - 1 if os.path.exists(os.path.join(self.out, "run.json")) else None
+        self.writer = open_writer(self.out, config=config, env=env,
+                                  extra_meta={"probe": {"writer": "fullscale.megatron_probe"}},
+                                  resume_from_step=resume, flush_every_s=self.flush_every_s,
+                                  plain=self.plain)
+        self.writer.event("start", step=step, world_size=self.world)
+
+    def after_train_step(self, chunks, optimizer, step: int, *, loss: float = math.nan,
+                         skipped: bool = False, grad_norm: float = math.nan,
+                         step_time_s: float = math.nan, tokens: Optional[int] = None,
+                         env_extra: Optional[dict] = None) -> Optional[np.ndarray]:
+        """The steps row of `step` (writer rank) and, on logged steps, the telemetry
+        (returns collect's table, or None)."""
+        self._open(optimizer, step, env_extra or {})
+        if self.writer is not None:
+            clip = _clip_grad(optimizer)
+            gn = float(grad_norm) if grad_norm is not None else math.nan
+            self.writer.log_step(step=int(step), tokens=tokens, loss=float(loss),
+                                 lr=hyper_params(optimizer)["lr"], grad_norm=gn,
+                                 clipped=bool(clip and math.isfinite(gn) and gn > clip),
+                                 update_norm=math.nan, step_time_s=float(step_time_s),
+                                 skipped=bool(skipped))
+            if skipped:
+                self.writer.event("skip", step=int(step), reason="optimizer step not applied "
+                                  "(loss-scale overflow or nan)")
+        return None if skipped else self.collect(chunks, optimizer, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _clip_grad(optimizer) -> Optional[float]:
+    for leaf in leaf_optimizers(optimizer):
+        c = getattr(getattr(leaf, "config", None), "clip_grad", None)
+        if c:
+            return float(c)
+    return None
+
+
+# ----------------------------------------------------------------------------- the hook
+
+_PROBE: Optional[MegatronProbe] = None
+
+
+def _env_int(key: str, default: int) -> int:
+    v = os.environ.get(ENV_PREFIX + key)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ProbeError(f"{ENV_PREFIX}{key} must be an integer, got {v!r}") from None
+
+
+def _megatron_args():
+    for mod in ("megatron.training", "megatron"):   # Megatron-LM >= 2024.03, then older
+        try:
+            import importlib
+            return importlib.import_module(mod).get_args()
+        except Exception:  # noqa: BLE001 - not under Megatron's training loop
+            continue
+    return None
+
+
+def _train_step_module():
+    """The module that defines train_step: megatron.training.training (Megatron-LM since
+    2024.03, MindSpeed-LLM) or megatron.training (older Megatron-LM, ModelLink of early
+    2024)."""
+    import importlib
+    for name in (TRAIN_STEP.rsplit(".", 1)[0], "megatron.training"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if callable(getattr(mod, "train_step", None)):
+            return mod
+    raise ProbeError("no megatron train_step found (megatron.training.training or "
+                     "megatron.training): is Megatron-LM on the python path?")
+
+
+def _loss_of(ret) -> float:
+    """'lm loss' (or the first value) of train_step's loss dict; NaN where it is empty
+    (ranks off the last pipeline stage)."""
+    d = ret[0] if isinstance(ret, tuple) and ret and isinstance(ret[0], dict) else None
+    if not d:
+        return math.nan
+    v = d.get("lm loss", next(iter(d.values())))
+    if isinstance(v, torch.Tensor):
+        v = v.float()
+        v = (v[0] / v[1]) if v.numel() == 2 else v.mean()
+        return float(v.item())
+    return float(v)
+
+
+def _tokens(args) -> Optional[int]:
+    if args is None:
+        return None
+    try:
+        from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+        gbs = get_current_global_batch_size()
+    except Exception:  # noqa: BLE001 - older Megatron
+        gbs = getattr(args, "global_batch_size", None)
+    seq = getattr(args, "seq_length", None)
+    done = getattr(args, "consumed_train_samples", None)
+    if gbs is None or seq is None or done is None:
+        return None
+    return int((done + gbs) * seq)   # train() adds this step's samples after train_step
+
+
+def make_train_step_wrapper(probe_factory):
+    """A wrapper for train_step (name ends in `_wrapper`, as MindSpeed's patch manager
+    requires for stacking): calls it, then the probe with its model and optimizer."""
+
+    def train_step_wrapper(fn):
+        state = {"step": None, "grad_norm": None}
+
+        def wrapped(*args, **kwargs):
+            model = kwargs.get("model", args[2] if len(args) > 2 else None)
+            optimizer = kwargs.get("optimizer", args[3] if len(args) > 3 else None)
+            opt_step = getattr(optimizer, "step", None)
+
+            def step_capture(*a, **k):   # Megatron's step returns (ok, grad_norm, num_zeros)
+                out = opt_step(*a, **k)
+                state["grad_norm"] = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+                state["ok"] = out[0] if isinstance(out, tuple) and out else True
+                return out
+
+            state["ok"], state["grad_norm"] = True, None
+            if opt_step is not None:
+                optimizer.step = step_capture
+            t0 = time.perf_counter()
+            try:
+                ret = fn(*args, **kwargs)
+            finally:
+                if opt_step is not None:
+                    try:
+                        del optimizer.step   # back to the class method
+                    except AttributeError:
+                        optimizer.step = opt_step
+            dt = time.perf_counter() - t0
+            margs = _megatron_args()
+            if margs is not None and getattr(margs, "curr_iteration", None) is not None:
+                step = int(margs.curr_iteration) + 1
+            elif kwargs.get("iteration") is not None:
+                step = int(kwargs["iteration"]) + 1
+            else:
+                step = (state["step"] or 0) + 1
+            state["step"] = step
+            skipped = not bool(state["ok"])
+            if isinstance(ret, tuple) and len(ret) > 1 and isinstance(ret[1], int):
+                skipped = skipped or ret[1] > 0
+            chunks = model if isinstance(model, (list, tuple)) else [model]
+            gn = state["grad_norm"]
+            probe_factory().after_train_step(
+                chunks, optimizer, step, loss=_loss_of(ret), skipped=skipped,
+                grad_norm=math.nan if gn is None else float(gn), step_time_s=dt,
+                tokens=_tokens(margs),
+                env_extra={"megatron_args": _args_summary(margs)} if margs is not None else None)
+            return ret
+
+        wrapped.__wrapped__ = fn
+        return wrapped
+
+    return train_step_wrapper
+
+
+def _args_summary(args) -> dict:
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers",
+            "hidden_size", "seq_length", "global_batch_size", "micro_batch_size",
+            "use_distributed_optimizer", "bf16", "fp16", "clip_grad", "adam_beta1",
+            "adam_beta2", "adam_eps", "lr", "train_iters")
+    return {k: getattr(args, k) for k in keys if isinstance(getattr(args, k, None),
+                                                               (int, float, bool, str))}
+
+
+def install(out: Optional[str] = None, *, every: Optional[int] = None,
+            hist_every: Optional[int] = None, precision: str = "float32") -> None:
+    """Wrap `megatron.training.training.train_step` with the probe.
+
+    Under MindSpeed (mindspeed.patch_utils importable): registered with
+    MindSpeedPatchesManager as a wrapper and applied (call it after MindSpeed-LLM's
+    `megatron_adaptor` import, whose FeatureAdaptor.execute removes earlier patches).
+    Otherwise: setattr on megatron.training.training, and every loaded module that
+    imported the original `train_step` by name is pointed at the wrapper too."""
+    global _PROBE
+    out = out or os.environ.get(ENV_PREFIX + "OUT")
+    if not out:
+        raise ProbeError(f"no run directory: pass install(out=...) or set {ENV_PREFIX}OUT")
+    every = _env_int("EVERY", 10) if every is None else int(every)
+    hist_every = _env_int("HIST_EVERY", 100) if hist_every is None else int(hist_every)
+    flush = float(os.environ.get(ENV_PREFIX + "FLUSH_S", "60"))
+
+    def factory():
+        global _PROBE
+        if _PROBE is None:
+            _PROBE = MegatronProbe(out, every=every, hist_every=hist_every, precision=precision,
+                                   flush_every_s=flush)
+            import atexit
+            atexit.register(_PROBE.close)
+        return _PROBE
+
+    wrapper = make_train_step_wrapper(factory)
+    try:
+        from mindspeed.patch_utils import MindSpeedPatchesManager
+    except ImportError:
+        MindSpeedPatchesManager = None
+    if MindSpeedPatchesManager is not None and _train_step_module().__name__ == TRAIN_STEP.rsplit(".", 1)[0]:
+        MindSpeedPatchesManager.register_patch(TRAIN_STEP, wrapper)
+        MindSpeedPatchesManager.apply_patches()
+        return
+    mod = _train_step_module()
+    orig = mod.train_step
+    new = wrapper(orig)
+    for m in list(sys.modules.values()):
+        if m is not None and getattr(m, "train_step", None) is orig:
+            try:
+                setattr(m, "train_step", new)
+            except (AttributeError, TypeError):
+                pass
+    mod.train_step = new
+
+
+def _adaptors(choice: str) -> List[str]:
+    """The imports that apply a framework's patches, in the order its pretrain_gpt.py does
+    them: MindSpeed-LLM `from mindspeed_llm import megatron_adaptor`; ModelLink of early
+    2024 `from ascendspeed import megatron_adaptor` then `import modellink`."""
+    import importlib.util
+
+    def have(pkg):
+        try:
+            return importlib.util.find_spec(pkg) is not None
+        except (ImportError, ValueError):
+            return False
+
+    if choice == "none":
+        return []
+    if choice != "auto":
+        return [choice]
+    if have("mindspeed_llm"):
+        return ["mindspeed_llm:megatron_adaptor"]
+    if have("modellink"):
+        return (["ascendspeed:megatron_adaptor"] if have("ascendspeed") else []) + ["modellink"]
+    return []
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """`python -m fullscale.megatron_probe [--out RUN ...] [--adaptor MOD] -- SCRIPT ARGS`:
+    install the probe, then run SCRIPT as __main__ with ARGS (Megatron parses sys.argv)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: python -m fullscale.megatron_probe [--out RUN] [--every K] "
+              "[--hist-every H] [--adaptor MODULE|none] -- SCRIPT.py ARGS...", file=sys.stderr)
+        return 2
+    cut = argv.index("--")
+    ap = argparse.ArgumentParser(prog="python -m fullscale.megatron_probe")
+    ap.add_argument("--out", default=os.environ.get(ENV_PREFIX + "OUT"))
+    ap.add_argument("--every", type=int)
+    ap.add_argument("--hist-every", type=int)
+    ap.add_argument("--precision", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--adaptor", default="auto",
+                    help="PKG[:NAME] whose import applies the framework's patches before the "
+                         "probe is installed (auto: mindspeed_llm:megatron_adaptor, or "
+                         "ascendspeed:megatron_adaptor + modellink, if importable; none: plain "
+                         "Megatron-LM)")
+    a = ap.parse_args(argv[:cut])
+    rest = argv[cut + 1:]
+    if not rest:
+        print("megatron_probe: no training script after --", file=sys.stderr)
+        return 2
+    if not a.out:
+        print(f"megatron_probe: --out (or {ENV_PREFIX}OUT) is required", file=sys.stderr)
+        return 2
+    script = rest[0]
+    if not os.path.isfile(script):
+        print(f"megatron_probe: {script}: no such training script", file=sys.stderr)
+        return 2
+    import importlib
+    import importlib.util
+    import runpy
+    sys.argv = rest      # the adaptor and the script parse Megatron's arguments
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    for name in _adaptors(a.adaptor):
+        pkg, _, attr = name.partition(":")
+        mod = importlib.import_module(pkg)        # `from pkg import attr`
+        if attr and not hasattr(mod, attr):
+            importlib.import_module(f"{pkg}.{attr}")
+    install(a.out, every=a.every, hist_every=a.hist_every, precision=a.precision)
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""One rank of the megatron-core probe test (run as a script by test_megatron_probe.py).
+
+Builds a small GPTModel (local spec, RMSNorm, SwiGLU, GQA, rope, untied embeddings),
+megatron DDP and get_megatron_optimizer (bf16 or fp32, distributed optimizer on or off)
+on a gloo group, trains a few steps and after each step (a) runs the probe
+(fullscale.megatron_probe) and (b) assembles the unsharded state (gradient Adam consumed,
+exp_avg, exp_avg_sq, main parameter, and the true exp_avg of the previous step) on every
+rank from each rank's optimizer pieces, checking that every element is covered exactly
+once, and computes the reference sums / histograms with numpy (adamspike.metrics).
+
+TEST HARNESS ONLY: megatron-core assumes CUDA. `cpu_redirect()` makes it run on CPU by
+(1) a TorchFunctionMode that maps device="cuda" / cuda:N / int devices to cpu, makes
+Tensor.cuda() a no-op and reports Tensor.type() with the `torch.cuda.` prefix megatron's
+optimizers check, and (2) stand-ins for torch.cuda.current_device / synchronize /
+empty_cache / manual_seed / get_rng_state and megatron's CUDA RNG state helpers. Nothing
+of this is in the probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+warnings.filterwarnings("ignore")
+
+
+def _cpu(d):
+    if isinstance(d, int) and not isinstance(d, bool):
+        return torch.device("cpu")
+    if isinstance(d, str) and d.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(d, torch.device) and d.type == "cuda":
+        return torch.device("cpu")
+    return d
+
+
+class CudaToCpu(TorchFunctionMode):
+    """Test harness: CUDA tensor creation and checks, answered on CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            s = func(*args)
+            return s if s.startswith("torch.cuda.") else s.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.to:
+            args = tuple(_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def cpu_redirect():
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    torch.cuda.manual_seed = torch.manual_seed
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.get_rng_state = torch.get_rng_state
+    import megatron.core.tensor_parallel.random as mrand
+    mrand._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrand._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
+    return CudaToCpu()
+
+
+def unsharded_state(model, optimizer, names):
+    """{name: dict(g, m, v, p, step)} of the whole model, assembled from every rank's
+    optimizer pieces (all_gather_object), each element covered exactly once."""
+    from fullscale.megatron_probe import _inner, leaf_optimizers
+
+    pieces = []
+    tp_rank = 0
+    for leaf in leaf_optimizers(optimizer):
+        inner = _inner(leaf)
+        if hasattr(leaf, "shard_fp32_from_float16_groups"):
+            groups = list(zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups)) + \
+                list(zip(leaf.model_fp32_groups, leaf.shard_fp32_groups))
+            pairs = []
+            for mg, sg in groups:
+                for p, main in zip(mg, sg):
+                    gbuf_index, dtype, bucket_index = leaf.model_param_gbuf_map[p]
+                    r = leaf.gbuf_ranges[gbuf_index][dtype][bucket_index]["param_map"][p]["param"]
+                    pairs.append((p, main, r.start, r.end))
+        elif hasattr(leaf, "fp32_from_float16_groups"):
+            pairs = [(p, main, 0, p.numel()) for mg, sg in zip(leaf.float16_groups,
+                                                               leaf.fp32_from_float16_groups)
+                     for p, main in zip(mg, sg)]
+            pairs += [(p, p, 0, p.numel()) for g in leaf.fp32_from_fp32_groups for p in g]
+        else:
+            pairs = [(p, p, 0, p.numel()) for g in inner.param_groups for p in g["params"]]
+        for p, main, lo, hi in pairs:
+            st = inner.state[main]
+            pieces.append((names[id(p)], tuple(p.shape), lo, hi, main.grad.double().numpy(),
+                           st["exp_avg"].double().numpy(), st["exp_avg_sq"].double().numpy(),
+                           main.detach().double().numpy().ravel(), int(st["step"])))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dist.get_rank(), tp_rank, pieces))
+    full = {}
+    cover = {}
+    for rank, _, ps in gathered:
+        for name, shape, lo, hi, g, m, v, p, step in ps:
+            n = int(np.prod(shape))
+            if name not in full:
+                full[name] = {k: np.full(n, np.nan) for k in "gmvp"}
+                full[name]["step"] = step
+                cover[name] = {}
+            for k, x in zip("gmvp", (g, m, v, p)):
+                x = x.ravel()
+                prev = full[name][k][lo:hi]
+                if not np.all(np.isnan(prev)):   # a replica (non-distributed optimizer)
+                    np.testing.assert_array_equal(prev, x, err_msg=f"{name}.{k} replicas differ")
+                full[name][k][lo:hi] = x
+    for name, d in full.items():
+        for k in "gmvp":
+            assert not np.isnan(d[k]).any(), f"{name}.{k}: elements not covered by any rank"
+    return full
+
+
+def run_combo(a, bf16: bool, distopt: bool, out: str) -> None:
+    """One optimizer combination: build, train a.steps steps, probe + reference."""
+    from adamspike.metrics import histogram, shard_sums, update_direction
+    from fullscale.megatron_probe import MegatronProbe, global_names
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    os.makedirs(out, exist_ok=True)
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                            num_query_groups=2, ffn_hidden_size=64,
+                            use_cpu_initialization=True, normalization="RMSNorm",
+                            gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                            add_bias_linear=False, bf16=bf16,
+                            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                            hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=64,
+                     max_sequence_length=16, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False)
+    if bf16:
+        model = model.bfloat16()
+    ddp = DDP(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                 use_distributed_optimizer=distopt), model)
+    # clip_grad 0.5: clipping is active (grad norm ~1.3), so the probe must see the clipped
+    # gradient Adam consumed
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16,
+                                                 use_distributed_optimizer=distopt,
+                                                 clip_grad=0.5, adam_eps=1e-8, adam_beta2=0.95,
+                                                 weight_decay=0.1), [ddp])
+    probe = MegatronProbe(os.path.join(out, "run"), every=1, hist_every=2, precision="float64",
+                          config={"model": {"preset": "tiny-gpt"}}, flush_every_s=0.0)
+    names = global_names([ddp])
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    result = {"leaf": [type(o).__name__ for o in opt.chained_optimizers], "grad_norm": []}
+    m_prev, tables, refs, hists = {}, [], [], []
+    for step in range(1, a.steps + 1):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        tok = torch.randint(0, 64, (2, 16), generator=gen)
+        pos = torch.arange(16)[None].expand(2, 16)
+        loss = ddp(tok, pos, None, labels=tok).float().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        ok, grad_norm, _ = opt.step()
+        result["grad_norm"].append(float(grad_norm))
+        tab = probe.after_train_step([ddp], opt, step, loss=float(loss), skipped=not ok,
+                                     grad_norm=grad_norm, step_time_s=0.0, tokens=step * 64)
+        full = unsharded_state([ddp], opt, names)
+        order = probe._layout[0]
+        assert sorted(full) == list(order), (sorted(full), order)
+        ref_rows, ref_h = [], []
+        for name in order:
+            d = full[name]
+            bc1, bc2 = 1 - 0.9 ** d["step"], 1 - 0.95 ** d["step"]
+            mp = m_prev.get(name, np.zeros_like(d["m"]))      # the true m_{t-1}
+            ref_rows.append(shard_sums(d["g"], d["m"] / bc1, d["v"] / bc2, mp, d["p"], 1e-8))
+            ref_h.append(histogram(update_direction(d["m"] / bc1, d["v"] / bc2, 1e-8)))
+            m_prev[name] = d["m"].copy()
+        tables.append(tab)
+        refs.append(np.array(ref_rows))
+        hists.append(np.array(ref_h))
+    probe.close()
+    result.update(names=list(probe._layout[0]), depth=probe._layout[1].tolist(),
+                  kind=list(probe._layout[2]))
+    if dist.get_rank() == 0:
+        np.savez(os.path.join(out, "result.npz"), refs=np.array(refs), hists=np.array(hists),
+                 **{f"table{i + 1}": t for i, t in enumerate(tables)})
+        with open(os.path.join(out, "result.json"), "w") as fh:
+            json.dump(result, fh)
+    ps.destroy_model_parallel()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--combos", default="fp32,fp32-distopt,bf16,bf16-distopt")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
+    with cpu_redirect():
+        for combo in a.combos.split(","):
+            run_combo(a, combo.startswith("bf16"), combo.endswith("distopt"),
+                      os.path.join(a.out, combo))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
