@@ -403,7 +403,8 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
     schema = TABLES[table]
     d = path / table
     parts = sorted(d.glob("part-*.parquet")) if d.is_dir() else []
-    if not parts:
+    plain = sorted(d.glob("part-*.jsonl")) if d.is_dir() else []   # read_plain_part
+    if not parts and not plain:
         return pd.DataFrame({c: pd.Series(dtype=schema[c].to_pandas_dtype()) for c in schema
                              if columns is None or c in columns})
     # name / kind are read dictionary-encoded: they become categoricals without one Python
@@ -415,6 +416,7 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
             tbls.append(pq.read_table(p, columns=columns, read_dictionary=dict_cols))
             if i % 32 == 31:
                 _release_arrow_memory()  # decode buffers
+        tbls += [read_plain_part(p, table, columns, dict_cols) for p in plain]
         tbl = pa.concat_tables(tbls, promote_options="permissive")
     except Exception as e:  # noqa: BLE001
         raise RunFormatError(f"{d}: unreadable parquet parts ({e})") from None
@@ -434,6 +436,37 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
     if len(keys) == len(TABLE_KEYS[table]):
         df = _sorted_unique(df, keys)
     return df
+
+
+def read_plain_part(path: Path, table: str, columns: list[str] | None = None,
+                    dict_cols: Iterable[str] = ()) -> pa.Table:
+    """One plain part (`TABLE/part-NNNNNN.jsonl`, one JSON object per row, null for a
+    non-finite float) as an arrow table of the table's schema: the format of
+    fullscale.megatron_probe's writer where pandas / pyarrow are missing on the cluster.
+    Parts are written atomically (temp + fsync + rename), so every line is whole; a line
+    that does not parse is a format error naming the part."""
+    schema = TABLES[table]
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise RunFormatError(f"{path}:{lineno}: invalid JSON ({e})") from None
+    names = [c for c in schema if columns is None or c in columns]
+    extras = [] if columns is not None else sorted({k for r in rows for k in r} - set(schema))
+    arrays = []
+    for c in names:
+        vals = [r.get(c) for r in rows]
+        tp = schema[c]
+        if tp in (pa.float32(), pa.float64()):
+            arr = pa.array(np.array([np.nan if v is None else v for v in vals], dtype=np.float64)).cast(tp)
+        else:
+            arr = pa.array(vals, type=tp)
+        arrays.append(arr.dictionary_encode() if c in dict_cols else arr)
+    arrays += [pa.array([r.get(c) for r in rows]) for c in extras]
+    return pa.Table.from_arrays(arrays, names=names + extras)
 
 
 def _sorted_unique(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:

@@ -238,8 +238,10 @@ def _parallel_ranks() -> Dict[str, int]:
     """tp, dp (with context parallel), expert-dp ranks and pp first/last stage flags;
     zeros / True without megatron's parallel_state (a single-process model)."""
     out = {"tp": 0, "dp": 0, "edp": 0, "pp_first": True}
+    ps = sys.modules.get("megatron.core.parallel_state")   # loaded by any Megatron model
+    if ps is None:
+        return out
     try:
-        from megatron.core import parallel_state as ps
         if not ps.model_parallel_is_initialized():
             return out
         out["tp"] = ps.get_tensor_model_parallel_rank()
@@ -255,8 +257,8 @@ def _parallel_ranks() -> Dict[str, int]:
                 except Exception:  # noqa: BLE001 - no expert groups in this run
                     pass
         out["pp_first"] = ps.is_pipeline_first_stage(ignore_virtual=True)
-    except ImportError:
-        pass
+    except (AttributeError, AssertionError, RuntimeError) as e:
+        raise ProbeError(f"megatron parallel_state: {e}") from None
     return out
 
 
@@ -706,12 +708,13 @@ def _env_int(key: str, default: int) -> int:
 
 
 def _megatron_args():
-    for mod in ("megatron.training", "megatron"):   # Megatron-LM >= 2024.03, then older
-        try:
-            import importlib
-            return importlib.import_module(mod).get_args()
-        except Exception:  # noqa: BLE001 - not under Megatron's training loop
-            continue
+    for name in ("megatron.training", "megatron"):   # Megatron-LM >= 2024.03, then older
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "get_args"):
+            try:
+                return mod.get_args()
+            except Exception:  # noqa: BLE001 - arguments not parsed (not Megatron's loop)
+                return None
     return None
 
 
@@ -804,6 +807,9 @@ def make_train_step_wrapper(probe_factory):
                 skipped = skipped or ret[1] > 0
             chunks = model if isinstance(model, (list, tuple)) else [model]
             gn = state["grad_norm"]
+            if gn is None and isinstance(ret, tuple) and len(ret) == 4 and \
+                    isinstance(ret[2], (int, float)) and not isinstance(ret[2], bool):
+                gn = ret[2]   # (loss dict, skipped, grad_norm, num_zeros): Megatron < 2024.06
             probe_factory().after_train_step(
                 chunks, optimizer, step, loss=_loss_of(ret), skipped=skipped,
                 grad_norm=math.nan if gn is None else float(gn), step_time_s=dt,

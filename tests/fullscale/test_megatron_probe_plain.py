@@ -1,0 +1,195 @@
+"""fullscale.megatron_probe without Megatron: a plain torch.optim.AdamW model through the
+train_step wrapper (tests/compat/probe_adamw.py, also run by the python 3.8 CI job), the
+plain JSON-lines writer read back by adamspike.rundir.load_run, skipped iterations, the
+MindSpeed / setattr installs and the launcher's bad input."""
+
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from adamspike.metrics import METRIC_NAMES
+from adamspike.rundir import load_run
+from fullscale import megatron_probe as mp
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _demo():
+    spec = importlib.util.spec_from_file_location("probe_adamw", ROOT / "tests/compat/probe_adamw.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return _demo()
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_adamw_probe_metrics_equal_numpy_reference(demo, tmp_path, plain):
+    run_dir = demo.run(str(tmp_path), steps=5, plain=plain, skip=3)
+    ref = json.loads((tmp_path / "reference.json").read_text())
+    run = load_run(run_dir)
+    parts = {p.suffix for p in (Path(run_dir) / "layers").iterdir()}
+    assert parts == ({".jsonl"} if plain else {".parquet"})
+    assert run.backend == "megatron" and list(run.steps["step"]) == [1, 2, 3, 4, 5]
+    assert list(run.steps["skipped"]) == [False, False, True, False, False]
+    assert run.steps["loss"].iloc[2] != run.steps["loss"].iloc[2]       # NaN: no loss printed
+    gn = run.steps["grad_norm"].to_numpy()
+    assert np.isfinite(gn[[0, 1, 3, 4]]).all() and np.isnan(gn[2])   # Megatron prints none
+    assert list(run.steps["clipped"]) == list(gn > 1.0)
+    assert sorted(set(run.layers["step"])) == [1, 2, 4, 5]               # none on the skip
+    assert set(run.hists["step"]) == {2, 4}
+    ev = run.events
+    assert list(ev.loc[ev["type"] == "skip", "step"]) == [3]
+    assert len(set(run.layers["name"])) == len(ref["names"]) == 14
+    for step, rows in ref["steps"].items():
+        got = run.layers[run.layers["step"] == int(step)].set_index("name")
+        for name, want in rows.items():
+            for k in METRIC_NAMES:
+                g, w = float(got.loc[name, k]), want[k]
+                if w is None or (isinstance(w, float) and np.isnan(w)):
+                    assert np.isnan(g), (step, name, k)
+                else:   # layers are stored as float32; m_prev reconstructed
+                    tol = 2e-5 if k == "grad_mom_cos" else 1e-6
+                    assert g == pytest.approx(w, rel=tol, abs=1e-30), (step, name, k, g, w)
+    dk = run.layers.drop_duplicates("name").set_index("name")
+    assert (dk.loc["embedding.word_embeddings.weight", ["depth", "kind"]] == [-1, "embed"]).all()
+    assert (dk.loc["decoder.layers.1.mlp.linear_fc2.weight", ["depth", "kind"]] == [1, "w2"]).all()
+    assert (dk.loc["output_layer.weight", ["depth", "kind"]] == [2, "output"]).all()
+
+
+def test_plain_and_parquet_run_directories_read_the_same(demo, tmp_path):
+    a = load_run(demo.run(str(tmp_path / "a"), steps=4, plain=False))
+    b = load_run(demo.run(str(tmp_path / "b"), steps=4, plain=True))
+    for t in ("steps", "layers"):
+        x, y = getattr(a, t), getattr(b, t)
+        assert list(x.columns) == list(y.columns)
+        pd.testing.assert_frame_equal(x.drop(columns="step_time_s", errors="ignore"),
+                                      y.drop(columns="step_time_s", errors="ignore"))
+    np.testing.assert_array_equal(np.stack(a.hists["counts"]), np.stack(b.hists["counts"]))
+
+
+def test_plain_writer_resume_truncates_and_refuses_a_used_directory(tmp_path):
+    w = mp.PlainRunWriter(str(tmp_path / "r"), backend="megatron", config={}, env={})
+    for s in (1, 2, 3):
+        w.log_step(step=s, tokens=None, loss=1.0, lr=1e-3, grad_norm=float("nan"), clipped=False,
+                   update_norm=float("nan"), step_time_s=0.1, skipped=False)
+        w.flush()
+    w.close()
+    with pytest.raises(mp.ProbeError, match="not empty"):
+        mp.PlainRunWriter(str(tmp_path / "r"), backend="megatron", config={}, env={})
+    w = mp.PlainRunWriter(str(tmp_path / "r"), backend="megatron", config={}, env={},
+                          resume_from_step=1)
+    w.log_step(step=2, tokens=None, loss=5.0, lr=1e-3, grad_norm=1.0, clipped=False,
+               update_norm=float("nan"), step_time_s=0.1, skipped=False)
+    w.close()
+    run = load_run(tmp_path / "r")
+    assert list(run.steps["step"]) == [1, 2] and list(run.steps["loss"]) == [1.0, 5.0]
+    assert list(run.events["type"]) == ["resume"]
+
+
+def _fake_megatron(monkeypatch, calls):
+    """A stand-in megatron.training.training module (megatron-core has no training loop)
+    and a module that imported its train_step by name (like MindSpeed-LLM's training)."""
+    def train_step(*a, **k):
+        calls.append("orig")
+        return {}, 0
+    mod = types.ModuleType("megatron.training.training")
+    mod.train_step = train_step
+    user = types.ModuleType("user_training")
+    user.train_step = train_step
+    monkeypatch.setitem(sys.modules, "megatron.training.training", mod)
+    monkeypatch.setitem(sys.modules, "user_training", user)
+    return mod, user, train_step
+
+
+def test_install_without_mindspeed_rewires_every_importer(monkeypatch, tmp_path):
+    calls = []
+    mod, user, orig = _fake_megatron(monkeypatch, calls)
+    monkeypatch.setitem(sys.modules, "mindspeed", None)       # import mindspeed fails
+    monkeypatch.setattr(mp, "_train_step_module", lambda: mod)
+    mp.install(str(tmp_path / "run"), every=1, hist_every=0)
+    assert mod.train_step is not orig and user.train_step is mod.train_step
+    assert mod.train_step.__wrapped__ is orig
+
+
+def test_install_under_mindspeed_registers_a_stacked_wrapper(monkeypatch, tmp_path):
+    calls, registered = [], []
+    mod, _, orig = _fake_megatron(monkeypatch, calls)
+
+    class Manager:   # records what the probe asks of mindspeed.patch_utils
+        @staticmethod
+        def register_patch(name, fn=None, force_patch=False, create_dummy=False):
+            registered.append((name, fn))
+
+        @staticmethod
+        def apply_patches():
+            for name, fn in registered:
+                mod.train_step = fn(mod.train_step)
+            registered.append("applied")
+
+    pu = types.ModuleType("mindspeed.patch_utils")
+    pu.MindSpeedPatchesManager = Manager
+    monkeypatch.setitem(sys.modules, "mindspeed", types.ModuleType("mindspeed"))
+    monkeypatch.setitem(sys.modules, "mindspeed.patch_utils", pu)
+    monkeypatch.setattr(mp, "_train_step_module", lambda: mod)
+    mp.install(str(tmp_path / "run"))
+    (name, fn), applied = registered
+    assert name == "megatron.training.training.train_step" and applied == "applied"
+    assert fn.__name__.endswith("_wrapper")      # MindSpeed stacks only *wrapper / *decorator
+    assert mod.train_step.__wrapped__ is orig
+
+
+def test_install_and_launcher_bad_input(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv("ADAMSPIKE_PROBE_OUT", raising=False)
+    with pytest.raises(mp.ProbeError, match="ADAMSPIKE_PROBE_OUT"):
+        mp.install()
+    monkeypatch.setenv("ADAMSPIKE_PROBE_EVERY", "ten")
+    with pytest.raises(mp.ProbeError, match="ADAMSPIKE_PROBE_EVERY must be an integer"):
+        mp.install(str(tmp_path))
+    assert mp.main(["--out", str(tmp_path)]) == 2
+    assert mp.main(["--out", str(tmp_path), "--", str(tmp_path / "missing.py")]) == 2
+    assert "no such training script" in capsys.readouterr().err
+    with pytest.raises(mp.ProbeError, match="every must be >= 1"):
+        mp.MegatronProbe(str(tmp_path), every=0)
+
+
+def test_launcher_runs_the_script_with_the_probe_installed(monkeypatch, tmp_path):
+    calls = []
+    mod, _, orig = _fake_megatron(monkeypatch, calls)
+    monkeypatch.setitem(sys.modules, "mindspeed", None)
+    monkeypatch.setattr(mp, "_train_step_module", lambda: mod)
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("import sys\nt = sys.modules['megatron.training.training']\n"
+                      "assert sys.argv[1:] == ['--num-layers', '2'], sys.argv\n"
+                      "assert t.train_step.__wrapped__ is not None\n"
+                      "open(sys.argv[0] + '.ran', 'w').write('ok')\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert mp.main(["--out", str(tmp_path / "run"), "--adaptor", "none", "--", str(script),
+                    "--num-layers", "2"]) == 0
+    assert (tmp_path / "pretrain_gpt.py.ran").read_text() == "ok"
+
+
+def test_depth_kind_of_megatron_names():
+    L = 80
+    assert mp.depth_kind("embedding.word_embeddings.weight", L) == (-1, "embed")
+    assert mp.depth_kind("language_model.embedding.word_embeddings.weight", L) == (-1, "embed")
+    assert mp.depth_kind("decoder.layers.7.self_attention.linear_qkv.layer_norm_weight", L) == (7, "norm")
+    assert mp.depth_kind("decoder.layers.7.self_attention.linear_qkv.weight", L) == (7, "wqkv")
+    assert mp.depth_kind("decoder.layers.7.mlp.linear_fc1.layer_norm_weight", L) == (7, "norm")
+    assert mp.depth_kind("decoder.layers.7.mlp.linear_fc1.weight", L) == (7, "w13")
+    assert mp.depth_kind("decoder.layers.7.mlp.linear_fc1.weight", L, gated=False) == (7, "w1")
+    assert mp.depth_kind("decoder.layers.79.mlp.linear_fc2.weight", L) == (79, "w2")
+    assert mp.depth_kind("decoder.layers.0.self_attention.linear_proj.weight", L) == (0, "wo")
+    assert mp.depth_kind("language_model.encoder.layers.3.self_attention.query_key_value.weight", L) == (3, "wqkv")
+    assert mp.depth_kind("language_model.encoder.layers.3.mlp.dense_4h_to_h.weight", L) == (3, "w2")
+    assert mp.depth_kind("decoder.final_layernorm.weight", L) == (80, "norm")
+    assert mp.depth_kind("output_layer.weight", L) == (80, "output")
