@@ -12,8 +12,17 @@ are ` key: value |` in any order, unknown keys are accepted (numeric ones kept a
 AscendSpeed adds `consumed tokens`, `actual seqlen`, `samples per second`, `TFLOPs`. Losses
 and the skipped / nan counters are per log interval (Megatron resets them after printing),
 so with log-interval > 1 each row is an interval average and is flagged `interval_avg`.
-Validation lines (`validation loss at iteration N | lm loss value: X | lm loss PPL: Y |`)
-go to a separate frame. Any line that looks like an iteration or validation line but does
+Skipped iterations (an fp16 loss-scale overflow: the optimizer step is not applied) are
+flagged `skipped`; an interval whose iterations were all skipped has no loss value (NaN:
+Megatron-LM main prints it as `lm loss: 0.000000E+00`, MindSpeed-LLM and older Megatron
+omit it, and no grad norm is printed), which `analyze` does not count as a spike.
+MindSpeed-LLM's value-less field (`fix-router or fix-sub-seq-length is set, current loss
+is not reliable, only for test |`) becomes the boolean column `loss_unreliable`.
+Validation lines (`validation loss at iteration N | lm loss value: X | lm loss PPL: Y |`,
+`validation-0 loss at ...` / `validation-NAME loss at ...` for several validation sets,
+`... at iteration N on validation set |` / `on test set`, `... at the end of training for
+val data |`, AscendSpeed's `... at the end of training and after model cleaning for val
+data |`) go to a separate frame (step, split, dataset, name, value, ppl). Any line that looks like an iteration or validation line but does
 not parse (truncated, a field without ': ', a non-numeric value of a known key) is counted
 and reported with its line number and reason, never silently dropped. A repeated iteration
 (a restarted job appending to the same log) keeps the last occurrence and is counted.
@@ -58,8 +67,21 @@ KNOWN_KEYS = {
 }
 _ITER_RE = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 _ITER_HINT = re.compile(r"\biteration\s+\d+\s*(/|\|)")  # also catches cut-off lines
-_VALID_RE = re.compile(r"validation loss at (?:iteration\s+(\d+)(?:\s+on\s+([\w ]+?))?|"
-                       r"the end of training for (\w+) data)\s*\|")
+# ` validation loss at iteration N | `, with several validation sets ` validation-0 loss at `
+# / ` validation-NAME loss at ` (Megatron-LM --multiple-validation-sets, named by
+# --validation-set-names), after training ` ... at iteration N on validation set | ` (or
+# `on test set`), Megatron-LM before 2024 / AscendSpeed ` ... at the end of training for
+# val data | `, AscendSpeed with compression training ` ... at the end of training and
+# after model cleaning for val data | `
+_VALID_RE = re.compile(r"validation(?:-(\S+?))? loss at (?:iteration\s+(\d+)(?:\s+on\s+([\w ]+?))?|"
+                       r"the end of training(?: and after model cleaning)? for (\w+) data)\s*\|")
+_VALID_HINT = re.compile(r"validation\S* loss at")
+# fields without a value that a complete iteration line may carry: text -> boolean column
+FLAG_FIELDS = {
+    # MindSpeed-LLM training_log with --fix-router or --fix-sub-seq-length
+    "fix-router or fix-sub-seq-length is set, current loss is not reliable, only for test":
+        "loss_unreliable",
+}
 _TS_RE = re.compile(r"\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:\.\d+)?)\]")
 
 
@@ -84,6 +106,9 @@ def _parse_fields(parts: list[str], lineno: int) -> tuple[dict[str, float], str 
         key, sep, val = part.rpartition(": ")
         if not sep:
             key, sep, val = part.rpartition(":")
+        if part in FLAG_FIELDS:
+            out[FLAG_FIELDS[part]] = True
+            continue
         if not sep or not key.strip():
             return out, f"field without 'key: value': {part[:60]!r}"
         key, val = key.strip(), val.strip()
@@ -140,8 +165,9 @@ def _parse_iteration(line: str, lineno: int) -> tuple[dict | None, str | None]:
 
 
 def _parse_validation(line: str, m: re.Match) -> tuple[list[dict], str | None]:
-    step = int(m.group(1)) if m.group(1) else -1
-    split = (m.group(2) or m.group(3) or "validation").strip()
+    step = int(m.group(2)) if m.group(2) else -1
+    split = (m.group(3) or m.group(4) or "validation").strip()
+    dataset = m.group(1) or ""
     rows: dict[str, dict] = {}
     rest = line[m.end():].rstrip()
     parts = rest.split("|")
@@ -167,8 +193,9 @@ def _parse_validation(line: str, m: re.Match) -> tuple[list[dict], str | None]:
             rows.setdefault(key, {})["value"] = num
     if not rows:
         return [], "validation line without values"
-    return [{"step": step, "split": split, "name": k, "value": v.get("value", math.nan),
-             "ppl": v.get("ppl", math.nan)} for k, v in rows.items()], None
+    return [{"step": step, "split": split, "dataset": dataset, "name": k,
+             "value": v.get("value", math.nan), "ppl": v.get("ppl", math.nan)}
+            for k, v in rows.items()], None
 
 
 def parse_megatron_log(lines: Iterable[str], *, seq_len: int | None = None,
@@ -189,7 +216,7 @@ def parse_megatron_log(lines: Iterable[str], *, seq_len: int | None = None,
                 malformed.append({"line": lineno, "reason": why, "text": line[:200]})
             val_rows.extend(got)
             continue
-        if "validation loss at" in line:
+        if _VALID_HINT.search(line):
             num_val += 1
             malformed.append({"line": lineno, "reason": "unrecognised validation line",
                               "text": line[:200]})
@@ -217,7 +244,7 @@ def parse_megatron_log(lines: Iterable[str], *, seq_len: int | None = None,
     stats["duplicate_steps"] = sorted(set(df.loc[df.duplicated("step", keep="last"), "step"]))
     df = df.drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)
     steps = _to_steps(df, seq_len=seq_len, clip=clip, stats=stats)
-    val = pd.DataFrame(val_rows, columns=["step", "split", "name", "value", "ppl"])
+    val = pd.DataFrame(val_rows, columns=["step", "split", "dataset", "name", "value", "ppl"])
     return ParsedLog(steps=steps, validation=val, stats=stats)
 
 
@@ -243,13 +270,23 @@ def _to_steps(df: pd.DataFrame, *, seq_len: int | None, clip: float | None,
         tokens = pd.Series(np.nan, index=df.index)
         stats["tokens_from"] = None
     grad_norm = col("grad_norm").astype(float)
+    # an interval whose iterations were all skipped: Megatron-LM main prints its loss as
+    # 0.000000E+00 (0 / max(1, advanced iterations = 0)), MindSpeed-LLM omits it: no value
+    skipped_n = col("num_skipped_iterations").fillna(0).to_numpy()
+    no_value = np.zeros(len(df), dtype=bool)
+    for c in loss_cols:
+        zero = (df[c].to_numpy(float) == 0.0) & (skipped_n > 0)
+        df.loc[zero, c] = np.nan
+        if c == loss_key:
+            no_value = zero | (np.isnan(df[c].to_numpy(float)) & (skipped_n > 0))
+    stats["num_skipped_without_loss"] = int(no_value.sum())
     clipped = (grad_norm > clip).to_numpy() if clip is not None else np.zeros(len(df), bool)
     num_skip = col("num_skipped_iterations").fillna(0) + col("num_nan_iterations").fillna(0)
     out = pd.DataFrame({
         "step": df["step"].astype("int64"),
         "tokens": tokens.astype("Int64") if tokens.notna().any() else pd.array(
             [pd.NA] * len(df), dtype="Int64"),
-        "loss": col(loss_key).astype(float) if loss_key else np.nan,
+        "loss": df[loss_key].astype(float) if loss_key else np.nan,
         "lr": col("lr").astype(float),
         "grad_norm": grad_norm,
         "clipped": clipped,
@@ -261,6 +298,9 @@ def _to_steps(df: pd.DataFrame, *, seq_len: int | None, clip: float | None,
     for c in extras:
         out[c] = df[c].to_numpy()
     out["interval_avg"] = log_interval > 1
+    if "loss_unreliable" in out:
+        out["loss_unreliable"] = out["loss_unreliable"].fillna(False).astype(bool)
+        stats["num_loss_unreliable"] = int(out["loss_unreliable"].sum())
     assert list(out.columns[:len(STEP_COLUMNS)]) == list(STEP_COLUMNS)
     return out
 

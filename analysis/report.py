@@ -65,10 +65,22 @@ class SpikeParams:
         return s
 
 
+def valued_rows(steps: pd.DataFrame, column: str) -> pd.DataFrame:
+    """The rows that carry a value of `column`: a skipped step (fp16 loss-scale overflow,
+    where Megatron prints neither loss nor grad norm) with a NaN there has no value, and is
+    not a non-finite spike. A NaN on a step that was not skipped stays (a divergence)."""
+    if "skipped" not in steps or steps.empty:
+        return steps
+    missing = steps["skipped"].to_numpy(bool) & ~np.isfinite(steps[column].to_numpy(float))
+    return steps.loc[~missing] if missing.any() else steps
+
+
 def loss_spikes(steps: pd.DataFrame, params: SpikeParams = SpikeParams(),
                 column: str = "loss", config: dict | None = None
                 ) -> tuple[pd.DataFrame, SpikeParams]:
-    """Spikes of a steps column with the report's rule; returns (spikes, resolved rule)."""
+    """Spikes of a steps column with the report's rule; returns (spikes, resolved rule).
+    Skipped steps without a value (`valued_rows`) are left out."""
+    steps = valued_rows(steps, column)
     x = steps[column].to_numpy(float)
     p = params.resolved(x, config)
     if p.envelope > 1:
@@ -120,13 +132,14 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     if "loss" not in st or not np.isfinite(st["loss"].to_numpy(float)).any():
         raise AnalysisError(f"{path}: no finite loss values in the steps table")
     spikes, resolved = loss_spikes(st, spike_params, config=run.config)
-    gn = st["grad_norm"].to_numpy(float)
-    grad_spikes = (detect_spikes(gn, st["step"].to_numpy(), window=spike_params.window,
+    gst = valued_rows(st, "grad_norm")
+    gn = gst["grad_norm"].to_numpy(float)
+    grad_spikes = (detect_spikes(gn, gst["step"].to_numpy(), window=spike_params.window,
                                  k=spike_params.k, log=True)
                    if np.isfinite(gn).any() else detect_spikes([]))
     scores = {}
     for col in ("loss", "grad_norm"):
-        v = st[col].to_numpy(float)
+        v = valued_rows(st, col)[col].to_numpy(float)
         if np.isfinite(v).any():
             scores[col] = {"olmo2_spike_score_pct": spike_score_olmo2(v),
                            "olmo_core_flags": int(zscore_flags(v, "olmo-core").sum()),

@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from adamspike.rundir import STEP_COLUMNS, load_run
@@ -160,3 +161,108 @@ def test_import_writes_a_megatron_run_directory(tmp_path):
     assert parsed.stats["num_iteration_lines"] == 201
     with pytest.raises(Exception, match="not empty"):  # nothing already written is replaced
         import_megatron_log(log, tmp_path / "run")
+
+
+# ---- CANN 7-era / MindSpeed-LLM edge cases, from the real format strings ---------------
+
+def mindspeed_llm_line(it, loss, *, skipped=0, grad_norm=0.75, fix_router=False):
+    """MindSpeed-LLM training_log (mindspeed_llm/training/training.py): timestamp without
+    microseconds, losses only when their interval average is > 0, the test-only trailer."""
+    s = f" [2024-06-01 12:00:01] iteration {it:8d}/{1000:8d} |"
+    s += f" consumed samples: {it * 64:12d} |"
+    s += f" elapsed time per iteration (ms): {900.5:.1f} |"
+    s += f" learning rate: {1.5e-4:.6E} |"
+    s += f" global batch size: {64:5d} |"
+    if loss > 0.0:
+        s += f" lm loss: {loss:.6E} |"
+    s += f" loss scale: {65536.0:.1f} |"
+    if grad_norm is not None:
+        s += f" grad norm: {grad_norm:.3f} |"
+    s += f" number of skipped iterations: {skipped:3d} |"
+    s += f" number of nan iterations: {0:3d} |"
+    if fix_router:
+        s += " fix-router or fix-sub-seq-length is set, current loss is not reliable, only for test |"
+    return s
+
+
+def test_fully_skipped_intervals_have_no_loss_and_are_not_spikes(tmp_path):
+    # Megatron-LM main: avg = 0 / max(1, 0) printed as 0.000000E+00 ('if avg >= 0.0');
+    # MindSpeed-LLM: omitted ('if avg > 0.0'); both without grad norm (None on overflow)
+    lines = []
+    for i in range(1, 121):
+        if i in (60, 61):
+            lines.append(megatron_line(i, 0.0, grad_norm=None, skipped=1))
+        elif i == 90:
+            lines.append(mindspeed_llm_line(i, 0.0, skipped=1, grad_norm=None))
+        else:
+            lines.append(megatron_line(i, 3.0 - i / 1000, grad_norm=0.8 + 0.01 * (i % 3)))
+    p = parse_megatron_log(lines)
+    st = p.steps.set_index("step")
+    assert st.loc[[60, 61, 90], "skipped"].all() and st.loc[[60, 61, 90], "loss"].isna().all()
+    assert st.loc[[60, 61, 90], "grad_norm"].isna().all()
+    assert p.stats["num_skipped_without_loss"] == 3
+    log = tmp_path / "fp16.log"
+    log.write_text("\n".join(lines) + "\n")
+    import_megatron_log(log, tmp_path / "run", seq_len=2048)
+    from analysis.report import analyze_run
+
+    ra = analyze_run(tmp_path / "run")
+    assert ra.spikes.empty, ra.spikes           # skipped steps are not non-finite spikes
+    assert ra.grad_spikes.empty or not ra.grad_spikes["nonfinite"].any()
+
+
+def test_partly_skipped_interval_keeps_its_average_and_nan_loss_unskipped_is_a_spike():
+    lines = [megatron_line(i * 10, 2.5, skipped=3 if i == 2 else 0, interval=10)
+             for i in range(1, 4)]
+    p = parse_megatron_log(lines)
+    assert list(p.steps["skipped"]) == [False, True, False]
+    assert p.steps["loss"].iloc[1] == 2.5          # 7 advanced iterations: a real average
+    from analysis.report import loss_spikes
+    steps = pd.DataFrame({"step": range(80), "loss": [2.0] * 70 + [np.nan] + [2.0] * 9,
+                          "skipped": [False] * 80})
+    sp, _ = loss_spikes(steps)
+    assert list(sp["start"]) == [70] and sp["nonfinite"].all()   # divergence: still a spike
+    steps.loc[70, "skipped"] = True
+    assert loss_spikes(steps)[0].empty
+
+
+def test_validation_line_variants_from_the_real_prefixes():
+    lines = [
+        megatron_line(100, 2.0),
+        # Megatron-LM main, --multiple-validation-sets without names: f'-{index}'
+        " validation-0 loss at iteration 100 | lm loss value: 2.100000E+00 | lm loss PPL: "
+        "8.166170E+00 | ",
+        " validation-1 loss at iteration 100 | lm loss value: 2.200000E+00 | lm loss PPL: "
+        "9.025013E+00 | ",
+        # --validation-set-names wiki code, after training: 'iteration N on validation set'
+        " validation-wiki loss at iteration 100 on validation set | lm loss value: "
+        "2.300000E+00 | lm loss PPL: 9.974182E+00 | ",
+        " validation loss at iteration 100 on test set | lm loss value: 2.400000E+00 | "
+        "lm loss PPL: 1.102318E+01 | ",
+        # Megatron-DeepSpeed / AscendSpeed, compression training
+        " validation loss at the end of training and after model cleaning for val data | "
+        "lm loss value: 2.500000E+00 | lm loss PPL: 1.218249E+01 | ",
+        " validation loss at the end of training for val data | lm loss value: 2.600000E+00 |"
+        " lm loss PPL: 1.346374E+01 | ",
+        " validation-2 loss at iteration 100 | lm loss value: 2.7",    # cut off: reported
+    ]
+    p = parse_megatron_log(lines)
+    v = p.validation
+    assert list(v["dataset"]) == ["0", "1", "wiki", "", "", ""]
+    assert list(v["split"]) == ["validation", "validation", "validation set", "test set",
+                                "val", "val"]
+    assert list(v["step"]) == [100, 100, 100, 100, -1, -1]
+    np.testing.assert_allclose(v["value"], [2.1, 2.2, 2.3, 2.4, 2.5, 2.6])
+    assert p.stats["num_validation_lines"] == 7 and p.stats["num_malformed"] == 1
+    assert p.stats["malformed"][0]["line"] == 8
+
+
+def test_mindspeed_llm_test_only_trailer_is_a_flag_not_malformed():
+    lines = [mindspeed_llm_line(i, 2.0 + i / 10, fix_router=i > 2) for i in range(1, 5)]
+    lines.append(mindspeed_llm_line(5, 2.5).replace(" | number of skipped", " | bogus text |"
+                                                    " number of skipped"))
+    p = parse_megatron_log(lines)
+    assert list(p.steps["step"]) == [1, 2, 3, 4]
+    assert list(p.steps["loss_unreliable"]) == [False, False, True, True]
+    assert p.stats["num_loss_unreliable"] == 2
+    assert p.stats["num_malformed"] == 1 and "key: value" in p.stats["malformed"][0]["reason"]
