@@ -5,7 +5,9 @@
 
 Writes DIR/<run>/report.md (+ CSV tables, summary.json, figures/) per run and DIR/report.md
 over all runs. `--log` first imports a Megatron / MindSpeed / AscendSpeed training log into
-DIR/<log name>.run (a run directory, backend "megatron") and analyses it with the rest.
+DIR/<log name>.run (a run directory, backend "megatron") and analyses it with the rest;
+repeat it for several settings' logs (`--log A --log B --out R`: one report over both;
+logs with the same file name get their parent directories in the run name).
 Bad input (a missing or empty run directory, another schema version, a log without
 iteration lines, a malformed predictions file) is reported on stderr with exit status 2.
 """
@@ -46,6 +48,21 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def log_run_names(logs: list[str]) -> list[str]:
+    """Run-directory names for imported logs: `<log file name>.run`, qualified by the
+    parent directories where two logs share a file name (every setting's `node127.log`),
+    numbered if that is still not enough."""
+    paths = [Path(p).resolve() for p in logs]
+    names = [p.name for p in paths]
+    depth = 0
+    while len(set(names)) < len(names) and depth < 8:
+        depth += 1
+        names = ["_".join([*p.parent.parts[-depth:], p.name]).lstrip("/_") for p in paths]
+    if len(set(names)) < len(names):
+        names = [f"{i}_{n}" for i, n in enumerate(names)]
+    return [n + ".run" for n in names]
+
+
 def _fail(msg: str) -> int:
     print(f"adamspike analyze: {msg}", file=sys.stderr)
     return 2
@@ -83,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             preds = load_predictions(args.predictions)
         except PredictionsError as e:
             return _fail(str(e))
-    for log in args.log:
-        dest = out / (Path(log).name + ".run")
+    for log, dest_name in zip(args.log, log_run_names(args.log)):
+        dest = out / dest_name
         optim = {k: getattr(args, k) for k in ("b1", "b2", "eps", "lr")
                  if getattr(args, k) is not None}
         try:

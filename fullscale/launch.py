@@ -343,7 +343,7 @@ def megatron_args(launch: Launch) -> list[str]:
         f"--ffn-hidden-size {cfg.ffn_dim}", f"--num-attention-heads {cfg.num_heads}",
         f"--group-query-attention --num-query-groups {cfg.num_kv_heads}",
         f"--seq-length {t.seq_len}", f"--max-position-embeddings {cfg.max_seq_len}",
-        "--position-embedding-type rope", f"--rotary-base {_num(cfg.rope_theta)}",
+        "--position-embedding-type rope",   # --rotary-base: stack-gated (mindspeed_script)
         f"--normalization RMSNorm --norm-epsilon {cfg.norm_eps:g}", "--swiglu",
         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
         "--attention-dropout 0.0", "--hidden-dropout 0.0", f"--init-method-std {cfg.init_std:g}",
@@ -381,10 +381,55 @@ def megatron_args(launch: Launch) -> list[str]:
     return args
 
 
+# Version-dependent flags of the Megatron stacks users run (checked in their sources):
+#   --rotary-base: Megatron-LM since core_r0.8; ModelLink of early 2024 (CANN 7.0) and
+#     older Megatron-LM reject it ("unrecognized arguments"); 10000 is every version's
+#     default, so it is passed only for another rope_theta.
+#   --use-fused-rmsnorm / --use-fused-rotary-pos-emb: MindSpeed and ModelLink (since
+#     2023-11 / 2023-09); --use-fused-swiglu: MindSpeed, ModelLink since 2024-03-17.
+STACKS = ("mindspeed-llm", "modellink-2024", "megatron-lm")
+ROPE_DEFAULT = 10000.0
+
+
+def setting_tag(launch: Launch) -> str:
+    """The setting's name in log file names: the run directory's name, or its parent's
+    when it is plan's `<setting>/run`."""
+    d = launch.run_dir
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", d.parent.name if d.name == "run" else d.name)
+
+
+def _stack_case(launch: Launch) -> list[str]:
+    from fullscale.hf import resolve_model
+
+    theta = resolve_model(launch.run.model).rope_theta
+    rot = [] if float(theta) == ROPE_DEFAULT else [f"--rotary-base {_num(theta)}"]
+    npu = launch.cluster.cluster.device == "npu"
+    fused = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
+    default = "mindspeed-llm" if npu else "megatron-lm"
+    lines = [f'MEGATRON_STACK="${{MEGATRON_STACK:-{default}}}"   # {" | ".join(STACKS)}: '
+             "gates version-specific flags",
+             'case "$MEGATRON_STACK" in',
+             f"  mindspeed-llm) STACK_ARGS=({' '.join(rot + (fused if npu else []))}) ;;"]
+    if rot:
+        lines.append(f'  modellink-2024) echo "MEGATRON_STACK=modellink-2024 (CANN 7.0) has no '
+                     f'--rotary-base; rope_theta {_num(theta)} cannot be set" >&2; exit 2 ;;')
+    else:
+        lines.append(f"  modellink-2024) STACK_ARGS=({' '.join([f for f in fused if 'swiglu' not in f] if npu else [])}) ;;")
+    lines += [f"  megatron-lm) STACK_ARGS=({' '.join(rot)}) ;;"
+              + ("   # --rotary-base needs Megatron-LM core_r0.8 or newer" if rot else ""),
+              "  *) echo \"MEGATRON_STACK must be one of " + ", ".join(STACKS)
+              + ", got '$MEGATRON_STACK'\" >&2; exit 2 ;;",
+              "esac"]
+    return lines
+
+
 def mindspeed_script(launch: Launch) -> str:
     c = launch.cluster.cluster
     run = launch.run
     log = megatron_dir(launch) / "logs"
+    tag = setting_tag(launch)
+    probe_dir = megatron_dir(launch) / "telemetry"
+    tel = run.telemetry
     lines = _header("MindSpeed-LLM / Megatron pretrain_gpt.py, same optimizer and schedule", launch,
                     "train_mindspeed.sh")
     if run.train.loss_scale != 1.0:
@@ -397,16 +442,41 @@ def mindspeed_script(launch: Launch) -> str:
               '(ModelLink) or Megatron-LM checkout holding pretrain_gpt.py}"']
     if run.data.source == "indexed" and "$TOKENIZER_MODEL" in " ".join(megatron_args(launch)):
         lines.append('TOKENIZER_MODEL="${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the LLaMA2 tokenizer.model}"')
-    lines += ['cd "$MINDSPEED_LLM_DIR"', f"mkdir -p {_q(log)}",
+    lines += _stack_case(launch)
+    lines += [f'ADAMSPIKE_HOME="${{ADAMSPIKE_HOME:-{REPO_ROOT}}}"   # the adamspike checkout',
+              "# Per-tensor Adam telemetry (fullscale.megatron_probe wraps train_step; its run",
+              "# directory is read by `adamspike analyze`). ADAMSPIKE_PROBE=0 runs without it.",
+              f"export ADAMSPIKE_PROBE_OUT={_q(probe_dir)}",
+              f"export ADAMSPIKE_PROBE_EVERY={tel.every} ADAMSPIKE_PROBE_HIST_EVERY={tel.hist_every}",
+              'export PYTHONPATH="$ADAMSPIKE_HOME${PYTHONPATH:+:$PYTHONPATH}"',
+              "ENTRY=(pretrain_gpt.py)",
+              'if [[ "${ADAMSPIKE_PROBE:-1}" == 1 ]]; then',
+              "  ENTRY=(-m fullscale.megatron_probe --adaptor auto -- pretrain_gpt.py)",
+              "fi",
+              'cd "$MINDSPEED_LLM_DIR"', f"mkdir -p {_q(log)}",
               # underscore spellings: accepted by every torchrun, including torch 2.1's
               f"DISTRIBUTED_ARGS=(--nnodes {c.nodes} --nproc_per_node {c.devices_per_node} "
               '--node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")',
-              "torchrun \"${DISTRIBUTED_ARGS[@]}\" pretrain_gpt.py \\"]
+              'torchrun "${DISTRIBUTED_ARGS[@]}" "${ENTRY[@]}" \\']
     lines += [f"  {a} \\" for a in megatron_args(launch)]
-    lines += [f'  2>&1 | tee -a {_q(log)}/"node${{NODE_RANK}}.log"',
-              f"# Import the log for analysis: adamspike analyze {_q(log)}/node{c.nodes - 1}.log "
-              "(the last rank prints the training log)", ""]
+    lines += ['  ${STACK_ARGS[@]+"${STACK_ARGS[@]}"} \\',
+              f'  2>&1 | tee -a {_q(log)}/{tag}".node${{NODE_RANK}}.log"']
+    lines += [f"# {h}" for h in analyze_hint(launch)] + [""]
     return "\n".join(lines)
+
+
+def analyze_hint(launch: Launch) -> list[str]:
+    """The commands that analyse this setting's Megatron run (the last node's log: the
+    last rank prints Megatron's training log and writes the probe's run directory)."""
+    o, t, s = launch.run.optim, launch.run.train, launch.run.train.loss_scale
+    log = megatron_dir(launch) / "logs" / f"{setting_tag(launch)}.node{launch.cluster.cluster.nodes - 1}.log"
+    out = megatron_dir(launch) / "analysis"
+    return ["Analyse (with adamspike installed, after copying the last node's files):",
+            f"  adamspike analyze {_q(megatron_dir(launch) / 'telemetry')} --out {_q(out)}"
+            "      # per-tensor telemetry (the probe)",
+            f"  adamspike analyze --log {_q(log)} --seq-len {t.seq_len} --clip {o.grad_clip / s:g} "
+            f"--b1 {o.b1:g} --b2 {o.b2:g} --eps {o.eps / s:g} --lr {o.lr:g} --out {_q(out)}_log",
+            "  (several settings into one report: one --log per setting's log, one --out)"]
 
 
 def write_launch(launch: Launch, out: Path, final: Path | None = None) -> dict[str, Any]:

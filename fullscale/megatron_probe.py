@@ -906,6 +906,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     """`python -m fullscale.megatron_probe [--out RUN ...] [--adaptor MOD] -- SCRIPT ARGS`:
     install the probe, then run SCRIPT as __main__ with ARGS (Megatron parses sys.argv)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:   # a launcher that swallowed the "--": cut before the script
+        cut = next((i for i, x in enumerate(argv) if x.endswith(".py")), None)
+        if cut is not None:
+            argv.insert(cut, "--")
     if "--" not in argv:
         print("usage: python -m fullscale.megatron_probe [--out RUN] [--every K] "
               "[--hist-every H] [--adaptor MODULE|none] -- SCRIPT.py ARGS...", file=sys.stderr)
