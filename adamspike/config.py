@@ -15,11 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
+import re
+import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:   # python 3.8 - 3.10 (the 910B stack runs 3.8): the same parser as a package
+    import tomli as tomllib
 
 
 class ConfigError(ValueError):
@@ -42,7 +48,7 @@ def _origin_args(tp: Any) -> tuple[Any, tuple]:
 
 def _is_optional(tp: Any) -> tuple[bool, Any]:
     origin, args = _origin_args(tp)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
+    if origin in (typing.Union, getattr(types, "UnionType", typing.Union)) and type(None) in args:
         rest = [a for a in args if a is not type(None)]
         return True, rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]
     return False, tp
@@ -120,7 +126,51 @@ def _check_range(key: str, value: Any, meta: typing.Mapping) -> None:
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    try:
+        return typing.get_type_hints(cls)
+    except TypeError:   # python < 3.10: `X | None` / `list[X]` annotations do not evaluate
+        mod = sys.modules.get(cls.__module__)
+        ns = dict(vars(mod)) if mod is not None else {}
+        out: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            for k, v in getattr(klass, "__annotations__", {}).items():
+                out[k] = _annotation(v, ns) if isinstance(v, str) else v
+        return out
+
+
+_GENERIC = {"list": typing.List, "tuple": typing.Tuple, "dict": typing.Dict}
+
+
+def _split_top(s: str, sep: str) -> list[str]:
+    """`s` split on `sep` outside brackets."""
+    parts, depth, cur = [], 0, ""
+    for ch in s:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == sep and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur]
+
+
+def _annotation(s: str, ns: dict) -> Any:
+    """An annotation string in python >= 3.10 syntax (`int | None`, `list[str]`,
+    `tuple[int, ...]`) as a typing object on older pythons."""
+    s = s.strip()
+    alts = _split_top(s, "|")
+    if len(alts) > 1:
+        return typing.Union[tuple(_annotation(a, ns) for a in alts)]
+    m = re.fullmatch(r"([\w.]+)\[(.*)\]", s)
+    if m:
+        base = _GENERIC.get(m.group(1)) or eval(m.group(1), ns)  # noqa: S307 - own annotations
+        args = tuple(... if a.strip() == "..." else _annotation(a, ns)
+                     for a in _split_top(m.group(2), ","))
+        return base[args if len(args) > 1 else args[0]]
+    if s == "None":
+        return type(None)
+    return eval(s, ns)  # noqa: S307 - the project's own annotations
 
 
 def from_dict(cls: type, data: typing.Mapping[str, Any], prefix: str = "") -> Any:

@@ -17,11 +17,16 @@ import importlib
 
 import os
 import platform
-import tomllib
+import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:   # python 3.8 - 3.10: the same parser as a package
+    import tomli as tomllib
 
 import torch
 

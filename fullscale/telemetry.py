@@ -72,7 +72,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -91,7 +91,7 @@ COMPILE_MODES = ("auto", "on", "off")
 # the bin that holds r = 0 (the padding's r)
 _ZERO_BIN = int(np.searchsorted(HIST_EDGES, 0.0, side="right")) - 1
 
-Segment = tuple[int, int, int]   # (tensor index, start, stop) in the tensor's flat local view
+Segment = Tuple[int, int, int]   # (tensor index, start, stop) in the tensor's flat local view
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
