@@ -272,12 +272,18 @@ def _distopt_instance(leaf) -> int:
 
 # ----------------------------------------------------------------------------- kernels
 
+_FLOAT_COLS = [i for i, f in enumerate(SUM_FIELDS) if f not in ("n", "sat", "eps_small")]
+_INT_COLS = [SUM_FIELDS.index(f) for f in ("n", "sat", "eps_small")]
+
+
 def shard_sums(g, m, v, p, bc1: float, bc2: float, b1: float, eps: float, fresh: bool,
                dtype: torch.dtype, hist_edges: Optional[torch.Tensor] = None):
-    """The SUM_FIELDS sums (float64 cpu tensor, NUM_SUMS) of one owned slice, and its
-    r-histogram counts (NUM_HIST_BINS) when `hist_edges` (the 63 inner edges) is given.
+    """One owned slice's SUM_FIELDS sums, on its device and without a host sync: (the 11
+    real-valued sums in _FLOAT_COLS order, float64 or float32 on npu; the int64 counts n,
+    sat, eps_small [+ the NUM_HIST_BINS r-histogram counts when `hist_edges`, the 63
+    inner edges, is given]).
     m, v: exp_avg, exp_avg_sq after the step; g the gradient it consumed; p the main
-    parameter after the step; bc1, bc2 = 1 - b1^t, 1 - b2^t."""
+    parameter after the step; bc1, bc2 = 1 - b1^t, 1 - b2^t; fresh: t = 1 (m_prev = 0)."""
     g, m, v, p = (x.reshape(-1).to(dtype) for x in (g, m, v, p))
     acc = torch.float64 if dtype == torch.float64 or g.device.type != "npu" else dtype
     m_hat, v_hat = m / bc1, v / bc2
@@ -291,27 +297,21 @@ def shard_sums(g, m, v, p, bc1: float, bc2: float, b1: float, eps: float, fresh:
     else:
         q = torch.where(v_hat > 0, g2 / torch.where(v_hat > 0, v_hat, torch.ones_like(v_hat)),
                         torch.zeros_like(v_hat))
-    vals = [g2, r, r2, r2 * r, r2 * r2, q]
-    sums = [x.sum(dtype=acc) for x in vals]
-    counts = [(r.abs() > SAT_THRESHOLD).sum(), (s < eps).sum()]
-    sums2 = [(m_hat * m_hat).sum(dtype=acc), v_hat.sum(dtype=acc)]
     if fresh:
-        zero = torch.zeros((), dtype=acc, device=g.device)
-        mp = [zero, zero]
+        mp = [torch.zeros((), dtype=acc, device=g.device)] * 2
     else:
         m_prev = (m - (1 - b1) * g) / b1
         mp = [(g * m_prev).sum(dtype=acc), (m_prev * m_prev).sum(dtype=acc)]
-    n = torch.tensor(float(g.numel()), dtype=torch.float64)
-    row = torch.stack([t.to(torch.float64).reshape(()) for t in
-                       sums + counts + sums2 + mp + [(p * p).sum(dtype=acc)]]).cpu()
-    row = torch.cat([n.reshape(1), row])
-    if hist_edges is None:
-        return row, None
-    # bin i holds e_i <= r < e_{i+1}; out-of-range values in the end bins, NaN in the last
-    idx = torch.bucketize(r, hist_edges, right=True)
-    idx = torch.where(torch.isnan(r), torch.full_like(idx, NUM_HIST_BINS - 1), idx)
-    counts = torch.bincount(idx, minlength=NUM_HIST_BINS).to(torch.float64).cpu()
-    return row, counts
+    floats = torch.stack([x.sum(dtype=acc) for x in (g2, r, r2, r2 * r, r2 * r2, q, m_hat * m_hat, v_hat)]
+                         + mp + [(p * p).sum(dtype=acc)])
+    ints = [torch.full((1,), g.numel(), dtype=torch.int64, device=g.device),
+            (r.abs() > SAT_THRESHOLD).sum().reshape(1), (s < eps).sum().reshape(1)]
+    if hist_edges is not None:
+        # bin i holds e_i <= r < e_{i+1}; out-of-range values in the end bins, NaN in the last
+        idx = torch.bucketize(r, hist_edges, right=True)
+        idx = torch.where(torch.isnan(r), torch.full_like(idx, NUM_HIST_BINS - 1), idx)
+        ints.append(torch.bincount(idx, minlength=NUM_HIST_BINS))
+    return floats, torch.cat([x.to(torch.int64) for x in ints])
 
 
 def _inner_edges(dtype: torch.dtype, device) -> torch.Tensor:
@@ -590,27 +590,37 @@ class MegatronProbe:
         hp = hyper_params(optimizer)
         b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
         with_hist = self.hist_active(step)
-        width = NUM_SUMS + (NUM_HIST_BINS if with_hist else 0)
-        tab = torch.zeros((len(names), width), dtype=torch.float64)
+        n_int = 3 + (NUM_HIST_BINS if with_hist else 0)
+        acc = torch.float64 if self.dtype == torch.float64 or self.device.type != "npu" else self.dtype
+        rows, fl, it = [], [], []
         for s in slots:
             st = s.inner.state.get(s.main)
             if not st or "exp_avg" not in st or s.main.grad is None:
                 continue   # no update this step (skipped iteration): rows stay 0
             t = _step_of(st, s.group)
-            view = s.model.detach().reshape(-1)[s.start:s.stop] if s.main is s.model else None
-            p = s.main if view is None else view
-            row, counts = shard_sums(s.main.grad, st["exp_avg"], st["exp_avg_sq"], p,
-                                     1 - b1 ** t, 1 - b2 ** t, b1, eps, t == 1, self.dtype,
-                                     self.edges if with_hist else None)
-            tab[s.row, :NUM_SUMS] += row
-            if with_hist:
-                tab[s.row, NUM_SUMS:] += counts
+            f, i = shard_sums(s.main.grad, st["exp_avg"], st["exp_avg_sq"], s.main,
+                              1 - b1 ** t, 1 - b2 ** t, b1, eps, t == 1, self.dtype,
+                              self.edges if with_hist else None)
+            rows.append(s.row)
+            fl.append(f)
+            it.append(i)
+        # one table per kind on the device: float sums, exact int64 counts; one all-reduce
+        # each, then one copy to the host
+        tf = torch.zeros((len(names), len(_FLOAT_COLS)), dtype=acc, device=self.device)
+        ti = torch.zeros((len(names), n_int), dtype=torch.int64, device=self.device)
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+            tf.index_add_(0, idx, torch.stack(fl))
+            ti.index_add_(0, idx, torch.stack(it))
         if self.world > 1:
-            dev = self.device if self.device.type != "cpu" else torch.device("cpu")
-            t_dev = tab.to(dev)
-            torch.distributed.all_reduce(t_dev)
-            tab = t_dev.cpu()
-        return tab.numpy()
+            torch.distributed.all_reduce(tf)
+            torch.distributed.all_reduce(ti)
+        tf, ti = tf.cpu().to(torch.float64).numpy(), ti.cpu().numpy()
+        tab = np.zeros((len(names), NUM_SUMS + n_int - 3), dtype=np.float64)
+        tab[:, _FLOAT_COLS] = tf
+        tab[:, _INT_COLS] = ti[:, :3]
+        tab[:, NUM_SUMS:] = ti[:, 3:]
+        return tab
 
     def collect(self, chunks, optimizer, step: int) -> Optional[np.ndarray]:
         """Telemetry of `step` if it is logged: the table (every rank), written on the
