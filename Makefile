@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 OUT    ?= out/study
 PYTEST_ARGS ?=
 
-.PHONY: test reproduce reproduce-quick venv bench clean
+.PHONY: test compat reproduce reproduce-quick venv bench clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+
+# python 3.8 + torch 2.1.0 (the 910B seed stack: the Megatron probe, config, model info,
+# launch) and python 3.10 smoke jobs; environments cached in ~/.cache/adamspike (.ci/compat.sh)
+compat: $(STAMP)
+	MAIN_PY=$(abspath $(PY)) bash .ci/compat.sh
 
 reproduce: $(STAMP)
 	$(VENV)/bin/adamspike reproduce --out $(OUT)

@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# CI compatibility jobs (called by .ci/run after `make test`; also `make compat`):
+#   py38   python 3.8 + torch 2.1.0 (the 910B seed stack: CANN 7.0.1, torch/torch_npu 2.1.0):
+#          the Megatron probe on a plain torch.optim.AdamW model (torch + numpy only: the
+#          plain run-directory writer), the config loader, `model info`, `launch` and
+#          `analyze --log` (with that python's pandas / pyarrow / scipy), then `adamspike
+#          analyze` of the probe's run directory in the main environment.
+#   py310  python 3.10 (the declared minimum for the rest): import and CLI smoke tests
+#          without torch / jax.
+# Wheels and environments are cached under $ADAMSPIKE_CACHE (default ~/.cache/adamspike):
+# the first run downloads ~2.7 GB (torch 2.1.0 from PyPI with its CUDA dependencies; the
+# CPU-only index is not reachable from the CI machines), later runs reuse the environment.
+# A python that is missing, or wheels that cannot be fetched, skip that job with a message
+# (exit 0); a failing check fails the job.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+CACHE="${ADAMSPIKE_CACHE:-$HOME/.cache/adamspike}"
+PY38="${PY38:-/root/.pyenv/versions/3.8.18/bin/python}"
+PY310="${PY310:-/root/.pyenv/versions/3.10.13/bin/python}"
+MAIN_PY="${MAIN_PY:-$ROOT/.venv/bin/python}"
+JOBS="${*:-py38 py310}"
+mkdir -p "$CACHE"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+
+skip() { echo "SKIP $1: $2"; }
+
+# venv DIR PYTHON WHEELS REQUIREMENT...: a cached environment (rebuilt when its stamp, the
+# requirements, changes), installed from cached wheels (downloaded once)
+venv() {
+  local dir="$1" py="$2" wheels="$3"; shift 3
+  local want="$*"
+  if [[ -f "$dir/.stamp" && "$(cat "$dir/.stamp")" == "$want" ]]; then return 0; fi
+  mkdir -p "$wheels"
+  if ! "$py" -m pip download -q -d "$wheels" "$@" >"$TMP/download.log" 2>&1; then
+    tail -n 5 "$TMP/download.log"
+    return 3
+  fi
+  rm -rf "$dir"
+  "$py" -m venv "$dir"
+  local t0=$SECONDS
+  "$dir/bin/python" -m pip install -q --no-index --find-links "$wheels" "$@"
+  echo "installed $want into $dir in $((SECONDS - t0)) s"
+  echo "$want" > "$dir/.stamp"
+}
+
+job_py38() {
+  if [[ ! -x "$PY38" ]]; then skip py38 "no python 3.8 at $PY38 (set PY38)"; return 0; fi
+  local env="$CACHE/venv-py38-torch2.1" extra="$CACHE/py38-extra"
+  local rc=0
+  venv "$env" "$PY38" "$CACHE/wheels-py38" torch==2.1.0 "numpy<1.25" tomli || rc=$?
+  if (( rc == 3 )); then skip py38 "torch==2.1.0 wheels for python 3.8 could not be downloaded"; return 0; fi
+  (( rc == 0 )) || return $rc
+  echo "== py38: $("$env/bin/python" -c 'import sys, torch, numpy; print("python", sys.version.split()[0], "torch", torch.__version__, "numpy", numpy.__version__)')"
+  # the probe without pandas / pyarrow / scipy / jax (what a 910B node may have)
+  "$env/bin/python" - <<'PY'
+import importlib.util, sys
+for mod in ("pandas", "pyarrow", "scipy", "jax"):
+    assert importlib.util.find_spec(mod) is None, f"{mod} must not be installed for this check"
+PY
+  PYTHONPATH="$ROOT" "$env/bin/python" tests/compat/probe_adamw.py "$TMP/py38" --steps 12 --skip 5
+  ls "$TMP/py38/run/layers" | grep -q 'part-000000.jsonl'   # the plain writer was used
+  rc=0; PYTHONPATH="$ROOT" "$env/bin/python" -m fullscale.megatron_probe 2>/dev/null || rc=$?
+  [[ $rc == 2 ]]                                   # the launcher's usage error
+  # the config loader, model info, launch and analyze (--log) on 3.8, with that python's
+  # pandas / pyarrow / scipy / matplotlib in a separate --target folder (the probe check
+  # above ran without them)
+  local extras=("pandas==2.0.3" "pyarrow<18" "tqdm" "scipy<1.11" "matplotlib<3.8")
+  if [[ ! -f "$extra/.stamp" || "$(cat "$extra/.stamp")" != "${extras[*]}" ]]; then
+    mkdir -p "$CACHE/wheels-py38-extra"
+    if "$PY38" -m pip download -q -d "$CACHE/wheels-py38-extra" "${extras[@]}" >"$TMP/dl2.log" 2>&1; then
+      rm -rf "$extra"
+      "$env/bin/python" -m pip install -q --no-index --find-links "$CACHE/wheels-py38-extra" \
+        --find-links "$CACHE/wheels-py38" --target "$extra" "${extras[@]}"
+      echo "${extras[*]}" > "$extra/.stamp"
+    fi
+  fi
+  if [[ -f "$extra/.stamp" ]]; then
+    local py38x=(env PYTHONPATH="$ROOT:$extra" "$env/bin/python")
+    "${py38x[@]}" -m adamspike model info --config configs/llama2-70b.toml --world-size 1024 >/dev/null
+    "${py38x[@]}" -m adamspike launch --config configs/llama2-70b.toml \
+      --cluster configs/cluster-128x8.toml --master-addr node-000 --out "$TMP/launch38" >/dev/null
+    bash -n "$TMP/launch38/train_mindspeed.sh"
+    grep -q "fullscale.megatron_probe" "$TMP/launch38/train_mindspeed.sh"
+    "${py38x[@]}" - "$TMP/m.log" <<'PY'
+import sys
+# Megatron-LM training_log lines (megatron/training/training.py format strings)
+with open(sys.argv[1], "w") as fh:
+    for it in range(1, 61):
+        fh.write(f" [2024-06-01 12:00:01.123456] iteration {it:8d}/{60:8d} |"
+                 f" consumed samples: {it * 64:12d} | elapsed time per iteration (ms): {900.0:.1f} |"
+                 f" learning rate: {1.5e-4:.6E} | global batch size: {64:5d} |"
+                 f" lm loss: {3.0 - it / 100:.6E} | loss scale: {1.0:.1f} | grad norm: {0.8:.3f} |"
+                 f" number of skipped iterations: {0:3d} | number of nan iterations: {0:3d} |\n")
+PY
+    "${py38x[@]}" -m adamspike analyze --log "$TMP/m.log" "$TMP/py38/run" --seq-len 4096 --clip 1 \
+      --out "$TMP/py38/report38" --no-figures >/dev/null
+    grep -q "^## Imported log" "$TMP/py38/report38/m.log.run/report.md"
+  else
+    skip "py38 model info / launch / analyze" "pandas / pyarrow / scipy wheels for python 3.8 could not be downloaded"
+  fi
+  # analyze the probe's (plain) run directory with the main environment
+  if [[ -x "$MAIN_PY" ]]; then
+    PYTHONPATH="$ROOT" "$MAIN_PY" -m adamspike analyze "$TMP/py38/run" --out "$TMP/py38/report" \
+      --no-figures >/dev/null
+    grep -q "^## Loss spikes" "$TMP/py38/report/run/report.md"
+  else
+    skip "py38 analyze" "no main environment at $MAIN_PY (make venv)"
+  fi
+  echo "py38: OK"
+}
+
+job_py310() {
+  if [[ ! -x "$PY310" ]]; then skip py310 "no python 3.10 at $PY310 (set PY310)"; return 0; fi
+  local env="$CACHE/venv-py310" rc=0
+  venv "$env" "$PY310" "$CACHE/wheels-py310" "numpy>=1.24" "scipy>=1.10" "pandas>=2.0" \
+    "pyarrow>=14" "matplotlib>=3.7" "tqdm>=4.60" "tomli" || rc=$?
+  if (( rc == 3 )); then skip py310 "numpy / scipy / pandas / pyarrow wheels for python 3.10 could not be downloaded"; return 0; fi
+  (( rc == 0 )) || return $rc
+  echo "== py310: $("$env/bin/python" --version)"
+  PYTHONPATH="$ROOT" "$env/bin/python" - <<'PY'
+import importlib
+for m in ("adamspike", "adamspike.config", "adamspike.train_config", "adamspike.metrics",
+          "adamspike.rundir", "adamspike.predictions", "adamspike.llama", "adamspike.depth_groups",
+          "theory", "analysis.megatron_log", "analysis.report", "analysis.cli", "figures.cli",
+          "fullscale.model_info", "fullscale.launch", "fullscale.hf"):
+    importlib.import_module(m)
+from adamspike.config import load_config
+from adamspike.train_config import RunConfig
+cfg = load_config(RunConfig, "configs/llama2-70b.toml", ["--optim.eps", "1e-6"])
+assert cfg.optim.eps == 1e-6 and cfg.model.rope_theta is None
+print("py310 imports and config: ok")
+PY
+  PYTHONPATH="$ROOT" "$env/bin/python" -m adamspike --help >/dev/null
+  PYTHONPATH="$ROOT" "$env/bin/python" -m adamspike theory --help >/dev/null
+  PYTHONPATH="$ROOT" "$env/bin/python" -m adamspike launch --config configs/llama2-70b.toml \
+    --cluster configs/cluster-128x8.toml --master-addr node-000 --out "$TMP/launch310" >/dev/null
+  if [[ -d "$TMP/py38/run" ]]; then
+    PYTHONPATH="$ROOT" "$env/bin/python" -m adamspike analyze "$TMP/py38/run" --out "$TMP/r310" --no-figures >/dev/null
+  fi
+  echo "py310: OK"
+}
+
+for j in $JOBS; do "job_$j"; done
