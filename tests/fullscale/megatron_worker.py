@@ -1,8 +1,8 @@
 """One rank of the megatron-core probe test (run as a script by test_megatron_probe.py).
 
 Builds a small GPTModel (local spec, RMSNorm, SwiGLU, GQA, rope, untied embeddings),
-megatron DDP and get_megatron_optimizer (bf16 or fp32, distributed optimizer on or off)
-on a gloo group, trains a few steps and after each step (a) runs the probe
+megatron DDP and get_megatron_optimizer (bf16 or fp32, distributed optimizer on or off;
+data parallel 2, or tensor parallel 2 for the `-tp2` combinations) on a gloo group, trains a few steps and after each step (a) runs the probe
 (fullscale.megatron_probe) and (b) assembles the unsharded state (gradient Adam consumed,
 exp_avg, exp_avg_sq, main parameter, and the true exp_avg of the previous step) on every
 rank from each rank's optimizer pieces, checking that every element is covered exactly
@@ -74,11 +74,16 @@ def cpu_redirect():
 
 def unsharded_state(model, optimizer, names):
     """{name: dict(g, m, v, p, step)} of the whole model, assembled from every rank's
-    optimizer pieces (all_gather_object), each element covered exactly once."""
+    optimizer pieces (all_gather_object): data-parallel slices put back at their flat
+    ranges (each element covered exactly once, replicas equal), then tensor-parallel parts
+    of split tensors concatenated along their partition_dim in TP-rank order (copies of
+    non-split tensors equal across TP ranks)."""
+    from megatron.core import parallel_state as ps
+
     from fullscale.megatron_probe import _inner, leaf_optimizers
 
     pieces = []
-    tp_rank = 0
+    tp_rank = ps.get_tensor_model_parallel_rank()
     for leaf in leaf_optimizers(optimizer):
         inner = _inner(leaf)
         if hasattr(leaf, "shard_fp32_from_float16_groups"):
@@ -99,33 +104,46 @@ def unsharded_state(model, optimizer, names):
             pairs = [(p, p, 0, p.numel()) for g in inner.param_groups for p in g["params"]]
         for p, main, lo, hi in pairs:
             st = inner.state[main]
-            pieces.append((names[id(p)], tuple(p.shape), lo, hi, main.grad.double().numpy(),
-                           st["exp_avg"].double().numpy(), st["exp_avg_sq"].double().numpy(),
+            split = bool(getattr(p, "tensor_model_parallel", False))
+            pieces.append((names[id(p)], tuple(p.shape), split, getattr(p, "partition_dim", 0),
+                           lo, hi, main.grad.double().numpy(), st["exp_avg"].double().numpy(),
+                           st["exp_avg_sq"].double().numpy(),
                            main.detach().double().numpy().ravel(), int(st["step"])))
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dist.get_rank(), tp_rank, pieces))
-    full = {}
-    cover = {}
-    for rank, _, ps in gathered:
-        for name, shape, lo, hi, g, m, v, p, step in ps:
-            n = int(np.prod(shape))
-            if name not in full:
-                full[name] = {k: np.full(n, np.nan) for k in "gmvp"}
-                full[name]["step"] = step
-                cover[name] = {}
+    dist.all_gather_object(gathered, (tp_rank, pieces))
+    local = {}    # (name, tp rank) -> flat arrays of that TP rank's local tensor
+    meta = {}
+    for tpr, ps_ in gathered:
+        for name, shape, split, pdim, lo, hi, g, m, v, p, step in ps_:
+            key = (name, tpr)
+            if key not in local:
+                local[key] = {k: np.full(int(np.prod(shape)), np.nan) for k in "gmvp"}
+                meta[name] = (shape, split, pdim, step)
             for k, x in zip("gmvp", (g, m, v, p)):
-                x = x.ravel()
-                prev = full[name][k][lo:hi]
-                if not np.all(np.isnan(prev)):   # a replica (non-distributed optimizer)
-                    np.testing.assert_array_equal(prev, x, err_msg=f"{name}.{k} replicas differ")
-                full[name][k][lo:hi] = x
-    for name, d in full.items():
-        for k in "gmvp":
-            assert not np.isnan(d[k]).any(), f"{name}.{k}: elements not covered by any rank"
+                prev = local[key][k][lo:hi]
+                if not np.all(np.isnan(prev)):   # a data-parallel replica
+                    np.testing.assert_array_equal(prev, x.ravel(), err_msg=f"{name}.{k} replicas differ")
+                local[key][k][lo:hi] = x.ravel()
+    full = {}
+    for name, (shape, split, pdim, step) in meta.items():
+        tps = sorted(t for (n, t) in local if n == name)
+        for t in tps:
+            for k in "gmvp":
+                assert not np.isnan(local[(name, t)][k]).any(), f"{name}.{k}: elements not covered"
+        if split:
+            d = {k: np.concatenate([local[(name, t)][k].reshape(shape) for t in tps],
+                                   axis=pdim).ravel() for k in "gmvp"}
+        else:
+            d = local[(name, tps[0])]
+            for t in tps[1:]:
+                for k in "gmvp":
+                    np.testing.assert_array_equal(local[(name, t)][k], d[k],
+                                                  err_msg=f"{name}.{k}: TP copies differ")
+        full[name] = {**d, "step": step}
     return full
 
 
-def run_combo(a, bf16: bool, distopt: bool, out: str) -> None:
+def run_combo(a, bf16: bool, distopt: bool, out: str, tp: int = 1) -> None:
     """One optimizer combination: build, train a.steps steps, probe + reference."""
     from adamspike.metrics import histogram, shard_sums, update_direction
     from fullscale.megatron_probe import MegatronProbe, global_names
@@ -139,9 +157,9 @@ def run_combo(a, bf16: bool, distopt: bool, out: str) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     os.makedirs(out, exist_ok=True)
-    ps.initialize_model_parallel(1, 1)
+    ps.initialize_model_parallel(tp, 1)
     model_parallel_cuda_manual_seed(1234)
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+    cfg = TransformerConfig(tensor_model_parallel_size=tp, num_layers=2, hidden_size=32, num_attention_heads=4,
                             num_query_groups=2, ffn_hidden_size=64,
                             use_cpu_initialization=True, normalization="RMSNorm",
                             gated_linear_unit=True, activation_func=torch.nn.functional.silu,
@@ -164,7 +182,7 @@ def run_combo(a, bf16: bool, distopt: bool, out: str) -> None:
     probe = MegatronProbe(os.path.join(out, "run"), every=1, hist_every=2, precision="float64",
                           config={"model": {"preset": "tiny-gpt"}}, flush_every_s=0.0)
     names = global_names([ddp])
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    gen = torch.Generator().manual_seed(100 + ps.get_data_parallel_rank())  # TP ranks: same data
     result = {"leaf": [type(o).__name__ for o in opt.chained_optimizers], "grad_norm": []}
     m_prev, tables, refs, hists = {}, [], [], []
     for step in range(1, a.steps + 1):
@@ -209,7 +227,7 @@ def main():
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--combos", default="fp32,fp32-distopt,bf16,bf16-distopt")
+    ap.add_argument("--combos", default="fp32,fp32-distopt,bf16,bf16-distopt,fp32-tp2,bf16-distopt-tp2")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -218,8 +236,8 @@ def main():
     dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
     with cpu_redirect():
         for combo in a.combos.split(","):
-            run_combo(a, combo.startswith("bf16"), combo.endswith("distopt"),
-                      os.path.join(a.out, combo))
+            run_combo(a, combo.startswith("bf16"), "distopt" in combo,
+                      os.path.join(a.out, combo), tp=2 if combo.endswith("tp2") else 1)
     dist.barrier()
     dist.destroy_process_group()
     return 0

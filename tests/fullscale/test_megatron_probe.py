@@ -1,6 +1,7 @@
 """fullscale.megatron_probe against megatron-core on 2 gloo ranks (real processes).
 
-For the four optimizer combinations (fp32 / bf16 x distributed optimizer off / on) a small
+For the four optimizer combinations (fp32 / bf16 x distributed optimizer off / on; data
+parallel 2) and two with tensor parallel 2, a small
 GPTModel + megatron DDP + get_megatron_optimizer trains 3 steps with clipping active; every
 tensor's probe metrics must equal those of the unsharded state the test assembles from all
 ranks' optimizer pieces (tests/fullscale/megatron_worker.py; its CUDA -> CPU redirection is
@@ -25,9 +26,12 @@ from adamspike.rundir import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("megatron_worker.py")
-COMBOS = ("fp32", "fp32-distopt", "bf16", "bf16-distopt")
+# data parallel 2 (the four optimizer combinations), and tensor parallel 2 (TP-split
+# tensors summed over ranks, non-split ones counted once)
+COMBOS = ("fp32", "fp32-distopt", "bf16", "bf16-distopt", "fp32-tp2", "bf16-distopt-tp2")
 LEAF = {"fp32": "FP32Optimizer", "fp32-distopt": "DistributedOptimizer",
-        "bf16": "Float16OptimizerWithFloat16Params", "bf16-distopt": "DistributedOptimizer"}
+        "bf16": "Float16OptimizerWithFloat16Params", "bf16-distopt": "DistributedOptimizer",
+        "fp32-tp2": "FP32Optimizer", "bf16-distopt-tp2": "DistributedOptimizer"}
 NS = len(SUM_FIELDS)
 
 
