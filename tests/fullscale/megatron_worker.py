@@ -2,7 +2,8 @@
 
 Builds a small GPTModel (local spec, RMSNorm, SwiGLU, GQA, rope, untied embeddings),
 megatron DDP and get_megatron_optimizer (bf16 or fp32, distributed optimizer on or off;
-data parallel 2, or tensor parallel 2 for the `-tp2` combinations) on a gloo group, trains a few steps and after each step (a) runs the probe
+data parallel 2, tensor parallel 2 for `-tp2`, pipeline parallel 2 for `-pp2`, trained
+through megatron's 1F1B schedule) on a gloo group, trains a few steps and after each step (a) runs the probe
 (fullscale.megatron_probe) and (b) assembles the unsharded state (gradient Adam consumed,
 exp_avg, exp_avg_sq, main parameter, and the true exp_avg of the previous step) on every
 rank from each rank's optimizer pieces, checking that every element is covered exactly
@@ -143,7 +144,7 @@ def unsharded_state(model, optimizer, names):
     return full
 
 
-def run_combo(a, bf16: bool, distopt: bool, out: str, tp: int = 1) -> None:
+def run_combo(a, bf16: bool, distopt: bool, out: str, tp: int = 1, pp: int = 1) -> None:
     """One optimizer combination: build, train a.steps steps, probe + reference."""
     from adamspike.metrics import histogram, shard_sums, update_direction
     from fullscale.megatron_probe import MegatronProbe, global_names
@@ -157,9 +158,10 @@ def run_combo(a, bf16: bool, distopt: bool, out: str, tp: int = 1) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     os.makedirs(out, exist_ok=True)
-    ps.initialize_model_parallel(tp, 1)
+    ps.initialize_model_parallel(tp, pp)
     model_parallel_cuda_manual_seed(1234)
-    cfg = TransformerConfig(tensor_model_parallel_size=tp, num_layers=2, hidden_size=32, num_attention_heads=4,
+    cfg = TransformerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, num_layers=2, hidden_size=32, num_attention_heads=4,
                             num_query_groups=2, ffn_hidden_size=64,
                             use_cpu_initialization=True, normalization="RMSNorm",
                             gated_linear_unit=True, activation_func=torch.nn.functional.silu,
@@ -168,7 +170,8 @@ def run_combo(a, bf16: bool, distopt: bool, out: str, tp: int = 1) -> None:
                             hidden_dropout=0.0, attention_dropout=0.0)
     model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=64,
                      max_sequence_length=16, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False)
+                     share_embeddings_and_output_weights=False,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     if bf16:
         model = model.bfloat16()
     ddp = DDP(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
@@ -190,9 +193,22 @@ def run_combo(a, bf16: bool, distopt: bool, out: str, tp: int = 1) -> None:
         opt.zero_grad()
         tok = torch.randint(0, 64, (2, 16), generator=gen)
         pos = torch.arange(16)[None].expand(2, 16)
-        loss = ddp(tok, pos, None, labels=tok).float().mean()
-        loss.backward()
-        ddp.finish_grad_sync()
+        if pp == 1:
+            loss = ddp(tok, pos, None, labels=tok).float().mean()
+            loss.backward()
+            ddp.finish_grad_sync()
+        else:   # megatron's 1F1B schedule (p2p between the stages), one micro batch
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            def forward_step(data_iterator, model):
+                t = next(data_iterator)
+                out_t = model(t, pos, None, labels=t)
+                return out_t, lambda o: (o.float().mean(), {"lm loss": o.float().mean().detach()})
+
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter([tok]), model=[ddp],
+                num_microbatches=1, seq_length=16, micro_batch_size=2, forward_only=False)
+            loss = losses[0]["lm loss"] if losses else torch.tensor(float("nan"))
         ok, grad_norm, _ = opt.step()
         result["grad_norm"].append(float(grad_norm))
         tab = probe.after_train_step([ddp], opt, step, loss=float(loss), skipped=not ok,
@@ -227,7 +243,8 @@ def main():
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--combos", default="fp32,fp32-distopt,bf16,bf16-distopt,fp32-tp2,bf16-distopt-tp2")
+    ap.add_argument("--combos", default="fp32,fp32-distopt,bf16,bf16-distopt,fp32-tp2,bf16-distopt-tp2,"
+                                            "fp32-pp2,bf16-distopt-pp2")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -237,7 +254,8 @@ def main():
     with cpu_redirect():
         for combo in a.combos.split(","):
             run_combo(a, combo.startswith("bf16"), "distopt" in combo,
-                      os.path.join(a.out, combo), tp=2 if combo.endswith("tp2") else 1)
+                      os.path.join(a.out, combo), tp=2 if combo.endswith("tp2") else 1,
+                      pp=2 if combo.endswith("pp2") else 1)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,7 +1,7 @@
 """fullscale.megatron_probe against megatron-core on 2 gloo ranks (real processes).
 
 For the four optimizer combinations (fp32 / bf16 x distributed optimizer off / on; data
-parallel 2) and two with tensor parallel 2, a small
+parallel 2), two with tensor parallel 2 and two with pipeline parallel 2, a small
 GPTModel + megatron DDP + get_megatron_optimizer trains 3 steps with clipping active; every
 tensor's probe metrics must equal those of the unsharded state the test assembles from all
 ranks' optimizer pieces (tests/fullscale/megatron_worker.py; its CUDA -> CPU redirection is
@@ -26,12 +26,15 @@ from adamspike.rundir import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("megatron_worker.py")
-# data parallel 2 (the four optimizer combinations), and tensor parallel 2 (TP-split
-# tensors summed over ranks, non-split ones counted once)
-COMBOS = ("fp32", "fp32-distopt", "bf16", "bf16-distopt", "fp32-tp2", "bf16-distopt-tp2")
+# data parallel 2 (the four optimizer combinations), tensor parallel 2 (TP-split tensors
+# summed over ranks, non-split ones counted once) and pipeline parallel 2 (each stage's
+# layers renamed to their global index; the loss from the last stage)
+COMBOS = ("fp32", "fp32-distopt", "bf16", "bf16-distopt", "fp32-tp2", "bf16-distopt-tp2",
+          "fp32-pp2", "bf16-distopt-pp2")
 LEAF = {"fp32": "FP32Optimizer", "fp32-distopt": "DistributedOptimizer",
         "bf16": "Float16OptimizerWithFloat16Params", "bf16-distopt": "DistributedOptimizer",
-        "fp32-tp2": "FP32Optimizer", "bf16-distopt-tp2": "DistributedOptimizer"}
+        "fp32-tp2": "FP32Optimizer", "bf16-distopt-tp2": "DistributedOptimizer",
+        "fp32-pp2": "FP32Optimizer", "bf16-distopt-pp2": "DistributedOptimizer"}
 NS = len(SUM_FIELDS)
 
 
@@ -71,6 +74,8 @@ def test_probe_equals_unsharded_reference(megatron_runs, combo):
     assert dk["decoder.final_layernorm.weight"] == (2, "norm")
     assert dk["output_layer.weight"] == (2, "output")
     assert max(res["grad_norm"]) > 0.5          # clipping was active
+    run = load_run(d / "run")                   # written by the last rank
+    assert np.isfinite(run.steps["loss"]).all() and len(run.layers) == 3 * 15
     for step in (1, 2, 3):
         tab, ref = z[f"table{step}"], z["refs"][step - 1]
         np.testing.assert_array_equal(tab[:, 0], ref[:, 0])        # numel
