@@ -792,6 +792,7 @@ def make_train_step_wrapper(probe_factory):
                 return out
 
             state["ok"], state["grad_norm"] = True, None
+            own = "step" in getattr(optimizer, "__dict__", {})   # someone's instance patch
             if opt_step is not None:
                 optimizer.step = step_capture
             t0 = time.perf_counter()
@@ -799,10 +800,10 @@ def make_train_step_wrapper(probe_factory):
                 ret = fn(*args, **kwargs)
             finally:
                 if opt_step is not None:
-                    try:
-                        del optimizer.step   # back to the class method
-                    except AttributeError:
+                    if own:
                         optimizer.step = opt_step
+                    else:
+                        del optimizer.step   # back to the class method
             dt = time.perf_counter() - t0
             margs = _megatron_args()
             if margs is not None and getattr(margs, "curr_iteration", None) is not None:

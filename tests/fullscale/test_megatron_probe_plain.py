@@ -193,3 +193,28 @@ def test_depth_kind_of_megatron_names():
     assert mp.depth_kind("language_model.encoder.layers.3.mlp.dense_4h_to_h.weight", L) == (3, "w2")
     assert mp.depth_kind("decoder.final_layernorm.weight", L) == (80, "norm")
     assert mp.depth_kind("output_layer.weight", L) == (80, "output")
+
+
+def test_wrapper_leaves_the_optimizer_step_as_it_found_it(demo, tmp_path):
+    import torch
+
+    for patched in (False, True):
+        model = demo.Toy()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        calls = []
+        if patched:     # another tool's instance-level patch of step
+            inner = opt.step
+
+            def other_step(*a, **k):
+                calls.append(1)
+                return inner(*a, **k)
+            opt.step = other_step
+        probe = mp.MegatronProbe(str(tmp_path / f"r{patched}"), every=1, hist_every=0, plain=True)
+        wrapped = mp.make_train_step_wrapper(lambda: probe)(demo.train_step)
+        data = iter([torch.randint(0, 32, (2, 9))])
+        wrapped(None, data, [model], opt, None, {"clip": 1.0, "iteration": 1})
+        probe.close()
+        if patched:
+            assert vars(opt)["step"] is other_step and calls == [1]
+        else:
+            assert "step" not in vars(opt)
