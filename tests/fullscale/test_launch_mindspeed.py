@@ -6,7 +6,6 @@ import shlex
 import subprocess
 from pathlib import Path
 
-import pytest
 
 from analysis.cli import log_run_names
 from analysis.cli import main as analyze_main
