@@ -186,6 +186,7 @@ def _make_steps(cfg: RunConfig):
             out["sums"] = sums
             if hist:
                 out["hists"] = hists
+                out["vhists"] = jtel.step_vhists(jopt.adam_state(new_state), o.b2, o.eps)
         return new_params, new_state, out
 
     return tx, jax.jit(step, static_argnums=(3, 4, 5))
@@ -284,6 +285,8 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                     for i, n in enumerate(names):
                         rows.add(step, writer.log_hist, step, n, depths[i], kinds[i],
                                  out["hists"][i])
+                        rows.add(step, writer.log_vhist, step, n, depths[i], kinds[i],
+                                 out["vhists"][i])
             rows.add(step, writer.log_step, step=step, tokens=step * tokens_per_step,
                      lr=o.lr_at(step, t.num_steps), step_time_s=time.perf_counter() - t0, **row)
             guard.after_step(step, params, opt_state, offset)
