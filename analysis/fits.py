@@ -446,7 +446,8 @@ class ExactUpdateRms:
         with np.errstate(divide="ignore"):
             lr = np.log10(np.maximum(rho, 1e-300))
         out = 10.0 ** self._interp(np.stack([np.clip(lr, lo, hi), phi], axis=-1))
-        return np.where(lr < lo, out * 10.0 ** (lr - lo), out)
+        return np.where(lr < lo, out.reshape(rho.shape) * 10.0 ** (lr - lo),
+                        out.reshape(rho.shape))
 
 
 def heterogeneous_update_rms(counts, phi, model: ExactUpdateRms, centers=None) -> np.ndarray:
