@@ -459,10 +459,11 @@ def regime_markdown(ra: RunAnalysis) -> list[str]:
     L += ["", md_table(hf.bands, ["band", "model", "num_rows", "r2_log", "median_log_ratio"],
                        ["rho band", "model", "rows", "R^2 (log)", "median ln ratio"]),
           "", md_table(hf.diagnostics, ["band", "rho_median", "phi_median", "rms_t_median",
-                                        "mv_excess_median", "r_kurtosis_median",
-                                        "vhist_spread_median"],
-                       ["rho band", "rho", "phi", "rms_t", "m_v^2 / zero-mean value",
-                        "kurtosis r", "vhist spread (decades)"]),
+                                        "g2_over_v_median", "burstiness_median",
+                                        "mv_excess_median",
+                                        "r_kurtosis_median", "vhist_spread_median"],
+                       ["rho band", "rho", "phi", "rms_t", "g^2 / v_hat", "burstiness",
+                        "m_v^2 / zero-mean value", "kurtosis r", "vhist spread (decades)"]),
           "", "Assumption check: " + failing_assumption(hf) + "."]
     return L
 
