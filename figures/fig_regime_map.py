@@ -78,14 +78,17 @@ def _profile_70b(pred_path: str | Path | None) -> dict | None:
 def prepare(runs, predictions_70b: str | Path | None = None,
             num_params: int | None = None) -> dict:
     """-> {"runs": [{name, b2, traj (shallow, deep arrays), shallow/deep summaries, log}],
-    "p70": fitted profile or None, "bands_70b": {eps: (lo, hi)}}."""
+    "p70": fitted profile or None, "bands_70b": {eps: (lo, hi)}}. num_params: N of the 70B
+    band (default LLaMA2-70B's) and of logs without printed model arguments (without it
+    such logs are left out)."""
     from adamspike.llama import PRESETS
     from adamspike.llama import num_params as count
     from analysis.regime import card_for_run, rho_bar
 
     items = []
     for run in runs:
-        card = card_for_run(run)
+        card = card_for_run(run, num_params=num_params,
+                            num_params_source="--num-params" if num_params else "")
         name = Path(run.path).name
         if card.kind == "log":
             if card.groups.empty:
@@ -204,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--predictions-70b", help="predictions_70b.json (its profile)")
-    ap.add_argument("--num-params", type=int, help="N of the 70B band (default LLaMA2-70B)")
+    ap.add_argument("--num-params", type=int,
+                    help="N of the 70B band (default LLaMA2-70B) and of log runs that do "
+                         "not print their model arguments (else those are left out)")
     args = ap.parse_args(argv)
     try:
         runs = [load_run(p, tables=("steps", "layers")) for p in args.runs]
