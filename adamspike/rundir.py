@@ -7,7 +7,8 @@
       layers/        part-NNNNNN.parquet, one row per (step, tensor) on logged steps
       hists/         part-NNNNNN.parquet, r-histogram counts per (step, tensor)
       vhists/        part-NNNNNN.parquet, sqrt(v_hat)/eps histogram counts per (step,
-                     tensor) on histogram steps (adamspike.metrics.VHIST_EDGES)
+                     tensor) on histogram steps (adamspike.metrics.VHIST_EDGES), and the
+                     count of coordinates with |g| < eps (g: the gradient Adam consumed)
       curvature/     part-NNNNNN.parquet, preconditioned / raw top curvature per (step,
                      depth group) where a toy measures it (power iteration)
       events.jsonl   append-only: checkpoints, alarms, rollbacks, skips, faults, resume
@@ -66,7 +67,8 @@ HIST_COLUMNS: dict[str, pa.DataType] = {
     "step": pa.int64(), "name": pa.string(), "depth": pa.int32(), "kind": pa.string(),
     "counts": pa.list_(pa.int64()),
 }
-VHIST_COLUMNS: dict[str, pa.DataType] = dict(HIST_COLUMNS)
+# + g_below_eps: coordinates with |g| < eps of the gradient Adam consumed on that step
+VHIST_COLUMNS: dict[str, pa.DataType] = {**HIST_COLUMNS, "g_below_eps": pa.int64()}
 CURVATURE_COLUMNS: dict[str, pa.DataType] = {
     "step": pa.int64(), "group": pa.string(), "precond_curvature": pa.float64(),
     "raw_curvature": pa.float64(), "lr": pa.float64(),
@@ -276,14 +278,18 @@ class RunWriter:
         self._append("hists", {"step": int(step), "name": name, "depth": int(depth),
                                "kind": kind, "counts": counts.tolist()})
 
-    def log_vhist(self, step: int, name: str, depth: int, kind: str, counts: Any) -> None:
-        """sqrt(v_hat)/eps counts of one tensor on adamspike.metrics.VHIST_EDGES."""
+    def log_vhist(self, step: int, name: str, depth: int, kind: str, counts: Any,
+                  g_below_eps: int | None = None) -> None:
+        """sqrt(v_hat)/eps counts of one tensor on adamspike.metrics.VHIST_EDGES, and the
+        number of its coordinates with |g| < eps (None: not recorded)."""
         counts = np.asarray(counts, dtype=np.int64)
         if counts.shape != (NUM_VHIST_BINS,):
             raise RunFormatError(f"vhist {name!r}: {counts.shape} counts, expected "
                                  f"({NUM_VHIST_BINS},)")
         self._append("vhists", {"step": int(step), "name": name, "depth": int(depth),
-                                "kind": kind, "counts": counts.tolist()})
+                                "kind": kind, "counts": counts.tolist(),
+                                "g_below_eps": None if g_below_eps is None
+                                else int(g_below_eps)})
 
     def event(self, type: str, **fields: Any) -> None:
         """Append one event line (fsynced at once: events are rare and precious)."""

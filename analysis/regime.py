@@ -13,9 +13,11 @@ Per tensor l and logged step t (N_l = numel):
     rho_l(t)      = grad_rms_l(t) / eps
     group rho     = sqrt(sum_l N_l grad_rms_l^2 / sum_l N_l) / eps   (the group's whole
                     gradient as one vector: its rms over all its coordinates)
-    eps_frac      = fraction of coordinates with sqrt(v_hat) < eps (telemetry): the
-                    coordinates whose own rms gradient over Adam's b2 window is below eps;
-                    the telemetry has no per-step |g| < eps count, this is its windowed form
+    eps_frac      = fraction of coordinates with sqrt(v_hat) < eps (telemetry, every logged
+                    step): the coordinates whose own rms gradient over Adam's b2 window is
+                    below eps
+    g_below_eps   = fraction of coordinates with |g| < eps on the step (vhists table,
+                    histogram steps only; numel-weighted over the group)
     below_1       = fraction of logged steps with rho_l < 1
     dormant       = rho_l < rho_wake (default 1: the update ~ m_hat / eps, eps-dominated);
     dormancy(t)   = logged steps since the tensor was last outside the band (0 when awake)
@@ -141,9 +143,11 @@ def _dormancy(rho: np.ndarray, steps: np.ndarray, rho_wake: float, min_dormant: 
 
 
 def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | None, *,
-             curvature: pd.DataFrame | None = None, rho_wake: float = RHO_WAKE,
-             min_dormant: int = MIN_DORMANT) -> RegimeCard:
-    """The regime card of a run directory's layers table (module doc)."""
+             curvature: pd.DataFrame | None = None, vhists: pd.DataFrame | None = None,
+             rho_wake: float = RHO_WAKE, min_dormant: int = MIN_DORMANT) -> RegimeCard:
+    """The regime card of a run directory's layers table (module doc); `vhists` (the
+    table, with its g_below_eps column) adds the fraction of coordinates with |g| < eps
+    per group on histogram steps."""
     from analysis.fits import optim_params
 
     need = ["step", "name", "depth", "numel", "grad_rms", "rho"]
@@ -240,6 +244,21 @@ def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | No
     card.trajectory = (pd.concat(traj, ignore_index=True) if traj else
                        pd.DataFrame(columns=["step", "group", "rho", "eps_frac", "snr_median",
                                              "frac_tensors_dormant", "max_dormancy"]))
+    card.trajectory["g_below_eps"] = np.nan
+    if vhists is not None and len(vhists) and "g_below_eps" in vhists \
+            and vhists["g_below_eps"].notna().any():
+        v = vhists[["step", "name", "g_below_eps"]].dropna().copy()
+        v["name"] = v["name"].astype(str)
+        gmap = dict(zip(tnames, grp))
+        nmap = dict(zip(tnames, numel))
+        v["group"] = v["name"].map(gmap)
+        v["numel"] = v["name"].map(nmap)
+        v = v.dropna(subset=["group"])
+        agg = v.groupby(["step", "group"]).agg(gb=("g_below_eps", "sum"), n=("numel", "sum"))
+        frac = (agg["gb"] / agg["n"]).rename("gbe").reset_index()
+        t = card.trajectory.merge(frac, on=["step", "group"], how="left")
+        t["g_below_eps"] = t.pop("gbe")
+        card.trajectory = t
 
     # per group
     rows = []
@@ -256,6 +275,8 @@ def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | No
             "rho_tensor_max": float(tr["rho_median"].max()),
             "frac_time_below_1": float(np.mean(r[ok] < 1.0)) if ok.any() else math.nan,
             "eps_frac_median": float(np.nanmedian(part["eps_frac"])) if part["eps_frac"].notna().any() else math.nan,
+            "g_below_eps_median": float(np.nanmedian(part["g_below_eps"]))
+            if part["g_below_eps"].notna().any() else math.nan,
             "snr_median": float(np.nanmedian(part["snr_median"])) if part["snr_median"].notna().any() else math.nan,
             "max_dormancy": int(tr["max_dormancy"].max()),
             "num_wakeups": int(tr["num_wakeups"].sum()),
@@ -448,5 +469,10 @@ def card_for_run(run, *, num_params: int | None = None,
     if (curv is None or curv.empty) and (Path(run.path) / "curvature").is_dir():
         from adamspike.rundir import load_run
         curv = load_run(run.path, tables=("curvature",)).curvature
+    vh = getattr(run, "vhists", None)
+    if (vh is None or vh.empty) and (Path(run.path) / "vhists").is_dir():
+        from adamspike.rundir import load_run
+        vh = load_run(run.path, tables=("vhists",)).vhists
     return run_card(run.layers, run.steps, run.config,
-                    curvature=curv if curv is not None and len(curv) else None)
+                    curvature=curv if curv is not None and len(curv) else None,
+                    vhists=vh if vh is not None and len(vh) else None)

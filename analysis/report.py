@@ -419,16 +419,18 @@ def regime_markdown(ra: RunAnalysis) -> list[str]:
         return L
     L += ["", "Per depth group (adamspike.depth_groups, L = "
           f"{c.num_layers}): group rho = rms of the group's whole consumed gradient (after "
-          "clipping, at the run's loss scale) over eps, per logged step; eps_frac = "
-          "coordinates with sqrt(v_hat) < eps; snr from m_v_ratio (i.i.d.-noise inversion); "
+          "clipping, at the run's loss scale) over eps, per logged step; fractions of "
+          "coordinates with sqrt(v_hat) < eps (every logged step) and with |g| < eps "
+          "(histogram steps); snr from m_v_ratio (i.i.d.-noise inversion); "
           "dormancy = consecutive logged steps with the tensor's rho < 1; wake-up = rho >= 1 "
           "after >= 10 dormant steps.", "",
           md_table(c.groups, ["group", "num_tensors", "rho_median", "rho_q10", "rho_q90",
                               "rho_tensor_min", "rho_tensor_max", "frac_time_below_1",
-                              "eps_frac_median", "snr_median", "max_dormancy", "num_wakeups",
-                              "regime"],
+                              "eps_frac_median", "g_below_eps_median", "snr_median",
+                              "max_dormancy", "num_wakeups", "regime"],
                    ["group", "tensors", "rho median", "q10", "q90", "min tensor", "max tensor",
-                    "time below 1", "eps_frac", "snr", "max dormancy", "wake-ups", "regime"])]
+                    "time below 1", "sqrt(v)<eps", "abs(g)<eps", "snr", "max dormancy",
+                    "wake-ups", "regime"])]
     if len(c.wakeups):
         w = c.wakeups.sort_values("dormant_steps", ascending=False)
         L += ["", f"**{len(w)} wake-up(s)** (longest first):", "",

@@ -187,6 +187,8 @@ def _make_steps(cfg: RunConfig):
             if hist:
                 out["hists"] = hists
                 out["vhists"] = jtel.step_vhists(jopt.adam_state(new_state), o.b2, o.eps)
+                out["g_below_eps"] = jtel.grad_below_eps(grads, o.eps,
+                                                         jopt.clip_info(new_state)[1])
         return new_params, new_state, out
 
     return tx, jax.jit(step, static_argnums=(3, 4, 5))
@@ -286,7 +288,7 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                         rows.add(step, writer.log_hist, step, n, depths[i], kinds[i],
                                  out["hists"][i])
                         rows.add(step, writer.log_vhist, step, n, depths[i], kinds[i],
-                                 out["vhists"][i])
+                                 out["vhists"][i], out["g_below_eps"][i])
             rows.add(step, writer.log_step, step=step, tokens=step * tokens_per_step,
                      lr=o.lr_at(step, t.num_steps), step_time_s=time.perf_counter() - t0, **row)
             guard.after_step(step, params, opt_state, offset)

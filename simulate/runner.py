@@ -9,6 +9,7 @@ Traces are a dict of numpy arrays with a leading step axis (step t = 1..num_step
                                                                           -> layers table
     hists (len(hist_steps), num_tensors, NUM_HIST_BINS) + hist_steps     -> hists table
     vhists (len(hist_steps), num_tensors, NUM_VHIST_BINS), optional     -> vhists table
+    g_below_eps (len(hist_steps), num_tensors), optional (|g| < eps)      -> its column
     batch_size                                                            tokens = step * batch
 Rows: steps every step (skipped = False: simulations skip nothing); layers every
 `layers_every` steps; hists at hist_steps (what the problem recorded) further thinned to
@@ -80,6 +81,8 @@ def write_run(out: str | Path, traces: Mapping[str, Any], *, config: Mapping[str
                                                NUM_VHIST_BINS):
         raise ValueError(f"traces['vhists']: shape {vhists.shape} does not match "
                          "hist_steps / names")
+    gbe = np.asarray(traces["g_below_eps"]) if vhists is not None and "g_below_eps" in traces \
+        else None
     if has_layers:  # finalize all steps at once (vectorised), then slice per step
         key_cols = layer_columns(names, traces["depths"], traces["kinds"], traces["numels"],
                                  np.ones((len(names), NUM_SUMS)), 1.0)
@@ -113,7 +116,8 @@ def write_run(out: str | Path, traces: Mapping[str, Any], *, config: Mapping[str
                                hists[j, k])
                     if vhists is not None:
                         w.log_vhist(int(step), name, int(traces["depths"][k]),
-                                    traces["kinds"][k], vhists[j, k])
+                                    traces["kinds"][k], vhists[j, k],
+                                    None if gbe is None else int(gbe[j, k]))
         w.event("finished", step=num_steps, write_s=round(time.time() - t0, 3))
     if bar is not None:
         bar.update(num_steps - bar.n)

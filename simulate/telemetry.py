@@ -131,6 +131,17 @@ def step_vhists(new_adam_state, b2, eps) -> jax.Array:
     return jnp.stack([vhist_counts(nu / bc2.astype(nu.dtype), eps) for nu in nu_l])
 
 
+def grad_below_eps(grads, eps, grad_scale=None) -> jax.Array:
+    """(num_tensors,) int32: coordinates with |g| < eps of the gradient Adam consumed
+    (grads times grad_scale, clip_info's factor, when given), tensor_names order."""
+    out = []
+    for g in jax.tree.leaves(grads):
+        dt = jnp.result_type(g.dtype, jnp.float32)
+        g = g.astype(dt) * (1 if grad_scale is None else jnp.asarray(grad_scale).astype(dt))
+        out.append(jnp.sum(jnp.abs(g) < jnp.asarray(eps, dt), dtype=jnp.int32))
+    return jnp.stack(out)
+
+
 def _path_name(path) -> str:
     parts = []
     for k in path:

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from adamspike.llama import PRESETS, num_params
-from adamspike.metrics import METRIC_NAMES
+from adamspike.metrics import METRIC_NAMES, NUM_VHIST_BINS
 from adamspike.rundir import RunWriter, _atomic_write_table, load_run
 from analysis.regime import (card_for_run, log_arguments, num_params_from_args, rho_bar,
                              rho_bar_bound, snr_from_m_v)
@@ -54,6 +54,12 @@ def known_run(tmp_path_factory):
                            rms_t=1.0 + (r > 1 and step in (31, 76)))
                 rows.append(row)
             w.log_layers(step, rows=rows)
+            if step % 10 == 0:   # |g| < eps: half the embedding, none of block 0
+                for n, (d, numel) in TENSORS.items():
+                    counts = np.zeros(NUM_VHIST_BINS, int)
+                    counts[40] = numel
+                    w.log_vhist(step, n, d, KIND.get(n, "param"), counts,
+                                numel // 2 if d == -1 else 0)
     # a curvature table as the JAX toys write it (analysis reads whatever is there)
     import pyarrow as pa
     (path / "curvature").mkdir(exist_ok=True)
@@ -77,6 +83,8 @@ def test_card_groups_dormancy_and_wakeups(known_run):
     assert g.loc["embed", "frac_time_below_1"] == pytest.approx(45 / 100)
     assert g.loc["deep", "frac_time_below_1"] == 1.0 and g.loc["head", "frac_time_below_1"] == 0
     assert g.loc["embed", "eps_frac_median"] == 0.0 and g.loc["deep", "eps_frac_median"] == 1.0
+    assert g.loc["embed", "g_below_eps_median"] == 0.5
+    assert g.loc["shallow", "g_below_eps_median"] == 0.0
     # snr from m_v_ratio: 1 where m_v^2 = (1 + c) / 2, 0 at the zero-mean value c
     assert g.loc["embed", "snr_median"] == pytest.approx(1.0, rel=1e-5)
     assert g.loc["shallow", "snr_median"] == pytest.approx(0.0, abs=1e-3)

@@ -353,7 +353,8 @@ WORKER = textwrap.dedent('''
                 ref[n] = [r[k] for k in METRIC_NAMES]
                 bound[n] = cos_bound(g, m_t, m_prev[n], optim.b1)
                 hist.append(histogram(update_direction(m_hat, v_hat, optim.eps)).tolist())
-                vref.append(vhistogram(v_hat, optim.eps).tolist())
+                vref.append(vhistogram(v_hat, optim.eps).tolist()
+                            + [int(np.sum(np.abs(g) < optim.eps))])
             result[step] = {"got": {k: np.asarray(o.columns[k]).tolist() for k in METRIC_NAMES},
                             "vhist": vh.tolist(), "ref_vhist": vref,
                             "hist": o.hists.tolist(), "ref": ref, "ref_hist": hist, "bound": bound,

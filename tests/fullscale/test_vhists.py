@@ -56,7 +56,11 @@ def test_trainer_state_vhists_equal_reference_on_hist_steps_only():
         for i, n in enumerate(tel.names):
             st = opt.state[names[n]]
             v_hat = st["exp_avg_sq"].numpy().astype(np.float64) / (1 - optim.b2 ** int(st["step"]))
-            np.testing.assert_array_equal(got[i], vhistogram(v_hat, optim.eps), err_msg=n)
+            np.testing.assert_array_equal(got[i, :NUM_VHIST_BINS], vhistogram(v_hat, optim.eps),
+                                          err_msg=n)
+            g = names[n].grad.numpy().astype(np.float64)   # consumed: after the clip
+            assert got[i, NUM_VHIST_BINS] == np.sum(np.abs(g) < optim.eps), n
         # the spread is real: the embedding's rows see different token counts
         emb = got[tel.names.index("tok_embeddings.weight")]
-        assert np.count_nonzero(emb) >= 3
+        assert np.count_nonzero(emb[:NUM_VHIST_BINS]) >= 3
+        assert emb[NUM_VHIST_BINS] > 0      # rows of tokens absent from the batch: g = 0

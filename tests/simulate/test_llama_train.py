@@ -95,6 +95,8 @@ def test_run_directory_has_every_column_and_metric(run):
     vh = load_run(run.path, tables=("vhists",)).vhists   # sqrt(v_hat)/eps, same steps
     assert sorted(vh.step.unique()) == sorted(h.step.unique()) and len(vh) == len(h)
     assert all(sum(r.counts) == specs[r.name].numel for r in vh.itertuples())
+    numel = np.array([specs[n].numel for n in vh.name.astype(str)])
+    assert ((vh.g_below_eps.to_numpy() >= 0) & (vh.g_below_eps.to_numpy() <= numel)).all()
     types = list(run.events.type)
     assert types[0] == "start" and types[-1] == "end"
 

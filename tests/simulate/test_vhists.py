@@ -58,3 +58,13 @@ def test_mlp_run_writes_vhists(tmp_path):
                            progress=False)
     vh = load_run(out, tables=("vhists",)).vhists
     assert sorted(vh["step"].unique()) == [20, 40] and len(vh) == 2 * len(tr["names"])
+    np.testing.assert_array_equal(vh.sort_values(["step", "name"])["g_below_eps"],
+                                  tr["g_below_eps"].ravel())
+
+
+def test_grad_below_eps_counts_the_consumed_gradient():
+    from simulate.telemetry import grad_below_eps
+    g = {"a": jnp.array([0.5, 2.0, -0.1, 3.0]), "b": jnp.array([[1e-3, -5.0]])}
+    np.testing.assert_array_equal(np.asarray(grad_below_eps(g, 1.0)), [2, 1])
+    # with the clip factor 0.1: |g| * 0.1 < 1 everywhere but none of b's -5 -> 0.5 < 1
+    np.testing.assert_array_equal(np.asarray(grad_below_eps(g, 1.0, 0.1)), [4, 2])
