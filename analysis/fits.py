@@ -26,6 +26,14 @@
 3. Regime per spike: the median rho of each depth group before the spike, classified by
    theory.eps_regime.regime (frozen < 0.1 <= transition <= 10 < scale-invariant), and
    Bai's eps* = lr lam (1-b1)/(2(1+b1)) where the run records a curvature.
+4. update_rms with per-coordinate heterogeneity (fit_update_rms_heterogeneous), on the
+   histogram steps that carry a sqrt(v_hat)/eps histogram (the vhists table): each
+   coordinate at its own rho (the histogram's bin centres), the exact (Laplace) stationary
+   form where the expansion is off (b2 <= 0.99; the deterministic-v limit above), phi from
+   grad_mom_cos; and the same conditioned on the measured m_v_ratio. Reported per band of
+   rho (< 0.1, 0.1-10, > 10) next to item 1's model on the same rows, with the measurements
+   that test its assumptions (failing_assumption): gradient power over v_hat, burstiness,
+   m_v_ratio against its zero-mean value, kurtosis of r.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ data.alpha)`, the same batches the torch trainer reads.
 
 One jitted step: value_and_grad of `loss_scale * loss` -> simulate.optim.adamw (torch-style
 global-norm clip at grad_clip * loss_scale, Adam, decoupled weight decay, lr_at(s)) ->
-telemetry sums of simulate.telemetry.step_telemetry on logged steps (+ r histograms on
-hist steps). Three compiled variants (plain / telemetry / telemetry + hist) so steps that log
+telemetry sums of simulate.telemetry.step_telemetry on logged steps (+ r histograms,
+sqrt(v_hat)/eps histograms and |g| < eps counts on hist steps). Three compiled variants (plain / telemetry / telemetry + hist) so steps that log
 nothing pay nothing.
 
 Gradient frame: every gradient quantity (steps.grad_norm, layers.grad_rms, rho, ...) is
