@@ -660,11 +660,12 @@ def failing_assumption(fit: HeteroFit, band: str = "all") -> str:
     if not parts:
         mv = fit.bands[(fit.bands["band"] == band)
                        & (fit.bands["model"] == "heterogeneous + measured m_v")].iloc[0]
-        parts.append(f"rms_t, m_v_ratio and the kurtosis of r are near their stationary "
-                     f"values; the rows' spread of ln update_rms (sd {d['sd_ln_measured']:.3g})"
-                     f" is of the size of the per-step scatter of ln m_v_ratio around its "
-                     f"stationary value (sd {d['sd_ln_mv_scatter']:.3g}), which a stationary "
-                     f"expectation cannot follow (conditioned on the measured m_v: R^2 "
-                     f"{mv['r2_log']:.2f}, median ln ratio {mv['median_log_ratio']:+.3f})")
+        parts.append(f"g^2 / v_hat, m_v_ratio and the kurtosis of r are near their "
+                     f"stationary values; ln update_rms spreads over the rows with sd "
+                     f"{d['sd_ln_measured']:.3g}, ln m_v_ratio scatters step to step around "
+                     f"its stationary value with sd {d['sd_ln_mv_scatter']:.3g}, and a "
+                     f"stationary expectation does not follow that scatter (conditioned on "
+                     f"the measured m_v: R^2 {mv['r2_log']:.2f}, "
+                     f"median ln ratio {mv['median_log_ratio']:+.3f})")
     return (f"goal not met (median ln ratio {b['median_log_ratio']:+.3f}, R^2 "
             f"{b['r2_log']:.2f}): " + "; ".join(parts))

@@ -337,10 +337,10 @@ def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
                 writer.log_step(**row)
                 if stats is not None:
                     telemetry.write(writer, stats)
-                if vhists is not None:
-                    write_vhists(telemetry, writer, step, vhists)
                     if alarms is not None:
                         alarms.log(writer, step, stats.columns)
+                if vhists is not None:
+                    write_vhists(telemetry, writer, step, vhists)
                 if tb is not None:
                     tb.log(step, row, stats)
                 progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
