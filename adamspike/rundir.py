@@ -73,6 +73,8 @@ CURVATURE_COLUMNS: dict[str, pa.DataType] = {
     "step": pa.int64(), "group": pa.string(), "precond_curvature": pa.float64(),
     "raw_curvature": pa.float64(), "lr": pa.float64(),
 }
+# columns added after a table's first release: absent in older parts, read back as nulls
+OPTIONAL_COLUMNS = {"vhists": {"g_below_eps"}}
 TABLES = {"steps": STEP_COLUMNS, "layers": LAYER_COLUMNS, "hists": HIST_COLUMNS,
           "vhists": VHIST_COLUMNS, "curvature": CURVATURE_COLUMNS}
 TABLE_KEYS = {"steps": ["step"], "layers": ["step", "name"], "hists": ["step", "name"],
@@ -447,6 +449,9 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
         tbl = pa.concat_tables(tbls, promote_options="permissive")
     except Exception as e:  # noqa: BLE001
         raise RunFormatError(f"{d}: unreadable parquet parts ({e})") from None
+    for c in OPTIONAL_COLUMNS.get(table, ()):
+        if c not in tbl.column_names and (columns is None or c in columns):
+            tbl = tbl.append_column(c, pa.nulls(tbl.num_rows, type=schema[c]))
     missing = [c for c in schema if c not in tbl.column_names and (columns is None or c in columns)]
     if missing:
         raise RunFormatError(f"{d}: missing column(s) {', '.join(missing)}")
