@@ -23,7 +23,7 @@ from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
 from analysis.spikes import detect_spikes, spike_score_olmo2, zscore_flags
 
 LAYER_COLUMNS = ["grad_rms", "rho", "update_rms", "rms_t", "sat_frac", "grad_mom_cos",
-                 "m_v_ratio", "r_mean", "r_m2", "r_m3", "r_m4"]
+                 "m_v_ratio", "r_mean", "r_m2", "r_m3", "r_m4", "eps_frac"]  # eps_frac: regime card
 
 
 class AnalysisError(ValueError):

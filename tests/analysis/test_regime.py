@@ -101,6 +101,17 @@ def test_card_groups_dormancy_and_wakeups(known_run):
     assert card.lr_over_eps == pytest.approx(1e-3 / EPS)
 
 
+def test_analyze_report_carries_the_card(known_run, tmp_path):
+    from analysis.report import analyze_run, write_run_report
+    ra = analyze_run(known_run)
+    write_run_report(ra, tmp_path / "r", figures=False)
+    card = pd.read_csv(tmp_path / "r" / "regime_card.csv").set_index("group")
+    assert card.loc["deep", "eps_frac_median"] == 1.0 and card.loc["embed", "num_wakeups"] == 2
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "## Regime card" in md and "**2 wake-up(s)**" in md
+    assert (tmp_path / "r" / "regime_wakeups.csv").is_file()
+
+
 def test_card_curvature_against_bai_and_eps_band(known_run):
     cv = card_for_run(load_run(known_run)).curvature.set_index("group")
     # 2 / lr = 2000: the shallow 3000 is above, the deep 500 below
