@@ -19,6 +19,14 @@ elements, the sums are all-reduced, and `finalize` turns them into metrics. The 
 implement `shard_sums` in their own framework; this numpy version is the reference tests
 compare against. Histograms of r use the fixed HIST_EDGES; values outside are counted in
 the first / last bin, so counts always add up to numel.
+
+Histograms of sqrt(v_hat)/eps (`vhistogram`, the run directory's `vhists` table, on
+histogram steps): the per-coordinate second-moment scale in units of eps, on the fixed
+log-spaced VHIST_EDGES (10^-4 .. 10^6, 8 bins per decade). sqrt(v_hat)/eps is each
+coordinate's own rho (up to the v_hat estimate of E g^2): the spread within a tensor that
+a per-tensor rms hides. Bin of x: the i with VHIST_EDGES[i] <= x < VHIST_EDGES[i+1] (x below
+the first edge: bin 0; at or above the last edge, inf and NaN: the last bin), i.e.
+searchsorted(edges, x, side="right") - 1 clipped to the bins, as the backends compute it.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ _COLUMN = {k: i for i, k in enumerate(SUM_FIELDS)}
 
 HIST_EDGES = np.linspace(-1.6, 1.6, 65)
 NUM_HIST_BINS = len(HIST_EDGES) - 1
+
+VHIST_EDGES = 10.0 ** np.linspace(-4.0, 6.0, 81)   # sqrt(v_hat) / eps, 8 bins per decade
+NUM_VHIST_BINS = len(VHIST_EDGES) - 1
 
 
 def update_direction(m_hat, v_hat, eps):
@@ -106,6 +117,32 @@ def histogram(r) -> np.ndarray:
     """Counts of r in HIST_EDGES bins, out-of-range values clipped into the end bins."""
     r = np.clip(np.asarray(r, dtype=np.float64).ravel(), HIST_EDGES[0], HIST_EDGES[-1])
     return np.histogram(r, bins=HIST_EDGES)[0].astype(np.int64)
+
+
+def vhist_ratio(v_hat, eps) -> np.ndarray:
+    """sqrt(v_hat) / eps (float64; inf where eps = 0 and v_hat > 0, NaN at 0 / 0)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.sqrt(np.asarray(v_hat, dtype=np.float64).ravel()) / float(eps)
+
+
+def vhist_bins(x) -> np.ndarray:
+    """Bin index of each x = sqrt(v_hat)/eps on VHIST_EDGES (module doc)."""
+    x = np.asarray(x, dtype=np.float64).ravel()
+    idx = np.searchsorted(VHIST_EDGES, x, side="right") - 1
+    idx = np.where(np.isnan(x), NUM_VHIST_BINS - 1, idx)
+    return np.clip(idx, 0, NUM_VHIST_BINS - 1)
+
+
+def vhistogram(v_hat, eps) -> np.ndarray:
+    """Counts (NUM_VHIST_BINS,) of sqrt(v_hat)/eps on VHIST_EDGES: the reference both
+    backends are tested against."""
+    return np.bincount(vhist_bins(vhist_ratio(v_hat, eps)),
+                       minlength=NUM_VHIST_BINS).astype(np.int64)
+
+
+def vhist_centers() -> np.ndarray:
+    """Geometric bin centres of VHIST_EDGES (the end bins also hold what lies beyond)."""
+    return np.sqrt(VHIST_EDGES[:-1] * VHIST_EDGES[1:])
 
 
 def shape_stats(r_mean, r_m2, r_m3, r_m4) -> dict[str, np.ndarray]:

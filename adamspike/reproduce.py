@@ -169,6 +169,11 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
              "| stage | status | seconds | output |", "|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['title']} | {r['status']} | {r['seconds']} | `{r['log']}` |")
+    regime_map = out / "figures" / "study" / "regime_map.png"
+    if regime_map.exists():   # every run and the 70B estimate in Adam's eps regimes
+        lines += ["", "## Regime map", "", f"![regime map]({regime_map.relative_to(out)})",
+                  "", "Per-run regime cards and the update_rms fit per regime band: the "
+                  "analysis report below (Regime overview, Regime card)."]
     for name, title in (("replication", "Replication table"), ("analysis", "Analysis report")):
         for cand in (out / name / "replication.md", out / name / "report.md"):
             if cand.exists():

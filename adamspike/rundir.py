@@ -2,10 +2,15 @@
 
     RUN/
       run.json       schema_version, backend, resolved config, environment, start time,
-                     hist_edges
+                     hist_edges, vhist_edges
       steps/         part-NNNNNN.parquet, one row per optimizer step
       layers/        part-NNNNNN.parquet, one row per (step, tensor) on logged steps
       hists/         part-NNNNNN.parquet, r-histogram counts per (step, tensor)
+      vhists/        part-NNNNNN.parquet, sqrt(v_hat)/eps histogram counts per (step,
+                     tensor) on histogram steps (adamspike.metrics.VHIST_EDGES), and the
+                     count of coordinates with |g| < eps (g: the gradient Adam consumed)
+      curvature/     part-NNNNNN.parquet, preconditioned / raw top curvature per (step,
+                     depth group) where a toy measures it (power iteration)
       events.jsonl   append-only: checkpoints, alarms, rollbacks, skips, faults, resume
       checkpoints/   (torch) resumable state, not handled here
 
@@ -41,7 +46,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from adamspike.metrics import HIST_EDGES, METRIC_NAMES
+from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_VHIST_BINS, VHIST_EDGES
 
 SCHEMA_VERSION = 1
 BACKENDS = ("jax", "torch", "megatron")
@@ -62,8 +67,18 @@ HIST_COLUMNS: dict[str, pa.DataType] = {
     "step": pa.int64(), "name": pa.string(), "depth": pa.int32(), "kind": pa.string(),
     "counts": pa.list_(pa.int64()),
 }
-TABLES = {"steps": STEP_COLUMNS, "layers": LAYER_COLUMNS, "hists": HIST_COLUMNS}
-TABLE_KEYS = {"steps": ["step"], "layers": ["step", "name"], "hists": ["step", "name"]}
+# + g_below_eps: coordinates with |g| < eps of the gradient Adam consumed on that step
+VHIST_COLUMNS: dict[str, pa.DataType] = {**HIST_COLUMNS, "g_below_eps": pa.int64()}
+CURVATURE_COLUMNS: dict[str, pa.DataType] = {
+    "step": pa.int64(), "group": pa.string(), "precond_curvature": pa.float64(),
+    "raw_curvature": pa.float64(), "lr": pa.float64(),
+}
+# columns added after a table's first release: absent in older parts, read back as nulls
+OPTIONAL_COLUMNS = {"vhists": {"g_below_eps"}}
+TABLES = {"steps": STEP_COLUMNS, "layers": LAYER_COLUMNS, "hists": HIST_COLUMNS,
+          "vhists": VHIST_COLUMNS, "curvature": CURVATURE_COLUMNS}
+TABLE_KEYS = {"steps": ["step"], "layers": ["step", "name"], "hists": ["step", "name"],
+              "vhists": ["step", "name"], "curvature": ["step", "group"]}
 KINDS = ("embed", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "norm", "output", "param")
 
 
@@ -215,7 +230,8 @@ class RunWriter:
                 "schema_version": SCHEMA_VERSION, "backend": backend,
                 "config": dict(config or {}), "environment": dict(env or environment()),
                 "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "hist_edges": [float(x) for x in hist_edges], **dict(extra_meta or {}),
+                "hist_edges": [float(x) for x in hist_edges],
+                "vhist_edges": [float(x) for x in VHIST_EDGES], **dict(extra_meta or {}),
             }
             atomic_write_bytes(meta_path, json.dumps(_json_clean(self.meta), indent=2,
                                                      default=_json_default).encode())
@@ -263,6 +279,19 @@ class RunWriter:
             raise RunFormatError(f"hist {name!r}: {counts.shape} counts, expected ({expected},)")
         self._append("hists", {"step": int(step), "name": name, "depth": int(depth),
                                "kind": kind, "counts": counts.tolist()})
+
+    def log_vhist(self, step: int, name: str, depth: int, kind: str, counts: Any,
+                  g_below_eps: int | None = None) -> None:
+        """sqrt(v_hat)/eps counts of one tensor on adamspike.metrics.VHIST_EDGES, and the
+        number of its coordinates with |g| < eps (None: not recorded)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        if counts.shape != (NUM_VHIST_BINS,):
+            raise RunFormatError(f"vhist {name!r}: {counts.shape} counts, expected "
+                                 f"({NUM_VHIST_BINS},)")
+        self._append("vhists", {"step": int(step), "name": name, "depth": int(depth),
+                                "kind": kind, "counts": counts.tolist(),
+                                "g_below_eps": None if g_below_eps is None
+                                else int(g_below_eps)})
 
     def event(self, type: str, **fields: Any) -> None:
         """Append one event line (fsynced at once: events are rare and precious)."""
@@ -367,6 +396,8 @@ class Run:
     hists: pd.DataFrame
     events: pd.DataFrame
     torn_event_lines: int = 0
+    vhists: pd.DataFrame = field(default_factory=pd.DataFrame)
+    curvature: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def hist_edges(self) -> np.ndarray:
@@ -409,7 +440,7 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
                              if columns is None or c in columns})
     # name / kind are read dictionary-encoded: they become categoricals without one Python
     # string per row (a 70B trace has ~15M layer rows)
-    dict_cols = [c for c in ("name", "kind") if c in schema and (columns is None or c in columns)]
+    dict_cols = [c for c in ("name", "kind", "group") if c in schema and (columns is None or c in columns)]
     try:
         tbls = []
         for i, p in enumerate(parts):
@@ -420,6 +451,9 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
         tbl = pa.concat_tables(tbls, promote_options="permissive")
     except Exception as e:  # noqa: BLE001
         raise RunFormatError(f"{d}: unreadable parquet parts ({e})") from None
+    for c in OPTIONAL_COLUMNS.get(table, ()):
+        if c not in tbl.column_names and (columns is None or c in columns):
+            tbl = tbl.append_column(c, pa.nulls(tbl.num_rows, type=schema[c]))
     missing = [c for c in schema if c not in tbl.column_names and (columns is None or c in columns)]
     if missing:
         raise RunFormatError(f"{d}: missing column(s) {', '.join(missing)}")
@@ -427,7 +461,7 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
     df = tbl.to_pandas(self_destruct=True, split_blocks=True)  # frees arrow memory as it goes
     del tbl
     _release_arrow_memory()
-    for c in ("name", "kind"):
+    for c in ("name", "kind", "group"):
         if c in df.columns:
             cat = df[c].astype("category")
             # lexical category order, so sorting by the categorical sorts by the string

@@ -1,13 +1,17 @@
 """`adamspike analyze`: spikes, precursors, alarm scores and theory fits for run directories.
 
     adamspike analyze RUN... [--predictions p.json] [--out DIR] [--from-study DIR]
-                      [--log megatron.log [--seq-len 4096] [--clip 1.0] [--b1 .. --b2 .. --eps ..]]
+                      [--log megatron.log [--seq-len 4096] [--clip 1.0] [--b1 .. --b2 .. --eps ..]
+                       [--num-params N | --model PRESET]]
 
 Writes DIR/<run>/report.md (+ CSV tables, summary.json, figures/) per run and DIR/report.md
 over all runs. `--log` first imports a Megatron / MindSpeed / AscendSpeed training log into
 DIR/<log name>.run (a run directory, backend "megatron") and analyses it with the rest;
 repeat it for several settings' logs (`--log A --log B --out R`: one report over both;
 logs with the same file name get their parent directories in the run name).
+Every report carries a regime card (analysis.regime): per depth group rho, dormancy and
+wake-ups for telemetry runs; for a log, rho_bar = min(gn, clip) / (sqrt(N) eps) with N from
+--num-params, --model or the model arguments the log prints.
 Bad input (a missing or empty run directory, another schema version, a log without
 iteration lines, a malformed predictions file) is reported on stderr with exit status 2.
 """
@@ -35,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--clip", type=float, help="grad-clip threshold the log's run used")
     for b in ("b1", "b2", "eps", "lr"):
         ap.add_argument(f"--{b}", type=float, help=f"optimizer {b} of the log's run")
+    ap.add_argument("--num-params", type=int,
+                    help="parameter count N of the log's model (regime card rho_bar)")
+    ap.add_argument("--model", metavar="PRESET",
+                    help="the log's model as an adamspike.llama preset (N for rho_bar)")
     ap.add_argument("--window", type=int, default=50, help="spike rule: past steps")
     ap.add_argument("--k", type=float, default=6.0, help="spike rule: MAD multiplier")
     ap.add_argument("--min-rel-jump", type=float, default=0.2, help="spike rule: rel. jump")
@@ -116,6 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(dest)
     if not runs:
         return _fail("no runs given (RUN..., --from-study or --log)")
+    num_params, num_params_source = args.num_params, "--num-params" if args.num_params else ""
+    if args.num_params is not None and args.num_params < 1:
+        return _fail("--num-params must be >= 1")
+    if args.model:
+        from adamspike.llama import PRESETS
+        from adamspike.llama import num_params as count
+        if args.model not in PRESETS:
+            return _fail(f"--model: unknown preset {args.model!r}; known: {', '.join(PRESETS)}")
+        if num_params is None:
+            num_params, num_params_source = count(PRESETS[args.model]), f"preset {args.model}"
     log_mode = {"auto": None, "yes": True, "no": False}[args.log_loss]
     params = SpikeParams(args.window, args.k, args.min_rel_jump, log_mode)
     names = run_names(runs)
@@ -125,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             ra = analyze_run(path, predictions=preds, horizon=args.horizon,
                              min_lead=args.min_lead, spike_params=params,
-                             window=args.precursor_window, baseline=args.baseline, name=name)
+                             window=args.precursor_window, baseline=args.baseline, name=name,
+                             num_params=num_params, num_params_source=num_params_source)
         except (RunFormatError, AnalysisError) as e:
             return _fail(str(e))
         write_run_report(ra, out / name, figures=not args.no_figures)

@@ -26,6 +26,14 @@
 3. Regime per spike: the median rho of each depth group before the spike, classified by
    theory.eps_regime.regime (frozen < 0.1 <= transition <= 10 < scale-invariant), and
    Bai's eps* = lr lam (1-b1)/(2(1+b1)) where the run records a curvature.
+4. update_rms with per-coordinate heterogeneity (fit_update_rms_heterogeneous), on the
+   histogram steps that carry a sqrt(v_hat)/eps histogram (the vhists table): each
+   coordinate at its own rho (the histogram's bin centres), the exact (Laplace) stationary
+   form where the expansion is off (b2 <= 0.99; the deterministic-v limit above), phi from
+   grad_mom_cos; and the same conditioned on the measured m_v_ratio. Reported per band of
+   rho (< 0.1, 0.1-10, > 10) next to item 1's model on the same rows, with the measurements
+   that test its assumptions (failing_assumption): gradient power over v_hat, burstiness,
+   m_v_ratio against its zero-mean value, kurtosis of r.
 """
 
 from __future__ import annotations
@@ -393,3 +401,271 @@ def spike_regimes(layers: pd.DataFrame, spikes: pd.DataFrame, config: dict, *,
                                        "num_tensors", "num_frozen", "num_transition",
                                        "num_scale_invariant", "eps_star",
                                        "eps_above_eps_star"])
+
+
+# ------------------------------------------------------------------ heterogeneous update_rms
+
+HET_LOG_RHO_GRID = np.arange(-2.5, 3.51, 0.25)
+BANDS = (("rho<0.1", 0.0, 0.1), ("0.1-10", 0.1, 10.0), ("rho>10", 10.0, math.inf))
+
+
+@functools.lru_cache(maxsize=256)
+def _exact_column(b1: float, b2: float, phi: float) -> np.ndarray:
+    """log10 of theory.eps_regime.update_rms(rho, b1, b2, phi, method="exact") (the Laplace
+    integral) on HET_LOG_RHO_GRID: ~0.02-0.1 s a point, so columns are built only for the
+    phi the data needs (cached per process)."""
+    return np.log10([update_rms(10.0 ** lr, b1, b2, phi, method="exact")
+                     for lr in HET_LOG_RHO_GRID])
+
+
+class ExactUpdateRms:
+    """Stationary zero-mean AR(1) update_rms(rho, phi) at (b1, b2).
+
+    b2 <= EXPENSIVE_B2: the exact (Laplace) form, tabulated on HET_LOG_RHO_GRID x the
+    PHI_GRID points spanning `phi_range` and interpolated in (log10 rho, phi); below the
+    grid linear in rho (frozen limit), above it flat (scale-invariant limit; the grid ends
+    where both limits hold to < 1 %). b2 > EXPENSIVE_B2: the exact form costs ~1 s a point
+    and the v_hat fluctuations vanish like sqrt((1-b2)/(1+b2)), so the deterministic-v
+    limit sqrt(E m_hat^2) rho / (rho + 1) is used (0.2996 vs exact 0.2993 at b2 = 0.999,
+    phi = 0.3, rho = 100; the second-order expansion, 54 % off at phi = 0.9 for b2 = 0.95,
+    is not used)."""
+
+    def __init__(self, b1: float, b2: float, phi_range=(PHI_GRID[0], PHI_GRID[-1])):
+        self.b1, self.b2 = float(b1), float(b2)
+        if self.b2 > EXPENSIVE_B2:
+            self.method = "deterministic-v limit"
+            return
+        self.method = "exact (Laplace)"
+        lo = np.searchsorted(PHI_GRID, max(PHI_GRID[0], phi_range[0]), side="right") - 1
+        hi = np.searchsorted(PHI_GRID, min(PHI_GRID[-1], phi_range[1]), side="left")
+        lo, hi = max(0, lo), min(len(PHI_GRID) - 1, max(hi, lo + 1))
+        self.phis = PHI_GRID[lo:hi + 1]
+        tab = np.stack([_exact_column(self.b1, self.b2, float(p)) for p in self.phis], axis=1)
+        self._interp = RegularGridInterpolator((HET_LOG_RHO_GRID, self.phis), tab)
+
+    def __call__(self, rho, phi) -> np.ndarray:
+        rho = np.asarray(rho, float)
+        phi = np.broadcast_to(np.asarray(phi, float), rho.shape)
+        if self.b2 > EXPENSIVE_B2:
+            phi = np.clip(phi, PHI_GRID[0], PHI_GRID[-1])
+            return np.sqrt(_em2(self.b1, phi)) * rho / (rho + 1.0)
+        phi = np.clip(phi, self.phis[0], self.phis[-1])
+        lo, hi = HET_LOG_RHO_GRID[0], HET_LOG_RHO_GRID[-1]
+        with np.errstate(divide="ignore"):
+            lr = np.log10(np.maximum(rho, 1e-300))
+        out = 10.0 ** self._interp(np.stack([np.clip(lr, lo, hi), phi], axis=-1))
+        return np.where(lr < lo, out.reshape(rho.shape) * 10.0 ** (lr - lo),
+                        out.reshape(rho.shape))
+
+
+def heterogeneous_update_rms(counts, phi, model: ExactUpdateRms, centers=None) -> np.ndarray:
+    """sqrt(sum_b w_b f(x_b, phi)^2): each coordinate at its own rho, x_b the geometric
+    centre of its sqrt(v_hat)/eps bin (w_b = counts_b / n), f the stationary exact
+    update_rms. counts (rows, bins), phi (rows,)."""
+    from adamspike.metrics import vhist_centers
+
+    c = np.asarray(counts, float)
+    x = vhist_centers() if centers is None else np.asarray(centers, float)
+    w = c / np.maximum(c.sum(axis=1, keepdims=True), 1.0)
+    phi = np.asarray(phi, float)
+    f2 = model(np.broadcast_to(x, c.shape), np.broadcast_to(phi[:, None], c.shape)) ** 2
+    return np.sqrt(np.sum(w * f2, axis=1))
+
+
+def _stationary(layers: pd.DataFrame, window: int, factor: float = 1.5) -> pd.Series:
+    """Per row: the tensor's median grad_rms over its last `window` logged steps is within
+    `factor` of the median over the `window` before (a slowly varying gradient scale)."""
+    d = layers[["step", "name", "grad_rms"]].sort_values(["name", "step"])
+    g = d.groupby("name", observed=True)["grad_rms"]
+    now = g.transform(lambda s: s.rolling(window, min_periods=max(2, window // 2)).median())
+    before = now.groupby(d["name"], observed=True).shift(window)
+    with np.errstate(all="ignore"):
+        ratio = (now / before).to_numpy(float)
+    ok = np.isfinite(ratio) & (ratio < factor) & (ratio > 1.0 / factor)
+    return pd.Series(ok, index=d.index).reindex(layers.index)
+
+
+def _burstiness(layers: pd.DataFrame, window: int) -> pd.Series:
+    """Per row: mean / median of the tensor's grad_rms^2 over its last `window` logged
+    steps (1 for a steady gradient power; >> 1 when it comes in bursts)."""
+    d = layers[["step", "name", "grad_rms"]].sort_values(["name", "step"])
+    g2 = (d["grad_rms"].astype(float) ** 2).groupby(d["name"], observed=True)
+    mp = max(2, window // 2)
+    mean = g2.transform(lambda s: s.rolling(window, min_periods=mp).mean())
+    med = g2.transform(lambda s: s.rolling(window, min_periods=mp).median())
+    with np.errstate(all="ignore"):
+        return (mean / med).reindex(layers.index)
+
+
+@dataclass
+class HeteroFit:
+    b1: float
+    b2: float
+    method: str
+    num_rows: int
+    num_stationary: int
+    bands: pd.DataFrame            # band, model, rows, r2_log, median_log_ratio (ln)
+    diagnostics: pd.DataFrame      # per band: medians of rms_t, m_v^2 / theory, kurtosis,
+                                   # vhist spread
+    rows: pd.DataFrame = field(repr=False)
+
+
+MODELS = (("before", "pred_before"), ("heterogeneous", "pred_het"),
+          ("heterogeneous + measured m_v", "pred_het_mv"))
+
+
+def fit_update_rms_heterogeneous(layers: pd.DataFrame, vhists: pd.DataFrame, b1: float,
+                                 b2: float, *, min_step: int | None = None,
+                                 stationary_only: bool = True) -> HeteroFit:
+    """update_rms against three predictions on the rows that have a sqrt(v_hat)/eps
+    histogram (histogram steps), from step 3 / (1 - b2) on:
+
+      before         the per-tensor model of fit_update_rms (rho = grad_rms / eps, phi from
+                     grad_mom_cos, second-order grid / deterministic-v limit)
+      heterogeneous  each coordinate at its own rho = sqrt(v_hat)/eps (the vhist), the
+                     exact stationary form (ExactUpdateRms), phi from grad_mom_cos:
+                     sqrt(mean_i f(rho_i, phi)^2)
+      + measured m_v the same, times m_v_ratio / sqrt(E m_hat^2 / E v_hat of the zero-mean
+                     AR(1) stream at phi): conditions on the measured momentum-to-second-
+                     moment ratio, which a mean gradient (snr > 0) or a lagging v_hat (non-
+                     stationary scale) moves off the stationary zero-mean value
+    `stationary_only`: keep rows whose tensor's gradient scale is slowly varying
+    (_stationary, window 1 / (1 - b2) logged steps capped at 200). Reported per band of the
+    tensor's rho (< 0.1, 0.1-10, > 10): R^2 of log update_rms and the median of
+    ln(measured / predicted), with diagnostics of the assumptions (module doc of
+    analysis/regime.py for snr): median rms_t (stationary theory ~ 1), median
+    m_v^2 / (its zero-mean value) (1 without a mean gradient or lag), median kurtosis of r
+    (Gaussian-stream theory ~ 3 at phi = 0), median spread of log10 sqrt(v_hat)/eps
+    (decades between the 10 % and 90 % coordinates), median mean g^2 / mean v_hat (the
+    step's gradient power over its b2-window average, v_hat from the vhist bin centres;
+    ~ 1 for a stationary Gaussian stream) and the burstiness, mean / median of the
+    tensor's grad_rms^2 over the last 1 / (1 - b2) logged steps (~ 1 for a steady power)."""
+    from adamspike.metrics import NUM_VHIST_BINS, vhist_centers
+
+    need = ["step", "name", "depth", "rho", "update_rms", "grad_mom_cos", "grad_rms",
+            "m_v_ratio", "rms_t"]
+    missing = [c for c in need if c not in layers]
+    if missing:
+        raise ValueError(f"layers table lacks column(s) {missing} for the heterogeneous fit")
+    if vhists is None or vhists.empty:
+        raise ValueError("no sqrt(v_hat)/eps histograms (vhists table) in this run")
+    min_step = int(math.ceil(3.0 / (1.0 - b2))) if min_step is None else int(min_step)
+    lay = layers.copy()
+    lay["name"] = lay["name"].astype(str)
+    window = int(min(200, math.ceil(1.0 / (1.0 - b2))))
+    lay["stationary"] = _stationary(lay, window).to_numpy()
+    lay["burstiness"] = _burstiness(lay, window).to_numpy()
+    vh = vhists[["step", "name", "counts"]].copy()
+    vh["name"] = vh["name"].astype(str)
+    m = lay.merge(vh, on=["step", "name"], how="inner")
+    ok = ((m["step"] >= min_step) & np.isfinite(m["rho"]) & (m["rho"] > 0)
+          & np.isfinite(m["update_rms"]) & (m["update_rms"] > 0)
+          & np.isfinite(m["grad_mom_cos"]) & np.isfinite(m["m_v_ratio"]))
+    m = m[ok.to_numpy()].reset_index(drop=True)
+    num_all = len(m)
+    if stationary_only:
+        m = m[m["stationary"].to_numpy(bool)].reset_index(drop=True)
+    if len(m) < 3:
+        raise ValueError(f"only {len(m)} usable rows with a vhist (step >= {min_step}"
+                         f"{', slowly varying gradient scale' if stationary_only else ''}; "
+                         f"{num_all} before that filter) for the heterogeneous fit")
+    counts = np.stack([np.asarray(c, float) for c in m["counts"]])
+    if counts.shape[1] != NUM_VHIST_BINS:
+        raise ValueError(f"vhists have {counts.shape[1]} bins, expected {NUM_VHIST_BINS}")
+    rho = m["rho"].to_numpy(float)
+    phi = phi_from_cos(m["grad_mom_cos"].to_numpy(float), b1)
+    meas = m["update_rms"].to_numpy(float)
+    before = UpdateRmsModel(float(b1), float(b2))(rho, phi)
+    ex = ExactUpdateRms(b1, b2, (float(phi.min()), float(phi.max())))
+    het = heterogeneous_update_rms(counts, phi, ex)
+    em2 = _em2(b1, np.clip(phi, PHI_GRID[0], PHI_GRID[-1]))
+    mv_excess = m["m_v_ratio"].to_numpy(float) ** 2 / em2
+    het_mv = het * np.sqrt(mv_excess)
+    # vhist spread: decades between the 10 % and 90 % coordinates
+    cdf = np.cumsum(counts, axis=1) / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    lx = np.log10(vhist_centers())
+    w = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    g2_over_v = rho ** 2 / np.sum(w * vhist_centers() ** 2, axis=1)
+    q10 = lx[np.argmax(cdf >= 0.1, axis=1)]
+    q90 = lx[np.argmax(cdf >= 0.9, axis=1)]
+    kurt = math.nan * np.ones(len(m))
+    if {"r_mean", "r_m2", "r_m3", "r_m4"} <= set(m.columns):
+        from adamspike.metrics import shape_stats
+        kurt = shape_stats(m["r_mean"], m["r_m2"], m["r_m3"], m["r_m4"])["kurtosis"]
+    rows = pd.DataFrame({"step": m["step"].to_numpy(), "name": m["name"].to_numpy(),
+                         "depth": m["depth"].to_numpy(), "rho": rho, "phi": phi,
+                         "measured": meas, "pred_before": before, "pred_het": het,
+                         "pred_het_mv": het_mv, "rms_t": m["rms_t"].to_numpy(float),
+                         "mv_excess": mv_excess, "r_kurtosis": np.asarray(kurt, float),
+                         "g2_over_v": g2_over_v,
+                         "burstiness": m["burstiness"].to_numpy(float),
+                         "vhist_spread_decades": q90 - q10})
+    rows["band"] = np.select([rho < 0.1, rho > 10.0], ["rho<0.1", "rho>10"], "0.1-10")
+    brows, drows = [], []
+    for band, _, _ in (*BANDS, ("all", 0, 0)):
+        part = rows if band == "all" else rows[rows["band"] == band]
+        if part.empty:
+            continue
+        y = np.log(part["measured"].to_numpy(float))
+        for label, col in MODELS:
+            yh = np.log(part[col].to_numpy(float))
+            brows.append({"band": band, "model": label, "num_rows": len(part),
+                          "r2_log": r2_score(y, yh) if len(part) > 2 else math.nan,
+                          "median_log_ratio": float(np.median(y - yh))})
+        drows.append({"band": band, "num_rows": len(part),
+                      "rho_median": float(part["rho"].median()),
+                      "phi_median": float(part["phi"].median()),
+                      "rms_t_median": float(part["rms_t"].median()),
+                      "g2_over_v_median": float(part["g2_over_v"].median()),
+                      "burstiness_median": float(part["burstiness"].median()),
+                      "mv_excess_median": float(part["mv_excess"].median()),
+                      "r_kurtosis_median": float(np.nanmedian(part["r_kurtosis"]))
+                      if part["r_kurtosis"].notna().any() else math.nan,
+                      "vhist_spread_median": float(part["vhist_spread_decades"].median()),
+                      "sd_ln_measured": float(np.std(y)),
+                      "sd_ln_mv_scatter": float(np.std(0.5 * np.log(part["mv_excess"])))})
+    return HeteroFit(b1=float(b1), b2=float(b2), method=ex.method, num_rows=num_all,
+                     num_stationary=len(rows), bands=pd.DataFrame(brows),
+                     diagnostics=pd.DataFrame(drows), rows=rows)
+
+
+def failing_assumption(fit: HeteroFit, band: str = "all") -> str:
+    """One sentence naming what the diagnostics show where the heterogeneous prediction
+    misses (|median ln ratio| >= 0.1 or R^2 < 0.8), from the measured numbers."""
+    b = fit.bands[(fit.bands["band"] == band) & (fit.bands["model"] == "heterogeneous")]
+    d = fit.diagnostics[fit.diagnostics["band"] == band]
+    if b.empty or d.empty:
+        return "no rows"
+    b, d = b.iloc[0], d.iloc[0]
+    ok = abs(b["median_log_ratio"]) < 0.1 and (b["r2_log"] >= 0.8 or math.isnan(b["r2_log"]))
+    if ok:
+        return (f"goal met (median ln ratio {b['median_log_ratio']:+.3f}, R^2 "
+                f"{b['r2_log']:.2f})")
+    parts = []
+    if d["mv_excess_median"] > 1.5 or d["mv_excess_median"] < 0.67:
+        parts.append(f"m_v_ratio^2 is {d['mv_excess_median']:.3g} x its zero-mean stationary "
+                     "value (a mean gradient if > 1, a lagging v_hat if < 1)")
+    if d["g2_over_v_median"] < 0.7 or d["g2_over_v_median"] > 1.5:
+        parts.append(f"the step's gradient power over its b2-window average (mean g^2 / "
+                     f"mean v_hat, v_hat from the vhist) has median {d['g2_over_v_median']:.3g}"
+                     " (a stationary Gaussian stream: ~ 1): on most steps g^2 is below what "
+                     "v_hat remembers; the tensor's gradient power over a b2 window has mean / "
+                     f"median {d['burstiness_median']:.3g} ("
+                     + ("bursts: heavy tails in time" if d["burstiness_median"] > 1.3 else
+                        "steady power: a scale that changes faster than v_hat forgets, "
+                        "non-stationarity") + ")")
+    if math.isfinite(d["r_kurtosis_median"]) and d["r_kurtosis_median"] > 4.5:
+        parts.append(f"median kurtosis of r {d['r_kurtosis_median']:.3g} (Gaussian stream "
+                     "~ 3): heavy tails or a spread of per-coordinate SNR")
+    if not parts:
+        mv = fit.bands[(fit.bands["band"] == band)
+                       & (fit.bands["model"] == "heterogeneous + measured m_v")].iloc[0]
+        parts.append(f"g^2 / v_hat, m_v_ratio and the kurtosis of r are near their "
+                     f"stationary values; ln update_rms spreads over the rows with sd "
+                     f"{d['sd_ln_measured']:.3g}, ln m_v_ratio scatters step to step around "
+                     f"its stationary value with sd {d['sd_ln_mv_scatter']:.3g}, and a "
+                     f"stationary expectation does not follow that scatter (conditioned on "
+                     f"the measured m_v: R^2 {mv['r2_log']:.2f}, "
+                     f"median ln ratio {mv['median_log_ratio']:+.3f})")
+    return (f"goal not met (median ln ratio {b['median_log_ratio']:+.3f}, R^2 "
+            f"{b['r2_log']:.2f}): " + "; ".join(parts))

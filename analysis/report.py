@@ -23,7 +23,7 @@ from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
 from analysis.spikes import detect_spikes, spike_score_olmo2, zscore_flags
 
 LAYER_COLUMNS = ["grad_rms", "rho", "update_rms", "rms_t", "sat_frac", "grad_mom_cos",
-                 "m_v_ratio", "r_mean", "r_m2", "r_m3", "r_m4"]
+                 "m_v_ratio", "r_mean", "r_m2", "r_m3", "r_m4", "eps_frac"]  # eps_frac: regime card
 
 
 class AnalysisError(ValueError):
@@ -110,6 +110,8 @@ class RunAnalysis:
     update_fit: Any = None
     rms_t: Any = None
     regimes: pd.DataFrame | None = None
+    regime_card: Any = None          # analysis.regime.RegimeCard
+    hetero_fit: Any = None           # analysis.fits.HeteroFit (runs with vhists)
     notes: dict[str, str] = field(default_factory=dict)
     run: Any = field(default=None, repr=False)
 
@@ -117,8 +119,10 @@ class RunAnalysis:
 def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = None,
                 min_lead: int = 0, spike_params: SpikeParams = SpikeParams(),
                 window: int = 50, baseline: int = 200, with_hists: bool = False,
-                name: str | None = None) -> RunAnalysis:
-    """Analyse one run directory (RunFormatError / AnalysisError on bad input)."""
+                name: str | None = None, num_params: int | None = None,
+                num_params_source: str = "") -> RunAnalysis:
+    """Analyse one run directory (RunFormatError / AnalysisError on bad input).
+    num_params: the model's parameter count for a log's regime card (rho_bar)."""
     from analysis.alarms import fire_steps, online_alarms, score_alarms
     from analysis.fits import check_rms_t, fit_update_rms, optim_params, spike_regimes
     from analysis.precursors import precursors
@@ -174,6 +178,7 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
             except ValueError as e:
                 ra.notes["update_fit"] = str(e)
             ra.rms_t = check_rms_t(lay, op["b1"], op["b2"])
+    _regime_and_hetero(ra, run, op, num_params, num_params_source)
     if predictions is not None and predictions.alarm_rules:
         rules = predictions.alarm_rules
         if not lay.empty:
@@ -189,6 +194,34 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     else:
         ra.notes.setdefault("alarms", "no --predictions given")
     return ra
+
+
+def _regime_and_hetero(ra: RunAnalysis, run, op: dict, num_params, num_params_source) -> None:
+    """The regime card (analysis.regime) and, where the run has sqrt(v_hat)/eps
+    histograms, the heterogeneous update_rms fit (analysis.fits), into ra."""
+    from analysis.fits import fit_update_rms_heterogeneous
+    from analysis.regime import card_for_run
+
+    try:
+        ra.regime_card = card_for_run(run, num_params=num_params,
+                                      num_params_source=num_params_source)
+    except ValueError as e:
+        ra.notes["regime_card"] = str(e)
+    if run.layers.empty:
+        ra.notes["hetero_fit"] = "no per-layer telemetry"
+        return
+    if not (Path(run.path) / "vhists").is_dir():
+        ra.notes["hetero_fit"] = "the run has no vhists table (sqrt(v_hat)/eps histograms)"
+        return
+    if op["b1"] is None or op["b2"] is None:
+        ra.notes["hetero_fit"] = "run.json config has no optim.b1 / optim.b2"
+        return
+    run.vhists = load_run(run.path, tables=("vhists",)).vhists
+    try:
+        ra.hetero_fit = fit_update_rms_heterogeneous(run.layers, run.vhists, op["b1"],
+                                                     op["b2"])
+    except ValueError as e:
+        ra.notes["hetero_fit"] = str(e)
 
 
 def _load(path: Path, tables):
@@ -357,6 +390,7 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
                         "scale-inv.", "Bai eps*", "eps >= eps*"])]
     elif ra.notes.get("regimes"):
         L += ["", f"Regimes not computed: {ra.notes['regimes']}."]
+    L += regime_markdown(ra)
     skipped = {k[len("figure "):]: v for k, v in ra.notes.items() if k.startswith("figure ")}
     if figures or skipped:
         L += ["", "## Figures", ""]
@@ -367,6 +401,86 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
         for name, why in skipped.items():
             L.append(f"- {name}: not drawn ({why})")
     return "\n".join(L) + "\n"
+
+
+def regime_markdown(ra: RunAnalysis) -> list[str]:
+    """The '## Regime card' section (+ the heterogeneous update_rms fit)."""
+    from analysis.fits import failing_assumption
+
+    L = ["", "## Regime card", ""]
+    c = ra.regime_card
+    if c is None:
+        return L + [f"Not computed: {ra.notes.get('regime_card')}."]
+    L.append(f"eps = {_f(c.eps)}, b1 = {_f(c.b1)}, b2 = {_f(c.b2)}, median lr = {_f(c.lr)}, "
+             f"lr/eps = {_f(c.lr_over_eps)} (the momentum-SGD step where rho << 1).")
+    if c.kind == "log":
+        info = c.log or {}
+        L += ["", f"From the log's global grad norm (median {_f(info.get('grad_norm_median'))}"
+              f", clip {_f(info.get('clip'))}, {_f(100 * info.get('frac_clipped', math.nan))}% "
+              f"of steps clipped), N = {info.get('num_params') or '?'} parameters "
+              f"({info.get('num_params_source') or 'unknown'}): rho_bar = min(gn, clip) / "
+              "(sqrt(N) eps), the rms rho over all coordinates of the gradient Adam consumed; "
+              "the bound is clip / (sqrt(N) eps)."]
+        if not c.groups.empty:
+            L += ["", md_table(c.groups, ["eps", "is_run_eps", "rho_bar_median", "rho_bar_q10",
+                                          "rho_bar_q90", "rho_bar_max", "bound",
+                                          "frac_time_below_1", "regime", "lr_over_eps"],
+                               ["eps", "run's eps", "rho_bar median", "q10", "q90", "max",
+                                "bound", "time below rho 1", "regime", "lr/eps"])]
+        for n in c.notes:
+            L += ["", f"Note: {n}."]
+        return L
+    L += ["", "Per depth group (adamspike.depth_groups, L = "
+          f"{c.num_layers}): group rho = rms of the group's whole consumed gradient (after "
+          "clipping, at the run's loss scale) over eps, per logged step; fractions of "
+          "coordinates with sqrt(v_hat) < eps (every logged step) and with |g| < eps "
+          "(histogram steps); snr from m_v_ratio (i.i.d.-noise inversion); "
+          "dormancy = consecutive logged steps with the tensor's rho < 1; wake-up = rho >= 1 "
+          "after >= 10 dormant steps.", "",
+          md_table(c.groups, ["group", "num_tensors", "rho_median", "rho_q10", "rho_q90",
+                              "rho_tensor_min", "rho_tensor_max", "frac_time_below_1",
+                              "eps_frac_median", "g_below_eps_median", "snr_median",
+                              "max_dormancy", "num_wakeups", "regime"],
+                   ["group", "tensors", "rho median", "q10", "q90", "min tensor", "max tensor",
+                    "time below 1", "sqrt(v)<eps", "abs(g)<eps", "snr", "max dormancy",
+                    "wake-ups", "regime"])]
+    if len(c.wakeups):
+        w = c.wakeups.sort_values("dormant_steps", ascending=False)
+        L += ["", f"**{len(w)} wake-up(s)** (longest first):", "",
+              md_table(w, ["name", "group", "step", "dormant_steps", "rho_dormant_median",
+                           "rho_at_wake", "rms_t_at_wake"],
+                       ["tensor", "group", "step", "dormant steps", "rho dormant",
+                        "rho at wake", "rms_t at wake"], max_rows=10)]
+    else:
+        L += ["", "No wake-ups (no tensor stayed below rho = 1 for 10 logged steps)."]
+    if c.curvature is not None:
+        L += ["", "Preconditioned curvature (toy power iteration) against Bai's 2/lr, raw "
+              "curvature against the eps-band threshold 2(1+b1)/((1-b1) lr/eps):", "",
+              md_table(c.curvature, ["group", "num_rows", "precond_median", "precond_max",
+                                     "bai_threshold_median", "frac_above_bai", "raw_median",
+                                     "eps_band_threshold_median", "frac_raw_above_eps_band"],
+                       ["group", "rows", "precond median", "precond max", "2/lr",
+                        "above 2/lr", "raw median", "eps-band threshold", "raw above it"])]
+    hf = ra.hetero_fit
+    L += ["", "**update_rms fit per regime band, before and after** "]
+    if hf is None:
+        L[-1] += f"not computed: {ra.notes.get('hetero_fit')}."
+        return L
+    L[-1] += (f"({hf.num_stationary} stationary rows of {hf.num_rows} with a sqrt(v_hat)/eps "
+              f"histogram, step >= 3/(1-b2); {hf.method}). before: the per-tensor fit above "
+              "on the same rows; heterogeneous: each coordinate at its own rho (vhist), exact "
+              "forms; + measured m_v: conditioned on the measured m_v_ratio. Median ln "
+              "(measured / predicted); goal |.| < 0.1 and R^2 >= 0.8.")
+    L += ["", md_table(hf.bands, ["band", "model", "num_rows", "r2_log", "median_log_ratio"],
+                       ["rho band", "model", "rows", "R^2 (log)", "median ln ratio"]),
+          "", md_table(hf.diagnostics, ["band", "rho_median", "phi_median", "rms_t_median",
+                                        "g2_over_v_median", "burstiness_median",
+                                        "mv_excess_median",
+                                        "r_kurtosis_median", "vhist_spread_median"],
+                       ["rho band", "rho", "phi", "rms_t", "g^2 / v_hat", "burstiness",
+                        "m_v^2 / zero-mean value", "kurtosis r", "vhist spread (decades)"]),
+          "", "Assumption check: " + failing_assumption(hf) + "."]
+    return L
 
 
 def _eps_scale_sentence(uf) -> str:
@@ -444,6 +558,13 @@ def summary_dict(ra: RunAnalysis) -> dict:
                                           "num_transients": len(ck.transients),
                                           "transient_r2": ck.transient_r2},
         "alarms": None if ra.alarm_scores is None else ra.alarm_scores.to_dict("records"),
+        "regime_card": None if ra.regime_card is None else {
+            "kind": ra.regime_card.kind, "eps": ra.regime_card.eps, "b2": ra.regime_card.b2,
+            "lr_over_eps": ra.regime_card.lr_over_eps, "log": ra.regime_card.log,
+            "groups": ra.regime_card.groups.to_dict("records"),
+            "num_wakeups": len(ra.regime_card.wakeups)},
+        "update_fit_bands": None if ra.hetero_fit is None else
+        ra.hetero_fit.bands.to_dict("records"),
         "notes": ra.notes, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -483,6 +604,16 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path, *, figures: bool = Tr
         _write_csv(ra.rms_t.transients.drop(columns=["rms_t"]), out / "rms_t_transients.csv",
                    written)
     _write_csv(ra.regimes, out / "regimes.csv", written)
+    if ra.regime_card is not None:
+        _write_csv(ra.regime_card.groups, out / "regime_card.csv", written)
+        _write_csv(ra.regime_card.trajectory, out / "regime_trajectory.csv", written)
+        if ra.regime_card.kind == "run":
+            _write_csv(ra.regime_card.tensors, out / "regime_tensors.csv", written)
+            _write_csv(ra.regime_card.wakeups, out / "regime_wakeups.csv", written)
+        _write_csv(ra.regime_card.curvature, out / "regime_curvature.csv", written)
+    if ra.hetero_fit is not None:
+        _write_csv(ra.hetero_fit.bands, out / "update_rms_fit_bands.csv", written)
+        _write_csv(ra.hetero_fit.diagnostics, out / "update_rms_fit_diagnostics.csv", written)
     figs: list[Path] = []
     if figures:
         figs = run_figures(ra, out / "figures")
@@ -540,9 +671,65 @@ def write_index(analyses: list[RunAnalysis], out_dir: str | Path,
                  f"{_f(100 * mh) if mh is not None else '-'} | {_f(uf.get('r2_log'))} | "
                  f"{_f(uf.get('eps_scale')) if uf.get('eps_scale_identifiable') else 'n/i'} | "
                  f"{_f(ck['max_rms_t'] / ck['bound']) if ck else '-'} |")
+    L += index_regime_sections(analyses, run_dirs)
     for ra, d in zip(analyses, run_dirs):
         body = (out / d / "report.md").read_text().replace("](figures/", f"]({d}/figures/")
         L += [""] + [("#" + ln) if ln.startswith("#") else ln for ln in body.splitlines()]
     path = out / "report.md"
     atomic_write_bytes(path, ("\n".join(L) + "\n").encode())
     return path
+
+
+def index_regime_sections(analyses: list[RunAnalysis], run_dirs: list[str]) -> list[str]:
+    """The index's regime overview (one row per run) and the update_rms fit per band,
+    before and after, over all runs."""
+    L = ["", "## Regime overview", "",
+         "Median rho per depth group (rms of the group's consumed gradient / eps; for a log "
+         "rho_bar = min(gn, clip) / (sqrt(N) eps) at the run's eps), fraction of logged steps "
+         "with the shallow group below rho = 1, wake-ups (tensor rho >= 1 after >= 10 "
+         "dormant steps). Details: each run's Regime card.", "",
+         "| run | kind | eps | b2 | lr/eps | embed | shallow | deep | head | shallow time "
+         "below 1 | wake-ups |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for ra, d in zip(analyses, run_dirs):
+        c = ra.regime_card
+        if c is None:
+            L.append(f"| [{ra.name}]({d}/report.md) | - | | | | | | | | | "
+                     f"{ra.notes.get('regime_card', '')} |")
+            continue
+        if c.kind == "log":
+            g = c.groups
+            r = g[g["is_run_eps"]] if len(g) and g["is_run_eps"].any() else g.head(1)
+            rb = _f(r["rho_bar_median"].iloc[0]) if len(r) else "-"
+            below = _f(r["frac_time_below_1"].iloc[0]) if len(r) else "-"
+            L.append(f"| [{ra.name}]({d}/report.md) | log | {_f(c.eps)} | {_f(c.b2)} | "
+                     f"{_f(c.lr_over_eps)} | (all: rho_bar {rb}) | | | | {below} | - |")
+            continue
+        med = {r.group: r for r in c.groups.itertuples()}
+        cell = lambda g: _f(med[g].rho_median) if g in med else "-"  # noqa: E731
+        below = _f(med["shallow"].frac_time_below_1) if "shallow" in med else "-"
+        L.append(f"| [{ra.name}]({d}/report.md) | run | {_f(c.eps)} | {_f(c.b2)} | "
+                 f"{_f(c.lr_over_eps)} | {cell('embed')} | {cell('shallow')} | "
+                 f"{cell('deep')} | {cell('head')} | {below} | {len(c.wakeups)} |")
+    rows = [(ra, d) for ra, d in zip(analyses, run_dirs) if ra.hetero_fit is not None]
+    L += ["", "## update_rms fit per regime band: before and after", "",
+          "Same rows per run (histogram steps, step >= 3/(1-b2), slowly varying gradient "
+          "scale). before = the per-tensor homogeneous fit (second-order grid / deterministic-"
+          "v limit); het = each coordinate at its own rho from the sqrt(v_hat)/eps histogram "
+          "with the exact forms; het+mv = het conditioned on the measured m_v_ratio. Goal: "
+          "|median ln(measured/predicted)| < 0.1 and R^2 (log) >= 0.8.", ""]
+    if not rows:
+        return L + ["No run has sqrt(v_hat)/eps histograms with stationary rows."]
+    L += ["| run | band | rows | R^2 before | R^2 het | R^2 het+mv | med ln before | "
+          "med ln het | med ln het+mv |", "|---|---|---|---|---|---|---|---|---|"]
+    for ra, d in rows:
+        b = ra.hetero_fit.bands
+        for band in [x for x in b["band"].unique()]:
+            part = b[b["band"] == band].set_index("model")
+            get = lambda m, k: _f(part.loc[m, k]) if m in part.index else "-"  # noqa: E731
+            L.append(f"| [{ra.name}]({d}/report.md) | {band} | {int(part['num_rows'].iloc[0])}"
+                     f" | {get('before', 'r2_log')} | {get('heterogeneous', 'r2_log')} | "
+                     f"{get('heterogeneous + measured m_v', 'r2_log')} | "
+                     f"{get('before', 'median_log_ratio')} | "
+                     f"{get('heterogeneous', 'median_log_ratio')} | "
+                     f"{get('heterogeneous + measured m_v', 'median_log_ratio')} |")
+    return L

@@ -24,7 +24,8 @@ from typing import Callable, Iterable
 # (module, kind): kind "run" figures take RUN... --out; "theory" take --out [--quick]
 # (figures.style.computed_figure_main);
 # "sweep" take --table SWEEP --out; "replication" take --table REPLICATION (or the sweep
-# folder, next to which a study keeps replication/) --out.
+# folder, next to which a study keeps replication/) --out; "study" take RUN... --out
+# [--predictions-70b FILE] (all runs in one figure, OUT/study/).
 REGISTRY: list[tuple[str, str]] = [
     ("figures.fig_loss_spikes", "run"),
     ("figures.fig_grad_norm", "run"),
@@ -38,6 +39,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("figures.fig_rms_t_transient", "theory"),
     ("figures.fig_phase_diagram", "sweep"),
     ("figures.fig_replication", "replication"),
+    ("figures.fig_regime_map", "study"),
 ]
 
 
@@ -136,7 +138,8 @@ def _call_main(mod, argv: list[str], out: Path, target: str) -> Outcome:
 def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *,
              sweep: str | Path | None = None, replication: str | Path | None = None,
              quick: bool = False,
-             theory: bool = True, registry=None) -> tuple[list[Path], list[Outcome]]:
+             theory: bool = True, registry=None, study: str | Path | None = None
+             ) -> tuple[list[Path], list[Outcome]]:
     """Regenerate all figures; returns (files written, one Outcome per module x target)."""
     from adamspike.rundir import RunFormatError, load_run
 
@@ -175,6 +178,16 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
             d = out / "theory"
             argv = ["--out", str(d)] + (["--quick"] if quick else [])
             outcomes.append(_call_main(m, argv, d, "theory"))
+        elif kind == "study":
+            if not runs:
+                outcomes.append(Outcome(m.__name__, "", "skipped", "no runs"))
+                continue
+            d = out / "study"
+            pred = Path(study) / "predictions_70b.json" if study else None
+            argv = [*map(str, runs), "--out", str(d)]
+            if pred is not None and pred.is_file():
+                argv += ["--predictions-70b", str(pred)]
+            outcomes.append(_call_main(m, argv, d, "study"))
         elif kind in ("sweep", "replication"):
             table = sweep if kind == "sweep" else (replication or sweep)
             if table is None or not Path(table).exists():
@@ -217,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     files, outcomes = generate(runs, args.out, sweep=sweep, replication=replication,
                                quick=args.quick,
-                               theory=not args.no_theory)
+                               theory=not args.no_theory, study=args.from_study)
     for o in outcomes:
         tgt = f" [{o.target}]" if o.target else ""
         msg = f" ({o.detail})" if o.detail else ""

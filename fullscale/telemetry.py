@@ -78,6 +78,7 @@ import numpy as np
 import torch
 
 from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, SAT_THRESHOLD, SUM_FIELDS, finalize
+from adamspike.metrics import NUM_VHIST_BINS, VHIST_EDGES
 
 NUM_SUMS = len(SUM_FIELDS)
 _COL = {f: i for i, f in enumerate(SUM_FIELDS)}
@@ -506,6 +507,51 @@ class Telemetry:
         if out.hists is not None:
             for i, name in enumerate(self.names):
                 writer.log_hist(out.step, name, int(self.depth[i]), str(self.kind[i]), out.hists[i])
+
+
+def vhist_counts(v_hat: torch.Tensor, eps: float, edges: torch.Tensor) -> torch.Tensor:
+    """int64 counts (NUM_VHIST_BINS,) of sqrt(v_hat)/eps on `edges` (VHIST_EDGES in v_hat's
+    dtype), binned as adamspike.metrics.vhist_bins: torch.bucketize(right=True) - 1 is
+    numpy's searchsorted(side="right") - 1; clipped to the bins, NaN to the last."""
+    x = v_hat.reshape(-1).sqrt() / eps if eps > 0 else v_hat.reshape(-1).sqrt() / 0.0
+    idx = torch.bucketize(x, edges, right=True) - 1
+    idx = torch.where(torch.isnan(x), NUM_VHIST_BINS - 1, idx).clamp_(0, NUM_VHIST_BINS - 1)
+    return torch.bincount(idx, minlength=NUM_VHIST_BINS)
+
+
+def telemetry_vhists(telemetry: "Telemetry", step: int) -> np.ndarray | None:
+    """sqrt(v_hat)/eps histograms (num_tensors, NUM_VHIST_BINS) int64 on histogram steps
+    (telemetry.active and hist_active), else None, with one more column: the coordinates
+    with |g| < eps of the gradient AdamW consumed (p.grad after clipping, still set right
+    after optimizer.step). Call on every rank after the optimizer
+    step: v_hat = exp_avg_sq / (1 - b2^t) of each rank's local shard (FSDP2) is binned in
+    the telemetry's compute dtype and the counts are summed across ranks by one all_reduce,
+    as the r histograms. The native CPU loop (fullscale.cpu_kernel) is not involved: one
+    bucketize + bincount per tensor, on histogram steps only."""
+    if not (telemetry.active(step) and telemetry.hist_active(step)):
+        return None
+    edges = torch.tensor(VHIST_EDGES, dtype=telemetry.dtype, device=telemetry.device)
+    table = torch.zeros((len(telemetry.params), NUM_VHIST_BINS + 1), dtype=torch.float64,
+                        device=telemetry.device)
+    with torch.no_grad():
+        for i, (p, st) in enumerate(zip(telemetry.params, telemetry._states())):
+            if st is None or "exp_avg_sq" not in st:
+                raise RuntimeError(f"telemetry: no optimizer state for {telemetry.names[i]}")
+            v = _local(st["exp_avg_sq"]).to(telemetry.dtype)
+            bc2 = 1.0 - telemetry.b2 ** int(st["step"])
+            table[i, :NUM_VHIST_BINS] = vhist_counts(v / bc2, telemetry.eps, edges).double()
+            if p.grad is not None:
+                g = _local(p.grad).to(telemetry.dtype)
+                table[i, NUM_VHIST_BINS] = float((g.abs() < telemetry.eps).sum())
+    _all_reduce(table, telemetry.group)
+    return np.rint(table.cpu().numpy()).astype(np.int64)
+
+
+def write_vhists(telemetry: "Telemetry", writer, step: int, counts: np.ndarray) -> None:
+    """Rank 0: the vhists rows of one step (telemetry_vhists' table) into a RunWriter."""
+    for i, name in enumerate(telemetry.names):
+        writer.log_vhist(step, name, int(telemetry.depth[i]), str(telemetry.kind[i]),
+                         counts[i, :NUM_VHIST_BINS], int(counts[i, NUM_VHIST_BINS]))
 
 
 def shard_group(params):

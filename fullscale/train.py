@@ -84,7 +84,7 @@ from fullscale.model import Transformer
 from fullscale.optim import apply_update_clip, build_optimizer, build_scheduler, clip_gradients
 from fullscale.parallelize import parallelize
 from fullscale.sampler import DataPosition, batch_plan, is_skipped, local_batch
-from fullscale.telemetry import Telemetry, TensorBoardScalars, shard_group
+from fullscale.telemetry import Telemetry, TensorBoardScalars, shard_group, telemetry_vhists, write_vhists
 
 USER_ERRORS = (ConfigError, DataFormatError, PredictionsError, RunFormatError,
                checkpoint.CheckpointError, devices.DeviceError)
@@ -316,6 +316,7 @@ def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
             before = [_local(p).detach().clone() for p in model.parameters()]
             optimizer.step()
             stats = telemetry.after_step(step) if telemetry is not None else None
+            vhists = telemetry_vhists(telemetry, step) if telemetry is not None else None
             update_norm = _update_norm(model, before, group)
             del before
             scheduler.step()
@@ -338,6 +339,8 @@ def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
                     telemetry.write(writer, stats)
                     if alarms is not None:
                         alarms.log(writer, step, stats.columns)
+                if vhists is not None:
+                    write_vhists(telemetry, writer, step, vhists)
                 if tb is not None:
                     tb.log(step, row, stats)
                 progress.set_postfix(loss=f"{loss:.4f}", refresh=False)

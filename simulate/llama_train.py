@@ -10,8 +10,8 @@ data.alpha)`, the same batches the torch trainer reads.
 
 One jitted step: value_and_grad of `loss_scale * loss` -> simulate.optim.adamw (torch-style
 global-norm clip at grad_clip * loss_scale, Adam, decoupled weight decay, lr_at(s)) ->
-telemetry sums of simulate.telemetry.step_telemetry on logged steps (+ r histograms on
-hist steps). Three compiled variants (plain / telemetry / telemetry + hist) so steps that log
+telemetry sums of simulate.telemetry.step_telemetry on logged steps (+ r histograms,
+sqrt(v_hat)/eps histograms and |g| < eps counts on hist steps). Three compiled variants (plain / telemetry / telemetry + hist) so steps that log
 nothing pay nothing.
 
 Gradient frame: every gradient quantity (steps.grad_norm, layers.grad_rms, rho, ...) is
@@ -186,6 +186,9 @@ def _make_steps(cfg: RunConfig):
             out["sums"] = sums
             if hist:
                 out["hists"] = hists
+                out["vhists"] = jtel.step_vhists(jopt.adam_state(new_state), o.b2, o.eps)
+                out["g_below_eps"] = jtel.grad_below_eps(grads, o.eps,
+                                                         jopt.clip_info(new_state)[1])
         return new_params, new_state, out
 
     return tx, jax.jit(step, static_argnums=(3, 4, 5))
@@ -284,6 +287,8 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                     for i, n in enumerate(names):
                         rows.add(step, writer.log_hist, step, n, depths[i], kinds[i],
                                  out["hists"][i])
+                        rows.add(step, writer.log_vhist, step, n, depths[i], kinds[i],
+                                 out["vhists"][i], out["g_below_eps"][i])
             rows.add(step, writer.log_step, step=step, tokens=step * tokens_per_step,
                      lr=o.lr_at(step, t.num_steps), step_time_s=time.perf_counter() - t0, **row)
             guard.after_step(step, params, opt_state, offset)

@@ -76,8 +76,9 @@ import optax
 
 from adamspike.train_config import OptimSection
 from simulate import optim as O
-from adamspike.metrics import NUM_HIST_BINS
-from simulate.telemetry import hist_counts, step_telemetry, update_direction
+from adamspike.metrics import NUM_HIST_BINS, NUM_VHIST_BINS
+from simulate.telemetry import (grad_below_eps, hist_counts, step_telemetry, step_vhists,
+                                update_direction)
 
 KINDS = ("sin", "deep")
 DEEP_INPUT_DIM = 16
@@ -160,7 +161,9 @@ def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: flo
     """Train and return numpy traces (see module docstring): keys loss, lr, grad_norm,
     clipped, update_norm, step_time_s (chunk wall time / chunk steps), sums
     (num_steps, num_tensors, NUM_SUMS), hist_steps, hists (len(hist_steps), num_tensors,
-    bins), names, depths, kinds, numels, eps, batch_size.
+    bins), vhists (len(hist_steps), num_tensors, NUM_VHIST_BINS: sqrt(v_hat)/eps),
+    g_below_eps (len(hist_steps), num_tensors: coordinates with |g| < eps), names,
+    depths, kinds, numels, eps, batch_size.
 
     curvature=True adds Bai et al.'s gradient-direction curvature of the preconditioned
     Hessian, one Hessian-vector product per step (forward-over-reverse):
@@ -219,6 +222,12 @@ def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: flo
                                   for k in sorted(params)])
             out["hists"] = jax.lax.cond(t % hist_every == 0, hists,
                                         lambda: jnp.zeros((len(params), NUM_HIST_BINS), jnp.int32))
+            out["vhists"], out["g_below_eps"] = jax.lax.cond(  # same steps, sorted names
+                t % hist_every == 0,
+                lambda: (step_vhists(O.adam_state(opt_state), b2, eps),
+                         grad_below_eps(O.consumed_grads(grads, opt_state), eps)),
+                lambda: (jnp.zeros((len(params), NUM_VHIST_BINS), jnp.int32),
+                         jnp.zeros(len(params), jnp.int32)))
         return (params, opt_state), out
 
     @jax.jit
@@ -247,6 +256,8 @@ def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: flo
         steps = np.arange(1, num_steps + 1)
         keep = steps % hist_every == 0
         traces["hist_steps"], traces["hists"] = steps[keep], traces["hists"][keep]
+        traces["vhists"] = traces["vhists"][keep]
+        traces["g_below_eps"] = traces["g_below_eps"][keep]
     names, depths, kinds, numels = tensor_meta(spec)
     traces.update(names=names, depths=depths, kinds=kinds, numels=numels, eps=eps,
                   batch_size=spec.batch_size or spec.num_points)

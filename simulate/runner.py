@@ -8,6 +8,8 @@ Traces are a dict of numpy arrays with a leading step axis (step t = 1..num_step
     sums (num_steps, num_tensors, NUM_SUMS) + names, depths, kinds, numels, eps
                                                                           -> layers table
     hists (len(hist_steps), num_tensors, NUM_HIST_BINS) + hist_steps     -> hists table
+    vhists (len(hist_steps), num_tensors, NUM_VHIST_BINS), optional     -> vhists table
+    g_below_eps (len(hist_steps), num_tensors), optional (|g| < eps)      -> its column
     batch_size                                                            tokens = step * batch
 Rows: steps every step (skipped = False: simulations skip nothing); layers every
 `layers_every` steps; hists at hist_steps (what the problem recorded) further thinned to
@@ -24,7 +26,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from adamspike.metrics import METRIC_NAMES, NUM_HIST_BINS, finalize
+from adamspike.metrics import METRIC_NAMES, NUM_HIST_BINS, NUM_VHIST_BINS, finalize
 from adamspike.rundir import RunWriter, environment
 from simulate.telemetry import NUM_SUMS, layer_columns
 
@@ -74,6 +76,13 @@ def write_run(out: str | Path, traces: Mapping[str, Any], *, config: Mapping[str
         if hists.shape != (len(hist_steps), len(traces["names"]), NUM_HIST_BINS):
             raise ValueError(f"traces['hists']: shape {hists.shape} does not match "
                              f"hist_steps / names")
+    vhists = np.asarray(traces["vhists"]) if "vhists" in traces and "hists" in traces else None
+    if vhists is not None and vhists.shape != (len(hist_steps), len(traces["names"]),
+                                               NUM_VHIST_BINS):
+        raise ValueError(f"traces['vhists']: shape {vhists.shape} does not match "
+                         "hist_steps / names")
+    gbe = np.asarray(traces["g_below_eps"]) if vhists is not None and "g_below_eps" in traces \
+        else None
     if has_layers:  # finalize all steps at once (vectorised), then slice per step
         key_cols = layer_columns(names, traces["depths"], traces["kinds"], traces["numels"],
                                  np.ones((len(names), NUM_SUMS)), 1.0)
@@ -105,6 +114,10 @@ def write_run(out: str | Path, traces: Mapping[str, Any], *, config: Mapping[str
                 for k, name in enumerate(traces["names"]):
                     w.log_hist(int(step), name, int(traces["depths"][k]), traces["kinds"][k],
                                hists[j, k])
+                    if vhists is not None:
+                        w.log_vhist(int(step), name, int(traces["depths"][k]),
+                                    traces["kinds"][k], vhists[j, k],
+                                    None if gbe is None else int(gbe[j, k]))
         w.event("finished", step=num_steps, write_s=round(time.time() - t0, 3))
     if bar is not None:
         bar.update(num_steps - bar.n)

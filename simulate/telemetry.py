@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, SAT_THRESHOLD, SUM_FIELDS, finalize
+from adamspike.metrics import (HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, NUM_VHIST_BINS,
+                               SAT_THRESHOLD, SUM_FIELDS, VHIST_EDGES, finalize)
 from simulate import native_telemetry
 
 NUM_SUMS = len(SUM_FIELDS)
@@ -107,6 +108,38 @@ def hist_counts(r) -> jax.Array:
     """int32 counts (NUM_HIST_BINS,) of r on HIST_EDGES; out-of-range values go to the end
     bins, the last edge belongs to the last bin (numpy.histogram)."""
     return jnp.zeros(NUM_HIST_BINS, jnp.int32).at[hist_bins(jnp.ravel(r))].add(1)
+
+
+def vhist_counts(v_hat, eps) -> jax.Array:
+    """int32 counts (NUM_VHIST_BINS,) of sqrt(v_hat)/eps on VHIST_EDGES, binned as
+    adamspike.metrics.vhist_bins (searchsorted side="right" - 1, clipped; NaN to the last
+    bin). Computed in the tensor's dtype (at least float32): a value within a rounding of
+    an edge may land in the neighbouring bin of the float64 reference."""
+    dt = jnp.result_type(v_hat.dtype, jnp.float32)
+    x = jnp.sqrt(jnp.ravel(v_hat).astype(dt)) / jnp.asarray(eps, dt)
+    idx = jnp.searchsorted(jnp.asarray(VHIST_EDGES, dt), x, side="right") - 1
+    idx = jnp.clip(jnp.where(jnp.isnan(x), NUM_VHIST_BINS - 1, idx), 0, NUM_VHIST_BINS - 1)
+    return jnp.bincount(idx, length=NUM_VHIST_BINS).astype(jnp.int32)
+
+
+def step_vhists(new_adam_state, b2, eps) -> jax.Array:
+    """(num_tensors, NUM_VHIST_BINS) int32 sqrt(v_hat)/eps histograms of every tensor
+    (tensor_names order), v_hat = nu / (1 - b2^count) after the step. Called on histogram
+    steps only (a searchsorted per element)."""
+    nu_l = jax.tree.leaves(new_adam_state.nu)
+    bc2 = 1 - b2 ** new_adam_state.count
+    return jnp.stack([vhist_counts(nu / bc2.astype(nu.dtype), eps) for nu in nu_l])
+
+
+def grad_below_eps(grads, eps, grad_scale=None) -> jax.Array:
+    """(num_tensors,) int32: coordinates with |g| < eps of the gradient Adam consumed
+    (grads times grad_scale, clip_info's factor, when given), tensor_names order."""
+    out = []
+    for g in jax.tree.leaves(grads):
+        dt = jnp.result_type(g.dtype, jnp.float32)
+        g = g.astype(dt) * (1 if grad_scale is None else jnp.asarray(grad_scale).astype(dt))
+        out.append(jnp.sum(jnp.abs(g) < jnp.asarray(eps, dt), dtype=jnp.int32))
+    return jnp.stack(out)
 
 
 def _path_name(path) -> str:

@@ -156,3 +156,19 @@ def test_kill_9_loses_at_most_last_flush(tmp_path):
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= flushed
     assert not any(p.name.endswith(".parquet") and p.name.startswith(".")
                    for p in (run / "steps").iterdir() if p.suffix == ".parquet")
+
+
+def test_vhists_parts_without_the_later_g_below_eps_column_read_as_nulls(tmp_path):
+    import pandas as pd
+    import pyarrow as pa
+
+    from adamspike.metrics import NUM_VHIST_BINS
+    from adamspike.rundir import _atomic_write_table
+    with RunWriter(tmp_path / "r", backend="jax", config={}, env={}) as w:
+        w.log_vhist(10, "a", 0, "param", [1] * NUM_VHIST_BINS, 3)
+    old = pa.table({"step": [20], "name": ["a"], "depth": pa.array([0], pa.int32()),
+                    "kind": ["param"], "counts": [[2] * NUM_VHIST_BINS]})
+    _atomic_write_table(tmp_path / "r" / "vhists" / "part-000001.parquet", old)
+    vh = load_run(tmp_path / "r", tables=("vhists",)).vhists
+    assert list(vh["step"]) == [10, 20]
+    assert vh["g_below_eps"].iloc[0] == 3 and pd.isna(vh["g_below_eps"].iloc[1])

@@ -291,7 +291,8 @@ WORKER = textwrap.dedent('''
     from fullscale.model import Transformer
     from fullscale.optim import build_optimizer, clip_gradients
     from fullscale.parallelize import parallelize
-    from fullscale.telemetry import Telemetry
+    from fullscale.telemetry import Telemetry, telemetry_vhists
+    from adamspike.metrics import vhistogram
 
     def cos_bound(g, m_t, m_prev, b1):
         # as tests/fullscale/test_telemetry.py::_cos_bound (this script runs on its own)
@@ -337,8 +338,9 @@ WORKER = textwrap.dedent('''
             tel.before_step(step)
             opt.step()
             o = tel.after_step(step)
+            vh = telemetry_vhists(tel, step)   # local shards' counts, all-reduced
             # numpy reference on the gathered full tensors (what one process would see)
-            ref, hist, bound = {}, [], {}
+            ref, hist, bound, vref = {}, [], {}, []
             for n, p in named:
                 st = opt.state[p]
                 t = int(st["step"])
@@ -351,7 +353,10 @@ WORKER = textwrap.dedent('''
                 ref[n] = [r[k] for k in METRIC_NAMES]
                 bound[n] = cos_bound(g, m_t, m_prev[n], optim.b1)
                 hist.append(histogram(update_direction(m_hat, v_hat, optim.eps)).tolist())
+                vref.append(vhistogram(v_hat, optim.eps).tolist()
+                            + [int(np.sum(np.abs(g) < optim.eps))])
             result[step] = {"got": {k: np.asarray(o.columns[k]).tolist() for k in METRIC_NAMES},
+                            "vhist": vh.tolist(), "ref_vhist": vref,
                             "hist": o.hists.tolist(), "ref": ref, "ref_hist": hist, "bound": bound,
                             "names": o.columns["name"]}
             if rank == 0:
@@ -404,6 +409,7 @@ def test_sharded_two_processes_equal_reference_and_unsharded(tmp_path):
         both_nan = np.isnan(got[:, cos]) & np.isnan(ref[:, cos])   # step 1: m_prev = 0
         assert (both_nan | (np.abs(got[:, cos] - ref[:, cos]) <= bound)).all(), (step, got[:, cos] - ref[:, cos], bound)
         np.testing.assert_array_equal(np.array(r["hist"]), np.array(r["ref_hist"]))
+        np.testing.assert_array_equal(np.array(r["vhist"]), np.array(r["ref_vhist"]))
         # unsharded replica on the whole batch: gradients differ only by fp32 summation order
         for k in METRIC_NAMES:
             x, y = np.array(r["got"][k]), np.array(r["plain"][k])

@@ -92,6 +92,11 @@ def test_run_directory_has_every_column_and_metric(run):
     assert len(h) == NUM_STEPS // HIST_EVERY * len(specs)
     for row in h.itertuples():
         assert len(row.counts) == len(HIST_EDGES) - 1 and sum(row.counts) == specs[row.name].numel
+    vh = load_run(run.path, tables=("vhists",)).vhists   # sqrt(v_hat)/eps, same steps
+    assert sorted(vh.step.unique()) == sorted(h.step.unique()) and len(vh) == len(h)
+    assert all(sum(r.counts) == specs[r.name].numel for r in vh.itertuples())
+    numel = np.array([specs[n].numel for n in vh.name.astype(str)])
+    assert ((vh.g_below_eps.to_numpy() >= 0) & (vh.g_below_eps.to_numpy() <= numel)).all()
     types = list(run.events.type)
     assert types[0] == "start" and types[-1] == "end"
 

@@ -22,11 +22,14 @@ def test_reproduce_quick(tmp_path):
     names = {p.stem for p in figures}
     assert {"phase_diagram", "replication", "fig_galton", "fig_update_rms_vs_rho",
             "loss_spikes", "grad_norm", "layer_grad_rms", "r_heatmap", "precursors",
-            "theory_fit"} <= names, names
+            "theory_fit", "regime_map"} <= names, names
     for png in figures:
         assert png.stat().st_size > 0 and png.with_suffix(".pdf").stat().st_size > 0, png
     report = (out / "STUDY.md").read_text()
     assert "Replication table" in report and "| ok |" in report.replace(" ok ", " ok ")
+    for section in ("## Regime map", "## Regime overview", "update_rms fit per regime band",
+                    "## Regime card"):
+        assert section in report, section
     pred = json.loads((out / "predictions.json").read_text())
     assert pred["schema"] == "adamspike.predictions" and pred["validate"]
     assert (out / "analysis" / "report.md").stat().st_size > 0
