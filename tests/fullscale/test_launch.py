@@ -88,7 +88,7 @@ def test_cuda_scripts_and_loss_scale_folding(tmp_path):
     out = tmp_path / "c"
     assert launch_main(["--config", str(BASE), "--nodes", "8", "--devices-per-node", "8",
                         "--master-addr", "gpu0", "--device", "cuda", "--out", str(out),
-                        "--train.loss_scale", "10", "--model.embed_grad_shrink", "0.1"]) == 0
+                        "--train.loss_scale", "10", "--mitigation.embed_grad_shrink", "0.1"]) == 0
     tr, ms = (out / "train_torchrun.sh").read_text(), (out / "train_mindspeed.sh").read_text()
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in tr and "HCCL" not in tr and "Ascend" not in tr
     f = _flags(ms)

@@ -141,9 +141,9 @@ def test_optimizer_and_model_knobs_run_through_the_trainer(tmp_path):
     """update clipping, z-loss, loss scale, GLM shrink, fp32 AC: the run trains, the lr column
     is the schedule (not the per-tensor clipped lr), rho is in the frame of s * loss."""
     out = tmp_path / "run"
-    assert _train(out, "--train.num_steps", "12", "--optim.update_clip", "true",
+    assert _train(out, "--train.num_steps", "12", "--mitigation.update_clip", "true",
                   "--train.z_loss", "1e-3", "--train.loss_scale", "1e-3",
-                  "--model.embed_grad_shrink", "0.1", "--train.activation_checkpointing", "true",
+                  "--mitigation.embed_grad_shrink", "0.1", "--train.activation_checkpointing", "true",
                   "--optim.eps", "1e-8") == 0
     run = load_run(out)
     optim = OptimSection(lr=3e-3, warmup_steps=5)

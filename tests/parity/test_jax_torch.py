@@ -44,7 +44,7 @@ def _cfg(*extra):
 
 
 def _torch_model(params, cfg):
-    model = Transformer(cfg.model.llama(), embed_grad_shrink=cfg.model.embed_grad_shrink)
+    model = Transformer(cfg.model.llama(), embed_grad_shrink=cfg.mitigation.embed_grad_shrink)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.from_numpy(np.array(params[name])))
@@ -64,7 +64,7 @@ def test_loss_and_gradients_match():
     params = jl.init_params(llama, jax.random.PRNGKey(3))
     batch = lt.batch_at(lt.dataset(cfg, llama), cfg, 1)
     (_, aux), grads = jax.jit(jax.value_and_grad(
-        lambda p, b: jl.loss_fn(p, b, llama, 1.0, cfg.train.z_loss, cfg.model.embed_grad_shrink),
+        lambda p, b: jl.loss_fn(p, b, llama, 1.0, cfg.train.z_loss, cfg.mitigation.embed_grad_shrink),
         has_aux=True))(params, jnp.asarray(batch))
     model = _torch_model(params, cfg)
     loss = _torch_loss(model, batch, cfg)
