@@ -36,12 +36,12 @@ Adding a mitigation: see README.md ("Adding a mitigation").
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from adamspike.config import flatten, to_dict
-from adamspike.depth_groups import depth_group
-from adamspike.train_config import RunConfig
+from adamspike.config import ConfigError, flatten, param, to_dict
+from adamspike.depth_groups import GROUPS, depth_group
 
 HOOKS = ("model", "eps", "direction", "state")
 
@@ -71,13 +71,19 @@ class Mitigation:
     expresses it (`fullscale.launch._megatron_gaps` reports it); `edits_state` names the
     optimizer state it edits ("" none, "v", "m", "m,v")."""
     name: str
-    keys: tuple[str, ...]
+    fields: tuple[tuple[str, Any, Any], ...]   # (name, type, param(...)) in MitigationSection
     hook: str
     summary: str
     reference: str
     resolve: Callable[[Any, StepPlan, Mapping[str, int], int], None]
     megatron: Callable[[Any], list[str] | None]
     edits_state: str = ""
+    check: Callable[[Any], None] | None = None    # of the MitigationSection
+    moved_from: tuple[str, ...] = ()               # old dotted keys (clear errors)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(f"mitigation.{name}" for name, _, _ in self.fields)
 
     def settings(self, cfg) -> dict[str, Any]:
         """This mitigation's keys and their values in cfg."""
@@ -115,39 +121,82 @@ def _resolve_v_reset(cfg, plan: StepPlan, depths, num_layers) -> None:
     plan.v_reset = {int(s): names for s in cfg.mitigation.v_reset_steps}
 
 
+def _check_v_reset(section) -> None:
+    for i, s in enumerate(section.v_reset_steps):
+        if s < 1:
+            raise ConfigError(f"mitigation.v_reset_steps[{i}]: must be >= 1, got {s}")
+    for i, g in enumerate(section.v_reset_groups):
+        if g not in GROUPS:
+            raise ConfigError(f"mitigation.v_reset_groups[{i}]: must be one of {list(GROUPS)}, "
+                              f"got {g!r}")
+    if section.v_reset_steps and not section.v_reset_groups:
+        raise ConfigError("mitigation.v_reset_groups: empty while v_reset_steps is set")
+
+
 def _not_expressible(cfg) -> None:
     return None
 
 
 def _group_eps_megatron(cfg) -> list[str] | None:
-    """One eps for every group is Megatron's --adam-eps (launch writes it); otherwise none."""
-    return [] if len(set(_group_eps(cfg).values())) == 1 else None
+    """optim.eps in every group is Megatron's --adam-eps (launch writes it); otherwise none."""
+    return [] if set(_group_eps(cfg).values()) == {float(cfg.optim.eps)} else None
 
 
 REGISTRY: dict[str, Mitigation] = {m.name: m for m in (
-    Mitigation("update_clip", ("mitigation.update_clip",), "direction",
-               "StableAdamW update clipping: r <- r / max(1, rms_t) per tensor",
+    Mitigation("update_clip",
+               (("update_clip", bool, param(False, help="StableAdamW update clipping per tensor")),),
+               "direction", "StableAdamW update clipping: r <- r / max(1, rms_t) per tensor",
                "Wortsman et al. 2023, Stable and low-precision training for large-scale "
-               "vision-language models", _resolve_update_clip, _not_expressible),
-    Mitigation("embed_grad_shrink", ("mitigation.embed_grad_shrink",), "model",
-               "embedding-gradient shrink: x <- a x + (1 - a) stop_gradient(x)",
-               "Zeng et al. 2022, GLM-130B", _resolve_embed_shrink, _not_expressible),
-    Mitigation("group_eps", ("mitigation.eps_embed", "mitigation.eps_shallow",
-                             "mitigation.eps_deep"), "eps",
-               "Adam eps per depth group (embed / shallow / deep + head)",
+               "vision-language models", _resolve_update_clip, _not_expressible,
+               moved_from=("optim.update_clip",)),
+    Mitigation("embed_grad_shrink",
+               (("embed_grad_shrink", float, param(1.0, lo=0.0, hi=1.0, lo_open=True,
+                                                   help="GLM-130B embedding-gradient shrink a; 1 = off")),),
+               "model", "embedding-gradient shrink: x <- a x + (1 - a) stop_gradient(x)",
+               "Zeng et al. 2022, GLM-130B", _resolve_embed_shrink, _not_expressible,
+               moved_from=("model.embed_grad_shrink",)),
+    Mitigation("group_eps",
+               (("eps_embed", float | None, param(None, lo=0.0, help="Adam eps of the embed group; none = optim.eps")),
+                ("eps_shallow", float | None, param(None, lo=0.0, help="Adam eps of the shallow blocks")),
+                ("eps_deep", float | None, param(None, lo=0.0, help="Adam eps of the deep blocks and the head"))),
+               "eps", "Adam eps per depth group (embed / shallow / deep + head)",
                "seed report (shallow layers near eps); adamspike.depth_groups",
                _resolve_group_eps, _group_eps_megatron),
-    Mitigation("v_reset", ("mitigation.v_reset_steps", "mitigation.v_reset_groups"), "state",
-               "second-moment reset: v <- 0 for the chosen depth groups at chosen steps",
+    Mitigation("v_reset",
+               (("v_reset_steps", list[int], param([], help="steps before whose update v is set to 0")),
+                ("v_reset_groups", list[str], param(["embed", "shallow"],
+                                                    help="depth groups whose v is reset"))),
+               "state", "second-moment reset: v <- 0 for the chosen depth groups at chosen steps",
                "Huang et al. 2025, SPAM (moment reset)", _resolve_v_reset, _not_expressible,
-               edits_state="v"),
+               edits_state="v", check=_check_v_reset),
 )}
+
+
+def _section_check(self) -> None:
+    for m in REGISTRY.values():
+        if m.check is not None:
+            m.check(self)
+
+
+# The `mitigation` section of RunConfig: every registry entry's fields, in registry order.
+MitigationSection = dataclasses.make_dataclass(
+    "MitigationSection", [f for m in REGISTRY.values() for f in m.fields],
+    namespace={"check": _section_check,
+               "__doc__": "Interventions on the model or the Adam step (adamspike.mitigations); "
+                          "the defaults are neutral: plain AdamW."})
+MitigationSection.__module__ = __name__
+
+
+def moved_keys(section: str) -> dict[str, str]:
+    """{old field of `section`: its key now} for the keys registry entries moved."""
+    return {old.split(".", 1)[1]: new for m in REGISTRY.values()
+            for old, new in zip(m.moved_from, m.keys) if old.split(".", 1)[0] == section}
 
 
 def neutral(m: Mitigation) -> dict[str, Any]:
     """The neutral values of m's keys (the RunConfig defaults)."""
-    flat = flatten(to_dict(RunConfig()))
-    return {k: flat[k] for k in m.keys}
+    section = MitigationSection()
+    return {f"mitigation.{name}": getattr(section, name) for name, _, _ in m.fields}
 
 
 def all_keys() -> set[str]:
@@ -169,6 +218,16 @@ def plan(cfg, depths: Mapping[str, int], num_layers: int) -> StepPlan:
     return p
 
 
+def require_hooks(cfg, hooks, where: str) -> None:
+    """ConfigError naming the keys of every active mitigation whose hook is not in `hooks`
+    (a trainer that implements only some hooks, e.g. the MLP: "direction")."""
+    bad = [m for m in active(cfg) if m.hook not in hooks]
+    if bad:
+        keys = ", ".join(k for m in bad for k in m.keys)
+        raise ConfigError(f"{keys}: not supported by {where} (it implements the "
+                          f"{', '.join(hooks)} hook(s) of adamspike.mitigations)")
+
+
 def needs_explicit_m_prev(cfg) -> bool:
     """Whether an active mitigation edits optimizer state (the torch telemetry then copies
     m_{t-1} instead of reconstructing it from AdamW's update rule)."""
@@ -183,6 +242,27 @@ def megatron_gaps(cfg) -> list[str]:
             vals = ", ".join(f"{k} = {v}" for k, v in m.settings(cfg).items())
             out.append(f"{vals}: {m.summary}; no Megatron flag, not applied")
     return out
+
+
+def neutral_mask(table) -> Any:
+    """Boolean mask (pandas) of a sweep table's rows in which every mitigation key present
+    as a column has its neutral value (runs without mitigations)."""
+    mask = None
+    for m in REGISTRY.values():
+        for k, v in neutral(m).items():
+            if k in table:
+                col = table[k]
+                ok = col.isna() if v is None else col.map(lambda x, v=v: _same(x, v))
+                mask = ok if mask is None else mask & ok
+    if mask is None:
+        return table.index == table.index
+    return mask.to_numpy(dtype=bool)
+
+
+def _same(x, v) -> bool:
+    if isinstance(v, list):
+        return list(x) == v if x is not None and not isinstance(x, float) else False
+    return x == v
 
 
 def megatron_args(cfg) -> list[str]:

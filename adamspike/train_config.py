@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from adamspike.config import ConfigError, merge, flatten, from_dict, nest, param, to_dict
-from adamspike.depth_groups import GROUPS
+from adamspike.mitigations import MitigationSection, moved_keys
 from adamspike.llama import PRESETS, LlamaConfig, preset
 
 
@@ -42,7 +42,7 @@ class ModelSection:
     rope_theta: float | None = param(None, lo=0.0, lo_open=True)
     init_std: float | None = param(None, lo=0.0, lo_open=True)
     hf_config: str = param("", help="path of a HuggingFace config.json to import instead")
-    MOVED_KEYS = {"embed_grad_shrink": "mitigation.embed_grad_shrink"}
+    MOVED_KEYS = moved_keys("model")
 
     def llama(self) -> LlamaConfig:
         """The resolved architecture (preset + overrides)."""
@@ -81,7 +81,7 @@ class OptimSection:
             return self.lr - (self.lr - self.min_lr) * p
         return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
 
-    MOVED_KEYS = {"update_clip": "mitigation.update_clip"}
+    MOVED_KEYS = moved_keys("optim")
 
     def check(self) -> None:
         if self.min_lr > self.lr:
@@ -157,33 +157,6 @@ class DistSection:
 @dataclass
 class AlarmSection:
     predictions: str = param("", help="predictions.json whose alarm rules run online")
-
-
-@dataclass
-class MitigationSection:
-    """Interventions on the model or the Adam step, one registry entry each
-    (adamspike.mitigations: what they do, which state they edit, their Megatron flag).
-    The defaults are neutral: plain AdamW."""
-    update_clip: bool = param(False, help="StableAdamW update clipping per tensor")
-    embed_grad_shrink: float = param(1.0, lo=0.0, hi=1.0, lo_open=True,
-                                     help="GLM-130B embedding-gradient shrink a; 1 = off")
-    eps_embed: float | None = param(None, lo=0.0, help="Adam eps of the embed group; none = optim.eps")
-    eps_shallow: float | None = param(None, lo=0.0, help="Adam eps of the shallow blocks")
-    eps_deep: float | None = param(None, lo=0.0, help="Adam eps of the deep blocks and the head")
-    v_reset_steps: list[int] = param([], help="steps before whose update v is set to 0")
-    v_reset_groups: list[str] = param(["embed", "shallow"],
-                                      help="depth groups whose v is reset (embed, shallow, deep, head)")
-
-    def check(self) -> None:
-        for i, s in enumerate(self.v_reset_steps):
-            if s < 1:
-                raise ConfigError(f"mitigation.v_reset_steps[{i}]: must be >= 1, got {s}")
-        for i, g in enumerate(self.v_reset_groups):
-            if g not in GROUPS:
-                raise ConfigError(f"mitigation.v_reset_groups[{i}]: must be one of {list(GROUPS)}, "
-                                  f"got {g!r}")
-        if self.v_reset_steps and not self.v_reset_groups:
-            raise ConfigError("mitigation.v_reset_groups: empty while v_reset_steps is set")
 
 
 @dataclass

@@ -4,7 +4,7 @@
 
 Colour = fraction of runs (seeds, and any other swept axes pooled) with at least one spike
 or a divergence; the number in each cell is that fraction, over the number of runs. Only
-runs without mitigations enter (update_clip off, embed_grad_shrink 1). A panel is drawn for
+runs without mitigations enter (every mitigation.* column neutral, adamspike.mitigations). A panel is drawn for
 each pair whose two axes vary in the table. Where the table has the curvature of a quadratic
 problem (lam_max), the theory's eps* = lr lam (1-b1) / (2 (1+b1)) (Bai et al.;
 theory.quadratic.critical_eps) is overlaid: a vertical line on eps x b2 (one per lr), the
@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from adamspike.mitigations import neutral_mask
 
 PAIRS = (("eps", "b2"), ("eps", "lr"), ("batch", "lr"))
 LOG_AXES = {"eps", "lr", "batch"}
@@ -35,11 +37,7 @@ def _load(path: str) -> pd.DataFrame:
 
 def prepare(table: pd.DataFrame) -> dict:
     """-> {"panels": [{x, y, xs, ys, rate [len(ys), len(xs)], count, eps_star}], "problem"}."""
-    t = table
-    if "update_clip" in t:
-        t = t[~t["update_clip"].astype(bool)]
-    if "embed_grad_shrink" in t:
-        t = t[t["embed_grad_shrink"] == 1.0]
+    t = table[neutral_mask(table)]
     if t.empty:
         raise ValueError("the table has no runs without mitigations")
     spiked = (t["num_spikes"] > 0) | t["diverged"].astype(bool)

@@ -142,6 +142,17 @@ def update_clip_rms(optimizer: torch.optim.AdamW) -> torch.Tensor:
     return torch.sqrt(sums[:, 0] / sums[:, 1].clamp_min(1.0))
 
 
+def apply_mitigations(optimizer: torch.optim.AdamW, plan: StepPlan, step: int, lr: float
+                      ) -> torch.Tensor | None:
+    """The plan's hooks for optimizer step `step` at scheduled lr `lr`, called just before
+    optimizer.step() (after clipping): the state edits (v <- 0 of the tensors
+    plan.v_reset names at this step), then the direction hook (update clipping). Returns
+    the update clip's rms_t per param group, or None."""
+    if step in plan.v_reset:
+        reset_second_moment(optimizer, plan.v_reset[step])
+    return apply_update_clip(optimizer, lr) if plan.update_clip else None
+
+
 def apply_update_clip(optimizer: torch.optim.AdamW, lr: float) -> torch.Tensor:
     """Set each group's lr / weight_decay for StableAdamW clipping at scheduled lr `lr`
     (call just before optimizer.step(); the next scheduler.step() resets every group's lr

@@ -82,8 +82,7 @@ from fullscale.data import DataFormatError, build_source
 from fullscale.guard import SpikeGuard
 from fullscale.hf import resolve_model
 from fullscale.model import Transformer
-from fullscale.optim import (apply_update_clip, build_optimizer, build_scheduler, clip_gradients,
-                             reset_second_moment)
+from fullscale.optim import apply_mitigations, build_optimizer, build_scheduler, clip_gradients
 from fullscale.parallelize import parallelize
 from fullscale.sampler import DataPosition, batch_plan, is_skipped, local_batch
 from fullscale.telemetry import Telemetry, TensorBoardScalars, shard_group
@@ -315,10 +314,7 @@ def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
                 continue
 
             # optimizer step, telemetry
-            if step in mit.v_reset:   # mitigations: state edits, then the direction hook
-                reset_second_moment(optimizer, mit.v_reset[step])
-            if mit.update_clip:
-                apply_update_clip(optimizer, lr)
+            apply_mitigations(optimizer, mit, step, lr)   # the registry's plan
             if telemetry is not None:
                 telemetry.before_step(step)
             before = [_local(p).detach().clone() for p in model.parameters()]

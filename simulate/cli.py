@@ -1,18 +1,17 @@
 """`adamspike simulate <problem> ...`: run one simulated problem, write a run directory.
 
     adamspike simulate quadratic --eps 1e-4 --steps 30000 --out RUN [--dim 8 --lam-min 0.01 ...]
-    adamspike simulate mlp --kind sin|deep --steps 20000 --out RUN [--lr ... --loss-scale ...]
+    adamspike simulate mlp --kind sin|deep --steps 20000 --out RUN [--optim.lr ... --train.loss_scale ...]
     adamspike simulate streams --b2 0.95 --phi 0.9 --steps 200 [--out stats.json]
     adamspike simulate llama --config configs/tiny.toml --out RUN [--key value overrides]
 
 Exit status: 0 ok, 2 bad input (the message names the parameter; nothing existing is
-overwritten), 3 a part that is not built.
+overwritten).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import re
 import sys
@@ -42,28 +41,6 @@ def _flag_name(msg: str) -> str:
 def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"out: {out} exists and is not an empty directory (nothing was overwritten)")
-
-
-def _optim_args(p: argparse.ArgumentParser, lr: float, b2: float, eps: float) -> None:
-    g = p.add_argument_group("optimizer (adamspike.train_config.OptimSection)")
-    g.add_argument("--lr", type=float, default=lr)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--schedule", default="constant")
-    g.add_argument("--warmup-steps", type=int, default=0)
-    g.add_argument("--b1", type=float, default=0.9)
-    g.add_argument("--b2", type=float, default=b2)
-    g.add_argument("--eps", type=float, default=eps)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--grad-clip", type=float, default=0.0, help="0 = off")
-    g.add_argument("--update-clip", action="store_true", help="StableAdamW update clipping")
-
-
-def _optim(args):
-    from adamspike.config import from_dict
-    from adamspike.train_config import OptimSection
-    keys = ("lr", "min_lr", "schedule", "warmup_steps", "b1", "b2", "eps", "weight_decay",
-            "grad_clip", "update_clip")
-    return from_dict(OptimSection, {k: getattr(args, k) for k in keys})
 
 
 def _positive(name, value, allow_zero=False):
@@ -146,17 +123,24 @@ def _mlp(argv) -> int:
     p.add_argument("--init-gain", type=float, default=1.0)
     p.add_argument("--input-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--loss-scale", type=float, default=1.0, help="Adam on s*L (= eps/s)")
     p.add_argument("--layers-every", type=int, default=1)
     p.add_argument("--hist-every", type=int, default=100, help="0 = no histograms")
     p.add_argument("--curvature", action="store_true",
                    help="log lam_hat_grad (one Hessian-vector product per step) and 2/lr")
     p.add_argument("--no-progress", action="store_true")
-    _optim_args(p, lr=1e-3, b2=0.999, eps=1e-8)
-    a = p.parse_args(argv)
-    from adamspike.config import to_dict
-    from simulate.mlp import KINDS, MLPSpec, train
+    p.epilog = ("Optimizer and mitigation settings: dotted config keys, e.g. --optim.lr 1e-2 "
+                "--optim.b2 0.95 --train.loss_scale 1e-3, mitigation.* keys whose hook the MLP has (a "
+                "unique last part may stand alone: --lr 1e-2).")
+    a, rest = p.parse_known_args(argv)
+    # jax: imported for this subcommand only (`adamspike simulate streams` needs none)
+    from adamspike.config import from_dict, merge, nest, parse_overrides, to_dict
+    from simulate.mlp import HOOKS, KINDS, MLPSpec, train
     from simulate.runner import write_run
+    from simulate.sweep_problems import MLP, MLPConfig
+    from adamspike import mitigations
+    settings = from_dict(MLPConfig, merge(nest(MLP.base), parse_overrides(MLPConfig, rest)))
+    mitigations.require_hooks(settings, HOOKS, "adamspike simulate mlp")
+    optim = settings.optim
     if a.kind not in KINDS:
         raise ValueError(f"kind: must be one of {list(KINDS)}, got {a.kind!r}")
     deep = a.kind == "deep"
@@ -165,8 +149,6 @@ def _mlp(argv) -> int:
                    num_points=a.num_points or (1024 if deep else 256),
                    batch_size=(128 if deep else 0) if a.batch_size is None else a.batch_size,
                    init_gain=a.init_gain, input_scale=a.input_scale, seed=a.seed)
-    optim = _optim(a)
-    _positive("loss_scale", a.loss_scale)
     if a.steps < 1:
         raise ValueError(f"steps: must be >= 1, got {a.steps}")
     if a.layers_every < 1:
@@ -174,11 +156,14 @@ def _mlp(argv) -> int:
     if a.hist_every < 0:
         raise ValueError(f"hist_every: must be >= 0, got {a.hist_every}")
     _check_out(a.out)
-    traces = train(spec, optim, a.steps, loss_scale=a.loss_scale, hist_every=a.hist_every,
+    loss_scale = settings.train.loss_scale
+    traces = train(spec, optim, a.steps, loss_scale=loss_scale,
+                   plan=mitigations.plan(settings, {}, 1), hist_every=a.hist_every,
                    curvature=a.curvature, progress=not a.no_progress)
     problem = {"kind": f"mlp-{a.kind}", **{k: getattr(spec, k) for k in spec.__dataclass_fields__},
-               "loss_scale": a.loss_scale}
-    config = {"problem": problem, "optim": to_dict(optim), "num_steps": a.steps,
+               "loss_scale": loss_scale}
+    config = {"problem": problem, "optim": to_dict(optim),
+              "mitigation": to_dict(settings.mitigation), "num_steps": a.steps,
               "telemetry": {"every": a.layers_every, "hist_every": a.hist_every}}
     write_run(a.out, traces, config=config, problem=problem, layers_every=a.layers_every,
               progress=not a.no_progress)
@@ -190,17 +175,7 @@ def _mlp(argv) -> int:
 # ----------------------------------------------------------------------------- streams
 
 def _streams(argv) -> int:
-    try:
-        streams = importlib.import_module("simulate.streams")
-    except ModuleNotFoundError as e:
-        if e.name in ("simulate.streams",):
-            print("adamspike simulate streams: not built (simulate/streams.py missing)", file=sys.stderr)
-            return 3
-        raise
-    if not hasattr(streams, "simulate_streams"):
-        print("adamspike simulate streams: not built (simulate.streams.simulate_streams missing)",
-              file=sys.stderr)
-        return 3
+    from simulate import streams   # jax: imported for this subcommand only
     p = _Parser(prog="adamspike simulate streams",
                 description="Monte-Carlo AR(1) gradient streams through Adam (simulate.streams)")
     p.add_argument("--steps", type=int, default=200)
@@ -237,15 +212,8 @@ def _streams(argv) -> int:
 # ----------------------------------------------------------------------------- llama
 
 def _llama(argv) -> int:
-    try:
-        mod = importlib.import_module("simulate.llama_train")
-    except ModuleNotFoundError as e:
-        if e.name == "simulate.llama_train":
-            print("adamspike simulate llama: not built (simulate/llama_train.py missing)",
-                  file=sys.stderr)
-            return 3
-        raise
-    return int(mod.main(argv))
+    from simulate import llama_train   # jax: imported for this subcommand only
+    return int(llama_train.main(argv))
 
 
 def _theory_check(cfg: dict, steps: int, stats: dict) -> dict:

@@ -48,10 +48,10 @@ skipped batches.
 
 Mitigations (`mitigation` section, adamspike.mitigations): the registry's StepPlan for
 this model. model_options go to loss_fn; tensor_eps becomes a per-tensor eps pytree of the
-Adam step (and of the telemetry: rho, rms_t, eps_frac use each tensor's eps); update_clip
-turns on simulate.optim's StableAdamW clipping; at a step of v_reset, Adam's v of the named
-tensors is set to 0 (simulate.optim.reset_second_moment) before the step runs, and the
-telemetry is handed that edited state as the previous one (m is untouched).
+Adam step (and of the telemetry: rho, rms_t, eps_frac use each tensor's eps); its direction
+hook turns on simulate.optim's StableAdamW clipping; its state edits (simulate.optim.
+apply_state_edits, e.g. v <- 0 of chosen tensors) run before the step, and the telemetry
+is handed that edited state as the previous one.
 
 Measured toy-spike numbers live in the study's generated reports (`adamspike reproduce`),
 not here.
@@ -143,7 +143,7 @@ def _make_steps(cfg: RunConfig):
     shapes = jax.eval_shape(functools.partial(jllama.init_params, llama), jax.random.PRNGKey(0))
     eps = jopt.eps_tree(shapes, plan.tensor_eps, o.eps)   # o.eps itself when uniform
     tel_eps = jax.tree.leaves(eps) if isinstance(eps, dict) else o.eps
-    tx = jopt.adamw(o, t.num_steps, t.loss_scale, eps=eps, update_clip=plan.update_clip)
+    tx = jopt.adamw(o, t.num_steps, t.loss_scale, plan=plan, params=shapes)
     value_and_grad = jax.value_and_grad(
         lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss, **plan.model_options),
         has_aux=True)
@@ -204,7 +204,6 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
     names = jtel.tensor_names(params)  # telemetry row order
     plan = step_plan(cfg)
     tensor_eps = np.array([plan.tensor_eps[n] for n in names])
-    v_reset = {s: [n in set(ns) for n in names] for s, ns in plan.v_reset.items()}
     depths = [specs[n].depth for n in names]
     kinds = [specs[n].kind for n in names]
     numels = [specs[n].numel for n in names]
@@ -229,8 +228,8 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                 pending = loader.submit(batch_at, data, cfg, step + 1, offset)
             log = tel.enabled and step % tel.every == 0
             hist = log and tel.hist_every > 0 and step % tel.hist_every == 0 and step not in skip
-            if step in v_reset and step not in skip:   # the registry's v_reset: v <- 0
-                opt_state = jopt.reset_second_moment(opt_state, v_reset[step])
+            if step not in skip:   # the mitigation plan's state edits (v resets)
+                opt_state = jopt.apply_state_edits(opt_state, plan, step, names)
             new_params, new_state, out = step_fn(params, opt_state, batch, log, hist, native)
             out = jax.device_get(out)
             row = dict(loss=float(out["loss"]), grad_norm=float(out["grad_norm"]),

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from adamspike.mitigations import StepPlan
 from adamspike.train_config import OptimSection
 from simulate.telemetry import tensor_names
 
@@ -142,27 +143,30 @@ def scale_by_adam_stable(b1=0.9, b2=0.999, eps=1e-8, update_clip: bool = False
 
 
 def adamw_chain(b1, b2, eps, lr, max_norm: float, weight_decay: float = 0.0,
-                update_clip: bool = False) -> optax.GradientTransformation:
+                plan: StepPlan | None = None) -> optax.GradientTransformation:
     """The chain of the module docstring from scalars (b1, b2, eps, lr may be traced, lr
     may be an optax schedule; eps a scalar or a per-tensor pytree): clip at max_norm (the
-    torch formula; <= 0: off) -> Adam -> [update clip] -> [+ wd*p] -> * -lr."""
-    parts = [clip_by_global_norm_torch(max_norm), scale_by_adam_stable(b1, b2, eps, update_clip)]
+    torch formula; <= 0: off) -> Adam -> [update clip: the plan's `direction` hook] ->
+    [+ wd*p] -> * -lr."""
+    clip = (plan or StepPlan()).update_clip
+    parts = [clip_by_global_norm_torch(max_norm), scale_by_adam_stable(b1, b2, eps, clip)]
     if weight_decay > 0:
         parts.append(optax.add_decayed_weights(weight_decay))
     parts.append(optax.scale_by_learning_rate(lr))
     return optax.chain(*parts)
 
 
-def adamw(optim: OptimSection, num_steps: int, loss_scale: float = 1.0, *, eps=None,
-          update_clip: bool = False) -> optax.GradientTransformation:
-    """`adamw_chain` for a config section: clip at grad_clip * loss_scale, lr_at(t);
-    eps: optim.eps, or a per-tensor pytree (`eps_tree`); update_clip from the
-    mitigation plan (adamspike.mitigations.plan)."""
+def adamw(optim: OptimSection, num_steps: int, loss_scale: float = 1.0, *,
+          plan: StepPlan | None = None, params=None) -> optax.GradientTransformation:
+    """`adamw_chain` for a config section: clip at grad_clip * loss_scale, lr_at(t), and
+    the mitigation plan (adamspike.mitigations.plan): its per-tensor eps (`eps_tree` of
+    `params`, a pytree of arrays or shapes; optim.eps without it) and its update clipping."""
     if loss_scale <= 0:
         raise ValueError(f"loss_scale: must be > 0, got {loss_scale}")
-    return adamw_chain(optim.b1, optim.b2, optim.eps if eps is None else eps,
-                       lr_schedule(optim, num_steps), optim.grad_clip * loss_scale,
-                       optim.weight_decay, update_clip)
+    plan = plan or StepPlan()
+    eps = optim.eps if params is None else eps_tree(params, plan.tensor_eps, optim.eps)
+    return adamw_chain(optim.b1, optim.b2, eps, lr_schedule(optim, num_steps),
+                       optim.grad_clip * loss_scale, optim.weight_decay, plan)
 
 
 def eps_tree(params, tensor_eps: Mapping[str, float], default: float):
@@ -173,6 +177,16 @@ def eps_tree(params, tensor_eps: Mapping[str, float], default: float):
     if all(v == default for v in values):
         return default
     return jax.tree.unflatten(jax.tree.structure(params), values)
+
+
+def apply_state_edits(opt_state, plan: StepPlan, step: int, names: Sequence[str]):
+    """The plan's `state` hook for optimizer step `step` (1-based), applied just before
+    the step: Adam's v <- 0 for the tensors plan.v_reset names at this step (names: the
+    tensors in leaf order, simulate.telemetry.tensor_names). Unchanged state otherwise."""
+    if step not in plan.v_reset:
+        return opt_state
+    reset = set(plan.v_reset[step])
+    return reset_second_moment(opt_state, [n in reset for n in names])
 
 
 def reset_second_moment(opt_state, reset: Sequence[bool]):

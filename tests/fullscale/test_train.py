@@ -144,14 +144,20 @@ def test_optimizer_and_model_knobs_run_through_the_trainer(tmp_path):
     assert _train(out, "--train.num_steps", "12", "--mitigation.update_clip", "true",
                   "--train.z_loss", "1e-3", "--train.loss_scale", "1e-3",
                   "--mitigation.embed_grad_shrink", "0.1", "--train.activation_checkpointing", "true",
-                  "--optim.eps", "1e-8") == 0
+                  "--optim.eps", "1e-8", "--mitigation.eps_embed", "1e-6",
+                  "--mitigation.v_reset_steps", "7") == 0
     run = load_run(out)
     optim = OptimSection(lr=3e-3, warmup_steps=5)
     np.testing.assert_allclose(run.steps["lr"], [optim.lr_at(k, 12) for k in range(1, 13)])
     assert np.isfinite(run.steps["loss"]).all()
     assert run.steps["loss"].iloc[-3:].mean() < run.steps["loss"].iloc[:3].mean()
     layers = run.layers
-    np.testing.assert_allclose(layers["rho"], layers["grad_rms"] / 1e-8, rtol=1e-5)
+    eps = np.where(layers["depth"] == -1, 1e-6, 1e-8)     # mitigation.eps_embed
+    np.testing.assert_allclose(layers["rho"], layers["grad_rms"] / eps, rtol=1e-5)
+    # v reset of the embed + shallow groups at step 7: with update clipping on, their
+    # rms_t is then sqrt((1 - b2^7) / (1 - b2)) where v_hat > eps^2 (b2 = 0.95)
+    reset = layers[(layers["step"] == 7) & (layers["depth"] <= 0) & (layers["kind"] != "norm")]
+    assert len(reset) and (reset["rms_t"] > 2.0).all()
 
 
 def test_loss_terms_z_loss_formula():
