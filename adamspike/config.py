@@ -210,7 +210,8 @@ def parse_overrides(cls: type, overrides: list[str]) -> dict[str, Any]:
                 key = matches[0]
             elif len(matches) > 1:
                 raise ConfigError(f"--{key}: ambiguous, use one of {', '.join('--' + m for m in matches)}")
-            elif "." not in key:
+            else:
+                _raise_moved(cls, key)
                 raise ConfigError(f"unknown config key: {key}")
         d = nested
         parts = key.split(".")
@@ -218,6 +219,19 @@ def parse_overrides(cls: type, overrides: list[str]) -> dict[str, Any]:
             d = d.setdefault(p, {})
         d[parts[-1]] = value
     return nested
+
+
+def _raise_moved(cls: type, key: str) -> None:
+    """ConfigError "moved to ..." if `key` is a section's MOVED_KEYS entry."""
+    *path, leaf = key.split(".")
+    for p in path:
+        hints = _hints(cls)
+        if p not in hints or not dataclasses.is_dataclass(hints[p]):
+            return
+        cls = hints[p]
+    moved = getattr(cls, "MOVED_KEYS", {})
+    if leaf in moved:
+        raise ConfigError(f"{key}: moved to {moved[leaf]} (rename the key)")
 
 
 def _leaf_paths(cls: type, prefix: str = "") -> list[str]:
@@ -247,9 +261,13 @@ def nest(data: typing.Mapping[str, Any]) -> dict[str, Any]:
             if not isinstance(d, dict):
                 raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, not a section")
         leaf = parts[-1]
-        if leaf in d and not (isinstance(d[leaf], dict) and isinstance(value, dict)):
-            raise ConfigError(f"{key}: given twice")
-        d[leaf] = merge(d[leaf], value) if leaf in d else value
+        if leaf in d:
+            both = isinstance(d[leaf], dict) and isinstance(value, dict)
+            twice = sorted(set(flatten(d[leaf])) & set(flatten(value))) if both else [""]
+            if twice:
+                raise ConfigError(f"{'.'.join(filter(None, (*parts, twice[0])))}: given twice")
+            value = merge(d[leaf], value)
+        d[leaf] = value
     return out
 
 
