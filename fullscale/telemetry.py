@@ -9,12 +9,19 @@ bins]) float64 table and summed across ranks with ONE all_reduce;
 `adamspike.metrics.finalize` turns the sums into METRIC_NAMES. Sums of shards are sums of
 the whole tensor, so sharded and unsharded runs log the same numbers (up to rounding).
 
-m_prev without a copy of m: AdamW's first moment is m_t = b1 m_prev + (1 - b1) g (torch's
-`lerp`), so after the step m_prev = (m_t - (1 - b1) g) / b1, elementwise. The fp32 state
+m_prev: with explicit_m_prev (the trainer sets it when an active mitigation edits optimizer
+state, adamspike.mitigations.needs_explicit_m_prev) `before_step` copies exp_avg, the
+momentum the step will read, and the kernels take that copy as m_prev. Otherwise no copy
+is made: AdamW's first moment is m_t = b1 m_prev + (1 - b1) g (torch's `lerp`), so after
+the step m_prev = (m_t - (1 - b1) g) / b1, elementwise. The fp32 state
 m_t is rounded, so m_prev is recovered to ~2^-24 (|m_t| + (1 - b1)|g|) / b1 per element,
 whatever the compute precision: grad_mom_cos is exact to ~1e-7 (|m_t| + 0.1|g|) / |m_prev|,
 which stays small even when a spiking gradient is 1000x the momentum. `before_step()`
 notes which tensors have no state yet (m_prev = 0 exactly: their m_prev sums are 0).
+
+Per-tensor eps: each param group's eps (per-group eps) enters r, rms_t, eps_frac and rho
+of its tensors (a per-tensor row of the bias-correction table; the native kernel is
+called once per distinct eps).
 
 Layout: the local tensors are laid end to end in chunks of at most `max_elements`
 elements (a big tensor is split across chunks, small ones share one), each segment
@@ -39,15 +46,12 @@ g, m, v, p in place (no buffer, no padding) with the same elementwise operations
 sums; on cuda (and on cpu when the native kernel cannot be built, or the tensors are not
 contiguous float32 / float64) `tensor_sums` and `bin_index` are compiled by inductor (one
 fused loop that reads the buffer once, instead of ~25 whole-chunk passes that write
-temporaries; calling inductor's code directly instead of through torch.compile saves ~0.1
-ms per call). npu runs them eagerly (the same functions, op by op). On the tiny CPU step
-(bench/bench_telemetry_torch.py, 16 x 32 tokens, 8.5-9 ms) telemetry costs ~0.35 ms with
-the native kernel (paired ratio 1.030-1.044; hist/10 1.033-1.046), against 1.10 with
-inductor's kernels and 1.28-1.29 eager; a histogram step adds 0.2 ms (inductor: 1.4 ms);
-at 16 x 64, 1.027-1.032 (inductor 1.06). Builds: the native kernel's C++ compile when
-Telemetry is created (~10-15 s, once per machine, torch and source version, cached on
-disk), inductor's at the first logged step that uses it (~5 s on CPU for the tiny model;
-cached on disk by inductor). If a build fails (no C++ compiler or headers, no triton, ...)
+temporaries; calling inductor's code directly instead of through torch.compile saves a
+Python dispatch per call). npu runs them eagerly (the same functions, op by op). The
+overhead against a step without telemetry is measured by bench/bench_telemetry_torch.py.
+Builds: the native kernel's C++ compile when
+Telemetry is created (once per machine, torch and source version, cached on disk),
+inductor's at the first logged step that uses it (cached on disk by inductor). If a build fails (no C++ compiler or headers, no triton, ...)
 the trainer warns once and falls back (native -> inductor -> eager). TORCHDYNAMO_DISABLE=1
 or ADAMSPIKE_TELEMETRY_COMPILE=off also make "auto" run the kernels eagerly (the test
 suite sets the latter). Memory: the (4, width) buffer in the compute dtype (bounded by

@@ -47,7 +47,9 @@ def test_lead_time_rules():
 
 
 def test_depth_groups_and_bimodality():
-    assert list(depth_group([-1, 0, 1, 2, 80])) == ["shallow"] * 3 + ["deep"] * 2
+    # adamspike.depth_groups: L = 80 (the head's depth) -> shallow = depths -1..7
+    assert list(depth_group([-1, 0, 7, 8, 80])) == ["shallow"] * 3 + ["deep"] * 2
+    assert list(depth_group([-1, 0, 1, 2], num_layers=2)) == ["shallow"] * 2 + ["deep"] * 2
     df = pd.DataFrame({"r_mean": [0.0, 0.0], "r_m2": [1.0, 1.0], "r_m3": [0.0, 0.0],
                        "r_m4": [3.0, 1.0]})
     bc = with_derived(df)["bimodality"].to_numpy()
