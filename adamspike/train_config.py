@@ -4,7 +4,7 @@ The JAX toy LLaMA (simulate/) uses model, optim, train, data, telemetry, guard, 
 (its in-memory snapshots) and mitigation; the torch trainer (fullscale/) uses all sections.
 Every experiment setting anywhere (CLI flags, sweep grids, replication arms, predictions.json
 settings, `adamspike plan`) is a dict of dotted keys of this schema ("optim.eps",
-"train.global_batch_size", "mitigation.embed_grad_shrink", ...), turned into a config by
+"train.global_batch_size", every "mitigation.*" key of the registry), turned into a config by
 `RunConfig.from_dict(overrides, base)`. TOML example (configs/tiny.toml):
 
     [model]
@@ -176,7 +176,7 @@ class RunConfig:
     def from_dict(cls, overrides: Mapping[str, Any] | None = None,
                   base: "RunConfig | Mapping[str, Any] | None" = None) -> "RunConfig":
         """The one way to build a config from settings: `overrides` (dotted keys such as
-        {"optim.eps": 1e-6, "mitigation.update_clip": True}, or nested tables) applied over
+        {"optim.eps": 1e-6, "train.seed": 3}, or nested tables) applied over
         `base` (a RunConfig, a nested dict, or None for the defaults), validated as a whole.
         Every problem raises ConfigError naming the key (unknown, moved, wrong type, out
         of range)."""

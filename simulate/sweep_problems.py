@@ -45,11 +45,11 @@ import pandas as pd
 from adamspike.config import ConfigError, param
 from adamspike.depth_groups import depth_group, shallow_depths
 from adamspike.metrics import finalize, shape_stats
+from adamspike.mitigations import REGISTRY, MitigationSection, require_hooks
 from adamspike.mitigations import all_keys as all_mitigation_keys
 from adamspike.mitigations import plan as mitigation_plan
-from adamspike.mitigations import REGISTRY, require_hooks
 from adamspike.rundir import load_run
-from adamspike.train_config import MitigationSection, OptimSection, RunConfig
+from adamspike.train_config import OptimSection, RunConfig, TrainSection
 from simulate import optim as O
 from simulate.llama_train import train as train_llama
 from simulate.mlp import HOOKS as MLP_HOOKS
@@ -59,13 +59,6 @@ from simulate.quadratic import (QuadraticSpec, count_spikes, run_quadratic,
                                 simulate_quadratic)
 from simulate.runner import quadratic_traces, write_run
 from simulate.sweep import Problem
-
-
-@dataclass
-class TrainKnobs:
-    """The train.* keys the toy problems read (names and ranges of RunConfig's TrainSection)."""
-    num_steps: int = param(20_000, lo=1)
-    loss_scale: float = param(1.0, lo=0.0, lo_open=True)
 
 
 @dataclass
@@ -81,7 +74,7 @@ class QuadraticSection:
 @dataclass
 class QuadraticConfig:
     optim: OptimSection = field(default_factory=OptimSection)
-    train: TrainKnobs = field(default_factory=TrainKnobs)
+    train: TrainSection = field(default_factory=TrainSection)
     quadratic: QuadraticSection = field(default_factory=QuadraticSection)
 
 
@@ -98,7 +91,7 @@ class MLPSection:
 @dataclass
 class MLPConfig:
     optim: OptimSection = field(default_factory=OptimSection)
-    train: TrainKnobs = field(default_factory=TrainKnobs)
+    train: TrainSection = field(default_factory=TrainSection)
     mitigation: MitigationSection = field(default_factory=MitigationSection)
     mlp: MLPSection = field(default_factory=MLPSection)
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import pandas as pd
 import pytest
 
-from dataclasses import dataclass, field
-
 from adamspike.config import param
-from adamspike.train_config import OptimSection
+from adamspike.train_config import OptimSection, TrainSection
 from simulate import sweep as S
-from simulate.sweep_problems import PROBLEMS, TrainKnobs
+from simulate.sweep_problems import PROBLEMS
 
 CALLS = {"runs": 0, "calls": 0}
 
@@ -44,7 +44,7 @@ class ToySection:
 @dataclass
 class ToyConfig:
     optim: OptimSection = field(default_factory=OptimSection)
-    train: TrainKnobs = field(default_factory=TrainKnobs)
+    train: TrainSection = field(default_factory=TrainSection)
     toy: ToySection = field(default_factory=ToySection)
 
 
