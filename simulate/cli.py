@@ -1,6 +1,6 @@
 """`adamspike simulate <problem> ...`: run one simulated problem, write a run directory.
 
-    adamspike simulate quadratic --eps 1e-4 --steps 30000 --out RUN [--dim 8 --lam-min 0.01 ...]
+    adamspike simulate quadratic --optim.eps 1e-4 --steps 30000 --out RUN [--dim 8 --lam-min 0.01 ...]
     adamspike simulate mlp --kind sin|deep --steps 20000 --out RUN [--optim.lr ... --train.loss_scale ...]
     adamspike simulate streams --b2 0.95 --phi 0.9 --steps 200 [--out stats.json]
     adamspike simulate llama --config configs/tiny.toml --out RUN [--key value overrides]
@@ -43,11 +43,6 @@ def _check_out(out: Path) -> None:
         raise ValueError(f"out: {out} exists and is not an empty directory (nothing was overwritten)")
 
 
-def _positive(name, value, allow_zero=False):
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}: must be {'>=' if allow_zero else '>'} 0, got {value}")
-
-
 # ----------------------------------------------------------------------------- quadratic
 
 def _quadratic(argv) -> int:
@@ -55,12 +50,6 @@ def _quadratic(argv) -> int:
                 description="Adam on a 1-D / N-D quadratic (Bai et al.); see simulate.quadratic")
     p.add_argument("--out", type=Path, required=True, help="run directory (must not exist)")
     p.add_argument("--steps", type=int, default=30_000)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--eps", type=float, default=1e-8)
-    p.add_argument("--b1", type=float, default=0.9)
-    p.add_argument("--b2", type=float, default=0.999)
-    p.add_argument("--noise", type=float, default=0.0, help="gradient noise std")
-    p.add_argument("--theta0", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dim", type=int, default=1)
     p.add_argument("--lam-min", type=float, default=None, help="default: lam-max")
@@ -71,29 +60,37 @@ def _quadratic(argv) -> int:
     p.add_argument("--dtype", default="float64")
     p.add_argument("--layers-every", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
+    p.epilog = ("Adam and problem settings: dotted config keys, e.g. --optim.lr 1e-2 "
+                "--optim.eps 1e-4 --optim.b2 0.95 --quadratic.noise 1e-9 --quadratic.theta0 1 "
+                "(a unique last part may stand alone: --eps 1e-4).")
+    a, rest = p.parse_known_args(argv)
+    # jax: imported for this subcommand only (`adamspike simulate streams` needs none)
+    from adamspike.config import flatten, from_dict, merge, nest, parse_overrides
     from simulate.quadratic import QuadraticSpec, count_spikes, eps_star, run_quadratic
     from simulate.runner import quadratic_traces, write_run
-    _positive("lr", a.lr)
-    _positive("eps", a.eps, allow_zero=True)
-    _positive("noise", a.noise, allow_zero=True)
+    from simulate.sweep_problems import QUADRATIC, QuadraticConfig
+    over = parse_overrides(QuadraticConfig, rest)
+    shape = sorted(k for k in flatten(over) if k.startswith(("train.", "quadratic."))
+                   and k not in ("quadratic.noise", "quadratic.theta0"))
+    if shape:
+        raise ValueError(f"{shape[0]}: set it with this command's own flag (--steps, --dim, "
+                         "--lam-min, --lam-max, --rotate)")
+    settings = from_dict(QuadraticConfig, merge(nest(QUADRATIC.base), over))
+    o, q = settings.optim, settings.quadratic
     if a.steps < 1:
         raise ValueError(f"steps: must be >= 1, got {a.steps}")
     if a.layers_every < 1:
         raise ValueError(f"layers_every: must be >= 1, got {a.layers_every}")
-    for k in ("b1", "b2"):
-        if not 0 <= getattr(a, k) < 1:
-            raise ValueError(f"{k}: must be in [0, 1), got {getattr(a, k)}")
     _check_out(a.out)
     spec = QuadraticSpec(num_steps=a.steps, dim=a.dim, lam_min=a.lam_max if a.lam_min is None
                          else a.lam_min, lam_max=a.lam_max, rotate=a.rotate,
                          rescale=not a.no_rescale, dtype=a.dtype)
-    hp = {"lr": a.lr, "eps": a.eps, "b1": a.b1, "b2": a.b2, "noise": a.noise,
-          "theta0": a.theta0, "seed": a.seed}
+    hp = {"lr": o.lr, "eps": o.eps, "b1": o.b1, "b2": o.b2, "noise": q.noise,
+          "theta0": q.theta0, "seed": a.seed}
     t0 = time.perf_counter()
     out = run_quadratic(hp, spec)
     wall = time.perf_counter() - t0
-    es = eps_star(a.lr, spec.lam_max, a.b1)
+    es = eps_star(o.lr, spec.lam_max, o.b1)
     problem = {"kind": "quadratic", **hp, "dim": spec.dim, "lam_min": spec.lam_min,
                "lam_max": spec.lam_max, "rotate": spec.rotate, "rescale": spec.rescale,
                "dtype": spec.dtype, "eps_star": es}

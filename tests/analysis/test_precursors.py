@@ -25,8 +25,10 @@ def test_known_lead_recovered_shallow_only(synthetic_run):
     assert s.loc[("shallow", "rms_t"), "lead_median"] == 10
     assert s.loc[("deep", "rms_t"), "num_led"] == 0
     tl = p.tensor_leads[p.tensor_leads["metric"] == "rms_t"]
-    assert (tl.loc[tl["depth"] <= 1, "lead"] == 10).all()   # every shallow tensor, each spike
-    assert tl.loc[tl["depth"] > 1, "lead"].isna().all()
+    shallow = depth_group(tl["depth"], int(run.layers["depth"].max())) == "shallow"
+    assert shallow.any() and not shallow.all()
+    assert (tl.loc[shallow, "lead"] == 10).all()   # every shallow tensor, each spike
+    assert tl.loc[~shallow, "lead"].isna().all()
     assert len(tl) == 2 * run.layers["name"].nunique()
     tr = p.trajectories
     assert set(tr["group"]) == {"shallow", "deep"}

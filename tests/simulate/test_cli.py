@@ -66,8 +66,9 @@ def test_streams_json(tmp_path):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["quadratic", "--eps", "-1"], "--eps"),
-    (["quadratic", "--b2", "1.0"], "--b2"),
+    (["quadratic", "--eps", "-1"], "optim.eps: must be >= 0"),
+    (["quadratic", "--b2", "1.0"], "optim.b2: must be < 1"),
+    (["quadratic", "--quadratic.dim", "4"], "quadratic.dim: set it with this command's own flag"),
     (["quadratic", "--steps", "0"], "--steps"),
     (["quadratic", "--dim", "2", "--lam-min", "3"], "--lam-min"),
     (["mlp", "--kind", "cnn"], "--kind"),
