@@ -1,7 +1,7 @@
 """`adamspike` entry point: one subcommand per job, each implemented in its own package.
 
-Subcommands are imported lazily so that `adamspike theory` never loads torch or jax. A
-subcommand whose module is not built yet says so and exits with status 3.
+Subcommands are imported when called (importlib, by the module path in COMMANDS), so that
+`adamspike theory` never loads torch or jax.
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "theory": ("theory.cli:main", "closed-form numbers (--json for machines)"),
     "simulate": ("simulate.cli:simulate_main", "Monte-Carlo streams, quadratic, MLP, toy LLaMA runs"),
-    "sweep": ("simulate.sweep:main", "eps x b2 x batch x lr x seed sweeps (resumable, --shard k/n)"),
+    "sweep": ("adamspike.cli:sweep_main", "grids over dotted config keys (resumable, --shard k/n)"),
+    "replicate": ("simulate.replication:main", "test the literature's claims on the toy problems"),
     "predict": ("simulate.predict:main", "predictions.json from theory + sweep results"),
     "train": ("fullscale.train:main", "fullscale LLaMA2 training (run under torchrun)"),
     "launch": ("fullscale.launch:launch_main", "write per-node torchrun / MindSpeed scripts"),
     "plan": ("fullscale.launch:plan_main", "one run config + launch script per predicted setting"),
     "model": ("fullscale.cli:model_main", "`model info`: parameters, FLOPs/token, memory per card"),
     "data": ("fullscale.cli:data_main", "inspect / convert Megatron indexed data"),
-    "analyze": ("analysis.cli:main", "spikes, precursors, alarm scores, theory fits, report"),
+    "analyze": ("adamspike.cli:analyze_main", "spikes, precursors, alarm scores, theory fits, report"),
     "figures": ("figures.cli:main", "regenerate every figure"),
     "reproduce": ("adamspike.reproduce:main", "the whole study at CPU scale (--quick for CI)"),
 }
@@ -35,18 +36,27 @@ def _usage() -> str:
 
 
 def resolve(name: str):
-    """The function implementing subcommand `name`, or None if its module is not built."""
-    target, _ = COMMANDS[name]
-    module_name, func_name = target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        # Only "this module does not exist" means not built; a missing dependency inside
-        # it is a real error and propagates.
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            return None
-        raise
-    return getattr(module, func_name, None)
+    """The function implementing subcommand `name`."""
+    module_name, func_name = COMMANDS[name][0].split(":")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def analyze_main(argv: list[str]) -> int:
+    """`adamspike analyze` with the run figures drawn by figures/ (analysis imports no
+    figures code: the report takes the figure maker from here)."""
+    from analysis.cli import main as analyze   # pandas / matplotlib: this subcommand only
+    from figures.cli import analysis_figures
+    return analyze(argv, figures=analysis_figures)
+
+
+def sweep_main(argv: list[str]) -> int:
+    """`adamspike sweep run|merge` over simulate.sweep_problems.PROBLEMS;
+    `adamspike sweep replicate` is `adamspike replicate`."""
+    if argv and argv[0] == "replicate":
+        return int(resolve("replicate")(argv[1:]) or 0)
+    from simulate.sweep import main as sweep   # jax: only for this subcommand
+    from simulate.sweep_problems import PROBLEMS
+    return sweep(argv, PROBLEMS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,11 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"adamspike: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    func = resolve(name)
-    if func is None:
-        print(f"adamspike {name}: not built yet ({COMMANDS[name][0]} is missing)", file=sys.stderr)
-        return 3
-    return int(func(rest) or 0)
+    return int(resolve(name)(rest) or 0)
 
 
 if __name__ == "__main__":

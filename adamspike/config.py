@@ -179,6 +179,9 @@ def from_dict(cls: type, data: typing.Mapping[str, Any], prefix: str = "") -> An
         raise ConfigError(f"{prefix.rstrip('.') or '<root>'}: expected a table, got {data!r}")
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    moved = getattr(cls, "MOVED_KEYS", {})   # old name -> its dotted key now
+    for k in sorted(set(data) & set(moved)):
+        raise ConfigError(f"{prefix}{k}: moved to {moved[k]} (rename the key)")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''}: "
@@ -258,6 +261,7 @@ def parse_overrides(cls: type, overrides: list[str]) -> dict[str, Any]:
             elif len(matches) > 1:
                 raise ConfigError(f"--{key}: ambiguous, use one of {', '.join('--' + m for m in matches)}")
             else:
+                _raise_moved(cls, key)
                 raise ConfigError(f"unknown config key: {key}")
         d = nested
         parts = key.split(".")
@@ -265,6 +269,19 @@ def parse_overrides(cls: type, overrides: list[str]) -> dict[str, Any]:
             d = d.setdefault(p, {})
         d[parts[-1]] = value
     return nested
+
+
+def _raise_moved(cls: type, key: str) -> None:
+    """ConfigError "moved to ..." if `key` is a section's MOVED_KEYS entry."""
+    *path, leaf = key.split(".")
+    for p in path:
+        hints = _hints(cls)
+        if p not in hints or not dataclasses.is_dataclass(hints[p]):
+            return
+        cls = hints[p]
+    moved = getattr(cls, "MOVED_KEYS", {})
+    if leaf in moved:
+        raise ConfigError(f"{key}: moved to {moved[leaf]} (rename the key)")
 
 
 def _leaf_paths(cls: type, prefix: str = "") -> list[str]:
@@ -279,10 +296,46 @@ def _leaf_paths(cls: type, prefix: str = "") -> list[str]:
     return out
 
 
-def _merge(base: dict, over: dict) -> dict:
+def nest(data: typing.Mapping[str, Any]) -> dict[str, Any]:
+    """{"optim.eps": 1e-6, "train": {"seed": 1}} -> {"optim": {"eps": 1e-6}, "train": {"seed": 1}}:
+    dotted keys (and nested tables) to one nested dict; a key given twice is an error."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"config key: expected a non-empty string, got {key!r}")
+        if isinstance(value, typing.Mapping):
+            value = nest(value)
+        d, parts = out, key.split(".")
+        for i, p in enumerate(parts[:-1]):
+            d = d.setdefault(p, {})
+            if not isinstance(d, dict):
+                raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, not a section")
+        leaf = parts[-1]
+        if leaf in d:
+            both = isinstance(d[leaf], dict) and isinstance(value, dict)
+            twice = sorted(set(flatten(d[leaf])) & set(flatten(value))) if both else [""]
+            if twice:
+                raise ConfigError(f"{'.'.join(filter(None, (*parts, twice[0])))}: given twice")
+            value = merge(d[leaf], value)
+        d[leaf] = value
+    return out
+
+
+def flatten(data: typing.Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The inverse of `nest`: a nested dict to {dotted key: value}."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, typing.Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -302,19 +355,14 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
     """Schema defaults <- `base` dict <- TOML file <- CLI overrides, then validated."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
-        data = _merge(data, read_toml(path))
+        data = merge(data, read_toml(path))
     if overrides:
-        data = _merge(data, parse_overrides(cls, overrides))
+        data = merge(data, parse_overrides(cls, overrides))
     return from_dict(cls, data)
 
 
-def replace(obj: Any, **changes: Any) -> Any:
-    """`dataclasses.replace` with dotted keys for nested sections, re-validated."""
-    data = to_dict(obj)
-    for key, value in changes.items():
-        d = data
-        parts = key.replace("__", ".").split(".")
-        for p in parts[:-1]:
-            d = d[p]
-        d[parts[-1]] = value
-    return from_dict(type(obj), data)
+def replace(obj: Any, changes: typing.Mapping[str, Any] | None = None, /, **kw: Any) -> Any:
+    """A copy of config `obj` with dotted-key changes ({"optim.eps": 1e-6}, or keywords with
+    "__" for ".") applied and the whole re-validated; errors name the key."""
+    over = {**(changes or {}), **{k.replace("__", "."): v for k, v in kw.items()}}
+    return from_dict(type(obj), merge(to_dict(obj), nest(over)))

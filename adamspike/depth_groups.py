@@ -41,3 +41,16 @@ def depth_group(depth: int, num_layers: int) -> str:
 def shallow_depths(num_layers: int) -> list[int]:
     """The depths the alarms and reports call shallow: the embedding and the shallow blocks."""
     return [-1, *range(num_shallow_blocks(num_layers))]
+
+
+def is_shallow(depths, num_layers: int) -> list[bool]:
+    """Per depth: in the embed or shallow group (the alarms' and reports' "shallow" side,
+    depth < num_shallow_blocks(L)); deep blocks and the head are the other side."""
+    cut = num_shallow_blocks(num_layers)
+    return [int(d) < cut for d in depths]
+
+
+def infer_num_layers(depths) -> int:
+    """L of a run's layers table: the head sits at depth L, the largest depth (>= 1)."""
+    depths = [int(d) for d in depths]
+    return max(1, max(depths, default=1))

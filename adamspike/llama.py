@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterator
 
 from adamspike.config import ConfigError, param
 
@@ -134,7 +133,3 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     6 * N_non_embedding + 12 * L * d * T (attention scores; causal mask and recompute ignored).
     """
     return 6.0 * num_params(cfg, embeddings=False) + 12.0 * cfg.num_layers * cfg.dim * seq_len
-
-
-def iter_blocks(cfg: LlamaConfig) -> Iterator[int]:
-    return iter(range(cfg.num_layers))

@@ -78,9 +78,18 @@ def _safe_ratio_sum(g2, v_hat):
     return q.sum()
 
 
-def finalize(sums, eps: float) -> dict[str, float]:
+def _rho(grad_rms, eps):
+    """grad_rms / eps, inf where eps = 0; eps a scalar or one per tensor (row)."""
+    eps = np.asarray(eps, dtype=np.float64)
+    if eps.ndim == 0:
+        return grad_rms / eps if eps > 0 else np.full_like(grad_rms, np.inf)
+    return np.where(eps > 0, grad_rms / np.where(eps > 0, eps, 1.0), np.inf)
+
+
+def finalize(sums, eps) -> dict[str, float]:
     """Metrics from (all-reduced) SUM_FIELDS sums. `sums` is a sequence in SUM_FIELDS order
-    or an array of shape (num_tensors, len(SUM_FIELDS)), giving arrays per metric."""
+    or an array of shape (num_tensors, len(SUM_FIELDS)), giving arrays per metric; eps is
+    Adam's eps, a scalar or one per tensor (per-group eps)."""
     s = np.asarray(sums, dtype=np.float64)
     c = _COLUMN
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -89,7 +98,7 @@ def finalize(sums, eps: float) -> dict[str, float]:
         g2, mprev2 = s[..., c["g2"]], s[..., c["mprev2"]]
         out = {
             "grad_rms": grad_rms,
-            "rho": grad_rms / eps if eps > 0 else np.full_like(grad_rms, np.inf),
+            "rho": _rho(grad_rms, eps),
             "update_rms": np.sqrt(per_n[..., c["r2"]]),
             "rms_t": np.sqrt(per_n[..., c["g2_over_v"]]),
             "sat_frac": per_n[..., c["sat"]],

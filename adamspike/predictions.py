@@ -1,11 +1,11 @@
 """predictions.json: what the toy study predicts, in a form fullscale and analysis act on.
 
-Schema (version 1), written by `adamspike predict`, read by `adamspike plan` (one run per
+Schema (version 2), written by `adamspike predict`, read by `adamspike plan` (one run per
 recommended setting), by the trainer (alarm rules evaluated online, fired alarms logged as
 events) and by `adamspike analyze --predictions` (alarm precision / recall / lead time):
 
     {
-      "schema": "adamspike.predictions", "schema_version": 1,
+      "schema": "adamspike.predictions", "schema_version": 2,
       "created": "2026-12-02T12:00:00+0000",
       "source": {...},                 # free-form provenance (sweep tables, theory version)
       "profile": {                     # the model the predictions are for
@@ -13,9 +13,10 @@ events) and by `adamspike analyze --predictions` (alarm precision / recall / lea
         "rho_by_depth": {"-1": 0.05, "0": 0.3, ...},   # rms(g)/eps per depth (measured/assumed)
         "phi": 0.0                     # assumed lag-1 gradient correlation
       },
-      "settings": [                    # candidate optimizer settings, ranked
-        {"id": "eps1e-08-b2_0.95", "b1": 0.9, "b2": 0.95, "eps": 1e-8, "lr": 1.5e-4,
-         "global_batch_size": 1024, "risk": 0.1, "risk_label": "low", "rank": 1,
+      "settings": [                    # candidate settings, ranked
+        {"id": "eps1e-08-b2_0.95", "overrides": {"optim.b1": 0.9, "optim.b2": 0.95,
+         "optim.eps": 1e-8, "optim.lr": 1.5e-4, "train.global_batch_size": 1024},
+         "risk": 0.1, "risk_label": "low", "rank": 1,
          "rationale": "...", "per_depth": [{"depth": -1, "rho": ..., "regime": ...}, ...]}
       ],
       "alarm_rules": [
@@ -25,6 +26,11 @@ events) and by `adamspike analyze --predictions` (alarm precision / recall / lea
       ],
       "validate": ["eps1e-08-b2_0.95", ...]   # setting ids worth a full-scale run, best first
     }
+
+A setting's `overrides` are dotted RunConfig keys (adamspike.train_config.RunConfig.from_dict,
+which validates them; `adamspike plan` applies them over a base config). Version 1 files
+(b1 / b2 / eps / lr / global_batch_size fields per setting) are refused with a message
+saying to regenerate them.
 
 A rule selects tensors by depth range (inclusive; null = all) and kind list (null = all),
 reduces the metric over them (max / min / mean / median), compares with the threshold, and
@@ -42,14 +48,15 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from adamspike.config import ConfigError
 from adamspike.metrics import METRIC_NAMES
+from adamspike.train_config import RunConfig
 
 SCHEMA = "adamspike.predictions"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 REDUCERS = {"max": np.nanmax, "min": np.nanmin, "mean": np.nanmean, "median": np.nanmedian}
 DERIVED_METRICS = ("bimodality", "skewness", "kurtosis")
 RULE_METRICS = METRIC_NAMES + DERIVED_METRICS
-SETTING_FIELDS = ("b1", "b2", "eps", "lr", "global_batch_size")
 
 
 class PredictionsError(ValueError):
@@ -205,6 +212,10 @@ def from_json(data: Mapping[str, Any], where: str = "predictions") -> Prediction
         raise PredictionsError(f"{where}: expected a JSON object")
     if data.get("schema") != SCHEMA:
         raise PredictionsError(f"{where}: schema must be {SCHEMA!r}, got {data.get('schema')!r}")
+    if data.get("schema_version") == 1:
+        raise PredictionsError(f"{where}: schema_version 1 (settings with b1/b2/eps/lr fields) is "
+                               f"no longer read; regenerate it with `adamspike predict` "
+                               f"(version {SCHEMA_VERSION}: settings carry dotted overrides)")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise PredictionsError(f"{where}: schema_version {data.get('schema_version')!r} is not "
                                f"supported (expected {SCHEMA_VERSION})")
@@ -218,10 +229,10 @@ def from_json(data: Mapping[str, Any], where: str = "predictions") -> Prediction
         if s["id"] in seen:
             raise PredictionsError(f"{where}.settings[{i}].id: duplicate id {s['id']!r}")
         seen.add(s["id"])
-        for k in SETTING_FIELDS:
-            if k not in s:
-                raise PredictionsError(f"{where}.settings[{i}].{k}: missing")
-        _check_setting(s, f"{where}.settings[{i}]")
+        if not isinstance(s.get("overrides"), Mapping):
+            raise PredictionsError(f"{where}.settings[{i}].overrides: missing (a table of dotted "
+                                   "RunConfig keys)")
+        setting_config(s, f"{where}.settings[{i}]")
     rules = []
     for i, r in enumerate(data.get("alarm_rules", [])):
         if not isinstance(r, Mapping) or "id" not in r or "metric" not in r:
@@ -238,12 +249,13 @@ def from_json(data: Mapping[str, Any], where: str = "predictions") -> Prediction
     return p
 
 
-def _check_setting(s: Mapping[str, Any], where: str) -> None:
-    b1, b2, eps, lr, bs = (s[k] for k in SETTING_FIELDS)
-    for k, v, ok in (("b1", b1, 0 <= b1 < 1), ("b2", b2, 0 <= b2 < 1), ("eps", eps, eps >= 0),
-                     ("lr", lr, lr > 0), ("global_batch_size", bs, bs >= 1)):
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or not ok:
-            raise PredictionsError(f"{where}.{k}: out of range ({v!r})")
+def setting_config(s: Mapping[str, Any], where: str = "setting", base=None):
+    """RunConfig of a setting's overrides over `base` (default: the defaults); a bad key or
+    value raises PredictionsError naming the setting and the key."""
+    try:
+        return RunConfig.from_dict(s["overrides"], base=base)
+    except ConfigError as e:
+        raise PredictionsError(f"{where}.overrides: {e}") from None
 
 
 def load_predictions(path: str | Path) -> Predictions:

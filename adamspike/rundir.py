@@ -584,3 +584,32 @@ def load_run(path: str | Path, *, tables: Iterable[str] = ("steps", "layers", "h
                                       for c in TABLES[t]})
     events, torn = read_events(path)
     return Run(path=path, meta=meta, events=events, torn_event_lines=torn, **frames)
+
+
+# ----------------------------------------------------------------------------- finding runs
+
+def find_runs(root: str | Path) -> list[Path]:
+    """Run directories (with a run.json) under root, not descending into a run."""
+    root = Path(root)
+    if (root / "run.json").is_file():
+        return [root]
+    out = []
+    if root.is_dir():
+        for child in sorted(p for p in root.iterdir() if p.is_dir()):
+            out.extend(find_runs(child))
+    return out
+
+
+def run_names(runs: Iterable[Path]) -> list[str]:
+    """Distinct output names for run directories (parent prefixes where names clash)."""
+    runs = [Path(r) for r in runs]
+    base = [r.name for r in runs]
+    names = [f"{r.parent.name}_{r.name}" if base.count(r.name) > 1 else r.name for r in runs]
+    seen: dict[str, int] = {}
+    for i, n in enumerate(names):
+        if n in seen:
+            seen[n] += 1
+            names[i] = f"{n}_{seen[n]}"
+        else:
+            seen[n] = 0
+    return names

@@ -1,7 +1,11 @@
 """The training config both backends read: same sections, same field names.
 
-The JAX toy LLaMA (simulate/) uses model, optim, train, data, telemetry; the torch trainer
-(fullscale/) uses all sections. TOML example (configs/tiny.toml):
+The JAX toy LLaMA (simulate/) uses model, optim, train, data, telemetry, guard, checkpoint
+(its in-memory snapshots) and mitigation; the torch trainer (fullscale/) uses all sections.
+Every experiment setting anywhere (CLI flags, sweep grids, replication arms, predictions.json
+settings, `adamspike plan`) is a dict of dotted keys of this schema ("optim.eps",
+"train.global_batch_size", every "mitigation.*" key of the registry), turned into a config by
+`RunConfig.from_dict(overrides, base)`. TOML example (configs/tiny.toml):
 
     [model]
     preset = "tiny"
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
-from adamspike.config import ConfigError, param
+from adamspike.config import ConfigError, merge, flatten, from_dict, nest, param, to_dict
+from adamspike.mitigations import MitigationSection, moved_keys
 from adamspike.llama import PRESETS, LlamaConfig, preset
 
 
@@ -36,8 +42,7 @@ class ModelSection:
     rope_theta: float | None = param(None, lo=0.0, lo_open=True)
     init_std: float | None = param(None, lo=0.0, lo_open=True)
     hf_config: str = param("", help="path of a HuggingFace config.json to import instead")
-    # GLM-130B embedding-gradient shrink: x = a*x + (1-a)*x.detach(); 1.0 = off.
-    embed_grad_shrink: float = param(1.0, lo=0.0, hi=1.0, lo_open=True)
+    MOVED_KEYS = moved_keys("model")
 
     def llama(self) -> LlamaConfig:
         """The resolved architecture (preset + overrides)."""
@@ -57,8 +62,6 @@ class OptimSection:
     eps: float = param(1e-8, lo=0.0)
     weight_decay: float = param(0.0, lo=0.0)
     grad_clip: float = param(1.0, lo=0.0, help="global-norm clip threshold, 0 = off")
-    # StableAdamW-style update clipping per tensor: lr_t = lr / max(1, rms_t).
-    update_clip: bool = param(False)
     implementation: str = param("foreach", choices=("foreach", "fused", "for-loop"),
                                 help="torch.optim.AdamW kernel (torch only)")
 
@@ -77,6 +80,8 @@ class OptimSection:
         if self.schedule == "linear":
             return self.lr - (self.lr - self.min_lr) * p
         return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+    MOVED_KEYS = moved_keys("optim")
 
     def check(self) -> None:
         if self.min_lr > self.lr:
@@ -165,6 +170,28 @@ class RunConfig:
     guard: GuardSection = field(default_factory=GuardSection)
     dist: DistSection = field(default_factory=DistSection)
     alarms: AlarmSection = field(default_factory=AlarmSection)
+    mitigation: MitigationSection = field(default_factory=MitigationSection)
+
+    @classmethod
+    def from_dict(cls, overrides: Mapping[str, Any] | None = None,
+                  base: "RunConfig | Mapping[str, Any] | None" = None) -> "RunConfig":
+        """The one way to build a config from settings: `overrides` (dotted keys such as
+        {"optim.eps": 1e-6, "train.seed": 3}, or nested tables) applied over
+        `base` (a RunConfig, a nested dict, or None for the defaults), validated as a whole.
+        Every problem raises ConfigError naming the key (unknown, moved, wrong type, out
+        of range)."""
+        if base is None:
+            data: dict[str, Any] = {}
+        elif isinstance(base, RunConfig):
+            data = to_dict(base)
+        else:
+            data = nest(base)
+        return from_dict(cls, merge(data, nest(overrides or {})))
+
+    def overrides(self, base: "RunConfig | None" = None) -> dict[str, Any]:
+        """The dotted keys whose values differ from `base` (default: the defaults)."""
+        mine, ref = flatten(to_dict(self)), flatten(to_dict(base or RunConfig()))
+        return {k: v for k, v in mine.items() if ref.get(k) != v}
 
     def check(self) -> None:
         llama = self.model.llama() if not self.model.hf_config else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -76,13 +77,15 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
+    """`adamspike analyze`. figures: the figure maker of the reports (figure files of a
+    RunAnalysis; the top CLI passes figures.cli.analysis_figures: analysis imports no
+    figures code), None = no figures."""
     from adamspike.predictions import PredictionsError, load_predictions
-    from adamspike.rundir import RunFormatError
+    from adamspike.rundir import RunFormatError, find_runs, run_names
     from analysis.megatron_log import MegatronLogError, import_megatron_log
     from analysis.report import (AnalysisError, SpikeParams, analyze_run, write_index,
                                  write_run_report)
-    from figures.cli import find_runs, run_names
 
     args = _parser().parse_args(argv)
     if args.window < 2 or args.k < 0 or args.min_rel_jump < 0:
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                              num_params=num_params, num_params_source=num_params_source)
         except (RunFormatError, AnalysisError) as e:
             return _fail(str(e))
-        write_run_report(ra, out / name, figures=not args.no_figures)
+        write_run_report(ra, out / name, figures=None if args.no_figures else figures)
         analyses.append(ra)
     index = write_index(analyses, out, names)
     print(index)

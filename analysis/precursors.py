@@ -5,7 +5,8 @@ For a spike starting at step s, two stretches of the layers table are used:
     baseline  steps [s - window - baseline, s - window)   the metric's normal band
     window    steps [s - window, s)                       where a precursor may show
 
-Per metric and tensor group (shallow: depth <= 1, embedding included; deep: depth >= 2) the
+Per metric and tensor group (shallow: the embed and shallow groups of adamspike.depth_groups,
+depth < max(1, L // 10); deep: the deeper blocks and the head) the
 per-step values are reduced across the group's tensors (median by default), and the band
 is  median(baseline) + max(k * 1.4826 * MAD(baseline), rel_margin * |median|)  (upper side;
 `two_sided=True` also flags drops below the mirrored lower edge). Lead times, in steps:
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from adamspike.depth_groups import infer_num_layers, is_shallow
 from adamspike.metrics import shape_stats
 from analysis.spikes import MAD_TO_SIGMA
 
@@ -35,7 +37,6 @@ PRECURSOR_METRICS = ("rho", "rms_t", "update_rms", "sat_frac", "bimodality", "gr
                      "m_v_ratio")
 RAW_COLUMNS = ("rho", "rms_t", "update_rms", "sat_frac", "grad_mom_cos", "m_v_ratio",
                "r_mean", "r_m2", "r_m3", "r_m4")
-SHALLOW_MAX_DEPTH = 1
 
 
 @dataclass
@@ -48,9 +49,14 @@ class Precursors:
     tensor_leads: pd.DataFrame | None = None  # spike_id, name, depth, group, metric, lead
 
 
-def depth_group(depth) -> np.ndarray:
-    """'shallow' for depth <= 1 (embedding = -1, blocks 0 and 1), else 'deep'."""
-    return np.where(np.asarray(depth) <= SHALLOW_MAX_DEPTH, "shallow", "deep")
+def depth_group(depth, num_layers: int | None = None) -> np.ndarray:
+    """'shallow' for the embed and shallow groups of adamspike.depth_groups (depth <
+    max(1, L // 10)), else 'deep'. num_layers: L, by default the largest depth given (the
+    head's, in a whole layers table)."""
+    depth = np.asarray(depth)
+    if num_layers is None:
+        num_layers = infer_num_layers(depth.ravel())
+    return np.where(is_shallow(depth.ravel(), num_layers), "shallow", "deep").reshape(depth.shape)
 
 
 def with_derived(layers: pd.DataFrame) -> pd.DataFrame:

@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -332,8 +332,8 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
         L.append(f"Not computed: {ra.notes.get('precursors')}.")
     else:
         pre = ra.precursors
-        L += [f"Per metric, the median over each group's tensors (shallow: depth <= 1, "
-              f"embedding included; deep: the rest), against its band (median + 4 x 1.4826 MAD"
+        L += [f"Per metric, the median over each group's tensors (shallow: the embed + shallow groups, depth < "
+              f"max(1, L // 10); deep: the rest), against its band (median + 4 x 1.4826 MAD"
               f" over the {pre.baseline} steps before a {pre.window}-step window). Lead = "
               "spike start - first step of the out-of-band run that lasts until the spike "
               "(sustained); 'led' counts spikes with such a run.", "",
@@ -585,9 +585,12 @@ def _clean(o):
     return o
 
 
-def write_run_report(ra: RunAnalysis, out_dir: str | Path, *, figures: bool = True
+def write_run_report(ra: RunAnalysis, out_dir: str | Path, *,
+                     figures: Callable[[RunAnalysis, Path], list[Path]] | None = None
                      ) -> list[Path]:
-    """report.md + CSV tables + summary.json (+ figures/) into out_dir; returns the files."""
+    """report.md + CSV tables + summary.json (+ figures/) into out_dir; returns the files.
+    figures: the caller's figure maker, figures(ra, out_dir / "figures") -> the files it
+    wrote (figures.cli.analysis_figures from `adamspike analyze`); None: no figures."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -615,42 +618,14 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path, *, figures: bool = Tr
         _write_csv(ra.hetero_fit.bands, out / "update_rms_fit_bands.csv", written)
         _write_csv(ra.hetero_fit.diagnostics, out / "update_rms_fit_diagnostics.csv", written)
     figs: list[Path] = []
-    if figures:
-        figs = run_figures(ra, out / "figures")
+    if figures is not None:
+        figs = list(figures(ra, out / "figures"))
         written += figs
     md = render_markdown(ra, figs, out)
     atomic_write_bytes(out / "report.md", md.encode())
     atomic_write_bytes(out / "summary.json",
                        json.dumps(_clean(summary_dict(ra)), indent=2).encode())
     return written + [out / "report.md", out / "summary.json"]
-
-
-def run_figures(ra: RunAnalysis, out_dir: Path) -> list[Path]:
-    """The run figures of figures/ for this analysis (those whose input exists)."""
-    import importlib
-
-    from figures.cli import REGISTRY
-
-    run = ra.run
-    if run.hists.empty and (run.path / "hists").is_dir():
-        run.hists = load_run(run.path, tables=("hists",)).hists
-    files: list[Path] = []
-    for mod_name, kind in REGISTRY:
-        if kind != "run":
-            continue
-        try:
-            mod = importlib.import_module(mod_name)
-        except ModuleNotFoundError:
-            ra.notes[f"figure {mod_name}"] = "module missing"
-            continue
-        kw = {}
-        if mod_name.endswith("fig_precursors"):
-            kw = {"spikes": ra.spikes}
-        try:
-            files += mod.plot(mod.prepare(run, **kw), out_dir)
-        except ValueError as e:
-            ra.notes[f"figure {mod_name.rsplit('.', 1)[-1]}"] = str(e)
-    return files
 
 
 def write_index(analyses: list[RunAnalysis], out_dir: str | Path,

@@ -2,11 +2,13 @@
 
 NOT measurements: every value is drawn from the model below, so an analysis run on it can
 be checked against the truth (spike steps, precursor lead, eps scale). Layout, names,
-depths and sizes come from adamspike.llama.param_specs (the 70B preset gives the real
+depths and sizes come from adamspike.depth_groups import is_shallow
+from adamspike.llama.param_specs (the 70B preset gives the real
 723 tensors), written through RunWriter like a real backend.
 
 Per tensor l (depth d) and step t, away from spikes:
-    rho_l        = rho_shallow (d <= 1) or rho_deep (d >= 2), times lognormal noise
+    rho_l        = rho_shallow (embed + shallow groups of adamspike.depth_groups) or rho_deep,
+                   times lognormal noise
     phi_l        fixed per tensor; grad_mom_cos = theory cos(phi) + N(0, 0.01)
     update_rms   = theory update_rms(rho * eps_scale, phi(grad_mom_cos)) x lognormal(0.03)
                    (eps_scale = 1: the run's eps acts as configured)
@@ -26,6 +28,7 @@ from typing import Sequence
 import numpy as np
 from scipy.stats import norm
 
+from adamspike.depth_groups import is_shallow
 from adamspike.llama import param_specs, preset
 from adamspike.metrics import HIST_EDGES
 from adamspike.rundir import RunWriter, environment
@@ -59,7 +62,7 @@ def write_synthetic_run(path: str | Path, *, model: str = "tiny", num_steps: int
     depth = np.array([s.depth for s in specs], dtype=np.int32)
     kind = [s.kind for s in specs]
     numel = np.array([int(np.prod(s.shape)) for s in specs], dtype=np.int64)
-    shallow = depth <= 1
+    shallow = np.asarray(is_shallow(depth, preset(model).num_layers))
     num_t = len(specs)
     rho0 = np.where(shallow, rho_shallow, rho_deep) * np.exp(0.2 * rng.standard_normal(num_t))
     phi = np.clip(0.1 + 0.05 * rng.standard_normal(num_t), -0.2, 0.5)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from adamspike.rundir import find_runs, load_run, run_names
+
 # (module, kind): kind "run" figures take RUN... --out; "theory" take --out [--quick]
 # (figures.style.computed_figure_main);
 # "sweep" take --table SWEEP --out; "replication" take --table REPLICATION (or the sweep
@@ -52,31 +54,30 @@ class Outcome:
     files: list[Path] = field(default_factory=list)
 
 
-def find_runs(root: str | Path) -> list[Path]:
-    """Run directories (with a run.json) under root, not descending into a run."""
-    root = Path(root)
-    if (root / "run.json").is_file():
-        return [root]
-    out = []
-    if root.is_dir():
-        for child in sorted(p for p in root.iterdir() if p.is_dir()):
-            out.extend(find_runs(child))
-    return out
-
-
-def run_names(runs: Iterable[Path]) -> list[str]:
-    """Distinct output names for run directories (parent prefixes where names clash)."""
-    runs = [Path(r) for r in runs]
-    base = [r.name for r in runs]
-    names = [f"{r.parent.name}_{r.name}" if base.count(r.name) > 1 else r.name for r in runs]
-    seen: dict[str, int] = {}
-    for i, n in enumerate(names):
-        if n in seen:
-            seen[n] += 1
-            names[i] = f"{n}_{seen[n]}"
-        else:
-            seen[n] = 0
-    return names
+def analysis_figures(ra, out_dir: Path) -> list[Path]:
+    """The run figures of REGISTRY for an analysis.report.RunAnalysis (those whose input
+    exists; a figure that cannot be drawn leaves a note in ra.notes): the figure maker
+    `adamspike analyze` hands to analysis.report.write_run_report."""
+    run = ra.run
+    if run.hists.empty and (run.path / "hists").is_dir():
+        run.hists = load_run(run.path, tables=("hists",)).hists
+    files: list[Path] = []
+    for mod_name, kind in REGISTRY:
+        if kind != "run":
+            continue
+        try:
+            mod = importlib.import_module(mod_name)
+        except ModuleNotFoundError:
+            ra.notes[f"figure {mod_name}"] = "module missing"
+            continue
+        kw = {}
+        if mod_name.endswith("fig_precursors"):
+            kw = {"spikes": ra.spikes}
+        try:
+            files += mod.plot(mod.prepare(run, **kw), out_dir)
+        except ValueError as e:
+            ra.notes[f"figure {mod_name.rsplit('.', 1)[-1]}"] = str(e)
+    return files
 
 
 def _snapshot(d: Path) -> dict[Path, float]:

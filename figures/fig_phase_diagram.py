@@ -1,10 +1,11 @@
-"""Phase diagrams of a sweep: where Adam spikes over eps x b2, eps x lr and batch x lr.
+"""Phase diagrams of a sweep: where Adam spikes over eps x b2, eps x lr and batch x lr
+(the sweep table's dotted columns optim.eps, optim.b2, optim.lr, and the batch key).
 
     python -m figures.fig_phase_diagram --table SWEEP_DIR_or_runs.parquet --out DIR
 
 Colour = fraction of runs (seeds, and any other swept axes pooled) with at least one spike
 or a divergence; the number in each cell is that fraction, over the number of runs. Only
-runs without mitigations enter (update_clip off, embed_grad_shrink 1). A panel is drawn for
+runs without mitigations enter (every mitigation.* column neutral, adamspike.mitigations). A panel is drawn for
 each pair whose two axes vary in the table. Where the table has the curvature of a quadratic
 problem (lam_max), the theory's eps* = lr lam (1-b1) / (2 (1+b1)) (Bai et al.;
 theory.quadratic.critical_eps) is overlaid: a vertical line on eps x b2 (one per lr), the
@@ -20,8 +21,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-PAIRS = (("eps", "b2"), ("eps", "lr"), ("batch", "lr"))
-LOG_AXES = {"eps", "lr", "batch"}
+from adamspike.mitigations import neutral_mask
+
+EPS, B2, LR, B1 = "optim.eps", "optim.b2", "optim.lr", "optim.b1"
+BATCH = ("train.global_batch_size", "mlp.batch")   # the first present is the batch axis
+LAM_MAX = "quadratic.lam_max"
+PAIRS = ((EPS, B2), (EPS, LR), ("batch", LR))
+LOG_AXES = {EPS, LR, "batch"}
 
 
 def _load(path: str) -> pd.DataFrame:
@@ -35,15 +41,14 @@ def _load(path: str) -> pd.DataFrame:
 
 def prepare(table: pd.DataFrame) -> dict:
     """-> {"panels": [{x, y, xs, ys, rate [len(ys), len(xs)], count, eps_star}], "problem"}."""
-    t = table
-    if "update_clip" in t:
-        t = t[~t["update_clip"].astype(bool)]
-    if "embed_grad_shrink" in t:
-        t = t[t["embed_grad_shrink"] == 1.0]
+    t = table[neutral_mask(table)]
     if t.empty:
         raise ValueError("the table has no runs without mitigations")
     spiked = (t["num_spikes"] > 0) | t["diverged"].astype(bool)
     t = t.assign(spiked=spiked.astype(float))
+    batch = next((b for b in BATCH if b in t), None)
+    if batch is not None:
+        t = t.assign(batch=t[batch])
     panels = []
     for x, y in PAIRS:
         if x not in t or y not in t or t[x].nunique() < 2 or t[y].nunique() < 2:
@@ -56,11 +61,11 @@ def prepare(table: pd.DataFrame) -> dict:
             rate[ys.index(yv), xs.index(xv)] = row["mean"]
             count[ys.index(yv), xs.index(xv)] = int(row["count"])
         eps_star = None
-        if x == "eps" and "lam_max" in t and t["lam_max"].nunique() == 1 and "b1" in t \
-                and t["b1"].nunique() == 1:
+        if x == EPS and LAM_MAX in t and t[LAM_MAX].nunique() == 1 and B1 in t \
+                and t[B1].nunique() == 1:
             from theory.quadratic import critical_eps
-            lam, b1 = float(t["lam_max"].iloc[0]), float(t["b1"].iloc[0])
-            lrs = sorted(t["lr"].unique()) if y != "lr" else ys
+            lam, b1 = float(t[LAM_MAX].iloc[0]), float(t[B1].iloc[0])
+            lrs = sorted(t[LR].unique()) if y != LR else ys
             eps_star = {float(lr): critical_eps(float(lr), lam, b1) for lr in lrs}
         panels.append({"x": x, "y": y, "xs": xs, "ys": ys, "rate": rate, "count": count,
                        "eps_star": eps_star})
@@ -96,7 +101,7 @@ def plot(data: dict, out_dir: str | Path) -> list[Path]:
         ax.set_ylabel(p["y"])
         ax.grid(False)
         if p["eps_star"]:
-            if p["y"] == "lr":
+            if p["y"] == LR:
                 xs_line = [_position(p["xs"], e, True) for e in p["eps_star"].values()]
                 ys_line = [_position(p["ys"], lr, True) for lr in p["eps_star"]]
                 ax.plot(xs_line, ys_line, color="#17a589", lw=2, label="eps* (theory)")

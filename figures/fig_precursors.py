@@ -1,4 +1,4 @@
-"""Per-layer Adam metrics aligned on the spike start: shallow (depth <= 1) vs deep layers.
+"""Per-layer Adam metrics aligned on the spike start: shallow (embed + shallow groups, adamspike.depth_groups) vs deep.
 
 For each loss spike (analysis.spikes.detect_spikes) and metric (rho, rms_t, update_rms,
 sat_frac, bimodality of r, grad_mom_cos) the group median across tensors per step

@@ -8,20 +8,11 @@ operations as `telemetry.block_sums`, block sums in the compute dtype, totals in
 the precision model of the inductor kernel) to torch: a small C++ extension module whose
 one function `sums` takes the Python lists of tensors and unpacks them in C++ (pointers,
 dtypes, sizes, contiguity), reads each tensor's Adam step and computes its bias
-corrections 1 - b^t in double, as `Telemetry._bias_correction_table` does. m_prev is
-reconstructed from AdamW's m_t (fullscale.telemetry's docstring). In-step, with cold
-caches, reading those attributes from Python for the tiny model's 105 tensors cost more
-than the loop (0.08-0.17 ms; numpy's array constructors for the pointers 78 us of it).
-
-Measured on the tiny model (106,816 elements, 2-core Xeon VM, float32): the loop takes
-0.19 ms with the data in cache and 0.21 ms in-step (0.3 ms before prefetching); the
-histogram adds 0.15 ms; the whole call 0.23 ms in-step (with ctypes and Python-side
-checks: 0.29-0.38 ms). The inductor path took 0.4 ms to copy into its buffer, 0.43 ms for
-the sums kernel and 1.4 ms more on a histogram step. The loop is divider-bound (five
-divisions and a square root per element). Tried: float32 reciprocals of 1 - b^t and b1
-(0.15 ms in cache, but not the same rounding as a division) and their exact form,
-x * (1 / (double)c) rounded to float, which is x / c correctly rounded (checked for every
-finite float32 x and 15 divisors c) but slower (0.23 ms): the loop keeps the divisions.
+corrections 1 - b^t in double, as `Telemetry._bias_correction_table` does. m_prev is an
+explicit input list when the trainer copies it (a state-editing mitigation), else it is
+reconstructed from AdamW's m_t (fullscale.telemetry's docstring). Unpacking in C++ matters:
+reading those attributes from Python for many small tensors costs more than the loop. The
+loop keeps true divisions (reciprocal multiplies would not round as the other kernels do).
 
 Built on first use (~10-15 s; adamspike.native.build_library) against the running
 torch's headers and libraries (as torch.utils.cpp_extension would, without its setuptools
@@ -46,7 +37,8 @@ MODULE = "adamspike_telemetry_native"
 
 _BINDING = r"""
 /* ---- torch binding: sums(grads, exp_avgs, exp_avg_sqs, params, steps, acc, b1, b2, eps,
-   hist, compute_f64) -> the float64 table, or None if the inputs do not qualify */
+   hist, compute_f64[, m_prevs]) -> the float64 table, or None if the inputs do not qualify;
+   without m_prevs (or None) the kernel reconstructs m_prev from AdamW's rule */
 
 /* ptrs[i], sizes[i] of the list's tensors; false unless each is a defined, contiguous CPU
    tensor of dtype dt with storage (a DTensor wrapper has none) and, given sizes_in, of
@@ -68,12 +60,13 @@ static bool gather(PyObject *list, Py_ssize_t num, c10::ScalarType dt, int64_t *
 }
 
 static PyObject *sums(PyObject *, PyObject *args) {
-  PyObject *lists[5], *acc_obj;
+  PyObject *lists[5], *acc_obj, *mprev_obj = Py_None;
   double b1, b2, eps;
   int hist, compute_f64;
-  if (!PyArg_ParseTuple(args, "OOOOOOdddpp", &lists[0], &lists[1], &lists[2], &lists[3],
-                        &lists[4], &acc_obj, &b1, &b2, &eps, &hist, &compute_f64))
+  if (!PyArg_ParseTuple(args, "OOOOOOdddpp|O", &lists[0], &lists[1], &lists[2], &lists[3],
+                        &lists[4], &acc_obj, &b1, &b2, &eps, &hist, &compute_f64, &mprev_obj))
     return NULL;
+  const int mprev = mprev_obj != Py_None;
   try {
     if (!PyList_Check(lists[4]) || !THPVariable_Check(acc_obj))
       Py_RETURN_NONE;
@@ -83,13 +76,15 @@ static PyObject *sums(PyObject *, PyObject *args) {
       Py_RETURN_NONE;
     const c10::ScalarType dt = THPVariable_Unpack(PyList_GET_ITEM(lists[0], 0)).scalar_type();
     if (dt != at::kFloat && dt != at::kDouble) Py_RETURN_NONE;
-    kernel_fn fn = pick_kernel(dt == at::kDouble, compute_f64, hist, 0);
+    kernel_fn fn = pick_kernel(dt == at::kDouble, compute_f64, hist, mprev);
     if (!fn) Py_RETURN_NONE;
-    std::vector<int64_t> ptrs(4 * num), numel(num);
+    std::vector<int64_t> ptrs(4 * num), numel(num), mprev_ptrs(num);
     std::vector<double> c1(num), c2(num);
     if (!gather(lists[0], num, dt, ptrs.data(), numel.data(), NULL)) Py_RETURN_NONE;
     for (int k = 1; k < 4; ++k)   /* exp_avg, exp_avg_sq, param: the gradient's sizes */
       if (!gather(lists[k], num, dt, ptrs.data() + k * num, NULL, numel.data())) Py_RETURN_NONE;
+    if (mprev && !gather(mprev_obj, num, dt, mprev_ptrs.data(), NULL, numel.data()))
+      Py_RETURN_NONE;
     /* steps: one-element CPU tensors, float32 or float64 (AdamW's state["step"]); the bias
        corrections of its integer value, in double */
     for (Py_ssize_t i = 0; i < num; ++i) {
@@ -115,7 +110,8 @@ static PyObject *sums(PyObject *, PyObject *args) {
     table.narrow(1, 0, NT + 1).copy_(acc);
     double *out = table.mutable_data_ptr<double>();
     const int64_t *p = ptrs.data();
-    fn(num, p, p + num, p + 2 * num, NULL, p + 3 * num, numel.data(), c1.data(), c2.data(),
+    fn(num, p, p + num, p + 2 * num, mprev ? mprev_ptrs.data() : NULL, p + 3 * num,
+       numel.data(), c1.data(), c2.data(),
        b1, eps, 1.0, out + 1, stride, hist ? out + NT + 1 : NULL);
     return THPVariable_Wrap(std::move(table));
   } catch (const std::exception &e) {
@@ -185,10 +181,13 @@ class NativeSums:
 
     def __call__(self, sources, steps, acc: torch.Tensor, b1: float, b2: float, eps: float,
                  hist: bool = False) -> torch.Tensor | None:
-        """sources: (grads, exp_avgs, exp_avg_sqs, params) lists of equal-sized tensors;
+        """sources: (grads, exp_avgs, exp_avg_sqs, params[, m_prevs]) lists of equal-sized
+        tensors (without m_prevs, m_prev is reconstructed from AdamW's rule);
         steps: each tensor's Adam step, a one-element CPU tensor (AdamW's state["step"]);
         acc: (num_tensors, NUM_SUMS) float64, not modified. Returns a new float64 table:
         acc + the sums in columns 1.., and with `hist` the NUM_HIST_BINS counts of r after
         them (exact integers)."""
-        return self.module.sums(*(list(x) for x in sources), list(steps), acc, float(b1),
-                                float(b2), float(eps), bool(hist), self.dtype == torch.float64)
+        m_prev = list(sources[4]) if len(sources) > 4 else None
+        return self.module.sums(*(list(x) for x in sources[:4]), list(steps), acc, float(b1),
+                                float(b2), float(eps), bool(hist), self.dtype == torch.float64,
+                                m_prev)

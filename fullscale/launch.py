@@ -28,8 +28,9 @@ divides the world size and the data-parallel size divides the global batch.
 
 Mapping to Megatron arguments: loss scale s is folded into eps and the clip threshold
 (Adam on s L with eps equals Adam on L with eps/s, the clip threshold on the scaled
-gradient c equals c/s on the unscaled one); features Megatron does not have (GLM embedding
-gradient shrink, StableAdamW update clipping, z-loss, spike guard, batch skipping, online
+gradient c equals c/s on the unscaled one); the mitigations' flags come from the registry
+(adamspike.mitigations: megatron_args), and features Megatron does not have (every active
+mitigation the registry calls not expressible, z-loss, spike guard, batch skipping, online
 alarms) are listed in the script header and a warning, not silently dropped.
 """
 
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adamspike import mitigations
 from adamspike.config import ConfigError, load_config, param, to_dict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -225,12 +227,7 @@ def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatr
 
 
 def _megatron_gaps(run) -> list[str]:
-    gaps = []
-    if run.model.embed_grad_shrink != 1.0:
-        gaps.append(f"model.embed_grad_shrink = {run.model.embed_grad_shrink}: no Megatron flag; "
-                    "the Megatron run trains WITHOUT the GLM embedding-gradient shrink")
-    if run.optim.update_clip:
-        gaps.append("optim.update_clip (StableAdamW): no Megatron flag; not applied")
+    gaps = mitigations.megatron_gaps(run)   # the registry's "not expressible"
     if run.train.z_loss:
         gaps.append(f"train.z_loss = {run.train.z_loss}: no Megatron flag; not applied")
     if run.guard.enabled:
@@ -355,6 +352,7 @@ def megatron_args(launch: Launch) -> list[str]:
         "--optimizer adam", f"--adam-beta1 {o.b1:g}", f"--adam-beta2 {o.b2:g}",
         f"--adam-eps {o.eps / s:g}", f"--weight-decay {o.weight_decay:g}",
         f"--clip-grad {o.grad_clip / s:g}",
+        *mitigations.megatron_args(run),
     ]
     if t.dtype == "bf16":
         args.append("--bf16")
@@ -626,8 +624,7 @@ def _safe_id(setting_id: str) -> str:
 
 def plan_main(argv: list[str]) -> int:
     """One run config + launch scripts per setting in predictions.json's `validate` list."""
-    from adamspike.config import replace
-    from adamspike.predictions import PredictionsError, load_predictions
+    from adamspike.predictions import PredictionsError, load_predictions, setting_config
     from adamspike.train_config import RunConfig
 
     p = _Parser(prog="adamspike plan",
@@ -671,15 +668,13 @@ def plan_main(argv: list[str]) -> int:
             if name in seen:
                 raise ConfigError(f"{pred_path}: settings {sid!r} and another map to the same directory {name!r}")
             seen.add(name)
-            # min_lr keeps its ratio to lr (e.g. cosine to 10%), so a lower lr stays valid.
-            ratio = base.optim.min_lr / base.optim.lr
-            try:
-                run = replace(base, **{"optim.b1": s["b1"], "optim.b2": s["b2"], "optim.eps": s["eps"],
-                                       "optim.lr": s["lr"], "optim.min_lr": s["lr"] * ratio,
-                                       "train.global_batch_size": s["global_batch_size"],
-                                       "alarms.predictions": str(out / "predictions.json")})
-            except ConfigError as e:
-                raise ConfigError(f"setting {sid!r}: {e}") from None
+            # plan = base config + the setting's overrides; min_lr keeps its ratio to lr
+            # (e.g. cosine to 10%), so a lower lr stays valid.
+            over = dict(s["overrides"])
+            if "optim.lr" in over and "optim.min_lr" not in over:
+                over["optim.min_lr"] = over["optim.lr"] * base.optim.min_lr / base.optim.lr
+            over["alarms.predictions"] = str(out / "predictions.json")
+            run = setting_config({"overrides": over}, f"setting {sid!r}", base=base)
             run = _resolve_run(run, cluster.cluster.device)
             run_dir = (Path(args.runs_dir).resolve() / name) if args.runs_dir else out / name / "run"
             try:
@@ -689,8 +684,7 @@ def plan_main(argv: list[str]) -> int:
             info = write_launch(launch, tmp / name, final=out / name)
             _memory_warnings(prog, launch)
             rows.append({"id": sid, "dir": str(out / name), "rank": s.get("rank"), "risk": s.get("risk"),
-                         "risk_label": s.get("risk_label"), "b1": s["b1"], "b2": s["b2"], "eps": s["eps"],
-                         "lr": s["lr"], "global_batch_size": s["global_batch_size"],
+                         "risk_label": s.get("risk_label"), "overrides": dict(s["overrides"]),
                          "scripts": [Path(x).name for x in info["scripts"].values()],
                          "megatron_notes": launch.notes})
         (tmp / "plan.json").write_text(json.dumps(

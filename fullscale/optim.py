@@ -6,7 +6,7 @@ the torch trainer, with the same semantics as simulate/optim.py (the JAX chain):
     2. torch.optim.AdamW, eps outside the root:
        m_t = b1 m + (1-b1) g,  v_t = b2 v + (1-b2) g^2,
        p <- p (1 - lr_t wd) - lr_t m_hat / (sqrt(v_hat) + eps)
-    3. update clipping (optim.update_clip), per tensor, from the gradient Adam consumes and
+    3. update clipping (the mitigation registry's `direction` hook), per tensor, from the gradient Adam consumes and
        v_hat of *this* step (v_t / (1 - b2^t), i.e. after the update of v):
            rms_t = sqrt(mean(g^2 / max(v_hat, eps^2))),  Adam term scaled by 1 / max(1, rms_t)
        The weight-decay term is not scaled (as in the JAX chain). Implemented without a
@@ -29,6 +29,7 @@ import math
 import torch
 from torch import nn
 
+from adamspike.mitigations import StepPlan
 from adamspike.train_config import OptimSection
 
 TORCH_CLIP_EPS = 1e-6  # clip_grad_norm_ divides by (norm + 1e-6)
@@ -44,18 +45,41 @@ def _kernel_kwargs(implementation: str) -> dict:
     raise ValueError(f"optim.implementation: unknown {implementation!r}")
 
 
-def build_optimizer(model: nn.Module, optim: OptimSection) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, optim: OptimSection, plan: StepPlan | None = None
+                    ) -> torch.optim.AdamW:
     """torch.optim.AdamW over model.named_parameters(); each param group records the names
-    of its parameters ("names"). With update_clip every tensor is its own group."""
+    of its parameters ("names"). The mitigation plan (adamspike.mitigations) sets each
+    tensor's eps (one group per eps value, in order of first appearance) and, with
+    update_clip, makes every tensor its own group."""
+    plan = plan or StepPlan()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if optim.update_clip:
-        groups = [{"params": [p], "names": [n], "base_weight_decay": optim.weight_decay}
-                  for n, p in named]
+    eps_of = {n: float(plan.tensor_eps.get(n, optim.eps)) for n, _ in named}
+    if plan.update_clip:
+        members = [[(n, p)] for n, p in named]
     else:
-        groups = [{"params": [p for _, p in named], "names": [n for n, _ in named],
-                   "base_weight_decay": optim.weight_decay}]
+        by_eps: dict[float, list] = {}
+        for n, p in named:
+            by_eps.setdefault(eps_of[n], []).append((n, p))
+        members = list(by_eps.values())
+    groups = [{"params": [p for _, p in m], "names": [n for n, _ in m], "eps": eps_of[m[0][0]],
+               "base_weight_decay": optim.weight_decay} for m in members]
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps,
                              weight_decay=optim.weight_decay, **_kernel_kwargs(optim.implementation))
+
+
+@torch.no_grad()
+def reset_second_moment(optimizer: torch.optim.AdamW, names) -> int:
+    """exp_avg_sq <- 0 for the named tensors (adamspike.mitigations' v_reset; call just
+    before the step's update): m, the step count and the other tensors are untouched. A
+    tensor without state yet has v = 0 already. Returns the number of tensors reset."""
+    names, count = set(names), 0
+    for group in optimizer.param_groups:
+        for n, p in zip(group["names"], group["params"]):
+            state = optimizer.state.get(p)
+            if n in names and state and "exp_avg_sq" in state:
+                state["exp_avg_sq"].zero_()
+                count += 1
+    return count
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSection,
@@ -116,6 +140,17 @@ def update_clip_rms(optimizer: torch.optim.AdamW) -> torch.Tensor:
                                                           device=g.device)]))
     sums = _all_reduce_shards(torch.stack(rows), [g["params"][0] for g in optimizer.param_groups])
     return torch.sqrt(sums[:, 0] / sums[:, 1].clamp_min(1.0))
+
+
+def apply_mitigations(optimizer: torch.optim.AdamW, plan: StepPlan, step: int, lr: float
+                      ) -> torch.Tensor | None:
+    """The plan's hooks for optimizer step `step` at scheduled lr `lr`, called just before
+    optimizer.step() (after clipping): the state edits (v <- 0 of the tensors
+    plan.v_reset names at this step), then the direction hook (update clipping). Returns
+    the update clip's rms_t per param group, or None."""
+    if step in plan.v_reset:
+        reset_second_moment(optimizer, plan.v_reset[step])
+    return apply_update_clip(optimizer, lr) if plan.update_clip else None
 
 
 def apply_update_clip(optimizer: torch.optim.AdamW, lr: float) -> torch.Tensor:

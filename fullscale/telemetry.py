@@ -9,12 +9,19 @@ bins]) float64 table and summed across ranks with ONE all_reduce;
 `adamspike.metrics.finalize` turns the sums into METRIC_NAMES. Sums of shards are sums of
 the whole tensor, so sharded and unsharded runs log the same numbers (up to rounding).
 
-m_prev without a copy of m: AdamW's first moment is m_t = b1 m_prev + (1 - b1) g (torch's
-`lerp`), so after the step m_prev = (m_t - (1 - b1) g) / b1, elementwise. The fp32 state
+m_prev: with explicit_m_prev (the trainer sets it when an active mitigation edits optimizer
+state, adamspike.mitigations.needs_explicit_m_prev) `before_step` copies exp_avg, the
+momentum the step will read, and the kernels take that copy as m_prev. Otherwise no copy
+is made: AdamW's first moment is m_t = b1 m_prev + (1 - b1) g (torch's `lerp`), so after
+the step m_prev = (m_t - (1 - b1) g) / b1, elementwise. The fp32 state
 m_t is rounded, so m_prev is recovered to ~2^-24 (|m_t| + (1 - b1)|g|) / b1 per element,
 whatever the compute precision: grad_mom_cos is exact to ~1e-7 (|m_t| + 0.1|g|) / |m_prev|,
 which stays small even when a spiking gradient is 1000x the momentum. `before_step()`
 notes which tensors have no state yet (m_prev = 0 exactly: their m_prev sums are 0).
+
+Per-tensor eps: each param group's eps (per-group eps) enters r, rms_t, eps_frac and rho
+of its tensors (a per-tensor row of the bias-correction table; the native kernel is
+called once per distinct eps).
 
 Layout: the local tensors are laid end to end in chunks of at most `max_elements`
 elements (a big tensor is split across chunks, small ones share one), each segment
@@ -39,15 +46,12 @@ g, m, v, p in place (no buffer, no padding) with the same elementwise operations
 sums; on cuda (and on cpu when the native kernel cannot be built, or the tensors are not
 contiguous float32 / float64) `tensor_sums` and `bin_index` are compiled by inductor (one
 fused loop that reads the buffer once, instead of ~25 whole-chunk passes that write
-temporaries; calling inductor's code directly instead of through torch.compile saves ~0.1
-ms per call). npu runs them eagerly (the same functions, op by op). On the tiny CPU step
-(bench/bench_telemetry_torch.py, 16 x 32 tokens, 8.5-9 ms) telemetry costs ~0.35 ms with
-the native kernel (paired ratio 1.030-1.044; hist/10 1.033-1.046), against 1.10 with
-inductor's kernels and 1.28-1.29 eager; a histogram step adds 0.2 ms (inductor: 1.4 ms);
-at 16 x 64, 1.027-1.032 (inductor 1.06). Builds: the native kernel's C++ compile when
-Telemetry is created (~10-15 s, once per machine, torch and source version, cached on
-disk), inductor's at the first logged step that uses it (~5 s on CPU for the tiny model;
-cached on disk by inductor). If a build fails (no C++ compiler or headers, no triton, ...)
+temporaries; calling inductor's code directly instead of through torch.compile saves a
+Python dispatch per call). npu runs them eagerly (the same functions, op by op). The
+overhead against a step without telemetry is measured by bench/bench_telemetry_torch.py.
+Builds: the native kernel's C++ compile when
+Telemetry is created (once per machine, torch and source version, cached on disk),
+inductor's at the first logged step that uses it (cached on disk by inductor). If a build fails (no C++ compiler or headers, no triton, ...)
 the trainer warns once and falls back (native -> inductor -> eager). TORCHDYNAMO_DISABLE=1
 or ADAMSPIKE_TELEMETRY_COMPILE=off also make "auto" run the kernels eagerly (the test
 suite sets the latter). Memory: the (4, width) buffer in the compute dtype (bounded by
@@ -137,38 +141,42 @@ def plan_chunks(sizes, max_elements: int, block: int = 1, shapes=None) -> list[l
 # ----------------------------------------------------------------------------- kernels
 
 def _bias_corrections(bc, block_tensor):
-    """Per block (as a column), the bias corrections 1 - b1^t, 1 - b2^t of its tensor."""
+    """Per block (as a column), the bias corrections 1 - b1^t, 1 - b2^t and eps of its
+    tensor."""
     per_block = bc[:, block_tensor]
-    return per_block[0][:, None], per_block[1][:, None]
+    return per_block[0][:, None], per_block[1][:, None], per_block[2][:, None]
 
 
-def _update_direction(m, v, bc1, bc2, eps: float):
-    """(nb, BLOCK) views of m, v and (nb, 1) bias corrections -> m_hat, v_hat, sqrt, r."""
+def _update_direction(m, v, bc1, bc2, eps, zero_eps: bool):
+    """(nb, BLOCK) views of m, v and (nb, 1) bias corrections and eps -> m_hat, v_hat,
+    sqrt, r. zero_eps: some tensor has eps = 0 (0/0 where v = 0 is then set to r = 0)."""
     m_hat, v_hat = m / bc1, v / bc2
     s = torch.sqrt(v_hat)
     r = m_hat / (s + eps)
-    if eps == 0:   # 0/0 where v = 0 (the padding and untouched coordinates): r = 0
+    if zero_eps:   # 0/0 where v = 0 (the padding and untouched coordinates): r = 0
         r = torch.where(v_hat > 0, r, 0.0)
     return m_hat, v_hat, s, r
 
 
 def block_sums(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, b1: float,
-               eps: float) -> torch.Tensor:
+               zero_eps: bool) -> torch.Tensor:
     """The SUM_FIELDS terms g2 .. p2 (SUM_FIELDS[1:]) summed over each BLOCK-element block.
 
     x: (4, width) rows g, m, v, p of one chunk (m = exp_avg, v = exp_avg_sq after the
-    step); bc: (2, num_tensors) 1 - b1^t, 1 - b2^t of each tensor (t its Adam step);
-    block_tensor: (width / BLOCK,) the tensor of each block. Returns (13, width / BLOCK) in x's dtype.
+    step), or (5, width) with m_prev as the fifth row; bc: (3, num_tensors) 1 - b1^t,
+    1 - b2^t and eps of each tensor (t its Adam step); block_tensor: (width / BLOCK,) the
+    tensor of each block. Returns (13, width / BLOCK) in x's dtype. Without a fifth row,
     m_prev = (m - (1 - b1) g) / b1."""
-    g, m, v, p = (row.view(-1, BLOCK) for row in x)
-    bc1, bc2 = _bias_corrections(bc, block_tensor)
-    m_hat, v_hat, s, r = _update_direction(m, v, bc1, bc2, eps)
+    g, m, v, p = (row.view(-1, BLOCK) for row in x[:4])
+    bc1, bc2, eps = _bias_corrections(bc, block_tensor)
+    m_hat, v_hat, s, r = _update_direction(m, v, bc1, bc2, eps, zero_eps)
     g2, r2 = g * g, r * r
-    if eps > 0:
-        q = g2 / torch.clamp_min(v_hat, eps * eps)
-    else:  # v_hat = 0 implies g = 0 (v >= (1 - b2) g^2): count 0
-        q = torch.where(v_hat > 0, g2 / v_hat, 0.0)
-    m_prev = (m - (1 - b1) * g) / b1
+    denom = torch.maximum(v_hat, eps * eps)
+    if zero_eps:  # v_hat = 0 implies g = 0 (v >= (1 - b2) g^2): count 0
+        q = torch.where(denom > 0, g2 / torch.where(denom > 0, denom, 1.0), 0.0)
+    else:
+        q = g2 / denom
+    m_prev = x[4].view(-1, BLOCK) if x.shape[0] == 5 else (m - (1 - b1) * g) / b1
     one = torch.ones((), dtype=x.dtype, device=x.device)
     terms = (g2, r, r2, r2 * r, r2 * r2, q, torch.where(r.abs() > SAT_THRESHOLD, one, 0.0),
              torch.where(s < eps, one, 0.0), m_hat * m_hat, v_hat, g * m_prev, m_prev * m_prev,
@@ -177,23 +185,24 @@ def block_sums(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, b1
 
 
 def tensor_sums(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, acc: torch.Tensor,
-                b1: float, eps: float) -> torch.Tensor:
+                b1: float, zero_eps: bool) -> torch.Tensor:
     """acc (num_tensors, NUM_SUMS) float64 + this chunk's `block_sums` added up per tensor
     (in float64) into columns g2 .. p2."""
-    per_block = block_sums(x, bc, block_tensor, b1, eps).T.to(torch.float64)
+    per_block = block_sums(x, bc, block_tensor, b1, zero_eps).T.to(torch.float64)
     per_tensor = torch.zeros((acc.shape[0], NUM_SUMS - 1), dtype=torch.float64, device=x.device)
     return acc + torch.nn.functional.pad(per_tensor.index_add(0, block_tensor, per_block), (1, 0))
 
 
 def bin_index(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, edges: torch.Tensor,
-              eps: float) -> torch.Tensor:
+              zero_eps: bool) -> torch.Tensor:
     """Every element's bin of r on edges (ends clipped, last edge in the last bin, NaN in the
     last bin) plus NUM_HIST_BINS x its tensor index: int64 (width,), for one bincount.
 
     The bin comes from the equal-width formula, corrected by one comparison with each
     neighbouring edge, so it is numpy.histogram's bin of the same value exactly."""
-    bc1, bc2 = _bias_corrections(bc, block_tensor)
-    _, _, _, r = _update_direction(x[1].view(-1, BLOCK), x[2].view(-1, BLOCK), bc1, bc2, eps)
+    bc1, bc2, eps = _bias_corrections(bc, block_tensor)
+    _, _, _, r = _update_direction(x[1].view(-1, BLOCK), x[2].view(-1, BLOCK), bc1, bc2, eps,
+                                   zero_eps)
     lo, width = float(HIST_EDGES[0]), float(HIST_EDGES[1] - HIST_EDGES[0])
     idx = torch.nan_to_num((r - lo) / width, nan=NUM_HIST_BINS - 1.0)
     idx = torch.clamp(torch.floor(idx), 0, NUM_HIST_BINS - 1).long()
@@ -348,7 +357,8 @@ class Telemetry:
 
     def __init__(self, optimizer: torch.optim.Optimizer, specs: Mapping[str, Any], *,
                  every: int = 1, hist_every: int = 0, precision: str = "float32",
-                 compile: str = "auto", max_elements: int | None = None):
+                 compile: str = "auto", max_elements: int | None = None,
+                 explicit_m_prev: bool = False):
         if precision not in PRECISIONS:
             raise ValueError(f"telemetry: precision must be one of {sorted(PRECISIONS)}, "
                              f"got {precision!r}")
@@ -361,14 +371,19 @@ class Telemetry:
             raise ValueError(f"telemetry: max_elements must be >= 1, got {max_elements}")
         self.optimizer, self.every, self.hist_every = optimizer, int(every), int(hist_every)
         self.max_elements = int(max_elements)
-        self.params, self.names = [], []
+        self.params, self.names, eps = [], [], []
         for group in optimizer.param_groups:
             names = group.get("names") or [f"param{i}" for i in range(len(group["params"]))]
             self.params += list(group["params"])
             self.names += list(names)
+            eps += [float(group["eps"])] * len(group["params"])
         group = optimizer.param_groups[0]
         self.b1, self.b2 = group["betas"]
-        self.eps = float(group["eps"])
+        if any(tuple(g["betas"]) != (self.b1, self.b2) for g in optimizer.param_groups):
+            raise ValueError("telemetry: every param group must share betas")
+        self.eps = np.asarray(eps, dtype=np.float64)   # per tensor (per-group eps)
+        self._zero_eps = bool((self.eps == 0).any())
+        self.explicit_m_prev = bool(explicit_m_prev)
         self.device = dev
         # float64 kernels are not dependable on npu: float32 there whatever was asked
         self.dtype = torch.float32 if dev.type == "npu" else PRECISIONS[precision]
@@ -383,7 +398,7 @@ class Telemetry:
         width = max((sum(_padded(hi - lo, BLOCK) for _, lo, hi in c) for c in plan), default=0)
         # zeros: the padding must stay 0. Kept between logged steps (on CPU, faulting in
         # fresh pages every step cost more than the math); bounded by max_elements.
-        self.buffer = torch.zeros((4, width), dtype=self.dtype, device=dev)
+        self.buffer = torch.zeros((5 if explicit_m_prev else 4, width), dtype=self.dtype, device=dev)
         stack = all(_local(p).dtype == self.dtype for p in self.params)
         self.chunks = [_Chunk(segs, shapes, self.buffer, stack) for segs in plan]
         pad = np.zeros(len(shapes))
@@ -395,8 +410,9 @@ class Telemetry:
         # n, and the padding's sqrt(0) < eps (subtracted): the start of every step's table
         self._base = torch.zeros((len(shapes), NUM_SUMS), dtype=torch.float64, device=dev)
         self._base[:, _COL["n"]] = self._n
-        if self.eps > 0:
-            self._base[:, _COL["eps_small"]] = -self._pad
+        positive = torch.tensor(self.eps > 0, device=dev)
+        self._base[:, _COL["eps_small"]] = torch.where(positive, -self._pad, 0.0)
+        self._eps_row = torch.tensor(self.eps, dtype=self.dtype, device=dev)
         self._tensor_sums = _Kernel(tensor_sums, compile, dev)
         self._bin_index = _Kernel(bin_index, compile, dev)
         # compiled kernels on cpu: sums and histograms by the native multi-tensor kernels,
@@ -411,17 +427,20 @@ class Telemetry:
                 self._native_base = torch.zeros_like(self._base)
                 self._native_base[:, _COL["n"]] = self._n
         self._fresh: list[bool] | None = None
+        self._m_prev: list[torch.Tensor] | None = None
 
     def _bias_correction_table(self, steps) -> torch.Tensor:
-        """(2, num_tensors) 1 - b1^t, 1 - b2^t of each tensor's Adam step t, on the device.
+        """(3, num_tensors) 1 - b1^t, 1 - b2^t of each tensor's Adam step t and its eps, on
+        the device.
         Steps kept on an accelerator (capturable / fused AdamW) are read in one go (one
         host sync, not one per tensor); on CPU, int() per tensor is the cheaper (~40 us)."""
         if (steps and all(type(k) is torch.Tensor and k.device == steps[0].device for k in steps)
                 and steps[0].device.type != "cpu"):
             steps = torch.stack([k.reshape(()) for k in steps]).tolist()
         t = [int(k) for k in steps]
-        return torch.tensor([[1 - self.b1 ** k for k in t], [1 - self.b2 ** k for k in t]],
-                            dtype=self.dtype, device=self.device)
+        bc = torch.tensor([[1 - self.b1 ** k for k in t], [1 - self.b2 ** k for k in t]],
+                          dtype=self.dtype, device=self.device)
+        return torch.cat([bc, self._eps_row[None]])
 
     def _sums_in_chunks(self, sources, steps, with_hist: bool) -> torch.Tensor:
         """The table (NUM_SUMS [+ NUM_HIST_BINS] columns) through the chunked buffer: copy
@@ -433,9 +452,9 @@ class Telemetry:
                 c.clear_padding()
             for k, src in enumerate(sources):
                 c.copy_in(k, src)
-            table = self._tensor_sums(c.x, bc, c.block_tensor, table, self.b1, self.eps)
+            table = self._tensor_sums(c.x, bc, c.block_tensor, table, self.b1, self._zero_eps)
             if with_hist:
-                idx = self._bin_index(c.x, bc, c.block_tensor, self.edges, self.eps)
+                idx = self._bin_index(c.x, bc, c.block_tensor, self.edges, self._zero_eps)
                 counts = torch.bincount(idx, minlength=len(self.params) * NUM_HIST_BINS)
                 hist = counts if hist is None else hist + counts
         if with_hist:    # the padding's r = 0 sits in the bin of 0
@@ -444,6 +463,26 @@ class Telemetry:
             return torch.cat([table, hist], 1)
         # no chunk (no parameters): do not hand out the base
         return table.clone() if table is self._base else table
+
+    def _native_table(self, sources, steps, with_hist: bool) -> torch.Tensor | None:
+        """The table by the native kernel, one call per distinct eps (None when the tensors
+        do not qualify)."""
+        values = sorted(set(self.eps.tolist()))
+        if len(values) == 1:
+            return self._native(sources, steps, self._native_base, self.b1, self.b2, values[0],
+                                hist=with_hist)
+        table = None
+        for e in values:
+            idx = np.flatnonzero(self.eps == e)
+            part = self._native([[src[i] for i in idx] for src in sources],
+                                [steps[i] for i in idx], self._native_base[idx], self.b1,
+                                self.b2, e, hist=with_hist)
+            if part is None:
+                return None
+            if table is None:
+                table = part.new_zeros((len(self.params), part.shape[1]))
+            table[torch.from_numpy(idx)] = part
+        return table
 
     def _states(self) -> list:
         """Each parameter's optimizer state dict (None where it has none), by identity:
@@ -458,12 +497,17 @@ class Telemetry:
         return self.hist_every > 0 and step % self.hist_every == 0
 
     def before_step(self, step: int) -> None:
-        """Note the tensors without Adam state yet (their m_prev is 0)."""
+        """Note the tensors without Adam state yet (their m_prev is 0); with
+        explicit_m_prev, copy m_{t-1} (exp_avg as the step will read it: after any
+        mitigation's state edit) instead of reconstructing it after the step."""
         if not self.active(step):
             self._fresh = None
             return
         sts = self._states()
         self._fresh = [st is None or "exp_avg" not in st for st in sts]
+        if self.explicit_m_prev:
+            self._m_prev = [torch.zeros_like(_local(p)) if fresh else _local(st["exp_avg"]).clone()
+                            for p, st, fresh in zip(self.params, sts, self._fresh)]
 
     @torch.no_grad()
     def after_step(self, step: int) -> StepTelemetry | None:
@@ -482,11 +526,12 @@ class Telemetry:
                    [st["exp_avg_sq"] for st in sts], self.params)
         if self._dtensors:   # FSDP2: the local shards
             sources = tuple([_local(x) for x in src] for src in sources)
+        if self.explicit_m_prev:
+            sources, self._m_prev = sources + (self._m_prev,), None
         steps = [st["step"] for st in sts]
         table = None
         if self._native is not None:   # None when the tensors do not qualify
-            table = self._native(sources, steps, self._native_base, self.b1, self.b2, self.eps,
-                                 hist=with_hist)
+            table = self._native_table(sources, steps, with_hist)
         if table is None:
             table = self._sums_in_chunks(sources, steps, with_hist)
         if any(fresh):   # m_prev = 0 exactly (m_t - (1 - b1) g is rounding noise)
@@ -495,7 +540,7 @@ class Telemetry:
         _all_reduce(table, self.group)
         table = table.cpu().numpy()
         sums = table[:, :NUM_SUMS]
-        metrics = finalize(sums, self.eps)
+        metrics = finalize(sums, self.eps if len(set(self.eps)) > 1 else float(self.eps[0]))
         columns = {"name": list(self.names), "depth": self.depth, "kind": list(self.kind),
                    "numel": self.numel, **{k: metrics[k] for k in METRIC_NAMES}}
         hists = np.rint(table[:, NUM_SUMS:]).astype(np.int64) if with_hist else None

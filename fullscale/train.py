@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from adamspike import mitigations
 from adamspike.config import ConfigError, load_config, to_dict
 from adamspike.llama import flops_per_token, num_params, spec_by_name
 from adamspike.predictions import PredictionsError
@@ -81,7 +82,7 @@ from fullscale.data import DataFormatError, build_source
 from fullscale.guard import SpikeGuard
 from fullscale.hf import resolve_model
 from fullscale.model import Transformer
-from fullscale.optim import apply_update_clip, build_optimizer, build_scheduler, clip_gradients
+from fullscale.optim import apply_mitigations, build_optimizer, build_scheduler, clip_gradients
 from fullscale.parallelize import parallelize
 from fullscale.sampler import DataPosition, batch_plan, is_skipped, local_batch
 from fullscale.telemetry import Telemetry, TensorBoardScalars, shard_group, telemetry_vhists, write_vhists
@@ -206,19 +207,23 @@ def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
         raise ConfigError("alarms.predictions: the alarm rules read per-tensor telemetry; set "
                           "telemetry.enabled = true")
     torch.manual_seed(cfg.train.seed)
+    specs = spec_by_name(arch)
+    mit = mitigations.plan(cfg, {n: s.depth for n, s in specs.items()}, arch.num_layers)
     with torch.device("meta"):
-        model = Transformer(arch, embed_grad_shrink=cfg.model.embed_grad_shrink)
+        model = Transformer(arch, **mit.model_options)
     parallelize(model, world, activation_checkpointing=cfg.train.activation_checkpointing,
                 mixed_precision=cfg.train.dtype, device=device)
     model.to_empty(device=device)
     model.init_weights(_init_generator(cfg.train.seed, device))
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, mit)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.num_steps)
     source = build_source(cfg.data, cfg.train.seq_len, arch.vocab_size, cfg.train.seed)
     position, guard = DataPosition(), SpikeGuard(cfg.guard)
     telemetry = (Telemetry(optimizer, spec_by_name(arch), every=cfg.telemetry.every,
                            hist_every=cfg.telemetry.hist_every, precision=cfg.telemetry.precision,
-                           compile=cfg.telemetry.compile) if cfg.telemetry.enabled else None)
+                           compile=cfg.telemetry.compile,
+                           explicit_m_prev=mitigations.needs_explicit_m_prev(cfg))
+                 if cfg.telemetry.enabled else None)
     alarms = _rank0_call(rank, lambda: build_alarms(cfg.alarms))   # evaluated on rank 0
     ckpt_root = out / "checkpoints"
 
@@ -309,8 +314,7 @@ def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
                 continue
 
             # optimizer step, telemetry
-            if cfg.optim.update_clip:
-                apply_update_clip(optimizer, lr)
+            apply_mitigations(optimizer, mit, step, lr)   # the registry's plan
             if telemetry is not None:
                 telemetry.before_step(step)
             before = [_local(p).detach().clone() for p in model.parameters()]

@@ -1,18 +1,17 @@
 """`adamspike simulate <problem> ...`: run one simulated problem, write a run directory.
 
-    adamspike simulate quadratic --eps 1e-4 --steps 30000 --out RUN [--dim 8 --lam-min 0.01 ...]
-    adamspike simulate mlp --kind sin|deep --steps 20000 --out RUN [--lr ... --loss-scale ...]
+    adamspike simulate quadratic --optim.eps 1e-4 --steps 30000 --out RUN [--dim 8 --lam-min 0.01 ...]
+    adamspike simulate mlp --kind sin|deep --steps 20000 --out RUN [--optim.lr ... --train.loss_scale ...]
     adamspike simulate streams --b2 0.95 --phi 0.9 --steps 200 [--out stats.json]
     adamspike simulate llama --config configs/tiny.toml --out RUN [--key value overrides]
 
 Exit status: 0 ok, 2 bad input (the message names the parameter; nothing existing is
-overwritten), 3 a part that is not built.
+overwritten).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import re
 import sys
@@ -44,33 +43,6 @@ def _check_out(out: Path) -> None:
         raise ValueError(f"out: {out} exists and is not an empty directory (nothing was overwritten)")
 
 
-def _optim_args(p: argparse.ArgumentParser, lr: float, b2: float, eps: float) -> None:
-    g = p.add_argument_group("optimizer (adamspike.train_config.OptimSection)")
-    g.add_argument("--lr", type=float, default=lr)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--schedule", default="constant")
-    g.add_argument("--warmup-steps", type=int, default=0)
-    g.add_argument("--b1", type=float, default=0.9)
-    g.add_argument("--b2", type=float, default=b2)
-    g.add_argument("--eps", type=float, default=eps)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--grad-clip", type=float, default=0.0, help="0 = off")
-    g.add_argument("--update-clip", action="store_true", help="StableAdamW update clipping")
-
-
-def _optim(args):
-    from adamspike.config import from_dict
-    from adamspike.train_config import OptimSection
-    keys = ("lr", "min_lr", "schedule", "warmup_steps", "b1", "b2", "eps", "weight_decay",
-            "grad_clip", "update_clip")
-    return from_dict(OptimSection, {k: getattr(args, k) for k in keys})
-
-
-def _positive(name, value, allow_zero=False):
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}: must be {'>=' if allow_zero else '>'} 0, got {value}")
-
-
 # ----------------------------------------------------------------------------- quadratic
 
 def _quadratic(argv) -> int:
@@ -78,12 +50,6 @@ def _quadratic(argv) -> int:
                 description="Adam on a 1-D / N-D quadratic (Bai et al.); see simulate.quadratic")
     p.add_argument("--out", type=Path, required=True, help="run directory (must not exist)")
     p.add_argument("--steps", type=int, default=30_000)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--eps", type=float, default=1e-8)
-    p.add_argument("--b1", type=float, default=0.9)
-    p.add_argument("--b2", type=float, default=0.999)
-    p.add_argument("--noise", type=float, default=0.0, help="gradient noise std")
-    p.add_argument("--theta0", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dim", type=int, default=1)
     p.add_argument("--lam-min", type=float, default=None, help="default: lam-max")
@@ -94,29 +60,37 @@ def _quadratic(argv) -> int:
     p.add_argument("--dtype", default="float64")
     p.add_argument("--layers-every", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
+    p.epilog = ("Adam and problem settings: dotted config keys, e.g. --optim.lr 1e-2 "
+                "--optim.eps 1e-4 --optim.b2 0.95 --quadratic.noise 1e-9 --quadratic.theta0 1 "
+                "(a unique last part may stand alone: --eps 1e-4).")
+    a, rest = p.parse_known_args(argv)
+    # jax: imported for this subcommand only (`adamspike simulate streams` needs none)
+    from adamspike.config import flatten, from_dict, merge, nest, parse_overrides
     from simulate.quadratic import QuadraticSpec, count_spikes, eps_star, run_quadratic
     from simulate.runner import quadratic_traces, write_run
-    _positive("lr", a.lr)
-    _positive("eps", a.eps, allow_zero=True)
-    _positive("noise", a.noise, allow_zero=True)
+    from simulate.sweep_problems import QUADRATIC, QuadraticConfig
+    over = parse_overrides(QuadraticConfig, rest)
+    shape = sorted(k for k in flatten(over) if k.startswith(("train.", "quadratic."))
+                   and k not in ("quadratic.noise", "quadratic.theta0"))
+    if shape:
+        raise ValueError(f"{shape[0]}: set it with this command's own flag (--steps, --dim, "
+                         "--lam-min, --lam-max, --rotate)")
+    settings = from_dict(QuadraticConfig, merge(nest(QUADRATIC.base), over))
+    o, q = settings.optim, settings.quadratic
     if a.steps < 1:
         raise ValueError(f"steps: must be >= 1, got {a.steps}")
     if a.layers_every < 1:
         raise ValueError(f"layers_every: must be >= 1, got {a.layers_every}")
-    for k in ("b1", "b2"):
-        if not 0 <= getattr(a, k) < 1:
-            raise ValueError(f"{k}: must be in [0, 1), got {getattr(a, k)}")
     _check_out(a.out)
     spec = QuadraticSpec(num_steps=a.steps, dim=a.dim, lam_min=a.lam_max if a.lam_min is None
                          else a.lam_min, lam_max=a.lam_max, rotate=a.rotate,
                          rescale=not a.no_rescale, dtype=a.dtype)
-    hp = {"lr": a.lr, "eps": a.eps, "b1": a.b1, "b2": a.b2, "noise": a.noise,
-          "theta0": a.theta0, "seed": a.seed}
+    hp = {"lr": o.lr, "eps": o.eps, "b1": o.b1, "b2": o.b2, "noise": q.noise,
+          "theta0": q.theta0, "seed": a.seed}
     t0 = time.perf_counter()
     out = run_quadratic(hp, spec)
     wall = time.perf_counter() - t0
-    es = eps_star(a.lr, spec.lam_max, a.b1)
+    es = eps_star(o.lr, spec.lam_max, o.b1)
     problem = {"kind": "quadratic", **hp, "dim": spec.dim, "lam_min": spec.lam_min,
                "lam_max": spec.lam_max, "rotate": spec.rotate, "rescale": spec.rescale,
                "dtype": spec.dtype, "eps_star": es}
@@ -146,17 +120,24 @@ def _mlp(argv) -> int:
     p.add_argument("--init-gain", type=float, default=1.0)
     p.add_argument("--input-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--loss-scale", type=float, default=1.0, help="Adam on s*L (= eps/s)")
     p.add_argument("--layers-every", type=int, default=1)
     p.add_argument("--hist-every", type=int, default=100, help="0 = no histograms")
     p.add_argument("--curvature", action="store_true",
                    help="log lam_hat_grad (one Hessian-vector product per step) and 2/lr")
     p.add_argument("--no-progress", action="store_true")
-    _optim_args(p, lr=1e-3, b2=0.999, eps=1e-8)
-    a = p.parse_args(argv)
-    from adamspike.config import to_dict
-    from simulate.mlp import KINDS, MLPSpec, train
+    p.epilog = ("Optimizer and mitigation settings: dotted config keys, e.g. --optim.lr 1e-2 "
+                "--optim.b2 0.95 --train.loss_scale 1e-3, mitigation.* keys whose hook the MLP has (a "
+                "unique last part may stand alone: --lr 1e-2).")
+    a, rest = p.parse_known_args(argv)
+    # jax: imported for this subcommand only (`adamspike simulate streams` needs none)
+    from adamspike.config import from_dict, merge, nest, parse_overrides, to_dict
+    from simulate.mlp import HOOKS, KINDS, MLPSpec, train
     from simulate.runner import write_run
+    from simulate.sweep_problems import MLP, MLPConfig
+    from adamspike import mitigations
+    settings = from_dict(MLPConfig, merge(nest(MLP.base), parse_overrides(MLPConfig, rest)))
+    mitigations.require_hooks(settings, HOOKS, "adamspike simulate mlp")
+    optim = settings.optim
     if a.kind not in KINDS:
         raise ValueError(f"kind: must be one of {list(KINDS)}, got {a.kind!r}")
     deep = a.kind == "deep"
@@ -165,8 +146,6 @@ def _mlp(argv) -> int:
                    num_points=a.num_points or (1024 if deep else 256),
                    batch_size=(128 if deep else 0) if a.batch_size is None else a.batch_size,
                    init_gain=a.init_gain, input_scale=a.input_scale, seed=a.seed)
-    optim = _optim(a)
-    _positive("loss_scale", a.loss_scale)
     if a.steps < 1:
         raise ValueError(f"steps: must be >= 1, got {a.steps}")
     if a.layers_every < 1:
@@ -174,11 +153,14 @@ def _mlp(argv) -> int:
     if a.hist_every < 0:
         raise ValueError(f"hist_every: must be >= 0, got {a.hist_every}")
     _check_out(a.out)
-    traces = train(spec, optim, a.steps, loss_scale=a.loss_scale, hist_every=a.hist_every,
+    loss_scale = settings.train.loss_scale
+    traces = train(spec, optim, a.steps, loss_scale=loss_scale,
+                   plan=mitigations.plan(settings, {}, 1), hist_every=a.hist_every,
                    curvature=a.curvature, progress=not a.no_progress)
     problem = {"kind": f"mlp-{a.kind}", **{k: getattr(spec, k) for k in spec.__dataclass_fields__},
-               "loss_scale": a.loss_scale}
-    config = {"problem": problem, "optim": to_dict(optim), "num_steps": a.steps,
+               "loss_scale": loss_scale}
+    config = {"problem": problem, "optim": to_dict(optim),
+              "mitigation": to_dict(settings.mitigation), "num_steps": a.steps,
               "telemetry": {"every": a.layers_every, "hist_every": a.hist_every}}
     write_run(a.out, traces, config=config, problem=problem, layers_every=a.layers_every,
               progress=not a.no_progress)
@@ -190,17 +172,7 @@ def _mlp(argv) -> int:
 # ----------------------------------------------------------------------------- streams
 
 def _streams(argv) -> int:
-    try:
-        streams = importlib.import_module("simulate.streams")
-    except ModuleNotFoundError as e:
-        if e.name in ("simulate.streams",):
-            print("adamspike simulate streams: not built (simulate/streams.py missing)", file=sys.stderr)
-            return 3
-        raise
-    if not hasattr(streams, "simulate_streams"):
-        print("adamspike simulate streams: not built (simulate.streams.simulate_streams missing)",
-              file=sys.stderr)
-        return 3
+    from simulate import streams   # jax: imported for this subcommand only
     p = _Parser(prog="adamspike simulate streams",
                 description="Monte-Carlo AR(1) gradient streams through Adam (simulate.streams)")
     p.add_argument("--steps", type=int, default=200)
@@ -237,15 +209,8 @@ def _streams(argv) -> int:
 # ----------------------------------------------------------------------------- llama
 
 def _llama(argv) -> int:
-    try:
-        mod = importlib.import_module("simulate.llama_train")
-    except ModuleNotFoundError as e:
-        if e.name == "simulate.llama_train":
-            print("adamspike simulate llama: not built (simulate/llama_train.py missing)",
-                  file=sys.stderr)
-            return 3
-        raise
-    return int(mod.main(argv))
+    from simulate import llama_train   # jax: imported for this subcommand only
+    return int(llama_train.main(argv))
 
 
 def _theory_check(cfg: dict, steps: int, stats: dict) -> dict:

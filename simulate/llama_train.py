@@ -46,58 +46,21 @@ the good snapshot), so each step appears once, from the trajectory of the final 
 the discarded losses survive in the "spike" events. The "end" event counts rollbacks and
 skipped batches.
 
-Toy spikes, measured (configs/toy_spike.toml vs configs/toy_stable.toml). Tiny preset
-(2 layers, dim 64), copy task (loss floor log(64)/2 = 2.079), batch 32 x 32, constant lr 1e-2
-after 50 warmup steps, no gradient clipping, eps = 1e-8, 1500 steps (~2 min on 2 cores).
-Spikes: analysis.spikes.detect_spikes on the loss (window 50, k = 6 MAD, >= 10% jump).
+Mitigations (`mitigation` section, adamspike.mitigations): the registry's StepPlan for
+this model. model_options go to loss_fn; tensor_eps becomes a per-tensor eps pytree of the
+Adam step (and of the telemetry: rho, rms_t, eps_frac use each tensor's eps); its direction
+hook turns on simulate.optim's StableAdamW clipping; its state edits (simulate.optim.
+apply_state_edits, e.g. v <- 0 of chosen tensors) run before the step, and the telemetry
+is handed that edited state as the previous one.
 
-    setting (copy task)                     seeds  spikes    peak loss   max/median update_norm
-    b2 = 0.999                                0,1,2  2, 1, 3   2.67 2.87 4.60   9.0 9.8 12.4
-    b2 = 0.95                                 0,1,2  0, 0, 0   2.16 2.18 2.18   1.8 1.8 1.8
-    b2 = 0.999, loss_scale 1e-5 (eps/s=1e-3)  0,1    5, 4      3.54 2.91        11.9 7.1
-    b2 = 0.95,  loss_scale 1e-5               0      0         2.21             3.4
-    b2 = 0.999, loss_scale 1e-7 (eps/s=0.1)   0      0  (barely learns: final loss 3.26)
-    b2 = 0.999, grad_clip 1.0                 0,1,2  0, 0, 1   2.25 2.17 2.19   2.7 2.8 3.4
-(peak loss: max after step 300; the baseline is 2.08-2.10 in every run. The one clipped
-spike is at step 291, peak 2.41, while the loss still falls.) With loss_scale
-1e-5 the shallow tensors sit at the 70B report's rho = rms(g)/(eps/s) ~ 1 (medians after
-step 300: embedding 0.93, block-0 wv 1.13, wo 0.74, wq 0.34, wk 0.53; block-0 MLP 0.06-0.09
-with eps_frac > 0.9); at eps = 1e-8 every tensor has rho 1e4..1e6, so eps plays no role there
-and the spikes are not the eps-regime mechanism. Lowering b2 removed every spike; the
-eps ~ rms(g) regime did not remove them (more spikes: 5 and 4 vs 1-3); eps >> rms(g)
-removed them only by freezing the model; global-norm clipping at 1.0 (active on ~5% of the
-steps) removed all but one small early one. The Markov task never spiked in any setting tried
-(1500 steps, batch 64, grad_clip 1: b2 0.999 / 0.95, lr 3e-3 / 1e-2 / 3e-2, loss_scale 1 /
-1e-5; batch 32 unclipped at lr 1e-1, loss_scale 1e-5; full-batch memorisation of 32
-sequences at b2 0.999, 2000 steps).
-
-Before the spikes: the second-moment lag. Gradient bursts happen at either b2 (after step
-300 the max grad_norm is 22-84x its median in every run, 2.5-8.7); with b2 = 0.95 v catches
-up and update_norm stays <= 1.12 (1.8x its median); with b2 = 0.999 v lags (max rms_t of the
-shallow tensors reached 3.4-11 in the 10 steps before each spike, above the 1/sqrt(1-b2) =
-4.5 cap of b2 = 0.95) and update_norm reaches 2.2-2.3 (9-12x). An alarm "max rms_t over the
-embedding + block-0 matrices > 3" fired 1-28 steps (median 6) before 11 of 11 spikes, first
-in block-0 attention (wo, wv, wk), but 73 of its 96 alarm steps in the spiking runs, all 29
-in the four b2 = 0.95 runs and 17 in the clipped run were not followed by a spike within 30
-steps; at > 5 it caught 7 of 11 with 16 false alarm steps in the spiking runs, 6 in the
-clipped run and none with b2 = 0.95 (by the 4.5 bound). The Molybog signature
-did not precede these spikes: grad_mom_cos of the shallow layers was negative (-0.1 to -0.2
-on average in the 10 steps before, an oscillation), Sarle's bimodality stayed 0.49-0.57
-(5/9 = 0.556 is the bimodal mark); sat_frac of the shallow tensors in those 10 steps
-reached 0.04-0.44 (about 0.001 in quiet stretches), i.e. |r| -> 1 as v lags.
-
-Re-measured later with this trainer (one core, XLA one thread, ~40 s per 1500-step run),
-b2 = 0.999, telemetry every step, no histograms (the sweep's llama problem), seeds 0-4:
-with a >= 10% jump 1, 3, 2, 1, 1 spikes; with the sweep's and the guard's >= 20% jump 0, 2,
-1, 0, 0 (steps 1310 / 1313 and 826); seed 3 never learns the copy task (final loss 2.96).
-configs/toy_spike.toml as is, seed 0: one >= 10% spike (step 481, +13%), none >= 20%, not
-the steps 691 / 693-697 its header records: where (and whether) this toy spikes depends on
-floating-point details, so such counts are per environment.
+Measured toy-spike numbers live in the study's generated reports (`adamspike reproduce`),
+not here.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -113,6 +76,7 @@ import optax
 
 from adamspike.config import ConfigError, load_config, to_dict
 from adamspike.llama import LlamaConfig, spec_by_name
+from adamspike.mitigations import StepPlan, plan as mitigation_plan
 from adamspike.order import sample_indices
 from adamspike.rundir import RunFormatError, RunWriter, environment
 from adamspike.synthdata import SyntheticTokens
@@ -149,13 +113,22 @@ def batch_at(data: SyntheticTokens, cfg: RunConfig, step: int, offset: int = 0) 
 _STEP_CACHE: dict[str, tuple] = {}
 
 
+def step_plan(cfg: RunConfig) -> StepPlan:
+    """The mitigation registry's plan for cfg's model (tensor depths of adamspike.llama)."""
+    llama = cfg.model.llama()
+    return mitigation_plan(cfg, {n: s.depth for n, s in spec_by_name(llama).items()},
+                           llama.num_layers)
+
+
 def make_steps(cfg: RunConfig):
     """(tx, step): the optax chain and the jitted step(params, opt_state, batch, telemetry,
     hist, native=True) (the last three static; native: the telemetry's native CPU kernel,
     simulate.native_telemetry, where it applies) -> (params, opt_state, out). Cached per
-    (model, optim, train) settings, so runs of one process that share them compile once."""
+    (model, optim, train, mitigation) settings, so runs of one process that share them
+    compile once."""
     train = {k: v for k, v in to_dict(cfg.train).items() if k != "seed"}  # seed: not compiled in
-    key = json.dumps([to_dict(cfg.model), to_dict(cfg.optim), train], sort_keys=True)
+    key = json.dumps([to_dict(cfg.model), to_dict(cfg.optim), train, to_dict(cfg.mitigation)],
+                     sort_keys=True)
     if key not in _STEP_CACHE:
         if len(_STEP_CACHE) >= 8:  # bounded: sweeps in one process keep a few
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
@@ -166,10 +139,14 @@ def make_steps(cfg: RunConfig):
 def _make_steps(cfg: RunConfig):
     t, o = cfg.train, cfg.optim
     llama = cfg.model.llama()
-    tx = jopt.adamw(o, t.num_steps, t.loss_scale)
+    plan = step_plan(cfg)
+    shapes = jax.eval_shape(functools.partial(jllama.init_params, llama), jax.random.PRNGKey(0))
+    eps = jopt.eps_tree(shapes, plan.tensor_eps, o.eps)   # o.eps itself when uniform
+    tel_eps = jax.tree.leaves(eps) if isinstance(eps, dict) else o.eps
+    tx = jopt.adamw(o, t.num_steps, t.loss_scale, plan=plan, params=shapes)
     value_and_grad = jax.value_and_grad(
-        lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss,
-                                    cfg.model.embed_grad_shrink), has_aux=True)
+        lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss, **plan.model_options),
+        has_aux=True)
 
     def step(params, opt_state, batch, telemetry: bool, hist: bool, native: bool = True):
         (_, aux), grads = value_and_grad(params, batch)
@@ -181,7 +158,7 @@ def _make_steps(cfg: RunConfig):
         if telemetry:
             sums, hists = jtel.step_telemetry(
                 grads, jopt.adam_state(opt_state), jopt.adam_state(new_state), new_params,
-                o.b1, o.b2, o.eps, with_hist=hist, grad_scale=jopt.clip_info(new_state)[1],
+                o.b1, o.b2, tel_eps, with_hist=hist, grad_scale=jopt.clip_info(new_state)[1],
                 native=native)
             out["sums"] = sums
             if hist:
@@ -228,6 +205,8 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
 
     specs = spec_by_name(llama)
     names = jtel.tensor_names(params)  # telemetry row order
+    plan = step_plan(cfg)
+    tensor_eps = np.array([plan.tensor_eps[n] for n in names])
     depths = [specs[n].depth for n in names]
     kinds = [specs[n].kind for n in names]
     numels = [specs[n].numel for n in names]
@@ -252,6 +231,8 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                 pending = loader.submit(batch_at, data, cfg, step + 1, offset)
             log = tel.enabled and step % tel.every == 0
             hist = log and tel.hist_every > 0 and step % tel.hist_every == 0 and step not in skip
+            if step not in skip:   # the mitigation plan's state edits (v resets)
+                opt_state = jopt.apply_state_edits(opt_state, plan, step, names)
             new_params, new_state, out = step_fn(params, opt_state, batch, log, hist, native)
             out = jax.device_get(out)
             row = dict(loss=float(out["loss"]), grad_norm=float(out["grad_norm"]),
@@ -282,7 +263,7 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                 params, opt_state = new_params, new_state
                 if log:
                     rows.add(step, writer.log_layers, step, columns=jtel.layer_columns(
-                        names, depths, kinds, numels, out["sums"], o.eps))
+                        names, depths, kinds, numels, out["sums"], tensor_eps))
                 if hist:
                     for i, n in enumerate(names):
                         rows.add(step, writer.log_hist, step, n, depths[i], kinds[i],

@@ -9,7 +9,7 @@ Two problems (`MLPSpec.kind`):
   weights N(0, init_gain^2 / fan_in), inputs multiplied by `input_scale`. A weight's
   gradient is (backward signal) x (its input), so a small input_scale makes the first
   layer's gradient the smallest (like a small unscaled embedding); rho = grad_rms / eps then
-  differs by orders of magnitude across depth (measured: see below). `batch_size` > 0 draws
+  differs across depth. `batch_size` > 0 draws
   minibatches (seeded, a pure function of the step), 0 = full batch.
 
 Loss scale s (train's `loss_scale`): Adam is run on s * L with the clip threshold scaled
@@ -25,41 +25,9 @@ stderr) and returns numpy traces for simulate.runner: per step loss, lr, grad_no
 clipping), clipped, update_norm, and per step / tensor the telemetry sums; r histograms at
 steps divisible by hist_every.
 
-Measured (float32, seed 0, constant lr, no clipping unless said; spikes = analysis.spikes
-.detect_spikes(loss, window=100, k=6, min_rel_jump=1, log=True), i.e. loss >= 2x the
-rolling median and beyond 6 MAD; "10x" = peak >= 10x baseline):
-  sin, width 256, lr 1e-2, 2e4 steps, b1 0.9:
-    eps 1e-8, b2 0.999: 638 spikes (288 >= 10x, 90 >= 100x, max 729x); final loss 5.4e-5.
-      curvature=True: lam_hat_grad > 2/lr on 13.7% of the steps, 347 crossing onsets, 80
-      sustained (>= 20 steps; Bai et al. report 77 spikes); every >= 10x spike is preceded
-      by a crossing within 100 steps (89% within 30, 43% within 10).
-    eps 1e-8, b2 0.99 : 144 (24 >= 10x, max 286x); final 2.0e-3
-    eps 1e-8, b2 0.9  : 0 spikes (the loss chatters within a ~10x band); final 8.9e-3
-    eps 1e-3, b2 0.999: 274 (58 >= 10x, max 51x); final 4.3e-3
-    eps 0.1,  b2 0.999: 0 spikes, but the net barely fits (final 1.4e-1: Adam -> SGD, lr/eps)
-    update_clip, eps 1e-8, b2 0.999: 51 spikes (24 >= 10x), but larger: max 51254x, peaks
-      at loss 4..44, ~1000-step recoveries. At the onset of the three largest the unclipped
-      direction already has update_rms 1.2..1.6 while rms_t is 0.05..1.1 (v_hat is not
-      stale: the loud-gradient trigger stays off); rms_t reaches 5..25 only after the loss
-      has jumped, so the clip slows the recovery instead of preventing the onset.
-  sin at width 100 / 1000, lr 1e-3 / 1e-2: eps 1e-8, b2 0.999 spikes in every case (72..561
-    detections, max 5.6x..77x); b2 0.9 and eps 0.1 none (eps 0.1 again fits badly).
-  deep (width 64, depth 8, 1024 points, batch 128, lr 1e-3, grad_clip 1, 6000 steps, eps
-    1e-8): no run spiked (<= 1 detection, max 7x) at loss scale 1 / 1e-3 / 1e-5, b2 0.999 /
-    0.95. rho per weight (layers 0..7, output; last 500 steps), loss scale 1:
-    4e4 2.4e4 2.1e4 2e4 2.1e4 2.3e4 2.7e4 3.8e4 5e5 (U-shaped: the middle layers, not the
-    first, are smallest; only ~2x, the output layer 10x above); loss scale 1e-3 divides rho
-    by 1e3 (43 .. 26 .. 560) and 1e-5 puts every layer below eps (rho 0.012..0.14, update
-    rms 1e-3: the eps-dominated regime). input_scale 0.01 / 0.001 did not make layer 0 the
-    smallest either (Adam grows W0 to compensate). With update_clip the deep runs reached
-    much lower loss (1e-6..2e-7) and then showed 7..8 spikes >= 10x.
-  deep, FULL batch (256 points, batch_size 0), no clipping, 1e4 steps, eps 1e-8:
-    lr 1e-3, b2 0.999: converges to ~5e-15, then 43 spikes (first at step 1911), the
-      largest from ~1e-15 back to ~1e-2; loss scale 1e-3: 22 spikes (11 >= 10x)
-    lr 3e-3, b2 0.999: 4 spikes (first 7418), same 1e-15 -> 1e-2 kind
-    b2 0.9 (lr 1e-3 and 3e-3) and eps 0.1: no spike (final 2e-5 / 5e-6 and 1e-5 / 1e-9)
-    lr 3e-3, b2 0.9: rho rises monotonically with depth, 31 (layer 0) .. 1.6e3 (layer 7)
-      .. 8e4 (output): here the shallow layers do have the smallest gradients.
+The sweep's vmapped runs (simulate.sweep_problems) use the same `make_step`. Measured
+spike counts of these problems are in the study's generated reports (`adamspike
+reproduce`: the sweep and replication tables), not here.
 """
 
 from __future__ import annotations
@@ -74,12 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from adamspike.metrics import NUM_HIST_BINS, NUM_VHIST_BINS
 from adamspike.train_config import OptimSection
 from simulate import optim as O
-from adamspike.metrics import NUM_HIST_BINS, NUM_VHIST_BINS
 from simulate.telemetry import (grad_below_eps, hist_counts, step_telemetry, step_vhists,
                                 update_direction)
 
+HOOKS = ("direction",)   # the mitigation hooks this trainer implements
 KINDS = ("sin", "deep")
 DEEP_INPUT_DIM = 16
 
@@ -155,35 +124,22 @@ def forward(params, x, depth: int):
     return h @ params["output.weight"].T + params["output.bias"]
 
 
-def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: float = 1.0,
-          hist_every: int = 0, curvature: bool = False, chunk: int = 1000,
-          progress: bool = True) -> dict:
-    """Train and return numpy traces (see module docstring): keys loss, lr, grad_norm,
-    clipped, update_norm, step_time_s (chunk wall time / chunk steps), sums
-    (num_steps, num_tensors, NUM_SUMS), hist_steps, hists (len(hist_steps), num_tensors,
-    bins), vhists (len(hist_steps), num_tensors, NUM_VHIST_BINS: sqrt(v_hat)/eps),
-    g_below_eps (len(hist_steps), num_tensors: coordinates with |g| < eps), names,
-    depths, kinds, numels, eps, batch_size.
-
-    curvature=True adds Bai et al.'s gradient-direction curvature of the preconditioned
-    Hessian, one Hessian-vector product per step (forward-over-reverse):
-        lam_hat_grad = g^T P H g / ||g||^2,  P = [(1-b1)/(1+b1)] / (1-b1^t) / (sqrt(v_hat) + eps)
-    (g: the gradient Adam consumed, H: Hessian of the (scaled) minibatch loss at the
-    parameters g was taken at, v_hat after the step) and threshold = 2 / lr_t."""
-    if num_steps < 1:
-        raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
-    if hist_every < 0:
-        raise ValueError(f"hist_every: must be >= 0, got {hist_every}")
-    x_np, y_np = dataset(spec)
-    x, y = jnp.asarray(x_np), jnp.asarray(y_np)
-    tx = O.adamw(optim, num_steps, loss_scale=loss_scale)
-    sched = O.lr_schedule(optim, num_steps)
-    b1, b2, eps = optim.b1, optim.b2, optim.eps
-    batch_key = jax.random.PRNGKey(spec.seed + 7)
+def make_step(spec: MLPSpec, x, y, tx: optax.GradientTransformation, lr, b1, b2, eps,
+              loss_scale: float = 1.0, curvature: bool = False, hist_every: int = 0,
+              batch_key=None):
+    """The traceable training step `step((params, opt_state), t) -> (carry, out)` for
+    lax.scan, shared by `train` and the vmapped sweep (simulate.sweep_problems): minibatch
+    of step t (spec.batch_size > 0, drawn from batch_key folded with t), value_and_grad of
+    loss_scale * MSE, tx, per-tensor telemetry sums of the consumed gradient, and (static
+    flags) the curvature and r histograms of `train`'s docstring. b1, b2, eps, lr may be
+    traced (lr: a scalar or an optax schedule of the 0-based count)."""
+    if batch_key is None:
+        batch_key = jax.random.PRNGKey(spec.seed + 7)
+    lr_of = lr if callable(lr) else (lambda count: lr)
 
     def loss_fn(params, t):
         if spec.batch_size:
-            idx = jax.random.choice(jax.random.fold_in(batch_key, t), spec.num_points,
+            idx = jax.random.choice(jax.random.fold_in(batch_key, t), x.shape[0],
                                     (spec.batch_size,), replace=False)
             xb, yb = x[idx], y[idx]
         else:
@@ -200,7 +156,7 @@ def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: flo
         grad_norm, _, clipped = O.clip_info(opt_state)
         sums, _ = step_telemetry(O.consumed_grads(grads, opt_state), prev,
                                  O.adam_state(opt_state), params, b1, b2, eps)
-        lr_t = sched(t - 1)
+        lr_t = lr_of(t - 1)
         out = {"loss": loss / loss_scale, "grad_norm": grad_norm, "clipped": clipped,
                "update_norm": O.global_norm(updates), "lr": lr_t, "sums": sums}
         if curvature:
@@ -229,6 +185,37 @@ def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: flo
                 lambda: (jnp.zeros((len(params), NUM_VHIST_BINS), jnp.int32),
                          jnp.zeros(len(params), jnp.int32)))
         return (params, opt_state), out
+
+    return step
+
+
+def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: float = 1.0,
+          plan: StepPlan | None = None, hist_every: int = 0, curvature: bool = False,
+          chunk: int = 1000, progress: bool = True) -> dict:
+    """Train and return numpy traces (see module docstring): keys loss, lr, grad_norm,
+    clipped, update_norm, step_time_s (chunk wall time / chunk steps), sums
+    (num_steps, num_tensors, NUM_SUMS), hist_steps, hists (len(hist_steps), num_tensors,
+    bins), vhists (len(hist_steps), num_tensors, NUM_VHIST_BINS: sqrt(v_hat)/eps),
+    g_below_eps (len(hist_steps), num_tensors: coordinates with |g| < eps), names,
+    depths, kinds, numels, eps, batch_size. plan: the mitigation registry's
+    StepPlan (adamspike.mitigations; this trainer implements the `direction` hook: use
+    mitigations.require_hooks(cfg, HOOKS, ...) before).
+
+    curvature=True adds Bai et al.'s gradient-direction curvature of the preconditioned
+    Hessian, one Hessian-vector product per step (forward-over-reverse):
+        lam_hat_grad = g^T P H g / ||g||^2,  P = [(1-b1)/(1+b1)] / (1-b1^t) / (sqrt(v_hat) + eps)
+    (g: the gradient Adam consumed, H: Hessian of the (scaled) minibatch loss at the
+    parameters g was taken at, v_hat after the step) and threshold = 2 / lr_t."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
+    if hist_every < 0:
+        raise ValueError(f"hist_every: must be >= 0, got {hist_every}")
+    x_np, y_np = dataset(spec)
+    x, y = jnp.asarray(x_np), jnp.asarray(y_np)
+    tx = O.adamw(optim, num_steps, loss_scale=loss_scale, plan=plan)
+    eps = optim.eps
+    step = make_step(spec, x, y, tx, O.lr_schedule(optim, num_steps), optim.b1, optim.b2, eps,
+                     loss_scale, curvature, hist_every)
 
     @jax.jit
     def run_chunk(carry, ts):

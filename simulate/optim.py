@@ -10,7 +10,8 @@ The chain `adamw(optim, num_steps, loss_scale)` applies, per optimizer step t (1
     2. Adam (optax.scale_by_adam, eps outside the root, eps_root = 0):
            m_t = b1 m_{t-1} + (1-b1) g,   v_t = b2 v_{t-1} + (1-b2) g^2
            m_hat = m_t / (1-b1^t),  v_hat = v_t / (1-b2^t),  r = m_hat / (sqrt(v_hat) + eps)
-    3. optional StableAdamW update clipping per tensor (`update_clip`):
+    (eps may be given per tensor: adamspike.mitigations' group eps)
+    3. optional StableAdamW update clipping per tensor (the registry's `direction` hook):
            rms_t = sqrt(mean(g^2 / max(v_hat, eps^2))),   r <- r / max(1, rms_t)
        (only the Adam direction is divided; the weight-decay term below is not. With
        eps = 0, coordinates with v_hat = 0 have g = 0 and count 0 in the mean.)
@@ -28,14 +29,16 @@ exactly the tensors Adam saw (the same multiplication), `clip_info(opt_state)` g
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from adamspike.mitigations import StepPlan
 from adamspike.train_config import OptimSection
+from simulate.telemetry import tensor_names
 
 TORCH_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm
 
@@ -101,39 +104,111 @@ def rms_t(g, v_hat, eps) -> jax.Array:
     return jnp.sqrt(jnp.mean(q))
 
 
+def _per_leaf(eps) -> bool:
+    """eps given per tensor (a pytree of scalars shaped like the parameters)."""
+    return isinstance(eps, (dict, list, tuple))
+
+
 def scale_by_adam_stable(b1=0.9, b2=0.999, eps=1e-8, update_clip: bool = False
                          ) -> optax.GradientTransformation:
     """optax.scale_by_adam, optionally followed by per-tensor update clipping
-    r <- r / max(1, rms_t). The state is the plain ScaleByAdamState. b1, b2, eps may be
-    traced scalars (vmapped sweeps); update_clip is static."""
-    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-    if not update_clip:
+    r <- r / max(1, rms_t). The state is the plain ScaleByAdamState. b1, b2 and a scalar
+    eps may be traced scalars (vmapped sweeps); eps may also be a pytree like the
+    parameters (one eps per tensor: adamspike.mitigations' group eps), then
+    r = m_hat / (sqrt(v_hat) + eps_tensor) with optax's moments and bias corrections.
+    update_clip is static."""
+    per_leaf = _per_leaf(eps)
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=0.0 if per_leaf else eps)
+    if not (update_clip or per_leaf):
         return adam
 
     def update_fn(updates, state, params=None):
         r, new_state = adam.update(updates, state, params)
         bc2 = 1 - b2 ** new_state.count
-        r = jax.tree.map(
-            lambda ri, g, nu: ri / jnp.maximum(1.0, rms_t(g, nu / bc2.astype(nu.dtype), eps)
-                                               ).astype(ri.dtype),
-            r, updates, new_state.nu)
+        eps_tree = eps if per_leaf else jax.tree.map(lambda _: eps, updates)
+        if per_leaf:
+            bc1 = 1 - b1 ** new_state.count
+            r = jax.tree.map(
+                lambda m, nu, e: (m / bc1.astype(m.dtype))
+                / (jnp.sqrt(nu / bc2.astype(nu.dtype)) + jnp.asarray(e, m.dtype)),
+                new_state.mu, new_state.nu, eps_tree)
+        if update_clip:
+            r = jax.tree.map(
+                lambda ri, g, nu, e: ri / jnp.maximum(
+                    1.0, rms_t(g, nu / bc2.astype(nu.dtype), e)).astype(ri.dtype),
+                r, updates, new_state.nu, eps_tree)
         return r, new_state
 
     return optax.GradientTransformation(adam.init, update_fn)
 
 
-def adamw(optim: OptimSection, num_steps: int, loss_scale: float = 1.0
-          ) -> optax.GradientTransformation:
-    """The full chain of the module docstring: clip (torch formula) -> Adam ->
-    [update clip] -> + wd*p -> * -lr_t."""
+def adamw_chain(b1, b2, eps, lr, max_norm: float, weight_decay: float = 0.0,
+                plan: StepPlan | None = None) -> optax.GradientTransformation:
+    """The chain of the module docstring from scalars (b1, b2, eps, lr may be traced, lr
+    may be an optax schedule; eps a scalar or a per-tensor pytree): clip at max_norm (the
+    torch formula; <= 0: off) -> Adam -> [update clip: the plan's `direction` hook] ->
+    [+ wd*p] -> * -lr."""
+    clip = (plan or StepPlan()).update_clip
+    parts = [clip_by_global_norm_torch(max_norm), scale_by_adam_stable(b1, b2, eps, clip)]
+    if weight_decay > 0:
+        parts.append(optax.add_decayed_weights(weight_decay))
+    parts.append(optax.scale_by_learning_rate(lr))
+    return optax.chain(*parts)
+
+
+def adamw(optim: OptimSection, num_steps: int, loss_scale: float = 1.0, *,
+          plan: StepPlan | None = None, params=None) -> optax.GradientTransformation:
+    """`adamw_chain` for a config section: clip at grad_clip * loss_scale, lr_at(t), and
+    the mitigation plan (adamspike.mitigations.plan): its per-tensor eps (`eps_tree` of
+    `params`, a pytree of arrays or shapes; optim.eps without it) and its update clipping."""
     if loss_scale <= 0:
         raise ValueError(f"loss_scale: must be > 0, got {loss_scale}")
-    parts = [clip_by_global_norm_torch(optim.grad_clip * loss_scale),
-             scale_by_adam_stable(optim.b1, optim.b2, optim.eps, optim.update_clip)]
-    if optim.weight_decay > 0:
-        parts.append(optax.add_decayed_weights(optim.weight_decay))
-    parts.append(optax.scale_by_learning_rate(lr_schedule(optim, num_steps)))
-    return optax.chain(*parts)
+    plan = plan or StepPlan()
+    eps = optim.eps if params is None else eps_tree(params, plan.tensor_eps, optim.eps)
+    return adamw_chain(optim.b1, optim.b2, eps, lr_schedule(optim, num_steps),
+                       optim.grad_clip * loss_scale, optim.weight_decay, plan)
+
+
+def eps_tree(params, tensor_eps: Mapping[str, float], default: float):
+    """A pytree like params of each tensor's eps (by its dotted name; default where absent),
+    or the scalar `default` when every tensor has it (the plain optax path)."""
+    names = tensor_names(params)
+    values = [float(tensor_eps.get(n, default)) for n in names]
+    if all(v == default for v in values):
+        return default
+    return jax.tree.unflatten(jax.tree.structure(params), values)
+
+
+def apply_state_edits(opt_state, plan: StepPlan, step: int, names: Sequence[str]):
+    """The plan's `state` hook for optimizer step `step` (1-based), applied just before
+    the step: Adam's v <- 0 for the tensors plan.v_reset names at this step (names: the
+    tensors in leaf order, simulate.telemetry.tensor_names). Unchanged state otherwise."""
+    if step not in plan.v_reset:
+        return opt_state
+    reset = set(plan.v_reset[step])
+    return reset_second_moment(opt_state, [n in reset for n in names])
+
+
+def reset_second_moment(opt_state, reset: Sequence[bool]):
+    """The chain state with Adam's v set to 0 for the leaves where `reset` is true (leaf
+    order); m, the step count and every other state untouched (adamspike.mitigations'
+    v_reset, applied just before a step's update)."""
+    adam = adam_state(opt_state)
+    leaves, tree = jax.tree.flatten(adam.nu)
+    if len(reset) != len(leaves):
+        raise ValueError(f"reset: {len(reset)} flags for {len(leaves)} tensors")
+    nu = jax.tree.unflatten(tree, [jnp.zeros_like(x) if r else x for x, r in zip(leaves, reset)])
+    return _replace_state(opt_state, adam, adam._replace(nu=nu))
+
+
+def _replace_state(state: Any, old, new) -> Any:
+    if state is old:
+        return new
+    if isinstance(state, tuple) and not hasattr(state, "_fields"):
+        return tuple(_replace_state(s, old, new) for s in state)
+    if isinstance(state, list):
+        return [_replace_state(s, old, new) for s in state]
+    return state
 
 
 # ----------------------------------------------------------------------------- state access
@@ -173,6 +248,3 @@ def consumed_grads(grads, opt_state):
     return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
 
 
-def hparams(optim: OptimSection) -> dict[str, float]:
-    """b1, b2, eps of a section (what telemetry needs)."""
-    return {"b1": optim.b1, "b2": optim.b2, "eps": optim.eps}

@@ -1,4 +1,4 @@
-"""`adamspike predict`: predictions.json (schema v1) from theory + sweep results.
+"""`adamspike predict`: predictions.json (schema v2) from theory + sweep results.
 
     adamspike predict --profile (llama2-70b | PROFILE.json | RUN_DIR) --sweep TABLE
                       [--candidates candidates.toml] --out predictions.json
@@ -18,8 +18,13 @@ rho_ref(depth) = median rms(g) / eps_ref at the eps the profile was measured wit
     hiascend case study). Replace it with a measured profile (RUN_DIR) as soon as one exists.
 A candidate eps moves every depth to rho = rho_ref * eps_ref / eps (rms(g) held fixed).
 
-Risk of a candidate (b1, b2, eps, lr, global_batch_size), in [0, 1]:
-  theory  p_theory = fraction of shallow depths (embedding + first max(1, L // 10) blocks)
+Candidates are dicts of dotted RunConfig keys (CANDIDATE_KEYS: optim.b1, optim.b2,
+optim.eps, optim.lr, train.global_batch_size; a candidates TOML gives [[candidate]] tables
+of them, missing ones taken from the profile), validated by RunConfig.from_dict; each
+setting of predictions.json carries them as its `overrides`.
+
+Risk of a candidate, in [0, 1]:
+  theory  p_theory = fraction of shallow depths (adamspike.depth_groups.shallow_depths)
           outside the scale-invariant regime (rho <= 10, theory.eps_regime): the layers whose
           effective step depends on eps (Molybog's regime); per-depth details from
           theory.risk.layer_risk are stored in `per_depth` (evaluated on a 1/20-decade rho
@@ -58,7 +63,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from adamspike.config import ConfigError, read_toml
+from adamspike.config import ConfigError, flatten, read_toml, to_dict
+from adamspike.depth_groups import shallow_depths as group_shallow_depths
+from adamspike.mitigations import neutral_mask
+from adamspike.train_config import RunConfig
+from simulate.sweep import load_table
 from adamspike.predictions import AlarmRule, Predictions, PredictionsError, save_predictions
 
 MIN_CLASS_RUNS = 3
@@ -164,24 +173,35 @@ def load_profile(spec: str) -> dict:
 
 
 def shallow_depths(profile: Mapping[str, Any]) -> list[int]:
-    """Embedding (-1) and the first max(1, L // 10) blocks present in the profile."""
-    cut = max(1, int(profile["num_layers"]) // 10)
-    return [d for d in sorted(profile["rho_by_depth"]) if d < cut]
+    """The profile's depths in the embed and shallow groups (adamspike.depth_groups)."""
+    shallow = set(group_shallow_depths(int(profile["num_layers"])))
+    return [d for d in sorted(profile["rho_by_depth"]) if d in shallow]
 
 
 # ----------------------------------------------------------------------------- candidates
 
+CANDIDATE_KEYS = ("optim.b1", "optim.b2", "optim.eps", "optim.lr", "train.global_batch_size")
+
+
+def _profile_defaults(profile: Mapping[str, Any]) -> dict:
+    return {"optim.b1": profile["b1"], "optim.lr": profile["lr"],
+            "train.global_batch_size": profile["global_batch_size"]}
+
+
 def default_candidates(profile: Mapping[str, Any]) -> list[dict]:
     """The seed report's eps (1e-5 as run, 1e-8) x b2 (0.95 as run, 0.99, 0.999), plus the
     run's setting at half the learning rate."""
-    b1, lr, bs = profile["b1"], profile["lr"], profile["global_batch_size"]
-    out = [{"b1": b1, "b2": b2, "eps": eps, "lr": lr, "global_batch_size": bs}
+    base = _profile_defaults(profile)
+    out = [{**base, "optim.b2": b2, "optim.eps": eps}
            for eps in (1e-5, 1e-8) for b2 in (0.95, 0.99, 0.999)]
-    out.append({"b1": b1, "b2": 0.95, "eps": 1e-5, "lr": lr / 2, "global_batch_size": bs})
+    out.append({**base, "optim.b2": 0.95, "optim.eps": 1e-5, "optim.lr": base["optim.lr"] / 2})
     return out
 
 
-def load_candidates(path: str) -> list[dict]:
+def load_candidates(path: str, profile: Mapping[str, Any]) -> list[dict]:
+    """[[candidate]] tables of dotted keys (CANDIDATE_KEYS, optional id); optim.b2 and
+    optim.eps are required, the others default to the profile's. Values are validated by
+    RunConfig.from_dict (ConfigError names the candidate and the key)."""
     data = read_toml(path)
     unknown = sorted(set(data) - {"candidate"})
     if unknown:
@@ -189,49 +209,45 @@ def load_candidates(path: str) -> list[dict]:
     cands = data.get("candidate", [])
     if not isinstance(cands, list) or not cands:
         raise ConfigError(f"{path}: no [[candidate]] tables")
-    keys = ("b1", "b2", "eps", "lr", "global_batch_size")
     out = []
     for i, c in enumerate(cands):
-        bad = sorted(set(c) - set(keys) - {"id"})
+        c = dict(c)
+        cid = c.pop("id", None)
+        flat = flatten(c)
+        bad = sorted(set(flat) - set(CANDIDATE_KEYS))
         if bad:
-            raise ConfigError(f"candidate[{i}].{bad[0]}: unknown key (known: id, {', '.join(keys)})")
-        for k in keys:
-            if k not in c:
+            raise ConfigError(f"candidate[{i}].{bad[0]}: unknown key (known: id, {', '.join(CANDIDATE_KEYS)})")
+        for k in ("optim.b2", "optim.eps"):
+            if k not in flat:
                 raise ConfigError(f"candidate[{i}].{k}: missing")
-            v = c[k]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ConfigError(f"candidate[{i}].{k}: expected a number, got {v!r}")
-        ok = {"b1": 0 <= c["b1"] < 1, "b2": 0 <= c["b2"] < 1, "eps": c["eps"] > 0,
-              "lr": c["lr"] > 0, "global_batch_size": c["global_batch_size"] >= 1}
-        for k, good in ok.items():
-            if not good:
-                raise ConfigError(f"candidate[{i}].{k}: out of range ({c[k]!r})")
-        out.append(dict(c))
+        flat = {**_profile_defaults(profile), **flat}
+        try:
+            cfg = flatten(to_dict(RunConfig.from_dict(flat)))
+        except ConfigError as e:
+            raise ConfigError(f"candidate[{i}].{e}") from None
+        if not cfg["optim.eps"] > 0:
+            raise ConfigError(f"candidate[{i}].optim.eps: must be > 0 (rho = rms(g) / eps)")
+        out.append({**({"id": cid} if cid else {}), **{k: cfg[k] for k in CANDIDATE_KEYS}})
     return out
 
 
 def setting_id(c: Mapping[str, Any]) -> str:
-    return c.get("id") or (f"eps{c['eps']:.0e}-b2_{c['b2']:g}-lr{c['lr']:.2g}"
-                           f"-b1_{c['b1']:g}-bs{int(c['global_batch_size'])}")
+    return c.get("id") or (f"eps{c['optim.eps']:.0e}-b2_{c['optim.b2']:g}-lr{c['optim.lr']:.2g}"
+                           f"-b1_{c['optim.b1']:g}-bs{int(c['train.global_batch_size'])}")
 
 
 # ----------------------------------------------------------------------------- risk
 
 def _baseline_rows(table: pd.DataFrame) -> pd.DataFrame:
-    t = table
-    if "update_clip" in t:
-        t = t[~t["update_clip"].astype(bool)]
-    if "embed_grad_shrink" in t:
-        t = t[t["embed_grad_shrink"] == 1.0]
-    return t
+    return table[neutral_mask(table)]
 
 
 def sweep_rate(table: pd.DataFrame, rho: float, b2: float) -> tuple[float, float]:
     """(p_sweep, n_eff) near (shallow rho, b2); (nan, 0) without usable rows."""
     t = _baseline_rows(table)
-    if t.empty or "b2" not in t:
+    if t.empty or "optim.b2" not in t:
         return math.nan, 0.0
-    d2 = (np.log10((1 - t["b2"].to_numpy(float)) / (1 - b2)) / B2_BANDWIDTH_DECADES) ** 2
+    d2 = (np.log10((1 - t["optim.b2"].to_numpy(float)) / (1 - b2)) / B2_BANDWIDTH_DECADES) ** 2
     if "median_rho" in t:
         r = t["median_rho"].to_numpy(float)
         ok = np.isfinite(r) & (r > 0)
@@ -264,15 +280,16 @@ def _layer_risk(rho: float, phi: float, b1: float, b2: float, eps: float) -> dic
 
 def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], table: pd.DataFrame | None) -> dict:
     depths = sorted(profile["rho_by_depth"])
-    scale = profile["eps_ref"] / cand["eps"]
+    b1, b2, eps = cand["optim.b1"], cand["optim.b2"], cand["optim.eps"]
+    scale = profile["eps_ref"] / eps
     rhos = [profile["rho_by_depth"][d] * scale for d in depths]
     phis = [profile["phi_by_depth"].get(d, 0.0) for d in depths]
-    rows = [_layer_risk(r, p, cand["b1"], cand["b2"], cand["eps"]) for r, p in zip(rhos, phis)]
+    rows = [_layer_risk(r, p, b1, b2, eps) for r, p in zip(rhos, phis)]
     shallow = set(shallow_depths(profile))
     sh = [r for d, r in zip(depths, rows) if d in shallow]
     p_theory = float(np.mean([r["regime"] != "scale_invariant" for r in sh]))
     rho_sh = float(np.median([r["rho"] for r in sh]))
-    p_sweep, n_eff = sweep_rate(table, rho_sh, cand["b2"]) if table is not None else (math.nan, 0.0)
+    p_sweep, n_eff = sweep_rate(table, rho_sh, b2) if table is not None else (math.nan, 0.0)
     if not math.isfinite(p_sweep):
         p_sweep, n_eff = math.nan, 0.0
     risk = ((n_eff * p_sweep if n_eff else 0.0) + PRIOR_RUNS * p_theory) / (n_eff + PRIOR_RUNS)
@@ -287,9 +304,9 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], table: pd.DataFr
                  f"{len(sh)} shallow depths (p_theory {p_theory:.2f}); sweep spike fraction near "
                  f"rho/b2 {'n/a' if not n_eff else f'{p_sweep:.2f} (n_eff {n_eff:.1f})'}; "
                  f"after dormancy |r| peaks at {rows[0]['const_peak']:.2f} and rms_t <= "
-                 f"{rows[0]['rms_t_bound']:.1f} at b2={cand['b2']:g}")
-    return {"id": setting_id(cand), **{k: cand[k] for k in ("b1", "b2", "eps", "lr")},
-            "global_batch_size": int(cand["global_batch_size"]), "risk": float(risk),
+                 f"{rows[0]['rms_t_bound']:.1f} at b2={b2:g}")
+    return {"id": setting_id(cand), "overrides": {k: cand[k] for k in CANDIDATE_KEYS},
+            "risk": float(risk),
             "risk_label": label, "p_theory": p_theory,
             "p_sweep": None if not n_eff else p_sweep, "n_eff": n_eff,
             "rationale": rationale, "per_depth": per_depth}
@@ -372,11 +389,11 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
     ids = [s["id"] for s in settings]
     if len(set(ids)) != len(ids):
         raise ConfigError("candidates: two candidates have the same id/setting")
-    settings.sort(key=lambda s: (s["risk"], -s["lr"], s["id"]))
+    settings.sort(key=lambda s: (s["risk"], -s["overrides"]["optim.lr"], s["id"]))
     for i, s in enumerate(settings, 1):
         s["rank"] = i
     base = candidates[0]
-    rules = alarm_rules(profile, table, table_name, base["b1"], base["b2"])
+    rules = alarm_rules(profile, table, table_name, base["optim.b1"], base["optim.b2"])
     prof = {"name": profile["name"], "num_layers": int(profile["num_layers"]),
             "rho_by_depth": {str(d): float(v) for d, v in sorted(profile["rho_by_depth"].items())},
             "phi": float(np.median(list(profile["phi_by_depth"].values()))),
@@ -398,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike predict", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True, help="llama2-70b | PROFILE.json | RUN_DIR")
     ap.add_argument("--sweep", help="sweep table (runs.parquet / .csv or a sweep directory)")
-    ap.add_argument("--candidates", help="TOML with [[candidate]] b1, b2, eps, lr, global_batch_size")
+    ap.add_argument("--candidates", help="TOML with [[candidate]] tables of dotted keys "
+                    "(optim.b1, optim.b2, optim.eps, optim.lr, train.global_batch_size)")
     ap.add_argument("--out", required=True, help="predictions.json to write (must not exist)")
     try:
         args = ap.parse_args(argv)
@@ -410,12 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.profile)
         table = None
         if args.sweep:
-            from simulate.sweep import load_table
             table = load_table(args.sweep)
-            need = {"b2", "num_spikes", "diverged"}
+            need = {"optim.b2", "num_spikes", "diverged"}
             if not need <= set(table.columns):
                 raise ConfigError(f"{args.sweep}: not a sweep table (missing {sorted(need - set(table.columns))})")
-        cands = load_candidates(args.candidates) if args.candidates else default_candidates(profile)
+        cands = (load_candidates(args.candidates, profile) if args.candidates
+                 else default_candidates(profile))
         pred = predict(profile, cands, table, args.sweep or "")
         save_predictions(pred, args.out)
     except (ConfigError, PredictionsError, ValueError) as e:

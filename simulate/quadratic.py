@@ -42,31 +42,9 @@ Spike criterion (`count_spikes`, specific to this problem where the loss falls o
 of decades): on the 50-step running max of log10 loss, a rise of >= 3 decades within 100
 steps starts a spike (documented there). Not a general detector (that is analysis.spikes).
 
-Measured (float64, rescale=True, 1-D, lam = 1, theta0 = 1, lr = 1e-2, b1 = 0.9, 3e4 steps;
-eps* = 2.632e-4). b2 = 0.999: the loss falls to ~1e-600 (the plain float64 floor is
-1e-308), then periodic spikes: eps = 0: 25 spikes, first at step 13291, highest peak loss
-6.3e-5; eps = 1e-8: 24, first 13291, peak 5.8e-5; 1e-4: 19, first 14256, peak 2.3e-5;
-2e-4: 12, first 16173, peak 3.2e-6; 2.5e-4: 5, first 19356, peak 7.6e-8; 2.6e-4: 1 spike
-at 22364 (a rise from 1e-997 to 1e-28); 2.7e-4, 2.8e-4: none (converges to ~1e-1366).
-So the boundary lies in (2.6e-4, 2.7e-4), bracketing eps*. The first lam_hat_grad > 2/lr
-step (13255, 14211, 16108, 19244, 22096 for eps = 0, 1e-4, 2e-4, 2.5e-4, 2.6e-4) is
-~50 steps before theory.quadratic.decay_steps_to_instability's pure-decay time from
-v_hat at step 3000 (the 1/(1-b2^t) factor of v_hat still decays: ln(1.05)/ln(1/0.999) =
-49 steps); the loss spike starts 36..270 steps after the crossing. Lower b2 (eps = 1e-8):
-b2 = 0.99: 3 spikes, first at 1595, peak 5.4e-6; b2 = 0.95: one spike at step 386, peak
-7.2e-7, after which the loss chatters between ~1e-8 and ~1e-20 (lam_hat_grad sits at 2/lr:
-a sustained edge-of-stability cycle, not separate spikes); with eps >= 2.7e-4 no spike at
-any of these b2. Plain float64 (rescale=False): only eps <= 1e-6 spike (first at ~13780);
-at 1e-4..2.6e-4 theta underflows to 0 before v_hat has decayed enough, so the run looks
-stable. Plain float32: no spike at any eps with b2 = 0.999 (theta freezes at ~1e-38).
-N-D (dim 8, lam log-uniform 1..0.01, rotate=False, eps = 1e-8: 30 spikes, first 13291;
-eps = 2e-4, between eps*(lam_2) = 1.4e-4 and eps*(lam_1): 12 spikes, every one carried by
-the lam_max direction; eps = 3e-4: none). Rotated eigenbasis (rotate=True, seeds 0 / 1):
-eps = 1e-8: 38 / 62 spikes, 37 / 53 of them carried by the lam_max eigen-direction (the
-rest by lam_2); eps = 2e-4 and 2.5e-4: 16 / 24 and 7 / 11 spikes, all along lam_max;
-eps = 2.7e-4, 3e-4: none, so eps* (from lam_max) is the boundary in a rotated basis too.
-Gradient noise 1e-3 (eps = 1e-8): no separate spikes, the loss sits at the noise floor
-~1e-6.5.
+The spike counts this problem gives around eps* (for both the rescaled and the plain
+floating-point iteration) are measured by the sweep (`configs/sweep_quadratic.toml`) and the
+replication table (`adamspike reproduce`), not recorded here.
 """
 
 from __future__ import annotations

@@ -2,22 +2,25 @@
 
     adamspike sweep run --grid configs/sweep_quadratic.toml --out DIR [--shard k/n] [--quick]
     adamspike sweep merge DIR... --out TABLE_DIR
-    adamspike sweep replicate --out DIR [--quick] [--seeds 5]      (simulate.replication)
+    adamspike replicate --out DIR [--quick] [--seeds 5]            (simulate.replication)
 
-A grid TOML names a problem and the values to cross:
+A grid TOML names a problem (simulate.sweep_problems.PROBLEMS) and the values to cross, as
+dotted keys of the problem's config schema (RunConfig keys such as optim.eps, plus the
+problem's own section, e.g. quadratic.lam_max); TOML reads `optim.eps = [...]` as a nested
+table, which is the same thing:
 
     [sweep]
-    problem = "quadratic"        # quadratic | mlp | llama (see PROBLEMS)
+    problem = "quadratic"        # quadratic | mlp | llama
     seeds = 5                    # a count (0..n-1) or an explicit list
-    [fixed]                      # scalar settings shared by every cell
-    steps = 20000
+    [fixed]                      # settings shared by every cell
+    train.num_steps = 20000
     [grid]                       # one list per axis; cells are the cartesian product
-    eps = [1e-8, 1e-6, 1e-4, 3e-4]
-    b2 = [0.95, 0.99, 0.999]
+    optim.eps = [1e-8, 1e-6, 1e-4, 3e-4]
+    optim.b2 = [0.95, 0.99, 0.999]
     [spikes]                     # analysis.spikes.detect_spikes arguments (optional)
     window = 50
     [quick]                      # --quick: these tables replace the ones above, key by key
-    fixed = {steps = 3000}
+    fixed = {train.num_steps = 3000}
 
 Cells and runs. A cell is one point of the grid (every problem parameter except the seed);
 a run is a cell x seed.  `cell_id` is a hash of the cell's resolved parameters, so it is
@@ -38,7 +41,7 @@ A restarted run skips cells whose file exists: no recomputation.  `--shard k/n` 
 keeps the cells with int(cell_id, 16) % n == k-1; merging the shards' cells gives the same
 table as an unsharded run.
 
-Table columns: problem, cell_id, every parameter, seed, then per run: num_spikes,
+Table columns: problem, cell_id, every knob (dotted key), seed, then per run: num_spikes,
 spike_rate (per 1000 steps), max_spike_height (relative, from analysis.spikes), mean_recovery_steps,
 recovered_frac, final_loss, min_loss, diverged (non-finite loss, or final loss >= initial loss),
 and for each precursor trace the problem reports (rms_t, sat_frac, bimodality, grad_mom_cos,
@@ -64,8 +67,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+from tqdm import tqdm
 
-from adamspike.config import ConfigError, read_toml
+from adamspike.config import ConfigError, flatten, from_dict, merge, nest, read_toml, to_dict
+from adamspike.rundir import atomic_write_bytes
+from analysis.spikes import detect_spikes
 
 PRE_WINDOW = 8            # Wortsman 2023a: rms_t leads loss spikes by 1-8 steps
 LEAD_WINDOW = 32          # the lead is measured in a wider window, so 1-8 is a testable claim
@@ -76,100 +82,73 @@ SUMMARY_COLUMNS = ("num_spikes", "spike_rate", "max_spike_height", "mean_recover
 
 # ----------------------------------------------------------------------------- problems
 
-@dataclass(frozen=True)
-class Param:
-    """One knob of a problem.  `static` knobs change shapes or code paths (cells with
-    different values are compiled separately); the others are vmapped scalars."""
-    default: Any
-    static: bool = False
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-    choices: tuple | None = None
-
-    def check(self, key: str, value: Any) -> Any:
-        tp = type(self.default)
-        if tp is bool:
-            if not isinstance(value, bool):
-                raise ConfigError(f"{key}: expected true/false, got {value!r}")
-        elif tp is int:
-            if isinstance(value, bool) or not (isinstance(value, int) or
-                                               (isinstance(value, float) and value.is_integer())):
-                raise ConfigError(f"{key}: expected an integer, got {value!r}")
-            value = int(value)
-        elif tp is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{key}: expected a number, got {value!r}")
-            value = float(value)
-            if not math.isfinite(value):
-                raise ConfigError(f"{key}: must be finite, got {value!r}")
-        elif tp is str and not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        if self.choices is not None and value not in self.choices:
-            raise ConfigError(f"{key}: must be one of {list(self.choices)}, got {value!r}")
-        if self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
-            raise ConfigError(f"{key}: must be {'>' if self.lo_open else '>='} {self.lo}, got {value!r}")
-        if self.hi is not None and (value > self.hi or (self.hi_open and value == self.hi)):
-            raise ConfigError(f"{key}: must be {'<' if self.hi_open else '<='} {self.hi}, got {value!r}")
-        return value
-
-
-# run(static params, {scalar name: float array [N]}, seeds int array [N]) ->
+# run(static settings, {scalar key: float array [N]}, seeds int array [N]) ->
 #     {"loss": [N, T], optional precursor traces [N, T] from PRECURSORS,
 #      optional "scalars": {column: [N]} per-run numbers added to the table as they are}
 BatchFn = Callable[[dict, dict, np.ndarray], dict]
 
 
 def _detect_default(signal: np.ndarray, **kw) -> pd.DataFrame:
-    from analysis.spikes import detect_spikes
     return detect_spikes(signal, np.arange(1, len(signal) + 1), **kw)
 
 
 @dataclass(frozen=True)
 class Problem:
-    """A batched problem. `run` may add a "signal" trace [N, T] that spikes are detected on
-    (default: the loss); `detect(signal_1d, **spikes)` returns analysis.spikes columns
-    (start, height, duration, recovered); `height_unit` says what `height` measures."""
+    """A batched problem over the dotted keys of a config schema (a dataclass of sections,
+    adamspike.config; RunConfig for the tiny LLaMA). `knobs` are the keys a grid may set,
+    each static (changes shapes or code paths: cells with different values are compiled
+    separately) or not (vmapped scalars); `base` the problem's own defaults (dotted keys)
+    over the schema's. Every cell is validated by the schema (`config`), so ranges and
+    types are declared once, in the schema. `run` may add a "signal" trace [N, T] that
+    spikes are detected on (default: the loss); `detect(signal_1d, **spikes)` returns
+    analysis.spikes columns (start, height, duration, recovered); `height_unit` says
+    what `height` measures."""
     name: str
-    params: Mapping[str, Param]
+    schema: type
+    knobs: Mapping[str, bool]                                 # dotted key -> static
     run: BatchFn
+    base: Mapping[str, Any] = field(default_factory=dict)
     spikes: Mapping[str, Any] = field(default_factory=dict)   # default detector kwargs
     max_vmap: int = 256                                       # runs per vmapped call
     detect: Callable[..., pd.DataFrame] = _detect_default
     spike_keys: tuple[str, ...] = ("window", "k", "min_rel_jump", "min_history", "log", "absorb")
     height_unit: str = "relative"                             # peak / baseline - 1
-    check: Callable[[dict], None] | None = None               # cross-field check of a cell
+    check: Callable[[Any], None] | None = None                # cross-field check of a config
     save: Callable[[dict, int, Path], None] | None = None     # write one run directory
 
+    def config(self, cell: Mapping[str, Any]) -> Any:
+        """The validated schema instance of a cell (dotted keys over `base`); ConfigError
+        names the key."""
+        cfg = from_dict(self.schema, merge(nest(self.base), nest(cell)))
+        if self.check is not None:
+            self.check(cfg)
+        return cfg
 
-PROBLEMS: dict[str, Problem | Callable[[], Problem]] = {}
-
-
-def register_problem(problem: Problem | Callable[[], Problem], name: str | None = None) -> None:
-    """Add a problem (or a zero-argument factory, resolved on first use)."""
-    PROBLEMS[name or problem.name] = problem
-
-
-def get_problem(name: str) -> Problem:
-    if name not in PROBLEMS:
-        raise ConfigError(f"sweep.problem: unknown problem {name!r}; known: {', '.join(sorted(PROBLEMS))}")
-    p = PROBLEMS[name]
-    if not isinstance(p, Problem):
-        p = PROBLEMS[name] = p()
-    return p
+    def values(self, cell: Mapping[str, Any]) -> dict[str, Any]:
+        """Every knob's value in a cell (defaults filled in, types normalised)."""
+        flat = flatten(to_dict(self.config(cell)))
+        return {k: flat[k] for k in self.knobs}
 
 
-def _lazy(module: str, attr: str = "SWEEP_PROBLEM") -> Callable[[], Problem]:
-    def load() -> Problem:
-        import importlib
-        return getattr(importlib.import_module(module), attr)
-    return load
+def cell_settings(problem: Problem, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Dotted settings (nested tables flattened) restricted to the problem's knobs."""
+    flat = flatten(data) if isinstance(data, Mapping) else None
+    if flat is None:
+        raise ConfigError(f"{where}: expected a table, got {data!r}")
+    for k in flat:
+        if k not in problem.knobs:
+            raise ConfigError(f"unknown grid key: {where}.{k} (problem {problem.name!r} knows: "
+                              f"{', '.join(problem.knobs)})")
+    return flat
 
 
-register_problem(_lazy("simulate.sweep_problems", "QUADRATIC"), "quadratic")  # noqa: E305
-register_problem(_lazy("simulate.sweep_problems", "MLP"), "mlp")
-register_problem(_lazy("simulate.sweep_problems", "LLAMA"), "llama")
+def _checked(problem: Problem, key: str, value: Any, where: str) -> Any:
+    """One knob's value, validated and normalised by the schema."""
+    try:
+        return problem.values({key: value})[key]
+    except ConfigError as e:
+        msg = str(e)
+        raise ConfigError(f"{where}: {msg[len(key) + 2:] if msg.startswith(key + ': ') else msg}") from None
 
 
 # ----------------------------------------------------------------------------- grid
@@ -184,9 +163,8 @@ class Grid:
     source: str = ""
 
     def cells(self) -> list[dict]:
-        """Every grid point as a full parameter dict (defaults <- fixed <- axis values)."""
-        base = {k: p.default for k, p in self.problem.params.items()}
-        base.update(self.fixed)
+        """Every grid point as a full knob dict (problem defaults <- fixed <- axis values)."""
+        base = self.problem.values(self.fixed)
         names = list(self.axes)
         return [{**base, **dict(zip(names, vals))}
                 for vals in itertools.product(*(self.axes[n] for n in names))]
@@ -196,7 +174,7 @@ class Grid:
                 "seeds": self.seeds, "spikes": self.spikes}
 
 
-def load_grid(path: str | Path, quick: bool = False) -> Grid:
+def load_grid(path: str | Path, problems: Mapping[str, Problem], quick: bool = False) -> Grid:
     """Read and validate a grid TOML; every problem raises ConfigError naming the key."""
     data = read_toml(path)
     if quick:
@@ -206,11 +184,13 @@ def load_grid(path: str | Path, quick: bool = False) -> Grid:
         for sec, val in over.items():
             if sec not in ("sweep", "fixed", "grid", "spikes"):
                 raise ConfigError(f"quick.{sec}: unknown section (known: sweep, fixed, grid, spikes)")
-            data[sec] = {**data.get(sec, {}), **val}
-    return grid_from_dict(data, source=str(path))
+            if not isinstance(val, Mapping):
+                raise ConfigError(f"quick.{sec}: expected a table")
+            data[sec] = {**flatten(data.get(sec, {})), **flatten(val)}
+    return grid_from_dict(data, problems, source=str(path))
 
 
-def grid_from_dict(data: Mapping[str, Any], source: str = "") -> Grid:
+def grid_from_dict(data: Mapping[str, Any], problems: Mapping[str, Problem], source: str = "") -> Grid:
     unknown = sorted(set(data) - {"sweep", "fixed", "grid", "spikes", "quick"})
     if unknown:
         raise ConfigError(f"unknown grid section(s): {', '.join(unknown)} "
@@ -220,8 +200,11 @@ def grid_from_dict(data: Mapping[str, Any], source: str = "") -> Grid:
     if bad:
         raise ConfigError(f"unknown grid key: sweep.{bad[0]} (known: sweep.problem, sweep.seeds)")
     if "problem" not in sweep:
-        raise ConfigError("sweep.problem: missing (one of quadratic, mlp, llama)")
-    problem = get_problem(sweep["problem"])
+        raise ConfigError(f"sweep.problem: missing (one of {', '.join(problems)})")
+    if sweep["problem"] not in problems:
+        raise ConfigError(f"sweep.problem: unknown problem {sweep['problem']!r}; known: "
+                          f"{', '.join(sorted(problems))}")
+    problem = problems[sweep["problem"]]
     seeds = sweep.get("seeds", 1)
     if isinstance(seeds, bool) or not isinstance(seeds, (int, list)):
         raise ConfigError(f"sweep.seeds: expected a count or a list of integers, got {seeds!r}")
@@ -233,41 +216,30 @@ def grid_from_dict(data: Mapping[str, Any], source: str = "") -> Grid:
         raise ConfigError(f"sweep.seeds: expected non-negative integers, got {seeds!r}")
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"sweep.seeds: duplicate seeds in {seeds!r}")
-    known = problem.params
-
-    def check_key(section: str, k: str) -> None:
-        if k not in known:
-            raise ConfigError(f"unknown grid key: {section}.{k} (problem {problem.name!r} knows: "
-                              f"{', '.join(known)})")
-
-    fixed = {}
-    for k, v in dict(data.get("fixed", {})).items():
-        check_key("fixed", k)
-        fixed[k] = known[k].check(f"fixed.{k}", v)
+    fixed = {k: _checked(problem, k, v, f"fixed.{k}")
+             for k, v in cell_settings(problem, data.get("fixed", {}), "fixed").items()}
     axes: dict[str, list] = {}
-    for k, vals in dict(data.get("grid", {})).items():
-        check_key("grid", k)
+    for k, vals in cell_settings(problem, data.get("grid", {}), "grid").items():
         if k in fixed:
             raise ConfigError(f"grid.{k}: also set in [fixed]; choose one")
         if not isinstance(vals, list):
             raise ConfigError(f"grid.{k}: expected a list of values, got {vals!r}")
         if not vals:
             raise ConfigError(f"grid.{k}: empty list (the grid would have no cells)")
-        checked = [known[k].check(f"grid.{k}[{i}]", v) for i, v in enumerate(vals)]
+        checked = [_checked(problem, k, v, f"grid.{k}[{i}]") for i, v in enumerate(vals)]
         if len(set(map(repr, checked))) != len(checked):
             raise ConfigError(f"grid.{k}: duplicate values in {vals!r}")
         axes[k] = checked
     if not axes:
-        raise ConfigError("grid: empty (no axis to sweep); add e.g. grid.eps = [1e-8, 1e-4]")
+        raise ConfigError("grid: empty (no axis to sweep); add e.g. grid.\"optim.eps\" = [1e-8, 1e-4]")
     spikes = {**problem.spikes}
     for k, v in dict(data.get("spikes", {})).items():
         if k not in problem.spike_keys:
             raise ConfigError(f"unknown grid key: spikes.{k} (known: {', '.join(problem.spike_keys)})")
         spikes[k] = v
     grid = Grid(problem, fixed, axes, list(seeds), spikes, source)
-    if problem.check is not None:
-        for cell in grid.cells():
-            problem.check(cell)
+    for cell in grid.cells():
+        problem.config(cell)   # cross-field checks of every cell
     return grid
 
 
@@ -350,8 +322,12 @@ def summarize_run(loss: np.ndarray, traces: Mapping[str, np.ndarray], spikes: Ma
 
 # ----------------------------------------------------------------------------- execution
 
+def _hashable(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
 def _static_key(problem: Problem, params: Mapping[str, Any]) -> tuple:
-    return tuple((k, params[k]) for k, p in problem.params.items() if p.static)
+    return tuple((k, _hashable(params[k])) for k, static in problem.knobs.items() if static)
 
 
 def _chunk_size(n: int, cap: int) -> int:
@@ -364,7 +340,7 @@ def run_group(problem: Problem, cells: list[tuple[str, dict]], seeds: list[int],
     """Run every (cell, seed) of cells sharing static params; -> {cell_id: rows}."""
     jobs = [(cid, p, s) for cid, p in cells for s in seeds]
     static = {k: v for k, v in _static_key(problem, cells[0][1])}
-    scalar_names = [k for k, p in problem.params.items() if not p.static]
+    scalar_names = [k for k, static in problem.knobs.items() if not static]
     size = _chunk_size(len(jobs), problem.max_vmap)
     rows: dict[str, list[dict]] = {cid: [] for cid, _ in cells}
     for lo in range(0, len(jobs), size):
@@ -387,8 +363,6 @@ def run_group(problem: Problem, cells: list[tuple[str, dict]], seeds: list[int],
 
 
 def _write_parquet_atomic(path: Path, df: pd.DataFrame) -> None:
-    from adamspike.rundir import atomic_write_bytes
-
     buf = io.BytesIO()
     df.to_parquet(buf, index=False)
     atomic_write_bytes(path, buf.getvalue())
@@ -402,7 +376,6 @@ def _sort_table(df: pd.DataFrame, grid_json: Mapping[str, Any]) -> pd.DataFrame:
 def _write_table(df: pd.DataFrame, out_dir: Path, stem: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_parquet_atomic(out_dir / f"{stem}.parquet", df)
-    from adamspike.rundir import atomic_write_bytes
     atomic_write_bytes(out_dir / f"{stem}.csv", df.to_csv(index=False).encode())
 
 
@@ -417,7 +390,6 @@ def _check_sweep_json(out: Path, grid_json: dict) -> None:
             raise ConfigError(f"{out}: holds a sweep of another grid (see {meta}); use a new --out "
                               "(nothing was overwritten)")
     else:
-        from adamspike.rundir import atomic_write_bytes
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(meta, json.dumps({"grid": grid_json}, indent=2).encode())
 
@@ -427,8 +399,6 @@ def run_cells(problem: Problem, cells: Sequence[Mapping[str, Any]], seeds: Seque
               desc: str | None = None) -> pd.DataFrame:
     """Run (or resume) explicit cells (full parameter dicts) x seeds into out/cells/; returns
     their rows in the given cell order. Cells sharing static params are vmapped together."""
-    from tqdm import tqdm
-
     cells_dir = Path(out) / "cells"
     cells_dir.mkdir(parents=True, exist_ok=True)
     spikes = dict(problem.spikes if spikes is None else spikes)
@@ -472,8 +442,6 @@ def save_run_dirs(grid: Grid, cells: Sequence[Mapping[str, Any]], runs_dir: Path
                   progress: bool = True) -> list[Path]:
     """Full run directories (adamspike.rundir, via the problem's `save`) for `cells` at the
     grid's first seed: runs_dir/<cell_id>-s<seed>. Existing ones are kept as they are."""
-    from tqdm import tqdm
-
     if grid.problem.save is None:
         raise ConfigError(f"--save-runs: problem {grid.problem.name!r} cannot write run directories")
     seed, paths = grid.seeds[0], []
@@ -498,7 +466,7 @@ def read_cells(out: Path, ids: Sequence[str] | None = None) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def merge(dirs: Sequence[str | Path], out: str | Path, force: bool = False) -> pd.DataFrame:
+def merge_shards(dirs: Sequence[str | Path], out: str | Path, force: bool = False) -> pd.DataFrame:
     """Merge the cells of shard directories (same grid) into out/runs.{parquet,csv}."""
     grids, frames = [], []
     for d in map(Path, dirs):
@@ -563,16 +531,12 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("dirs", nargs="+")
     m.add_argument("--out", required=True, help="directory for runs.parquet / runs.csv")
     m.add_argument("--force", action="store_true", help="replace an existing table in --out")
-    sub.add_parser("replicate", help="replicate the literature's claims (simulate.replication)",
-                   add_help=False)
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "replicate":
-        from simulate.replication import main as replicate_main
-        return replicate_main(argv[1:])
+def main(argv: list[str] | None, problems: Mapping[str, Problem]) -> int:
+    """`adamspike sweep run|merge` over `problems` (simulate.sweep_problems.PROBLEMS; the
+    top CLI passes them, so this engine imports no problem)."""
     ap = _parser()
     try:
         args = ap.parse_args(argv)
@@ -581,20 +545,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "run":
             shard = parse_shard(args.shard)
-            grid = load_grid(args.grid, quick=args.quick)
+            grid = load_grid(args.grid, problems, quick=args.quick)
             if args.save_runs < 0:
                 raise ConfigError(f"--save-runs: must be >= 0, got {args.save_runs}")
             table = run_sweep(grid, args.out, shard, progress=not args.no_progress,
                               save_runs=args.save_runs)
             print(f"{len(table)} runs -> {args.out}")
         else:
-            table = merge(args.dirs, args.out, force=args.force)
+            table = merge_shards(args.dirs, args.out, force=args.force)
             print(f"{len(table)} runs -> {Path(args.out) / 'runs.parquet'}")
     except ConfigError as e:
         print(f"adamspike sweep: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -187,6 +187,32 @@ def _column_sums(terms):
 
 def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
                    with_hist: bool = False, grad_scale=None, native: bool = True):
+    """`_step_telemetry` (below), with eps a scalar or a list of one Python float per
+    tensor (per-group eps, adamspike.mitigations): the tensors of each eps value are then
+    summed by one call, and the rows put back in tensor order."""
+    if not isinstance(eps, (list, tuple)):
+        return _step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
+                               with_hist, grad_scale, native)
+    leaves = [jax.tree.leaves(x) for x in (grads, prev_adam_state.mu, new_adam_state.mu,
+                                           new_adam_state.nu, params)]
+    if len(eps) != len(leaves[0]):
+        raise ValueError(f"step_telemetry: {len(eps)} eps values for {len(leaves[0])} tensors")
+    order, sums, hists = [], [], []
+    for e in sorted(set(eps)):
+        idx = [i for i, x in enumerate(eps) if x == e]
+        g, mp, mu, nu, p = ([x[i] for i in idx] for x in leaves)
+        s, h = _step_telemetry(g, new_adam_state._replace(mu=mp), new_adam_state._replace(mu=mu, nu=nu),
+                               p, b1, b2, float(e), with_hist, grad_scale, native)
+        order += idx
+        sums.append(s)
+        hists.append(h)
+    inv = np.argsort(np.asarray(order))
+    return (jnp.concatenate(sums)[inv],
+            jnp.concatenate(hists)[inv] if with_hist else None)
+
+
+def _step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
+                    with_hist: bool = False, grad_scale=None, native: bool = True):
     """Sums (num_tensors, NUM_SUMS) and, if with_hist (static), histograms
     (num_tensors, NUM_HIST_BINS) int32, else None.
 
@@ -293,13 +319,14 @@ def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
     return sums, hists.at[:, zero_bin].add(-jnp.asarray(num_pad, jnp.int32))
 
 
-def layer_columns(names, depths, kinds, numels, sums, eps: float) -> dict[str, np.ndarray]:
+def layer_columns(names, depths, kinds, numels, sums, eps) -> dict[str, np.ndarray]:
     """Columns for RunWriter.log_layers(columns=...): name, depth, kind, numel and every
-    METRIC_NAMES metric, from the (num_tensors, NUM_SUMS) sums of one step."""
+    METRIC_NAMES metric, from the (num_tensors, NUM_SUMS) sums of one step; eps a scalar
+    or one per tensor."""
     sums = np.asarray(sums, dtype=np.float64)
     if sums.ndim != 2 or sums.shape != (len(names), NUM_SUMS):
         raise ValueError(f"sums: expected shape ({len(names)}, {NUM_SUMS}), got {sums.shape}")
-    metrics = finalize(sums, float(eps))
+    metrics = finalize(sums, np.asarray(eps, dtype=np.float64))
     cols = {"name": np.asarray(names, dtype=object), "depth": np.asarray(depths, np.int32),
             "kind": np.asarray(kinds, dtype=object), "numel": np.asarray(numels, np.int64)}
     cols.update({k: np.asarray(metrics[k]) for k in METRIC_NAMES})

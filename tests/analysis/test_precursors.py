@@ -25,8 +25,10 @@ def test_known_lead_recovered_shallow_only(synthetic_run):
     assert s.loc[("shallow", "rms_t"), "lead_median"] == 10
     assert s.loc[("deep", "rms_t"), "num_led"] == 0
     tl = p.tensor_leads[p.tensor_leads["metric"] == "rms_t"]
-    assert (tl.loc[tl["depth"] <= 1, "lead"] == 10).all()   # every shallow tensor, each spike
-    assert tl.loc[tl["depth"] > 1, "lead"].isna().all()
+    shallow = depth_group(tl["depth"], int(run.layers["depth"].max())) == "shallow"
+    assert shallow.any() and not shallow.all()
+    assert (tl.loc[shallow, "lead"] == 10).all()   # every shallow tensor, each spike
+    assert tl.loc[~shallow, "lead"].isna().all()
     assert len(tl) == 2 * run.layers["name"].nunique()
     tr = p.trajectories
     assert set(tr["group"]) == {"shallow", "deep"}
@@ -47,7 +49,9 @@ def test_lead_time_rules():
 
 
 def test_depth_groups_and_bimodality():
-    assert list(depth_group([-1, 0, 1, 2, 80])) == ["shallow"] * 3 + ["deep"] * 2
+    # adamspike.depth_groups: L = 80 (the head's depth) -> shallow = depths -1..7
+    assert list(depth_group([-1, 0, 7, 8, 80])) == ["shallow"] * 3 + ["deep"] * 2
+    assert list(depth_group([-1, 0, 1, 2], num_layers=2)) == ["shallow"] * 2 + ["deep"] * 2
     df = pd.DataFrame({"r_mean": [0.0, 0.0], "r_m2": [1.0, 1.0], "r_m3": [0.0, 0.0],
                        "r_m4": [3.0, 1.0]})
     bc = with_derived(df)["bimodality"].to_numpy()

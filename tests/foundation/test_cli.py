@@ -19,3 +19,16 @@ def test_console_script_runs():
     res = subprocess.run([sys.executable, "-m", "adamspike", "--version"], capture_output=True,
                          text=True)
     assert res.returncode == 0 and res.stdout.strip()
+
+
+def test_sweep_and_replicate_are_routed_from_the_top_cli(tmp_path, capsys):
+    """`adamspike sweep run|merge` gets the problems from the top CLI; `adamspike replicate`
+    and `adamspike sweep replicate` are the same command; bad input exits 2."""
+    grid = tmp_path / "g.toml"
+    grid.write_text("[sweep]\nproblem = 'quadratic'\n[grid]\noptim.eps = [-1.0]\n")
+    assert main(["sweep", "run", "--grid", str(grid), "--out", str(tmp_path / "o")]) == 2
+    assert "grid.optim.eps[0]: must be >= 0.0" in capsys.readouterr().err
+    for argv in (["replicate"], ["sweep", "replicate"]):
+        assert main([*argv, "--out", str(tmp_path / "r"), "--seeds", "1"]) == 2
+        assert "--seeds must be >= 2" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()

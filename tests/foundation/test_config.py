@@ -64,3 +64,21 @@ def test_data_order_resumes_and_shards():
     np.testing.assert_array_equal(sample_indices(2, 8, 20, 3, offset=2), a[24:32])
     parts = [rank_slice(a[:8], r, 2) for r in range(2)]
     np.testing.assert_array_equal(np.concatenate(parts), a[:8])
+
+
+def test_run_config_from_dict_of_dotted_keys():
+    """RunConfig.from_dict: dotted keys over a base, validated as a whole; moved keys and
+    bad values name the key; overrides() gives back the dotted differences."""
+    base = RunConfig.from_dict({"optim.lr": 1e-3})
+    cfg = RunConfig.from_dict({"optim.eps": "1e-6", "mitigation": {"update_clip": True}}, base=base)
+    assert (cfg.optim.lr, cfg.optim.eps, cfg.mitigation.update_clip) == (1e-3, 1e-6, True)
+    assert cfg.overrides(base) == {"optim.eps": 1e-6, "mitigation.update_clip": True}
+    for bad, msg in [({"optim.update_clip": True}, "optim.update_clip: moved to mitigation.update_clip"),
+                     ({"model.embed_grad_shrink": 0.1}, "moved to mitigation.embed_grad_shrink"),
+                     ({"optim.b2": 1.0}, "optim.b2: must be < 1.0"),
+                     ({"optim.eps": 1e-6, "optim": {"eps": 1e-5}}, "optim.eps: given twice"),
+                     ({"mitigation.v_reset_steps": [0]}, r"mitigation.v_reset_steps\[0\]: must be >= 1")]:
+        with pytest.raises(ConfigError, match=msg):
+            RunConfig.from_dict(bad)
+    with pytest.raises(ConfigError, match="moved to mitigation.update_clip"):
+        parse_overrides(RunConfig, ["--optim.update_clip", "true"])

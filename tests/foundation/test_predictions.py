@@ -41,8 +41,8 @@ def test_offline_matches_online():
 
 
 def test_roundtrip_and_errors(tmp_path):
-    p = Predictions(settings=[{"id": "a", "b1": 0.9, "b2": 0.95, "eps": 1e-8, "lr": 1e-4,
-                               "global_batch_size": 8, "risk": 0.5}],
+    p = Predictions(settings=[{"id": "a", "overrides": {"optim.b2": 0.95, "optim.eps": 1e-8,
+                                                        "train.global_batch_size": 8}, "risk": 0.5}],
                     alarm_rules=[rule()], validate=["a"])
     path = tmp_path / "p.json"
     save_predictions(p, path)
@@ -51,9 +51,16 @@ def test_roundtrip_and_errors(tmp_path):
     with pytest.raises(PredictionsError, match="exists"):
         save_predictions(p, path)
     bad = json.loads(path.read_text())
-    bad["settings"][0]["b2"] = 1.5
-    with pytest.raises(PredictionsError, match=r"settings\[0\].b2"):
+    bad["settings"][0]["overrides"]["optim.b2"] = 1.5
+    with pytest.raises(PredictionsError, match=r"settings\[0\].overrides: optim.b2: must be < 1.0"):
         from_json(bad)
+    bad["settings"][0]["overrides"] = {"optim.beta2": 0.9}
+    with pytest.raises(PredictionsError, match="unknown config key: optim.beta2"):
+        from_json(bad)
+    v1 = json.loads(path.read_text())
+    v1["schema_version"] = 1
+    with pytest.raises(PredictionsError, match="schema_version 1 .* regenerate it with `adamspike predict`"):
+        from_json(v1)
     bad = json.loads(path.read_text())
     bad["alarm_rules"][0]["metric"] = "loss_vibes"
     with pytest.raises(PredictionsError, match="metric"):

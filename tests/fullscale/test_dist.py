@@ -58,7 +58,7 @@ def test_two_processes_fp32_match_one_process(tmp_path, compile):
     # 2 ranks x 2 micro-batches of 2  vs  1 rank x 2 micro-batches of 4; with StableAdamW
     # update clipping (its rms_t is all-reduced over the shards; b2 = 0.5 makes it act);
     # compile "on": the telemetry's native CPU kernel on each rank's local shards
-    knobs = ["--optim.update_clip", "true", "--optim.b2", "0.5", "--telemetry.compile", compile]
+    knobs = ["--mitigation.update_clip", "true", "--optim.b2", "0.5", "--telemetry.compile", compile]
     two = _torchrun(tmp_path / "two", "--train.micro_batch_size", "2", *knobs)
     one = _one_process(tmp_path / "one", "--train.micro_batch_size", "4", *knobs)
     assert one.layers["rms_t"].max() > 1.05             # the clip did act

@@ -88,12 +88,12 @@ def test_cuda_scripts_and_loss_scale_folding(tmp_path):
     out = tmp_path / "c"
     assert launch_main(["--config", str(BASE), "--nodes", "8", "--devices-per-node", "8",
                         "--master-addr", "gpu0", "--device", "cuda", "--out", str(out),
-                        "--train.loss_scale", "10", "--model.embed_grad_shrink", "0.1"]) == 0
+                        "--train.loss_scale", "10", "--mitigation.embed_grad_shrink", "0.1"]) == 0
     tr, ms = (out / "train_torchrun.sh").read_text(), (out / "train_mindspeed.sh").read_text()
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in tr and "HCCL" not in tr and "Ascend" not in tr
     f = _flags(ms)
     assert f["--adam-eps"] == "1e-06" and f["--clip-grad"] == "0.1"      # eps / s, clip / s
-    assert "NOTE: model.embed_grad_shrink = 0.1" in ms
+    assert "NOTE: mitigation.embed_grad_shrink = 0.1" in ms and "no Megatron flag" in ms
     assert load_config(RunConfig, out / "run.toml").train.loss_scale == 10.0
 
 
@@ -127,13 +127,17 @@ def test_launch_never_overwrites_and_needs_a_master(tmp_path, capsys):
 
 
 def _predictions(path: Path) -> Path:
+    def over(b2, eps, lr, gbs):
+        return {"optim.b1": 0.9, "optim.b2": b2, "optim.eps": eps, "optim.lr": lr,
+                "train.global_batch_size": gbs}
+
     settings = [
-        {"id": "eps1e-05-b2_0.95", "b1": 0.9, "b2": 0.95, "eps": 1e-5, "lr": 1.5e-4,
-         "global_batch_size": 1024, "risk": 0.8, "risk_label": "high", "rank": 3},
-        {"id": "eps1e-08-b2_0.95", "b1": 0.9, "b2": 0.95, "eps": 1e-8, "lr": 1.5e-4,
-         "global_batch_size": 1024, "risk": 0.1, "risk_label": "low", "rank": 1},
-        {"id": "eps1e-06-b2_0.9", "b1": 0.9, "b2": 0.9, "eps": 1e-6, "lr": 1e-4,
-         "global_batch_size": 2048, "risk": 0.2, "risk_label": "low", "rank": 2},
+        {"id": "eps1e-05-b2_0.95", "overrides": over(0.95, 1e-5, 1.5e-4, 1024), "risk": 0.8,
+         "risk_label": "high", "rank": 3},
+        {"id": "eps1e-08-b2_0.95", "overrides": over(0.95, 1e-8, 1.5e-4, 1024), "risk": 0.1,
+         "risk_label": "low", "rank": 1},
+        {"id": "eps1e-06-b2_0.9", "overrides": over(0.9, 1e-6, 1e-4, 2048), "risk": 0.2,
+         "risk_label": "low", "rank": 2},
     ]
     rule = AlarmRule(id="rms_t_shallow", metric="rms_t", depths=(-1, 1), threshold=2.0)
     save_predictions(Predictions(settings=settings, alarm_rules=[rule],

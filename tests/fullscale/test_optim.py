@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from adamspike.train_config import OptimSection
+from adamspike.mitigations import StepPlan
 from fullscale.optim import (apply_update_clip, build_optimizer, build_scheduler,
-                             clip_gradients)
+                             clip_gradients, reset_second_moment)
 
 
 @pytest.mark.parametrize("schedule,warmup", [("cosine", 5), ("linear", 0), ("constant", 3)])
@@ -36,11 +37,14 @@ class _Net(nn.Module):
         self.b = nn.Parameter(torch.randn(5, generator=g, dtype=torch.float64))
 
 
-def _numpy_chain(params, grads_seq, optim, num_steps, loss_scale=1.0):
-    """Docstring equations in float64 numpy."""
+def _numpy_chain(params, grads_seq, optim, num_steps, loss_scale=1.0, plan=None, names=()):
+    """Docstring equations in float64 numpy, with the mitigation plan's per-tensor eps,
+    update clipping and v resets."""
+    plan = plan or StepPlan()
     p = [x.copy() for x in params]
     m = [np.zeros_like(x) for x in p]
     v = [np.zeros_like(x) for x in p]
+    eps = [plan.tensor_eps.get(n, optim.eps) for n in names] or [optim.eps] * len(p)
     c = optim.grad_clip * loss_scale
     for t, grads in enumerate(grads_seq, start=1):
         g = [x.copy() for x in grads]
@@ -49,40 +53,50 @@ def _numpy_chain(params, grads_seq, optim, num_steps, loss_scale=1.0):
             g = [x * min(1.0, c / (n + 1e-6)) for x in g]
         lr = optim.lr_at(t, num_steps)
         for i in range(len(p)):
+            if names and names[i] in plan.v_reset.get(t, ()):
+                v[i] = np.zeros_like(v[i])
             m[i] = optim.b1 * m[i] + (1 - optim.b1) * g[i]
             v[i] = optim.b2 * v[i] + (1 - optim.b2) * g[i] ** 2
             m_hat, v_hat = m[i] / (1 - optim.b1 ** t), v[i] / (1 - optim.b2 ** t)
-            r = m_hat / (np.sqrt(v_hat) + optim.eps)
-            if optim.update_clip:
-                r = r / max(1.0, math.sqrt(np.mean(g[i] ** 2 / np.maximum(v_hat, optim.eps ** 2))))
+            r = m_hat / (np.sqrt(v_hat) + eps[i])
+            if plan.update_clip:
+                r = r / max(1.0, math.sqrt(np.mean(g[i] ** 2 / np.maximum(v_hat, eps[i] ** 2))))
             p[i] = p[i] - lr * (r + optim.weight_decay * p[i])
     return p
 
 
-@pytest.mark.parametrize("update_clip", [False, True])
+@pytest.mark.parametrize("update_clip,group_eps,v_reset", [
+    (False, False, False), (True, False, False), (False, True, True), (True, True, True)])
 @pytest.mark.parametrize("implementation", ["foreach", "for-loop"])
-def test_chain_matches_numpy_equations(update_clip, implementation):
+def test_chain_matches_numpy_equations(update_clip, group_eps, v_reset, implementation):
     optim = OptimSection(lr=0.05, warmup_steps=2, b1=0.9, b2=0.95, eps=1e-3, weight_decay=0.1,
-                         grad_clip=1.5, update_clip=update_clip, implementation=implementation)
+                         grad_clip=1.5, implementation=implementation)
+    plan = StepPlan(update_clip=update_clip,
+                    tensor_eps={"a": 1e-3, "b": 0.3} if group_eps else {},
+                    v_reset={4: ("b",), 6: ("a", "b")} if v_reset else {})
     num_steps = 8
     net = _Net()
+    names = [n for n, _ in net.named_parameters()]
     rng = np.random.default_rng(1)
     # a quiet stretch, then a loud step: rms_t > 1 so update clipping acts
     grads_seq = [[rng.normal(size=q.shape) * (0.1 if t < 5 else 3.0) for q in net.parameters()]
                  for t in range(num_steps)]
     init = [q.detach().numpy().copy() for q in net.parameters()]
-    opt = build_optimizer(net, optim)
+    opt = build_optimizer(net, optim, plan)
+    assert len(opt.param_groups) == (2 if update_clip or group_eps else 1)
     sched = build_scheduler(opt, optim, num_steps)
     acted = False
-    for grads in grads_seq:
+    for t, grads in enumerate(grads_seq, start=1):
         for q, g in zip(net.parameters(), grads):
             q.grad = torch.tensor(g)
         clip_gradients(net.parameters(), optim.grad_clip)
+        if t in plan.v_reset:
+            assert reset_second_moment(opt, plan.v_reset[t]) == len(plan.v_reset[t])
         if update_clip:
             acted |= bool((apply_update_clip(opt, sched.get_last_lr()[0]) > 1).any())
         opt.step()
         sched.step()
-    ref = _numpy_chain(init, grads_seq, optim, num_steps)
+    ref = _numpy_chain(init, grads_seq, optim, num_steps, plan=plan, names=names)
     for q, r in zip(net.parameters(), ref):
         np.testing.assert_allclose(q.detach().numpy(), r, rtol=1e-10, atol=1e-12)
     assert acted == update_clip

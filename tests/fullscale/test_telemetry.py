@@ -438,3 +438,49 @@ def test_trainer_with_compiled_kernels_logs_what_eager_logs(tmp_path):
         np.testing.assert_allclose(on.layers[k], off.layers[k], rtol=1e-4, atol=1e-6, err_msg=k)
     h_on, h_off = np.stack(on.hists["counts"]), np.stack(off.hists["counts"])
     assert (h_on.sum(1) == h_off.sum(1)).all() and np.abs(h_on - h_off).sum() <= 4
+
+
+@pytest.mark.parametrize("compile,native", [("on", True), ("off", False)])
+def test_group_eps_and_explicit_m_prev_after_moment_edits(compile, native):
+    """Per-group eps (adamspike.mitigations' plan: one param group per eps) enters each
+    tensor's metrics, and with explicit_m_prev the momentum the step read is copied in
+    before_step: after edits of both moments (v reset by fullscale.optim, and m scaled, as
+    a momentum-editing mitigation would), grad_mom_cos is cos(g_t, m_{t-1}) of the edited
+    m, on the native and the eager path alike."""
+    from adamspike import mitigations
+    from adamspike.train_config import RunConfig
+    from fullscale.optim import reset_second_moment
+
+    cfg = RunConfig.from_dict({"mitigation.eps_embed": 1e-3, "mitigation.eps_shallow": 1e-5,
+                               "mitigation.v_reset_steps": [3]})
+    specs = spec_by_name(TINY)
+    plan = mitigations.plan(cfg, {n: s.depth for n, s in specs.items()}, TINY.num_layers)
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    model.init_weights(torch.Generator().manual_seed(0))
+    opt = build_optimizer(model, OPTIM, plan)
+    assert len(opt.param_groups) == 3
+    tel = Telemetry(opt, specs, every=1, compile=compile, explicit_m_prev=True)
+    if not native:
+        tel._native = None
+    named = list(model.named_parameters())
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 5):
+        x = torch.randint(0, TINY.vocab_size, (4, 17), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+        if step in plan.v_reset:
+            assert reset_second_moment(opt, plan.v_reset[step]) > 0
+            for p in model.parameters():                 # a momentum edit
+                opt.state[p]["exp_avg"].mul_(0.5)
+        m_prev = {n: (opt.state[p]["exp_avg"].numpy().astype(np.float64).copy()
+                      if p in opt.state else np.zeros(p.shape)) for n, p in named}
+        tel.before_step(step)
+        opt.step()
+        out = tel.after_step(step)
+        for i, (name, p) in enumerate(named):
+            eps = plan.tensor_eps[name]
+            ref = _reference(opt, [(name, p)], m_prev, eps, OPTIM.b1, OPTIM.b2)[name]
+            check_against_reference(out.columns, None, i, ref, "float32", f"step {step} {name}")
+            assert out.columns["rho"][i] == pytest.approx(out.columns["grad_rms"][i] / eps, rel=1e-12)
+    assert (tel._native is not None) == native

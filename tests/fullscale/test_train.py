@@ -106,7 +106,7 @@ def test_guard_aborts_without_a_checkpoint_to_roll_back_to(tmp_path, capsys):
 
 
 def test_alarms_from_predictions_fire_as_events(tmp_path):
-    pred = {"schema": "adamspike.predictions", "schema_version": 1, "settings": [],
+    pred = {"schema": "adamspike.predictions", "schema_version": 2, "settings": [],
             "alarm_rules": [{"id": "sat", "metric": "sat_frac", "depths": [-1, 0],
                              "op": ">", "threshold": 0.5, "consecutive": 1}]}
     (tmp_path / "p.json").write_text(json.dumps(pred))
@@ -141,17 +141,25 @@ def test_optimizer_and_model_knobs_run_through_the_trainer(tmp_path):
     """update clipping, z-loss, loss scale, GLM shrink, fp32 AC: the run trains, the lr column
     is the schedule (not the per-tensor clipped lr), rho is in the frame of s * loss."""
     out = tmp_path / "run"
-    assert _train(out, "--train.num_steps", "12", "--optim.update_clip", "true",
+    assert _train(out, "--train.num_steps", "12", "--mitigation.update_clip", "true",
                   "--train.z_loss", "1e-3", "--train.loss_scale", "1e-3",
-                  "--model.embed_grad_shrink", "0.1", "--train.activation_checkpointing", "true",
-                  "--optim.eps", "1e-8") == 0
+                  "--mitigation.embed_grad_shrink", "0.1", "--train.activation_checkpointing", "true",
+                  "--optim.eps", "1e-8", "--mitigation.eps_embed", "1e-6",
+                  "--mitigation.v_reset_steps", "7") == 0
     run = load_run(out)
     optim = OptimSection(lr=3e-3, warmup_steps=5)
     np.testing.assert_allclose(run.steps["lr"], [optim.lr_at(k, 12) for k in range(1, 13)])
     assert np.isfinite(run.steps["loss"]).all()
     assert run.steps["loss"].iloc[-3:].mean() < run.steps["loss"].iloc[:3].mean()
     layers = run.layers
-    np.testing.assert_allclose(layers["rho"], layers["grad_rms"] / 1e-8, rtol=1e-5)
+    eps = np.where(layers["depth"] == -1, 1e-6, 1e-8)     # mitigation.eps_embed
+    np.testing.assert_allclose(layers["rho"], layers["grad_rms"] / eps, rtol=1e-5)
+    # v reset of the embed + shallow groups at step 7: their rms_t is then close to
+    # sqrt((1 - b2^7) / (1 - b2)) = 2.46 where v_hat > eps^2 (b2 = 0.95; the embedding's
+    # gradient is below its eps = 1e-6 here, so the block-0 matrices are checked)
+    reset = layers[(layers["step"] == 7) & (layers["depth"] == 0) & (layers["kind"] != "norm")]
+    assert len(reset) and (reset["rms_t"] > 2.0).all()
+    assert (layers.loc[(layers["step"] == 6) & (layers["depth"] == 0), "rms_t"] < 2.0).all()
 
 
 def test_loss_terms_z_loss_formula():

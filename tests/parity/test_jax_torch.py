@@ -14,6 +14,8 @@ Same weights (copied JAX -> torch) and the same batches (adamspike.order + synth
 The only test module that imports both frameworks.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +46,7 @@ def _cfg(*extra):
 
 
 def _torch_model(params, cfg):
-    model = Transformer(cfg.model.llama(), embed_grad_shrink=cfg.model.embed_grad_shrink)
+    model = Transformer(cfg.model.llama(), **lt.step_plan(cfg).model_options)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.from_numpy(np.array(params[name])))
@@ -58,13 +60,13 @@ def _torch_loss(model, batch, cfg):
 
 def test_loss_and_gradients_match():
     torch.manual_seed(0)
-    cfg = _cfg("--model.embed_grad_shrink", "0.1", "--train.z_loss", "1e-3")
+    cfg = _cfg("--mitigation.embed_grad_shrink", "0.1", "--train.z_loss", "1e-3")
     llama = cfg.model.llama()
     assert llama.num_kv_heads < llama.num_heads  # GQA is exercised
     params = jl.init_params(llama, jax.random.PRNGKey(3))
     batch = lt.batch_at(lt.dataset(cfg, llama), cfg, 1)
     (_, aux), grads = jax.jit(jax.value_and_grad(
-        lambda p, b: jl.loss_fn(p, b, llama, 1.0, cfg.train.z_loss, cfg.model.embed_grad_shrink),
+        lambda p, b: jl.loss_fn(p, b, llama, 1.0, cfg.train.z_loss, cfg.mitigation.embed_grad_shrink),
         has_aux=True))(params, jnp.asarray(batch))
     model = _torch_model(params, cfg)
     loss = _torch_loss(model, batch, cfg)
@@ -137,3 +139,117 @@ def _compare_telemetry(step, sums, jnames, tstats, cfg, llama):
                 continue
             tol = 2.0 / numel if m in ("sat_frac", "eps_frac") else 1e-3 * abs(t) + 1e-5
             assert abs(t - j) <= tol, (step, name, m, t, j)
+
+
+def _run_both(cfg, tel_steps, explicit_m_prev):
+    """50 steps of the JAX step (with the registry's v resets applied as llama_train does)
+    and of the torch optimizer step (fullscale.train's hook order); returns per step the
+    telemetry of both and the final parameters of both."""
+    from adamspike import mitigations
+
+    torch.manual_seed(0)
+    llama = cfg.model.llama()
+    data = lt.dataset(cfg, llama)
+    tx, step_fn = lt.make_steps(cfg)
+    mit = lt.step_plan(cfg)
+    params = jl.init_params(llama, jax.random.PRNGKey(0))
+    state = tx.init(params)
+    model = _torch_model(params, cfg)
+    opt = topt.build_optimizer(model, cfg.optim, mit)
+    sched = topt.build_scheduler(opt, cfg.optim, NUM_STEPS)
+    assert mitigations.needs_explicit_m_prev(cfg) == explicit_m_prev
+    tel = Telemetry(opt, spec_by_name(llama), every=1, explicit_m_prev=explicit_m_prev)
+    jnames = lt.jtel.tensor_names(params)
+    jeps = np.array([mit.tensor_eps[n] for n in jnames])
+    s = cfg.train.loss_scale
+    seen = []
+    for step in range(1, NUM_STEPS + 1):
+        batch = lt.batch_at(data, cfg, step)
+        if step in mit.v_reset:
+            state = lt.jopt.reset_second_moment(state, [n in mit.v_reset[step] for n in jnames])
+        mu = lt.jopt.adam_state(state).mu
+        prev_mu = dict(zip(lt.jtel.tensor_names(mu), jax.device_get(jax.tree.leaves(mu))))
+        log = step in tel_steps
+        params, state, out = step_fn(params, state, jnp.asarray(batch), log, False)
+        out = jax.device_get(out)
+        loss = _torch_loss(model, batch, cfg)
+        (loss * s).backward()
+        topt.clip_gradients(model.parameters(), cfg.optim.grad_clip * s)
+        if step in mit.v_reset:
+            topt.reset_second_moment(opt, mit.v_reset[step])
+        if log:
+            tel.before_step(step)
+            tgrad = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            tmprev = {n: opt.state[p]["exp_avg"].detach().clone() if p in opt.state
+                      else torch.zeros_like(p) for n, p in model.named_parameters()}
+        opt.step()
+        tstats = tel.after_step(step) if log else None
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        assert float(out["loss"]) == pytest.approx(loss.item(), rel=1e-5), step
+        if log:
+            jcols = lt.jtel.layer_columns(jnames, [0] * len(jnames), ["param"] * len(jnames),
+                                          [0] * len(jnames), out["sums"], jeps)
+            seen.append((step, jcols, tstats, tgrad, tmprev, prev_mu))
+    return seen, params, model
+
+
+def _check_cos(step, name, got, g, m_prev):
+    """grad_mom_cos against cos(g_t, m_{t-1}) from the tensors themselves (float64)."""
+    g, mp = np.asarray(g, np.float64).ravel(), np.asarray(m_prev, np.float64).ravel()
+    if not (g @ g > 0 and mp @ mp > 0):
+        assert np.isnan(got), (step, name)
+        return
+    want = g @ mp / np.sqrt((g @ g) * (mp @ mp))
+    assert abs(got - want) <= 1e-5, (step, name, got, want)
+
+
+def test_group_eps_and_v_reset_match_and_grad_mom_cos_is_right_after_a_reset():
+    """Per-layer-group eps (embed / shallow / deep + head) and a v reset of the embed and
+    shallow groups at steps 20 and 35, through the registry alone: 50 fp32 steps of both
+    trainers agree (loss to 1e-5 relative, final parameters to 1e-5 of each tensor's
+    scale), rho uses each tensor's eps, and on the reset steps (and the step after) both
+    backends' grad_mom_cos equal cos(g_t, m_{t-1}) computed from the tensors, the torch
+    side from its explicit m_{t-1} copy."""
+    cfg = _cfg("--mitigation.eps_embed", "1e-3", "--mitigation.eps_shallow", "1e-4",
+               "--mitigation.eps_deep", "1e-6", "--mitigation.v_reset_steps", "20,35",
+               "--mitigation.v_reset_groups", "embed,shallow", "--optim.grad_clip", "0",
+               "--train.loss_scale", "1", "--optim.lr", "5e-4")
+    mit = lt.step_plan(cfg)
+    assert len(set(mit.tensor_eps.values())) == 3 and set(mit.v_reset) == {20, 35}
+    tel_steps = {1, 19, 20, 21, 35, 36, NUM_STEPS}
+    seen, params, model = _run_both(cfg, tel_steps, explicit_m_prev=True)
+    llama = cfg.model.llama()
+    specs = spec_by_name(llama)
+    reset = set(mit.v_reset[20])
+    for step, jcols, tstats, tgrad, tmprev, prev_mu in seen:
+        jrow = {n: i for i, n in enumerate(jcols["name"])}
+        for i, name in enumerate(tstats.columns["name"]):
+            j = jrow[name]
+            for m in ("grad_rms", "rho", "update_rms", "rms_t", "grad_mom_cos"):
+                t, jv = float(tstats.columns[m][i]), float(jcols[m][j])
+                if np.isnan(t) or np.isnan(jv):
+                    assert np.isnan(t) and np.isnan(jv), (step, name, m)
+                    continue
+                assert abs(t - jv) <= 1e-3 * abs(t) + 1e-5, (step, name, m, t, jv)
+            rho_t = float(tstats.columns["rho"][i])
+            grad_rms = float(tstats.columns["grad_rms"][i])
+            assert rho_t == pytest.approx(grad_rms / mit.tensor_eps[name], rel=1e-9)
+            if step in (20, 21, 35, 36):
+                _check_cos(step, name, float(tstats.columns["grad_mom_cos"][i]),
+                           tgrad[name].numpy(), tmprev[name].numpy())
+                _check_cos(step, name, float(jcols["grad_mom_cos"][j]),
+                           tgrad[name].numpy(), prev_mu[name])
+            if step in (20, 35) and name in reset:
+                # v_t = (1 - b2) g^2: rms_t = sqrt(mean(g^2 / max(v_hat, eps^2))) with
+                # v_hat = (1 - b2) g^2 / (1 - b2^t), i.e. sqrt((1 - b2^t) / (1 - b2)) where
+                # v_hat > eps^2
+                b2, e = cfg.optim.b2, mit.tensor_eps[name]
+                g2 = tgrad[name].double().numpy() ** 2
+                want = math.sqrt(np.mean(g2 / np.maximum((1 - b2) * g2 / (1 - b2 ** step), e * e)))
+                assert float(tstats.columns["rms_t"][i]) == pytest.approx(want, rel=1e-4), (step, name)
+        assert specs  # names of both sides come from one spec table
+    for name, p in model.named_parameters():
+        pt, pj = p.detach().numpy(), np.asarray(params[name])
+        np.testing.assert_allclose(pj, pt, rtol=0, atol=1e-5 * np.abs(pt).max(), err_msg=name)
+

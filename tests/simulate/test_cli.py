@@ -66,15 +66,17 @@ def test_streams_json(tmp_path):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["quadratic", "--eps", "-1"], "--eps"),
-    (["quadratic", "--b2", "1.0"], "--b2"),
+    (["quadratic", "--eps", "-1"], "optim.eps: must be >= 0"),
+    (["quadratic", "--b2", "1.0"], "optim.b2: must be < 1"),
+    (["quadratic", "--quadratic.dim", "4"], "quadratic.dim: set it with this command's own flag"),
     (["quadratic", "--steps", "0"], "--steps"),
     (["quadratic", "--dim", "2", "--lam-min", "3"], "--lam-min"),
     (["mlp", "--kind", "cnn"], "--kind"),
-    (["mlp", "--lr", "0"], "--lr"),
-    (["mlp", "--schedule", "step"], "--schedule"),
-    (["mlp", "--loss-scale", "0"], "--loss-scale"),
+    (["mlp", "--lr", "0"], "optim.lr: must be > 0"),
+    (["mlp", "--schedule", "step"], "optim.schedule"),
+    (["mlp", "--loss-scale", "0"], "train.loss_scale"),
     (["mlp", "--steps", "x"], "--steps"),
+    (["mlp", "--mitigation.v_reset_steps", "5"], "mitigation.v_reset_steps"),
     (["streams", "--record", "some"], "--record"),
     (["nope"], "problem"),
 ])

@@ -24,7 +24,7 @@ def _table(seed=0):
         for rho in (0.3, 3.0, 300.0):
             for s in range(6):
                 spiky = rho < 10
-                rows.append({"b2": b2, "median_rho": rho, "seed": s, "update_clip": False,
+                rows.append({"optim.b2": b2, "median_rho": rho, "seed": s, "mitigation.update_clip": False,
                              "num_spikes": int(spiky), "diverged": False,
                              "pre_rms_t": 3.0 + rng.random() if spiky else np.nan,
                              "max_rms_t": (3.0 + rng.random()) if spiky else 1.0 + 0.5 * rng.random(),
@@ -33,7 +33,8 @@ def _table(seed=0):
 
 
 CANDIDATES = "".join(
-    f"[[candidate]]\nb1 = 0.9\nb2 = {b2}\neps = {eps}\nlr = 1e-3\nglobal_batch_size = 64\n"
+    f"[[candidate]]\noptim.b1 = 0.9\noptim.b2 = {b2}\noptim.eps = {eps}\noptim.lr = 1e-3\n"
+    "train.global_batch_size = 64\n"
     for eps in (1e-5, 1e-8) for b2 in (0.95, 0.99))
 
 
@@ -62,7 +63,8 @@ def test_predictions_validate_and_rank_by_risk(tmp_path, profile_file, cands):
     assert risks == sorted(risks) and all(0 <= r <= 1 for r in risks)
     assert [s["rank"] for s in pred.settings] == list(range(1, len(pred.settings) + 1))
     assert pred.validate == [s["id"] for s in pred.settings[:3]]
-    by_eps = {s["eps"]: s for s in pred.settings if s["b2"] == 0.95}
+    by_eps = {s["overrides"]["optim.eps"]: s for s in pred.settings
+              if s["overrides"]["optim.b2"] == 0.95}
     # eps 1e-5 puts the shallow layers at rho ~ 2 (spiky in the table); eps 1e-8 at ~2000
     assert by_eps[1e-5]["risk"] > 0.6 and by_eps[1e-5]["risk_label"] == "high"
     assert by_eps[1e-8]["risk"] < 0.2 and by_eps[1e-8]["risk_label"] == "low"
@@ -122,10 +124,10 @@ def test_bad_inputs_exit_2(tmp_path, capsys, args, needle):
 
 def test_bad_candidates_and_existing_out(tmp_path, profile_file, capsys):
     c = tmp_path / "c.toml"
-    c.write_text("[[candidate]]\nb1 = 0.9\nb2 = 1.5\neps = 1e-8\nlr = 1e-4\nglobal_batch_size = 8\n")
+    c.write_text("[[candidate]]\noptim.b1 = 0.9\noptim.b2 = 1.5\noptim.eps = 1e-8\n")
     assert P.main(["--profile", str(profile_file), "--candidates", str(c),
                    "--out", str(tmp_path / "p.json")]) == 2
-    assert "candidate[0].b2" in capsys.readouterr().err
+    assert "candidate[0].optim.b2: must be < 1.0" in capsys.readouterr().err
     existing = tmp_path / "old.json"
     existing.write_text("keep me")
     assert P.main(["--profile", str(profile_file), "--out", str(existing)]) == 2

@@ -92,11 +92,11 @@ def test_full_replication_runs_the_llama_claims(tmp_path, monkeypatch):
     differ from their shared control only by the treatment, and reach run_cells; their rows
     come from the (here stubbed) sweep table, with the also-metrics in the note."""
     import simulate.sweep as S
-    from simulate.sweep_problems import _llama_config
+    from simulate.sweep_problems import PROBLEMS, _llama_config
 
     claims = [c for c in R.claims() if c.id in LLAMA_CLAIMS]
     assert [c.problem for c in claims] == ["llama", "llama"]
-    prob = S.get_problem("llama")
+    prob = PROBLEMS["llama"]
     base = R.base_cells(False)["llama"]
     assert "llama" not in R.base_cells(True)
     cells = {}
@@ -109,7 +109,7 @@ def test_full_replication_runs_the_llama_claims(tmp_path, monkeypatch):
     assert cells["report.batch_skip"][1] == cells["report.glm_shrink"][1]   # one control
     guard_cfg = _llama_config(cells["report.batch_skip"][0], 3)
     assert guard_cfg.guard.enabled and guard_cfg.checkpoint.every == 25 and guard_cfg.train.seed == 3
-    assert _llama_config(cells["report.glm_shrink"][0], 0).model.embed_grad_shrink == 0.1
+    assert _llama_config(cells["report.glm_shrink"][0], 0).mitigation.embed_grad_shrink == 0.1
 
     seen = {}
 
@@ -117,15 +117,15 @@ def test_full_replication_runs_the_llama_claims(tmp_path, monkeypatch):
         seen[problem.name] = (cell_list, list(seeds))
         rows = []
         for cell in cell_list:
-            spikes = 1 if cell["guard"] else (1 if cell["embed_grad_shrink"] < 1 else 3)
+            spikes = 1 if cell["guard.enabled"] else (1 if cell["mitigation.embed_grad_shrink"] < 1 else 3)
             for s in seeds:
                 rows.append({"cell_id": S.cell_id(problem.name, cell), "seed": s,
                              "num_spikes": spikes + (s % 2), "final_loss": 2.1, "max_spike_height": 0.3,
-                             "online_spikes": 2.0, "guard_rollbacks": 2.0 * cell["guard"],
+                             "online_spikes": 2.0, "guard_rollbacks": 2.0 * cell["guard.enabled"],
                              "guard_aborted": 0.0})
         return pd.DataFrame(rows)
 
-    monkeypatch.setattr(S, "run_cells", fake_run_cells)
+    monkeypatch.setattr(R, "run_cells", fake_run_cells)
     table = R.replicate(tmp_path, num_seeds=5, progress=False, claim_list=claims).set_index("id")
     run, seeds = seen["llama"]
     assert len(run) == 3 and seeds == [0, 1, 2, 3, 4]   # control + two treatments, once each
@@ -140,3 +140,26 @@ def test_full_replication_runs_the_llama_claims(tmp_path, monkeypatch):
 def test_cli_bad_seeds(tmp_path, capsys):
     assert R.main(["--out", str(tmp_path), "--seeds", "1"]) == 2
     assert "--seeds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('[[claim]]\nid = "a"\nsource = "s"\nclaim = "c"\nproblem = "mlp"\nmetric = "num_spikes"\n'
+     'rule = "removes"\ntreatment = {"optim.epsilon" = 1.0}\n', "optim.epsilon"),
+    ('[[claim]]\nid = "a"\nsource = "s"\nclaim = "c"\nproblem = "mlp"\nmetric = "num_spikes"\n'
+     'rule = "halves"\ntreatment = {}\n', "rule"),
+    ('[[claim]]\nid = "a"\nsource = "s"\nclaim = "c"\nproblem = "cnn"\nmetric = "num_spikes"\n'
+     'rule = "removes"\ntreatment = {}\n', "problem"),
+])
+def test_claims_file_errors_name_the_claim_and_key(tmp_path, capsys, text, needle):
+    p = tmp_path / "claims.toml"
+    p.write_text(text)
+    assert R.main(["--out", str(tmp_path / "o"), "--claims", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_shipped_claims_are_dotted_overrides_the_problems_accept():
+    for c in R.claims():
+        for arm in (c.treatment, c.control or {}):
+            assert all("." in k for k in arm), c.id

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import pandas as pd
 import pytest
 
+from adamspike.config import param
+from adamspike.train_config import OptimSection, TrainSection
 from simulate import sweep as S
+from simulate.sweep_problems import PROBLEMS
 
 CALLS = {"runs": 0, "calls": 0}
 
@@ -16,10 +21,10 @@ def _toy_run(static, scalars, seeds):
     (height grows with b2), plus noise from the seed; rms_t jumps 3 steps before."""
     CALLS["calls"] += 1
     CALLS["runs"] += len(seeds)
-    steps = static["steps"]
+    steps = static["train.num_steps"]
     t = np.arange(1, steps + 1)
     out_loss, out_rms = [], []
-    for eps, b2, seed in zip(scalars["eps"], scalars["b2"], seeds):
+    for eps, b2, seed in zip(scalars["optim.eps"], scalars["optim.b2"], seeds):
         rng = np.random.default_rng(int(seed))
         loss = 1.0 / np.sqrt(t) * (1 + 0.01 * rng.standard_normal(steps))
         rms = np.ones(steps)
@@ -31,24 +36,44 @@ def _toy_run(static, scalars, seeds):
     return {"loss": np.asarray(out_loss), "rms_t": np.asarray(out_rms)}
 
 
-TOY = S.Problem("toy", {"steps": S.Param(200, static=True, lo=1), "eps": S.Param(1e-8, lo=0.0),
-                        "b2": S.Param(0.95, lo=0.0, hi=1.0, hi_open=True),
-                        "batch": S.Param(8, static=True, lo=1)},
-                _toy_run, spikes={"window": 20, "k": 6.0, "min_rel_jump": 0.2}, max_vmap=8)
-S.register_problem(TOY)
+@dataclass
+class ToySection:
+    batch: int = param(8, lo=1)
+
+
+@dataclass
+class ToyConfig:
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    toy: ToySection = field(default_factory=ToySection)
+
+
+TOY = S.Problem("toy", ToyConfig, {"train.num_steps": True, "optim.eps": False,
+                                   "optim.b2": False, "toy.batch": True},
+                _toy_run, base={"train.num_steps": 200},
+                spikes={"window": 20, "k": 6.0, "min_rel_jump": 0.2}, max_vmap=8)
+ALL = {**PROBLEMS, "toy": TOY}
+
+
+def main(argv):
+    return S.main(argv, ALL)
+
+
+def load_grid(path, quick=False):
+    return S.load_grid(path, ALL, quick=quick)
 
 GRID = """
 [sweep]
 problem = "toy"
 seeds = 3
 [fixed]
-steps = 200
+train.num_steps = 200
 [grid]
-eps = [1e-8, 1e-6, 1e-3]
-b2 = [0.9, 0.99]
-batch = [4, 8]
+optim.eps = [1e-8, 1e-6, 1e-3]
+optim.b2 = [0.9, 0.99]
+toy.batch = [4, 8]
 [quick]
-grid = {eps = [1e-8, 1e-3]}
+grid = {optim.eps = [1e-8, 1e-3]}
 """
 
 
@@ -60,25 +85,25 @@ def grid_file(tmp_path):
 
 
 def test_cells_ids_stable_and_unique(grid_file):
-    g = S.load_grid(grid_file)
+    g = load_grid(grid_file)
     cells = g.cells()
     assert len(cells) == 3 * 2 * 2
     ids = [S.cell_id("toy", c) for c in cells]
     assert len(set(ids)) == len(ids)
-    assert ids == [S.cell_id("toy", c) for c in S.load_grid(grid_file).cells()]
-    assert len(S.load_grid(grid_file, quick=True).cells()) == 2 * 2 * 2
+    assert ids == [S.cell_id("toy", c) for c in load_grid(grid_file).cells()]
+    assert len(load_grid(grid_file, quick=True).cells()) == 2 * 2 * 2
 
 
 def test_run_table_and_spike_summary(grid_file, tmp_path):
-    table = S.run_sweep(S.load_grid(grid_file), tmp_path / "out", progress=False)
+    table = S.run_sweep(load_grid(grid_file), tmp_path / "out", progress=False)
     assert len(table) == 12 * 3
     assert set(table.seed) == {0, 1, 2}
     assert (tmp_path / "out" / "runs.parquet").is_file() and (tmp_path / "out" / "runs.csv").is_file()
-    spiky = table[table.eps < 1e-4]
-    calm = table[table.eps >= 1e-4]
+    spiky = table[table["optim.eps"] < 1e-4]
+    calm = table[table["optim.eps"] >= 1e-4]
     assert (spiky.num_spikes == 1).all() and (calm.num_spikes == 0).all()
     # the injected spike is 1 + 10*b2 times the baseline: height ~ 10*b2
-    np.testing.assert_allclose(spiky.max_spike_height, 10 * spiky.b2, rtol=0.1)
+    np.testing.assert_allclose(spiky.max_spike_height, 10 * spiky["optim.b2"], rtol=0.1)
     assert (spiky.recovered_frac == 1.0).all()
     # rms_t peaks at step 97, the spike starts at step 100: lead 3 steps, pre-spike max 4
     assert (spiky.pre_rms_t == 4.0).all() and (spiky.lead_rms_t == 3.0).all()
@@ -88,7 +113,7 @@ def test_run_table_and_spike_summary(grid_file, tmp_path):
 
 def test_resume_skips_finished_cells(grid_file, tmp_path):
     out = tmp_path / "out"
-    g = S.load_grid(grid_file)
+    g = load_grid(grid_file)
     CALLS.update(runs=0, calls=0)
     first = S.run_sweep(g, out, shard=(1, 2), progress=False)
     done_runs = CALLS["runs"]
@@ -105,54 +130,56 @@ def test_resume_skips_finished_cells(grid_file, tmp_path):
 
 
 def test_shards_merge_to_unsharded_table(grid_file, tmp_path):
-    g = S.load_grid(grid_file)
+    g = load_grid(grid_file)
     whole = S.run_sweep(g, tmp_path / "whole", progress=False)
     parts = [S.run_sweep(g, tmp_path / f"s{k}", shard=(k, 3), progress=False) for k in (1, 2, 3)]
     assert sum(len(p) for p in parts) == len(whole)
     assert not set.intersection(*(set(p.cell_id) for p in parts))
-    assert S.main(["merge", *(str(tmp_path / f"s{k}") for k in (1, 2, 3)),
+    assert main(["merge", *(str(tmp_path / f"s{k}") for k in (1, 2, 3)),
                    "--out", str(tmp_path / "merged")]) == 0
     merged = pd.read_parquet(tmp_path / "merged" / "runs.parquet")
     pd.testing.assert_frame_equal(merged, whole)
     # merging again into the same place refuses to overwrite
-    assert S.main(["merge", str(tmp_path / "s1"), "--out", str(tmp_path / "merged")]) == 2
+    assert main(["merge", str(tmp_path / "s1"), "--out", str(tmp_path / "merged")]) == 2
 
 
 @pytest.mark.parametrize("text,needle", [
-    (GRID.replace("b2 = [0.9, 0.99]", "beta2 = [0.9]"), "grid.beta2"),
-    (GRID.replace("[fixed]\nsteps = 200", "[fixed]\nstep = 200"), "fixed.step"),
-    (GRID.replace("b2 = [0.9, 0.99]", "b2 = []"), "grid.b2"),
+    (GRID.replace("optim.b2 = [0.9, 0.99]", "optim.beta2 = [0.9]"), "grid.optim.beta2"),
+    (GRID.replace("[fixed]\ntrain.num_steps = 200", "[fixed]\nsteps = 200"), "fixed.steps"),
+    (GRID.replace("optim.b2 = [0.9, 0.99]", "optim.b2 = []"), "grid.optim.b2"),
     ("[sweep]\nproblem = 'toy'\n[grid]\n", "grid: empty"),
-    (GRID.replace("b2 = [0.9, 0.99]", "b2 = [1.5]"), "grid.b2[0]"),
+    (GRID.replace("optim.b2 = [0.9, 0.99]", "optim.b2 = [1.5]"), "grid.optim.b2[0]: must be < 1.0"),
+    (GRID.replace("[fixed]\ntrain.num_steps = 200", "[fixed]\ntrain.num_steps = 0"),
+     "fixed.train.num_steps: must be >= 1"),
     (GRID.replace('problem = "toy"', 'problem = "cnn"'), "unknown problem"),
     (GRID.replace("seeds = 3", "seeds = 0"), "sweep.seeds"),
 ])
 def test_bad_grid_exits_2(tmp_path, capsys, text, needle):
     p = tmp_path / "bad.toml"
     p.write_text(text)
-    assert S.main(["run", "--grid", str(p), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert main(["run", "--grid", str(p), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "o" / "cells").exists()
 
 
 @pytest.mark.parametrize("spec", ["3/2", "0/2", "a/b", "2", "1/0"])
 def test_bad_shard_exits_2(grid_file, tmp_path, capsys, spec):
-    assert S.main(["run", "--grid", str(grid_file), "--out", str(tmp_path / "o"),
+    assert main(["run", "--grid", str(grid_file), "--out", str(tmp_path / "o"),
                    "--shard", spec, "--no-progress"]) == 2
     assert "--shard" in capsys.readouterr().err
 
 
 def test_other_grid_into_same_dir_refused(grid_file, tmp_path, capsys):
     out = tmp_path / "o"
-    assert S.main(["run", "--grid", str(grid_file), "--out", str(out), "--quick", "--no-progress"]) == 0
+    assert main(["run", "--grid", str(grid_file), "--out", str(out), "--quick", "--no-progress"]) == 0
     before = sorted(p.name for p in (out / "cells").iterdir())
-    assert S.main(["run", "--grid", str(grid_file), "--out", str(out), "--no-progress"]) == 2
+    assert main(["run", "--grid", str(grid_file), "--out", str(out), "--no-progress"]) == 2
     assert "another grid" in capsys.readouterr().err
     assert sorted(p.name for p in (out / "cells").iterdir()) == before
 
 
 def test_shard_assignment_is_a_partition():
-    ids = [S.cell_id("toy", {"eps": e}) for e in np.logspace(-9, -2, 50)]
+    ids = [S.cell_id("toy", {"optim.eps": e}) for e in np.logspace(-9, -2, 50)]
     for n in (1, 2, 5):
         owners = [[k for k in range(1, n + 1) if S.in_shard(c, (k, n))] for c in ids]
         assert all(len(o) == 1 for o in owners)
@@ -160,22 +187,25 @@ def test_shard_assignment_is_a_partition():
 
 def test_mlp_problem_matches_simulate_mlp_train():
     """The vmapped sweep MLP reproduces simulate.mlp.train (same optax pieces) per seed."""
-    from adamspike.train_config import OptimSection
     from simulate.mlp import MLPSpec, train
     from simulate.sweep_problems import MLP
 
-    static = {"steps": 30, "kind": "sin", "width": 8, "depth": 1, "num_points": 32, "batch": 0,
-              "init_gain": 1.0, "grad_clip": 1.0, "update_clip": True, "loss_scale": 1.0}
-    scalars = {"lr": np.array([1e-2, 3e-3]), "eps": np.array([1e-8, 1e-3]),
-               "b1": np.array([0.9, 0.9]), "b2": np.array([0.999, 0.95])}
+    from adamspike.mitigations import StepPlan
+
+    static = {k: v for k, v in MLP.values({"train.num_steps": 30, "mlp.width": 8,
+                                           "mlp.num_points": 32, "optim.grad_clip": 1.0,
+                                           "mitigation.update_clip": True}).items()
+              if MLP.knobs[k]}
+    scalars = {"optim.lr": np.array([1e-2, 3e-3]), "optim.eps": np.array([1e-8, 1e-3]),
+               "optim.b1": np.array([0.9, 0.9]), "optim.b2": np.array([0.999, 0.95])}
     seeds = np.array([0, 1])
     out = MLP.run(static, scalars, seeds)
     for i in range(2):
-        optim = OptimSection(lr=float(scalars["lr"][i]), schedule="constant", b1=0.9,
-                             b2=float(scalars["b2"][i]), eps=float(scalars["eps"][i]),
-                             weight_decay=0.0, grad_clip=1.0, update_clip=True)
+        optim = OptimSection(lr=float(scalars["optim.lr"][i]), schedule="constant", b1=0.9,
+                             b2=float(scalars["optim.b2"][i]), eps=float(scalars["optim.eps"][i]),
+                             weight_decay=0.0, grad_clip=1.0)
         ref = train(MLPSpec(kind="sin", width=8, num_points=32, seed=int(seeds[i])), optim, 30,
-                    progress=False)
+                    plan=StepPlan(update_clip=True), progress=False)
         np.testing.assert_allclose(out["loss"][i], ref["loss"], rtol=2e-4, atol=1e-6)
     assert out["rms_t"].shape == (2, 30) and np.isfinite(out["rms_t"]).all()
 
@@ -184,10 +214,10 @@ def test_save_runs_writes_loadable_run_dirs(tmp_path, capsys, grid_file):
     from adamspike.rundir import load_run
 
     g = tmp_path / "q.toml"
-    g.write_text("[sweep]\nproblem = 'quadratic'\nseeds = 2\n[fixed]\nsteps = 300\n"
-                 "[grid]\neps = [1e-8, 1e-3]\n")
+    g.write_text("[sweep]\nproblem = 'quadratic'\nseeds = 2\n[fixed]\ntrain.num_steps = 300\n"
+                 "[grid]\noptim.eps = [1e-8, 1e-3]\n")
     out = tmp_path / "o"
-    assert S.main(["run", "--grid", str(g), "--out", str(out), "--save-runs", "1",
+    assert main(["run", "--grid", str(g), "--out", str(out), "--save-runs", "1",
                    "--no-progress"]) == 0
     (run_dir,) = (out / "runs").iterdir()
     run = load_run(run_dir)
@@ -195,7 +225,7 @@ def test_save_runs_writes_loadable_run_dirs(tmp_path, capsys, grid_file):
     table = pd.read_parquet(out / "runs.parquet")
     assert run_dir.name == f"{table.cell_id[0]}-s0"
     # the toy problem cannot write run directories: a clear error, exit 2
-    assert S.main(["run", "--grid", str(grid_file), "--out", str(tmp_path / "t"), "--save-runs", "1",
+    assert main(["run", "--grid", str(grid_file), "--out", str(tmp_path / "t"), "--save-runs", "1",
                    "--no-progress"]) == 2
     assert "--save-runs" in capsys.readouterr().err
 
@@ -203,12 +233,30 @@ def test_save_runs_writes_loadable_run_dirs(tmp_path, capsys, grid_file):
 def test_phase_diagram_from_a_sweep_table(grid_file, tmp_path):
     from figures import fig_phase_diagram as F
 
-    table = S.run_sweep(S.load_grid(grid_file), tmp_path / "out", progress=False)
+    table = S.run_sweep(load_grid(grid_file), tmp_path / "out", progress=False)
     data = F.prepare(table)
-    (panel,) = [p for p in data["panels"] if (p["x"], p["y"]) == ("eps", "b2")]
+    (panel,) = [p for p in data["panels"] if (p["x"], p["y"]) == ("optim.eps", "optim.b2")]
     # toy: spikes iff eps < 1e-4, at every b2 and batch
     np.testing.assert_array_equal(panel["rate"], [[1, 1, 0], [1, 1, 0]])
     assert (panel["count"] == 6).all() and panel["eps_star"] is None
     assert F.main(["--table", str(tmp_path / "out"), "--out", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "phase_diagram.png").is_file()
     assert F.main(["--table", str(tmp_path / "missing"), "--out", str(tmp_path / "fig")]) == 2
+
+
+def test_llama_grid_takes_every_registry_key_and_validates_it_by_the_schema(tmp_path):
+    """A llama grid may vary any mitigation of the registry (dotted RunConfig keys) without
+    the problem naming it; RunConfig's own checks reject a bad value, naming the key."""
+    from adamspike.mitigations import all_keys
+
+    assert all_keys() <= set(PROBLEMS["llama"].knobs)
+    p = tmp_path / "g.toml"
+    p.write_text("[sweep]\nproblem = 'llama'\n[grid]\nmitigation.eps_embed = [1e-6, 1e-4]\n"
+                 "mitigation.v_reset_steps = [[], [100, 200]]\n")
+    cells = load_grid(p).cells()
+    assert len(cells) == 4 and {c["mitigation.eps_embed"] for c in cells} == {1e-6, 1e-4}
+    cfg = PROBLEMS["llama"].config(cells[-1])
+    assert cfg.mitigation.v_reset_steps == [100, 200] and cfg.optim.b2 == 0.999
+    p.write_text("[sweep]\nproblem = 'llama'\n[grid]\nmitigation.v_reset_groups = [['middle']]\n")
+    with pytest.raises(S.ConfigError, match="mitigation.v_reset_groups"):
+        load_grid(p)
