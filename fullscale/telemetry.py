@@ -584,10 +584,11 @@ def telemetry_vhists(telemetry: "Telemetry", step: int) -> np.ndarray | None:
                 raise RuntimeError(f"telemetry: no optimizer state for {telemetry.names[i]}")
             v = _local(st["exp_avg_sq"]).to(telemetry.dtype)
             bc2 = 1.0 - telemetry.b2 ** int(st["step"])
-            table[i, :NUM_VHIST_BINS] = vhist_counts(v / bc2, telemetry.eps, edges).double()
+            eps_i = float(telemetry.eps[i])   # the tensor's own eps (per-group eps)
+            table[i, :NUM_VHIST_BINS] = vhist_counts(v / bc2, eps_i, edges).double()
             if p.grad is not None:
                 g = _local(p.grad).to(telemetry.dtype)
-                table[i, NUM_VHIST_BINS] = float((g.abs() < telemetry.eps).sum())
+                table[i, NUM_VHIST_BINS] = float((g.abs() < eps_i).sum())
     _all_reduce(table, telemetry.group)
     return np.rint(table.cpu().numpy()).astype(np.int64)
 

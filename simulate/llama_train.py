@@ -163,8 +163,8 @@ def _make_steps(cfg: RunConfig):
             out["sums"] = sums
             if hist:
                 out["hists"] = hists
-                out["vhists"] = jtel.step_vhists(jopt.adam_state(new_state), o.b2, o.eps)
-                out["g_below_eps"] = jtel.grad_below_eps(grads, o.eps,
+                out["vhists"] = jtel.step_vhists(jopt.adam_state(new_state), o.b2, tel_eps)
+                out["g_below_eps"] = jtel.grad_below_eps(grads, tel_eps,
                                                          jopt.clip_info(new_state)[1])
         return new_params, new_state, out
 

@@ -125,17 +125,29 @@ def vhist_counts(v_hat, eps) -> jax.Array:
 def step_vhists(new_adam_state, b2, eps) -> jax.Array:
     """(num_tensors, NUM_VHIST_BINS) int32 sqrt(v_hat)/eps histograms of every tensor
     (tensor_names order), v_hat = nu / (1 - b2^count) after the step. Called on histogram
-    steps only (a searchsorted per element)."""
+    steps only (a searchsorted per element). eps: a scalar or one per tensor (per-group eps)."""
     nu_l = jax.tree.leaves(new_adam_state.nu)
+    eps_l = _per_tensor(eps, len(nu_l))
     bc2 = 1 - b2 ** new_adam_state.count
-    return jnp.stack([vhist_counts(nu / bc2.astype(nu.dtype), eps) for nu in nu_l])
+    return jnp.stack([vhist_counts(nu / bc2.astype(nu.dtype), e) for nu, e in zip(nu_l, eps_l)])
+
+
+def _per_tensor(eps, num_tensors: int) -> list:
+    """eps as one value per tensor: a list/tuple of num_tensors values, or a scalar repeated."""
+    if isinstance(eps, (list, tuple)):
+        if len(eps) != num_tensors:
+            raise ValueError(f"eps: {len(eps)} values for {num_tensors} tensors")
+        return list(eps)
+    return [eps] * num_tensors
 
 
 def grad_below_eps(grads, eps, grad_scale=None) -> jax.Array:
     """(num_tensors,) int32: coordinates with |g| < eps of the gradient Adam consumed
-    (grads times grad_scale, clip_info's factor, when given), tensor_names order."""
+    (grads times grad_scale, clip_info's factor, when given), tensor_names order. eps: a
+    scalar or one per tensor."""
     out = []
-    for g in jax.tree.leaves(grads):
+    leaves = jax.tree.leaves(grads)
+    for g, eps in zip(leaves, _per_tensor(eps, len(leaves))):
         dt = jnp.result_type(g.dtype, jnp.float32)
         g = g.astype(dt) * (1 if grad_scale is None else jnp.asarray(grad_scale).astype(dt))
         out.append(jnp.sum(jnp.abs(g) < jnp.asarray(eps, dt), dtype=jnp.int32))

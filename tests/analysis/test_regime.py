@@ -104,7 +104,7 @@ def test_card_groups_dormancy_and_wakeups(known_run):
 def test_analyze_report_carries_the_card(known_run, tmp_path):
     from analysis.report import analyze_run, write_run_report
     ra = analyze_run(known_run)
-    write_run_report(ra, tmp_path / "r", figures=False)
+    write_run_report(ra, tmp_path / "r", figures=None)
     card = pd.read_csv(tmp_path / "r" / "regime_card.csv").set_index("group")
     assert card.loc["deep", "eps_frac_median"] == 1.0 and card.loc["embed", "num_wakeups"] == 2
     md = (tmp_path / "r" / "report.md").read_text()
