@@ -42,6 +42,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from adamspike.config import ConfigError, check_value
 from adamspike.metrics import METRIC_NAMES
 
 SCHEMA = "adamspike.predictions"
@@ -80,8 +81,11 @@ class AlarmRule:
             raise PredictionsError(f"{where}.reduce: must be one of {list(REDUCERS)}")
         if not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold):
             raise PredictionsError(f"{where}.threshold: must be a finite number")
-        if int(self.consecutive) < 1:
-            raise PredictionsError(f"{where}.consecutive: must be >= 1")
+        try:
+            self.consecutive = check_value(f"{where}.consecutive", self.consecutive, int,
+                                           strict=True, lo=1)
+        except ConfigError as e:
+            raise PredictionsError(str(e)) from None
         if self.depths is not None:
             if len(self.depths) != 2 or self.depths[0] > self.depths[1]:
                 raise PredictionsError(f"{where}.depths: must be [lo, hi] with lo <= hi")
@@ -239,11 +243,15 @@ def from_json(data: Mapping[str, Any], where: str = "predictions") -> Prediction
 
 
 def _check_setting(s: Mapping[str, Any], where: str) -> None:
-    b1, b2, eps, lr, bs = (s[k] for k in SETTING_FIELDS)
-    for k, v, ok in (("b1", b1, 0 <= b1 < 1), ("b2", b2, 0 <= b2 < 1), ("eps", eps, eps >= 0),
-                     ("lr", lr, lr > 0), ("global_batch_size", bs, bs >= 1)):
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or not ok:
-            raise PredictionsError(f"{where}.{k}: out of range ({v!r})")
+    limits = {"b1": dict(lo=0.0, hi=1.0, hi_open=True), "b2": dict(lo=0.0, hi=1.0, hi_open=True),
+              "eps": dict(lo=0.0), "lr": dict(lo=0.0, lo_open=True),
+              "global_batch_size": dict(lo=1)}
+    for k in SETTING_FIELDS:
+        try:
+            check_value(f"{where}.{k}", s[k], int if k == "global_batch_size" else float,
+                        strict=True, **limits[k])
+        except ConfigError as e:
+            raise PredictionsError(str(e)) from None
 
 
 def load_predictions(path: str | Path) -> Predictions:

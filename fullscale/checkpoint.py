@@ -461,6 +461,16 @@ class CheckpointManager:
         return None
 
 
+def _default_timeout() -> timedelta:
+    """The default process group's timeout (private torch API; 300 s if unreadable)."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        dev = dist.distributed_c10d._get_pg_default_device(pg)
+        return pg._get_backend(dev).options._timeout
+    except Exception:  # noqa: BLE001 - torch versions differ
+        return timedelta(seconds=300)
+
+
 def _wait(future: Any) -> None:
     (future.upload_completion if hasattr(future, "upload_completion") else future).result()
 
