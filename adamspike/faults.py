@@ -13,8 +13,8 @@ Each entry is `point@step[:rank]`. The points:
   and before DCP writes model and optimizer (the checkpoint stays `.partial`);
 - "checkpoint.marked": after checkpoint `step` is complete (COMPLETE written, directory
   renamed), before the trainer logs it and continues.
-The rank is the torch.distributed rank from the environment (RANK, default 0). The variable
-is read once, at import; unset, `kill_point` costs one dictionary lookup.
+The rank is the torch.distributed rank from the environment (RANK, default 0). Unset, a
+`kill_point` costs one environment lookup.
 """
 
 from __future__ import annotations
@@ -38,13 +38,19 @@ def _parse(spec: str) -> dict[tuple[str, int], int | None]:
     return out
 
 
-_TARGETS = _parse(os.environ.get(ENV, ""))
+_parsed: dict[str, dict[tuple[str, int], int | None]] = {}
 
 
 def kill_point(point: str, step: int) -> None:
     """SIGKILL this process if ADAMSPIKE_KILL_AT names (point, step) for its rank."""
-    if not _TARGETS or (point, int(step)) not in _TARGETS:
+    spec = os.environ.get(ENV)
+    if not spec:
         return
-    rank = _TARGETS[(point, int(step))]
+    if spec not in _parsed:
+        _parsed[spec] = _parse(spec)
+    targets = _parsed[spec]
+    if (point, int(step)) not in targets:
+        return
+    rank = targets[(point, int(step))]
     if rank is None or rank == int(os.environ.get("RANK", "0")):
         os.kill(os.getpid(), signal.SIGKILL)
