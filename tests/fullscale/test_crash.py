@@ -224,6 +224,8 @@ def _crash_and_resume(tmp_path: Path, world: int, seed: int) -> None:
     # Per-step events are not duplicated by the re-run steps.
     ckpt_events = [e["step"] for e in _events(run) if e["type"] == "checkpoint"]
     assert len(ckpt_events) == len(set(ckpt_events))
+    # Each killed launch left its lock record; each --resume took the stale lock over.
+    assert sum(e["type"] == "lock_taken_over" for e in _events(run)) == 6
     assert not (run / "writer.lock").read_text()          # released at the end
 
 
