@@ -259,13 +259,16 @@ def _one_line(e: BaseException) -> str:
     return line[:300]
 
 
+DCP_LOGGER = "c10d-NullHandler-dcp_logger"   # DCP's own logger (torch.distributed.checkpoint.logger)
+
+
 class _quiet_dcp:
     """Silence DCP's own logging of a failed load (it logs each rank's traceback at ERROR
     level); the failure is raised as one CheckpointError whose `detail` keeps the text."""
 
     def __enter__(self):
         self._loggers = [logging.getLogger(n) for n in ("torch.distributed.checkpoint",
-                                                        "torch.distributed")]
+                                                        "torch.distributed", DCP_LOGGER)]
         self._levels = [lg.level for lg in self._loggers]
         for lg in self._loggers:
             lg.setLevel(logging.CRITICAL)

@@ -227,6 +227,7 @@ class Trainer:
         # --- ownership of the run directory first: rank 0 decides, the others follow
         self.lock = _rank0_call(rank, lambda: RunLock(out).acquire(new=not resume))
         self.writer = self.tb = None
+        self._fired: set[tuple[str, int]] = set()     # injected faults already fired
         try:
             self._build()
         except BaseException:
@@ -483,7 +484,9 @@ class Trainer:
                               async_save=cfg.checkpoint.async_save)
 
     def _rollback(self, step: int) -> int:
-        """Restore the newest checkpoint before `step`, skip batches; returns the next step."""
+        """Drop the spike step's gradients, restore the newest checkpoint before `step`, skip
+        batches; returns the next step."""
+        self.optimizer.zero_grad(set_to_none=True)
         found = self.ckpt.load_latest_valid(self.model, self.optimizer, self.scheduler,
                                             before_step=step, restore_rng=False)
         if found is None:
@@ -507,14 +510,22 @@ class Trainer:
                               detail=e.detail or None, used=str(used))
 
     # ------------------------------------------------------------------------- faults
+    # Each injected fault fires once per launch (a transient fault): the steps re-run
+    # after a rollback are clean, as they would be after a real hardware glitch.
+    def _once(self, kind: str, step: int) -> bool:
+        if (kind, step) in self._fired:
+            return False
+        self._fired.add((kind, step))
+        return True
+
     def _inject_before(self, step: int) -> None:
         f = self.cfg.faults
-        if f.hang_rank_at_step and f.hang_rank_at_step == [self.rank, step]:
+        if f.hang_rank_at_step == [self.rank, step] and self._once("hang", step):
             self._fault_event("hang", step, rank=self.rank, seconds=f.hang_s)
             time.sleep(f.hang_s)
 
     def _inject_after_backward(self, step: int) -> None:
-        if step in self.cfg.faults.nan_grad_at_step:
+        if step in self.cfg.faults.nan_grad_at_step and self._once("nan_grad", step):
             for p in self.model.parameters():
                 if p.grad is not None:
                     _local(p.grad).fill_(math.nan)
@@ -522,7 +533,7 @@ class Trainer:
 
     def _inject_kill(self, step: int) -> None:
         f = self.cfg.faults
-        if f.kill_rank_at_step and f.kill_rank_at_step == [self.rank, step] and not self.resume:
+        if f.kill_rank_at_step == [self.rank, step] and not self.resume:
             self._fault_event("kill", step, rank=self.rank)
             if self.rank == 0:
                 self.writer.flush()
