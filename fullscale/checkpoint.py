@@ -250,6 +250,14 @@ def _fsync_dir(path: Path) -> None:
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception)\b.*:")
 
 
+def _load_small(path: Path) -> Any:
+    """torch.load(weights_only=True) of trainer.pt / rng-*.pt; torch's warnings about a
+    damaged file are dropped (the failure itself is raised and reported in one line)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.load(path, weights_only=True)
+
+
 def _one_line(e: BaseException) -> str:
     """One line for an error whose text may hold tracebacks (DCP's CheckpointException
     wraps each rank's): the last "SomeError: ..." line, else the last non-empty line."""
@@ -603,7 +611,7 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     manifest = verify(path, hashes=verify_hashes)
     trainer, rng, problem = None, None, None
     try:
-        trainer = torch.load(path / TRAINER_FILE, weights_only=True)
+        trainer = _load_small(path / TRAINER_FILE)
         if not isinstance(trainer, dict) or trainer.get("format") != FORMAT:
             problem = f"{TRAINER_FILE} is not an adamspike trainer state"
     except Exception as e:  # noqa: BLE001 - any unpickling failure
@@ -612,7 +620,7 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     want_rng = restore_rng and manifest["world_size"] == world and rng_file.is_file()
     if want_rng and problem is None:
         try:
-            rng = torch.load(rng_file, weights_only=True)
+            rng = _load_small(rng_file)
             if not isinstance(rng, dict) or "torch_cpu" not in rng:
                 problem = f"{rng_file.name} is not an RNG state"
         except Exception as e:  # noqa: BLE001
