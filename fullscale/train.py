@@ -231,7 +231,9 @@ class Trainer:
         try:
             self._build()
         except BaseException:
-            if self.writer is None and self.lock is not None:
+            if self.writer is not None:
+                self.writer.close()         # releases the lock too
+            elif self.lock is not None:
                 self.lock.release()
             raise
 
