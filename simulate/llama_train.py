@@ -209,6 +209,9 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                           f"(got {cfg.data.source!r}); use `adamspike train` for indexed data")
     if cfg.model.hf_config:
         raise ConfigError("model.hf_config: not supported by the JAX toy; use a preset")
+    if to_dict(cfg.faults) != to_dict(type(cfg.faults)()):
+        raise ConfigError("faults: fault injection is the torch trainer's (adamspike train; "
+                          "docs/faults.md); the JAX toy does not inject faults")
     if cfg.guard.enabled and cfg.checkpoint.every < 1:
         raise ConfigError("checkpoint.every: guard.enabled needs snapshots to roll back to; the "
                           "JAX trainer keeps one in memory every checkpoint.every steps "
