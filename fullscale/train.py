@@ -86,7 +86,8 @@ from adamspike.config import ConfigError, load_config, to_dict
 from adamspike.llama import flops_per_token, num_params, spec_by_name
 from adamspike.predictions import PredictionsError
 from adamspike.faults import kill_point
-from adamspike.rundir import RunFormatError, RunLock, RunLockedError, RunWriter, environment
+from adamspike.rundir import (RunFormatError, RunLock, RunLockedError, RunWriter,
+                              check_new_run_dir, environment)
 from adamspike.train_config import RunConfig
 from fullscale import device as devices
 from fullscale.checkpoint import CheckpointError, CheckpointManager, NonFiniteError, complete
@@ -223,9 +224,17 @@ class Trainer:
     def __init__(self, cfg: RunConfig, out: Path, *, resume: bool):
         self.cfg, self.out, self.resume = cfg, out, resume
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        rank = self.rank
-        # --- ownership of the run directory first: rank 0 decides, the others follow
-        self.lock = _rank0_call(rank, lambda: RunLock(out).acquire(new=not resume))
+        # --- ownership of the run directory first (rank 0 decides, the others follow): a
+        # resumed run is locked before its checkpoints are read; a new one is only checked
+        # here (nothing is created before the config, model and data are known to be good)
+        # and locked when its run directory is created.
+        def own() -> RunLock | None:
+            if resume:
+                return RunLock(out).acquire(new=False)
+            check_new_run_dir(out)
+            return None
+
+        self.lock = _rank0_call(self.rank, own)
         self.writer = self.tb = None
         self._fired: set[tuple[str, int]] = set()     # injected faults already fired
         try:
@@ -296,7 +305,7 @@ class Trainer:
                                  flush_every_s=cfg.telemetry.flush_every_s, lock=self.lock)
             return RunWriter(out, backend="torch", config=to_dict(cfg), extra_meta=meta,
                              env=environment(**devices.environment_info(info, world)),
-                             flush_every_s=cfg.telemetry.flush_every_s, lock=self.lock)
+                             flush_every_s=cfg.telemetry.flush_every_s)   # takes the lock
 
         self.writer = _rank0_call(rank, open_writer)
         if rank != 0:
