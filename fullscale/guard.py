@@ -32,8 +32,9 @@ Trainer sketch:
     if d.action != "ok":
         for type, fields in d.events: writer.event(type, **fields)
         if d.action == "abort": raise SystemExit(...)
-        found = checkpoint.load_latest_valid(ckpt_root, model, optimizer, scheduler,
-                                             before_step=step)   # None -> abort; no guard=
+        optimizer.zero_grad(set_to_none=True)
+        found = ckpt.load_latest_valid(model, optimizer, scheduler,  # a CheckpointManager
+                                       before_step=step)   # None -> abort; no guard=
         plan = guard.rollback(step, found[2], offset_now=position.offset)
         position.load_state_dict(plan.position)
         for type, fields in plan.events: writer.event(type, **fields)
