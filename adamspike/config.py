@@ -125,6 +125,28 @@ def _check_range(key: str, value: Any, meta: typing.Mapping) -> None:
         raise ConfigError(f"{key}: must be {op} {hi}, got {value!r}")
 
 
+def check_value(key: str, value: Any, tp: Any = float, *, strict: bool = False,
+                **limits: Any) -> Any:
+    """Validate one value outside a schema by the same rules as a config field: the type
+    (`tp`, e.g. float, int, `int | None`), finiteness, and `param`'s limits (lo, hi,
+    lo_open, hi_open, choices). strict=True refuses strings for numbers (values read from
+    JSON files, where "0.9" is a mistake). Returns the coerced value; raises ConfigError
+    naming `key`."""
+    if strict and isinstance(value, str) and _is_optional(tp)[1] in (int, float):
+        raise ConfigError(f"{key}: expected a number, got the string {value!r}")
+    value = _coerce(key, tp, value)
+    _check_range(key, value, limits)
+    return value
+
+
+def check_finite_args(namespace: Any) -> None:
+    """argparse: every float option must be finite (argparse's `type=float` takes "nan" and
+    "inf"); ConfigError naming the option (`--loss-scale: must be finite, got nan`)."""
+    for name, value in vars(namespace).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{name.replace('_', '-')}: must be finite, got {value}")
+
+
 def _hints(cls: type) -> dict[str, Any]:
     try:
         return typing.get_type_hints(cls)

@@ -48,7 +48,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from adamspike.config import ConfigError
+from adamspike.config import ConfigError, check_value
 from adamspike.metrics import METRIC_NAMES
 from adamspike.train_config import RunConfig
 
@@ -87,8 +87,11 @@ class AlarmRule:
             raise PredictionsError(f"{where}.reduce: must be one of {list(REDUCERS)}")
         if not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold):
             raise PredictionsError(f"{where}.threshold: must be a finite number")
-        if int(self.consecutive) < 1:
-            raise PredictionsError(f"{where}.consecutive: must be >= 1")
+        try:
+            self.consecutive = check_value(f"{where}.consecutive", self.consecutive, int,
+                                           strict=True, lo=1)
+        except ConfigError as e:
+            raise PredictionsError(str(e)) from None
         if self.depths is not None:
             if len(self.depths) != 2 or self.depths[0] > self.depths[1]:
                 raise PredictionsError(f"{where}.depths: must be [lo, hi] with lo <= hi")

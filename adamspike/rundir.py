@@ -12,17 +12,30 @@
       curvature/     part-NNNNNN.parquet, preconditioned / raw top curvature per (step,
                      depth group) where a toy measures it (power iteration)
       events.jsonl   append-only: checkpoints, alarms, rollbacks, skips, faults, resume
+      writer.lock    held (fcntl.flock) by the one process writing the run: host, pid, time
       checkpoints/   (torch) resumable state, not handled here
 
 Crash safety: rows are buffered and flushed as a new parquet part, written to a temporary
 name, fsynced and renamed, so a reader never sees half a part and a killed writer loses at
-most the rows since its last flush. Events are appended and fsynced one line at a time; a
-torn last line is skipped (and counted) on read.
+most the rows since its last flush. `flush()` returns once every buffered row is durable:
+a trainer calls it before it writes a checkpoint, so a complete checkpoint at step s implies
+that every row <= s (steps, layers, hists; events are fsynced line by line) is on disk.
+A torn last event line is skipped (and counted) on read.
 
 Resume: `RunWriter(path, ..., resume_from_step=S)` drops every row with step > S (parts are
-rewritten atomically under their own names) before new rows arrive, so a resumed run neither
-duplicates nor drops a step. As a second line of defence the reader keeps the last-written
-row for a duplicated key.
+rewritten atomically under their own names) and every per-step event with step > S (moved
+to events.discarded.jsonl; lifecycle events such as start / resume / fault / abort stay)
+before new rows arrive, so a run killed anywhere and resumed from its checkpoint S holds
+every step exactly once. As a second line of defence the reader keeps the last-written row
+for a duplicated key.
+
+One writer per run: `RunLock` takes an exclusive, non-blocking `fcntl.flock` on
+RUN/writer.lock and records host, pid and start time in it; a second writer (trainer,
+resume, sweep) is refused with `RunLockedError` naming the holder. The kernel drops the lock
+when its process dies, so a lock file left by a killed writer (a non-empty record whose
+flock is free) is stale and is taken over (`RunLock.stale` holds the old record). On a file
+system without flock the record is the lock: it is honoured while its pid is alive on this
+host. RunWriter takes the lock itself unless it is handed one already held.
 
 Framework-free (numpy, pandas, pyarrow): the JAX and torch backends both write through it;
 only rank 0 should hold a writer.
@@ -30,10 +43,13 @@ only rank 0 should hold a writer.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -46,6 +62,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from adamspike.faults import kill_point
 from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_VHIST_BINS, VHIST_EDGES
 
 SCHEMA_VERSION = 1
@@ -82,8 +99,19 @@ TABLE_KEYS = {"steps": ["step"], "layers": ["step", "name"], "hists": ["step", "
 KINDS = ("embed", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "norm", "output", "param")
 
 
+LOCK_FILE = "writer.lock"
+DISCARDED_EVENTS = "events.discarded.jsonl"
+# Events that describe the run's life rather than a step's trace: kept on resume truncation.
+LIFECYCLE_EVENTS = frozenset({"start", "resume", "end", "fault", "abort", "config_changed",
+                              "checkpoint_rejected", "lock_taken_over", "guard_gave_up"})
+
+
 class RunFormatError(ValueError):
     """A run directory is missing, malformed, or of another schema version."""
+
+
+class RunLockedError(RunFormatError):
+    """Another live process writes this run directory."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -181,6 +209,131 @@ def environment(**extra: Any) -> dict[str, Any]:
     return env
 
 
+# ----------------------------------------------------------------------------- ownership
+
+def check_new_run_dir(path: str | Path) -> Path:
+    """A path a new run may be written to: absent, or an empty directory (a lock file alone
+    counts as empty); RunFormatError naming the problem otherwise."""
+    path = Path(path)
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise RunFormatError(f"{path}: {parent} is a file, not a directory")
+            break
+    if path.exists():
+        if not path.is_dir():
+            raise RunFormatError(f"{path}: exists and is a file, not a run directory "
+                                 "(nothing was overwritten)")
+        if any(p.name != LOCK_FILE for p in path.iterdir()):
+            raise RunFormatError(
+                f"{path}: run directory exists and is not empty; resume it or choose "
+                "a new directory (nothing was overwritten)")
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """Exclusive ownership of a run directory for one writing process (see module doc).
+
+    >>> lock = RunLock(run_dir).acquire(new=True)   # RunLockedError if someone writes it
+    >>> ...; lock.release()
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.file = self.path / LOCK_FILE
+        self.stale: dict | None = None      # record of a dead writer taken over
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, *, new: bool) -> "RunLock":
+        """Take the lock. new=True: the directory must be new or empty (it is created);
+        new=False: it must be a run directory (run.json)."""
+        if self._fd is not None:
+            return self
+        if new:
+            check_new_run_dir(self.path)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise RunFormatError(f"{self.path}: cannot create the run directory "
+                                     f"({e.strerror})") from None
+        else:
+            read_meta(self.path)
+        try:
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise RunFormatError(f"{self.file}: cannot open the lock file ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flock_ok = True
+        except BlockingIOError:
+            holder = _read_record(fd)
+            os.close(fd)
+            raise RunLockedError(f"{self.path}: in use by another writer ({_describe(holder)}); "
+                                 "refusing to write it too (nothing was changed)") from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                os.close(fd)
+                raise RunFormatError(f"{self.file}: cannot lock ({e.strerror})") from None
+            flock_ok = False
+        previous = _read_record(fd)
+        if previous and not flock_ok and previous.get("host") == socket.gethostname() \
+                and _pid_alive(int(previous.get("pid", -1))) and previous.get("pid") != os.getpid():
+            os.close(fd)
+            raise RunLockedError(f"{self.path}: in use by another writer ({_describe(previous)}); "
+                                 "refusing to write it too (nothing was changed)")
+        self.stale = previous or None
+        record = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "flock": flock_ok}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Clear the record and drop the lock (the file stays: unlinking a locked file
+        would let two later writers lock two different files)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)    # closing the descriptor releases the flock
+
+
+def _read_record(fd: int) -> dict:
+    try:
+        data = os.pread(fd, 4096, 0)
+        rec = json.loads(data.decode()) if data.strip() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {"host": "?", "pid": -1, "since": "?"}
+    return rec if isinstance(rec, dict) else {}
+
+
+def _describe(rec: dict) -> str:
+    if not rec:
+        return "holder unknown"
+    return f"pid {rec.get('pid', '?')} on host {rec.get('host', '?')} since {rec.get('since', '?')}"
+
+
 # ----------------------------------------------------------------------------- writer
 
 @dataclass
@@ -201,29 +354,42 @@ class RunWriter:
     ...     w.log_hist(step=1, name=..., depth=..., kind=..., counts=...)
     ...     w.event("checkpoint", step=1, path="...")
 
-    flush_every_s / flush_every_rows bound what a crash can lose. `resume_from_step`
-    reopens an existing run and truncates rows after that step.
+    flush_every_s / flush_every_rows bound what a crash can lose; `flush()` makes every
+    buffered row durable (call it before a checkpoint). `resume_from_step` reopens an
+    existing run and truncates rows (and per-step events) after that step. `lock`: a
+    RunLock already held for this directory (the writer takes its own otherwise, and
+    releases it on close()).
     """
 
     def __init__(self, path: str | Path, *, backend: str, config: Mapping[str, Any] | None = None,
                  env: Mapping[str, Any] | None = None, resume_from_step: int | None = None,
                  flush_every_s: float = 30.0, flush_every_rows: int = 50_000,
-                 hist_edges: np.ndarray = HIST_EDGES, extra_meta: Mapping[str, Any] | None = None):
+                 hist_edges: np.ndarray = HIST_EDGES, extra_meta: Mapping[str, Any] | None = None,
+                 lock: RunLock | None = None):
         if backend not in BACKENDS:
             raise RunFormatError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.path = Path(path)
+        self.lock = lock if lock is not None else RunLock(self.path)
         self.flush_every_s = float(flush_every_s)
         self.flush_every_rows = int(flush_every_rows)
         self._last_flush = time.monotonic()
         self._buffers = {t: _Buffer(t, s) for t, s in TABLES.items()}
         self._closed = False
+        new_run = resume_from_step is None
+        if new_run:
+            check_new_run_dir(self.path)   # before anything is created in it
+        self.lock.acquire(new=new_run)
+        try:
+            self._open(backend, config, env, resume_from_step, hist_edges, extra_meta)
+        except BaseException:
+            if lock is None:
+                self.lock.release()
+            raise
+
+    def _open(self, backend, config, env, resume_from_step, hist_edges, extra_meta) -> None:
         meta_path = self.path / "run.json"
         if resume_from_step is None:
-            if meta_path.exists() or (self.path.exists() and any(self.path.iterdir())):
-                raise RunFormatError(
-                    f"{self.path}: run directory exists and is not empty; resume it or choose "
-                    "a new directory (nothing was overwritten)")
-            self.path.mkdir(parents=True, exist_ok=True)
+            check_new_run_dir(self.path)   # again, under the lock
             for t in TABLES:
                 (self.path / t).mkdir(exist_ok=True)
             self.meta = {
@@ -241,8 +407,12 @@ class RunWriter:
             if self.meta["backend"] != backend:
                 raise RunFormatError(f"{self.path}: run was written by backend "
                                      f"{self.meta['backend']!r}, cannot resume with {backend!r}")
+            self._remove_temporaries()
             self._next_part = {t: self._truncate(t, int(resume_from_step)) for t in TABLES}
-            self.event("resume", step=int(resume_from_step))
+            dropped = self._truncate_events(int(resume_from_step))
+            self.event("resume", step=int(resume_from_step), discarded_events=dropped)
+        if self.lock.stale:
+            self.event("lock_taken_over", previous=self.lock.stale)
 
     # -- public API ------------------------------------------------------------------
     def log_step(self, **row: Any) -> None:
@@ -303,15 +473,23 @@ class RunWriter:
             os.fsync(fh.fileno())
 
     def flush(self) -> None:
+        """Write every buffered row as new parts; durable (fsynced, renamed) on return."""
+        last_step = max((int(r["step"]) for r in self._buffers["steps"].rows), default=-1)
         for t, buf in self._buffers.items():
             if buf.num_rows:
                 self._write_part(t, buf)
+            if t == "steps" and last_step >= 0:
+                kill_point("rundir.flush", last_step)
         self._last_flush = time.monotonic()
 
     def close(self) -> None:
+        """Flush and release the run directory's lock."""
         if not self._closed:
-            self.flush()
-            self._closed = True
+            try:
+                self.flush()
+            finally:
+                self._closed = True
+                self.lock.release()
 
     def __enter__(self) -> "RunWriter":
         return self
@@ -365,6 +543,36 @@ class RunWriter:
         _atomic_write_table(self.path / table / f"part-{idx:06d}.parquet", tbl)
         self._next_part[table] = idx + 1
         buf.rows, buf.columns, buf.num_rows = [], {}, 0
+
+    def _remove_temporaries(self) -> None:
+        """Temporary files of writes killed halfway (never read: not part-*.parquet)."""
+        for d in [self.path, *(self.path / t for t in TABLES)]:
+            if d.is_dir():
+                for p in d.glob(".*.tmp-*"):
+                    p.unlink(missing_ok=True)
+
+    def _truncate_events(self, step: int) -> int:
+        """Move per-step events with step > `step` to events.discarded.jsonl (the rewrite
+        of events.jsonl is atomic); returns how many were moved."""
+        p = self.path / "events.jsonl"
+        if not p.is_file():
+            return 0
+        keep, drop = [], []
+        for line in p.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
+            try:
+                rec = json.loads(line)
+                late = (isinstance(rec, dict) and rec.get("type") not in LIFECYCLE_EVENTS
+                        and isinstance(rec.get("step"), int) and rec["step"] > step)
+            except json.JSONDecodeError:
+                late = False   # a torn line stays (the reader skips and counts it)
+            (drop if late else keep).append(line if line.endswith("\n") else line + "\n")
+        if drop:
+            with open(self.path / DISCARDED_EVENTS, "a", encoding="utf-8") as fh:
+                fh.writelines(drop)
+                fh.flush()
+                os.fsync(fh.fileno())
+            atomic_write_bytes(p, "".join(keep).encode())
+        return len(drop)
 
     def _truncate(self, table: str, step: int) -> int:
         """Drop rows with step > `step`; return the next free part index."""

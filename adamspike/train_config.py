@@ -160,6 +160,34 @@ class AlarmSection:
 
 
 @dataclass
+class FaultsSection:
+    """Fault injection (torch trainer) to rehearse the guard, the checkpoints and a resume
+    before a long run; docs/faults.md. Off by default; every injected fault is logged as a
+    "fault_injected" event."""
+    nan_grad_at_step: list[int] = param([], help="optimizer steps whose gradients become NaN "
+                                                 "(all ranks, after backward)")
+    poison_batches: list[int] = param([], help="[from, to]: global batch numbers from..to "
+                                               "(inclusive) get constant targets (bad data)")
+    hang_rank_at_step: list[int] = param([], help="[rank, step]: that rank stops (sleeps "
+                                                  "faults.hang_s) before the step's forward")
+    hang_s: float = param(3600.0, lo=0.0, help="how long a hung rank sleeps")
+    kill_rank_at_step: list[int] = param([], help="[rank, step]: that rank SIGKILLs itself "
+                                                  "after the step (not in a --resume launch)")
+
+    def check(self) -> None:
+        for key in ("poison_batches", "hang_rank_at_step", "kill_rank_at_step"):
+            v = getattr(self, key)
+            if v and (len(v) != 2 or min(v) < 0):
+                raise ConfigError(f"faults.{key}: expected [{'from, to' if key == 'poison_batches' else 'rank, step'}] "
+                                  f"of two integers >= 0, got {v}")
+        if self.poison_batches and self.poison_batches[0] > self.poison_batches[1]:
+            raise ConfigError(f"faults.poison_batches: from {self.poison_batches[0]} is after "
+                              f"to {self.poison_batches[1]}")
+        if any(s < 1 for s in self.nan_grad_at_step):
+            raise ConfigError(f"faults.nan_grad_at_step: steps are >= 1, got {self.nan_grad_at_step}")
+
+
+@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     optim: OptimSection = field(default_factory=OptimSection)
@@ -192,6 +220,7 @@ class RunConfig:
         """The dotted keys whose values differ from `base` (default: the defaults)."""
         mine, ref = flatten(to_dict(self)), flatten(to_dict(base or RunConfig()))
         return {k: v for k, v in mine.items() if ref.get(k) != v}
+    faults: FaultsSection = field(default_factory=FaultsSection)
 
     def check(self) -> None:
         llama = self.model.llama() if not self.model.hf_config else None

@@ -25,6 +25,8 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from adamspike.config import ConfigError, check_value
+
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="adamspike analyze", description=__doc__.split("\n\n")[0],
@@ -77,6 +79,24 @@ def _fail(msg: str) -> int:
     return 2
 
 
+# option -> (type, limits): the shared validation path (adamspike.config.check_value)
+LIMITS = {
+    "window": (int, dict(lo=2)), "k": (float, dict(lo=0.0)),
+    "min_rel_jump": (float, dict(lo=0.0)), "precursor_window": (int, dict(lo=1)),
+    "baseline": (int, dict(lo=1)), "horizon": (int | None, dict(lo=1)),
+    "min_lead": (int, dict(lo=0)), "seq_len": (int | None, dict(lo=1)),
+    "clip": (float | None, dict(lo=0.0)), "b1": (float | None, dict(lo=0.0, hi=1.0, hi_open=True)),
+    "b2": (float | None, dict(lo=0.0, hi=1.0, hi_open=True)), "eps": (float | None, dict(lo=0.0)),
+    "lr": (float | None, dict(lo=0.0, lo_open=True)),
+}
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Type, finiteness and range of every numeric option; ConfigError naming it."""
+    for name, (tp, limits) in LIMITS.items():
+        check_value("--" + name.replace("_", "-"), getattr(args, name), tp, **limits)
+
+
 def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
     """`adamspike analyze`. figures: the figure maker of the reports (figure files of a
     RunAnalysis; the top CLI passes figures.cli.analysis_figures: analysis imports no
@@ -88,9 +108,14 @@ def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
                                  write_run_report)
 
     args = _parser().parse_args(argv)
-    if args.window < 2 or args.k < 0 or args.min_rel_jump < 0:
-        return _fail("--window must be >= 2, --k and --min-rel-jump >= 0")
+    try:
+        _check_args(args)
+    except ConfigError as e:
+        return _fail(str(e))
     out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        return _fail(f"--out: {out} exists and is not an empty directory; choose a new one "
+                     "(nothing was overwritten)")
     runs = [Path(r) for r in args.runs]
     if args.from_study:
         study = Path(args.from_study)

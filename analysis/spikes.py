@@ -18,8 +18,9 @@ False positives (measured, tests/analysis/test_spikes.py, defaults window 50, k 
 tails are heavier than the MAD-sigma assumes. The median of the past window lags a falling
 loss by ~window/2 steps, so heights on a steep descent are slightly underestimated.
 
-`RollingSpikeDetector` is the online form (numpy/stdlib only, O(window) per update):
-`detect_spikes` runs it over the series, so offline and online decisions are identical.
+`adamspike.guard.RollingSpikeDetector` is the online form (stdlib only, O(window) per
+update), shared with both trainers' spike guards: `detect_spikes` runs it over the series,
+so offline and online decisions are identical.
 
 For comparison with published practice:
 - `spike_score_olmo2`: OLMo 2's spike score, % of points at least 7 sigma from the rolling
@@ -33,102 +34,18 @@ For comparison with published practice:
 from __future__ import annotations
 
 import math
-from collections import deque
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
-MAD_TO_SIGMA = 1.4826
+from adamspike.guard import MAD_TO_SIGMA, RollingSpikeDetector
+
+__all__ = ["MAD_TO_SIGMA", "RollingSpikeDetector", "SPIKE_COLUMNS", "anomaly_flags",
+           "detect_spikes", "spike_score_olmo2", "zscore_flags"]
+
 SPIKE_COLUMNS = ["start", "end", "peak_step", "peak", "baseline", "height", "duration",
                  "recovered", "num_points", "nonfinite"]
-
-
-def _default_min_history(window: int) -> int:
-    return min(window, max(5, window // 2))
-
-
-def _median_sorted(s: list[float]) -> float:
-    n = len(s)
-    h = n // 2
-    return s[h] if n % 2 else 0.5 * (s[h - 1] + s[h])
-
-
-class RollingSpikeDetector:
-    """Online spike rule. `update(x)` returns True when x is anomalous (see module doc).
-
-    After each update, `baseline` (median of the history, in the units of x) and
-    `threshold` (the smallest anomalous value, in the units of x; NaN until min_history
-    values exist) describe the band the point was judged against.
-    """
-
-    def __init__(self, window: int = 50, k: float = 6.0, min_rel_jump: float = 0.2,
-                 min_history: int | None = None, *, log: bool = False, absorb: bool = False):
-        if int(window) < 2:
-            raise ValueError(f"window must be >= 2, got {window}")
-        if not (k >= 0 and math.isfinite(k)):
-            raise ValueError(f"k must be a finite number >= 0, got {k}")
-        if not (min_rel_jump >= 0 and math.isfinite(min_rel_jump)):
-            raise ValueError(f"min_rel_jump must be a finite number >= 0, got {min_rel_jump}")
-        self.window = int(window)
-        self.k = float(k)
-        self.min_rel_jump = float(min_rel_jump)
-        self.min_history = _default_min_history(self.window) if min_history is None \
-            else int(min_history)
-        if not 1 <= self.min_history <= self.window:
-            raise ValueError(f"min_history must be in [1, window={self.window}], "
-                             f"got {self.min_history}")
-        self.log = bool(log)
-        self.absorb = bool(absorb)
-        self._hist: deque[float] = deque(maxlen=self.window)
-        self.num_updates = 0
-        self.baseline = math.nan
-        self.threshold = math.nan
-
-    def _band(self) -> tuple[float, float]:
-        """(median, anomaly threshold) of the history, in transformed units."""
-        s = sorted(self._hist)
-        med = _median_sorted(s)
-        mad = _median_sorted(sorted(abs(x - med) for x in s))
-        jump = math.log1p(self.min_rel_jump) if self.log else self.min_rel_jump * abs(med)
-        return med, med + max(self.k * MAD_TO_SIGMA * mad, jump)
-
-    def update(self, value: float) -> bool:
-        x = float(value)
-        self.num_updates += 1
-        if not math.isfinite(x):
-            return True
-        if self.log:
-            if x <= 0:
-                return False
-            x = math.log(x)
-        anomalous = False
-        if len(self._hist) >= self.min_history:
-            med, thr = self._band()
-            anomalous = x > thr
-            self.baseline = math.exp(med) if self.log else med
-            self.threshold = math.exp(thr) if self.log else thr
-        else:
-            self.baseline = self.threshold = math.nan
-        if self.absorb or not anomalous:
-            self._hist.append(x)
-        return anomalous
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"window": self.window, "k": self.k, "min_rel_jump": self.min_rel_jump,
-                "min_history": self.min_history, "log": self.log, "absorb": self.absorb,
-                "history": list(self._hist), "num_updates": self.num_updates}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("window", "k", "min_rel_jump", "min_history", "log", "absorb"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"spike detector state has {key}={state[key]!r}, this "
-                                 f"detector has {getattr(self, key)!r}")
-        hist = [float(x) for x in state["history"]]
-        if len(hist) > self.window:
-            raise ValueError(f"spike detector state has {len(hist)} history values > window")
-        self._hist = deque(hist, maxlen=self.window)
-        self.num_updates = int(state.get("num_updates", len(hist)))
 
 
 def anomaly_flags(values: Sequence[float], *, window: int = 50, k: float = 6.0,

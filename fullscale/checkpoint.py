@@ -16,13 +16,16 @@ Write protocol (a checkpoint killed at any point is never picked up):
  3. each rank hashes a share of the files (file i by rank i mod W), rank 0 gathers the hashes,
     writes COMPLETE atomically and renames the directory to `step-XXXXXXXX`;
  4. rank 0 then deletes the oldest complete checkpoints beyond `keep`.
-With async_save, step 2 runs in DCP's background thread and steps 3-4 in finalize_pending().
-`latest()` only sees renamed directories holding COMPLETE. `load()` first verifies the
-manifest (files present, sizes, hashes: each rank hashes its share, results are gathered so
-every rank raises the same `CheckpointError`), so a corrupt checkpoint is rejected before any
-state is touched; `load_latest_valid()` falls back to older ones.
+With async_save, step 2 runs in DCP's background thread and steps 3-4 in
+`CheckpointManager.finalize_pending()`. `complete()` only lists renamed directories holding
+COMPLETE. `load()` first verifies the manifest (files present, sizes, hashes: each rank
+hashes its share, results are gathered so every rank raises the same `CheckpointError`) and
+reads trainer.pt and this rank's RNG file, so a corrupt checkpoint is rejected before any
+state is touched; `CheckpointManager.load_latest_valid()` falls back to older ones.
 
-Every function is collective when torch.distributed is initialised (call it on all ranks).
+`CheckpointManager` owns a run's checkpoint state (root, keep, the async save in flight);
+the module holds no state. Every function and method is collective when torch.distributed
+is initialised (call it on all ranks).
 ckpt_root must be one shared filesystem for all ranks (as DCP's FileSystemWriter assumes).
 Re-saving an existing step (after a rollback) moves the old directory aside before the
 rename; a crash in that instant loses that one step's checkpoint, never an older one.
@@ -31,10 +34,10 @@ Pruning renames a directory to `.deleting-*` before removing it.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import io
 import json
+import logging
 import os
 import random
 import re
@@ -51,6 +54,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from adamspike.faults import kill_point
+
 FORMAT = "adamspike-torch-ckpt/1"
 MARKER = "COMPLETE"
 TRAINER_FILE = "trainer.pt"
@@ -64,8 +69,9 @@ _PARTIAL_DIR = re.compile(r"^step-(\d{8})\.partial$")
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt; the message names the path and problem."""
 
-    def __init__(self, path: str | Path, problem: str):
+    def __init__(self, path: str | Path, problem: str, detail: str = ""):
         self.path, self.problem = str(path), problem
+        self.detail = detail        # e.g. DCP's full error text, for the run's log
         super().__init__(f"checkpoint {path}: {problem}")
 
 
@@ -129,13 +135,6 @@ def complete(ckpt_root: str | Path) -> list[tuple[int, Path]]:
         if m and p.is_dir() and (p / MARKER).is_file():
             out.append((int(m.group(1)), p))
     return sorted(out)
-
-
-def latest(ckpt_root: str | Path, before_step: int | None = None) -> tuple[int, Path] | None:
-    """The newest complete checkpoint (optionally with step < before_step), or None.
-    Incomplete ones (killed mid-write) are never returned; corruption is found by load()."""
-    found = [c for c in complete(ckpt_root) if before_step is None or c[0] < before_step]
-    return found[-1] if found else None
 
 
 # ----------------------------------------------------------------------------- state pieces
@@ -248,96 +247,229 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception)\b.*:")
+
+
+def _load_small(path: Path) -> Any:
+    """torch.load(weights_only=True) of trainer.pt / rng-*.pt; torch's warnings about a
+    damaged file are dropped (the failure itself is raised and reported in one line)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.load(path, weights_only=True)
+
+
+def _one_line(e: BaseException) -> str:
+    """One line for an error whose text may hold tracebacks (DCP's CheckpointException
+    wraps each rank's): the last "SomeError: ..." line, else the last non-empty line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if _ERROR_LINE.match(ln)]
+    line = errors[-1] if errors else (lines[-1] if lines else type(e).__name__)
+    return line[:300]
+
+
+DCP_LOGGER = "c10d-NullHandler-dcp_logger"   # DCP's own logger (torch.distributed.checkpoint.logger)
+
+
+class _quiet_dcp:
+    """Silence DCP's own logging of a failed load (it logs each rank's traceback at ERROR
+    level); the failure is raised as one CheckpointError whose `detail` keeps the text."""
+
+    def __enter__(self):
+        self._loggers = [logging.getLogger(n) for n in ("torch.distributed.checkpoint",
+                                                        "torch.distributed", DCP_LOGGER)]
+        self._levels = [lg.level for lg in self._loggers]
+        for lg in self._loggers:
+            lg.setLevel(logging.CRITICAL)
+        return self
+
+    def __exit__(self, *exc):
+        for lg, lvl in zip(self._loggers, self._levels):
+            lg.setLevel(lvl)
+        return False
+
+
 def _state_of(obj: Any) -> Any:
     if obj is None:
         return None
     return obj.state_dict() if hasattr(obj, "state_dict") else obj
 
 
-# ----------------------------------------------------------------------------- save
+# ----------------------------------------------------------------------------- manager
 
-_pending: dict[str, Any] | None = None     # an async save whose marker is not written yet
-_async_group = None                        # gloo group for DCP's background thread
+class CheckpointManager:
+    """The checkpoints of one run: where they live, how many are kept, and the async save
+    in flight (every method is collective when torch.distributed is initialised).
 
+        ckpt = CheckpointManager(run / "checkpoints", keep=2, async_save=False)
+        found = ckpt.load_latest_valid(model, optimizer, scheduler, position=pos, guard=g)
+        ckpt.save(step, model, optimizer, scheduler, extra, position=pos, guard=g)
+        ckpt.close()        # completes a pending async save (also on an abort)
 
-def save(ckpt_root: str | Path, step: int, model: torch.nn.Module,
-         optimizer: torch.optim.Optimizer | None, scheduler: Any = None,
-         extra: dict | None = None, *, position: Any = None, guard: Any = None,
-         keep: int | None = None, async_save: bool = False) -> Path:
-    """Write checkpoint `step` under ckpt_root (collective) and return its directory.
-
-    model / optimizer go through DCP (`get_state_dict`: FSDP2 DTensors stay sharded);
-    scheduler, `position` (fullscale.sampler.DataPosition or its state dict), `guard`
-    (fullscale.guard.SpikeGuard or its state dict) and `extra` (plain values: dict, list,
-    numbers, str, tensors) go to trainer.pt; each rank's RNG states to rng-<rank>.pt.
-    `keep`: keep only the newest `keep` complete checkpoints (older ones are deleted after
-    this one is complete; None keeps all).
-
-    async_save (checkpoint.async_save): the state is staged (copied to CPU memory) before
-    this returns and written by DCP in a background thread over a separate gloo group;
-    the checkpoint becomes complete (marker, rename, pruning) only in
-    `finalize_pending()`, which the next save() / load() calls first and the trainer calls
-    at the end; a process that exits with a save pending (abort) completes it in an atexit
-    hook without collectives (manifest with sizes only). Until then latest() does not see it.
-
-    Raises NonFiniteError (nothing written) when any parameter or optimizer state is nan/inf:
-    log `err.payload` as a "checkpoint_refused" event. Raises CheckpointError for bad extra.
+    `keep`: keep only the newest `keep` complete checkpoints (older ones are deleted after a
+    new one is complete; None keeps all). `async_save` (checkpoint.async_save): the state is
+    staged (copied to CPU memory) before save() returns and written by DCP in a background
+    thread over a separate gloo group; the checkpoint becomes complete (marker, rename,
+    pruning) only in `finalize_pending()`, which the next save() / load_latest_valid() call
+    first. Until then `complete()` does not list it.
     """
-    global _pending
-    finalize_pending()
-    rank, world = _rank_world()
-    final = step_dir(ckpt_root, step)
-    partial = final.with_name(final.name + ".partial")
 
-    reserved = sorted(set(extra or {}) & RESERVED_EXTRA)
-    if reserved:
-        raise CheckpointError(final, f"extra uses reserved key(s) {reserved} (load() returns "
-                                     "them itself)")
-    count, names = _nonfinite(model, optimizer)
-    if count:
-        raise NonFiniteError(final, int(step), count, names)
+    def __init__(self, root: str | Path, *, keep: int | None = None, async_save: bool = False):
+        self.root = Path(root)
+        self.keep = keep
+        self.async_save = bool(async_save)
+        self._pending: dict[str, Any] | None = None   # an async save not yet complete
+        self._async_group = None                      # (default group, gloo group)
 
-    trainer_bytes = None
-    if rank == 0:
-        trainer_bytes = _to_bytes({"format": FORMAT, "step": int(step), "world_size": world,
-                                   "time": time.time(), "scheduler": _state_of(scheduler),
-                                   "position": _state_of(position), "guard": _state_of(guard),
-                                   "extra": dict(extra or {})}, final, "trainer state")
-        Path(ckpt_root).mkdir(parents=True, exist_ok=True)
-        if partial.exists():  # left by a save killed earlier
-            shutil.rmtree(partial)
-        partial.mkdir()
-    _barrier()
+    def __enter__(self) -> "CheckpointManager":
+        return self
 
-    _write(partial / f"rng-{rank:05d}.pt", _to_bytes(rng_state(), final, "rng state"))
-    if rank == 0:
-        _write(partial / TRAINER_FILE, trainer_bytes)
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
-    state = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        if async_save:
-            future = dcp.async_save(state, checkpoint_id=str(partial), no_dist=not _initialized(),
-                                    process_group=_background_group())
-            _pending = {"future": future, "partial": partial, "final": final, "step": int(step),
-                        "keep": keep, "root": Path(ckpt_root), "rank": rank, "world": world}
-            return final
-        dcp.save(state, checkpoint_id=str(partial), no_dist=not _initialized())
-    _finish(partial, final, int(step), keep, Path(ckpt_root))
-    return final
+    def __exit__(self, *exc) -> None:
+        self.close()
 
+    # -- save ---------------------------------------------------------------------
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+             scheduler: Any = None, extra: dict | None = None, *, position: Any = None,
+             guard: Any = None) -> Path:
+        """Write checkpoint `step` (collective) and return its directory.
 
-def _background_group():
-    """A gloo group for async saves: their collectives must not interleave with training's."""
-    global _async_group
-    if not _initialized():
+        model / optimizer go through DCP (`get_state_dict`: FSDP2 DTensors stay sharded);
+        scheduler, `position` (fullscale.sampler.DataPosition or its state dict), `guard`
+        (fullscale.guard.SpikeGuard or its state dict) and `extra` (plain values: dict, list,
+        numbers, str, tensors) go to trainer.pt; each rank's RNG states to rng-<rank>.pt.
+
+        Raises NonFiniteError (nothing written) when any parameter or optimizer state is
+        nan/inf: log `err.payload` as a "checkpoint_refused" event. Raises CheckpointError
+        for bad extra.
+        """
+        self.finalize_pending()
+        rank, world = _rank_world()
+        final = step_dir(self.root, step)
+        partial = final.with_name(final.name + ".partial")
+
+        reserved = sorted(set(extra or {}) & RESERVED_EXTRA)
+        if reserved:
+            raise CheckpointError(final, f"extra uses reserved key(s) {reserved} (load() "
+                                         "returns them itself)")
+        count, names = _nonfinite(model, optimizer)
+        if count:
+            raise NonFiniteError(final, int(step), count, names)
+
+        trainer_bytes = None
+        if rank == 0:
+            trainer_bytes = _to_bytes({"format": FORMAT, "step": int(step), "world_size": world,
+                                       "time": time.time(), "scheduler": _state_of(scheduler),
+                                       "position": _state_of(position), "guard": _state_of(guard),
+                                       "extra": dict(extra or {})}, final, "trainer state")
+            self.root.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # left by a save killed earlier
+                shutil.rmtree(partial)
+            partial.mkdir()
+        _barrier()
+
+        _write(partial / f"rng-{rank:05d}.pt", _to_bytes(rng_state(), final, "rng state"))
+        if rank == 0:
+            _write(partial / TRAINER_FILE, trainer_bytes)
+        kill_point("checkpoint.write", int(step))
+        model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+        state = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=str(partial),
+                                        no_dist=not _initialized(),
+                                        process_group=self._background_group())
+                self._pending = {"future": future, "partial": partial, "final": final,
+                                 "step": int(step), "rank": rank, "world": world}
+                return final
+            dcp.save(state, checkpoint_id=str(partial), no_dist=not _initialized())
+        _finish(partial, final, int(step), self.keep, self.root)
+        return final
+
+    def _background_group(self):
+        """A gloo group for async saves: their collectives must not interleave with
+        training's."""
+        if not _initialized():
+            return None
+        default = dist.distributed_c10d._get_default_group()
+        if self._async_group is None or self._async_group[0] is not default:
+            # new_group's default timeout is 30 min, not the one the run chose
+            # (dist.timeout_s): a dead peer would then hang the background thread, and the
+            # exit, for 30 min.
+            self._async_group = (default, dist.new_group(backend="gloo",
+                                                         timeout=_default_timeout()))
+        return self._async_group[1]
+
+    def finalize_pending(self) -> Path | None:
+        """Complete an async save (collective): wait for its writes, then write the marker
+        and rename. Returns the completed checkpoint's path, or None if nothing was pending.
+        A failed background write raises CheckpointError (the checkpoint stays incomplete)."""
+        if self._pending is None:
+            return None
+        job, self._pending = self._pending, None
+        try:
+            _wait(job["future"])
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001
+            raise CheckpointError(job["final"], f"async save failed ({type(e).__name__}: "
+                                                f"{str(e)[:300]})") from None
+        _finish(job["partial"], job["final"], job["step"], self.keep, self.root)
+        return job["final"]
+
+    def close(self) -> None:
+        """Complete an async save still pending on a path that skipped finalize_pending()
+        (guard abort, user error). Not collective (a peer may be gone): each rank waits for
+        its own writes; rank 0, whose DCP future resolves only after every rank's data and
+        .metadata are written, lists the files with their sizes (no hashes: hashing all
+        shards on one rank could take minutes) and renames; older checkpoints are not
+        pruned. Never raises; a failed save stays .partial."""
+        if self._pending is None:
+            return
+        job, self._pending = self._pending, None
+        try:
+            _wait(job["future"])
+            if job["rank"] != 0 or job["final"].exists():
+                return
+            partial = job["partial"]
+            files = {p.name: {"size": p.stat().st_size, "sha256": None}
+                     for p in sorted(partial.iterdir()) if p.is_file() and p.name != MARKER}
+            if len([f for f in files if f.startswith("rng-")]) != job["world"]:
+                return
+            _write_marker(partial, {"format": FORMAT, "step": job["step"],
+                                    "world_size": job["world"], "time": time.time(),
+                                    "files": files, "finalized": "at close, sizes only"})
+            os.replace(partial, job["final"])
+            _fsync_dir(job["final"].parent)
+        except BaseException:  # noqa: BLE001 - best effort on the way out
+            return
+
+    # -- load ---------------------------------------------------------------------
+    def load_latest_valid(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                          scheduler: Any = None, *, before_step: int | None = None,
+                          position: Any = None, guard: Any = None, restore_rng: bool = True
+                          ) -> tuple[int, Path, dict, list[CheckpointError]] | None:
+        """Load the newest checkpoint that verifies (optionally with step < before_step,
+        e.g. the spike step of a rollback). Returns (step, path, extra, rejected) where
+        `rejected` lists the CheckpointErrors of newer, corrupt ones (log each as an
+        event), or None when no complete checkpoint exists. Raises a CheckpointError
+        listing every problem if all are corrupt."""
+        self.finalize_pending()
+        candidates = [c for c in complete(self.root) if before_step is None or c[0] < before_step]
+        rejected: list[CheckpointError] = []
+        for step, path in reversed(candidates):
+            try:
+                extra = load(path, model, optimizer, scheduler, position=position, guard=guard,
+                             restore_rng=restore_rng)
+            except NonFiniteError:
+                raise
+            except CheckpointError as e:
+                rejected.append(e)
+                continue
+            return step, path, extra, rejected
+        if rejected:
+            raise CheckpointError(self.root, "no loadable checkpoint: " +
+                                  " | ".join(str(e) for e in rejected))
         return None
-    default = dist.distributed_c10d._get_default_group()
-    if _async_group is None or _async_group[0] is not default:   # new run in this process
-        # new_group's default timeout is 30 min, not the one the run chose (dist.timeout_s):
-        # a dead peer would then hang the background thread, and the exit, for 30 min.
-        _async_group = (default, dist.new_group(backend="gloo", timeout=_default_timeout()))
-    return _async_group[1]
 
 
 def _default_timeout() -> timedelta:
@@ -350,57 +482,8 @@ def _default_timeout() -> timedelta:
         return timedelta(seconds=300)
 
 
-def finalize_pending() -> Path | None:
-    """Complete an async save (collective): wait for its writes, then write the marker and
-    rename. Returns the completed checkpoint's path, or None if nothing was pending.
-    A failed background write raises CheckpointError (the checkpoint stays incomplete)."""
-    global _pending
-    if _pending is None:
-        return None
-    job, _pending = _pending, None
-    future = job["future"]
-    try:
-        (future.upload_completion if hasattr(future, "upload_completion") else future).result()
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # noqa: BLE001
-        raise CheckpointError(job["final"], f"async save failed ({type(e).__name__}: "
-                                            f"{str(e)[:300]})") from None
-    _finish(job["partial"], job["final"], job["step"], job["keep"], job["root"])
-    return job["final"]
-
-
-def _finalize_at_exit() -> None:
-    """atexit: complete an async save still pending when the process ends on a path that
-    skipped finalize_pending() (guard abort, user error). Not collective (the process group
-    may be gone): each rank waits for its own writes; rank 0, whose DCP future resolves only
-    after every rank's data and .metadata are written, lists the files with their sizes
-    (no hashes: hashing all shards on one rank could take minutes) and renames; older
-    checkpoints are not pruned. Never raises; a failed save stays .partial."""
-    global _pending
-    if _pending is None:
-        return
-    job, _pending = _pending, None
-    future = job["future"]
-    try:
-        (future.upload_completion if hasattr(future, "upload_completion") else future).result()
-        if job["rank"] != 0 or job["final"].exists():
-            return
-        partial = job["partial"]
-        files = {p.name: {"size": p.stat().st_size, "sha256": None}
-                 for p in sorted(partial.iterdir()) if p.is_file() and p.name != MARKER}
-        if len([f for f in files if f.startswith("rng-")]) != job["world"]:
-            return
-        _write_marker(partial, {"format": FORMAT, "step": job["step"], "world_size": job["world"],
-                                "time": time.time(), "files": files,
-                                "finalized": "at exit, sizes only"})
-        os.replace(partial, job["final"])
-        _fsync_dir(job["final"].parent)
-    except BaseException:  # noqa: BLE001 - best effort at interpreter exit
-        return
-
-
-atexit.register(_finalize_at_exit)
+def _wait(future: Any) -> None:
+    (future.upload_completion if hasattr(future, "upload_completion") else future).result()
 
 
 def _finish(partial: Path, final: Path, step: int, keep: int | None, root: Path) -> None:
@@ -422,6 +505,7 @@ def _finish(partial: Path, final: Path, step: int, keep: int | None, root: Path)
             os.replace(final, trash)
         os.replace(partial, final)
         _fsync_dir(final.parent)
+        kill_point("checkpoint.marked", step)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         if keep is not None:
@@ -456,22 +540,6 @@ def prune(ckpt_root: str | Path, keep: int) -> list[Path]:
             continue
         shutil.rmtree(doomed, ignore_errors=True)
     return removed
-
-
-def discard_newer(ckpt_root: str | Path, step: int) -> list[Path]:
-    """After a rollback to `step`: rename complete checkpoints newer than it to
-    `discarded-step-XXXXXXXX-<time>` (kept for forensics, never picked by latest()).
-    Rank 0 does the work; collective when distributed. Returns the new paths."""
-    rank, _ = _rank_world()
-    moved = []
-    if rank == 0:
-        for s, p in complete(ckpt_root):
-            if s > step:
-                dest = p.with_name(f"discarded-{p.name}-{int(time.time())}")
-                os.replace(p, dest)
-                moved.append(dest)
-    _barrier()
-    return moved
 
 
 # ----------------------------------------------------------------------------- load
@@ -538,21 +606,33 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     scheduler / position / guard via their load_state_dict, and this rank's RNG states (only
     when the world size is unchanged; extra["rng_restored"] says whether).
     """
-    finalize_pending()
     path = Path(path)
     rank, world = _rank_world()
     manifest = verify(path, hashes=verify_hashes)
+    trainer, rng, problem = None, None, None
     try:
-        trainer = torch.load(path / TRAINER_FILE, weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(path, f"{TRAINER_FILE} is unreadable ({e})") from None
-    if not isinstance(trainer, dict) or trainer.get("format") != FORMAT:
-        raise CheckpointError(path, f"{TRAINER_FILE} is not an adamspike trainer state")
+        trainer = _load_small(path / TRAINER_FILE)
+        if not isinstance(trainer, dict) or trainer.get("format") != FORMAT:
+            problem = f"{TRAINER_FILE} is not an adamspike trainer state"
+    except Exception as e:  # noqa: BLE001 - any unpickling failure
+        problem = f"{TRAINER_FILE} is unreadable ({_one_line(e)})"
+    rng_file = path / f"rng-{rank:05d}.pt"
+    want_rng = restore_rng and manifest["world_size"] == world and rng_file.is_file()
+    if want_rng and problem is None:
+        try:
+            rng = _load_small(rng_file)
+            if not isinstance(rng, dict) or "torch_cpu" not in rng:
+                problem = f"{rng_file.name} is not an RNG state"
+        except Exception as e:  # noqa: BLE001
+            problem = f"{rng_file.name} is unreadable ({_one_line(e)})"
+    problems = sorted({p for p in _gather(problem) if p})   # every rank decides the same
+    if problems:
+        raise CheckpointError(path, "; ".join(problems))
     has_optim = optimizer is not None
     model_sd, optim_sd = get_state_dict(model, optimizer if has_optim else [])
     state = {"model": model_sd, "optim": optim_sd} if has_optim else {"model": model_sd}
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_dcp():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=str(path), no_dist=not _initialized())
         set_state_dict(model, optimizer if has_optim else [], model_state_dict=state["model"],
@@ -560,58 +640,23 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         raise CheckpointError(path, "model/optimizer state does not load into this model "
-                                    f"({lines[-1][:500] if lines else type(e).__name__})") from None
+                                    f"({_one_line(e)})", detail=str(e)) from None
     if scheduler is not None and trainer.get("scheduler") is not None:
         scheduler.load_state_dict(trainer["scheduler"])
     if position is not None and trainer.get("position") is not None:
         position.load_state_dict(trainer["position"])
     if guard is not None and trainer.get("guard") is not None:
         guard.load_state_dict(trainer["guard"])
-    rng_file = path / f"rng-{rank:05d}.pt"
-    rng_restored = False
-    if restore_rng and manifest["world_size"] == world and rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=True))
-        rng_restored = True
+    rng_restored = rng is not None
+    if rng_restored:
+        set_rng_state(rng)
     extra = dict(trainer.get("extra") or {})
     extra.update(step=int(trainer["step"]), rng_restored=rng_restored,
                  position=trainer.get("position"), guard=trainer.get("guard"))
     return extra
 
 
-def load_latest_valid(ckpt_root: str | Path, model: torch.nn.Module,
-                      optimizer: torch.optim.Optimizer | None, scheduler: Any = None, *,
-                      before_step: int | None = None, position: Any = None, guard: Any = None,
-                      restore_rng: bool = True) -> tuple[int, Path, dict, list[CheckpointError]] | None:
-    """Load the newest checkpoint that verifies (optionally with step < before_step, e.g.
-    the spike step of a rollback). Returns (step, path, extra, rejected) where `rejected`
-    lists the CheckpointErrors of newer, corrupt ones (log each as an event), or None when
-    no complete checkpoint exists. Raises the newest error if all are corrupt."""
-    finalize_pending()
-    candidates = [c for c in complete(ckpt_root) if before_step is None or c[0] < before_step]
-    rejected: list[CheckpointError] = []
-    for step, path in reversed(candidates):
-        try:
-            extra = load(path, model, optimizer, scheduler, position=position, guard=guard,
-                         restore_rng=restore_rng)
-        except NonFiniteError:
-            raise
-        except CheckpointError as e:
-            rejected.append(e)
-            continue
-        return step, path, extra, rejected
-    if rejected:
-        raise CheckpointError(Path(ckpt_root), "no loadable checkpoint: " +
-                              " | ".join(str(e) for e in rejected))
-    return None
-
-
-def steps_of(ckpt_root: str | Path) -> list[int]:
-    return [s for s, _ in complete(ckpt_root)]
-
-
-__all__: Iterable[str] = ("CheckpointError", "NonFiniteError", "save", "finalize_pending",
-                          "load", "latest",
-                          "load_latest_valid", "complete", "verify", "read_manifest", "prune",
-                          "discard_newer", "step_dir", "rng_state", "set_rng_state")
+__all__: Iterable[str] = ("CheckpointError", "CheckpointManager", "NonFiniteError", "load",
+                          "complete", "verify", "read_manifest", "prune", "step_dir",
+                          "rng_state", "set_rng_state")

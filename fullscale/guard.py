@@ -1,7 +1,7 @@
 """Spike guard: detect a loss spike online, roll back to the last good checkpoint and skip
 the offending window of batches (PaLM), with bounded retries.
 
-Detection is THE project rule, `analysis.spikes.RollingSpikeDetector` (numpy/stdlib only):
+Detection is THE project rule, `adamspike.guard.RollingSpikeDetector` (stdlib only):
 with med and MAD the median and median absolute deviation of the past `guard.window`
 normal losses, step t spikes when
 
@@ -10,13 +10,14 @@ normal losses, step t spikes when
 once min(window, max(5, window // 2)) losses are in the history; a non-finite loss always
 triggers. Spiking losses do not enter the history.
 
-Policy per observed loss (`observe(step, loss) -> Decision`, analysis.guard_policy, shared
-with the JAX trainer's simulate.guard):
+Policy per observed loss (`observe(step, loss) -> Decision`, adamspike.guard.GuardPolicy,
+shared with the JAX trainer's simulate.guard):
 - "ok": normal; the loss joins the history.
 - "rollback": spike or non-finite loss, and fewer than `max_retries` rollbacks in the
   current incident. The trainer then restores the newest checkpoint with step < the spike
-  step and calls `rollback(...)`, which resets the history to the one saved with that
-  checkpoint (retry counters are kept) and returns the new data position: the offset grows
+  step and calls `rollback(...)`, which restores the detector's pre-incident history (not
+  the checkpoint's; adamspike.guard explains why; retry counters are kept) and returns the
+  new data position: the offset grows
   by max(guard.skip_batches, batches read since the checkpoint) so the spike batch and
   those after it are never read again (PaLM: restart ~100 steps back, skip 200-500 batches).
 - "abort": a spike after `max_retries` rollbacks of the same incident (an incident ends once
@@ -31,8 +32,9 @@ Trainer sketch:
     if d.action != "ok":
         for type, fields in d.events: writer.event(type, **fields)
         if d.action == "abort": raise SystemExit(...)
-        found = checkpoint.load_latest_valid(ckpt_root, model, optimizer, scheduler,
-                                             before_step=step)   # None -> abort; no guard=
+        optimizer.zero_grad(set_to_none=True)
+        found = ckpt.load_latest_valid(model, optimizer, scheduler,  # a CheckpointManager
+                                       before_step=step)   # None -> abort; no guard=
         plan = guard.rollback(step, found[2], offset_now=position.offset)
         position.load_state_dict(plan.position)
         for type, fields in plan.events: writer.event(type, **fields)
@@ -44,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from analysis.guard_policy import Decision, GuardPolicy
+from adamspike.guard import Decision, GuardPolicy
 
 __all__ = ["Decision", "RollbackPlan", "SpikeGuard"]
 
@@ -58,15 +60,15 @@ class RollbackPlan:
 
 
 class SpikeGuard(GuardPolicy):
-    """analysis.guard_policy.GuardPolicy (detection, retries, abort) + rollback to an on-disk
-    checkpoint and the guard's state in checkpoints."""
+    """adamspike.guard.GuardPolicy (detection, retries, abort, state) + rollback to an
+    on-disk checkpoint."""
 
     # -- recovery -----------------------------------------------------------------
     def rollback(self, spike_step: int, checkpoint_extra: dict[str, Any],
                  offset_now: int) -> RollbackPlan:
         """After restoring the checkpoint (whose `load()` returned `checkpoint_extra`: step,
-        position, guard): reset the loss history to the checkpoint's, keep the retry
-        counters, and return where the data continues.
+        position): restore the pre-incident loss history, keep the retry counters, and
+        return where the data continues.
 
         Batches read since the checkpoint: (spike_step + offset_now) - (ckpt_step + ckpt_offset);
         skipped: max(guard.skip_batches, that), so the spike batch is always skipped."""
@@ -76,9 +78,7 @@ class SpikeGuard(GuardPolicy):
         if ckpt_step >= spike_step:
             raise ValueError(f"rollback target step {ckpt_step} is not before the spike step "
                              f"{spike_step}")
-        guard_state = checkpoint_extra.get("guard")
-        if guard_state is not None:
-            self.detector.load_state_dict(guard_state["detector"])
+        self.restore_baseline()
         seen = (int(spike_step) + int(offset_now)) - (ckpt_step + ckpt_offset)
         num_skipped = max(int(self.cfg.skip_batches), seen)
         new_offset = ckpt_offset + num_skipped
@@ -92,18 +92,3 @@ class SpikeGuard(GuardPolicy):
                                     "offset_after": new_offset})]
         return RollbackPlan(ckpt_step + 1, {"step": ckpt_step, "offset": new_offset},
                             num_skipped, events)
-
-    # -- state --------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"detector": self.detector.state_dict(), "retries": self.retries,
-                "num_rollbacks": self.num_rollbacks, "ok_since_rollback": self.ok_since_rollback,
-                "last_spike_step": self.last_spike_step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Full restore (resume of a killed run): history and counters."""
-        self.detector.load_state_dict(state["detector"])
-        self.retries = int(state.get("retries", 0))
-        self.num_rollbacks = int(state.get("num_rollbacks", 0))
-        self.ok_since_rollback = int(state.get("ok_since_rollback", 0))
-        last = state.get("last_spike_step")
-        self.last_spike_step = None if last is None else int(last)

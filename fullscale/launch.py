@@ -234,6 +234,8 @@ def _megatron_gaps(run) -> list[str]:
         gaps.append("guard (rollback + batch skip): not available; restart from --load by hand")
     if run.data.skip_batches or run.data.poison_steps:
         gaps.append("data.skip_batches / data.poison_steps: not applied by Megatron")
+    if to_dict(run.faults) != to_dict(type(run.faults)()):
+        gaps.append("faults (docs/faults.md): not injected by Megatron; rehearse with train_torchrun.sh")
     if run.alarms.predictions:
         gaps.append("alarms.predictions: not evaluated online; run `adamspike analyze --predictions` "
                     "on the imported Megatron log")

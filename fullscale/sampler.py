@@ -101,8 +101,11 @@ def is_skipped(step: int, cfg: Any) -> bool:
 
 
 def is_poisoned(step: int, offset: int, cfg: Any) -> bool:
-    """Does step `step` at data offset `offset` read a batch listed in data.poison_steps?"""
-    return int(step) + int(offset) in set(cfg.data.poison_steps)
+    """Does step `step` at data offset `offset` read a batch listed in data.poison_steps or
+    inside faults.poison_batches = [from, to]?"""
+    b = int(step) + int(offset)
+    span = getattr(getattr(cfg, "faults", None), "poison_batches", None)
+    return b in set(cfg.data.poison_steps) or bool(span) and span[0] <= b <= span[1]
 
 
 def local_batch(source: Any, step: int, cfg: Any, rank: int, world_size: int,

@@ -3,30 +3,39 @@
     adamspike train --config configs/tiny.toml --out RUN [--resume] [--section.key value ...]
     python -m fullscale.train ...            torchrun --nproc-per-node 8 -m fullscale.train ...
 
-The loop, top to bottom (one optimizer step s = 1..train.num_steps):
-    config -> device + process group -> model on meta -> parallelize -> to_empty ->
-    init_weights -> AdamW + LambdaLR -> data source -> run directory (rank 0) -> [resume]
-    for each step s:
+The run, top to bottom (`Trainer`; one optimizer step s = 1..train.num_steps):
+    config -> device + process group -> rank 0 locks the run directory (RunLock: a second
+    writer is refused) -> model on meta -> parallelize -> to_empty -> init_weights ->
+    AdamW + LambdaLR -> data source -> CheckpointManager -> [resume: newest valid
+    checkpoint, older ones if it does not load] -> run directory (rank 0; on resume rows
+    after the checkpoint are truncated)
+    for each step s (`Trainer.run`):
+        [faults: hang]
         data.skip_batches hit?      forward/backward for loss and grad_norm, logged with
-                                    skipped=True; no update (parameters, Adam state and its
-                                    step count untouched), lr schedule advances ("skip" event)
-        micro-batches of this rank  (sampler.local_batch: batch s + offset, poison_steps)
+                                    skipped=True; no update, lr schedule advances ("skip")
         forward / backward          loss_scale * (ce + z_loss * mean(logsumexp^2)) / accum
+                                    over this rank's micro-batches (sampler.local_batch:
+                                    batch s + offset, poisoned batches); [faults: NaN grads]
         loss = mean over the global batch (all-reduced); clip (threshold grad_clip * s)
         guard.observe(s, loss)      spike / non-finite -> roll back to the newest checkpoint
                                     before s, skip a window of batches (PaLM); or abort
-        [update clip] -> telemetry.before_step -> optimizer.step -> telemetry.after_step
-        steps row, layers + hists (telemetry.every / hist_every), alarms, checkpoint
+        [mitigations] -> telemetry.before_step -> optimizer.step -> telemetry.after_step
+        steps row, layers + hists (telemetry.every / hist_every), alarms (rank 0)
+        checkpoint due?             rank 0 flushes the run directory (every row <= s
+                                    durable), then the collective save (COMPLETE last)
 
 Interfaces used (all collective where marked in their modules):
 - fullscale.device: detect, init_distributed, torch_device, synchronize, mfu, memory_stats
-- fullscale.checkpoint: save(root, step, model, optimizer, scheduler, extra, position=,
-  guard=, keep=, async_save=), load_latest_valid(root, model, optimizer, scheduler,
-  before_step=, position=, guard=) -> (step, path, extra, rejected) | None,
-  finalize_pending(); NonFiniteError -> "checkpoint_refused" event
+- fullscale.checkpoint.CheckpointManager(root, keep=, async_save=): save(step, model,
+  optimizer, scheduler, extra, position=, guard=), load_latest_valid(model, optimizer,
+  scheduler, before_step=, position=, guard=) -> (step, path, extra, rejected) | None,
+  finalize_pending(), close(); NonFiniteError -> "checkpoint_refused" event
 - fullscale.guard: SpikeGuard(cfg.guard).observe(step, loss) -> Decision(action, reason,
   events); rollback(spike_step, extra, offset_now) -> RollbackPlan(resume_step, position)
 - fullscale.sampler: batch_plan, local_batch, is_skipped, DataPosition(step, offset)
+- adamspike.rundir: RunLock, RunWriter (flush() before every checkpoint)
+- the `faults` section (docs/faults.md): injected NaN gradients, poisoned batches, a hung or
+  killed rank; ADAMSPIKE_KILL_AT (adamspike.faults) kills at a precise point for the tests
 
 Definitions of the steps columns:
 - loss: unscaled ce (+ z-loss term), mean over the global batch (all ranks, all micro-batches)
@@ -50,9 +59,11 @@ Rollback rows: the steps s' > checkpoint step that are re-run after a rollback a
 again; readers keep the last row per step, so the trace is the trajectory of the final
 weights, and the discarded losses survive in the "spike"/"rollback" events.
 
-Exit status: 0 done; 2 bad input (config, data, predictions, run directory, checkpoint to
-resume); 3 training aborted (guard gave up, non-finite loss with the guard disabled, no
-checkpoint to roll back to); 1 unexpected failure (logged as a "fault" event first).
+Exit status: 0 done; 2 bad input (config, data, predictions, run directory, another live
+writer on it, checkpoint to resume); 3 training aborted (guard gave up, non-finite loss with
+the guard disabled, non-finite state at the last checkpoint or at a checkpoint with the
+guard disabled, no checkpoint to roll back to); 1 unexpected failure (logged as a "fault"
+event first). Every non-zero exit says why in one stderr line.
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -74,9 +86,12 @@ from adamspike import mitigations
 from adamspike.config import ConfigError, load_config, to_dict
 from adamspike.llama import flops_per_token, num_params, spec_by_name
 from adamspike.predictions import PredictionsError
-from adamspike.rundir import RunFormatError, RunWriter, environment
+from adamspike.faults import kill_point
+from adamspike.rundir import (RunFormatError, RunLock, RunLockedError, RunWriter,
+                              check_new_run_dir, environment)
 from adamspike.train_config import RunConfig
-from fullscale import checkpoint, device as devices
+from fullscale import device as devices
+from fullscale.checkpoint import CheckpointError, CheckpointManager, NonFiniteError, complete
 from fullscale.alarms import build_alarms
 from fullscale.data import DataFormatError, build_source
 from fullscale.guard import SpikeGuard
@@ -85,14 +100,20 @@ from fullscale.model import Transformer
 from fullscale.optim import apply_mitigations, build_optimizer, build_scheduler, clip_gradients
 from fullscale.parallelize import parallelize
 from fullscale.sampler import DataPosition, batch_plan, is_skipped, local_batch
-from fullscale.telemetry import Telemetry, TensorBoardScalars, shard_group, telemetry_vhists, write_vhists
+from fullscale.telemetry import (Telemetry, TensorBoardScalars, shard_group, telemetry_vhists,
+                                 write_vhists)
 
 USER_ERRORS = (ConfigError, DataFormatError, PredictionsError, RunFormatError,
-               checkpoint.CheckpointError, devices.DeviceError)
+               CheckpointError, devices.DeviceError)
 
 
 class TrainingAborted(RuntimeError):
-    """The run cannot continue (guard gave up, non-finite loss, nothing to roll back to)."""
+    """The run cannot continue (guard gave up, non-finite loss or state, nothing to roll
+    back to). `logged`: the "abort" event is already in the run directory."""
+
+    def __init__(self, message: str, *, logged: bool = False):
+        super().__init__(message)
+        self.logged = logged
 
 
 def parser() -> argparse.ArgumentParser:
@@ -121,7 +142,8 @@ def _rank0_call(rank: int, fn):
         box = [None if err is None else (type(err).__name__, str(err))]
         dist.broadcast_object_list(box, src=0)
         if box[0] is not None and err is None:
-            kinds = {c.__name__: c for c in (RunFormatError, PredictionsError, DataFormatError)}
+            kinds = {c.__name__: c for c in (RunFormatError, RunLockedError, PredictionsError,
+                                             DataFormatError)}
             err = kinds.get(box[0][0], ConfigError)(box[0][1])
     if err is not None:
         raise err
@@ -193,183 +215,355 @@ def _setup_distributed(cfg: RunConfig) -> bool:
 
 
 def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
-    # --- device, model, optimizer ----------------------------------------------------
-    rank, world = dist.get_rank(), dist.get_world_size()
-    info = devices.detect(cfg.dist.device, int(os.environ.get("LOCAL_RANK", 0)))
-    device = devices.torch_device(info)
-    if cfg.train.dtype == "bf16" and not info.supports_bf16:
-        raise ConfigError(f"train.dtype: bf16 is not supported by {info.name}")
-    arch = resolve_model(cfg.model)
-    if cfg.train.seq_len > arch.max_seq_len:
-        raise ConfigError(f"train.seq_len: {cfg.train.seq_len} exceeds model max_seq_len={arch.max_seq_len}")
-    plan = batch_plan(cfg, world)
-    if cfg.alarms.predictions and not cfg.telemetry.enabled:
-        raise ConfigError("alarms.predictions: the alarm rules read per-tensor telemetry; set "
-                          "telemetry.enabled = true")
-    torch.manual_seed(cfg.train.seed)
-    specs = spec_by_name(arch)
-    mit = mitigations.plan(cfg, {n: s.depth for n, s in specs.items()}, arch.num_layers)
-    with torch.device("meta"):
-        model = Transformer(arch, **mit.model_options)
-    parallelize(model, world, activation_checkpointing=cfg.train.activation_checkpointing,
-                mixed_precision=cfg.train.dtype, device=device)
-    model.to_empty(device=device)
-    model.init_weights(_init_generator(cfg.train.seed, device))
-    optimizer = build_optimizer(model, cfg.optim, mit)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.num_steps)
-    source = build_source(cfg.data, cfg.train.seq_len, arch.vocab_size, cfg.train.seed)
-    position, guard = DataPosition(), SpikeGuard(cfg.guard)
-    telemetry = (Telemetry(optimizer, spec_by_name(arch), every=cfg.telemetry.every,
-                           hist_every=cfg.telemetry.hist_every, precision=cfg.telemetry.precision,
-                           compile=cfg.telemetry.compile,
-                           explicit_m_prev=mitigations.needs_explicit_m_prev(cfg))
-                 if cfg.telemetry.enabled else None)
-    alarms = _rank0_call(rank, lambda: build_alarms(cfg.alarms))   # evaluated on rank 0
-    ckpt_root = out / "checkpoints"
+    """Train cfg into run directory `out` (collective); returns the exit status (0)."""
+    return Trainer(cfg, Path(out), resume=resume).run()
 
-    # --- run directory and resume ------------------------------------------------------
-    start_step, restored = 1, None
-    if resume:
-        restored = checkpoint.load_latest_valid(ckpt_root, model, optimizer, scheduler,
-                                                position=position, guard=guard)
-        if restored is None:
-            raise checkpoint.CheckpointError(ckpt_root, "no complete checkpoint to resume from")
-        start_step = restored[0] + 1
-    fpt = flops_per_token(arch, cfg.train.seq_len)
-    meta = {"architecture": asdict(arch), "num_params": num_params(arch), "flops_per_token": fpt,
-            "world_size": world, "batch_plan": asdict(plan)}
 
-    def open_writer():
-        if resume:
-            return RunWriter(out, backend="torch", resume_from_step=restored[0],
-                             flush_every_s=cfg.telemetry.flush_every_s)
-        return RunWriter(out, backend="torch", config=to_dict(cfg), extra_meta=meta,
-                         env=environment(**devices.environment_info(info, world)),
-                         flush_every_s=cfg.telemetry.flush_every_s)
+class Trainer:
+    """One training run: the model, its optimizer, data position, guard, checkpoints and the
+    run directory (rank 0), built in __init__; `run()` is the loop."""
 
-    writer = _rank0_call(rank, open_writer)
-    if rank == 0 and resume:
-        changed = _changed_keys(writer.meta.get("config", {}), to_dict(cfg))
-        if changed:  # e.g. a longer train.num_steps; recorded, not refused
-            warnings.warn(f"resuming with changed config keys: {', '.join(changed)}", stacklevel=1)
-            writer.event("config_changed", step=start_step - 1, keys=changed,
-                         config=to_dict(cfg))
-    tb = TensorBoardScalars(out / "tensorboard") if rank == 0 and cfg.telemetry.tensorboard else None
-    if rank == 0:
-        if restored is not None:
-            for e in restored[3]:
-                writer.event("checkpoint_rejected", path=e.path, problem=e.problem)
-        writer.event("start", step=start_step, world_size=world, device=info.name,
+    def __init__(self, cfg: RunConfig, out: Path, *, resume: bool):
+        self.cfg, self.out, self.resume = cfg, out, resume
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # --- ownership of the run directory first (rank 0 decides, the others follow): a
+        # resumed run is locked before its checkpoints are read; a new one is only checked
+        # here (nothing is created before the config, model and data are known to be good)
+        # and locked when its run directory is created.
+        def own() -> RunLock | None:
+            if resume:
+                return RunLock(out).acquire(new=False)
+            check_new_run_dir(out)
+            return None
+
+        self.lock = _rank0_call(self.rank, own)
+        self.writer = self.tb = None
+        self._fired: set[tuple[str, int]] = set()     # injected faults already fired
+        try:
+            self._build()
+        except BaseException:
+            if self.writer is not None:
+                self.writer.close()         # releases the lock too
+            elif self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _build(self) -> None:
+        cfg, out, rank, world = self.cfg, self.out, self.rank, self.world
+        # --- device, model, optimizer, data
+        self.info = info = devices.detect(cfg.dist.device, int(os.environ.get("LOCAL_RANK", 0)))
+        self.device = devices.torch_device(info)
+        if cfg.train.dtype == "bf16" and not info.supports_bf16:
+            raise ConfigError(f"train.dtype: bf16 is not supported by {info.name}")
+        arch = resolve_model(cfg.model)
+        if cfg.train.seq_len > arch.max_seq_len:
+            raise ConfigError(f"train.seq_len: {cfg.train.seq_len} exceeds model "
+                              f"max_seq_len={arch.max_seq_len}")
+        self.plan = batch_plan(cfg, world)
+        if cfg.alarms.predictions and not cfg.telemetry.enabled:
+            raise ConfigError("alarms.predictions: the alarm rules read per-tensor telemetry; "
+                              "set telemetry.enabled = true")
+        torch.manual_seed(cfg.train.seed)
+        specs = spec_by_name(arch)
+        self.mit = mitigations.plan(cfg, {n: s.depth for n, s in specs.items()}, arch.num_layers)
+        with torch.device("meta"):
+            model = Transformer(arch, **self.mit.model_options)
+        parallelize(model, world, activation_checkpointing=cfg.train.activation_checkpointing,
+                    mixed_precision=cfg.train.dtype, device=self.device)
+        model.to_empty(device=self.device)
+        model.init_weights(_init_generator(cfg.train.seed, self.device))
+        self.model = model
+        self.optimizer = build_optimizer(model, cfg.optim, self.mit)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.num_steps)
+        self.source = build_source(cfg.data, cfg.train.seq_len, arch.vocab_size, cfg.train.seed)
+        self.position, self.guard = DataPosition(), SpikeGuard(cfg.guard)
+        self.telemetry = (Telemetry(self.optimizer, specs, every=cfg.telemetry.every,
+                                    hist_every=cfg.telemetry.hist_every,
+                                    precision=cfg.telemetry.precision,
+                                    compile=cfg.telemetry.compile,
+                                    explicit_m_prev=mitigations.needs_explicit_m_prev(cfg))
+                          if cfg.telemetry.enabled else None)
+        self.alarms = _rank0_call(rank, lambda: build_alarms(cfg.alarms))  # evaluated on rank 0
+        self.ckpt = CheckpointManager(out / "checkpoints", keep=cfg.checkpoint.keep,
+                                      async_save=cfg.checkpoint.async_save)
+        self.fpt = flops_per_token(arch, cfg.train.seq_len)
+        self.tokens_per_step = self.plan.global_batch_size * cfg.train.seq_len
+        self.group = shard_group(p for g in self.optimizer.param_groups for p in g["params"])
+
+        # --- resume: the newest checkpoint that loads (older ones if newer are corrupt)
+        self.start_step, restored = 1, None
+        if self.resume:
+            restored = self.ckpt.load_latest_valid(model, self.optimizer, self.scheduler,
+                                                   position=self.position, guard=self.guard)
+            if restored is None:
+                raise CheckpointError(self.ckpt.root, "no complete checkpoint to resume from")
+            self.start_step = restored[0] + 1
+
+        # --- run directory (rank 0): rows after the resumed checkpoint are truncated
+        meta = {"architecture": asdict(arch), "num_params": num_params(arch),
+                "flops_per_token": self.fpt, "world_size": world,
+                "batch_plan": asdict(self.plan)}
+
+        def open_writer():
+            if self.resume:
+                return RunWriter(out, backend="torch", resume_from_step=restored[0],
+                                 flush_every_s=cfg.telemetry.flush_every_s, lock=self.lock)
+            return RunWriter(out, backend="torch", config=to_dict(cfg), extra_meta=meta,
+                             env=environment(**devices.environment_info(info, world)),
+                             flush_every_s=cfg.telemetry.flush_every_s)   # takes the lock
+
+        self.writer = _rank0_call(rank, open_writer)
+        if rank != 0:
+            return
+        writer = self.writer
+        if self.resume:
+            changed = _changed_keys(writer.meta.get("config", {}), to_dict(cfg))
+            if changed:  # e.g. a longer train.num_steps; recorded, not refused
+                warnings.warn(f"resuming with changed config keys: {', '.join(changed)}",
+                              stacklevel=1)
+                writer.event("config_changed", step=self.start_step - 1, keys=changed,
+                             config=to_dict(cfg))
+            self._log_rejected(restored[3], restored[1])
+        if cfg.telemetry.tensorboard:
+            self.tb = TensorBoardScalars(out / "tensorboard")
+        writer.event("start", step=self.start_step, world_size=world, device=info.name,
                      resumed_from=None if restored is None else str(restored[1]))
 
-    # --- the loop ------------------------------------------------------------------------
-    scale, num_steps = cfg.train.loss_scale, cfg.train.num_steps
-    # skipped steps still read and measure their batch (as simulate/llama_train.py)
-    cfg_measure = replace(cfg, data=replace(cfg.data, skip_batches=[]))
-    tokens_per_step = plan.global_batch_size * cfg.train.seq_len
-    group = shard_group(p for g in optimizer.param_groups for p in g["params"])
-    progress = _progress(rank, num_steps, start_step - 1)
-    step = start_step
-    try:
-        while step <= num_steps:
-            t0 = time.perf_counter()
-            lr = scheduler.get_last_lr()[0]
-            if is_skipped(step, cfg):  # data.skip_batches: measured, not trained on
-                loss = _forward_backward(model, source, step, cfg_measure, rank, world,
-                                         position.offset, device)
-                grad_norm, _ = clip_gradients(model.parameters(), 0.0)   # norm only
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                position.step = step
-                if rank == 0:
-                    writer.log_step(step=step, tokens=step * tokens_per_step, loss=loss, lr=lr,
-                                    grad_norm=grad_norm, clipped=False, update_norm=0.0,
-                                    step_time_s=time.perf_counter() - t0, skipped=True)
-                    writer.event("skip", step=step, reason="data.skip_batches", loss=loss)
-                _maybe_checkpoint(cfg, step, ckpt_root, model, optimizer, scheduler, position,
-                                  guard, writer, rank)
+    # ------------------------------------------------------------------------- the loop
+    def run(self) -> int:
+        cfg, rank = self.cfg, self.rank
+        num_steps = cfg.train.num_steps
+        progress = _progress(rank, num_steps, self.start_step - 1)
+        step, ok = self.start_step, False
+        try:
+            while step <= num_steps:
+                self._inject_before(step)
+                t0 = time.perf_counter()
+                lr = self.scheduler.get_last_lr()[0]
+                if is_skipped(step, cfg):           # data.skip_batches: measured, not trained
+                    self._skip_step(step, lr, t0)
+                else:
+                    loss = self._forward_backward(step, cfg)
+                    self._inject_after_backward(step)
+                    grad_norm, clipped = clip_gradients(self.model.parameters(),
+                                                        cfg.optim.grad_clip * cfg.train.loss_scale)
+                    decision = self._judge(step, loss)   # before the update is applied
+                    if decision.action == "rollback":
+                        step = self._rollback(step)
+                        progress.reset(total=num_steps)
+                        progress.update(step - 1)
+                        continue
+                    self._update_and_log(step, lr, loss, grad_norm, clipped, t0)
+                    progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                kill_point("step", step)
+                self._inject_kill(step)
+                self._checkpoint_if_due(step)
                 step += 1
                 progress.update(1)
-                continue
-
-            loss = _forward_backward(model, source, step, cfg, rank, world, position.offset, device)
-            grad_norm, clipped = clip_gradients(model.parameters(), cfg.optim.grad_clip * scale)
-
-            # spike guard: judge the loss before its update is applied
-            decision = guard.observe(step, loss)
+            self.ckpt.finalize_pending()
             if rank == 0:
-                for kind, fields in decision.events:
-                    writer.event(kind, **fields)
-            if decision.action == "ok" and not math.isfinite(loss):
-                raise TrainingAborted(f"non-finite loss {loss} at step {step} (set "
-                                      "guard.enabled = true to roll back instead)")
-            if decision.action == "abort":
-                raise TrainingAborted(decision.reason)
-            if decision.action == "rollback":
-                optimizer.zero_grad(set_to_none=True)
-                step = _rollback(step, ckpt_root, model, optimizer, scheduler, position, guard,
-                                 writer, rank)
-                progress.reset(total=num_steps)
-                progress.update(step - 1)
-                continue
-
-            # optimizer step, telemetry
-            apply_mitigations(optimizer, mit, step, lr)   # the registry's plan
-            if telemetry is not None:
-                telemetry.before_step(step)
-            before = [_local(p).detach().clone() for p in model.parameters()]
-            optimizer.step()
-            stats = telemetry.after_step(step) if telemetry is not None else None
-            vhists = telemetry_vhists(telemetry, step) if telemetry is not None else None
-            update_norm = _update_norm(model, before, group)
-            del before
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            position.step = step
-            devices.synchronize(info)
-            dt = time.perf_counter() - t0
-
-            # logging, alarms, checkpoint
+                self.writer.event("end", step=num_steps)
+            ok = True
+        except TrainingAborted as e:
+            if rank == 0 and not e.logged:
+                self.writer.event("abort", step=step, reason=str(e))
+            raise
+        except USER_ERRORS as e:
             if rank == 0:
-                row = dict(step=step, tokens=step * tokens_per_step, loss=loss, lr=lr,
-                           grad_norm=grad_norm, clipped=clipped, update_norm=update_norm,
-                           step_time_s=dt, skipped=False, tokens_per_s=tokens_per_step / dt)
-                row["mfu"] = devices.mfu(tokens_per_step / dt / world, fpt, info)
-                mem = devices.memory_stats(info)
-                if mem is not None:
-                    row["peak_mem_gb"] = mem["peak_bytes"] / 2**30
-                writer.log_step(**row)
-                if stats is not None:
-                    telemetry.write(writer, stats)
-                    if alarms is not None:
-                        alarms.log(writer, step, stats.columns)
-                if vhists is not None:
-                    write_vhists(telemetry, writer, step, vhists)
-                if tb is not None:
-                    tb.log(step, row, stats)
-                progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
-            _maybe_checkpoint(cfg, step, ckpt_root, model, optimizer, scheduler, position,
-                              guard, writer, rank)
-            step += 1
-            progress.update(1)
-        checkpoint.finalize_pending()
-        if rank == 0:
-            writer.event("end", step=num_steps)
-    except (TrainingAborted, *USER_ERRORS) as e:
-        if rank == 0:
-            writer.event("abort", step=step, reason=str(e))
-        raise
-    except BaseException as e:
-        if rank == 0:
-            writer.event("fault", step=step, error=f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        progress.close()
-        if rank == 0:
-            writer.close()
-            if tb is not None:
-                tb.close()
-    return 0
+                self.writer.event("abort", step=step, reason=str(e))
+            raise
+        except BaseException as e:
+            if rank == 0:
+                self.writer.event("fault", step=step, error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            progress.close()
+            if not ok:
+                self.ckpt.close()       # completes an async save still in flight
+            if rank == 0:
+                self.writer.close()     # flushes, releases the run directory
+                if self.tb is not None:
+                    self.tb.close()
+        return 0
+
+    # ------------------------------------------------------------------------- steps
+    def _forward_backward(self, step: int, cfg: RunConfig) -> float:
+        """Gradients of loss_scale * loss over this rank's micro-batches (accumulated in
+        p.grad); returns the unscaled loss averaged over the global batch."""
+        micro = local_batch(self.source, step, cfg, self.rank, self.world,
+                            offset=self.position.offset)
+        loss_sum = torch.zeros((), device=self.device)
+        for mb in micro:
+            loss = loss_terms(self.model(mb.inputs.to(self.device)),
+                              mb.targets.to(self.device), cfg.train.z_loss)
+            (loss * (cfg.train.loss_scale / len(micro))).backward()
+            loss_sum += loss.detach()
+        return _mean_over_ranks(loss_sum / len(micro))
+
+    def _skip_step(self, step: int, lr: float, t0: float) -> None:
+        """data.skip_batches: forward/backward for loss and grad_norm, logged skipped=True; no
+        update (parameters, Adam state and its step count untouched); the lr schedule
+        advances (as simulate/llama_train.py)."""
+        measure = replace(self.cfg, data=replace(self.cfg.data, skip_batches=[]))
+        loss = self._forward_backward(step, measure)
+        grad_norm, _ = clip_gradients(self.model.parameters(), 0.0)   # norm only
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.position.step = step
+        if self.rank == 0:
+            self.writer.log_step(step=step, tokens=step * self.tokens_per_step, loss=loss, lr=lr,
+                                 grad_norm=grad_norm, clipped=False, update_norm=0.0,
+                                 step_time_s=time.perf_counter() - t0, skipped=True)
+            self.writer.event("skip", step=step, reason="data.skip_batches", loss=loss)
+
+    def _judge(self, step: int, loss: float):
+        """The spike guard's decision on this loss; raises TrainingAborted to stop."""
+        decision = self.guard.observe(step, loss)
+        if self.rank == 0:
+            for kind, fields in decision.events:
+                self.writer.event(kind, **fields)
+        if decision.action == "ok" and not math.isfinite(loss):
+            raise TrainingAborted(f"non-finite loss {loss} at step {step} (set "
+                                  "guard.enabled = true to roll back instead)")
+        if decision.action == "abort":
+            newest = complete(self.ckpt.root)
+            kept = f"; last good checkpoint: {newest[-1][1]}" if newest else ""
+            raise TrainingAborted(f"the spike guard gave up: {decision.reason}{kept}",
+                                  logged=True)
+        return decision
+
+    def _update_and_log(self, step: int, lr: float, loss: float, grad_norm: float,
+                        clipped: bool, t0: float) -> None:
+        """the registry's mitigations -> telemetry.before_step -> optimizer.step ->
+        telemetry.after_step (+ vhists on histogram steps), then the steps row, layers +
+        hists + vhists, alarms (rank 0)."""
+        cfg, info, world = self.cfg, self.info, self.world
+        apply_mitigations(self.optimizer, self.mit, step, lr)   # the registry's plan
+        if self.telemetry is not None:
+            self.telemetry.before_step(step)
+        before = [_local(p).detach().clone() for p in self.model.parameters()]
+        self.optimizer.step()
+        stats = self.telemetry.after_step(step) if self.telemetry is not None else None
+        vhists = telemetry_vhists(self.telemetry, step) if self.telemetry is not None else None
+        update_norm = _update_norm(self.model, before, self.group)
+        del before
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.position.step = step
+        devices.synchronize(info)
+        dt = time.perf_counter() - t0
+        if self.rank != 0:
+            return
+        tps = self.tokens_per_step
+        row = dict(step=step, tokens=step * tps, loss=loss, lr=lr, grad_norm=grad_norm,
+                   clipped=clipped, update_norm=update_norm, step_time_s=dt, skipped=False,
+                   tokens_per_s=tps / dt)
+        row["mfu"] = devices.mfu(tps / dt / world, self.fpt, info)
+        mem = devices.memory_stats(info)
+        if mem is not None:
+            row["peak_mem_gb"] = mem["peak_bytes"] / 2**30
+        self.writer.log_step(**row)
+        if stats is not None:
+            self.telemetry.write(self.writer, stats)
+            if self.alarms is not None:
+                self.alarms.log(self.writer, step, stats.columns)
+        if vhists is not None:
+            write_vhists(self.telemetry, self.writer, step, vhists)
+        if self.tb is not None:
+            self.tb.log(step, row, stats)
+
+    # ------------------------------------------------------------------------- recovery
+    def _checkpoint_if_due(self, step: int) -> None:
+        """Every checkpoint.every steps and at the last: rows <= step are made durable first
+        (rank 0's flush), then the collective save. A non-finite state is refused (nothing
+        written): the run stops (exit 3) unless the guard is on and steps remain (its next
+        judged loss is non-finite and rolls back)."""
+        cfg = self.cfg
+        every, last = cfg.checkpoint.every, cfg.train.num_steps
+        if not ((every and step % every == 0) or step == last):
+            return
+        if self.rank == 0:
+            self.writer.flush()
+        try:
+            path = self.ckpt.save(step, self.model, self.optimizer, self.scheduler,
+                                  extra={"tokens": step * self.tokens_per_step},
+                                  position=self.position, guard=self.guard)
+        except NonFiniteError as e:
+            if self.rank == 0:
+                self.writer.event("checkpoint_refused", **e.payload)
+            if step == last or not cfg.guard.enabled:
+                raise TrainingAborted(f"non-finite model/optimizer state at step {step}: "
+                                      f"{e.problem}") from None
+            if self.rank == 0:
+                print(f"adamspike train: warning: {e}; the guard rolls back on the next "
+                      "non-finite loss", file=sys.stderr)
+            return
+        if self.rank == 0:
+            self.writer.event("checkpoint", step=step, path=str(path),
+                              async_save=cfg.checkpoint.async_save)
+
+    def _rollback(self, step: int) -> int:
+        """Drop the spike step's gradients, restore the newest checkpoint before `step`, skip
+        batches; returns the next step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        found = self.ckpt.load_latest_valid(self.model, self.optimizer, self.scheduler,
+                                            before_step=step, restore_rng=False)
+        if found is None:
+            raise TrainingAborted(f"loss spike at step {step} but no checkpoint before it to "
+                                  "roll back to (set checkpoint.every)")
+        _, path, extra, rejected = found
+        plan = self.guard.rollback(step, extra, offset_now=self.position.offset)
+        self.position.load_state_dict(plan.position)
+        if self.rank == 0:
+            self._log_rejected(rejected, path)
+            for kind, fields in plan.events:
+                self.writer.event(kind, **fields, checkpoint=str(path))
+        return plan.resume_step
+
+    def _log_rejected(self, rejected: list, used: Path) -> None:
+        """Rank 0: one stderr line and one event (with the full detail) per checkpoint that
+        did not load."""
+        for e in rejected:
+            print(f"adamspike train: warning: {e}; falling back to {used}", file=sys.stderr)
+            self.writer.event("checkpoint_rejected", path=e.path, problem=e.problem,
+                              detail=e.detail or None, used=str(used))
+
+    # ------------------------------------------------------------------------- faults
+    # Each injected fault fires once per launch (a transient fault): the steps re-run
+    # after a rollback are clean, as they would be after a real hardware glitch.
+    def _once(self, kind: str, step: int) -> bool:
+        if (kind, step) in self._fired:
+            return False
+        self._fired.add((kind, step))
+        return True
+
+    def _inject_before(self, step: int) -> None:
+        f = self.cfg.faults
+        if f.hang_rank_at_step == [self.rank, step] and self._once("hang", step):
+            self._fault_event("hang", step, rank=self.rank, seconds=f.hang_s)
+            time.sleep(f.hang_s)
+
+    def _inject_after_backward(self, step: int) -> None:
+        if step in self.cfg.faults.nan_grad_at_step and self._once("nan_grad", step):
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    _local(p.grad).fill_(math.nan)
+            self._fault_event("nan_grad", step)
+
+    def _inject_kill(self, step: int) -> None:
+        f = self.cfg.faults
+        if f.kill_rank_at_step == [self.rank, step] and not self.resume:
+            self._fault_event("kill", step, rank=self.rank)
+            if self.rank == 0:
+                self.writer.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _fault_event(self, kind: str, step: int, **fields) -> None:
+        if self.writer is not None:
+            self.writer.event("fault_injected", step=step, fault=kind, **fields)
+        else:   # another rank: say so where the user looks
+            print(f"adamspike train: rank {self.rank}: injected fault {kind!r} at step {step}",
+                  file=sys.stderr)
 
 
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -381,18 +575,6 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             keys.append(prefix + k)
     return keys
-
-
-def _forward_backward(model, source, step, cfg, rank, world, offset, device) -> float:
-    """Gradients of loss_scale * loss over this rank's micro-batches (accumulated in
-    p.grad); returns the unscaled loss averaged over the global batch."""
-    micro = local_batch(source, step, cfg, rank, world, offset=offset)
-    loss_sum = torch.zeros((), device=device)
-    for mb in micro:
-        loss = loss_terms(model(mb.inputs.to(device)), mb.targets.to(device), cfg.train.z_loss)
-        (loss * (cfg.train.loss_scale / len(micro))).backward()
-        loss_sum += loss.detach()
-    return _mean_over_ranks(loss_sum / len(micro))
 
 
 def _progress(rank: int, total: int, initial: int):
@@ -411,42 +593,6 @@ def _update_norm(model, before, group) -> float:
     if group is not None:
         dist.all_reduce(sq, group=group)
     return float(sq.sqrt())
-
-
-def _maybe_checkpoint(cfg, step, root, model, optimizer, scheduler, position, guard, writer,
-                      rank) -> None:
-    every = cfg.checkpoint.every
-    if not ((every and step % every == 0) or step == cfg.train.num_steps):
-        return
-    try:
-        path = checkpoint.save(root, step, model, optimizer, scheduler,
-                               extra={"tokens": step * cfg.train.global_batch_size * cfg.train.seq_len},
-                               position=position, guard=guard, keep=cfg.checkpoint.keep,
-                               async_save=cfg.checkpoint.async_save)
-    except checkpoint.NonFiniteError as e:
-        if rank == 0:
-            writer.event("checkpoint_refused", **e.payload)
-        return
-    if rank == 0:
-        writer.event("checkpoint", step=step, path=str(path), async_save=cfg.checkpoint.async_save)
-
-
-def _rollback(step, root, model, optimizer, scheduler, position, guard, writer, rank) -> int:
-    """Restore the newest checkpoint before `step`, skip batches; returns the next step."""
-    found = checkpoint.load_latest_valid(root, model, optimizer, scheduler, before_step=step,
-                                         restore_rng=False)
-    if found is None:
-        raise TrainingAborted(f"loss spike at step {step} but no checkpoint before it to roll "
-                              "back to (set checkpoint.every)")
-    ckpt_step, path, extra, rejected = found
-    plan = guard.rollback(step, extra, offset_now=position.offset)
-    position.load_state_dict(plan.position)
-    if rank == 0:
-        for e in rejected:
-            writer.event("checkpoint_rejected", path=e.path, problem=e.problem)
-        for kind, fields in plan.events:
-            writer.event(kind, **fields, checkpoint=str(path))
-    return plan.resume_step
 
 
 if __name__ == "__main__":

@@ -27,6 +27,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise _UsageError(f"{self.prog}: error: {message}")
 
+    def parse_args(self, args=None, namespace=None):
+        from adamspike.config import check_finite_args
+        ns = super().parse_args(args, namespace)
+        check_finite_args(ns)   # NaN / inf in any float flag: exit 2 naming it
+        return ns
+
 
 class _UsageError(Exception):
     pass

@@ -1,18 +1,19 @@
 """PaLM-style spike guard of the JAX trainer: in-memory snapshots, rollback, batch skipping.
 
-The policy is the torch trainer's (analysis.guard_policy.GuardPolicy, which
-fullscale.guard.SpikeGuard also builds on; simulate does not import fullscale), configured by the same `guard` section (adamspike.train_config.GuardSection:
+The policy is the torch trainer's (adamspike.guard.GuardPolicy, which
+fullscale.guard.SpikeGuard also builds on; simulate does not import fullscale), configured
+by the same `guard` section (adamspike.train_config.GuardSection:
 enabled, window, mad_k, min_rel_jump, skip_batches, max_retries, same meanings):
 
-- Detection is THE project rule, `analysis.spikes.RollingSpikeDetector(window, mad_k,
+- Detection is THE project rule, `adamspike.guard.RollingSpikeDetector(window, mad_k,
   min_rel_jump)` on the loss of each trained step, judged before its update is applied; a
   non-finite loss always triggers. Spiking losses do not enter the history. Steps listed in
   data.skip_batches are not judged (as in the torch trainer).
 - On a spike, with fewer than `max_retries` rollbacks in the current incident: restore the
-  last good snapshot (parameters, optimizer state incl. the lr schedule, the detector's
-  history, the data offset) and skip max(guard.skip_batches, batches read since the
-  snapshot) batches, so the spike batch and those after it are never read again. An
-  incident ends once `window` consecutive normal steps follow its last rollback. A spike
+  last good snapshot (parameters, optimizer state incl. the lr schedule, the data offset),
+  keep the detector's pre-incident history (adamspike.guard), and skip
+  max(guard.skip_batches, batches read since the snapshot) batches, so the spike batch and
+  those after it are never read again. An incident ends once `window` consecutive normal steps follow its last rollback. A spike
   after `max_retries` rollbacks of one incident (or with max_retries = 0) aborts the run.
 - With guard.enabled = false the detector still runs and logs "spike" events (as torch).
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from analysis.guard_policy import Decision, GuardPolicy
+from adamspike.guard import Decision, GuardPolicy
 
 __all__ = ["Decision", "Snapshot", "SnapshotGuard"]
 
@@ -43,18 +44,17 @@ class Snapshot:
     params: Any
     opt_state: Any
     offset: int                 # data offset: step s reads batch s + offset
-    detector: dict[str, Any]    # RollingSpikeDetector state after judging `step`
 
 
 class SnapshotGuard(GuardPolicy):
-    """analysis.guard_policy.GuardPolicy (detection, retries, abort; shared with the torch
-    trainer) + in-memory snapshots and rollback."""
+    """adamspike.guard.GuardPolicy (detection, retries, abort, the pre-incident baseline;
+    shared with the torch trainer) + in-memory snapshots and rollback."""
 
     def __init__(self, cfg: Any, every: int, params: Any, opt_state: Any):
         """cfg: GuardSection; every: snapshot interval (checkpoint.every, > 0 when enabled)."""
         super().__init__(cfg)
         self.every = int(every)
-        self.good = Snapshot(0, params, opt_state, 0, self.detector.state_dict())
+        self.good = Snapshot(0, params, opt_state, 0)
         self.candidate: Snapshot | None = None
         self.num_skipped = 0            # batches skipped by rollbacks
 
@@ -70,14 +70,13 @@ class SnapshotGuard(GuardPolicy):
     def after_step(self, step: int, params: Any, opt_state: Any, offset: int) -> None:
         """Step `step` was applied (or skipped by data.skip_batches): snapshot on the grid."""
         if self.cfg.enabled and step % self.every == 0:
-            self.candidate = Snapshot(int(step), params, opt_state, int(offset),
-                                      self.detector.state_dict())
+            self.candidate = Snapshot(int(step), params, opt_state, int(offset))
 
     def rollback(self, spike_step: int, offset_now: int) -> tuple[Snapshot, int, list]:
         """Restore the last good snapshot: (snapshot, new data offset, events)."""
         snap = self.good
         self.candidate = None
-        self.detector.load_state_dict(snap.detector)
+        self.restore_baseline()
         seen = (int(spike_step) + int(offset_now)) - (snap.step + snap.offset)
         num = max(int(self.cfg.skip_batches), seen)
         new_offset = snap.offset + num

@@ -32,7 +32,7 @@ A non-finite loss stops the run after logging that step (event "diverged"), unle
 guard rolls back.
 
 Spike guard (`guard` section, simulate.guard; the torch trainer's policy and event names):
-the loss of every trained step is judged online by analysis.spikes.RollingSpikeDetector
+the loss of every trained step is judged online by adamspike.guard.RollingSpikeDetector
 (guard.window, guard.mad_k, guard.min_rel_jump) before its update is applied; "spike" events
 are logged whether or not the guard is enabled. With guard.enabled a spike restores the last
 good in-memory snapshot (taken every checkpoint.every steps, which must then be > 0; "good":
@@ -189,6 +189,9 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                           f"(got {cfg.data.source!r}); use `adamspike train` for indexed data")
     if cfg.model.hf_config:
         raise ConfigError("model.hf_config: not supported by the JAX toy; use a preset")
+    if to_dict(cfg.faults) != to_dict(type(cfg.faults)()):
+        raise ConfigError("faults: fault injection is the torch trainer's (adamspike train; "
+                          "docs/faults.md); the JAX toy does not inject faults")
     if cfg.guard.enabled and cfg.checkpoint.every < 1:
         raise ConfigError("checkpoint.every: guard.enabled needs snapshots to roll back to; the "
                           "JAX trainer keeps one in memory every checkpoint.every steps "

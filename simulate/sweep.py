@@ -424,6 +424,8 @@ def run_sweep(grid: Grid, out: str | Path, shard: tuple[int, int] | None = None,
               progress: bool = True, save_runs: int = 0) -> pd.DataFrame:
     """Run (or resume) a grid into `out`; returns the table of this shard's runs."""
     out = Path(out)
+    if (out / "run.json").exists():   # a run directory (maybe a live one): never written to
+        raise ConfigError(f"{out}: is a run directory, not a sweep directory (nothing was changed)")
     grid_json = json.loads(json.dumps(grid.to_json()))
     _check_sweep_json(out, grid_json)
     mine = [p for p in grid.cells() if in_shard(cell_id(grid.problem.name, p), shard)]

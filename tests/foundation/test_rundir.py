@@ -1,16 +1,21 @@
+import errno
+import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
 
 from adamspike.metrics import METRIC_NAMES, NUM_HIST_BINS
-from adamspike.rundir import SCHEMA_VERSION, RunFormatError, RunWriter, load_run
+from adamspike.rundir import (LOCK_FILE, SCHEMA_VERSION, RunFormatError, RunLock,
+                              RunLockedError, RunWriter, load_run)
 
 
 def step_row(step, loss=1.0):
@@ -172,3 +177,71 @@ def test_vhists_parts_without_the_later_g_below_eps_column_read_as_nulls(tmp_pat
     vh = load_run(tmp_path / "r", tables=("vhists",)).vhists
     assert list(vh["step"]) == [10, 20]
     assert vh["g_below_eps"].iloc[0] == 3 and pd.isna(vh["g_below_eps"].iloc[1])
+
+
+# ----------------------------------------------------------------------------- ownership
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_lock_is_exclusive_and_a_stale_one_is_taken_over(tmp_path):
+    run = tmp_path / "run"
+    w = RunWriter(run, backend="jax")
+    rec = json.loads((run / LOCK_FILE).read_text())
+    assert rec["pid"] == os.getpid() and rec["flock"] is True
+    code = ("import sys; from adamspike.rundir import RunLock, RunLockedError\n"
+            "try: RunLock(sys.argv[1]).acquire(new=False)\n"
+            "except RunLockedError as e: print(e); sys.exit(2)")
+    other = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True)
+    assert other.returncode == 2 and f"pid {os.getpid()} on host" in other.stdout
+    w.close()
+    assert (run / LOCK_FILE).read_text() == ""          # released: no stale record left
+    # A writer killed while holding it leaves its record; the flock itself is free.
+    (run / LOCK_FILE).write_text(json.dumps({"host": "h", "pid": _dead_pid(), "since": "t"}))
+    w = RunWriter(run, backend="jax", resume_from_step=0)
+    assert w.lock.stale["host"] == "h"
+    w.close()
+    ev = load_run(run, tables=()).events
+    assert ev["type"].tolist()[-1] == "lock_taken_over" and ev["previous"].iloc[-1]["host"] == "h"
+    # Without flock (some network file systems) the record decides: a live pid on this host
+    # holds the directory, a dead one does not.
+    def no_flock(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    with mock.patch.object(fcntl, "flock", no_flock):
+        host = socket.gethostname()
+        (run / LOCK_FILE).write_text(json.dumps({"host": host, "pid": os.getppid(), "since": "t"}))
+        with pytest.raises(RunLockedError, match=f"pid {os.getppid()}"):
+            RunLock(run).acquire(new=False)
+        (run / LOCK_FILE).write_text(json.dumps({"host": host, "pid": _dead_pid(), "since": "t"}))
+        lock = RunLock(run).acquire(new=False)
+        assert lock.stale is not None and json.loads((run / LOCK_FILE).read_text())["flock"] is False
+        lock.release()
+
+
+def test_new_run_paths_and_resume_truncation_of_events(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for bad, msg in ((tmp_path / "afile", "is a file"), (tmp_path / "afile" / "sub", "is a file")):
+        with pytest.raises(RunFormatError, match=msg):
+            RunWriter(bad, backend="jax")
+    assert (tmp_path / "afile").read_text() == "x"
+    run = tmp_path / "run"
+    with RunWriter(run, backend="jax", flush_every_s=1e9) as w:
+        for s in (1, 2, 3):
+            w.log_step(**step_row(s))
+            w.event("alarm", step=s, rule="r")
+        w.event("fault", step=3, error="x")
+    (run / "steps" / ".part-000009.parquet.tmp-123").write_bytes(b"half")   # a killed flush
+    with RunWriter(run, backend="jax", resume_from_step=1) as w:
+        pass
+    run_ = load_run(run)
+    assert run_.steps["step"].tolist() == [1]
+    ev = run_.events
+    assert ev.query("type == 'alarm'")["step"].tolist() == [1]
+    assert "fault" in set(ev["type"])                     # lifecycle events stay
+    assert ev.query("type == 'resume'")["discarded_events"].tolist() == [2]
+    assert len((run / "events.discarded.jsonl").read_text().splitlines()) == 2
+    assert not list((run / "steps").glob(".*.tmp-*"))

@@ -62,8 +62,8 @@ def test_roundtrip_resumes_bitwise(tmp_path):
     torch.manual_seed(123)
     np.random.seed(5)
     random.seed(9)
-    path = ck.save(tmp_path, 3, m, opt, sched, {"tokens": 1234, "note": "x"},
-                   position=pos, guard=guard)
+    path = ck.CheckpointManager(tmp_path).save(3, m, opt, sched, {"tokens": 1234, "note": "x"},
+                                               position=pos, guard=guard)
     assert path == tmp_path / "step-00000003" and (path / "COMPLETE").is_file()
     expect_losses = _train(m, opt, sched, range(4))
     expect_params = [p.detach().clone() for p in m.parameters()]
@@ -71,7 +71,7 @@ def test_roundtrip_resumes_bitwise(tmp_path):
 
     m2, opt2, sched2 = _model(seed=1)   # different init: everything must come from the file
     pos2, guard2 = DataPosition(), SpikeGuard(GuardSection(enabled=True, window=8))
-    extra = ck.load(ck.latest(tmp_path)[1], m2, opt2, sched2, position=pos2, guard=guard2)
+    extra = ck.load(ck.complete(tmp_path)[-1][1], m2, opt2, sched2, position=pos2, guard=guard2)
     assert extra["tokens"] == 1234 and extra["note"] == "x" and extra["step"] == 3
     assert extra["rng_restored"] is True
     assert pos2.state_dict() == {"step": 3, "offset": 7}
@@ -89,20 +89,19 @@ def test_async_save_stages_the_state_and_completes_on_finalize(tmp_path):
     m, opt, sched = _model()
     _train(m, opt, sched, range(2))
     expect = [p.detach().clone() for p in m.parameters()]
-    path = ck.save(tmp_path, 2, m, opt, sched, {"a": 1}, async_save=True)
+    mgr = ck.CheckpointManager(tmp_path, async_save=True)
+    path = mgr.save(2, m, opt, sched, {"a": 1})
     _train(m, opt, sched, range(2))              # training goes on while it is written
-    assert ck.latest(tmp_path) is None           # not complete before finalize
-    assert ck.finalize_pending() == path and ck.latest(tmp_path) == (2, path)
-    assert ck.finalize_pending() is None
-    # A process that ends with a save pending completes it at exit (atexit, not collective).
-    code = ("import torch; from torch import nn; from fullscale import checkpoint as ck; "
-            "m = nn.Linear(3, 2); ck.save(r'%s', 7, m, torch.optim.AdamW(m.parameters()), "
-            "None, async_save=True); raise SystemExit(3)" % tmp_path)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    assert ck.latest(tmp_path)[0] == 7
-    assert ck.read_manifest(ck.step_dir(tmp_path, 7))["finalized"] == "at exit, sizes only"
+    assert ck.complete(tmp_path) == []           # not complete before finalize
+    assert mgr.finalize_pending() == path and ck.complete(tmp_path) == [(2, path)]
+    assert mgr.finalize_pending() is None
+    # A run that ends with a save pending (an abort) completes it on close (not collective).
+    other = ck.CheckpointManager(tmp_path, async_save=True)
+    lin = nn.Linear(3, 2)
+    with other:
+        other.save(7, lin, torch.optim.AdamW(lin.parameters()), None)
+    assert ck.complete(tmp_path)[-1][0] == 7
+    assert ck.read_manifest(ck.step_dir(tmp_path, 7))["finalized"] == "at close, sizes only"
     m2, opt2, sched2 = _model(seed=5)
     ck.load(path, m2, opt2, sched2)
     for a, b in zip(expect, m2.parameters()):
@@ -113,33 +112,29 @@ def test_keep_and_latest_ignore_partial(tmp_path):
     m, opt, sched = _model()
     for s in (2, 4, 6):
         _train(m, opt, sched, range(2))
-        ck.save(tmp_path, s, m, opt, sched, keep=2)
-    assert ck.steps_of(tmp_path) == [4, 6]
+        ck.CheckpointManager(tmp_path, keep=2).save(s, m, opt, sched)
+    assert [st for st, _ in ck.complete(tmp_path)] == [4, 6]
     # A save killed before its marker: a .partial dir, and a step dir without COMPLETE.
     (tmp_path / "step-00000008.partial").mkdir()
     (tmp_path / "step-00000010").mkdir()
     (tmp_path / "step-00000010" / ".metadata").write_bytes(b"junk")
-    assert ck.latest(tmp_path)[0] == 6
-    assert ck.latest(tmp_path, before_step=6)[0] == 4
-    assert ck.latest(tmp_path / "nope") is None
+    assert [st for st, _ in ck.complete(tmp_path)] == [4, 6]
+    assert ck.complete(tmp_path / "nope") == []
     with pytest.raises(ck.CheckpointError, match="no COMPLETE marker"):
         ck.load(tmp_path / "step-00000010", m, opt, sched)
     # Re-saving the same step (after a rollback) replaces it atomically.
-    ck.save(tmp_path, 6, m, opt, sched, {"again": True}, keep=2)
+    ck.CheckpointManager(tmp_path, keep=2).save(6, m, opt, sched, {"again": True})
     assert ck.load(tmp_path / "step-00000006", m, opt, sched)["again"] is True
-    moved = ck.discard_newer(tmp_path, 4)
-    assert [p.name.startswith("discarded-step-00000006") for p in moved] == [True]
-    assert ck.steps_of(tmp_path) == [4]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "missing", "manifest", "trainer"])
 def test_corrupt_checkpoint_is_rejected_and_falls_back(tmp_path, damage):
     m, opt, sched = _model()
     _train(m, opt, sched, range(2))
-    ck.save(tmp_path, 2, m, opt, sched, {"which": 2})
+    ck.CheckpointManager(tmp_path).save(2, m, opt, sched, {"which": 2})
     good = [p.detach().clone() for p in m.parameters()]
     _train(m, opt, sched, range(2))
-    bad = ck.save(tmp_path, 4, m, opt, sched, {"which": 4})
+    bad = ck.CheckpointManager(tmp_path).save(4, m, opt, sched, {"which": 4})
     shard = next(bad.glob("*.distcp"))
     if damage == "truncate":
         shard.write_bytes(shard.read_bytes()[:-100])
@@ -162,10 +157,10 @@ def test_corrupt_checkpoint_is_rejected_and_falls_back(tmp_path, damage):
     with pytest.raises(ck.CheckpointError) as err:
         ck.load(bad, m2, opt2, sched2)
     assert str(bad) in str(err.value) and problem in str(err.value)
-    step, path, extra, rejected = ck.load_latest_valid(tmp_path, m2, opt2, sched2)
+    step, path, extra, rejected = ck.CheckpointManager(tmp_path).load_latest_valid(m2, opt2, sched2)
     assert (step, extra["which"]) == (2, 2) and len(rejected) == 1
-    assert ck.load_latest_valid(tmp_path, m2, opt2, sched2, before_step=4)[3] == []
-    assert ck.load_latest_valid(tmp_path, m2, opt2, sched2, before_step=2) is None
+    assert ck.CheckpointManager(tmp_path).load_latest_valid(m2, opt2, sched2, before_step=4)[3] == []
+    assert ck.CheckpointManager(tmp_path).load_latest_valid(m2, opt2, sched2, before_step=2) is None
     assert str(bad) in str(rejected[0])
     for a, b in zip(good, m2.parameters()):
         assert torch.equal(a, b)
@@ -173,38 +168,38 @@ def test_corrupt_checkpoint_is_rejected_and_falls_back(tmp_path, damage):
 
 def test_all_corrupt_is_an_error_and_empty_is_none(tmp_path):
     m, opt, sched = _model()
-    assert ck.load_latest_valid(tmp_path, m, opt, sched) is None
-    p = ck.save(tmp_path, 1, m, opt, sched)
+    assert ck.CheckpointManager(tmp_path).load_latest_valid(m, opt, sched) is None
+    p = ck.CheckpointManager(tmp_path).save(1, m, opt, sched)
     (p / "trainer.pt").unlink()
     with pytest.raises(ck.CheckpointError, match="no loadable checkpoint.*trainer.pt is missing"):
-        ck.load_latest_valid(tmp_path, m, opt, sched)
+        ck.CheckpointManager(tmp_path).load_latest_valid(m, opt, sched)
 
 
 def test_nonfinite_state_is_never_saved(tmp_path):
     m, opt, sched = _model()
     _train(m, opt, sched, range(2))
-    ck.save(tmp_path, 2, m, opt, sched)
+    ck.CheckpointManager(tmp_path).save(2, m, opt, sched)
     with torch.no_grad():
         m[2].bias[1] = float("nan")
     with pytest.raises(ck.NonFiniteError) as err:
-        ck.save(tmp_path, 3, m, opt, sched)
+        ck.CheckpointManager(tmp_path).save(3, m, opt, sched)
     assert "2.bias" in str(err.value) and err.value.payload["num_nonfinite"] == 1
     with torch.no_grad():
         m[2].bias[1] = 0.0
     opt.state[m[0].weight]["exp_avg_sq"][0, 0] = float("inf")
     with pytest.raises(ck.NonFiniteError, match="0.weight:exp_avg_sq"):
-        ck.save(tmp_path, 3, m, opt, sched)
+        ck.CheckpointManager(tmp_path).save(3, m, opt, sched)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]
 
 
 def test_bad_extra_and_mismatched_model(tmp_path):
     m, opt, sched = _model()
     with pytest.raises(ck.CheckpointError, match="cannot be stored safely"):
-        ck.save(tmp_path, 1, m, opt, sched, {"obj": object()})
+        ck.CheckpointManager(tmp_path).save(1, m, opt, sched, {"obj": object()})
     with pytest.raises(ck.CheckpointError, match=r"reserved key\(s\) \['step'\]"):
-        ck.save(tmp_path, 1, m, opt, sched, {"step": 1})
+        ck.CheckpointManager(tmp_path).save(1, m, opt, sched, {"step": 1})
     assert not any(tmp_path.iterdir())
-    p = ck.save(tmp_path, 1, m, opt, sched)
+    p = ck.CheckpointManager(tmp_path).save(1, m, opt, sched)
     other = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
     with pytest.raises(ck.CheckpointError, match="does not load into this model"):
         ck.load(p, other, torch.optim.AdamW(other.parameters()), None)
@@ -219,7 +214,7 @@ opt = torch.optim.AdamW(m.parameters())
 m(torch.randn(2, 256)).sum().backward(); opt.step()
 print("ready", flush=True)
 for s in range(1, 10_000):
-    ck.save(sys.argv[1], s, m, opt, None, {"s": s}, keep=3)
+    ck.CheckpointManager(sys.argv[1], keep=3).save(s, m, opt, None, {"s": s})
 """
 
 
@@ -310,18 +305,20 @@ def step(i):
 result = {"rank": rank}
 if mode == "first":
     step(0)
-    ck.save(root, 1, m, opt, None, {"world": world}, async_save=True)   # written while training
+    mgr = ck.CheckpointManager(root, async_save=True)
+    mgr.save(1, m, opt, None, {"world": world})   # written while training
     full = {n: p.full_tensor() for n, p in m.named_parameters()}
     if rank == 0:
         torch.save(full, Path(out) / "full_at_1.pt")
     [step(i) for i in range(1, 3)]
-    ck.save(root, 3, m, opt, None, {"world": world})     # completes the async one first
+    mgr.async_save = False
+    mgr.save(3, m, opt, None, {"world": world})     # completes the async one first
     full = {n: p.full_tensor() for n, p in m.named_parameters()}   # collective
     if rank == 0:
         torch.save(full, Path(out) / "full_at_3.pt")
     result["losses"] = [step(i) for i in range(3, 6)]
 else:
-    extra = ck.load(ck.latest(root)[1], m, opt, None)
+    extra = ck.load(ck.complete(root)[-1][1], m, opt, None)
     result["extra_world"] = extra["world"]
     result["losses"] = [step(i) for i in range(3, 6)]
     # A nan in rank 1's shard only: both ranks must refuse, nothing is written.
@@ -329,7 +326,7 @@ else:
         with torch.no_grad():
             next(m.parameters()).to_local().view(-1)[0] = float("nan")
     try:
-        ck.save(root, 9, m, opt, None)
+        ck.CheckpointManager(root).save(9, m, opt, None)
         result["refused"] = False
     except ck.NonFiniteError as e:
         result.update(refused=True, num_nonfinite=e.num_nonfinite, names=e.names)
@@ -346,14 +343,14 @@ def test_two_process_fsdp2_async_resume_reshard_and_nonfinite(tmp_path):
     files = sorted(p.name for p in (root / "step-00000003").iterdir())
     assert files == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp", "rng-00000.pt",
                      "rng-00001.pt", "trainer.pt"]
-    assert ck.steps_of(root) == [1, 3]
+    assert [st for st, _ in ck.complete(root)] == [1, 3]
     resumed = _run_pair("resume", root, tmp_path)
     for a, b in zip(first, resumed):
         assert a["losses"] == b["losses"]          # bitwise, per rank
         assert b["extra_world"] == 2
     assert all(r["refused"] and r["num_nonfinite"] == 1 for r in resumed)
     assert resumed[1]["names"] == ["0.weight"] and resumed[0]["names"] == []
-    assert ck.steps_of(root) == [1, 3] and not (root / "step-00000009.partial").exists()
+    assert [st for st, _ in ck.complete(root)] == [1, 3] and not (root / "step-00000009.partial").exists()
 
     # Reshard: the 2-rank checkpoint loads into a plain 1-process module (global tensors).
     torch.manual_seed(7)

@@ -77,7 +77,7 @@ def test_incident_ends_after_window_good_steps():
     assert g.observe(46, 9.0).action == "rollback"   # a new incident may roll back again
 
 
-def test_rollback_plan_skips_the_spike_window_and_restores_history():
+def test_rollback_plan_skips_the_spike_window_and_keeps_the_pre_incident_history():
     g = SpikeGuard(_cfg(skip_batches=10))
     x = _noisy(60)
     for s in range(1, 21):
@@ -85,6 +85,7 @@ def test_rollback_plan_skips_the_spike_window_and_restores_history():
     at_ckpt = g.state_dict()                   # what checkpoint 20 stores
     for s in range(21, 26):
         g.observe(s, x[s])
+    before_spike = g.state_dict()["detector"]["history"]
     assert g.observe(26, 9.0).action == "rollback"
     plan = g.rollback(26, {"step": 20, "position": {"step": 20, "offset": 4}, "guard": at_ckpt},
                       offset_now=4)
@@ -94,8 +95,9 @@ def test_rollback_plan_skips_the_spike_window_and_restores_history():
     assert [t for t, _ in plan.events] == ["rollback", "skip_batches"]
     skip = plan.events[1][1]
     assert (skip["first_batch"], skip["last_batch"], skip["offset_after"]) == (25, 34, 14)
-    assert g.state_dict()["detector"]["history"] == at_ckpt["detector"]["history"]
-    assert g.retries == 1                      # counters survive the history reset
+    # the detector keeps the history it judged the spike against, not checkpoint 20's
+    assert g.state_dict()["detector"]["history"] == before_spike != at_ckpt["detector"]["history"]
+    assert g.retries == 1                      # counters survive the rollback
     # A window longer than skip_batches: everything read since the checkpoint is skipped.
     plan = SpikeGuard(_cfg(skip_batches=0)).rollback(
         26, {"step": 20, "position": {"step": 20, "offset": 0}, "guard": None}, offset_now=0)
@@ -197,7 +199,7 @@ def test_guard_end_to_end_spike_rollback_skip_recover(tmp_path):
 
     out2 = tmp_path / "split"
     shutil.copytree(out, out2)
-    assert checkpoint.steps_of(out2 / "checkpoints") == [50, 60]
+    assert [s for s, _ in checkpoint.complete(out2 / "checkpoints")] == [50, 60]
     shutil.rmtree(checkpoint.step_dir(out2 / "checkpoints", 60))
     proc, _ = _train(tmp_path, "split", "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -217,8 +219,48 @@ def test_guard_end_to_end_gives_up_after_max_retries(tmp_path):
     types = load_run(out, tables=()).events["type"].tolist()
     assert types.count("spike") == 1 and "rollback" not in types and types[-1] == "abort"
     # Nothing after the spike was checkpointed: the newest state is the good one of step 30,
-    # whose async save the abort left pending; it was completed at exit (sizes-only manifest).
-    assert checkpoint.steps_of(out / "checkpoints")[-1] == 30
+    # whose async save the abort left pending; it was completed on close (sizes-only manifest).
+    assert checkpoint.complete(out / "checkpoints")[-1][0] == 30
     newest = checkpoint.step_dir(out / "checkpoints", 30)
-    assert checkpoint.read_manifest(newest)["finalized"] == "at exit, sizes only"
+    assert checkpoint.read_manifest(newest)["finalized"] == "at close, sizes only"
     checkpoint.verify(newest)
+    assert types.count("abort") == 1                       # logged once
+
+
+@pytest.mark.slow
+def test_guard_gives_up_on_persistently_poisoned_batches(tmp_path):
+    """Every batch from 40 on is bad (faults.poison_batches). The spike at step 40 is judged
+    against steps 20-39; the rollback target, the step-20 checkpoint, holds the losses of
+    steps 1-20, still falling fast, whose wide band let the poisoned losses pass as normal:
+    the model trained on them (loss 4.6 -> 0.19) and exited 0. The guard keeps the
+    pre-incident baseline instead, so every retry spikes again, and after max_retries it
+    gives up: exit 3, one clear line, the step-20 checkpoint intact."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from adamspike.rundir import load_run
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fullscale.train", "--config", str(root / "configs" / "tiny.toml"),
+         "--out", str(out), "--train.num_steps", "60", "--checkpoint.every", "20",
+         "--telemetry.enabled", "false", "--guard.enabled", "true", "--guard.window", "20",
+         "--guard.max_retries", "2",
+         "--faults.poison_batches", "40,100000"], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("adamspike train")]
+    assert len(err) == 1 and "spike guard gave up" in err[0] and "step-00000020" in err[0], err
+    assert "Traceback" not in proc.stderr
+    run = load_run(out, tables=("steps",))
+    ev = run.events
+    spikes = ev[ev["type"] == "spike"]
+    assert len(spikes) == 3                                 # the first one + max_retries = 2
+    assert spikes["baseline"].nunique() == 1                # the same pre-incident band
+    assert ev["type"].tolist().count("abort") == 1
+    assert [s for s, _ in checkpoint.complete(out / "checkpoints")] == [20]
+    checkpoint.verify(checkpoint.step_dir(out / "checkpoints", 20))
+    assert run.steps["step"].max() == 39                    # no poisoned batch trained on

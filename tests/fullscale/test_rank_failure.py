@@ -111,7 +111,7 @@ def test_trainer_rank_failure(tmp_path, sig, async_save):
     assert elapsed < TIMEOUT_S + 15, f"rank 0 took {elapsed:.1f} s to fail"
     events = load_run(out, tables=()).events
     assert events["type"].iloc[-1] == "fault", events.tail()
-    step, path = ck.latest(out / "checkpoints")
+    step, path = ck.complete(out / "checkpoints")[-1]
     model = Transformer(RunConfig().model.llama())
     ck.load(path, model, build_optimizer(model, RunConfig().optim), None, restore_rng=False)
     assert step >= 1 and all(torch.isfinite(p).all() for p in model.parameters())

@@ -126,7 +126,7 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys):
     assert _train(out, "--train.global_batch_size", "6", "--train.micro_batch_size", "4") == 2
     assert "micro_batch_size" in capsys.readouterr().err
     assert _train(out, "--resume") == 2
-    assert "no complete checkpoint" in capsys.readouterr().err
+    assert "run directory does not exist" in capsys.readouterr().err   # nothing to resume
     (tmp_path / "bad.json").write_text("{")
     assert _train(out, "--alarms.predictions", str(tmp_path / "bad.json")) == 2
     assert "invalid JSON" in capsys.readouterr().err
