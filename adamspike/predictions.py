@@ -48,7 +48,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from adamspike.config import ConfigError, check_value
+from adamspike.config import ConfigError, check_value, flatten, nest, to_dict
 from adamspike.metrics import METRIC_NAMES
 from adamspike.train_config import RunConfig
 
@@ -235,6 +235,7 @@ def from_json(data: Mapping[str, Any], where: str = "predictions") -> Prediction
         if not isinstance(s.get("overrides"), Mapping):
             raise PredictionsError(f"{where}.settings[{i}].overrides: missing (a table of dotted "
                                    "RunConfig keys)")
+        _refuse_quoted_numbers(s["overrides"], f"{where}.settings[{i}].overrides")
         setting_config(s, f"{where}.settings[{i}]")
     rules = []
     for i, r in enumerate(data.get("alarm_rules", [])):
@@ -250,6 +251,17 @@ def from_json(data: Mapping[str, Any], where: str = "predictions") -> Prediction
     for sid in p.validate:
         p.setting(sid)
     return p
+
+
+def _refuse_quoted_numbers(overrides: Mapping[str, Any], where: str) -> None:
+    """JSON has numbers: a string where the schema wants one ("optim.b1": "0.9") is an
+    error here, although the CLI's --key value strings are parsed."""
+    defaults = flatten(to_dict(RunConfig()))
+    for key, value in flatten(nest(overrides)).items():
+        want = defaults.get(key)
+        if (isinstance(value, str) and isinstance(want, (int, float))
+                and not isinstance(want, bool)):
+            raise PredictionsError(f"{where}.{key}: expected a number, got the string {value!r}")
 
 
 def setting_config(s: Mapping[str, Any], where: str = "setting", base=None):

@@ -47,8 +47,9 @@ def world(tmp_path_factory):
     assert main(["analyze", str(run), "--out", str(d / "report"), "--no-figures"]) == 0
     (d / "afile").write_text("not a directory\n")
     _megatron_log(d / "megatron.log")
-    pred = Predictions(settings=[{"id": "a", "b1": 0.9, "b2": 0.95, "eps": 1e-8, "lr": 1e-4,
-                                  "global_batch_size": 16}],
+    pred = Predictions(settings=[{"id": "a", "overrides": {
+                                      "optim.b1": 0.9, "optim.b2": 0.95, "optim.eps": 1e-8,
+                                      "optim.lr": 1e-4, "train.global_batch_size": 16}}],
                        alarm_rules=[AlarmRule(id="r", metric="rms_t", threshold=2.0)],
                        validate=["a"])
     save_predictions(pred, d / "good.json")
@@ -59,10 +60,10 @@ def world(tmp_path_factory):
         edit(data)
         (d / f"{name}.json").write_text(json.dumps(data))
 
-    variant("b1_string", lambda p: p["settings"][0].__setitem__("b1", "0.9"))
-    variant("lr_null", lambda p: p["settings"][0].__setitem__("lr", None))
+    variant("b1_string", lambda p: p["settings"][0]["overrides"].__setitem__("optim.b1", "0.9"))
+    variant("lr_null", lambda p: p["settings"][0]["overrides"].__setitem__("optim.lr", None))
     variant("consecutive_a", lambda p: p["alarm_rules"][0].__setitem__("consecutive", "a"))
-    variant("eps_negative", lambda p: p["settings"][0].__setitem__("eps", -1.0))
+    variant("eps_negative", lambda p: p["settings"][0]["overrides"].__setitem__("optim.eps", -1.0))
     (d / "notjson.json").write_text("{oops")
     return {"dir": d, "run": str(run), "report": str(d / "report"), "file": str(d / "afile"),
             "log": str(d / "megatron.log"), "snapshot": _snapshot(d)}
@@ -102,13 +103,13 @@ CASES = [
      ["faults.nan_grad_at_step"]),
     # simulate
     ("simulate-eps-nan", lambda w, o: ["simulate", "quadratic", "--eps", "nan", "--out", o],
-     ["--eps", "finite"]),
+     ["optim.eps", "finite"]),
     ("simulate-noise-nan", lambda w, o: ["simulate", "quadratic", "--noise", "nan", "--out", o],
-     ["--noise", "finite"]),
+     ["quadratic.noise", "finite"]),
     ("simulate-theta0-inf", lambda w, o: ["simulate", "quadratic", "--theta0", "inf", "--out", o],
-     ["--theta0", "finite"]),
+     ["quadratic.theta0", "finite"]),
     ("simulate-mlp-loss-scale-nan", lambda w, o: ["simulate", "mlp", "--loss-scale", "nan",
-                                                  "--out", o], ["--loss-scale", "finite"]),
+                                                  "--out", o], ["train.loss_scale", "finite"]),
     ("simulate-out-existing-run", lambda w, o: ["simulate", "quadratic", "--out", w["run"]],
      ["exists"]),
     ("simulate-streams-b2-inf", lambda w, o: ["simulate", "streams", "--b2", "inf"],
@@ -128,10 +129,10 @@ CASES = [
                                             str(w["dir"] / "nosweep"), "--out", o + ".json"],
      ["nosweep"]),
     # plan
-    ("plan-b1-string", lambda w, o: _plan(w, o, "b1_string"), ["settings[0].b1", "'0.9'"]),
-    ("plan-lr-null", lambda w, o: _plan(w, o, "lr_null"), ["settings[0].lr"]),
+    ("plan-b1-string", lambda w, o: _plan(w, o, "b1_string"), ["settings[0].overrides.optim.b1", "'0.9'"]),
+    ("plan-lr-null", lambda w, o: _plan(w, o, "lr_null"), ["settings[0].overrides", "optim.lr"]),
     ("plan-consecutive-a", lambda w, o: _plan(w, o, "consecutive_a"), ["consecutive", "'a'"]),
-    ("plan-eps-negative", lambda w, o: _plan(w, o, "eps_negative"), ["settings[0].eps", ">= 0"]),
+    ("plan-eps-negative", lambda w, o: _plan(w, o, "eps_negative"), ["settings[0].overrides", "optim.eps", ">= 0"]),
     ("plan-not-json", lambda w, o: _plan(w, o, "notjson"), ["notjson.json", "JSON"]),
     ("plan-missing-predictions", lambda w, o: _plan(w, o, "absent"), ["absent.json"]),
     # analyze
