@@ -38,13 +38,14 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.report import SpikeParams, loss_spikes
+from adamspike.rundir import load_run
+from analysis.report import SpikeParams, loss_spikes, md_table
 
 MIN_SEEDS = 10
 EXACT_MAX_N = 16
@@ -289,20 +290,27 @@ class EqualProgress:
 def equal_progress(control: Sequence[pd.DataFrame], treatment: Sequence[pd.DataFrame], *,
                    smooth: int = DEFAULT_SMOOTH, target: float | None = None,
                    spikes: SpikeFn = _report_spikes, alpha: float = 0.05,
-                   min_seeds: int = MIN_SEEDS, seed: int = 0) -> EqualProgress:
+                   min_seeds: int = MIN_SEEDS, seed: int = 0,
+                   control_spikes: Sequence[pd.DataFrame] | None = None,
+                   treatment_spikes: Sequence[pd.DataFrame] | None = None) -> EqualProgress:
     """Compare two arms at equal training progress over paired seeds.
 
     control[k] and treatment[k] are the steps tables (Run.steps) of seed k. target: one
     fixed loss for every pair, default per pair the worse final smoothed loss (so both arms
     of a pair reach it). Returns the per-seed table, paired tests of spike counts (whole
     run and before the target) and of the final loss, and `equal_progress_verdict`.
+    control_spikes / treatment_spikes: per-seed spike tables (column start) instead of
+    `spikes(steps)`.
     """
     if len(control) != len(treatment):
         raise ValueError(f"paired arms need the same seeds: {len(control)} control runs, "
                          f"{len(treatment)} treatment runs")
+    cs = list(control_spikes) if control_spikes is not None else [None] * len(control)
+    ts = list(treatment_spikes) if treatment_spikes is not None else [None] * len(control)
     rows = [{"seed": k, **equal_progress_pair(c, t, smooth=smooth, target=target,
-                                              spikes=spikes)}
-            for k, (c, t) in enumerate(zip(control, treatment))]
+                                              spikes=spikes, control_spikes=a,
+                                              treatment_spikes=b)}
+            for k, (c, t, a, b) in enumerate(zip(control, treatment, cs, ts))]
     df = pd.DataFrame(rows)
     kw = dict(min_seeds=min_seeds, seed=seed)
     full = paired_test(df["treatment_spikes"], df["control_spikes"], **kw)
@@ -334,3 +342,68 @@ def equal_progress_verdict(spikes_full: PairedResult, spikes_at_target: PairedRe
     tail = "; trains slower" if slower else ""
     return (f"removes spikes only by slowing training: the reduction disappears at equal "
             f"progress ({full}; {at}; {loss}{tail})")
+
+
+def equal_progress_runs(control_dirs: Sequence[str], treatment_dirs: Sequence[str],
+                        **kwargs) -> EqualProgress:
+    """`equal_progress` on run directories (seed k of each list paired): steps tables
+    read with adamspike.rundir.load_run, spikes by the report's rule with each run's config
+    (analysis.report.loss_spikes: log scale, quadratic envelope as configured)."""
+    if len(control_dirs) != len(treatment_dirs):
+        raise ValueError(f"paired arms need the same seeds: {len(control_dirs)} control runs, "
+                         f"{len(treatment_dirs)} treatment runs")
+    arms = {}
+    for arm, dirs in (("control", control_dirs), ("treatment", treatment_dirs)):
+        runs = [load_run(p, tables=("steps",)) for p in dirs]
+        arms[arm] = ([r.steps for r in runs],
+                     [loss_spikes(r.steps, config=r.config)[0] for r in runs])
+    return equal_progress(arms["control"][0], arms["treatment"][0],
+                          control_spikes=arms["control"][1],
+                          treatment_spikes=arms["treatment"][1], **kwargs)
+
+
+def paired_table(rows: Sequence[Mapping], *, alpha: float = 0.05, **kwargs) -> pd.DataFrame:
+    """One paired test per row, Holm over the rows. rows: mappings with "id",
+    "treatment" and "control" (per-seed values, seed k paired) and any other columns
+    (kept). Columns added: n, mean_diff, ci_low, ci_high, ci_note, sign_p, perm_p, p,
+    p_holm, reject_holm, note; attrs["multiplicity"] states the correction."""
+    out = []
+    for r in rows:
+        res = paired_test(r["treatment"], r["control"], **kwargs)
+        keep = {k: v for k, v in r.items() if k not in ("treatment", "control")}
+        out.append({**keep, **{k: getattr(res, k) for k in (
+            "n", "mean_diff", "ci_low", "ci_high", "ci_note", "sign_p", "n_pos", "n_neg",
+            "perm_p", "perm_exact", "p", "note")}})
+    return correct_rows(pd.DataFrame(out), "p", alpha)
+
+
+def paired_markdown(table: pd.DataFrame, title: str = "Paired comparisons") -> str:
+    """Markdown section for a `paired_table` result (the interval, both exact tests, the
+    Holm-adjusted p and the notes)."""
+    cols = [c for c in ("id", "n", "mean_diff", "ci_low", "ci_high", "sign_p", "perm_p",
+                        "p_holm", "reject_holm", "note") if c in table]
+    conf = "95 %"
+    return "\n".join([f"### {title}", "",
+                      f"Treatment - control per paired seed: BCa bootstrap {conf} interval of "
+                      "the mean difference (zero-width when every difference is equal), exact "
+                      "sign test, exact paired permutation test (p); "
+                      f"{table.attrs.get('multiplicity', 'Holm-Bonferroni over the rows')}.",
+                      "", md_table(table, cols), ""])
+
+
+def equal_progress_markdown(ep: EqualProgress, label: str = "remedy") -> str:
+    """Markdown section for one `equal_progress` comparison: per-seed rows and the tests."""
+    res = pd.DataFrame([{"quantity": name, **{k: getattr(r, k) for k in (
+        "n", "mean_diff", "ci_low", "ci_high", "sign_p", "perm_p", "note")}}
+        for name, r in (("spikes per run (whole run)", ep.spikes_full),
+                        ("spikes before the loss target", ep.spikes_at_target),
+                        ("final smoothed loss", ep.final_loss))])
+    cols = ["seed", "target", "control_final_loss", "treatment_final_loss",
+            "control_steps_to_target", "treatment_steps_to_target", "control_spikes",
+            "treatment_spikes", "control_spikes_before_target",
+            "treatment_spikes_before_target"]
+    return "\n".join([f"### Equal progress: {label}", "",
+                      "Target per seed pair: the worse final running-median loss of the two "
+                      "arms; spikes counted before each arm first reaches it.", "",
+                      md_table(res), "", md_table(ep.per_seed, cols), "",
+                      f"**Verdict:** {ep.verdict}", ""])
