@@ -96,7 +96,9 @@ def group_series(layers: pd.DataFrame, num_layers: int, burn_in: int,
     cols = ["step", "group", *CONTROL_METRICS]
     if lay.empty:
         return pd.DataFrame(columns=cols)
-    groups = np.array([depth_group(d, num_layers) for d in lay["depth"].to_numpy()])
+    depth = lay["depth"].to_numpy()
+    uniq, inv = np.unique(depth, return_inverse=True)     # one lookup per depth, not per row
+    groups = np.array([depth_group(d, num_layers) for d in uniq])[inv.ravel()]
     df = pd.DataFrame({"step": lay["step"].to_numpy(np.int64), "group": groups})
     if set(_MOMENTS) <= set(lay):
         df["bimodality"] = shape_stats(*(lay[m] for m in _MOMENTS))["bimodality"]
@@ -157,7 +159,8 @@ def load_study(run_dirs: Iterable[str | Path], *, arms: Mapping[str, str] | None
     arms: optional {run_dir: arm label}; default the config without its seeds."""
     out = []
     for p in run_dirs:
-        run = load_run(p, tables=("steps", "layers"))
+        run = load_run(p, tables=("steps", "layers"),
+                       layer_columns=None if keep_layers else [*_MOMENTS, "sat_frac"])
         if run.layers.empty:
             raise ValueError(f"{p}: no per-layer telemetry (layers table is empty)")
         b2 = optim_params(run.config)["b2"]
@@ -184,6 +187,11 @@ def _distance(spikes: pd.DataFrame, a: int, b: int) -> float:
     after = np.where(s0 > b - 1, s0 - (b - 1), 0)
     before = np.where(s1 < a, a - s1, 0)
     return float(np.maximum(after, before).min())
+
+
+def _num_steps(series: pd.DataFrame, a: int, b: int) -> int:
+    st = np.unique(series["step"].to_numpy())
+    return int(((st >= a) & (st < b)).sum())
 
 
 def _window_values(series: pd.DataFrame, a: int, b: int, min_steps: int) -> dict:
@@ -232,8 +240,7 @@ def collect_windows(runs: Sequence[StudyRun], *, window: int = DEFAULT_WINDOW,
                 continue
             add("pre", "", run, int(s), a, b)
             matched = [o for o in runs if o is not run and _distance(o.spikes, a, b) >= gap
-                       and len(o.series) and ((o.series["step"] >= a)
-                                              & (o.series["step"] < b)).sum() > 0]
+                       and _num_steps(o.series, a, b) >= min_steps]
             for o in matched:
                 add("control", "matched", o, int(s), a, b)
             if not matched:
@@ -448,7 +455,12 @@ def report_section(run_dirs: Iterable[str | Path], *, predictions: str | Path | 
          f"{', '.join(map(str, bis))} steps excluded (step 1 gives r = sign(g)). BC: "
          "median over the group's tensors; sat_frac: the group's mass at |r| > 0.9. "
          "Fisher's exact test (one-sided), Holm over the rows.", ""]
-    tab = precursor_controls(runs, window=window, alpha=alpha)
+    win = collect_windows(runs, window=window)
+    pre = win[(win["kind"] == "pre") & np.isfinite(win["value"].to_numpy(np.float64))]
+    n_pre = len(pre[["run", "spike_start"]].drop_duplicates())
+    L += [f"{n_pre} of {n_sp} spikes have a clean pre-spike window (after the burn-in, not "
+          "overlapping an earlier spike).", ""]
+    tab = compare_windows(win, alpha=alpha)
     if tab.empty:
         L += ["No pre-spike window after the burn-in: nothing to compare.", ""]
     else:
@@ -469,7 +481,8 @@ def report_section(run_dirs: Iterable[str | Path], *, predictions: str | Path | 
         al = [online_alarms(r.events) for r in runs]
         ids = sorted({x for a in al for x in a["rule"]})
         if ids:
-            source = "alarms the trainer logged online (events.jsonl)"
+            source = ("alarms the trainer logged online (events.jsonl; no rule definitions, "
+                      f"so H = {horizon or DEFAULT_HORIZON} steps)")
             rules = [AlarmRule(id=i, metric="rms_t") for i in ids]   # ids only; horizon default
             items = [(a, r.spikes, r.logged_steps) for a, r in zip(al, runs)]
     if items:
