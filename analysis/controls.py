@@ -277,6 +277,8 @@ def compare_windows(windows: pd.DataFrame, *, thresholds: Mapping[str, float | N
             if t is None:
                 t = float(np.quantile(cv, CONTROL_QUANTILE)) if cv.size else math.nan
                 tsrc = f"control q{int(CONTROL_QUANTILE * 100)}"
+                if t == 0:
+                    tsrc += " (= 0: any mass counts)"
             src = ctl["source"].value_counts()
             row = {"metric": m, "group": grp, "n_pre": int(pre.size), "n_control": int(cv.size),
                    "controls": ", ".join(f"{k} {int(v)}" for k, v in src.items()) or "none",
@@ -465,7 +467,7 @@ def report_section(run_dirs: Iterable[str | Path], *, predictions: str | Path | 
         L += ["No pre-spike window after the burn-in: nothing to compare.", ""]
     else:
         L += [md_table(tab, ["metric", "group", "n_pre", "n_control", "controls",
-                             "threshold", "frac_pre", "frac_control", "diff", "p", "p_holm",
+                             "threshold", "threshold_source", "frac_pre", "frac_control", "diff", "p", "p_holm",
                              "verdict"]), ""]
     rules: list[AlarmRule] = []
     if predictions is not None:

@@ -340,8 +340,8 @@ def equal_progress_verdict(spikes_full: PairedResult, spikes_at_target: PairedRe
     if _decreases(spikes_at_target, alpha):
         return (f"reduces spikes at equal progress ({full}; {at}; {loss})")
     tail = "; trains slower" if slower else ""
-    return (f"removes spikes only by slowing training: the reduction disappears at equal "
-            f"progress ({full}; {at}; {loss}{tail})")
+    return (f"removes spikes only by slowing training: the reduction is not significant at "
+            f"equal progress ({full}; {at}; {loss}{tail})")
 
 
 def equal_progress_runs(control_dirs: Sequence[str], treatment_dirs: Sequence[str],
