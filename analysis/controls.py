@@ -467,8 +467,8 @@ def report_section(run_dirs: Iterable[str | Path], *, predictions: str | Path | 
         L += ["No pre-spike window after the burn-in: nothing to compare.", ""]
     else:
         L += [md_table(tab, ["metric", "group", "n_pre", "n_control", "controls",
-                             "threshold", "threshold_source", "frac_pre", "frac_control", "diff", "p", "p_holm",
-                             "verdict"]), ""]
+                             "threshold", "threshold_source", "frac_pre", "frac_control",
+                             "diff", "p", "p_holm", "verdict"]), ""]
     rules: list[AlarmRule] = []
     if predictions is not None:
         data = predictions if isinstance(predictions, Mapping) else \

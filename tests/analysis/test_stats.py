@@ -54,6 +54,9 @@ def test_degenerate_all_equal_differences():
     assert (r.ci_low, r.ci_high) == pytest.approx((-2.0, -2.0))
     assert r.sign_p == pytest.approx(2 / 2 ** 10) and r.perm_p == pytest.approx(2 / 2 ** 10)
     assert "degenerate" in r.note
+    # nearly degenerate (one pair differs): a finite BCa interval, no NaN
+    lo, hi, note = S.bca_interval(np.r_[np.zeros(9), 1.0], np.zeros(10))
+    assert note == "" and np.isfinite([lo, hi]).all() and lo <= 0.1 <= hi
     z = S.paired_test(np.ones(10), np.ones(10))     # all zero differences
     assert z.ci_low == z.ci_high == 0 and z.sign_p == 1.0 and z.perm_p == 1.0
 
