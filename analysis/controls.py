@@ -32,7 +32,9 @@ random logged steps has precision equal to the chance rate
 
 so lift = precision / chance, and a rule is informative when lift > 1 and the one-sided
 binomial test of (true alarms out of alarms) against chance gives p < alpha.
-`mark_uninformative` writes the verdict into a predictions.json dict (a new dict).
+`mark_uninformative` writes the verdict into a predictions.json dict (a new dict). The
+binomial test treats alarms as independent trials; alarms inside clusters of spikes are not,
+so its p-value is optimistic there (the lift itself is not affected).
 
 References: Molybog et al. 2023, "A theory on Adam instability in large-scale machine
 learning"; Pfister et al. 2013 (Sarle's bimodality coefficient); scipy.stats.fisher_exact,
