@@ -75,6 +75,10 @@ class AlarmRule:
     consecutive: int = 1
     expected_lead_steps: tuple[int, int] | None = None
     source: str = ""
+    # set by scoring against spikes (analysis.controls.mark_uninformative): False when the
+    # rule's precision does not beat the chance rate (lift <= 1); such rules are not armed
+    informative: bool | None = None
+    informative_reason: str = ""
 
     def __post_init__(self):
         where = f"alarm_rules[{self.id!r}]"
@@ -139,10 +143,16 @@ class OnlineAlarms:
     and returns the alarms that fire at this step: dicts with rule, step, value, threshold.
     A rule fires when its condition has held for `consecutive` logged steps and re-arms
     after the condition has failed once.
+
+    Rules marked `informative: false` (their lift over the chance rate was <= 1 when
+    scored) are not armed; `disarmed` lists them with the reason.
     """
 
     def __init__(self, rules: Iterable[AlarmRule]):
-        self.rules = list(rules)
+        rules = list(rules)
+        self.rules = [r for r in rules if r.informative is not False]
+        self.disarmed = {r.id: r.informative_reason or "marked uninformative"
+                         for r in rules if r.informative is False}
         self._run = {r.id: 0 for r in self.rules}
 
     def update(self, step: int, columns: Mapping[str, Any]) -> list[dict]:

@@ -10,6 +10,7 @@ checkpointed: after a resume or a rollback a rule needs `consecutive` fresh step
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 from adamspike.predictions import OnlineAlarms, load_predictions
@@ -20,6 +21,8 @@ class Alarms:
         self.path = str(predictions_path)
         self.rules = load_predictions(predictions_path).alarm_rules   # PredictionsError if bad
         self.online = OnlineAlarms(self.rules)
+        for rule_id, reason in self.online.disarmed.items():   # said once, at start
+            print(f"adamspike train: alarm rule {rule_id!r} not armed: {reason}", file=sys.stderr)
 
     def update(self, step: int, columns: Mapping[str, Any]) -> list[dict]:
         """Alarms firing at `step`: dicts with rule, step, metric, value, threshold."""
