@@ -62,8 +62,15 @@ HIST_COLUMNS: dict[str, pa.DataType] = {
     "step": pa.int64(), "name": pa.string(), "depth": pa.int32(), "kind": pa.string(),
     "counts": pa.list_(pa.int64()),
 }
-TABLES = {"steps": STEP_COLUMNS, "layers": LAYER_COLUMNS, "hists": HIST_COLUMNS}
-TABLE_KEYS = {"steps": ["step"], "layers": ["step", "name"], "hists": ["step", "name"]}
+# Top preconditioned / raw curvature per depth group every K steps (toys; simulate.curvature).
+CURVATURE_COLUMNS: dict[str, pa.DataType] = {
+    "step": pa.int64(), "group": pa.string(), "precond_curvature": pa.float64(),
+    "raw_curvature": pa.float64(), "lr": pa.float64(),
+}
+TABLES = {"steps": STEP_COLUMNS, "layers": LAYER_COLUMNS, "hists": HIST_COLUMNS,
+          "curvature": CURVATURE_COLUMNS}
+TABLE_KEYS = {"steps": ["step"], "layers": ["step", "name"], "hists": ["step", "name"],
+              "curvature": ["step", "group"]}
 KINDS = ("embed", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "norm", "output", "param")
 
 
@@ -264,6 +271,13 @@ class RunWriter:
         self._append("hists", {"step": int(step), "name": name, "depth": int(depth),
                                "kind": kind, "counts": counts.tolist()})
 
+    def log_curvature(self, step: int, group: str, precond_curvature: float,
+                      raw_curvature: float, lr: float) -> None:
+        """One depth group's top curvatures at a step (the `curvature` table)."""
+        self._append("curvature", {"step": int(step), "group": str(group),
+                                   "precond_curvature": float(precond_curvature),
+                                   "raw_curvature": float(raw_curvature), "lr": float(lr)})
+
     def event(self, type: str, **fields: Any) -> None:
         """Append one event line (fsynced at once: events are rare and precious)."""
         rec = {"time": time.time(), "type": type, **fields}
@@ -367,6 +381,7 @@ class Run:
     hists: pd.DataFrame
     events: pd.DataFrame
     torn_event_lines: int = 0
+    curvature: pd.DataFrame | None = None
 
     @property
     def hist_edges(self) -> np.ndarray:
@@ -408,7 +423,7 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
                              if columns is None or c in columns})
     # name / kind are read dictionary-encoded: they become categoricals without one Python
     # string per row (a 70B trace has ~15M layer rows)
-    dict_cols = [c for c in ("name", "kind") if c in schema and (columns is None or c in columns)]
+    dict_cols = [c for c in ("name", "kind", "group") if c in schema and (columns is None or c in columns)]
     try:
         tbls = []
         for i, p in enumerate(parts):
@@ -425,7 +440,7 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
     df = tbl.to_pandas(self_destruct=True, split_blocks=True)  # frees arrow memory as it goes
     del tbl
     _release_arrow_memory()
-    for c in ("name", "kind"):
+    for c in ("name", "kind", "group"):
         if c in df.columns:
             cat = df[c].astype("category")
             # lexical category order, so sorting by the categorical sorts by the string

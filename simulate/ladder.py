@@ -22,7 +22,9 @@ of squares; groups follow adamspike.depth_groups (embed, shallow, deep, head).
 
 Storage (DIR), as simulate.sweep: ladder.json (the resolved ladder; a restart with another is
 refused), cells/<cell_id>.parquet (one row per seed x logged step x depth, written
-atomically once a cell is done), so an interrupted ladder resumes at the first missing cell.
+atomically once a cell is done), so an interrupted ladder resumes at the first missing cell;
+then fit.json, responses.csv, band.csv, depth_rms.csv (`write_outputs`, read by
+figures/fig_ladder.py and `adamspike predict --ladder`).
 
 Fit (`fit_ladder`). Per (cell, seed, group) the response is y = log10 of the group's gradient
 RMS, sqrt(sum g^2 / numel), taken as the median over the logged steps of the second half of
@@ -494,6 +496,44 @@ def ladder_70b(ladder_dir: str | Path, eps: float = 1e-5, clip: float = 1.0,
     return fit, extrapolate(fit, cfg, TARGET_70B["tokens_per_step"], eps, clip)
 
 
+def extrapolation_band(fit: Mapping[str, Any], num_layers: int, tokens_per_step: int,
+                       dims: Sequence[float]) -> pd.DataFrame:
+    """Raw (unclipped) group RMS along width at fixed layers and tokens per step: point
+    prediction and the bootstrap prediction interval, one row per (group, dim)."""
+    a = (1 - fit["ci"]) / 2
+    rows = []
+    for k, (g, f) in enumerate(fit["_fits"].items()):
+        for d in dims:
+            x = design({"dim": d, "num_layers": num_layers, "tokens_per_step": tokens_per_step})[0]
+            draws = predict_interval(f, x, seed=k)
+            rows.append({"group": g, "dim": float(d), "num_layers": num_layers,
+                         "tokens_per_step": tokens_per_step, "rms": 10 ** float(f.coef @ x),
+                         "rms_lo": 10 ** float(np.quantile(draws, a)),
+                         "rms_hi": 10 ** float(np.quantile(draws, 1 - a))})
+    return pd.DataFrame(rows)
+
+
+def write_outputs(out: Path, df: pd.DataFrame, fit: Mapping[str, Any], ext: Mapping[str, Any],
+                  seconds: float) -> dict:
+    """fit.json (fit, 70B extrapolation, profile by depth, timings), responses.csv (the fitted
+    rows), band.csv (extrapolation_band at the 70B's depth and tokens), depth_rms.csv (per
+    depth RMS per rung, median over seeds and late steps): the figure reads these."""
+    from adamspike.rundir import atomic_write_bytes
+    summary = {"fit": public(fit), "llama2_70b": public(ext), "profile_by_depth": profile_by_depth(ext),
+               "cell_seconds": {c: float(s) for c, s in df.groupby("cell_id")["seconds"].first().items()},
+               "seconds": seconds}
+    atomic_write_bytes(out / "fit.json", json.dumps(summary, indent=2).encode())
+    atomic_write_bytes(out / "responses.csv", fit["_responses"].to_csv(index=False).encode())
+    band = extrapolation_band(fit, ext["num_layers"], ext["tokens_per_step"],
+                              np.geomspace(16, 16384, 41))
+    atomic_write_bytes(out / "band.csv", band.to_csv(index=False).encode())
+    late = df[df["step"] > df["step"].max() / 2]
+    dr = late.assign(rms=np.sqrt(late["grad_sumsq"] / late["numel"])).groupby(
+        ["dim", "num_layers", "batch", "depth", "group"], as_index=False)["rms"].median()
+    atomic_write_bytes(out / "depth_rms.csv", dr.to_csv(index=False).encode())
+    return summary
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:
@@ -517,13 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"adamspike simulate ladder: error: {e}", file=sys.stderr)
         return 2
-    from adamspike.rundir import atomic_write_bytes
-    summary = {"fit": public(fit), "llama2_70b": public(ext),
-               "profile_by_depth": profile_by_depth(ext),
-               "cell_seconds": {c: float(s) for c, s in
-                                df.groupby("cell_id")["seconds"].first().items()},
-               "seconds": time.perf_counter() - t0}
-    atomic_write_bytes(args.out / "fit.json", json.dumps(summary, indent=2).encode())
+    write_outputs(args.out, df, fit, ext, time.perf_counter() - t0)
     g = fit["groups"]
     print(f"ladder: {df['cell_id'].nunique()} cells; R^2(log) "
           + ", ".join(f"{k} {v['r2_log']:.2f}" for k, v in g.items())
