@@ -121,15 +121,14 @@ def plot(p: dict, out_dir: str | Path) -> list[Path]:
     prof = p["profile"]
     for g in groups:
         q = prof[prof["group"] == g]
-        ax.fill_between(q["depth"], q["rho_lo"], q["rho_hi"], color=GROUP_COLORS[g], alpha=0.25,
-                        step="mid")
-        ax.step(q["depth"], q["rho"], where="mid", color=GROUP_COLORS[g], label=g)
+        ax.errorbar(q["depth"], q["rho"], yerr=[q["rho"] - q["rho_lo"], q["rho_hi"] - q["rho"]],
+                    fmt="o", ms=2.5, lw=0.6, color=GROUP_COLORS[g], label=g)
     ax.axhline(ext["mean_rho_bound"], color="k", ls="--", lw=0.8,
                label=f"bound on mean rho {ext['mean_rho_bound']:.3f}")
     ax.axhline(1.0, color="gray", ls=":", lw=0.8, label="rho = 1")
     ax.set(yscale="log", xlabel="depth (-1 embedding, 80 head)", ylabel="rho = rms(g)/eps",
-           title=f"(d) LLaMA2-70B at eps {ext['eps']:g}: raw norm {ext['raw_grad_norm']:.3g} -> "
-                 f"clip {ext['clip']:g}, mean rho {ext['mean_rho']:.3f}")
+           title=f"(d) 70B at eps {ext['eps']:g}: raw norm {ext['raw_grad_norm']:.3g}, clip "
+                 f"{ext['clip']:g}, mean rho {ext['mean_rho']:.3f}")
     ax.legend()
     return style.save(fig, out_dir, "ladder")
 

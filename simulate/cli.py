@@ -5,6 +5,7 @@
     adamspike simulate streams --b2 0.95 --phi 0.9 --steps 200 [--out stats.json]
     adamspike simulate llama --config configs/tiny.toml --out RUN [--key value overrides]
     adamspike simulate ladder --out DIR [--quick]   (width/depth ladder, 70B profile fit)
+    adamspike simulate matched --runs RUN... --predictions P --out DIR   (rho-matched toy report)
 
 Exit status: 0 ok, 2 bad input (the message names the parameter; nothing existing is
 overwritten), 3 a part that is not built.
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-PROBLEMS = ("quadratic", "mlp", "streams", "llama", "ladder")
+PROBLEMS = ("quadratic", "mlp", "streams", "llama", "ladder", "matched")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -254,6 +255,11 @@ def _ladder(argv) -> int:
     return int(ladder.main(argv))
 
 
+def _matched(argv) -> int:
+    from simulate import matched
+    return int(matched.main(argv))
+
+
 def _theory_check(cfg: dict, steps: int, stats: dict) -> dict:
     """The exact closed forms (theory.adam_moments) at the same step, with z = (MC - theory)/SE."""
     from theory.adam_moments import update_stats
@@ -279,7 +285,7 @@ def simulate_main(argv: list[str] | None = None) -> int:
               f"{', '.join(PROBLEMS)})", file=sys.stderr)
         return 2
     handler = {"quadratic": _quadratic, "mlp": _mlp, "streams": _streams, "llama": _llama,
-               "ladder": _ladder}[problem]
+               "ladder": _ladder, "matched": _matched}[problem]
     try:
         return handler(rest)
     except SystemExit as e:  # --help
