@@ -77,6 +77,7 @@ from adamspike.depth_groups import GROUPS, depth_group
 LOG_EVERY = 5
 DATA_SEED = 0
 VOCAB = 256
+LR_BASE_DIM = 64
 TARGET_70B = {"dim": 8192, "num_layers": 80, "tokens_per_step": 1024 * 4096}
 
 
@@ -94,6 +95,16 @@ class LadderSpec:
     eps: float = 1e-8
     grad_clip: float = 1.0
     weight_decay: float = 0.1
+    # "constant": every rung at lr; "inverse_width": lr * LR_BASE_DIM / dim (the muP rule
+    # for Adam's hidden-layer lr: the update size per unit of width stays put)
+    lr_scaling: str = "constant"
+
+    def lr_for(self, dim: int) -> float:
+        if self.lr_scaling == "constant":
+            return self.lr
+        if self.lr_scaling == "inverse_width":
+            return self.lr * LR_BASE_DIM / dim
+        raise ConfigError(f"lr_scaling: unknown {self.lr_scaling!r} (constant, inverse_width)")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -101,15 +112,15 @@ class LadderSpec:
         return d
 
 
-def full_spec() -> LadderSpec:
+def full_spec(lr_scaling: str = "constant") -> LadderSpec:
     rungs = [(d, L, 16) for d in (32, 64, 128, 256) for L in (2, 4, 8) if (d, L) != (256, 8)]
-    rungs += [(64, 4, 4), (64, 4, 64)]
-    return LadderSpec(rungs=rungs, num_steps=150)
+    rungs += [(64, 4, 4), (64, 4, 64) if lr_scaling == "constant" else (64, 4, 32)]
+    return LadderSpec(rungs=rungs, num_steps=150, lr_scaling=lr_scaling)
 
 
-def quick_spec() -> LadderSpec:
+def quick_spec(lr_scaling: str = "constant") -> LadderSpec:
     rungs = [(32, 2, 16), (64, 2, 16), (32, 4, 16), (32, 2, 4)]
-    return LadderSpec(rungs=rungs, seeds=2, num_steps=60, warmup_steps=6)
+    return LadderSpec(rungs=rungs, seeds=2, num_steps=60, warmup_steps=6, lr_scaling=lr_scaling)
 
 
 def llama_config(dim: int, num_layers: int, spec: LadderSpec):
@@ -128,6 +139,8 @@ def llama_config(dim: int, num_layers: int, spec: LadderSpec):
 def cell_id(spec: LadderSpec, rung: Sequence[int]) -> str:
     """Stable id of a rung under the spec's shared settings (seed count excluded)."""
     shared = {k: v for k, v in spec.to_json().items() if k not in ("rungs", "seeds")}
+    if shared.get("lr_scaling") == "constant":   # ids of ladders from before the knob
+        del shared["lr_scaling"]
     blob = json.dumps({"rung": list(rung), **shared}, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
@@ -163,7 +176,7 @@ def seed_program(cfg, spec: LadderSpec):
     from simulate import llama as jllama
     from simulate import optim as jopt
 
-    optim = OptimSection(lr=spec.lr, warmup_steps=spec.warmup_steps, schedule="cosine",
+    optim = OptimSection(lr=spec.lr_for(cfg.dim), warmup_steps=spec.warmup_steps, schedule="cosine",
                          b1=0.9, b2=spec.b2, eps=spec.eps, grad_clip=spec.grad_clip,
                          weight_decay=spec.weight_decay)
     tx = jopt.adamw(optim, spec.num_steps)
@@ -601,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced ladder (CI)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--eps", type=float, default=1e-5, help="eps of the 70B profile written")
+    ap.add_argument("--lr-scaling", choices=("constant", "inverse_width"), default="constant",
+                    help="lr per rung: the same, or lr * 64 / dim (muP-style)")
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:
@@ -608,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.out.exists() and not args.out.is_dir():
             raise ConfigError(f"--out {args.out}: exists and is not a directory")
-        spec = quick_spec() if args.quick else full_spec()
+        spec = quick_spec(args.lr_scaling) if args.quick else full_spec(args.lr_scaling)
         t0 = time.perf_counter()
         df = run_ladder(spec, args.out, progress=not args.no_progress)
         fit, ext = ladder_70b(args.out, eps=args.eps)
