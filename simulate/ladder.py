@@ -520,6 +520,7 @@ def ladder_70b(ladder_dir: str | Path, eps: float = 1e-5, clip: float = 1.0,
     """(fit, extrapolation) of a ladder directory at LLaMA2-70B (TARGET_70B)."""
     from adamspike.llama import preset
     fit = fit_ladder(read_ladder(ladder_dir), n_boot=n_boot)
+    fit["ladder_spec"] = json.loads((Path(ladder_dir) / "ladder.json").read_text())["ladder"]
     cfg = preset("llama2-70b")
     return fit, extrapolate(fit, cfg, TARGET_70B["tokens_per_step"], eps, clip)
 
@@ -569,8 +570,10 @@ def report_md(summary: Mapping[str, Any], out: Path) -> str:
     pct = int(round(100 * fit["ci"]))
     lines = [f"Ladder `{out}`: {len(fit['rungs'])} rungs (dim, layers, tokens per step) "
              f"{', '.join(str(tuple(r)) for r in fit['rungs'])}; {fit['num_rows']} rung x seed "
-             f"rows; wall time {summary['seconds']:.0f} s (cells cached: a resumed ladder only "
-             f"runs missing cells).", "",
+             f"rows; {fit.get('ladder_spec', {}).get('num_steps', '?')} steps, lr "
+             f"{fit.get('ladder_spec', {}).get('lr', '?')} ({fit.get('ladder_spec', {}).get('lr_scaling', 'constant')}"
+             f" over width), b2 {fit.get('ladder_spec', {}).get('b2', '?')}, clip 1, wd 0.1; wall time "
+             f"{summary['seconds']:.0f} s (cells cached: a resumed ladder only runs missing cells).", "",
              f"Fit: `{fit['form']}` per group; response: {fit['response']}. "
              f"Intervals: {pct} % case bootstrap (n_boot {fit['n_boot']}).", "",
              "| group | c_d (width) | c_L (layers) | c_B (tokens/step) | R^2 (log) | resid sd (log10) "

@@ -97,8 +97,9 @@ def _ladder_source(ladder_dir: str | Path, fit: Mapping[str, Any], ext: Mapping[
     r2 = ", ".join(f"{g} {v['r2_log']:.3f}" for g, v in fit["groups"].items())
     ho = [f"{g} {v['heldout_widest']['mean_log10_error']:+.2f}" for g, v in fit["groups"].items()
           if v.get("heldout_widest")]
+    lr = fit.get("ladder_spec", {}).get("lr_scaling", "constant")
     return (f"ladder fit ({ladder_dir}: {len(fit['rungs'])} rungs, {fit['num_rows']} rung x seed "
-            f"rows; power law in dim, layers, tokens/step per depth group; R^2 (log) {r2}"
+            f"rows, lr {lr} over width; power law in dim, layers, tokens/step per depth group; R^2 (log) {r2}"
             + (f"; held-out widest dim {fit['heldout_dim']} mean log10 error {', '.join(ho)}"
                if ho else "")
             + f"; {int(100 * fit['ci'])}% bootstrap prediction interval, n_boot {fit['n_boot']})"

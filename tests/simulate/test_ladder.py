@@ -192,3 +192,11 @@ def test_predict_profile_from_log(synthetic_ladder, tmp_path):
     per_group = {depth_group(d, 80): r for d, r in rho.items()}
     ms = sum(spec[g] * per_group[g] ** 2 for g in per_group) / N
     assert math.sqrt(ms) == pytest.approx(rho_bar, rel=1e-9)
+
+
+def test_lr_scaling():
+    spec = LD.full_spec("inverse_width")
+    assert spec.lr_for(64) == spec.lr and spec.lr_for(256) == pytest.approx(spec.lr / 4)
+    assert LD.full_spec().lr_for(256) == LD.full_spec().lr
+    # the constant ladder's cell ids do not depend on the knob (older ladders resume)
+    assert LD.cell_id(LD.full_spec(), (32, 2, 16)) != LD.cell_id(spec, (32, 2, 16))
