@@ -55,7 +55,7 @@ def stages(out: Path, quick: bool) -> list[Stage]:
     q = ["--quick"] if quick else []
     o = lambda *p: str(out.joinpath(*p))  # noqa: E731
     llama_steps = ["--train.num_steps", "150"] if quick else []
-    matched_steps = ["--train.num_steps", "300"] if quick else []
+    matched_steps = ["--train.num_steps", "200"] if quick else []   # quick: no curvature step
     return [
         Stage("theory", "Closed-form theory numbers", ["theory", "all", "--json"],
               outputs=["theory/theory.json"], stdout_to="theory/theory.json"),
