@@ -143,6 +143,21 @@ def report(summaries: list[dict], profile: dict) -> str:
                      f"{s['final_loss']:.3f} ({s['entropy_rate']:.3f}) | "
                      f"{100 * s['clipped_frac']:.0f} % | {s['median_grad_norm']:.3g} | "
                      f"{len(s['spikes']['0.1'])}: {sp['0.1']} | {len(s['spikes']['0.2'])} |")
+    lines += ["", "Answers, from the numbers below:"]
+    for s in summaries:
+        t = s["traj"]
+        dorm = {g: float(t.loc[t["group"] == g, "dormant"].mean()) for g in GROUPS
+                if (t["group"] == g).any()}
+        n10, n20 = len(s["spikes"]["0.1"]), len(s["spikes"]["0.2"])
+        led = sum(bool(x["wakeups_before"]) for x in s["lead"])
+        lines.append(
+            f"- {s['name']} (eps {s['eps']:.3g}, b2 {s['b2']:g}, {s['num_steps']} steps): "
+            f"{n10} loss spike(s) >= 10 % ({n20} >= 20 %); dormant (eps_frac > 1/2) on "
+            + ", ".join(f"{g} {100 * v:.0f} %" for g, v in dorm.items())
+            + f" of the logged steps; {len(s['wake'])} wake-up(s)"
+            + (f"; {led} of {n10} spikes had a wake-up in the {LEAD_WINDOW} steps before"
+               if n10 else "")
+            + f"; final loss {s['final_loss']:.3f} against the floor {s['entropy_rate']:.3f}.")
     for s in summaries:
         eps70 = 1e-8 if "1e-8" in s["name"] or "1e8" in s["name"] else profile["eps_ref"]
         tgt = _target(profile, s["eps"], eps70)
