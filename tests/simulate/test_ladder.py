@@ -200,3 +200,19 @@ def test_lr_scaling():
     assert LD.full_spec().lr_for(256) == LD.full_spec().lr
     # the constant ladder's cell ids do not depend on the knob (older ladders resume)
     assert LD.cell_id(LD.full_spec(), (32, 2, 16)) != LD.cell_id(spec, (32, 2, 16))
+
+
+def test_outputs_report_and_figure(synthetic_ladder, tmp_path):
+    from figures import fig_ladder
+    out, _, _ = synthetic_ladder
+    df = LD.read_ladder(out)
+    fit, ext = LD.ladder_70b(out, n_boot=200)
+    LD.write_outputs(out, df, fit, ext, seconds=1.0)
+    rep = (out / "report.md").read_text()
+    assert "| shallow |" in rep and "bound clip/(sqrt(N) eps) = 0.3808" in rep
+    band = __import__("pandas").read_csv(out / "band.csv")
+    assert set(band["group"]) == {"embed", "shallow", "deep", "head"}
+    assert (band["rms_lo"] <= band["rms"]).all() and (band["rms"] <= band["rms_hi"]).all()
+    assert fig_ladder.main(["--ladder", str(out), "--out", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "ladder.png").stat().st_size > 0
+    assert fig_ladder.main(["--ladder", str(tmp_path / "nope"), "--out", str(tmp_path / "f2")]) == 2
