@@ -47,7 +47,7 @@ class Stage:
 
 # Stages that leave run directories under OUT/runs (analysis and figures read them all).
 RUN_STAGES = ["quadratic_spike", "quadratic_stable", "mlp", "llama_spike", "llama_stable",
-              "torch_run"]
+              "torch_run", "matched_toy", "matched_toy_1e8"]
 
 
 def stages(out: Path, quick: bool) -> list[Stage]:
@@ -55,9 +55,22 @@ def stages(out: Path, quick: bool) -> list[Stage]:
     q = ["--quick"] if quick else []
     o = lambda *p: str(out.joinpath(*p))  # noqa: E731
     llama_steps = ["--train.num_steps", "150"] if quick else []
+    matched_steps = ["--train.num_steps", "200"] if quick else []   # quick: no curvature step
     return [
         Stage("theory", "Closed-form theory numbers", ["theory", "all", "--json"],
               outputs=["theory/theory.json"], stdout_to="theory/theory.json"),
+        # the longest stages first (they start at once; the short ones fill the other slot)
+        Stage("ladder", "Width/depth ladder of tiny LLaMAs: gradient RMS fit, 70B profile",
+              ["simulate", "ladder", "--out", o("ladder"), "--no-progress", *q],
+              outputs=["ladder/fit.json", "ladder/report.md"]),
+        Stage("matched_toy", "Rho-matched tiny LLaMA (70B rho at eps 1e-5, b2 0.95, Zipf data)",
+              ["simulate", "llama", "--config", str(REPO / "configs" / "matched_70b.toml"),
+               "--out", o("runs", "matched_70b"), "--no-progress", *matched_steps],
+              outputs=["runs/matched_70b/run.json"]),
+        Stage("matched_toy_1e8", "Rho-matched tiny LLaMA at the 70B's eps 1e-8 (eps / 1000)",
+              ["simulate", "llama", "--config", str(REPO / "configs" / "matched_70b_eps1e-8.toml"),
+               "--out", o("runs", "matched_70b_eps1e-8"), "--no-progress", *matched_steps],
+              outputs=["runs/matched_70b_eps1e-8/run.json"]),
         Stage("montecarlo", "Monte-Carlo of Adam on i.i.d. and AR(1) streams (optax)",
               ["simulate", "streams", "--steps", "500" if quick else "2000",
                "--coords", "16384" if quick else "65536", "--b1", "0.9", "--b2", "0.95",
@@ -94,10 +107,16 @@ def stages(out: Path, quick: bool) -> list[Stage]:
               ["predict", "--profile", o("runs", "llama_spike"), "--sweep", o("sweep"),
                "--out", o("predictions.json")],
               needs=["sweep", "llama_spike"], outputs=["predictions.json"]),
-        Stage("predict_70b", "predictions for the LLaMA2-70B profile (assumed rho per depth)",
-              ["predict", "--profile", "llama2-70b", "--sweep", o("sweep"),
+        Stage("predict_70b", "predictions for the LLaMA2-70B profile (ladder fit per depth)",
+              ["predict", "--profile", "llama2-70b", "--ladder", o("ladder"), "--sweep", o("sweep"),
                "--out", o("predictions_70b.json")],
-              needs=["sweep"], outputs=["predictions_70b.json"]),
+              needs=["sweep", "ladder"], outputs=["predictions_70b.json"]),
+        Stage("matched_report", "Rho-matched toy: spikes, regime trajectories, dormancy",
+              ["simulate", "matched", "--runs", o("runs", "matched_70b"),
+               o("runs", "matched_70b_eps1e-8"), "--predictions", o("predictions_70b.json"),
+               "--out", o("matched")],
+              needs=["matched_toy", "matched_toy_1e8", "predict_70b"],
+              outputs=["matched/report.md"]),
         Stage("plan", "Full-scale run configs + launch scripts per recommended setting",
               ["plan", "--predictions", o("predictions_70b.json"),
                "--base", str(REPO / "configs" / "llama2-70b.toml"),
@@ -119,7 +138,7 @@ def stages(out: Path, quick: bool) -> list[Stage]:
               outputs=["analysis"]),
         Stage("figures", "Every figure of the study",
               ["figures", "--from-study", str(out), "--out", o("figures"), *q],
-              after=RUN_STAGES + ["sweep", "replication"], outputs=["figures"]),
+              after=RUN_STAGES + ["sweep", "replication", "ladder"], outputs=["figures"]),
     ]
 
 
@@ -174,7 +193,9 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
         lines += ["", "## Regime map", "", f"![regime map]({regime_map.relative_to(out)})",
                   "", "Per-run regime cards and the update_rms fit per regime band: the "
                   "analysis report below (Regime overview, Regime card)."]
-    for name, title in (("replication", "Replication table"), ("analysis", "Analysis report")):
+    for name, title in (("replication", "Replication table"), ("analysis", "Analysis report"),
+                        ("ladder", "Width/depth ladder and the LLaMA2-70B profile"),
+                        ("matched", "Rho-matched toy")):
         for cand in (out / name / "replication.md", out / name / "report.md"):
             if cand.exists():
                 lines += ["", f"## {title}", "", cand.read_text().strip()]

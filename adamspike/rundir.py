@@ -86,6 +86,7 @@ HIST_COLUMNS: dict[str, pa.DataType] = {
 }
 # + g_below_eps: coordinates with |g| < eps of the gradient Adam consumed on that step
 VHIST_COLUMNS: dict[str, pa.DataType] = {**HIST_COLUMNS, "g_below_eps": pa.int64()}
+# Top preconditioned / raw curvature per depth group every K steps (toys; simulate.curvature).
 CURVATURE_COLUMNS: dict[str, pa.DataType] = {
     "step": pa.int64(), "group": pa.string(), "precond_curvature": pa.float64(),
     "raw_curvature": pa.float64(), "lr": pa.float64(),
@@ -462,6 +463,13 @@ class RunWriter:
                                 "kind": kind, "counts": counts.tolist(),
                                 "g_below_eps": None if g_below_eps is None
                                 else int(g_below_eps)})
+
+    def log_curvature(self, step: int, group: str, precond_curvature: float,
+                      raw_curvature: float, lr: float) -> None:
+        """One depth group's top curvatures at a step (the `curvature` table)."""
+        self._append("curvature", {"step": int(step), "group": str(group),
+                                   "precond_curvature": float(precond_curvature),
+                                   "raw_curvature": float(raw_curvature), "lr": float(lr)})
 
     def event(self, type: str, **fields: Any) -> None:
         """Append one event line (fsynced at once: events are rare and precious)."""

@@ -105,7 +105,9 @@ class TrainSection:
 @dataclass
 class DataSection:
     source: str = param("synthetic", choices=("synthetic", "indexed"))
-    task: str = param("markov", choices=("markov", "copy"))
+    # zipf: simulate.zipf_data.ZipfMarkov (JAX toy only), Zipf unigram tail of this exponent
+    task: str = param("markov", choices=("markov", "copy", "zipf"))
+    zipf_exponent: float = param(1.1, lo=0.0, lo_open=True, help="Zipf exponent s (task zipf)")
     alpha: float = param(0.1, lo=0.0, lo_open=True, help="Dirichlet concentration (markov)")
     num_samples: int = param(1 << 20, lo=1)
     path: str = param("", help="Megatron dataset prefix (without .bin/.idx)")
@@ -124,6 +126,10 @@ class TelemetrySection:
     enabled: bool = param(True)
     precision: str = param("float32", choices=("float32", "float64"),
                            help="torch trainer: compute dtype of the metrics (npu: float32)")
+    # JAX trainer: top (preconditioned) curvature per depth group every N steps (0 = off),
+    # simulate.curvature; power-iteration steps per estimate
+    curvature_every: int = param(0, lo=0, help="curvature table every N steps, 0 = off (JAX)")
+    curvature_iters: int = param(20, lo=1, help="power-iteration steps per curvature (JAX)")
     compile: str = param("auto", choices=("auto", "on", "off"),
                          help="torch trainer: compiled telemetry kernels (cpu: native, cuda: "
                               "inductor); auto = on for cpu / cuda unless "

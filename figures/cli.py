@@ -27,7 +27,7 @@ from adamspike.rundir import find_runs, load_run, run_names
 # (figures.style.computed_figure_main);
 # "sweep" take --table SWEEP --out; "replication" take --table REPLICATION (or the sweep
 # folder, next to which a study keeps replication/) --out; "study" take RUN... --out
-# [--predictions-70b FILE] (all runs in one figure, OUT/study/).
+# [--predictions-70b FILE] (all runs in one figure, OUT/study/); "ladder" take --ladder DIR --out.
 REGISTRY: list[tuple[str, str]] = [
     ("figures.fig_loss_spikes", "run"),
     ("figures.fig_grad_norm", "run"),
@@ -42,6 +42,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("figures.fig_phase_diagram", "sweep"),
     ("figures.fig_replication", "replication"),
     ("figures.fig_regime_map", "study"),
+    ("figures.fig_ladder", "ladder"),
 ]
 
 
@@ -139,8 +140,8 @@ def _call_main(mod, argv: list[str], out: Path, target: str) -> Outcome:
 def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *,
              sweep: str | Path | None = None, replication: str | Path | None = None,
              quick: bool = False,
-             theory: bool = True, registry=None, study: str | Path | None = None
-             ) -> tuple[list[Path], list[Outcome]]:
+             theory: bool = True, registry=None, study: str | Path | None = None,
+             ladder: str | Path | None = None) -> tuple[list[Path], list[Outcome]]:
     """Regenerate all figures; returns (files written, one Outcome per module x target)."""
     from adamspike.rundir import RunFormatError, load_run
 
@@ -198,6 +199,13 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
                 continue
             d = out / kind
             outcomes.append(_call_main(m, ["--table", str(table), "--out", str(d)], d, str(table)))
+        elif kind == "ladder":
+            if ladder is None or not Path(ladder).exists():
+                outcomes.append(Outcome(m.__name__, str(ladder or ""), "skipped",
+                                        "no ladder" if ladder is None else f"{ladder} does not exist"))
+                continue
+            d = out / "ladder"
+            outcomes.append(_call_main(m, ["--ladder", str(ladder), "--out", str(d)], d, str(ladder)))
     files = sorted({f for o in outcomes for f in o.files})
     return files, outcomes
 
@@ -209,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a `adamspike reproduce` output folder: its runs/ and sweep/")
     ap.add_argument("--sweep", metavar="TABLE", help="sweep directory or table")
     ap.add_argument("--replication", metavar="DIR", help="replication directory or csv")
+    ap.add_argument("--ladder", metavar="DIR", help="ladder directory (adamspike simulate ladder)")
     ap.add_argument("--out", default="figures_out", help="output directory")
     ap.add_argument("--quick", action="store_true", help="CI scale where a figure supports it")
     ap.add_argument("--no-theory", action="store_true", help="skip the theory figures")
@@ -225,13 +234,16 @@ def main(argv: list[str] | None = None) -> int:
             sweep = study / "sweep"
         if replication is None and (study / "replication").exists():
             replication = study / "replication"
+        if args.ladder is None and (study / "ladder" / "fit.json").exists():
+            args.ladder = study / "ladder"
     for r in runs:
         if not (r / "run.json").is_file():
             print(f"adamspike figures: {r}: not a run directory (no run.json)", file=sys.stderr)
             return 2
     files, outcomes = generate(runs, args.out, sweep=sweep, replication=replication,
                                quick=args.quick,
-                               theory=not args.no_theory, study=args.from_study)
+                               theory=not args.no_theory, study=args.from_study,
+                               ladder=args.ladder)
     for o in outcomes:
         tgt = f" [{o.target}]" if o.target else ""
         msg = f" ({o.detail})" if o.detail else ""

@@ -4,6 +4,8 @@
     adamspike simulate mlp --kind sin|deep --steps 20000 --out RUN [--optim.lr ... --train.loss_scale ...]
     adamspike simulate streams --b2 0.95 --phi 0.9 --steps 200 [--out stats.json]
     adamspike simulate llama --config configs/tiny.toml --out RUN [--key value overrides]
+    adamspike simulate ladder --out DIR [--quick]   (width/depth ladder, 70B profile fit)
+    adamspike simulate matched --runs RUN... --predictions P --out DIR   (rho-matched toy report)
 
 Exit status: 0 ok, 2 bad input (the message names the parameter; nothing existing is
 overwritten).
@@ -18,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-PROBLEMS = ("quadratic", "mlp", "streams", "llama")
+PROBLEMS = ("quadratic", "mlp", "streams", "llama", "ladder", "matched")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -219,6 +221,16 @@ def _llama(argv) -> int:
     return int(llama_train.main(argv))
 
 
+def _ladder(argv) -> int:
+    from simulate import ladder
+    return int(ladder.main(argv))
+
+
+def _matched(argv) -> int:
+    from simulate import matched
+    return int(matched.main(argv))
+
+
 def _theory_check(cfg: dict, steps: int, stats: dict) -> dict:
     """The exact closed forms (theory.adam_moments) at the same step, with z = (MC - theory)/SE."""
     from theory.adam_moments import update_stats
@@ -243,7 +255,8 @@ def simulate_main(argv: list[str] | None = None) -> int:
         print(f"adamspike simulate: error: problem: unknown {problem!r} (choose from "
               f"{', '.join(PROBLEMS)})", file=sys.stderr)
         return 2
-    handler = {"quadratic": _quadratic, "mlp": _mlp, "streams": _streams, "llama": _llama}[problem]
+    handler = {"quadratic": _quadratic, "mlp": _mlp, "streams": _streams, "llama": _llama,
+               "ladder": _ladder, "matched": _matched}[problem]
     try:
         return handler(rest)
     except SystemExit as e:  # --help

@@ -19,6 +19,11 @@ that of the differentiated objective loss_scale * loss, i.e. what Adam consumed.
 loss_scale s, rho = rms(s g) / eps = rms(g) / (eps / s): the equivalent-eps ratio. The logged
 loss is the unscaled loss (CE + z-loss term).
 
+Curvature (telemetry.curvature_every = K > 0; off by default): every K trained steps the top
+raw and preconditioned curvature of each depth group (simulate.curvature: power iteration
+with Hessian-vector products, telemetry.curvature_iters steps) on that step's batch at the
+updated parameters and Adam state, into the run directory's `curvature` table.
+
 Data knobs:
 - data.skip_batches: at these steps the batch is read and its loss and pre-clip gradient
   norm are logged (skipped = true, update_norm = 0, no layers row), but the step's result is
@@ -91,13 +96,18 @@ POISON_TOKEN = 0
 
 # ----------------------------------------------------------------------------- data
 
-def dataset(cfg: RunConfig, llama: LlamaConfig) -> SyntheticTokens:
+def dataset(cfg: RunConfig, llama: LlamaConfig):
+    """SyntheticTokens (markov, copy) or simulate.zipf_data.ZipfMarkov (zipf)."""
     d = cfg.data
+    if d.task == "zipf":
+        from simulate.zipf_data import ZipfMarkov
+        return ZipfMarkov(llama.vocab_size, cfg.train.seq_len, d.num_samples, cfg.train.seed,
+                          d.zipf_exponent)
     return SyntheticTokens(d.task, llama.vocab_size, cfg.train.seq_len, d.num_samples,
                            cfg.train.seed, d.alpha)
 
 
-def batch_at(data: SyntheticTokens, cfg: RunConfig, step: int, offset: int = 0) -> np.ndarray:
+def batch_at(data, cfg: RunConfig, step: int, offset: int = 0) -> np.ndarray:
     """Tokens (global_batch_size, seq_len + 1) of optimizer step `step` at data offset
     `offset` (it reads batch step + offset; data.poison_steps name batches, as in torch)."""
     idx = sample_indices(step, cfg.train.global_batch_size, cfg.data.num_samples, cfg.train.seed,
@@ -171,6 +181,18 @@ def _make_steps(cfg: RunConfig):
     return tx, jax.jit(step, static_argnums=(3, 4, 5))
 
 
+def _curvature_fn(cfg: RunConfig, llama: LlamaConfig):
+    """simulate.curvature for this model: (fn, groups present), on loss_scale * loss."""
+    from adamspike.depth_groups import GROUPS, depth_group
+    from simulate.curvature import make_curvature_fn
+    t = cfg.train
+    groups = {s.name: depth_group(s.depth, llama.num_layers) for s in spec_by_name(llama).values()}
+    present = [g for g in GROUPS if g in set(groups.values())]
+    loss = lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss,  # noqa: E731
+                                        cfg.model.embed_grad_shrink)[0]
+    return make_curvature_fn(loss, groups, present, cfg.telemetry.curvature_iters), present
+
+
 def advance_schedule(opt_state):
     """A skipped step: only the lr schedule's count moves (Adam's count and moments stay)."""
     if isinstance(opt_state, optax.ScaleByScheduleState):
@@ -205,6 +227,7 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
     params = jllama.init_params(llama, jax.random.PRNGKey(t.seed))
     opt_state = tx.init(params)
     guard = SnapshotGuard(cfg.guard, cfg.checkpoint.every, params, opt_state)
+    curv_fn, curv_groups = _curvature_fn(cfg, llama) if tel.curvature_every > 0 else (None, [])
 
     specs = spec_by_name(llama)
     names = jtel.tensor_names(params)  # telemetry row order
@@ -264,6 +287,14 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                     bar.update(step - 1)
                     continue
                 params, opt_state = new_params, new_state
+                if curv_fn is not None and step % tel.curvature_every == 0:
+                    adam = jopt.adam_state(opt_state)
+                    raw, pre = jax.device_get(curv_fn(
+                        params, batch, adam.nu, adam.count, o.b1, o.b2, o.eps,
+                        jax.random.PRNGKey(step)))
+                    lr_now = o.lr_at(step, t.num_steps)
+                    for g, r, p_ in zip(curv_groups, raw, pre):
+                        rows.add(step, writer.log_curvature, step, g, float(p_), float(r), lr_now)
                 if log:
                     rows.add(step, writer.log_layers, step, columns=jtel.layer_columns(
                         names, depths, kinds, numels, out["sums"], tensor_eps))

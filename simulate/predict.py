@@ -1,21 +1,32 @@
 """`adamspike predict`: predictions.json (schema v2) from theory + sweep results.
 
-    adamspike predict --profile (llama2-70b | PROFILE.json | RUN_DIR) --sweep TABLE
+    adamspike predict (--profile (llama2-70b | PROFILE.json | RUN_DIR) | --profile-from-log LOG
+                       | --profile-from-run RUN) [--ladder DIR] --sweep TABLE
                       [--candidates candidates.toml] --out predictions.json
 
 Profile: per-depth gradient scale of the model the predictions are for, as
-rho_ref(depth) = median rms(g) / eps_ref at the eps the profile was measured with.
-  - RUN_DIR: a run directory (either backend); median grad_rms per depth over all logged
-    steps and tensors, eps_ref = the run's optim.eps; phi per depth from the median
-    grad_mom_cos, inverted through theory.adam_moments.grad_mom_cos (zero-mean AR(1)
-    assumption); lr, b1, batch from the run's config.
+rho_ref(depth) = rms(g) / eps_ref of the gradient Adam consumes, at the eps it refers to.
+  - llama2-70b (needs --ladder DIR, a finished `adamspike simulate ladder` directory): the
+    ladder fit (simulate.ladder) extrapolated to dim 8192, 80 layers, 1024 x 4096 tokens per
+    step under the clip constraint sum_g N_g rms_g^2 = min(gn, 1)^2, at eps_ref = 1e-5; each
+    depth takes its group's rho with the bootstrap prediction interval (rho_lo, rho_hi);
+    phi = 0; lr 1.5e-4, batch 1024 (configs/llama2-70b.toml). `source` names the ladder, its
+    R^2 (log) per group and the interval.
+  - --profile-from-log LOG (Megatron / ModelLink / MindSpeed training log; needs --ladder for
+    the depth shape): rho_bar(t) = min(grad_norm_t, clip) / (sqrt(N) eps) (N of the
+    llama2-70b preset, --clip, --eps-ref), its median over the second half of the log,
+    spread over depth by the ladder's shape rho_g / mean_rho (the N-weighted rms of the
+    result is rho_bar); the interval combines the log's 10-90 % range of rho_bar with the
+    shape's bootstrap interval. This replaces the ladder's absolute level by a measurement.
+  - --profile-from-run RUN / RUN_DIR: a run directory (either backend; a telemetry run of the
+    70B replaces the ladder entirely): median grad_rms per depth over all logged steps and
+    tensors, interval = its 10-90 % range over steps, eps_ref = the run's optim.eps; phi per
+    depth from the median grad_mom_cos, inverted through theory.adam_moments.grad_mom_cos
+    (zero-mean AR(1) assumption); lr, b1, batch from the run's config.
   - PROFILE.json: {"name", "num_layers", "eps_ref", "rho_by_depth": {"-1": ..., ...}}
     (optional: "phi", "lr", "b1", "global_batch_size").
-  - llama2-70b: BUILT-IN ASSUMPTION, not a measurement: 80 layers, eps_ref = 1e-5 (the seed
-    report's run), rho = 1 at the embedding rising log-linearly to 30 at block 8 and 30 for
-    deeper blocks (the report found shallow-layer updates tied to eps; Molybog et al. saw
-    shallow-layer gradients near eps), phi = 0; lr 1.5e-4, batch 1024 (the report / the
-    hiascend case study). Replace it with a measured profile (RUN_DIR) as soon as one exists.
+The profile section of predictions.json carries `by_depth`: one row per depth with depth,
+group (adamspike.depth_groups), rho, rho_lo, rho_hi at eps_ref.
 A candidate eps moves every depth to rho = rho_ref * eps_ref / eps (rms(g) held fixed).
 
 Candidates are dicts of dotted RunConfig keys (CANDIDATE_KEYS: optim.b1, optim.b2,
@@ -80,16 +91,100 @@ NUM_VALIDATE = 3
 
 # ----------------------------------------------------------------------------- profiles
 
-def builtin_llama2_70b() -> dict:
-    """The assumed LLaMA2-70B profile (see module docstring); every number is an assumption."""
-    num_layers = 80
-    rho = {-1: 1.0}
-    for d in range(num_layers + 1):
-        rho[d] = float(min(30.0, 10 ** (math.log10(30.0) * (d + 1) / 9.0)))
-    return {"name": "llama2-70b", "num_layers": num_layers, "eps_ref": 1e-5,
-            "rho_by_depth": rho, "phi_by_depth": {d: 0.0 for d in rho},
-            "lr": 1.5e-4, "b1": 0.9, "global_batch_size": 1024,
-            "source": "assumed (built-in): rho 1 at the embedding -> 30 at block 8 at eps 1e-5"}
+LLAMA2_70B_SETTINGS = {"lr": 1.5e-4, "b1": 0.9, "global_batch_size": 1024, "eps_ref": 1e-5,
+                      "clip": 1.0}   # configs/llama2-70b.toml (the seed report's run)
+
+
+def _by_depth(num_layers: int, rho: Mapping[int, float], lo: Mapping[int, float],
+              hi: Mapping[int, float]) -> list[dict]:
+    from adamspike.depth_groups import depth_group
+    return [{"depth": int(d), "group": depth_group(int(d), num_layers), "rho": float(rho[d]),
+             "rho_lo": float(lo[d]), "rho_hi": float(hi[d])} for d in sorted(rho)]
+
+
+def _ladder_source(ladder_dir: str | Path, fit: Mapping[str, Any], ext: Mapping[str, Any]) -> str:
+    r2 = ", ".join(f"{g} {v['r2_log']:.3f}" for g, v in fit["groups"].items())
+    ho = [f"{g} {v['heldout_widest']['mean_log10_error']:+.2f}" for g, v in fit["groups"].items()
+          if v.get("heldout_widest")]
+    lr = fit.get("ladder_spec", {}).get("lr_scaling", "constant")
+    return (f"ladder fit ({ladder_dir}: {len(fit['rungs'])} rungs, {fit['num_rows']} rung x seed "
+            f"rows, lr {lr} over width; power law in dim, layers, tokens/step per depth group; R^2 (log) {r2}"
+            + (f"; held-out widest dim {fit['heldout_dim']} mean log10 error {', '.join(ho)}"
+               if ho else "")
+            + f"; {int(100 * fit['ci'])}% bootstrap prediction interval, n_boot {fit['n_boot']})"
+            f" extrapolated to dim {ext['dim']}, {ext['num_layers']} layers, "
+            f"{ext['tokens_per_step']} tokens/step: raw grad norm {ext['raw_grad_norm']:.3g} "
+            f"[{ext['raw_grad_norm_lo']:.3g}, {ext['raw_grad_norm_hi']:.3g}], clip "
+            f"{ext['clip']:g} -> mean rho {ext['mean_rho']:.3g} at eps {ext['eps']:g} "
+            f"(bound clip/(sqrt(N) eps) = {ext['mean_rho_bound']:.3g})")
+
+
+def ladder_profile(ladder_dir: str | Path) -> dict:
+    """The LLaMA2-70B profile from a ladder directory (module docstring)."""
+    from simulate import ladder as LD
+    s = LLAMA2_70B_SETTINGS
+    fit, ext = LD.ladder_70b(ladder_dir, eps=s["eps_ref"], clip=s["clip"])
+    rows = LD.profile_by_depth(ext)
+    L = int(ext["num_layers"])
+    rho = {r["depth"]: r["rho"] for r in rows}
+    return {"name": "llama2-70b", "num_layers": L, "eps_ref": s["eps_ref"], "rho_by_depth": rho,
+            "phi_by_depth": {d: 0.0 for d in rho}, "lr": s["lr"], "b1": s["b1"],
+            "global_batch_size": s["global_batch_size"],
+            "by_depth": _by_depth(L, rho, {r["depth"]: r["rho_lo"] for r in rows},
+                                  {r["depth"]: r["rho_hi"] for r in rows}),
+            "ladder": {"fit": LD.public(fit), "llama2_70b": {k: v for k, v in LD.public(ext).items()}},
+            "source": _ladder_source(ladder_dir, fit, ext)}
+
+
+def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
+                     eps_ref: float = 1e-5) -> dict:
+    """LLaMA2-70B profile from a training log's grad norms, shaped by the ladder (module
+    docstring)."""
+    from adamspike.depth_groups import depth_group
+    from adamspike.llama import num_params, preset
+    from analysis.megatron_log import MegatronLogError, read_megatron_log
+    from simulate import ladder as LD
+
+    if not clip > 0:
+        raise ConfigError(f"--clip: must be > 0, got {clip}")
+    if not eps_ref > 0:
+        raise ConfigError(f"--eps-ref: must be > 0, got {eps_ref}")
+    try:
+        steps = read_megatron_log(log).steps
+    except MegatronLogError as e:
+        raise ConfigError(str(e)) from None
+    gn = steps["grad_norm"].to_numpy(float)
+    gn = gn[np.isfinite(gn)]
+    if len(gn) == 0:
+        raise ConfigError(f"{log}: no finite 'grad norm' values in the log")
+    late = gn[len(gn) // 2:]
+    N = num_params(preset("llama2-70b"))
+    rho_bar_t = np.minimum(late, clip) / (math.sqrt(N) * eps_ref)
+    rho_bar = float(np.median(rho_bar_t))
+    q10, q90 = (float(np.quantile(rho_bar_t, q)) for q in (0.1, 0.9))
+    fit, ext = LD.ladder_70b(ladder_dir, eps=eps_ref, clip=clip)
+    groups = ext["_groups"]
+    shape = {g: ext["rho"][g] / ext["mean_rho"] for g in groups}
+    draws = ext["_draws_rho"]
+    Ng = np.array([ext["group_numel"][g] for g in groups], float)
+    mean_d = np.sqrt((draws ** 2 * Ng).sum(1) / Ng.sum())
+    a = (1 - fit["ci"]) / 2
+    shape_lo = dict(zip(groups, np.quantile(draws / mean_d[:, None], a, axis=0)))
+    shape_hi = dict(zip(groups, np.quantile(draws / mean_d[:, None], 1 - a, axis=0)))
+    L = int(ext["num_layers"])
+    depths = range(-1, L + 1)
+    rho = {d: rho_bar * shape[depth_group(d, L)] for d in depths}
+    lo = {d: q10 * shape_lo[depth_group(d, L)] for d in depths}
+    hi = {d: q90 * shape_hi[depth_group(d, L)] for d in depths}
+    s = LLAMA2_70B_SETTINGS
+    return {"name": "llama2-70b", "num_layers": L, "eps_ref": eps_ref, "rho_by_depth": rho,
+            "phi_by_depth": {d: 0.0 for d in rho}, "lr": s["lr"], "b1": s["b1"],
+            "global_batch_size": s["global_batch_size"], "by_depth": _by_depth(L, rho, lo, hi),
+            "rho_bar": rho_bar, "rho_bar_q10_q90": [q10, q90],
+            "source": (f"measured log {log}: rho_bar = median of min(grad_norm, {clip:g}) / "
+                       f"(sqrt(N) eps) over its last {len(late)} logged iterations = "
+                       f"{rho_bar:.3g} (10-90 %: {q10:.3g}-{q90:.3g}), N {N}, eps {eps_ref:g}; "
+                       f"depth shape from the " + _ladder_source(ladder_dir, fit, ext))}
 
 
 def profile_from_run(path: Path) -> dict:
@@ -106,6 +201,7 @@ def profile_from_run(path: Path) -> dict:
     b1 = float(optim.get("b1", 0.9))
     by_depth = run.layers.groupby("depth")
     grad = by_depth["grad_rms"].median()
+    grad_lo, grad_hi = by_depth["grad_rms"].quantile(0.1), by_depth["grad_rms"].quantile(0.9)
     cos = by_depth["grad_mom_cos"].median()
     phis = np.linspace(-0.9, 0.99, 190)
     curve = np.array([grad_mom_cos(b1, 1.0, 0.0, p) for p in phis])
@@ -121,8 +217,12 @@ def profile_from_run(path: Path) -> dict:
         raise ConfigError(f"{path}: no depth with a positive finite grad_rms")
     model, train = run.config.get("model", {}), run.config.get("train", {})
     num_layers = int(model.get("num_layers") or max(max(rho), 0))
+    lo = {d: float(grad_lo[d] / eps) for d in rho}
+    hi = {d: float(grad_hi[d] / eps) for d in rho}
     return {"name": str(model.get("preset", path.name)), "num_layers": num_layers, "eps_ref": eps,
             "rho_by_depth": rho, "phi_by_depth": phi, "lr": float(optim.get("lr", 1e-3)),
+            "by_depth": _by_depth(num_layers, rho, lo, hi) if all(
+                -1 <= d <= num_layers for d in rho) else [],
             "b1": b1, "global_batch_size": int(train.get("global_batch_size", 1)),
             "source": f"measured: median grad_rms per depth of run {path}"}
 
@@ -157,9 +257,14 @@ def profile_from_json(path: Path) -> dict:
             "source": f"profile file {path}"}
 
 
-def load_profile(spec: str) -> dict:
+def load_profile(spec: str, ladder: str | None = None) -> dict:
     if spec == "llama2-70b":
-        return builtin_llama2_70b()
+        if not ladder:
+            raise ConfigError("--profile llama2-70b: needs --ladder DIR (a directory written by "
+                              "`adamspike simulate ladder`); the hand-written profile is gone")
+        if not Path(ladder).is_dir():
+            raise ConfigError(f"--ladder {ladder}: not a directory")
+        return ladder_profile(ladder)
     p = Path(spec)
     if p.is_dir():
         from adamspike.rundir import RunFormatError
@@ -400,6 +505,9 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
             "phi_by_depth": {str(d): float(v) for d, v in sorted(profile["phi_by_depth"].items())},
             "eps_ref": profile["eps_ref"], "shallow_depths": shallow_depths(profile),
             "source": profile["source"]}
+    for k in ("by_depth", "ladder", "rho_bar", "rho_bar_q10_q90"):
+        if k in profile:
+            prof[k] = profile[k]
     src = {"sweep": table_name or None, "sweep_runs": 0 if table is None else int(len(table)),
            "method": "risk = (n_eff p_sweep + 2 p_theory)/(n_eff + 2); see simulate/predict.py"}
     try:
@@ -413,7 +521,16 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike predict", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", required=True, help="llama2-70b | PROFILE.json | RUN_DIR")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--profile", help="llama2-70b (with --ladder) | PROFILE.json | RUN_DIR")
+    which.add_argument("--profile-from-log", metavar="LOG",
+                       help="Megatron training log of the 70B (rho_bar from its grad norms; "
+                            "depth shape from --ladder)")
+    which.add_argument("--profile-from-run", metavar="RUN",
+                       help="telemetry run directory (measured per-depth rho)")
+    ap.add_argument("--ladder", help="ladder directory (adamspike simulate ladder)")
+    ap.add_argument("--clip", type=float, default=1.0, help="--profile-from-log: grad clip")
+    ap.add_argument("--eps-ref", type=float, default=1e-5, help="--profile-from-log: the run's eps")
     ap.add_argument("--sweep", help="sweep table (runs.parquet / .csv or a sweep directory)")
     ap.add_argument("--candidates", help="TOML with [[candidate]] tables of dotted keys "
                     "(optim.b1, optim.b2, optim.eps, optim.lr, train.global_batch_size)")
@@ -425,7 +542,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if Path(args.out).exists():
             raise ConfigError(f"{args.out}: exists; choose another --out (nothing was overwritten)")
-        profile = load_profile(args.profile)
+        if args.profile_from_log:
+            if not args.ladder:
+                raise ConfigError("--profile-from-log: needs --ladder DIR for the depth shape")
+            profile = profile_from_log(args.profile_from_log, args.ladder, args.clip, args.eps_ref)
+        elif args.profile_from_run:
+            if not Path(args.profile_from_run).is_dir():
+                raise ConfigError(f"--profile-from-run {args.profile_from_run}: not a directory")
+            profile = load_profile(args.profile_from_run)
+        else:
+            profile = load_profile(args.profile, args.ladder)
         table = None
         if args.sweep:
             table = load_table(args.sweep)

@@ -114,7 +114,8 @@ def test_profile_from_run_dir(tmp_path, cands):
 
 @pytest.mark.parametrize("args,needle", [
     (["--profile", "nope-70b"], "--profile"),
-    (["--profile", "llama2-70b", "--sweep", "missing.parquet"], "sweep table not found"),
+    (["--profile", "llama2-70b", "--sweep", "missing.parquet"], "--ladder"),
+    (["--profile", "llama2-70b", "--ladder", "no-such-dir"], "not a directory"),
 ])
 def test_bad_inputs_exit_2(tmp_path, capsys, args, needle):
     assert P.main([*args, "--out", str(tmp_path / "p.json")]) == 2

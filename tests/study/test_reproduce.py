@@ -33,6 +33,11 @@ def test_reproduce_quick(tmp_path):
     pred = json.loads((out / "predictions.json").read_text())
     assert pred["schema"] == "adamspike.predictions" and pred["validate"]
     assert (out / "analysis" / "report.md").stat().st_size > 0
+    # issue 13: the ladder's 70B profile, its figure, the rho-matched toy's section
+    assert "ladder" in names
+    p70 = json.loads((out / "predictions_70b.json").read_text())["profile"]
+    assert p70["source"].startswith("ladder fit") and len(p70["by_depth"]) == 82
+    assert "Width/depth ladder" in report and "Rho-matched toy" in report
 
 
 def test_reproduce_refuses_nonempty_out(tmp_path):

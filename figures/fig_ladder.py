@@ -1,0 +1,155 @@
+"""The width/depth ladder, its power-law fit and the LLaMA2-70B extrapolation.
+
+    python -m figures.fig_ladder --ladder LADDER_DIR --out DIR
+
+Reads the files `adamspike simulate ladder` writes (simulate.ladder.write_outputs):
+responses.csv (one row per rung x seed: log10 group RMS of the raw gradient, late-training
+median), fit.json (per-group coefficients, R^2, the 70B extrapolation), band.csv (raw group
+RMS along width at 80 layers and 1024 x 4096 tokens per step with the bootstrap prediction
+interval), depth_rms.csv (per-depth RMS per rung). Four panels:
+  (a) group RMS vs width at the ladder's base batch, one marker per layer count, the fit's
+      line at that layer count;
+  (b) group RMS vs tokens per step where the ladder varies them, with the fit;
+  (c) the extrapolation band to width 8192 at 80 layers, 4.2M tokens per step (raw, before
+      the clip), with eps = 1e-5 and 1e-8 as horizontal lines;
+  (d) the 70B profile Adam would consume at eps 1e-5 (after the clip) per depth, with its
+      interval, against the bound on the mean rho, clip / (sqrt(N) eps).
+Writes ladder.png / .pdf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+GROUP_COLORS = {"embed": "#7d3c98", "shallow": "#c0392b", "deep": "#2471a3", "head": "#17a589"}
+MARKERS = {2: "o", 4: "s", 8: "^", 1: "v", 16: "D"}
+
+
+def load(ladder_dir: str | Path) -> dict:
+    d = Path(ladder_dir)
+    need = ["fit.json", "responses.csv", "band.csv"]
+    missing = [n for n in need if not (d / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{d}: not a finished ladder directory (missing {', '.join(missing)})")
+    return {"fit": json.loads((d / "fit.json").read_text()),
+            "responses": pd.read_csv(d / "responses.csv"), "band": pd.read_csv(d / "band.csv")}
+
+
+def _line(coef, dim, layers, tokens):
+    return 10 ** (coef[0] + coef[1] * np.log10(dim) + coef[2] * np.log10(layers)
+                  + coef[3] * np.log10(tokens))
+
+
+def prepare(data: dict) -> dict:
+    resp, fit = data["responses"], data["fit"]
+    groups = [g for g in GROUP_COLORS if g in resp and g in fit["fit"]["groups"]]
+    if resp.empty or not groups:
+        raise ValueError("ladder: no fitted rows")
+    base_tokens = resp["tokens_per_step"].mode().iloc[0]
+    return {"resp": resp, "groups": groups, "coef": {g: fit["fit"]["groups"][g]["coef"] for g in groups},
+            "r2": {g: fit["fit"]["groups"][g]["r2_log"] for g in groups},
+            "base_tokens": int(base_tokens), "band": data["band"], "ext": fit["llama2_70b"],
+            "profile": pd.DataFrame(fit["profile_by_depth"])}
+
+
+def plot(p: dict, out_dir: str | Path) -> list[Path]:
+    from figures import style
+    import matplotlib.pyplot as plt
+
+    style.apply()
+    fig, axes = plt.subplots(2, 2, figsize=(10.5, 7.6))
+    resp, groups = p["resp"], p["groups"]
+
+    ax = axes[0, 0]
+    base = resp[resp["tokens_per_step"] == p["base_tokens"]]
+    dims = np.geomspace(base["dim"].min(), base["dim"].max(), 20)
+    for g in groups:
+        for L, sub in base.groupby("num_layers"):
+            m = sub.groupby("dim")[g].agg(["mean", "min", "max"])
+            ax.errorbar(m.index, 10 ** m["mean"], yerr=[10 ** m["mean"] - 10 ** m["min"],
+                        10 ** m["max"] - 10 ** m["mean"]], fmt=MARKERS.get(int(L), "x"),
+                        color=GROUP_COLORS[g], ms=4, lw=0.8)
+            ax.plot(dims, _line(p["coef"][g], dims, L, p["base_tokens"]), color=GROUP_COLORS[g],
+                    lw=0.8, alpha=0.6)
+        ax.plot([], [], color=GROUP_COLORS[g], label=f"{g} (R$^2_{{log}}$ {p['r2'][g]:.2f})")
+    for L in sorted(base["num_layers"].unique()):
+        ax.plot([], [], MARKERS.get(int(L), "x"), color="gray", label=f"{L} layers")
+    ax.set(xscale="log", yscale="log", xlabel="width (dim)", ylabel="gradient RMS (raw)",
+           title=f"(a) ladder at {p['base_tokens']} tokens/step: data (seed range) and fit")
+    ax.legend(ncol=2)
+
+    ax = axes[0, 1]
+    var = resp.groupby(["dim", "num_layers"])["tokens_per_step"].nunique()
+    var = var[var > 1]
+    if len(var):
+        d0, L0 = var.index[0]
+        sub = resp[(resp["dim"] == d0) & (resp["num_layers"] == L0)]
+        toks = np.geomspace(sub["tokens_per_step"].min(), sub["tokens_per_step"].max(), 20)
+        for g in groups:
+            m = sub.groupby("tokens_per_step")[g].mean()
+            ax.plot(m.index, 10 ** m.values, "o", color=GROUP_COLORS[g], ms=4,
+                    label=f"{g}: exponent {p['coef'][g][3]:+.2f}")
+            ax.plot(toks, _line(p["coef"][g], d0, L0, toks), color=GROUP_COLORS[g], lw=0.8)
+        ax.set_title(f"(b) tokens per step at dim {d0}, {L0} layers")
+        ax.legend()
+    else:
+        ax.set_title("(b) the ladder does not vary tokens per step")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="gradient RMS (raw)")
+
+    ax = axes[1, 0]
+    band, ext = p["band"], p["ext"]
+    for g in groups:
+        b = band[band["group"] == g]
+        ax.fill_between(b["dim"], b["rms_lo"], b["rms_hi"], color=GROUP_COLORS[g], alpha=0.2)
+        ax.plot(b["dim"], b["rms"], color=GROUP_COLORS[g], label=g)
+        ax.errorbar([ext["dim"]], [ext["raw_rms"][g]], fmt="*", color=GROUP_COLORS[g], ms=9)
+    for eps, ls in ((1e-5, "--"), (1e-8, ":")):
+        ax.axhline(eps, color="k", ls=ls, lw=0.8, label=f"eps {eps:g}")
+    ax.axvspan(resp["dim"].min(), resp["dim"].max(), color="gray", alpha=0.12, label="ladder widths")
+    ax.set(xscale="log", yscale="log", xlabel="width (dim)", ylabel="raw gradient RMS",
+           title=f"(c) extrapolation at {ext['num_layers']} layers, {ext['tokens_per_step']:,} "
+                 f"tokens/step (before clip)")
+    ax.legend(ncol=2)
+
+    ax = axes[1, 1]
+    prof = p["profile"]
+    for g in groups:
+        q = prof[prof["group"] == g]
+        ax.errorbar(q["depth"], q["rho"], yerr=[q["rho"] - q["rho_lo"], q["rho_hi"] - q["rho"]],
+                    fmt="o", ms=2.5, lw=0.6, color=GROUP_COLORS[g], label=g)
+    ax.axhline(ext["mean_rho_bound"], color="k", ls="--", lw=0.8,
+               label=f"bound on mean rho {ext['mean_rho_bound']:.3f}")
+    ax.axhline(1.0, color="gray", ls=":", lw=0.8, label="rho = 1")
+    ax.set(yscale="log", xlabel="depth (-1 embedding, 80 head)", ylabel="rho = rms(g)/eps",
+           title=f"(d) 70B at eps {ext['eps']:g}: raw norm {ext['raw_grad_norm']:.3g}, clip "
+                 f"{ext['clip']:g}, mean rho {ext['mean_rho']:.3f}")
+    ax.legend()
+    return style.save(fig, out_dir, "ladder")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m figures.fig_ladder", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ladder", required=True, help="ladder directory (adamspike simulate ladder)")
+    ap.add_argument("--out", required=True, help="output directory")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return 0 if e.code == 0 else 2
+    try:
+        data = prepare(load(args.ladder))
+    except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
+        print(f"fig_ladder: {e}", file=sys.stderr)
+        return 2
+    for f in plot(data, args.out):
+        print(f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
