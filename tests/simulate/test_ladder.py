@@ -197,9 +197,10 @@ def test_predict_profile_from_log(synthetic_ladder, tmp_path):
 def test_lr_scaling():
     spec = LD.full_spec("inverse_width")
     assert spec.lr_for(64) == spec.lr and spec.lr_for(256) == pytest.approx(spec.lr / 4)
-    assert LD.full_spec().lr_for(256) == LD.full_spec().lr
-    # the constant ladder's cell ids do not depend on the knob (older ladders resume)
-    assert LD.cell_id(LD.full_spec(), (32, 2, 16)) != LD.cell_id(spec, (32, 2, 16))
+    const = LD.full_spec("constant")
+    assert const.lr_for(256) == const.lr and LD.full_spec().lr_scaling == "inverse_width"
+    # the knob is part of a cell's id (a constant-lr cell is never reused for the other)
+    assert LD.cell_id(const, (32, 2, 16)) != LD.cell_id(spec, (32, 2, 16))
 
 
 def test_outputs_report_and_figure(synthetic_ladder, tmp_path):
