@@ -38,7 +38,8 @@ import jax.numpy as jnp
 
 def make_curvature_fn(loss: Callable, groups: Mapping[str, str], group_names: Sequence[str],
                       num_iters: int = 20):
-    """A jitted fn(params, batch, nu, count, b1, b2, eps, key) -> (raw (G,), precond (G,)).
+    """A jitted fn(params, batch, nu, count, b1, b2, eps, key) -> (raw (G,), precond (G,));
+    eps: a scalar or a dict of one eps per parameter name.
 
     loss(params, batch) -> scalar; groups: parameter name -> group name; group_names: the
     G groups in output order (groups without parameters give 0); nu: Adam's v_t tree (same
@@ -61,7 +62,8 @@ def make_curvature_fn(loss: Callable, groups: Mapping[str, str], group_names: Se
         for n, p in params.items():
             mask = jnp.array([1.0 if member[n] == k % G else 0.0 for k in range(2 * G)],
                              p.dtype).reshape((2 * G,) + (1,) * p.ndim)
-            pre = jnp.sqrt(c / (jnp.sqrt(nu[n] / (1 - b2 ** t)) + eps)).astype(p.dtype)
+            e = eps[n] if isinstance(eps, dict) else eps   # per-tensor eps (per-group eps)
+            pre = jnp.sqrt(c / (jnp.sqrt(nu[n] / (1 - b2 ** t)) + e)).astype(p.dtype)
             is_pre = (jnp.arange(2 * G) >= G).reshape((2 * G,) + (1,) * p.ndim)
             scale[n] = mask * jnp.where(is_pre, pre[None], jnp.ones_like(p)[None])
         keys = jax.random.split(key, len(params))

@@ -188,8 +188,9 @@ def _curvature_fn(cfg: RunConfig, llama: LlamaConfig):
     t = cfg.train
     groups = {s.name: depth_group(s.depth, llama.num_layers) for s in spec_by_name(llama).values()}
     present = [g for g in GROUPS if g in set(groups.values())]
+    options = step_plan(cfg).model_options   # the registry's forward options (GLM shrink)
     loss = lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss,  # noqa: E731
-                                        cfg.model.embed_grad_shrink)[0]
+                                        **options)[0]
     return make_curvature_fn(loss, groups, present, cfg.telemetry.curvature_iters), present
 
 
@@ -228,6 +229,7 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
     opt_state = tx.init(params)
     guard = SnapshotGuard(cfg.guard, cfg.checkpoint.every, params, opt_state)
     curv_fn, curv_groups = _curvature_fn(cfg, llama) if tel.curvature_every > 0 else (None, [])
+    curv_eps = {n: float(e) for n, e in step_plan(cfg).tensor_eps.items()} or o.eps
 
     specs = spec_by_name(llama)
     names = jtel.tensor_names(params)  # telemetry row order
@@ -290,7 +292,7 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                 if curv_fn is not None and step % tel.curvature_every == 0:
                     adam = jopt.adam_state(opt_state)
                     raw, pre = jax.device_get(curv_fn(
-                        params, batch, adam.nu, adam.count, o.b1, o.b2, o.eps,
+                        params, batch, adam.nu, adam.count, o.b1, o.b2, curv_eps,
                         jax.random.PRNGKey(step)))
                     lr_now = o.lr_at(step, t.num_steps)
                     for g, r, p_ in zip(curv_groups, raw, pre):
