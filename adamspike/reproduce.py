@@ -43,6 +43,9 @@ class Stage:
     after: list[str] = field(default_factory=list)   # must have finished (any status)
     outputs: list[str] = field(default_factory=list)   # paths relative to OUT it must leave
     stdout_to: str | None = None     # file (relative to OUT) that receives stdout
+    # outputs that a rerun must find absent (their command refuses to overwrite): an
+    # interrupted attempt's leftovers are moved to OUT/.stale/, never deleted
+    fresh: list[str] = field(default_factory=list)
 
 
 # Stages that leave run directories under OUT/runs (analysis and figures read them all).
@@ -135,14 +138,30 @@ def stages(out: Path, quick: bool) -> list[Stage]:
         Stage("analyze", "Spikes, precursors, alarm scores, theory fits",
               ["analyze", "--from-study", str(out), "--predictions", o("predictions.json"),
                "--out", o("analysis")], needs=["predict"], after=RUN_STAGES,
-              outputs=["analysis"]),
+              outputs=["analysis"], fresh=["analysis"]),
         Stage("figures", "Every figure of the study",
               ["figures", "--from-study", str(out), "--out", o("figures"), *q],
               after=RUN_STAGES + ["sweep", "replication", "ladder"], outputs=["figures"]),
     ]
 
 
+def _set_aside(st: Stage, out: Path) -> None:
+    """Move what an unfinished earlier attempt of `st` left in its `fresh` paths to
+    OUT/.stale/<stage>-<n>/ (kept for inspection), so the rerun starts from nothing."""
+    left = [p for p in st.fresh if (out / p).exists()]
+    if not left:
+        return
+    n = 0
+    while (out / ".stale" / f"{st.name}-{n}").exists():
+        n += 1
+    dest = out / ".stale" / f"{st.name}-{n}"
+    for p in left:
+        (dest / p).parent.mkdir(parents=True, exist_ok=True)
+        (out / p).rename(dest / p)
+
+
 def _run_stage(st: Stage, out: Path, env: dict) -> dict:
+    _set_aside(st, out)
     log = out / "logs" / f"{st.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "adamspike", *st.argv]

@@ -46,3 +46,20 @@ def test_reproduce_refuses_nonempty_out(tmp_path):
                           str(tmp_path)], capture_output=True, text=True)
     assert res.returncode == 2 and "not empty" in res.stderr
     assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_rerun_sets_an_interrupted_stage_output_aside(tmp_path):
+    """A stage whose earlier attempt died mid-way (no .stages mark) left a non-empty
+    analysis/ that `analyze --out` would refuse: the rerun moves it to .stale/, keeps it."""
+    from adamspike.reproduce import Stage, _set_aside
+    (tmp_path / "analysis" / "run").mkdir(parents=True)
+    (tmp_path / "analysis" / "run" / "report.md").write_text("half\n")
+    st = Stage("analyze", "t", [], fresh=["analysis"])
+    _set_aside(st, tmp_path)
+    assert not (tmp_path / "analysis").exists()
+    assert (tmp_path / ".stale" / "analyze-0" / "analysis" / "run" / "report.md").read_text() == "half\n"
+    (tmp_path / "analysis").mkdir()
+    _set_aside(st, tmp_path)
+    assert (tmp_path / ".stale" / "analyze-1" / "analysis").is_dir()
+    _set_aside(st, tmp_path)                  # nothing left: nothing moved
+    assert not (tmp_path / ".stale" / "analyze-2").exists()
