@@ -19,13 +19,14 @@ Writes ladder.png / .pdf.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from figures import style
 
 GROUP_COLORS = {"embed": "#7d3c98", "shallow": "#c0392b", "deep": "#2471a3", "head": "#17a589"}
 MARKERS = {2: "o", 4: "s", 8: "^", 1: "v", 16: "D"}
@@ -59,7 +60,6 @@ def prepare(data: dict) -> dict:
 
 
 def plot(p: dict, out_dir: str | Path) -> list[Path]:
-    from figures import style
     import matplotlib.pyplot as plt
 
     style.apply()
@@ -134,21 +134,9 @@ def plot(p: dict, out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m figures.fig_ladder", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ladder", required=True, help="ladder directory (adamspike simulate ladder)")
-    ap.add_argument("--out", required=True, help="output directory")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
-    try:
-        data = prepare(load(args.ladder))
-    except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
-        print(f"fig_ladder: {e}", file=sys.stderr)
-        return 2
-    for f in plot(data, args.out):
-        print(f)
-    return 0
+    return style.table_figure_main("fig_ladder", __doc__, load, prepare, plot, argv,
+                                   table_help="ladder directory (adamspike simulate ladder)",
+                                   option="--ladder")
 
 
 if __name__ == "__main__":

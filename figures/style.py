@@ -51,13 +51,14 @@ def computed_figure_main(doc: str, prepare, plot, argv=None) -> int:
 
 
 def table_figure_main(prog: str, doc: str, load, prepare, plot, argv=None,
-                      table_help: str = "input table") -> int:
-    """`main` of a figure drawn from one table: --table PATH --out DIR; bad input -> 2."""
+                      table_help: str = "input table", option: str = "--table") -> int:
+    """`main` of a figure drawn from one input: --table PATH (or `option`) --out DIR; bad
+    input (missing, malformed: OSError, ValueError, KeyError, JSON errors) -> 2."""
     import argparse
     import sys
 
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
-    ap.add_argument("--table", required=True, help=table_help)
+    ap.add_argument(option, dest="table", required=True, help=table_help)
     ap.add_argument("--out", required=True, help="output directory")
     try:
         args = ap.parse_args(argv)
@@ -65,7 +66,7 @@ def table_figure_main(prog: str, doc: str, load, prepare, plot, argv=None,
         return 0 if e.code == 0 else 2
     try:
         data = prepare(load(args.table))
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError) as e:   # json.JSONDecodeError is a ValueError
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     for p in plot(data, args.out):
