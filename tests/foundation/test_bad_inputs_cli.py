@@ -65,6 +65,9 @@ def world(tmp_path_factory):
     variant("consecutive_a", lambda p: p["alarm_rules"][0].__setitem__("consecutive", "a"))
     variant("eps_negative", lambda p: p["settings"][0]["overrides"].__setitem__("optim.eps", -1.0))
     (d / "notjson.json").write_text("{oops")
+    (d / "profile.json").write_text(json.dumps({"name": "toy", "num_layers": 2, "eps_ref": 1e-8,
+                                                "rho_by_depth": {"-1": 1.0, "0": 2.0, "1": 3.0,
+                                                                 "2": 4.0}}))
     return {"dir": d, "run": str(run), "report": str(d / "report"), "file": str(d / "afile"),
             "log": str(d / "megatron.log"), "snapshot": _snapshot(d)}
 
@@ -125,9 +128,14 @@ CASES = [
     ("predict-out-exists", lambda w, o: ["predict", "--profile", "llama2-70b", "--sweep",
                                          w["run"], "--out", str(w["dir"] / "good.json")],
      ["good.json"]),
-    ("predict-missing-sweep", lambda w, o: ["predict", "--profile", "llama2-70b", "--sweep",
+    ("predict-missing-sweep", lambda w, o: ["predict", "--profile", str(w["dir"] / "profile.json"), "--sweep",
                                             str(w["dir"] / "nosweep"), "--out", o + ".json"],
      ["nosweep"]),
+    ("predict-70b-without-ladder", lambda w, o: ["predict", "--profile", "llama2-70b",
+                                                 "--out", o + ".json"], ["--ladder"]),
+    ("predict-missing-ladder", lambda w, o: ["predict", "--profile", "llama2-70b", "--ladder",
+                                             str(w["dir"] / "noladder"), "--out", o + ".json"],
+     ["noladder"]),
     # plan
     ("plan-b1-string", lambda w, o: _plan(w, o, "b1_string"), ["settings[0].overrides.optim.b1", "'0.9'"]),
     ("plan-lr-null", lambda w, o: _plan(w, o, "lr_null"), ["settings[0].overrides", "optim.lr"]),
