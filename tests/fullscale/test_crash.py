@@ -224,8 +224,12 @@ def _crash_and_resume(tmp_path: Path, world: int, seed: int) -> None:
     # Per-step events are not duplicated by the re-run steps.
     ckpt_events = [e["step"] for e in _events(run) if e["type"] == "checkpoint"]
     assert len(ckpt_events) == len(set(ckpt_events))
-    # Each killed launch left its lock record; each --resume took the stale lock over.
-    assert sum(e["type"] == "lock_taken_over" for e in _events(run)) == 6
+    # A SIGKILLed writer leaves its lock record and the next --resume takes it over. With 2
+    # ranks, when a hook kills the last rank mid-save, rank 0 may see the collective fail
+    # and close the run (releasing the lock) before the launcher kills it too: that launch
+    # leaves no stale record, so 5 or 6 takeovers, never more than the 6 kills.
+    takeovers = sum(e["type"] == "lock_taken_over" for e in _events(run))
+    assert (5 if world > 1 else 6) <= takeovers <= 6, takeovers
     assert not (run / "writer.lock").read_text()          # released at the end
 
 
