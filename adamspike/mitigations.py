@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, List, Mapping, Optional   # runtime field types: python 3.8
 
 from adamspike.config import ConfigError, flatten, param, to_dict
 from adamspike.depth_groups import GROUPS, depth_group
@@ -156,15 +156,15 @@ REGISTRY: dict[str, Mitigation] = {m.name: m for m in (
                "Zeng et al. 2022, GLM-130B", _resolve_embed_shrink, _not_expressible,
                moved_from=("model.embed_grad_shrink",)),
     Mitigation("group_eps",
-               (("eps_embed", float | None, param(None, lo=0.0, help="Adam eps of the embed group; none = optim.eps")),
-                ("eps_shallow", float | None, param(None, lo=0.0, help="Adam eps of the shallow blocks")),
-                ("eps_deep", float | None, param(None, lo=0.0, help="Adam eps of the deep blocks and the head"))),
+               (("eps_embed", Optional[float], param(None, lo=0.0, help="Adam eps of the embed group; none = optim.eps")),
+                ("eps_shallow", Optional[float], param(None, lo=0.0, help="Adam eps of the shallow blocks")),
+                ("eps_deep", Optional[float], param(None, lo=0.0, help="Adam eps of the deep blocks and the head"))),
                "eps", "Adam eps per depth group (embed / shallow / deep + head)",
                "seed report (shallow layers near eps); adamspike.depth_groups",
                _resolve_group_eps, _group_eps_megatron),
     Mitigation("v_reset",
-               (("v_reset_steps", list[int], param([], help="steps before whose update v is set to 0")),
-                ("v_reset_groups", list[str], param(["embed", "shallow"],
+               (("v_reset_steps", List[int], param([], help="steps before whose update v is set to 0")),
+                ("v_reset_groups", List[str], param(["embed", "shallow"],
                                                     help="depth groups whose v is reset"))),
                "state", "second-moment reset: v <- 0 for the chosen depth groups at chosen steps",
                "Huang et al. 2025, SPAM (moment reset)", _resolve_v_reset, _not_expressible,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional   # Optional: runtime types on python 3.8
 
 from tqdm import tqdm
 
@@ -83,11 +83,11 @@ def _fail(msg: str) -> int:
 LIMITS = {
     "window": (int, dict(lo=2)), "k": (float, dict(lo=0.0)),
     "min_rel_jump": (float, dict(lo=0.0)), "precursor_window": (int, dict(lo=1)),
-    "baseline": (int, dict(lo=1)), "horizon": (int | None, dict(lo=1)),
-    "min_lead": (int, dict(lo=0)), "seq_len": (int | None, dict(lo=1)),
-    "clip": (float | None, dict(lo=0.0)), "b1": (float | None, dict(lo=0.0, hi=1.0, hi_open=True)),
-    "b2": (float | None, dict(lo=0.0, hi=1.0, hi_open=True)), "eps": (float | None, dict(lo=0.0)),
-    "lr": (float | None, dict(lo=0.0, lo_open=True)),
+    "baseline": (int, dict(lo=1)), "horizon": (Optional[int], dict(lo=1)),
+    "min_lead": (int, dict(lo=0)), "seq_len": (Optional[int], dict(lo=1)),
+    "clip": (Optional[float], dict(lo=0.0)), "b1": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)),
+    "b2": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)), "eps": (Optional[float], dict(lo=0.0)),
+    "lr": (Optional[float], dict(lo=0.0, lo_open=True)),
 }
 
 
