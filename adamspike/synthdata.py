@@ -20,17 +20,22 @@ import numpy as np
 TASKS = ("markov", "copy")
 
 
+def check_source_shape(vocab_size: int, seq_len: int, num_samples: int) -> None:
+    """The checks every synthetic token source shares; ValueError naming the data.* key."""
+    if vocab_size < 2:
+        raise ValueError(f"data.vocab_size: must be >= 2, got {vocab_size}")
+    if seq_len < 2:
+        raise ValueError(f"data.seq_len: must be >= 2, got {seq_len}")
+    if num_samples < 1:
+        raise ValueError(f"data.num_samples: must be >= 1, got {num_samples}")
+
+
 class SyntheticTokens:
     def __init__(self, task: str = "markov", vocab_size: int = 64, seq_len: int = 32,
                  num_samples: int = 1 << 20, seed: int = 0, alpha: float = 0.1):
         if task not in TASKS:
             raise ValueError(f"data.task: unknown synthetic task {task!r}; known: {TASKS}")
-        if vocab_size < 2:
-            raise ValueError(f"data.vocab_size: must be >= 2, got {vocab_size}")
-        if seq_len < 2:
-            raise ValueError(f"data.seq_len: must be >= 2, got {seq_len}")
-        if num_samples < 1:
-            raise ValueError(f"data.num_samples: must be >= 1, got {num_samples}")
+        check_source_shape(vocab_size, seq_len, num_samples)
         if not alpha > 0:
             raise ValueError(f"data.alpha: must be > 0, got {alpha}")
         self.task, self.vocab_size, self.seq_len = task, int(vocab_size), int(seq_len)

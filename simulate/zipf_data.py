@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from adamspike.synthdata import check_source_shape
+
 
 class ZipfMarkov:
     def __init__(self, vocab_size: int = 8192, seq_len: int = 64, num_samples: int = 1 << 20,
                  seed: int = 0, exponent: float = 1.1, structure: float = 0.7,
                  num_successors: int = 4):
-        if vocab_size < 2:
-            raise ValueError(f"data.vocab_size: must be >= 2, got {vocab_size}")
-        if seq_len < 2:
-            raise ValueError(f"data.seq_len: must be >= 2, got {seq_len}")
-        if num_samples < 1:
-            raise ValueError(f"data.num_samples: must be >= 1, got {num_samples}")
+        check_source_shape(vocab_size, seq_len, num_samples)
         if not exponent > 0:
             raise ValueError(f"data.zipf_exponent: must be > 0, got {exponent}")
         if not 0 <= structure < 1:
