@@ -19,8 +19,9 @@ Entries (keys, math, reference):
     embed_grad_shrink  mitigation.embed_grad_shrink = a: the embedding output is
                        a x + (1 - a) stop_gradient(x), so the embedding gradient is scaled by
                        a and the forward pass is unchanged (GLM-130B, Zeng et al. 2022).
-    group_eps          mitigation.eps_embed / eps_shallow / eps_deep: Adam's eps per depth
-                       group (adamspike.depth_groups; the head takes eps_deep), none = optim.eps.
+    group_eps          mitigation.eps_embed / eps_shallow / eps_deep / eps_head: Adam's eps
+                       per depth group (adamspike.depth_groups), none = optim.eps (the head:
+                       none = eps_deep).
     v_reset            mitigation.v_reset_steps, v_reset_groups: just before the update of
                        step t in v_reset_steps, v_{t-1} <- 0 for every tensor of the groups,
                        so v_t = (1 - b2) g_t^2; m and the bias corrections are untouched
@@ -107,7 +108,8 @@ def _group_eps(cfg) -> dict[str, float]:
     m, eps = cfg.mitigation, float(cfg.optim.eps)
     pick = lambda v: eps if v is None else float(v)  # noqa: E731
     return {"embed": pick(m.eps_embed), "shallow": pick(m.eps_shallow),
-            "deep": pick(m.eps_deep), "head": pick(m.eps_deep)}
+            "deep": pick(m.eps_deep),
+            "head": pick(m.eps_deep) if m.eps_head is None else float(m.eps_head)}
 
 
 def _resolve_group_eps(cfg, plan: StepPlan, depths, num_layers) -> None:
@@ -158,8 +160,9 @@ REGISTRY: dict[str, Mitigation] = {m.name: m for m in (
     Mitigation("group_eps",
                (("eps_embed", Optional[float], param(None, lo=0.0, help="Adam eps of the embed group; none = optim.eps")),
                 ("eps_shallow", Optional[float], param(None, lo=0.0, help="Adam eps of the shallow blocks")),
-                ("eps_deep", Optional[float], param(None, lo=0.0, help="Adam eps of the deep blocks and the head"))),
-               "eps", "Adam eps per depth group (embed / shallow / deep + head)",
+                ("eps_deep", Optional[float], param(None, lo=0.0, help="Adam eps of the deep blocks (and the head unless eps_head)")),
+                ("eps_head", Optional[float], param(None, lo=0.0, help="Adam eps of the head (final norm + output); none = eps_deep"))),
+               "eps", "Adam eps per depth group (embed / shallow / deep / head)",
                "seed report (shallow layers near eps); adamspike.depth_groups",
                _resolve_group_eps, _group_eps_megatron),
     Mitigation("v_reset",

@@ -62,8 +62,10 @@ def init_params(cfg: LlamaConfig, key: jax.Array) -> Params:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+    """Normalised in float32, cast back to x's dtype, then * weight (torch's RMSNorm)."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * weight
 
 
 def rope_angles(cfg: LlamaConfig, seq_len: int) -> tuple[jax.Array, jax.Array]:
@@ -76,9 +78,10 @@ def rope_angles(cfg: LlamaConfig, seq_len: int) -> tuple[jax.Array, jax.Array]:
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x: (B, T, heads, hd); rotate interleaved pairs (x[..., 0::2], x[..., 1::2])."""
-    a, b = x[..., 0::2], x[..., 1::2]
+    xf = x.astype(jnp.float32)   # float32 rotation, cast back (torch's apply_rope)
+    a, b = xf[..., 0::2], xf[..., 1::2]
     c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return jnp.stack([a * c - b * s, a * s + b * c], axis=-1).reshape(x.shape)
+    return jnp.stack([a * c - b * s, a * s + b * c], axis=-1).reshape(x.shape).astype(x.dtype)
 
 
 def attention(params: Params, prefix: str, x: jax.Array, cfg: LlamaConfig,
@@ -113,7 +116,7 @@ def forward(params: Params, tokens: jax.Array, cfg: LlamaConfig,
     # GLM-130B: same value, embedding gradient times a. Unconditional, so `a` may be traced;
     # a = 1 is exact (1*x + 0*x == x, gradient 1*g).
     a = embed_grad_shrink
-    x = a * x + (1.0 - a) * jax.lax.stop_gradient(x)
+    x = (a * x + (1.0 - a) * jax.lax.stop_gradient(x)).astype(x.dtype)  # a traced: keep bf16
     cos, sin = rope_angles(cfg, T)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
@@ -126,12 +129,24 @@ def forward(params: Params, tokens: jax.Array, cfg: LlamaConfig,
 
 
 def loss_fn(params: Params, batch: jax.Array, cfg: LlamaConfig, loss_scale: float = 1.0,
-            z_loss: float = 0.0, embed_grad_shrink: float = 1.0):
+            z_loss: float = 0.0, embed_grad_shrink: float = 1.0,
+            compute_dtype: str = "fp32"):
     """batch (B, T+1) int tokens -> (loss_scale * total, {"loss": total, "ce": ce}).
 
     total = mean CE + z_loss * mean(logsumexp^2); differentiate the first output
     (`jax.value_and_grad(loss_fn, has_aux=True)`), log the unscaled aux. The scalars may be
-    traced (one compiled step serves every loss scale)."""
+    traced (one compiled step serves every loss scale).
+
+    compute_dtype "bf16" (`train.dtype`): the torch trainer's FSDP2 policy
+    (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`): the float32 master
+    parameters are cast to bfloat16 for the forward, every matmul runs in bfloat16, RMSNorm
+    and RoPE compute in float32 and cast back, the logits and the loss are float32. The
+    gradient w.r.t. the float32 parameters is float32 (the cast's transpose), so Adam's
+    state and the telemetry stay float32, as at 70B."""
+    if compute_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"train.dtype: must be 'fp32' or 'bf16', got {compute_dtype!r}")
+    if compute_dtype == "bf16":
+        params = {n: p.astype(jnp.bfloat16) for n, p in params.items()}
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = forward(params, inputs, cfg, embed_grad_shrink)
     lse = jax.nn.logsumexp(logits, axis=-1)

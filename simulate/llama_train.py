@@ -14,6 +14,10 @@ telemetry sums of simulate.telemetry.step_telemetry on logged steps (+ r histogr
 sqrt(v_hat)/eps histograms and |g| < eps counts on hist steps). Three compiled variants (plain / telemetry / telemetry + hist) so steps that log
 nothing pay nothing.
 
+Compute dtype: train.dtype "bf16" runs the forward and backward in bfloat16 on float32
+master parameters (simulate.llama.loss_fn; the torch trainer's FSDP2 policy); Adam's state,
+the update and the telemetry stay float32.
+
 Gradient frame: every gradient quantity (steps.grad_norm, layers.grad_rms, rho, ...) is
 that of the differentiated objective loss_scale * loss, i.e. what Adam consumed. With
 loss_scale s, rho = rms(s g) / eps = rms(g) / (eps / s): the equivalent-eps ratio. The logged
@@ -155,7 +159,8 @@ def _make_steps(cfg: RunConfig):
     tel_eps = jax.tree.leaves(eps) if isinstance(eps, dict) else o.eps
     tx = jopt.adamw(o, t.num_steps, t.loss_scale, plan=plan, params=shapes)
     value_and_grad = jax.value_and_grad(
-        lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss, **plan.model_options),
+        lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss, compute_dtype=t.dtype,
+                                    **plan.model_options),
         has_aux=True)
 
     def step(params, opt_state, batch, telemetry: bool, hist: bool, native: bool = True):
@@ -190,7 +195,7 @@ def _curvature_fn(cfg: RunConfig, llama: LlamaConfig):
     present = [g for g in GROUPS if g in set(groups.values())]
     options = step_plan(cfg).model_options   # the registry's forward options (GLM shrink)
     loss = lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss,  # noqa: E731
-                                        **options)[0]
+                                        compute_dtype=t.dtype, **options)[0]
     return make_curvature_fn(loss, groups, present, cfg.telemetry.curvature_iters), present
 
 

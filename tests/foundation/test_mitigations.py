@@ -42,6 +42,15 @@ def test_group_eps_and_v_reset_follow_the_depth_groups():
     assert not M.needs_explicit_m_prev(RunConfig.from_dict({"mitigation.eps_deep": 1e-6}))
 
 
+def test_eps_head_overrides_the_head_only():
+    cfg = RunConfig.from_dict({"mitigation.eps_deep": 1e-6, "mitigation.eps_head": 3e-4})
+    eps = M.plan(cfg, DEPTHS_70B, 80).tensor_eps
+    assert eps["output.weight"] == 3e-4 and eps["norm.weight"] == 3e-4
+    assert eps["layers.79.attention.wq.weight"] == 1e-6
+    assert eps["tok_embeddings.weight"] == 1e-8 and eps["layers.0.ffn_norm.weight"] == 1e-8
+    assert "mitigation.eps_head = 0.0003" in " ".join(M.megatron_gaps(cfg))
+
+
 def test_megatron_gaps_and_args():
     assert M.megatron_gaps(RunConfig()) == [] and M.megatron_args(RunConfig()) == []
     cfg = RunConfig.from_dict({"mitigation.update_clip": True,
