@@ -50,7 +50,7 @@ class Stage:
 
 # Stages that leave run directories under OUT/runs (analysis and figures read them all).
 RUN_STAGES = ["quadratic_spike", "quadratic_stable", "mlp", "llama_spike", "llama_stable",
-              "torch_run", "matched_toy", "matched_toy_1e8"]
+              "torch_run", "matched_toy", "matched_toy_1e8", "matched_toy_ge", "matched_toy_ge_1e8"]
 
 
 def stages(out: Path, quick: bool) -> list[Stage]:
@@ -74,6 +74,18 @@ def stages(out: Path, quick: bool) -> list[Stage]:
               ["simulate", "llama", "--config", str(REPO / "configs" / "matched_70b_eps1e-8.toml"),
                "--out", o("runs", "matched_70b_eps1e-8"), "--no-progress", *matched_steps],
               outputs=["runs/matched_70b_eps1e-8/run.json"]),
+        Stage("matched_toy_ge", "Rho-matched tiny LLaMA, per-group eps (70B rho per group at "
+              "eps 1e-5)",
+              ["simulate", "llama", "--config", str(REPO / "configs" / "matched_70b_groupeps.toml"),
+               "--out", o("runs", "matched_70b_groupeps"), "--no-progress", *matched_steps],
+              outputs=["runs/matched_70b_groupeps/run.json"]),
+        Stage("matched_toy_ge_1e8", "Rho-matched tiny LLaMA, per-group eps / 1000 (the 70B at "
+              "eps 1e-8)",
+              ["simulate", "llama", "--config",
+               str(REPO / "configs" / "matched_70b_groupeps_eps1e-8.toml"),
+               "--out", o("runs", "matched_70b_groupeps_eps1e-8"), "--no-progress",
+               *matched_steps],
+              outputs=["runs/matched_70b_groupeps_eps1e-8/run.json"]),
         Stage("montecarlo", "Monte-Carlo of Adam on i.i.d. and AR(1) streams (optax)",
               ["simulate", "streams", "--steps", "500" if quick else "2000",
                "--coords", "16384" if quick else "65536", "--b1", "0.9", "--b2", "0.95",
@@ -116,9 +128,11 @@ def stages(out: Path, quick: bool) -> list[Stage]:
               needs=["sweep", "ladder"], outputs=["predictions_70b.json"]),
         Stage("matched_report", "Rho-matched toy: spikes, regime trajectories, dormancy",
               ["simulate", "matched", "--runs", o("runs", "matched_70b"),
-               o("runs", "matched_70b_eps1e-8"), "--predictions", o("predictions_70b.json"),
-               "--out", o("matched")],
-              needs=["matched_toy", "matched_toy_1e8", "predict_70b"],
+               o("runs", "matched_70b_eps1e-8"), o("runs", "matched_70b_groupeps"),
+               o("runs", "matched_70b_groupeps_eps1e-8"),
+               "--predictions", o("predictions_70b.json"), "--out", o("matched")],
+              needs=["matched_toy", "matched_toy_1e8", "matched_toy_ge", "matched_toy_ge_1e8",
+                     "predict_70b"],
               outputs=["matched/report.md"]),
         Stage("plan", "Full-scale run configs + launch scripts per recommended setting",
               ["plan", "--predictions", o("predictions_70b.json"),

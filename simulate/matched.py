@@ -7,8 +7,9 @@ predictions_70b.json (`profile.by_depth`, at `profile.eps_ref`), writes DIR/repo
 STUDY.md section) and DIR/trajectories.csv (per run, logged step and depth group: rho,
 eps_frac, dormant). Definitions, per depth group g (adamspike.depth_groups) and logged step:
 
-    rho_g       sqrt(sum_t numel_t grad_rms_t^2 / sum_t numel_t) / eps: the group's RMS of the
-                gradient Adam consumed (after the clip), over eps
+    rho_g       sqrt(sum_t numel_t rho_t^2 / sum_t numel_t), rho_t = grad_rms_t / eps_t: the
+                group's RMS of the gradient Adam consumed (after the clip) over its eps (each
+                tensor's own eps, so per-group eps, mitigation.eps_*, is accounted for)
     eps_frac_g  numel-weighted mean of eps_frac (fraction of coordinates with
                 sqrt(v_hat) < eps: their update r = m_hat / (sqrt(v_hat) + eps) is
                 eps-dominated)
@@ -46,16 +47,15 @@ PHASES = (0, 250, 1000, 2000, 3000, 4000, 5000)
 def trajectories(run) -> pd.DataFrame:
     """Per logged step and group: rho, eps_frac, dormant (module docstring)."""
     L = int(run.config.get("model", {}).get("num_layers") or run.layers["depth"].max())
-    eps = float(run.config["optim"]["eps"])
     lay = run.layers
     df = pd.DataFrame({"step": lay["step"].to_numpy(), "numel": lay["numel"].to_numpy(float),
-                       "g2": lay["grad_rms"].to_numpy(float) ** 2,
+                       "g2": lay["rho"].to_numpy(float) ** 2,
                        "eps_frac": lay["eps_frac"].to_numpy(float),
                        "group": [depth_group(int(d), L) for d in lay["depth"]]})
     df["g2n"] = df["g2"] * df["numel"]
     df["efn"] = df["eps_frac"] * df["numel"]
     g = df.groupby(["step", "group"], as_index=False)[["g2n", "efn", "numel"]].sum()
-    g["rho"] = np.sqrt(g["g2n"] / g["numel"]) / eps
+    g["rho"] = np.sqrt(g["g2n"] / g["numel"])
     g["eps_frac"] = g["efn"] / g["numel"]
     g["dormant"] = g["eps_frac"] > 0.5
     return g[["step", "group", "rho", "eps_frac", "dormant"]]
@@ -88,9 +88,10 @@ def summarize(path: Path, profile: dict) -> dict:
     from analysis.spikes import detect_spikes
 
     run = load_run(path, tables=("steps", "layers", "curvature"),
-                   layer_columns=["grad_rms", "eps_frac"])
+                   layer_columns=["rho", "eps_frac"])
     cfg = run.config
     eps = float(cfg["optim"]["eps"])
+    groups_eps = {g: (cfg.get("mitigation") or {}).get(f"eps_{g}") for g in GROUPS}
     steps = run.steps
     loss = steps["loss"].to_numpy(float)
     spikes = {j: detect_spikes(loss, steps["step"].to_numpy(), window=50, k=6.0, min_rel_jump=j)
@@ -98,6 +99,8 @@ def summarize(path: Path, profile: dict) -> dict:
     traj = trajectories(run)
     wake = wakeups(traj)
     out = {"name": path.name, "eps": eps, "b2": float(cfg["optim"]["b2"]),
+           "eps_label": _eps_label(eps, groups_eps),
+           "dtype": (cfg.get("train") or {}).get("dtype", "fp32"),
            "num_steps": int(steps["step"].max()), "final_loss": float(loss[-1]),
            "min_loss": float(np.nanmin(loss)), "clipped_frac": float(steps["clipped"].mean()),
            "median_grad_norm": float(steps["grad_norm"].median()),
@@ -120,6 +123,16 @@ def summarize(path: Path, profile: dict) -> dict:
     return out
 
 
+def _eps_label(eps: float, groups_eps: dict) -> str:
+    """The global eps, or each group's (mitigation.eps_*; the head falls back to eps_deep)."""
+    if all(v is None for v in groups_eps.values()):
+        return f"{eps:.3g}"
+    head = groups_eps.get("head")
+    head = groups_eps.get("deep") if head is None else head
+    by = {**groups_eps, "head": head}
+    return " / ".join(f"{g} {eps if by[g] is None else by[g]:.3g}" for g in GROUPS)
+
+
 def _target(profile: dict, eps_run: float, eps_ref_70b: float) -> dict[str, float]:
     rows = profile.get("by_depth") or []
     by_group: dict[str, float] = {}
@@ -130,16 +143,18 @@ def _target(profile: dict, eps_run: float, eps_ref_70b: float) -> dict[str, floa
 
 def report(summaries: list[dict], profile: dict) -> str:
     lines = [f"The 70B profile: {profile.get('source', '?')}.", "",
-             "Runs (configs/matched_70b*.toml; one global eps, per-group eps is not on this "
-             "branch; float32 compute). The 70B target of a run is the profile's rho at the "
-             "70B eps the run stands for (1e-5 for the matched eps, 1e-8 for its twin at "
-             "eps / 1000).", ""]
-    lines += ["| run | eps | b2 | steps | final loss (floor) | clipped | median grad norm | "
-              "spikes >= 10 % | spikes >= 20 % |", "|---|---|---|---|---|---|---|---|---|"]
+             "Runs (configs/matched_70b*.toml: one global eps, or per-group eps in the "
+             "*groupeps* configs; rho of a group uses each tensor's own eps). The 70B target of "
+             "a run is the profile's rho at the 70B eps the run stands for (1e-5 for the "
+             "matched eps, 1e-8 for its twin at eps / 1000).", ""]
+    lines += ["| run | eps | b2 | compute | steps | final loss (floor) | clipped | "
+              "median grad norm | spikes >= 10 % | spikes >= 20 % |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         sp = {j: ", ".join(f"{int(r['start'])} (+{100 * r['height']:.0f} %)" for r in v) or "none"
               for j, v in s["spikes"].items()}
-        lines.append(f"| {s['name']} | {s['eps']:.3g} | {s['b2']:g} | {s['num_steps']} | "
+        lines.append(f"| {s['name']} | {s['eps_label']} | {s['b2']:g} | {s['dtype']} | "
+                     f"{s['num_steps']} | "
                      f"{s['final_loss']:.3f} ({s['entropy_rate']:.3f}) | "
                      f"{100 * s['clipped_frac']:.0f} % | {s['median_grad_norm']:.3g} | "
                      f"{len(s['spikes']['0.1'])}: {sp['0.1']} | {len(s['spikes']['0.2'])} |")
@@ -151,7 +166,7 @@ def report(summaries: list[dict], profile: dict) -> str:
         n10, n20 = len(s["spikes"]["0.1"]), len(s["spikes"]["0.2"])
         led = sum(bool(x["wakeups_before"]) for x in s["lead"])
         lines.append(
-            f"- {s['name']} (eps {s['eps']:.3g}, b2 {s['b2']:g}, {s['num_steps']} steps): "
+            f"- {s['name']} (eps {s['eps_label']}, b2 {s['b2']:g}, {s['num_steps']} steps): "
             f"{n10} loss spike(s) >= 10 % ({n20} >= 20 %); dormant (eps_frac > 1/2) on "
             + ", ".join(f"{g} {100 * v:.0f} %" for g, v in dorm.items())
             + f" of the logged steps; {len(s['wake'])} wake-up(s)"

@@ -32,7 +32,7 @@ def run(tmp_path):
                                               ("b0a", 0, 100, 1e-6, 0.0), ("b0b", 0, 300, 3e-6, 0.2),
                                               ("b1", 1, 100, 5e-6, 0.0), ("out", 2, 100, 1e-5, 0.0)):
                 m = {k: 0.0 for k in METRIC_NAMES}
-                m.update(grad_rms=g, eps_frac=ef)
+                m.update(grad_rms=g, rho=g / 1e-6, eps_frac=ef)   # rho: each tensor's own eps
                 rows.append({"name": name, "depth": depth, "kind": "w1", "numel": numel, **m})
             w.log_layers(step, rows=rows)
             if step % 50 == 0:
@@ -63,7 +63,7 @@ def test_report(run, tmp_path):
     out = tmp_path / "matched"
     assert M.main(["--runs", str(run), "--predictions", str(pred), "--out", str(out)]) == 0
     text = (out / "report.md").read_text()
-    assert "| matched_70b | 1e-06 | 0.95 | 200 | " in text
+    assert "| matched_70b | 1e-06 | 0.95 | fp32 | 200 | " in text
     assert "1: 150 (+" in text                       # the spike, >= 10 % rule
     assert "shallow max 1.5" in text                 # 3000 * 1e-3 / 2
     assert "(1 of 4 evaluations > 1)" in text
@@ -71,3 +71,9 @@ def test_report(run, tmp_path):
     assert (out / "trajectories.csv").stat().st_size > 0
     assert M.main(["--runs", str(tmp_path / "nope"), "--predictions", str(pred),
                    "--out", str(out)]) == 2
+
+
+def test_group_eps_label_and_rho_from_each_tensors_eps():
+    assert M._eps_label(1e-5, {"embed": None, "shallow": None, "deep": None, "head": None}) == "1e-05"
+    lab = M._eps_label(1e-5, {"embed": 1e-3, "shallow": None, "deep": 2e-3, "head": None})
+    assert lab == "embed 0.001 / shallow 1e-05 / deep 0.002 / head 0.002"   # head: eps_deep
