@@ -150,18 +150,29 @@ def make_steps(cfg: RunConfig):
     return _STEP_CACHE[key]
 
 
-def _make_steps(cfg: RunConfig):
+def objective(cfg: RunConfig):
+    """(tx, value_and_grad, tensor eps): the optax chain of cfg (simulate.optim.adamw with
+    the registry's plan) and value_and_grad(params, batch) -> ((loss_scale * loss, aux),
+    grads) of the model's loss with the plan's forward options; tensor eps is a pytree like
+    the parameters, or optim.eps when uniform. Shared by the trainer's step and the
+    vmapped seed programs (simulate.seeds)."""
     t, o = cfg.train, cfg.optim
     llama = cfg.model.llama()
     plan = step_plan(cfg)
     shapes = jax.eval_shape(functools.partial(jllama.init_params, llama), jax.random.PRNGKey(0))
     eps = jopt.eps_tree(shapes, plan.tensor_eps, o.eps)   # o.eps itself when uniform
-    tel_eps = jax.tree.leaves(eps) if isinstance(eps, dict) else o.eps
     tx = jopt.adamw(o, t.num_steps, t.loss_scale, plan=plan, params=shapes)
     value_and_grad = jax.value_and_grad(
         lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss, compute_dtype=t.dtype,
                                     **plan.model_options),
         has_aux=True)
+    return tx, value_and_grad, eps
+
+
+def _make_steps(cfg: RunConfig):
+    o = cfg.optim
+    tx, value_and_grad, eps = objective(cfg)
+    tel_eps = jax.tree.leaves(eps) if isinstance(eps, dict) else o.eps
 
     def step(params, opt_state, batch, telemetry: bool, hist: bool, native: bool = True):
         (_, aux), grads = value_and_grad(params, batch)
