@@ -71,7 +71,7 @@ def model_parser() -> argparse.ArgumentParser:
 
 
 def _assumptions(args):
-    from fullscale.device import DeviceError, peak_flops   # lazy: torch; `model info` runs without it
+    from fullscale.device import DeviceError, peak_flops   # lazy: torch; `adamspike data` needs none
 
     for flag, v in (("--mfu", args.mfu), ("--intra-node-gbs", args.intra_node_gbs),
                     ("--inter-node-gbs", args.inter_node_gbs), ("--device-memory-gb", args.device_memory_gb)):

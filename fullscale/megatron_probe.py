@@ -766,6 +766,7 @@ def _tokens(args) -> Optional[int]:
     if args is None:
         return None
     try:
+        # lazy: Megatron is the training script's, present only under it (older ones lack this)
         from megatron.core.num_microbatches_calculator import get_current_global_batch_size
         gbs = get_current_global_batch_size()
     except Exception:  # noqa: BLE001 - older Megatron
@@ -874,6 +875,7 @@ def install(out: Optional[str] = None, *, every: Optional[int] = None,
 
     wrapper = make_train_step_wrapper(factory)
     try:
+        # lazy: optional, only MindSpeed-LLM stacks have it
         from mindspeed.patch_utils import MindSpeedPatchesManager
     except ImportError:
         MindSpeedPatchesManager = None

@@ -105,7 +105,7 @@ def param_counts(cfg: LlamaConfig) -> dict[str, int]:
 
 def meta_param_count(cfg: LlamaConfig) -> int:
     """Parameters of fullscale.model.Transformer built on the meta device."""
-    # lazy: torch; `model info` without --meta-check runs without it
+    # lazy: torch; `model info --no-meta-check` and `launch` run without it
     import torch
     from fullscale.model import Transformer
 
