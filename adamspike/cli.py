@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from adamspike import __version__
+
 # subcommand -> ("module:function", one-line help). Each function takes argv and returns
 # an exit status.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -44,7 +46,8 @@ def resolve(name: str):
 def analyze_main(argv: list[str]) -> int:
     """`adamspike analyze` with the run figures drawn by figures/ (analysis imports no
     figures code: the report takes the figure maker from here)."""
-    from analysis.cli import main as analyze   # pandas / matplotlib: this subcommand only
+    # lazy: pandas / matplotlib, only this subcommand needs them (`adamspike --help` stays light)
+    from analysis.cli import main as analyze
     from figures.cli import analysis_figures
     return analyze(argv, figures=analysis_figures)
 
@@ -54,7 +57,8 @@ def sweep_main(argv: list[str]) -> int:
     `adamspike sweep replicate` is `adamspike replicate`."""
     if argv and argv[0] == "replicate":
         return int(resolve("replicate")(argv[1:]) or 0)
-    from simulate.sweep import main as sweep   # jax: only for this subcommand
+    # lazy: the sweep problems import jax, only this subcommand needs it
+    from simulate.sweep import main as sweep
     from simulate.sweep_problems import PROBLEMS
     return sweep(argv, PROBLEMS)
 
@@ -65,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from adamspike import __version__
         print(__version__)
         return 0
     name, rest = argv[0], argv[1:]

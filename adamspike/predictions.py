@@ -47,9 +47,11 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import numpy as np
+import pandas as pd
 
 from adamspike.config import ConfigError, check_value, flatten, nest, to_dict
-from adamspike.metrics import METRIC_NAMES
+from adamspike.metrics import METRIC_NAMES, shape_stats
+from adamspike.rundir import atomic_write_bytes, read_json
 from adamspike.train_config import RunConfig
 
 SCHEMA = "adamspike.predictions"
@@ -130,7 +132,6 @@ class AlarmRule:
 def metric_values(rule: AlarmRule, columns: Mapping[str, Any]) -> np.ndarray:
     """Per-tensor values of rule.metric from layer columns (derives bimodality etc.)."""
     if rule.metric in DERIVED_METRICS:
-        from adamspike.metrics import shape_stats
         return shape_stats(columns["r_mean"], columns["r_m2"], columns["r_m3"],
                            columns["r_m4"])[rule.metric]
     return np.asarray(columns[rule.metric], dtype=np.float64)
@@ -173,8 +174,6 @@ def evaluate_rules(rules: Iterable[AlarmRule], layers) -> "Any":
     """Offline evaluation over a layers DataFrame: one row per (step, rule) with the reduced
     value, whether the condition held, and whether the alarm fired (same semantics as
     OnlineAlarms)."""
-    import pandas as pd
-
     rules = list(rules)
     online = OnlineAlarms(rules)
     rows = []
@@ -284,8 +283,6 @@ def setting_config(s: Mapping[str, Any], where: str = "setting", base=None):
 
 
 def load_predictions(path: str | Path) -> Predictions:
-    from adamspike.rundir import read_json
-
     path = Path(path)
     data = read_json(path, PredictionsError, f"{path}: predictions file not found")
     return from_json(data, where=str(path))
@@ -293,8 +290,6 @@ def load_predictions(path: str | Path) -> Predictions:
 
 def save_predictions(pred: Predictions, path: str | Path) -> None:
     """Atomic write; refuses to replace an existing file (nothing written is lost)."""
-    from adamspike.rundir import atomic_write_bytes
-
     path = Path(path)
     if path.exists():
         raise PredictionsError(f"{path}: exists; choose another path (nothing was overwritten)")

@@ -26,6 +26,12 @@ from typing import Callable, Optional   # Optional: runtime types on python 3.8
 from tqdm import tqdm
 
 from adamspike.config import ConfigError, check_value
+from adamspike.llama import PRESETS
+from adamspike.llama import num_params as llama_num_params
+from adamspike.predictions import PredictionsError, load_predictions
+from adamspike.rundir import RunFormatError, find_runs, run_names
+from analysis.megatron_log import MegatronLogError, import_megatron_log
+from analysis.report import AnalysisError, SpikeParams, analyze_run, write_index, write_run_report
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,12 +107,6 @@ def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
     """`adamspike analyze`. figures: the figure maker of the reports (figure files of a
     RunAnalysis; the top CLI passes figures.cli.analysis_figures: analysis imports no
     figures code), None = no figures."""
-    from adamspike.predictions import PredictionsError, load_predictions
-    from adamspike.rundir import RunFormatError, find_runs, run_names
-    from analysis.megatron_log import MegatronLogError, import_megatron_log
-    from analysis.report import (AnalysisError, SpikeParams, analyze_run, write_index,
-                                 write_run_report)
-
     args = _parser().parse_args(argv)
     try:
         _check_args(args)
@@ -156,12 +156,10 @@ def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
     if args.num_params is not None and args.num_params < 1:
         return _fail("--num-params must be >= 1")
     if args.model:
-        from adamspike.llama import PRESETS
-        from adamspike.llama import num_params as count
         if args.model not in PRESETS:
             return _fail(f"--model: unknown preset {args.model!r}; known: {', '.join(PRESETS)}")
         if num_params is None:
-            num_params, num_params_source = count(PRESETS[args.model]), f"preset {args.model}"
+            num_params, num_params_source = llama_num_params(PRESETS[args.model]), f"preset {args.model}"
     log_mode = {"auto": None, "yes": True, "no": False}[args.log_loss]
     params = SpikeParams(args.window, args.k, args.min_rel_jump, log_mode)
     names = run_names(runs)

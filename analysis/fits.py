@@ -47,6 +47,7 @@ import pandas as pd
 from scipy.interpolate import RegularGridInterpolator
 from scipy.optimize import minimize_scalar
 
+from adamspike.metrics import NUM_VHIST_BINS, shape_stats, vhist_centers
 from analysis.precursors import depth_group
 from theory.adam_moments import grad_mom_cos as theory_grad_mom_cos
 from theory.eps_regime import regime, update_rms
@@ -462,8 +463,6 @@ def heterogeneous_update_rms(counts, phi, model: ExactUpdateRms, centers=None) -
     """sqrt(sum_b w_b f(x_b, phi)^2): each coordinate at its own rho, x_b the geometric
     centre of its sqrt(v_hat)/eps bin (w_b = counts_b / n), f the stationary exact
     update_rms. counts (rows, bins), phi (rows,)."""
-    from adamspike.metrics import vhist_centers
-
     c = np.asarray(counts, float)
     x = vhist_centers() if centers is None else np.asarray(centers, float)
     w = c / np.maximum(c.sum(axis=1, keepdims=True), 1.0)
@@ -540,8 +539,6 @@ def fit_update_rms_heterogeneous(layers: pd.DataFrame, vhists: pd.DataFrame, b1:
     step's gradient power over its b2-window average, v_hat from the vhist bin centres;
     ~ 1 for a stationary Gaussian stream) and the burstiness, mean / median of the
     tensor's grad_rms^2 over the last 1 / (1 - b2) logged steps (~ 1 for a steady power)."""
-    from adamspike.metrics import NUM_VHIST_BINS, vhist_centers
-
     need = ["step", "name", "depth", "rho", "update_rms", "grad_mom_cos", "grad_rms",
             "m_v_ratio", "rms_t"]
     missing = [c for c in need if c not in layers]
@@ -590,7 +587,6 @@ def fit_update_rms_heterogeneous(layers: pd.DataFrame, vhists: pd.DataFrame, b1:
     q90 = lx[np.argmax(cdf >= 0.9, axis=1)]
     kurt = math.nan * np.ones(len(m))
     if {"r_mean", "r_m2", "r_m3", "r_m4"} <= set(m.columns):
-        from adamspike.metrics import shape_stats
         kurt = shape_stats(m["r_mean"], m["r_m2"], m["r_m3"], m["r_m4"])["kurtosis"]
     rows = pd.DataFrame({"step": m["step"].to_numpy(), "name": m["name"].to_numpy(),
                          "depth": m["depth"].to_numpy(), "rho": rho, "phi": phi,

@@ -57,6 +57,10 @@ import numpy as np
 import pandas as pd
 
 from adamspike.depth_groups import GROUPS, depth_group
+from adamspike.llama import PRESETS, LlamaConfig
+from adamspike.llama import num_params as llama_num_params
+from adamspike.rundir import load_run
+from analysis.fits import optim_params
 
 RHO_WAKE = 1.0
 MIN_DORMANT = 10
@@ -73,7 +77,6 @@ def num_blocks(layers: pd.DataFrame, config: dict | None = None) -> int:
         if m.get("num_layers"):
             return int(m["num_layers"])
         if m.get("preset"):
-            from adamspike.llama import PRESETS
             if m["preset"] in PRESETS:
                 return PRESETS[m["preset"]].num_layers
     d = layers["depth"].to_numpy()
@@ -148,8 +151,6 @@ def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | No
     """The regime card of a run directory's layers table (module doc); `vhists` (the
     table, with its g_below_eps column) adds the fraction of coordinates with |g| < eps
     per group on histogram steps."""
-    from analysis.fits import optim_params
-
     need = ["step", "name", "depth", "numel", "grad_rms", "rho"]
     missing = [c for c in need if c not in layers]
     if missing:
@@ -367,8 +368,6 @@ def _num(s: str | None) -> float | None:
 def num_params_from_args(args: dict[str, str]) -> tuple[int | None, str]:
     """LLaMA-style parameter count from Megatron arguments (adamspike.llama.num_params),
     and where it came from; (None, why) when the arguments do not fix it."""
-    from adamspike.llama import LlamaConfig, num_params
-
     need = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
     vals = {k: _num(args.get(k)) for k in need}
     vocab = _num(args.get("padded_vocab_size")) or _num(args.get("vocab_size"))
@@ -382,7 +381,7 @@ def num_params_from_args(args: dict[str, str]) -> tuple[int | None, str]:
                       num_layers=int(vals["num_layers"]),
                       num_heads=int(vals["num_attention_heads"]), num_kv_heads=int(kv),
                       ffn_dim=int(vals["ffn_hidden_size"]))
-    n = num_params(cfg)
+    n = llama_num_params(cfg)
     if str(args.get("untie_embeddings_and_output_weights", "True")).lower() == "false":
         n -= cfg.vocab_size * cfg.dim
     return n, "the log's model arguments"
@@ -405,8 +404,6 @@ def rho_bar_bound(clip: float, num_params: int, eps: float) -> float:
 def log_card(steps: pd.DataFrame, config: dict | None, *, num_params: int | None = None,
              num_params_source: str = "", log_path: str | Path | None = None) -> RegimeCard:
     """The regime card of a log (global grad norm only): rho_bar over time (module doc)."""
-    from analysis.fits import optim_params
-
     op = optim_params(config or {})
     args = log_arguments(log_path) if log_path else {}
     for k, a in (("eps", "adam_eps"), ("b1", "adam_beta1"), ("b2", "adam_beta2"),
@@ -467,11 +464,9 @@ def card_for_run(run, *, num_params: int | None = None,
                         num_params_source=num_params_source, log_path=log_path)
     curv = getattr(run, "curvature", None)
     if (curv is None or curv.empty) and (Path(run.path) / "curvature").is_dir():
-        from adamspike.rundir import load_run
         curv = load_run(run.path, tables=("curvature",)).curvature
     vh = getattr(run, "vhists", None)
     if (vh is None or vh.empty) and (Path(run.path) / "vhists").is_dir():
-        from adamspike.rundir import load_run
         vh = load_run(run.path, tables=("vhists",)).vhists
     return run_card(run.layers, run.steps, run.config,
                     curvature=curv if curv is not None and len(curv) else None,

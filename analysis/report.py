@@ -20,6 +20,11 @@ import numpy as np
 import pandas as pd
 
 from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
+from analysis.alarms import fire_steps, online_alarms, score_alarms
+from analysis.fits import (check_rms_t, failing_assumption, fit_update_rms, fit_update_rms_heterogeneous,
+                           optim_params, spike_regimes)
+from analysis.precursors import precursors
+from analysis.regime import card_for_run
 from analysis.spikes import detect_spikes, spike_score_olmo2, zscore_flags
 
 LAYER_COLUMNS = ["grad_rms", "rho", "update_rms", "rms_t", "sat_frac", "grad_mom_cos",
@@ -123,10 +128,6 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
                 num_params_source: str = "") -> RunAnalysis:
     """Analyse one run directory (RunFormatError / AnalysisError on bad input).
     num_params: the model's parameter count for a log's regime card (rho_bar)."""
-    from analysis.alarms import fire_steps, online_alarms, score_alarms
-    from analysis.fits import check_rms_t, fit_update_rms, optim_params, spike_regimes
-    from analysis.precursors import precursors
-
     path = Path(path)
     tables = ("steps", "layers", "hists") if with_hists else ("steps", "layers")
     run = _load(path, tables)
@@ -199,9 +200,6 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
 def _regime_and_hetero(ra: RunAnalysis, run, op: dict, num_params, num_params_source) -> None:
     """The regime card (analysis.regime) and, where the run has sqrt(v_hat)/eps
     histograms, the heterogeneous update_rms fit (analysis.fits), into ra."""
-    from analysis.fits import fit_update_rms_heterogeneous
-    from analysis.regime import card_for_run
-
     try:
         ra.regime_card = card_for_run(run, num_params=num_params,
                                       num_params_source=num_params_source)
@@ -405,8 +403,6 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
 
 def regime_markdown(ra: RunAnalysis) -> list[str]:
     """The '## Regime card' section (+ the heterogeneous update_rms fit)."""
-    from analysis.fits import failing_assumption
-
     L = ["", "## Regime card", ""]
     c = ra.regime_card
     if c is None:

@@ -27,11 +27,15 @@ from typing import Sequence
 
 import numpy as np
 from scipy.stats import norm
+from tqdm import tqdm
 
 from adamspike.depth_groups import is_shallow
 from adamspike.llama import param_specs, preset
 from adamspike.metrics import HIST_EDGES
 from adamspike.rundir import RunWriter, environment
+from analysis.fits import UpdateRmsModel, phi_from_cos
+from theory.adam_moments import grad_mom_cos
+from theory.transients import dormant_rms_t_bound
 
 
 def _hist_probs(u: float, w: float) -> np.ndarray:
@@ -52,10 +56,6 @@ def write_synthetic_run(path: str | Path, *, model: str = "tiny", num_steps: int
                         eps_scale: float = 1.0, hist_every: int = 10, seed: int = 0,
                         flush_every_rows: int = 50_000, progress: bool = False) -> Path:
     """Write a run directory (backend "torch") following the module docstring's model."""
-    from analysis.fits import UpdateRmsModel, phi_from_cos
-    from theory.adam_moments import grad_mom_cos
-    from theory.transients import dormant_rms_t_bound
-
     rng = np.random.default_rng(seed)
     specs = param_specs(preset(model))
     names = [s.name for s in specs]
@@ -79,7 +79,6 @@ def write_synthetic_run(path: str | Path, *, model: str = "tiny", num_steps: int
     env = environment(device="synthetic", world_size=1)
     steps_iter = range(1, num_steps + 1)
     if progress:
-        from tqdm import tqdm
         steps_iter = tqdm(steps_iter, desc="synthetic run", unit="step", mininterval=5)
     with RunWriter(path, backend="torch", config=config, env=env,
                    flush_every_rows=flush_every_rows, flush_every_s=1e9) as w:

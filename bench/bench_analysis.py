@@ -25,12 +25,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from adamspike.rundir import load_run
+from analysis.fits import check_rms_t, fit_update_rms, spike_regimes
+from analysis.precursors import precursors
+from analysis.report import LAYER_COLUMNS, analyze_run, loss_spikes, write_run_report
+from analysis.synthetic import write_synthetic_run
+
 TARGET_S, TARGET_GB = 30.0, 4.0
 
 
 def child_end_to_end(run: str, out: str) -> dict:
-    from analysis.report import analyze_run, write_run_report
-
     t = time.perf_counter()
     ra = analyze_run(run)
     write_run_report(ra, out, figures=False)
@@ -39,11 +43,6 @@ def child_end_to_end(run: str, out: str) -> dict:
 
 
 def child_stages(run: str) -> dict:
-    from adamspike.rundir import load_run
-    from analysis.fits import check_rms_t, fit_update_rms, spike_regimes
-    from analysis.precursors import precursors
-    from analysis.report import LAYER_COLUMNS, loss_spikes
-
     times = {}
     t = time.perf_counter()
     r = load_run(run, tables=("steps", "layers"), layer_columns=LAYER_COLUMNS)
@@ -95,8 +94,6 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(_child(*args.child)))
         return 0
-    from analysis.synthetic import write_synthetic_run
-
     tmp = tempfile.TemporaryDirectory()
     run = Path(args.keep) if args.keep else Path(tmp.name) / "run70b"
     if not (run / "run.json").exists():

@@ -30,10 +30,12 @@ TP8 x PP8 x DP16, distributed optimizer, probe every step, with the assumptions 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -50,7 +52,6 @@ OPS_PER_TENSOR = 40
 
 
 def _demo():
-    import importlib.util
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("probe_adamw", os.path.join(here, "tests", "compat", "probe_adamw.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -123,7 +124,6 @@ def main() -> None:
     ap.add_argument("--latency-us", type=float, default=20.0, help="collective step latency, us")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    import tempfile
     print(f"Part 1: measured on this CPU (1 thread, {a.precision} probe, every step, 4 x 64 "
           "tokens per step)")
     print(f"{'d':>5} {'params':>9} {'tensors':>7} {'hist':>4} {'step ms':>8} {'probe ms':>8} "

@@ -22,9 +22,12 @@ import statistics
 import sys
 import time
 
+import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from simulate.streams import simulate_streams  # noqa: E402
 
 B1, B2, EPS, PHI, MU, SIGMA = 0.9, 0.95, 1e-8, 0.5, 0.1, 1.0
 
@@ -52,8 +55,6 @@ def numpy_streams(n: int, steps: int, seed: int = 0, dtype=np.float64) -> dict:
 
 
 def jax_streams(n: int, steps: int, seed: int, dtype: str, rng: str) -> dict:
-    from simulate.streams import simulate_streams
-
     out = simulate_streams([dict(b1=B1, b2=B2, eps=EPS, phi=PHI, mu=MU, sigma=SIGMA)], steps=steps,
                            n_coords=n, seed=seed, dtype=dtype, rng=rng)
     return {k: float(out[k][0]) for k in ("r_rms", "r_abs", "rms_t", "grad_mom_cos")}
@@ -81,7 +82,6 @@ def main(argv=None) -> int:
     if args.repeats < 3:
         ap.error("--repeats: must be >= 3 (median of >= 3)")
     n, steps = args.coords, args.steps
-    import jax
 
     report = {"coords": n, "steps": steps, "repeats": args.repeats, "dtype": args.dtype,
               "cpu_count": os.cpu_count(), "jax_devices": [str(d) for d in jax.devices()],

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from adamspike.rundir import find_runs, load_run, run_names
+from adamspike.rundir import RunFormatError, find_runs, load_run, run_names
 
 # (module, kind): kind "run" figures take RUN... --out; "theory" take --out [--quick]
 # (figures.style.computed_figure_main);
@@ -92,7 +92,6 @@ def _written(d: Path, before: dict[Path, float]) -> list[Path]:
 def run_figure_main(argv, doc: str, prepare: Callable, plot: Callable, *, tables=("steps",),
                     layer_columns=None, extra_args=()) -> int:
     """The `main(argv)` of a run figure: RUN... --out DIR; exit 2 on bad input."""
-    from adamspike.rundir import RunFormatError, load_run
 
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -143,7 +142,6 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
              theory: bool = True, registry=None, study: str | Path | None = None,
              ladder: str | Path | None = None) -> tuple[list[Path], list[Outcome]]:
     """Regenerate all figures; returns (files written, one Outcome per module x target)."""
-    from adamspike.rundir import RunFormatError, load_run
 
     out = Path(out)
     runs = [Path(r) for r in runs]

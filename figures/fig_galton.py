@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import matplotlib.pyplot as plt
 import numpy as np
 
 from figures.style import apply, computed_figure_main, save
@@ -59,7 +60,6 @@ def prepare(quick: bool = False, seed: int = 0) -> dict:
 
 def plot(data: dict, out_dir):
     apply()
-    import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
     k = np.arange(data["n"] + 1)

@@ -13,14 +13,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.report import SpikeParams, loss_spikes
+from analysis.spikes import detect_spikes
 from figures import style
+from figures.cli import run_figure_main
 
 
 def prepare(run, *, window: int = 50, k: float = 6.0) -> dict:
-    from analysis.report import SpikeParams, loss_spikes
-    from analysis.spikes import detect_spikes
 
     st = run.steps
     gn = st["grad_norm"].to_numpy(float)
@@ -35,7 +37,6 @@ def prepare(run, *, window: int = 50, k: float = 6.0) -> dict:
 
 def plot(data: dict, out_dir) -> list[Path]:
     style.apply()
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots()
     ax.plot(data["step"], data["grad_norm"], color=style.COLORS["deep"], lw=0.8,
@@ -63,7 +64,6 @@ def plot(data: dict, out_dir) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from figures.cli import run_figure_main
     return run_figure_main(argv, __doc__, prepare, plot, tables=("steps",))
 
 

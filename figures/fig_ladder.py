@@ -23,6 +23,7 @@ import json
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
@@ -60,7 +61,6 @@ def prepare(data: dict) -> dict:
 
 
 def plot(p: dict, out_dir: str | Path) -> list[Path]:
-    import matplotlib.pyplot as plt
 
     style.apply()
     fig, axes = plt.subplots(2, 2, figsize=(10.5, 7.6))

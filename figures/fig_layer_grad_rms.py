@@ -13,9 +13,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib import cm, colors
 import numpy as np
 
 from figures import style
+from figures.cli import run_figure_main
 
 MAX_POINTS = 2000
 
@@ -37,9 +41,6 @@ def prepare(run) -> dict:
 
 def plot(data: dict, out_dir) -> list[Path]:
     style.apply()
-    import matplotlib.pyplot as plt
-    import matplotlib
-    from matplotlib import cm, colors
 
     fig, ax = plt.subplots()
     depths = sorted(data["by_depth"])
@@ -65,7 +66,6 @@ def plot(data: dict, out_dir) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from figures.cli import run_figure_main
     return run_figure_main(argv, __doc__, prepare, plot, tables=("layers",),
                            layer_columns=["grad_rms"])
 

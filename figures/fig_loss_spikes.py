@@ -14,14 +14,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.report import SpikeParams, loss_spikes
 from figures import style
+from figures.cli import run_figure_main
 
 
 def prepare(run, *, window: int = 50, k: float = 6.0, min_rel_jump: float = 0.2,
             log: bool | None = None) -> dict:
-    from analysis.report import SpikeParams, loss_spikes
 
     st = run.steps
     spikes, rule = loss_spikes(st, SpikeParams(window, k, min_rel_jump, log), config=run.config)
@@ -39,7 +41,6 @@ def prepare(run, *, window: int = 50, k: float = 6.0, min_rel_jump: float = 0.2,
 
 def plot(data: dict, out_dir) -> list[Path]:
     style.apply()
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots()
     ax.plot(data["step"], data["loss"], color="#333333", lw=0.9, label="loss")
@@ -67,7 +68,6 @@ def plot(data: dict, out_dir) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from figures.cli import run_figure_main
     return run_figure_main(argv, __doc__, prepare, plot, tables=("steps",))
 
 

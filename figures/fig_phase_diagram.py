@@ -18,10 +18,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
 from adamspike.mitigations import neutral_mask
+from figures import style
+from theory.quadratic import critical_eps
 
 EPS, B2, LR, B1 = "optim.eps", "optim.b2", "optim.lr", "optim.b1"
 BATCH = ("train.global_batch_size", "mlp.batch")   # the first present is the batch axis
@@ -63,7 +66,6 @@ def prepare(table: pd.DataFrame) -> dict:
         eps_star = None
         if x == EPS and LAM_MAX in t and t[LAM_MAX].nunique() == 1 and B1 in t \
                 and t[B1].nunique() == 1:
-            from theory.quadratic import critical_eps
             lam, b1 = float(t[LAM_MAX].iloc[0]), float(t[B1].iloc[0])
             lrs = sorted(t[LR].unique()) if y != LR else ys
             eps_star = {float(lr): critical_eps(float(lr), lam, b1) for lr in lrs}
@@ -83,9 +85,7 @@ def _position(values: list, v: float, log: bool) -> float:
 
 
 def plot(data: dict, out_dir: str | Path) -> list[Path]:
-    from figures import style
     style.apply()
-    import matplotlib.pyplot as plt
 
     panels = data["panels"]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
@@ -117,7 +117,6 @@ def plot(data: dict, out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from figures import style
 
     return style.table_figure_main("fig_phase_diagram", __doc__, _load, prepare, plot, argv,
                                    table_help="sweep directory or runs.parquet / .csv")

@@ -15,16 +15,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.precursors import precursors
+from analysis.report import loss_spikes
 from figures import style
+from figures.cli import run_figure_main
 
 METRICS = ("rms_t", "update_rms", "sat_frac", "bimodality", "grad_mom_cos", "rho")
 
 
 def prepare(run, *, window: int = 50, baseline: int = 200, spikes=None) -> dict:
-    from analysis.precursors import precursors
-    from analysis.report import loss_spikes
 
     if run.layers.empty:
         raise ValueError(f"{run.path}: no per-layer telemetry (layers table is empty)")
@@ -42,7 +44,6 @@ def prepare(run, *, window: int = 50, baseline: int = 200, spikes=None) -> dict:
 
 def plot(data: dict, out_dir) -> list[Path]:
     style.apply()
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(9.5, 5.2), sharex=True)
     tr = data["traj"]
@@ -71,7 +72,6 @@ def plot(data: dict, out_dir) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from figures.cli import run_figure_main
     return run_figure_main(argv, __doc__, prepare, plot, tables=("steps", "layers"))
 
 

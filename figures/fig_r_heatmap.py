@@ -15,9 +15,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from matplotlib.colors import LogNorm
+import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.report import loss_spikes
 from figures import style
+from figures.cli import run_figure_main
 
 
 def _pick(hists, shallow: str | None, deep: str | None) -> tuple[str, str]:
@@ -39,7 +43,6 @@ def _pick(hists, shallow: str | None, deep: str | None) -> tuple[str, str]:
 
 
 def prepare(run, *, shallow: str | None = None, deep: str | None = None) -> dict:
-    from analysis.report import loss_spikes
 
     h = run.hists
     if h.empty:
@@ -60,8 +63,6 @@ def prepare(run, *, shallow: str | None = None, deep: str | None = None) -> dict
 
 def plot(data: dict, out_dir) -> list[Path]:
     style.apply()
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
 
     fig, axes = plt.subplots(1, 2, figsize=(9.0, 3.6), sharey=True)
     e = data["edges"]
@@ -91,7 +92,6 @@ def plot(data: dict, out_dir) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from figures.cli import run_figure_main
     return run_figure_main(argv, __doc__, prepare, plot, tables=("steps", "hists"),
                            extra_args=(("--shallow", "shallow"), ("--deep", "deep")))
 

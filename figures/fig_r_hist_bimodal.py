@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import sys
 
+import matplotlib.pyplot as plt
 import numpy as np
 
 from figures.style import apply, computed_figure_main, save
@@ -25,6 +26,8 @@ SNRS = (0.0, 0.3, 1.0, 3.0)
 
 
 def prepare(quick: bool = False, seed: int = 0) -> dict:
+    # lazy: jax Monte-Carlo points (simulate.streams): a known figures -> simulate exception
+    # (tests/foundation/test_layering.py KNOWN)
     from simulate.streams import sample_updates, simulate_streams
 
     n = 16384 if quick else 131072
@@ -54,7 +57,6 @@ def _bc(r):
 
 def plot(data: dict, out_dir):
     apply()
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(11, 6))
     flat = axes.ravel()

@@ -28,8 +28,14 @@ import math
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 
+from adamspike.depth_groups import depth_group
+from adamspike.llama import PRESETS, param_specs
+from adamspike.llama import num_params as llama_num_params
+from adamspike.rundir import RunFormatError, load_run
+from analysis.regime import card_for_run, rho_bar
 from figures import style
 
 SEED_B2 = 0.95
@@ -48,8 +54,6 @@ def _profile_70b(pred_path: str | Path | None) -> dict | None:
     rho = prof.get("rho_by_depth")
     if not rho or "assumed" in src.lower():
         return None
-    from adamspike.depth_groups import depth_group
-    from adamspike.llama import PRESETS, param_specs
 
     L = int(prof.get("num_layers", 80))
     cfg = PRESETS["llama2-70b"] if L == 80 else None
@@ -81,9 +85,6 @@ def prepare(runs, predictions_70b: str | Path | None = None,
     "p70": fitted profile or None, "bands_70b": {eps: (lo, hi)}}. num_params: N of the 70B
     band (default LLaMA2-70B's) and of logs without printed model arguments (without it
     such logs are left out)."""
-    from adamspike.llama import PRESETS
-    from adamspike.llama import num_params as count
-    from analysis.regime import card_for_run, rho_bar
 
     items = []
     for run in runs:
@@ -119,7 +120,7 @@ def prepare(runs, predictions_70b: str | Path | None = None,
                 item[key] = (float(np.quantile(r, 0.1)), float(np.median(r)),
                              float(np.quantile(r, 0.9)))
         items.append(item)
-    n = int(num_params) if num_params else count(PRESETS["llama2-70b"])
+    n = int(num_params) if num_params else llama_num_params(PRESETS["llama2-70b"])
     bands = {eps: tuple(float(x) for x in rho_bar(np.array(GN_BAND), 1.0, n, eps))
              for eps in (1e-5, 1e-8)}
     if not items:
@@ -130,7 +131,6 @@ def prepare(runs, predictions_70b: str | Path | None = None,
 
 def plot(data: dict, out_dir: str | Path) -> list[Path]:
     style.apply()
-    import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11.0, 4.6))
     cmap = plt.get_cmap("tab10")
@@ -201,7 +201,6 @@ def plot(data: dict, out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from adamspike.rundir import RunFormatError, load_run
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", metavar="RUN", help="run directories")

@@ -15,8 +15,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+
+from figures import style
 
 VERDICT_COLORS = {"supported": "#17a589", "not supported": "#c0392b", "inconclusive": "#7f8c8d"}
 
@@ -54,9 +57,7 @@ def prepare(table: pd.DataFrame) -> list[dict]:
 
 
 def plot(panels: list[dict], out_dir: str | Path) -> list[Path]:
-    from figures import style
     style.apply()
-    import matplotlib.pyplot as plt
 
     heights = [max(1.2, 0.32 * len(p["rows"]) + 0.6) for p in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, sum(heights)),
@@ -84,7 +85,6 @@ def plot(panels: list[dict], out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from figures import style
 
     return style.table_figure_main("fig_replication", __doc__, _load, prepare, plot, argv,
                                    table_help="replication directory or replication.csv")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import matplotlib.pyplot as plt
 import numpy as np
 
 from figures.style import apply, computed_figure_main, save
@@ -23,6 +24,8 @@ B2S = (0.95, 0.99, 0.999)
 
 
 def prepare(quick: bool = False, seed: int = 0) -> dict:
+    # lazy: jax Monte-Carlo points (simulate.streams): a known figures -> simulate exception
+    # (tests/foundation/test_layering.py KNOWN)
     from simulate.streams import simulate_streams
 
     quiet = 500 if quick else 4000
@@ -45,7 +48,6 @@ def prepare(quick: bool = False, seed: int = 0) -> dict:
 
 def plot(data: dict, out_dir):
     apply()
-    import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
     for i, r in enumerate(data["rows"]):

@@ -15,17 +15,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 
+from analysis.fits import fit_update_rms, optim_params
+from analysis.precursors import depth_group
 from figures import style
+from figures.cli import run_figure_main
+from theory.transients import dormant_rms_t_bound
 
 MAX_SCATTER = 20_000
 
 
 def prepare(run) -> dict:
-    from analysis.fits import fit_update_rms, optim_params
-    from analysis.precursors import depth_group
-    from theory.transients import dormant_rms_t_bound
 
     op = optim_params(run.config)
     if op["b1"] is None or op["b2"] is None:
@@ -45,7 +47,6 @@ def prepare(run) -> dict:
 
 def plot(data: dict, out_dir) -> list[Path]:
     style.apply()
-    import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(9.5, 3.8))
     fit = data["fit"]
@@ -77,7 +78,6 @@ def plot(data: dict, out_dir) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from figures.cli import run_figure_main
     return run_figure_main(argv, __doc__, prepare, plot, tables=("layers",),
                            layer_columns=["rho", "update_rms", "grad_mom_cos", "rms_t"])
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import sys
 
+import matplotlib.pyplot as plt
 import numpy as np
 
 from figures.style import apply, computed_figure_main, save
@@ -22,6 +23,8 @@ CASES = ((0.9, 0.95, 0.0, 0.0), (0.9, 0.999, 0.0, 0.0), (0.9, 0.95, 0.5, 1.0))
 
 
 def prepare(quick: bool = False, seed: int = 0) -> dict:
+    # lazy: jax Monte-Carlo points (simulate.streams): a known figures -> simulate exception
+    # (tests/foundation/test_layering.py KNOWN)
     from simulate.streams import simulate_streams
 
     rho = np.logspace(2, -2, 17 if quick else 41)
@@ -41,7 +44,6 @@ def prepare(quick: bool = False, seed: int = 0) -> dict:
 
 def plot(data: dict, out_dir):
     apply()
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots()
     ax.axvspan(data["rho"].min(), E.RHO_FROZEN, color="#7d3c98", alpha=0.08, label="frozen (rho < 0.1)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -39,7 +41,6 @@ def save(fig, out_dir: str | Path, name: str) -> list[Path]:
 
 def computed_figure_main(doc: str, prepare, plot, argv=None) -> int:
     """`main` of a figure computed from theory / Monte-Carlo: --out DIR, --quick."""
-    import argparse
 
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--out", default="figures_out")
@@ -54,8 +55,6 @@ def table_figure_main(prog: str, doc: str, load, prepare, plot, argv=None,
                       table_help: str = "input table", option: str = "--table") -> int:
     """`main` of a figure drawn from one input: --table PATH (or `option`) --out DIR; bad
     input (missing, malformed: OSError, ValueError, KeyError, JSON errors) -> 2."""
-    import argparse
-    import sys
 
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     ap.add_argument(option, dest="table", required=True, help=table_help)

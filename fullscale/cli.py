@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from adamspike.config import ConfigError
+from fullscale.data import DataFormatError, IndexedTokens, IndexedWriter
+from fullscale.model_info import DEFAULTS, Assumptions, format_info, model_info, resolve_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,8 +36,6 @@ def _fail(prog: str, e: Exception) -> int:
 # ----------------------------------------------------------------------------- model
 
 def model_parser() -> argparse.ArgumentParser:
-    from fullscale.model_info import DEFAULTS
-
     p = _Parser(prog="adamspike model info", allow_abbrev=False,
                 description="Parameters, FLOPs/token, memory per card and step cost of a LLaMA model.")
     p.add_argument("--config", required=True,
@@ -71,8 +71,7 @@ def model_parser() -> argparse.ArgumentParser:
 
 
 def _assumptions(args):
-    from fullscale.device import DeviceError, peak_flops
-    from fullscale.model_info import Assumptions
+    from fullscale.device import DeviceError, peak_flops   # lazy: torch; `adamspike data` needs none
 
     for flag, v in (("--mfu", args.mfu), ("--intra-node-gbs", args.intra_node_gbs),
                     ("--inter-node-gbs", args.inter_node_gbs), ("--device-memory-gb", args.device_memory_gb)):
@@ -112,8 +111,6 @@ def model_main(argv: list[str]) -> int:
         return int(e.code or 0)
     except ConfigError as e:
         return _fail(prog, e)
-    from fullscale.model_info import format_info, model_info, resolve_config
-
     try:
         cfg, run, source = resolve_config(args.config)
         train = run.train if run is not None else None
@@ -163,8 +160,6 @@ def data_parser() -> argparse.ArgumentParser:
 
 def _read_documents(path: Path):
     """Documents (1-D int arrays) from .npy or .jsonl; errors name the file and line."""
-    from fullscale.data import DataFormatError
-
     if not path.is_file():
         raise DataFormatError(f"--input: file not found: {path}")
     if path.suffix == ".npy":
@@ -200,8 +195,6 @@ def _read_documents(path: Path):
 
 
 def data_main(argv: list[str]) -> int:
-    from fullscale.data import DataFormatError, IndexedTokens, IndexedWriter
-
     prog = "adamspike data"
     try:
         args = data_parser().parse_args(argv)

@@ -35,6 +35,9 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+from tqdm import tqdm
+
+from adamspike.synthdata import SyntheticTokens
 
 MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -244,7 +247,6 @@ def _preview(a: np.ndarray, n: int = 6) -> str:
 def _chunks(total: int, progress: bool, desc: str) -> Iterable[int]:
     starts = range(0, total, _CHUNK)
     if progress and total > 4 * _CHUNK:
-        from tqdm import tqdm
         return tqdm(starts, desc=desc, unit="chunk", leave=False)
     return starts
 
@@ -394,7 +396,6 @@ def build_source(data, seq_len: int, vocab_size: int, seed: int, check: str = "o
     """The object the trainer indexes with adamspike.order.sample_indices, from a
     adamspike.train_config.DataSection: SyntheticTokens or GPTSamples."""
     if data.source == "synthetic":
-        from adamspike.synthdata import SyntheticTokens
         return SyntheticTokens(task=data.task, vocab_size=vocab_size, seq_len=seq_len,
                                num_samples=data.num_samples, seed=seed, alpha=data.alpha)
     if data.source == "indexed":

@@ -29,6 +29,7 @@ else:   # python 3.8 - 3.10: the same parser as a package
     import tomli as tomllib
 
 import torch
+import torch.distributed as dist
 
 DEVICE_TYPES = ("npu", "cuda", "cpu")
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
@@ -229,8 +230,6 @@ def init_distributed(info: DeviceInfo, timeout_s: float = 300.0) -> tuple[int, i
     group is created. Under torchrun (even with one process) a process group with
     `info.backend` is initialised, so FSDP can build its device mesh.
     """
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
@@ -261,8 +260,6 @@ def destroy_distributed(synchronize: bool = False) -> None:
     (seen once in the 2-process CPU test: rank 1 aborted at exit with "terminate called
     without an active exception" after all 10 steps). Not after a failure: a dead rank
     would leave the others waiting for the timeout."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         if synchronize and dist.get_world_size() > 1:
             dist.barrier()

@@ -51,7 +51,12 @@ from pathlib import Path
 from typing import Any
 
 from adamspike import mitigations
-from adamspike.config import ConfigError, load_config, param, to_dict
+from adamspike.config import ConfigError, load_config, param, replace, to_dict
+from adamspike.llama import num_params
+from adamspike.predictions import PredictionsError, load_predictions, setting_config
+from adamspike.train_config import RunConfig
+from fullscale.hf import resolve_model
+from fullscale.model_info import megatron_memory, memory_per_card
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -178,10 +183,6 @@ class Launch:
 
 def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatron")) -> Launch:
     """Validate a run config against a cluster; resolve micro batch and TP/PP."""
-    from adamspike.llama import num_params
-    from fullscale.hf import resolve_model
-    from fullscale.model_info import megatron_memory, memory_per_card
-
     c = cluster.cluster
     if c.master_addr == "MASTER_HOST" and c.nodes > 1:
         raise ConfigError("--master-addr: required (the cluster config still has the placeholder "
@@ -327,8 +328,6 @@ def megatron_dir(launch: Launch) -> Path:
 
 def megatron_args(launch: Launch) -> list[str]:
     """pretrain_gpt.py arguments equivalent to the run config (see the module docstring)."""
-    from fullscale.hf import resolve_model
-
     run = launch.run
     cfg = resolve_model(run.model)
     o, t = run.optim, run.train
@@ -399,8 +398,6 @@ def setting_tag(launch: Launch) -> str:
 
 
 def _stack_case(launch: Launch) -> list[str]:
-    from fullscale.hf import resolve_model
-
     theta = resolve_model(launch.run.model).rope_theta
     rot = [] if float(theta) == ROPE_DEFAULT else [f"--rotary-base {_num(theta)}"]
     npu = launch.cluster.cluster.device == "npu"
@@ -565,8 +562,6 @@ def _engines(name: str) -> tuple[str, ...]:
 
 def _resolve_run(run, device: str):
     """Absolute paths, and dist.device set to the cluster's device."""
-    from adamspike.config import replace
-
     return replace(run, **{"dist.device": device, "data.path": _abs(run.data.path),
                            "model.hf_config": _abs(run.model.hf_config),
                            "alarms.predictions": _abs(run.alarms.predictions)})
@@ -578,8 +573,6 @@ def _fail(prog: str, e: Exception) -> int:
 
 
 def launch_main(argv: list[str]) -> int:
-    from adamspike.train_config import RunConfig
-
     p = _Parser(prog="adamspike launch", description="Write per-node launch scripts for one run. "
                 "Extra --section.key value pairs override the run config.", allow_abbrev=False)
     p.add_argument("--config", required=True, help="run config TOML")
@@ -626,9 +619,6 @@ def _safe_id(setting_id: str) -> str:
 
 def plan_main(argv: list[str]) -> int:
     """One run config + launch scripts per setting in predictions.json's `validate` list."""
-    from adamspike.predictions import PredictionsError, load_predictions, setting_config
-    from adamspike.train_config import RunConfig
-
     p = _Parser(prog="adamspike plan",
                 description="Run configs and launch scripts for the settings predictions.json recommends. "
                 "Extra --section.key value pairs override the base config.", allow_abbrev=False)

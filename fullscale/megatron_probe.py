@@ -70,10 +70,14 @@ ADAMSPIKE_PROBE_FLUSH_S (seconds between flushes, default 60).
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib
+import importlib.util
 import json
 import math
 import os
 import re
+import runpy
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -462,7 +466,8 @@ def open_writer(path: str, *, config: dict, env: dict, extra_meta: dict,
         plain = plain or any(f.endswith(".jsonl") for f in os.listdir(os.path.join(path, "steps")))
     if not plain:
         try:
-            from adamspike.rundir import RunWriter  # needs pandas + pyarrow
+            # lazy: pandas + pyarrow, which a 910B node may lack (then the plain JSON-lines writer)
+            from adamspike.rundir import RunWriter
         except ImportError:
             plain = True
     if plain:
@@ -732,7 +737,6 @@ def _train_step_module():
     """The module that defines train_step: megatron.training.training (Megatron-LM since
     2024.03, MindSpeed-LLM) or megatron.training (older Megatron-LM, ModelLink of early
     2024)."""
-    import importlib
     for name in (TRAIN_STEP.rsplit(".", 1)[0], "megatron.training"):
         try:
             mod = importlib.import_module(name)
@@ -762,6 +766,7 @@ def _tokens(args) -> Optional[int]:
     if args is None:
         return None
     try:
+        # lazy: Megatron is the training script's, present only under it (older ones lack this)
         from megatron.core.num_microbatches_calculator import get_current_global_batch_size
         gbs = get_current_global_batch_size()
     except Exception:  # noqa: BLE001 - older Megatron
@@ -865,12 +870,12 @@ def install(out: Optional[str] = None, *, every: Optional[int] = None,
         if _PROBE is None:
             _PROBE = MegatronProbe(out, every=every, hist_every=hist_every, precision=precision,
                                    flush_every_s=flush)
-            import atexit
             atexit.register(_PROBE.close)
         return _PROBE
 
     wrapper = make_train_step_wrapper(factory)
     try:
+        # lazy: optional, only MindSpeed-LLM stacks have it
         from mindspeed.patch_utils import MindSpeedPatchesManager
     except ImportError:
         MindSpeedPatchesManager = None
@@ -894,8 +899,6 @@ def _adaptors(choice: str) -> List[str]:
     """The imports that apply a framework's patches, in the order its pretrain_gpt.py does
     them: MindSpeed-LLM `from mindspeed_llm import megatron_adaptor`; ModelLink of early
     2024 `from ascendspeed import megatron_adaptor` then `import modellink`."""
-    import importlib.util
-
     def have(pkg):
         try:
             return importlib.util.find_spec(pkg) is not None
@@ -948,9 +951,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not os.path.isfile(script):
         print(f"megatron_probe: {script}: no such training script", file=sys.stderr)
         return 2
-    import importlib
-    import importlib.util
-    import runpy
     sys.argv = rest      # the adaptor and the script parse Megatron's arguments
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     for name in _adaptors(a.adaptor):

@@ -168,6 +168,8 @@ def _local_shard(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `full` for parameter p (a plain tensor or a DTensor)."""
     if not hasattr(p, "to_local"):
         return full
+    # lazy: public torch.distributed.tensor needs torch >= 2.4 (model info and the probe run
+    # on torch 2.1); only DTensor parameters get here
     from torch.distributed.tensor import distribute_tensor
 
     # All ranks hold the same `full`; src_data_rank=None slices locally, no communication.

@@ -50,12 +50,15 @@ each) at the inter-node bandwidth.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from adamspike.config import ConfigError, load_config, to_dict
 from adamspike.llama import PRESETS, LlamaConfig, flops_per_token, num_params, param_specs, preset
+from adamspike.train_config import RunConfig
+from fullscale.hf import load_hf_config, resolve_model
 
 GB = 1e9
 
@@ -102,6 +105,7 @@ def param_counts(cfg: LlamaConfig) -> dict[str, int]:
 
 def meta_param_count(cfg: LlamaConfig) -> int:
     """Parameters of fullscale.model.Transformer built on the meta device."""
+    # lazy: torch; `model info --no-meta-check` and `launch` run without it
     import torch
     from fullscale.model import Transformer
 
@@ -187,8 +191,6 @@ def step_cost(cfg: LlamaConfig, *, world_size: int, seq_len: int, micro_batch: i
 
 def parse_megatron(text: str, world_size: int) -> tuple[int, int]:
     """"megatron:tp8pp8" -> (8, 8), with TP x PP dividing the world size."""
-    import re
-
     m = re.fullmatch(r"megatron:tp(\d+)pp(\d+)", text)
     if not m:
         raise ConfigError(f"--sharding: expected megatron:tpTppP (e.g. megatron:tp8pp8), got {text!r}")
@@ -286,9 +288,6 @@ def megatron_cost(cfg: LlamaConfig, *, world_size: int, seq_len: int, micro_batc
 def resolve_config(arg: str):
     """--config: a preset name, a RunConfig TOML or a HF config.json ->
     (LlamaConfig, RunConfig or None, description)."""
-    from adamspike.train_config import RunConfig
-    from fullscale.hf import load_hf_config, resolve_model
-
     if arg in PRESETS:
         return preset(arg), None, f"preset {arg}"
     path = Path(arg)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from adamspike.mitigations import StepPlan
@@ -110,8 +111,6 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 
 def _all_reduce_shards(t: torch.Tensor, params) -> torch.Tensor:
     """Sum over the ranks the parameters are sharded across (no-op for plain tensors)."""
-    import torch.distributed as dist
-
     for p in params:
         mesh = getattr(p, "device_mesh", None)
         if mesh is not None and mesh.size() > 1 and any(pl.is_shard() for pl in p.placements):

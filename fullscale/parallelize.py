@@ -28,18 +28,19 @@ torch 2.1 Ascend stack it does not exist: one process still works, more raise a 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
 def _fsdp2():
     """(fully_shard, MixedPrecisionPolicy) or None if this torch has no FSDP2."""
-    try:
+    try:   # lazy: where FSDP2 lives depends on the torch version (none before 2.4)
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         return fully_shard, MixedPrecisionPolicy
     except ImportError:
         pass
     try:
-        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard   # torch 2.4 - 2.5
         return fully_shard, MixedPrecisionPolicy
     except ImportError:
         return None
@@ -49,8 +50,6 @@ def parallelize(model: nn.Module, world_size: int, *, activation_checkpointing: 
                 mixed_precision: str, device: torch.device) -> nn.Module:
     """Checkpoint and shard `model` in place (it may still be on the meta device; call
     `to_empty(device=...)` + `init_weights` afterwards) and return it."""
-    import torch.distributed as dist
-
     if mixed_precision not in ("fp32", "bf16"):
         raise ValueError(f"train.dtype: must be fp32 or bf16, got {mixed_precision!r}")
     for block in model.layers:
@@ -71,7 +70,7 @@ def parallelize(model: nn.Module, world_size: int, *, activation_checkpointing: 
                                "engine on this stack")
         return model
     fully_shard, MixedPrecisionPolicy = fsdp
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh   # lazy: torch >= 2.2, FSDP2 only
 
     mesh = init_device_mesh(device.type, (world_size,))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

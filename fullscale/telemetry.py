@@ -80,9 +80,11 @@ from typing import Any, Mapping, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, SAT_THRESHOLD, SUM_FIELDS, finalize
 from adamspike.metrics import NUM_VHIST_BINS, VHIST_EDGES
+from fullscale import cpu_kernel
 
 NUM_SUMS = len(SUM_FIELDS)
 _COL = {f: i for i, f in enumerate(SUM_FIELDS)}
@@ -241,6 +243,7 @@ class _Kernel:
             mode == "on" or (mode == "auto" and _auto_compiles(device))) else None
 
     def _compile(self, args):
+        # lazy: inductor is slow to import; only compiled telemetry sums need it
         from torch._inductor import compile as inductor_compile
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -419,8 +422,6 @@ class Telemetry:
         # which read the tensors in place (fullscale.cpu_kernel; no padding to correct)
         self._native = None
         if dev.type == "cpu" and self._tensor_sums.compiled is not None:
-            from fullscale import cpu_kernel
-
             lib = cpu_kernel.load()
             if lib is not None:
                 self._native = cpu_kernel.NativeSums(lib, self.dtype)
@@ -611,8 +612,6 @@ def shard_group(params):
 
 
 def _all_reduce(t: torch.Tensor, group) -> None:
-    import torch.distributed as dist
-
     if group is not None:
         dist.all_reduce(t, group=group)
 
@@ -623,7 +622,7 @@ class TensorBoardScalars:
     def __init__(self, log_dir):
         self.writer = None
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter   # optional: the tensorboard package
         except Exception as e:  # noqa: BLE001 - tensorboard missing or broken
             warnings.warn(f"telemetry.tensorboard = true but TensorBoard is unavailable ({e}); "
                           "install the `tensorboard` package; continuing without it",

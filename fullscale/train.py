@@ -81,6 +81,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from adamspike import mitigations
 from adamspike.config import ConfigError, load_config, to_dict
@@ -578,8 +579,6 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def _progress(rank: int, total: int, initial: int):
-    from tqdm import tqdm
-
     return tqdm(total=total, initial=initial, disable=rank != 0, file=sys.stderr,
                 desc="train", unit="step", mininterval=2.0)
 

@@ -20,6 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+from adamspike import mitigations
+from adamspike.config import (check_finite_args, flatten, from_dict, merge, nest, parse_overrides,
+                              to_dict)
+from adamspike.rundir import atomic_write_bytes
+from simulate import ladder, matched   # numpy / pandas only: the ladder fit and the report run without jax
+from theory.adam_moments import update_stats
+
 PROBLEMS = ("quadratic", "mlp", "streams", "llama", "ladder", "matched")
 
 
@@ -30,7 +37,6 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: error: {message}")
 
     def parse_args(self, args=None, namespace=None):
-        from adamspike.config import check_finite_args
         ns = super().parse_args(args, namespace)
         check_finite_args(ns)   # NaN / inf in any float flag: exit 2 naming it
         return ns
@@ -72,8 +78,7 @@ def _quadratic(argv) -> int:
                 "--optim.eps 1e-4 --optim.b2 0.95 --quadratic.noise 1e-9 --quadratic.theta0 1 "
                 "(a unique last part may stand alone: --eps 1e-4).")
     a, rest = p.parse_known_args(argv)
-    # jax: imported for this subcommand only (`adamspike simulate streams` needs none)
-    from adamspike.config import flatten, from_dict, merge, nest, parse_overrides
+    # lazy: jax (these modules import it at their top), only this subcommand needs it
     from simulate.quadratic import QuadraticSpec, count_spikes, eps_star, run_quadratic
     from simulate.runner import quadratic_traces, write_run
     from simulate.sweep_problems import QUADRATIC, QuadraticConfig
@@ -137,12 +142,10 @@ def _mlp(argv) -> int:
                 "--optim.b2 0.95 --train.loss_scale 1e-3, mitigation.* keys whose hook the MLP has (a "
                 "unique last part may stand alone: --lr 1e-2).")
     a, rest = p.parse_known_args(argv)
-    # jax: imported for this subcommand only (`adamspike simulate streams` needs none)
-    from adamspike.config import from_dict, merge, nest, parse_overrides, to_dict
+    # lazy: jax (these modules import it at their top), only this subcommand needs it
     from simulate.mlp import HOOKS, KINDS, MLPSpec, train
     from simulate.runner import write_run
     from simulate.sweep_problems import MLP, MLPConfig
-    from adamspike import mitigations
     settings = from_dict(MLPConfig, merge(nest(MLP.base), parse_overrides(MLPConfig, rest)))
     mitigations.require_hooks(settings, HOOKS, "adamspike simulate mlp")
     optim = settings.optim
@@ -180,7 +183,7 @@ def _mlp(argv) -> int:
 # ----------------------------------------------------------------------------- streams
 
 def _streams(argv) -> int:
-    from simulate import streams   # jax: imported for this subcommand only
+    from simulate import streams   # lazy: jax, only this subcommand needs it
     p = _Parser(prog="adamspike simulate streams",
                 description="Monte-Carlo AR(1) gradient streams through Adam (simulate.streams)")
     p.add_argument("--steps", type=int, default=200)
@@ -206,7 +209,6 @@ def _streams(argv) -> int:
     res["theory"] = _theory_check(cfg, a.steps, res["stats"])
     text = json.dumps(res, indent=None if a.out is None else 2, allow_nan=True)
     if a.out is not None:
-        from adamspike.rundir import atomic_write_bytes
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(a.out, text.encode())
     else:
@@ -217,24 +219,20 @@ def _streams(argv) -> int:
 # ----------------------------------------------------------------------------- llama
 
 def _llama(argv) -> int:
-    from simulate import llama_train   # jax: imported for this subcommand only
+    from simulate import llama_train   # lazy: jax, only this subcommand needs it
     return int(llama_train.main(argv))
 
 
 def _ladder(argv) -> int:
-    from simulate import ladder
     return int(ladder.main(argv))
 
 
 def _matched(argv) -> int:
-    from simulate import matched
     return int(matched.main(argv))
 
 
 def _theory_check(cfg: dict, steps: int, stats: dict) -> dict:
     """The exact closed forms (theory.adam_moments) at the same step, with z = (MC - theory)/SE."""
-    from theory.adam_moments import update_stats
-
     th = update_stats(cfg["b1"], cfg["b2"], cfg["eps"], cfg["sigma"], cfg["mu"], cfg["phi"],
                       t=steps, method="exact")
     out = {}

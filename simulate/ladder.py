@@ -75,9 +75,15 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
 from adamspike.config import ConfigError
 from adamspike.depth_groups import GROUPS, depth_group
+from adamspike.llama import LlamaConfig, ffn_dim_for, param_specs, preset
+from adamspike.order import sample_indices
+from adamspike.rundir import atomic_write_bytes
+from adamspike.synthdata import SyntheticTokens
+from adamspike.train_config import OptimSection
 
 LOG_EVERY = 5
 DATA_SEED = 0
@@ -131,7 +137,6 @@ def quick_spec(lr_scaling: str = "inverse_width") -> LadderSpec:
 def llama_config(dim: int, num_layers: int, spec: LadderSpec):
     """The rung's architecture: head dim 16 (at least 2 heads), 2 kv heads where they divide,
     Meta's SwiGLU width rule (multiple of 32), init std 0.02."""
-    from adamspike.llama import LlamaConfig, ffn_dim_for
     heads = max(2, dim // 16)
     kv = 2 if heads % 2 == 0 else 1
     cfg = LlamaConfig(vocab_size=spec.vocab_size, dim=dim, num_layers=num_layers,
@@ -155,8 +160,6 @@ def cell_id(spec: LadderSpec, rung: Sequence[int]) -> str:
 def batches(spec: LadderSpec, batch: int, seeds: Sequence[int]) -> np.ndarray:
     """Tokens (num_steps, num_seeds, batch, seq_len + 1) int32: step s of seed k reads
     sample_indices(s, batch, num_samples, k) of the one data set (seed DATA_SEED)."""
-    from adamspike.order import sample_indices
-    from adamspike.synthdata import SyntheticTokens
     data = SyntheticTokens("markov", spec.vocab_size, spec.seq_len, 1 << 20, DATA_SEED, 0.1)
     out = np.empty((spec.num_steps, len(seeds), batch, spec.seq_len + 1), np.int32)
     for s in range(spec.num_steps):
@@ -173,11 +176,10 @@ def seed_program(cfg, spec: LadderSpec):
     seed from init key `key`: simulate.llama init and loss, simulate.optim.adamw (cosine
     after warmup, clip, weight decay), the steps as one lax.scan. Pure and traceable: vmap it
     over seeds, or jit it and call it per seed."""
-    # jax/optax: imported here so the fit and the 70B profile work without them.
+    # lazy: jax (simulate.llama / simulate.optim import it), so that the fit and the 70B
+    # profile (`adamspike predict --ladder`) work without it
     import jax
     import jax.numpy as jnp
-    from adamspike.llama import param_specs
-    from adamspike.train_config import OptimSection
     from simulate import llama as jllama
     from simulate import optim as jopt
 
@@ -224,7 +226,7 @@ def train_seeds(cfg, spec: LadderSpec, tokens: np.ndarray, seeds: Sequence[int],
     Returns numpy arrays: loss, grad_norm (num_seeds, num_steps); depth_sumsq
     (num_seeds, num_logged, num_depths) of the raw (pre-clip) gradient on steps
     log_steps (1-based, every LOG_EVERY); depths, depth_numel (num_depths,)."""
-    import jax
+    import jax   # lazy: jax, only training needs it (the fit does not)
     import jax.numpy as jnp
 
     run_one, depths, numel = seed_program(cfg, spec)
@@ -265,9 +267,6 @@ def cell_table(rung: Sequence[int], spec: LadderSpec, seeds: Sequence[int],
 
 def run_ladder(spec: LadderSpec, out: str | Path, progress: bool = True) -> pd.DataFrame:
     """Run every rung not yet cached under out/cells; return all cells' rows."""
-    from tqdm.auto import tqdm
-    from adamspike.rundir import atomic_write_bytes
-
     out = Path(out)
     cells = out / "cells"
     cells.mkdir(parents=True, exist_ok=True)
@@ -448,7 +447,6 @@ def fit_ladder(df: pd.DataFrame, n_boot: int = 1000, ci: float = 0.9) -> dict:
 
 def group_numel(cfg) -> dict[str, int]:
     """Parameters per depth group of a LlamaConfig."""
-    from adamspike.llama import param_specs
     out = {g: 0 for g in GROUPS}
     for s in param_specs(cfg):
         out[depth_group(s.depth, cfg.num_layers)] += s.numel
@@ -523,7 +521,6 @@ def public(d: Mapping[str, Any]) -> dict:
 def ladder_70b(ladder_dir: str | Path, eps: float = 1e-5, clip: float = 1.0,
                n_boot: int = 1000) -> tuple[dict, dict]:
     """(fit, extrapolation) of a ladder directory at LLaMA2-70B (TARGET_70B)."""
-    from adamspike.llama import preset
     fit = fit_ladder(read_ladder(ladder_dir), n_boot=n_boot)
     fit["ladder_spec"] = json.loads((Path(ladder_dir) / "ladder.json").read_text())["ladder"]
     cfg = preset("llama2-70b")
@@ -552,7 +549,6 @@ def write_outputs(out: Path, df: pd.DataFrame, fit: Mapping[str, Any], ext: Mapp
     """fit.json (fit, 70B extrapolation, profile by depth, timings), responses.csv (the fitted
     rows), band.csv (extrapolation_band at the 70B's depth and tokens), depth_rms.csv (per
     depth RMS per rung, median over seeds and late steps): the figure reads these."""
-    from adamspike.rundir import atomic_write_bytes
     summary = {"fit": public(fit), "llama2_70b": public(ext), "profile_by_depth": profile_by_depth(ext),
                "cell_seconds": {c: float(s) for c, s in df.groupby("cell_id")["seconds"].first().items()},
                "seconds": seconds}

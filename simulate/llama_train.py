@@ -82,8 +82,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm.auto import tqdm
 
 from adamspike.config import ConfigError, load_config, to_dict
+from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.llama import LlamaConfig, spec_by_name
 from adamspike.mitigations import StepPlan, plan as mitigation_plan
 from adamspike.order import sample_indices
@@ -93,7 +95,9 @@ from adamspike.train_config import RunConfig
 from simulate import llama as jllama
 from simulate import optim as jopt
 from simulate import telemetry as jtel
+from simulate.curvature import make_curvature_fn
 from simulate.guard import SnapshotGuard
+from simulate.zipf_data import ZipfMarkov
 
 POISON_TOKEN = 0
 
@@ -104,7 +108,6 @@ def dataset(cfg: RunConfig, llama: LlamaConfig):
     """SyntheticTokens (markov, copy) or simulate.zipf_data.ZipfMarkov (zipf)."""
     d = cfg.data
     if d.task == "zipf":
-        from simulate.zipf_data import ZipfMarkov
         return ZipfMarkov(llama.vocab_size, cfg.train.seq_len, d.num_samples, cfg.train.seed,
                           d.zipf_exponent)
     return SyntheticTokens(d.task, llama.vocab_size, cfg.train.seq_len, d.num_samples,
@@ -199,8 +202,6 @@ def _make_steps(cfg: RunConfig):
 
 def _curvature_fn(cfg: RunConfig, llama: LlamaConfig):
     """simulate.curvature for this model: (fn, groups present), on loss_scale * loss."""
-    from adamspike.depth_groups import GROUPS, depth_group
-    from simulate.curvature import make_curvature_fn
     t = cfg.train
     groups = {s.name: depth_group(s.depth, llama.num_layers) for s in spec_by_name(llama).values()}
     present = [g for g in GROUPS if g in set(groups.values())]
@@ -373,7 +374,6 @@ class _Rows:
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
     return tqdm(total=total, desc="llama", unit="step", disable=not enabled, file=sys.stderr,
                 mininterval=0.5)
 

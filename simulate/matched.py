@@ -38,6 +38,8 @@ import numpy as np
 import pandas as pd
 
 from adamspike.depth_groups import GROUPS, depth_group
+from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
+from analysis.spikes import detect_spikes
 
 DORMANT_MIN = 5
 LEAD_WINDOW = 100
@@ -84,9 +86,6 @@ def _entropy_rate(events: pd.DataFrame) -> float:
 
 
 def summarize(path: Path, profile: dict) -> dict:
-    from adamspike.rundir import load_run
-    from analysis.spikes import detect_spikes
-
     run = load_run(path, tables=("steps", "layers", "curvature"),
                    layer_columns=["rho", "eps_frac"])
     cfg = run.config
@@ -218,7 +217,6 @@ def main(argv: list[str] | None = None) -> int:
         args = ap.parse_args(argv)
     except SystemExit as e:
         return 0 if e.code == 0 else 2
-    from adamspike.rundir import RunFormatError, atomic_write_bytes
     try:
         pred = json.loads(args.predictions.read_text())
         profile = pred["profile"]

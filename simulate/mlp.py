@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
 from adamspike.metrics import NUM_HIST_BINS, NUM_VHIST_BINS
 from adamspike.train_config import OptimSection
@@ -255,5 +256,4 @@ def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: flo
 def _progress(total: int, enabled: bool, desc: str):
     if not enabled:
         return None
-    from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, mininterval=1.0)

@@ -66,6 +66,7 @@ Alarm rules (each rule's `source` says where its threshold comes from):
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -75,11 +76,20 @@ import numpy as np
 import pandas as pd
 
 from adamspike.config import ConfigError, flatten, read_toml, to_dict
+from adamspike.depth_groups import depth_group
 from adamspike.depth_groups import shallow_depths as group_shallow_depths
+from adamspike.llama import num_params, preset
 from adamspike.mitigations import neutral_mask
-from adamspike.train_config import RunConfig
-from simulate.sweep import load_table
 from adamspike.predictions import AlarmRule, Predictions, PredictionsError, save_predictions
+from adamspike.rundir import RunFormatError, load_run
+from adamspike.train_config import RunConfig
+from analysis.megatron_log import MegatronLogError, read_megatron_log
+from simulate import ladder as LD
+from simulate.sweep import load_table
+from theory.adam_moments import grad_mom_cos
+from theory.bimodality import BC_THRESHOLD, snr_bc_crossing
+from theory.eps_regime import RHO_FROZEN, regime
+from theory.risk import layer_risk
 
 MIN_CLASS_RUNS = 3
 MIN_YOUDEN_J = 0.2           # a data threshold must separate the classes at least this well
@@ -97,7 +107,6 @@ LLAMA2_70B_SETTINGS = {"lr": 1.5e-4, "b1": 0.9, "global_batch_size": 1024, "eps_
 
 def _by_depth(num_layers: int, rho: Mapping[int, float], lo: Mapping[int, float],
               hi: Mapping[int, float]) -> list[dict]:
-    from adamspike.depth_groups import depth_group
     return [{"depth": int(d), "group": depth_group(int(d), num_layers), "rho": float(rho[d]),
              "rho_lo": float(lo[d]), "rho_hi": float(hi[d])} for d in sorted(rho)]
 
@@ -121,7 +130,6 @@ def _ladder_source(ladder_dir: str | Path, fit: Mapping[str, Any], ext: Mapping[
 
 def ladder_profile(ladder_dir: str | Path) -> dict:
     """The LLaMA2-70B profile from a ladder directory (module docstring)."""
-    from simulate import ladder as LD
     s = LLAMA2_70B_SETTINGS
     fit, ext = LD.ladder_70b(ladder_dir, eps=s["eps_ref"], clip=s["clip"])
     rows = LD.profile_by_depth(ext)
@@ -140,11 +148,6 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
                      eps_ref: float = 1e-5) -> dict:
     """LLaMA2-70B profile from a training log's grad norms, shaped by the ladder (module
     docstring)."""
-    from adamspike.depth_groups import depth_group
-    from adamspike.llama import num_params, preset
-    from analysis.megatron_log import MegatronLogError, read_megatron_log
-    from simulate import ladder as LD
-
     if not clip > 0:
         raise ConfigError(f"--clip: must be > 0, got {clip}")
     if not eps_ref > 0:
@@ -188,9 +191,6 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
 
 
 def profile_from_run(path: Path) -> dict:
-    from adamspike.rundir import load_run
-    from theory.adam_moments import grad_mom_cos
-
     run = load_run(path, tables=("layers",), layer_columns=["grad_rms", "grad_mom_cos"])
     if run.layers.empty:
         raise ConfigError(f"{path}: the run has no layers rows (no per-tensor telemetry)")
@@ -228,7 +228,6 @@ def profile_from_run(path: Path) -> dict:
 
 
 def profile_from_json(path: Path) -> dict:
-    import json
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -267,7 +266,6 @@ def load_profile(spec: str, ladder: str | None = None) -> dict:
         return ladder_profile(ladder)
     p = Path(spec)
     if p.is_dir():
-        from adamspike.rundir import RunFormatError
         try:
             return profile_from_run(p)
         except RunFormatError as e:
@@ -372,9 +370,6 @@ PHI_QUANTUM = 0.05
 def _layer_risk(rho: float, phi: float, b1: float, b2: float, eps: float) -> dict:
     """theory.risk.layer_risk for one depth at rho, phi rounded to the quanta above (the
     fields used here do not depend on lr); regime is that of the exact rho."""
-    from theory.eps_regime import regime
-    from theory.risk import layer_risk
-
     rq = 10 ** (round(math.log10(rho) / RHO_QUANTUM_DECADES) * RHO_QUANTUM_DECADES)
     pq = round(phi / PHI_QUANTUM) * PHI_QUANTUM
     key = (rq, pq, b1, b2, eps)
@@ -433,10 +428,6 @@ def youden_threshold(pos: np.ndarray, neg: np.ndarray) -> tuple[float, float, fl
 
 def alarm_rules(profile: Mapping[str, Any], table: pd.DataFrame | None, table_name: str,
                 b1: float, b2: float) -> list[AlarmRule]:
-    from theory.adam_moments import grad_mom_cos
-    from theory.bimodality import BC_THRESHOLD, snr_bc_crossing
-    from theory.eps_regime import RHO_FROZEN
-
     sh = shallow_depths(profile)
     depths = [min(sh), max(sh)]
     rules = []
@@ -510,11 +501,6 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
             prof[k] = profile[k]
     src = {"sweep": table_name or None, "sweep_runs": 0 if table is None else int(len(table)),
            "method": "risk = (n_eff p_sweep + 2 p_theory)/(n_eff + 2); see simulate/predict.py"}
-    try:
-        from theory import __version__ as tv
-        src["theory_version"] = tv
-    except ImportError:
-        pass
     return Predictions(settings=settings, alarm_rules=rules,
                        validate=[s["id"] for s in settings[:NUM_VALIDATE]], profile=prof, source=src)
 

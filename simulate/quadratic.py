@@ -56,8 +56,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pandas as pd
+from numpy.lib.stride_tricks import sliding_window_view
 
 from simulate.telemetry import tensor_sums
+from theory.quadratic import critical_eps
 
 HPARAM_DEFAULTS = {"lr": 1e-2, "eps": 1e-8, "b1": 0.9, "b2": 0.999, "noise": 0.0,
                    "theta0": 1.0, "seed": 0}
@@ -98,7 +100,6 @@ class QuadraticSpec:
 def eps_star(lr: float, lam: float, b1: float) -> float:
     """eps* = lr lam (1-b1) / (2 (1+b1)): eps >= eps* rules out the late-training
     instability along a direction of curvature lam (theory.quadratic.critical_eps)."""
-    from theory.quadratic import critical_eps
     return critical_eps(lr, lam, b1)
 
 
@@ -219,7 +220,6 @@ def run_quadratic(hparams: dict | list[dict], spec: QuadraticSpec) -> dict:
 def envelope(values: np.ndarray, window: int = 50) -> np.ndarray:
     """Running max over the last `window` values (removes the zero-crossing dips)."""
     x = np.asarray(values, dtype=np.float64)
-    from numpy.lib.stride_tricks import sliding_window_view
     padded = np.concatenate([np.full(window - 1, -np.inf), x])
     return sliding_window_view(padded, window).max(axis=-1)
 
@@ -237,7 +237,6 @@ def count_spikes(log10_loss: np.ndarray, *, min_decades: float = 3.0, rise_windo
     env = envelope(log10_loss, envelope_window)
     finite = env[np.isfinite(env)]
     env = np.where(np.isneginf(env), finite.min() if finite.size else 0.0, env)
-    from numpy.lib.stride_tricks import sliding_window_view
     padded = np.concatenate([np.full(rise_window, np.inf), env])
     base = sliding_window_view(padded, rise_window + 1).min(axis=-1)
     rising = env - base >= min_decades

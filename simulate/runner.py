@@ -24,10 +24,14 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+import jax
 import numpy as np
+import optax
+from tqdm import tqdm
 
 from adamspike.metrics import METRIC_NAMES, NUM_HIST_BINS, NUM_VHIST_BINS, finalize
 from adamspike.rundir import RunWriter, environment
+from simulate.quadratic import HPARAM_DEFAULTS
 from simulate.telemetry import NUM_SUMS, layer_columns
 
 REQUIRED = ("loss", "lr", "grad_norm", "clipped", "update_norm")
@@ -35,8 +39,6 @@ STEP_EXTRA_KEYS = ("log10_loss", "log10_grad_norm", "lam_hat_grad", "lam_hat_max
 
 
 def jax_environment(**extra: Any) -> dict:
-    import jax
-    import optax
     dev = jax.devices()[0]
     return environment(jax=jax.__version__, optax=optax.__version__, device=str(dev.platform),
                        world_size=1, **extra)
@@ -91,7 +93,6 @@ def write_run(out: str | Path, traces: Mapping[str, Any], *, config: Mapping[str
         metrics = {m: np.asarray(metrics[m]).reshape(num_steps, len(names)) for m in METRIC_NAMES}
     bar = None
     if progress:
-        from tqdm import tqdm
         bar = tqdm(total=num_steps, desc="write run", unit="step", file=sys.stderr, mininterval=1.0)
     out = Path(out)
     with RunWriter(out, backend="jax", config=dict(config), env=jax_environment(),
@@ -130,7 +131,6 @@ def quadratic_traces(out: Mapping[str, Any], spec, hparams: Mapping[str, Any],
     """simulate.quadratic output -> runner traces: one tensor "theta" (depth 0, kind
     "param"), never clipped, constant lr, step_time_s = wall time / steps; no r
     histograms (the problem does not record them)."""
-    from simulate.quadratic import HPARAM_DEFAULTS
     hparams = {**HPARAM_DEFAULTS, **hparams}
     n = len(out["log10_loss"])
     lr = float(hparams["lr"])

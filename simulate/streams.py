@@ -32,7 +32,11 @@ import functools
 import math
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.scipy.special import erfinv
 
 STATS = ("r_mean", "r_rms", "r_abs", "r_m2", "r_m3", "r_m4", "bc", "sat_frac", "m_mean", "m_var",
          "v_mean", "v_var", "mv_cov", "rms_t", "grad_mom_cos")
@@ -67,8 +71,6 @@ def _as_configs(configs) -> list[dict]:
 
 def _lowbias32(x):
     """A 32-bit integer hash (C. Wellons' lowbias32), a bijection on uint32."""
-    import jax.numpy as jnp
-
     x = x ^ (x >> 16)
     x = x * jnp.uint32(0x7FEB352D)
     x = x ^ (x >> 15)
@@ -82,9 +84,6 @@ def hash_normals(key_a, key_b, t, n: int, dtype):
 
     24-bit uniforms: tails truncated at |z| ~ 5.4 (mass 7e-8, relative bias of E z^4 < 1e-4).
     """
-    import jax.numpy as jnp
-    from jax.scipy.special import erfinv
-
     j = jnp.arange(n, dtype=jnp.uint32)
     h = _lowbias32(_lowbias32(j ^ key_a) ^ _lowbias32(t.astype(jnp.uint32) + key_b))
     # odd integers in (-2^24, 2^24), exact in float32: |u| <= 1 - 2^-24, never +-1
@@ -96,10 +95,6 @@ def hash_normals(key_a, key_b, t, n: int, dtype):
 @functools.lru_cache(maxsize=32)
 def _build(n_coords: int, steps: int, n_groups: int, record_all: bool, mu_random: bool,
            dtype, rng: str = "hash"):
-    import jax
-    import jax.numpy as jnp
-    import optax
-
     gsize = n_coords // n_groups
 
     def noise(key, t):
@@ -199,9 +194,6 @@ def simulate_streams(configs: Sequence[dict], steps: int, n_coords: int = 65536,
     rng: "hash" (default; counter-based hash + inverse-erf normals, ~10x cheaper on CPU) or
     "threefry" (jax.random.normal).  Both are seeded from jax.random.PRNGKey(seed).
     """
-    import jax
-    import jax.numpy as jnp
-
     cfg = _as_configs(configs)
     steps = int(steps)
     if steps < 1:
@@ -238,10 +230,6 @@ def simulate_streams(configs: Sequence[dict], steps: int, n_coords: int = 65536,
 def check_optax_update(b1: float = 0.9, b2: float = 0.95, eps: float = 0.3, steps: int = 7,
                        seed: int = 0) -> float:
     """Max |optax update - m_hat/(sqrt(v_hat)+eps)| over a short random run (float64)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
     with jax.enable_x64(True):
         tx = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
         rng = np.random.default_rng(seed)
@@ -262,10 +250,6 @@ def check_optax_update(b1: float = 0.9, b2: float = 0.95, eps: float = 0.3, step
 def sample_updates(config: dict, steps: int, n_coords: int = 65536, *, seed: int = 0,
                    mu_sign: str = "random", rng: str = "hash") -> np.ndarray:
     """The raw r = optax update of every coordinate after `steps` steps (for histograms)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
     (c,) = _as_configs([config])
     steps = int(steps)
     if steps < 1:

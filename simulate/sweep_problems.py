@@ -213,9 +213,6 @@ def mlp_shallow(spec) -> list[int]:
 @functools.lru_cache(maxsize=16)
 def _mlp_fn(static_items: tuple):
     """jit(vmap(run_one)) for one static setting: simulate.mlp.make_step under lax.scan."""
-
-    from simulate import optim as O
-
     st = dict(static_items)
     spec = _mlp_spec(st)
     scale = float(st["train.loss_scale"])
