@@ -31,14 +31,16 @@ or poisoned batches (the trainer's host-side control flow).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+import json
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from adamspike.config import ConfigError
+from adamspike.config import ConfigError, flatten, to_dict
 from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.llama import spec_by_name
 from adamspike.mitigations import require_hooks
@@ -48,6 +50,9 @@ from simulate import optim as jopt
 from simulate.llama_train import batch_at, dataset, objective, step_plan
 
 HOOKS = ("model", "eps", "direction")
+# passed to the compiled program as traced values: arms differing only here compile once
+TRACED_KEYS = frozenset({"optim.b1", "optim.b2", "optim.eps", "mitigation.eps_embed",
+                         "mitigation.eps_shallow", "mitigation.eps_deep", "mitigation.eps_head"})
 
 
 def with_seed(cfg: RunConfig, seed: int) -> RunConfig:
@@ -103,17 +108,34 @@ def group_layout(cfg: RunConfig) -> tuple[list[str], dict[str, list[str]], np.nd
     return groups, {g: by_group[g] for g in groups}, numel, np.array(eps)
 
 
+def hyper(cfg: RunConfig) -> dict:
+    """The traced hyperparameters of an arm: b1, b2 and the per-tensor eps pytree (arms
+    differing only in these share one compiled program)."""
+    llama = cfg.model.llama()
+    shapes = jax.eval_shape(functools.partial(jllama.init_params, llama), jax.random.PRNGKey(0))
+    plan = step_plan(cfg)
+    names = jopt.tensor_names(shapes)
+    eps = [jnp.float32(plan.tensor_eps.get(n, cfg.optim.eps)) for n in names]
+    return {"b1": jnp.float32(cfg.optim.b1), "b2": jnp.float32(cfg.optim.b2),
+            "eps": jax.tree.unflatten(jax.tree.structure(shapes), eps)}
+
+
 def arm_program(cfg: RunConfig):
-    """run_one(key, tokens (num_steps, B, T+1)) -> (loss, grad_norm, update_norm
+    """run_one(key, tokens (num_steps, B, T+1), hyper) -> (loss, grad_norm, update_norm
     (num_steps,), group_sumsq (num_steps, num_groups)): one seed's whole run, pure and
-    traceable (vmap it over seeds, or jit it and call it per seed)."""
+    traceable (vmap it over seeds, or jit it and call it per seed); `hyper` as `hyper(cfg)`."""
     check_arm(cfg)
     llama = cfg.model.llama()
-    tx, value_and_grad, _ = objective(cfg)
+    t, o = cfg.train, cfg.optim
+    _, value_and_grad, _ = objective(cfg)
+    plan = step_plan(cfg)
     _, names, _, _ = group_layout(cfg)
-    inv_scale = 1.0 / cfg.train.loss_scale
+    inv_scale = 1.0 / t.loss_scale
 
-    def run_one(key, toks):
+    def run_one(key, toks, hp):
+        # the trainer's chain (simulate.optim.adamw) with b1, b2, eps as traced values
+        tx = jopt.adamw_chain(hp["b1"], hp["b2"], hp["eps"], jopt.lr_schedule(o, t.num_steps),
+                              o.grad_clip * t.loss_scale, o.weight_decay, plan)
         params = jllama.init_params(llama, key)
         state = tx.init(params)
 
@@ -135,21 +157,39 @@ def arm_program(cfg: RunConfig):
     return run_one
 
 
+_PROGRAMS: dict[tuple, Any] = {}
+
+
+def _compiled(cfg: RunConfig, vmapped: bool):
+    """jit(vmap(run_one)) or jit(run_one), cached per config up to the traced b1, b2, eps."""
+    flat = flatten(to_dict(cfg))
+    key = (vmapped, json.dumps({k: v for k, v in flat.items()
+                                if k not in TRACED_KEYS and k != "train.seed"},
+                               sort_keys=True, default=str))
+    if key not in _PROGRAMS:
+        if len(_PROGRAMS) >= 8:
+            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+        run_one = arm_program(cfg)
+        _PROGRAMS[key] = jax.jit(jax.vmap(run_one, in_axes=(0, 0, None)) if vmapped else run_one)
+    return _PROGRAMS[key]
+
+
 def run_arm(cfg: RunConfig, seeds: Sequence[int], *, vmapped: bool = True,
             tokens: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Train len(seeds) copies of cfg (train.seed = each seed); vmapped=True as one
     program, False one after another (the same jitted per-seed function: the bench compares
     the two). Returns float64 arrays loss, grad_norm, update_norm (num_seeds, num_steps),
     rho (num_seeds, num_steps, num_groups) and groups, group_eps, group_numel."""
-    run_one = arm_program(cfg)
+    check_arm(cfg)
     groups, _, numel, eps = group_layout(cfg)
     toks = jnp.asarray(arm_tokens(cfg, seeds) if tokens is None else tokens)
     keys = jnp.stack([jax.random.PRNGKey(int(k)) for k in seeds])
+    hp = hyper(cfg)
+    fn = _compiled(cfg, vmapped)
     if vmapped:
-        outs = jax.jit(jax.vmap(run_one))(keys, toks)
+        outs = fn(keys, toks, hp)
     else:
-        one = jax.jit(run_one)
-        per = [one(keys[i], toks[i]) for i in range(len(seeds))]
+        per = [fn(keys[i], toks[i], hp) for i in range(len(seeds))]
         outs = tuple(jnp.stack([p[j] for p in per]) for j in range(4))
     loss, gn, un, sumsq = (np.asarray(x, np.float64) for x in jax.device_get(outs))
     rho = np.sqrt(sumsq / numel) / eps
