@@ -396,28 +396,44 @@ def replay_spike(spec: ReplaySpec, prog: LaneProgram, seed: int, t: int, base_lo
         first += CHUNK
     n_steps = end - s0
     traces = np.asarray([tr[:n_steps] for tr in traces])
-    W = spec.recur_window
+    return measure(spec, "jax", seed_cfg, t, s0, base_loss, base_spike,
+                   dict(zip(names, traces))), traces
+
+
+def measure(spec: ReplaySpec, backend: str, seed_cfg: RunConfig, t: int, s0: int,
+            base_loss: np.ndarray, base_spike: Mapping[str, Any],
+            traces: Mapping[str, np.ndarray]) -> pd.DataFrame:
+    """Rows per intervention of one spike (either backend): traces[name] = losses of steps
+    s0 + 1 .. t + horizon; base_loss = the base run's losses from step 1."""
+    W, end = spec.recur_window, t + spec.horizon
     baseline = float(base_spike["baseline"])
     steps = np.arange(1, end + 1)
     rows = []
-    for i, name in enumerate(names):
-        full = np.concatenate([base_loss[:s0], traces[i]])
+    for name, trace in traces.items():
+        trace = np.asarray(trace, np.float64)
+        full = np.concatenate([base_loss[:s0], trace])
         sp = spec.detect(full, steps)
         after = sp[sp["start"] > s0]
         near = after[(after["start"] >= t - W) & (after["start"] <= t + W)]
-        win = traces[i][t - W - 1 - s0: t + W - s0]
+        win = trace[t - W - 1 - s0: t + W - s0]
         peak = float(np.max(win)) if np.isfinite(win).all() else math.inf
-        rows.append({"backend": "jax", "seed": int(seed), "spike_step": int(t),
-                     "restart_step": int(restart), "lead": int(t - s0),
-                     "intervention": name,
-                     "overrides": json.dumps(intervention_overrides(
-                         name, seed_cfg, t, restart, spec.skip_window), sort_keys=True),
+        ov = intervention_overrides(name, seed_cfg, t, s0 + 1, spec.skip_window)
+        rows.append({"backend": backend, "seed": int(seed_cfg.train.seed), "spike_step": int(t),
+                     "restart_step": int(s0 + 1), "lead": int(t - s0), "intervention": name,
+                     "overrides": json.dumps(ov, sort_keys=True),
                      "recurred": bool(len(near)), "spiked_any": bool(len(after)),
                      "height": peak / baseline if baseline > 0 else math.nan,
                      "base_height": float(base_spike["peak"]) / baseline if baseline > 0
                      else math.nan,
-                     "exact_trace": bool(np.array_equal(traces[i], base_loss[s0:end]))})
-    return pd.DataFrame(rows), traces
+                     "exact_trace": bool(np.array_equal(trace, base_loss[s0:end]))})
+    return pd.DataFrame(rows)
+
+
+def torch_rows(spec: ReplaySpec, found: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """measure() over the torch replays (fullscale.replay.torch_replays' result)."""
+    frames = [measure(spec, "torch", f["cfg"], f["t"], f["s0"], f["base_loss"],
+                      f["base_spike"], f["traces"]) for f in found]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 # ----------------------------------------------------------------------------- study
@@ -595,8 +611,8 @@ def write_outputs(out: Path, table: pd.DataFrame, spec: ReplaySpec, seconds: flo
 def make_spec(config: Path | None, seeds: int, quick: bool, overrides: Sequence[str] = ()
               ) -> ReplaySpec:
     cfg = load_config(RunConfig, config, list(overrides))
-    if quick:   # CI: seeds of 500 steps, one spike replayed (it may find none; it says so)
-        cfg = RunConfig.from_dict({**flatten(to_dict(cfg)), "train.num_steps": 500})
+    if quick:   # CI: seeds of 400 steps, one spike replayed (it may find none; it says so)
+        cfg = RunConfig.from_dict({**flatten(to_dict(cfg)), "train.num_steps": 400})
     return ReplaySpec(config=to_dict(cfg), seeds=list(range(seeds)), max_spikes=1 if quick else 0)
 
 
@@ -614,7 +630,7 @@ def main(argv: list[str] | None = None, torch_replay=None) -> int:
     ap.add_argument("--seeds", type=int, default=None,
                     help="number of base seeds (default 14; --quick 1)")
     ap.add_argument("--quick", action="store_true",
-                    help="1 seed x 500 steps, at most one spike replayed (CI)")
+                    help="1 seed x 400 steps, at most one spike replayed (CI)")
     ap.add_argument("--torch-spikes", type=int, default=0,
                     help="also replay this many spikes through the torch trainer (its DCP "
                          "checkpoints; adamspike replay only)")
