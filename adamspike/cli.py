@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("simulate.cli:simulate_main", "Monte-Carlo streams, quadratic, MLP, toy LLaMA runs"),
     "sweep": ("adamspike.cli:sweep_main", "grids over dotted config keys (resumable, --shard k/n)"),
     "replicate": ("simulate.replication:main", "test the literature's claims on the toy problems"),
+    "replay": ("adamspike.cli:replay_main", "causal replay of spikes with one intervention each (resumable)"),
     "predict": ("simulate.predict:main", "predictions.json from theory + sweep results"),
     "train": ("fullscale.train:main", "fullscale LLaMA2 training (run under torchrun)"),
     "launch": ("fullscale.launch:launch_main", "write per-node torchrun / MindSpeed scripts"),
@@ -61,6 +62,25 @@ def sweep_main(argv: list[str]) -> int:
     from simulate.sweep import main as sweep
     from simulate.sweep_problems import PROBLEMS
     return sweep(argv, PROBLEMS)
+
+
+def replay_main(argv: list[str]) -> int:
+    """`adamspike replay`: the JAX study (simulate.replay) and, with --torch-spikes, its torch
+    subset (fullscale.replay), wired here (simulate never imports torch, fullscale never
+    imports jax)."""
+    from simulate import replay   # jax: only for this subcommand
+
+    def torch_replay(spec, out, num_spikes, progress):
+        from fullscale.replay import torch_replays   # torch: only with --torch-spikes
+        found = torch_replays(
+            spec.run_config(), out, num_spikes, spec.seeds, spec.detect,
+            lambda name, cfg, t, restart: replay.intervention_overrides(
+                name, cfg, t, restart, spec.skip_window),
+            spec.interventions, snapshot_every=spec.snapshot_every, min_lead=spec.min_lead,
+            max_lead=spec.max_lead, horizon=spec.horizon, progress=progress)
+        return replay.torch_rows(spec, found)
+
+    return replay.main(argv, torch_replay=torch_replay)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ settings resolve into the backend-neutral `StepPlan` that both trainers implemen
     eps         tensor_eps             per-leaf eps of the Adam step  one param group per eps
     direction   update_clip            scale_by_adam_stable           apply_update_clip
     state       v_reset                reset_second_moment            reset_second_moment
+    update      freeze, freeze_steps   scale_by_lr_freeze (lr x 0)    apply_freeze (group lr 0)
 
 Entries (keys, math, reference):
 
@@ -26,6 +27,17 @@ Entries (keys, math, reference):
                        step t in v_reset_steps, v_{t-1} <- 0 for every tensor of the groups,
                        so v_t = (1 - b2) g_t^2; m and the bias corrections are untouched
                        (a second-moment analogue of SPAM's moment reset, Huang et al. 2025).
+    freeze_groups      mitigation.freeze_groups, freeze_from, freeze_until: on the steps
+                       freeze_from <= t <= freeze_until (freeze_until = 0: to the end) the
+                       parameter change of every tensor of the groups is zero (the Adam
+                       direction and the decoupled weight decay alike: p_t = p_{t-1}). The
+                       gradient is still computed, counts in the global-norm clip, and Adam's
+                       m, v and step count still accumulate as if the tensor were trained,
+                       so an unfrozen tensor resumes with a warm state (the choice of
+                       layer-freezing for a spike study: only the update is withheld; no
+                       optimizer state is edited). Skipped steps (data.skip_batches) count
+                       toward the step range as they do for the lr schedule. (Layer
+                       freezing as in Brock et al. 2017, FreezeOut.)
 
 Telemetry's grad_mom_cos = cos(g_t, m_{t-1}) uses the momentum that enters the update,
 i.e. after any `state` edit: mitigations with edits_state != "" make the torch trainer pass
@@ -44,7 +56,7 @@ from typing import Any, Callable, List, Mapping, Optional   # runtime field type
 from adamspike.config import ConfigError, flatten, param, to_dict
 from adamspike.depth_groups import GROUPS, depth_group
 
-HOOKS = ("model", "eps", "direction", "state")
+HOOKS = ("model", "eps", "direction", "state", "update")
 
 
 @dataclass
@@ -54,11 +66,19 @@ class StepPlan:
     model_options: keyword arguments of the model's forward (both backends' Transformer /
     loss_fn take the same names); tensor_eps: Adam eps of each tensor by name;
     update_clip: StableAdamW clipping on; v_reset: {step: names of the tensors whose v is
-    set to 0 just before that step's update}."""
+    set to 0 just before that step's update}; freeze: names of the tensors whose parameter
+    change is zero on the steps freeze_steps = (first, last) (last 0: to the end)."""
     model_options: dict[str, Any] = field(default_factory=dict)
     tensor_eps: dict[str, float] = field(default_factory=dict)
     update_clip: bool = False
     v_reset: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    freeze: tuple[str, ...] = ()
+    freeze_steps: tuple[int, int] = (1, 0)
+
+    def frozen_at(self, step: int) -> tuple[str, ...]:
+        """The tensors whose update is zero at optimizer step `step` (1-based)."""
+        first, last = self.freeze_steps
+        return self.freeze if first <= step and (last == 0 or step <= last) else ()
 
     def eps_values(self) -> list[float]:
         """The distinct eps values, sorted."""
@@ -135,6 +155,26 @@ def _check_v_reset(section) -> None:
         raise ConfigError("mitigation.v_reset_groups: empty while v_reset_steps is set")
 
 
+def _resolve_freeze(cfg, plan: StepPlan, depths, num_layers) -> None:
+    m = cfg.mitigation
+    groups = set(m.freeze_groups)
+    plan.freeze = tuple(n for n, d in depths.items() if depth_group(d, num_layers) in groups)
+    plan.freeze_steps = (int(m.freeze_from), int(m.freeze_until))
+
+
+def _check_freeze(section) -> None:
+    for i, g in enumerate(section.freeze_groups):
+        if g not in GROUPS:
+            raise ConfigError(f"mitigation.freeze_groups[{i}]: must be one of {list(GROUPS)}, "
+                              f"got {g!r}")
+    if section.freeze_until and section.freeze_until < section.freeze_from:
+        raise ConfigError(f"mitigation.freeze_until: {section.freeze_until} is before "
+                          f"mitigation.freeze_from = {section.freeze_from} (0 = to the end)")
+    if not section.freeze_groups and (section.freeze_from != 1 or section.freeze_until != 0):
+        raise ConfigError("mitigation.freeze_groups: empty while freeze_from / freeze_until "
+                          "is set")
+
+
 def _not_expressible(cfg) -> None:
     return None
 
@@ -172,6 +212,14 @@ REGISTRY: dict[str, Mitigation] = {m.name: m for m in (
                "state", "second-moment reset: v <- 0 for the chosen depth groups at chosen steps",
                "Huang et al. 2025, SPAM (moment reset)", _resolve_v_reset, _not_expressible,
                edits_state="v", check=_check_v_reset),
+    Mitigation("freeze_groups",
+               (("freeze_groups", List[str], param([], help="depth groups whose update is zero (Adam state still accumulates)")),
+                ("freeze_from", int, param(1, lo=1, help="first frozen step")),
+                ("freeze_until", int, param(0, lo=0, help="last frozen step; 0 = to the end"))),
+               "update", "layer freezing: zero parameter change of the chosen depth groups "
+               "on chosen steps (m, v keep accumulating)",
+               "Brock et al. 2017, FreezeOut", _resolve_freeze, _not_expressible,
+               check=_check_freeze),
 )}
 
 

@@ -112,6 +112,11 @@ def stages(out: Path, quick: bool) -> list[Stage]:
               ["simulate", "llama", "--config", str(REPO / "configs" / "toy_stable.toml"),
                "--out", o("runs", "llama_stable"), *llama_steps],
               outputs=["runs/llama_stable/run.json"]),
+        Stage("replay", "Causal replay of toy spikes, one intervention each (JAX; torch subset)",
+              ["replay", "--config", str(REPO / "configs" / "toy_spike.toml"),
+               "--out", o("replay"), "--no-progress",
+               *(q if quick else ["--torch-spikes", "3"])],
+              outputs=["replay/replay.md", "replay/replay.csv"]),
         Stage("sweep", "eps x b2 x lr x seed sweep on the quadratic",
               ["sweep", "run", "--grid", str(REPO / "configs" / "sweep_quadratic.toml"),
                "--out", o("sweep"), *q], outputs=["sweep"]),
@@ -228,8 +233,9 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
                   "analysis report below (Regime overview, Regime card)."]
     for name, title in (("replication", "Replication table"), ("analysis", "Analysis report"),
                         ("ladder", "Width/depth ladder and the LLaMA2-70B profile"),
-                        ("matched", "Rho-matched toy")):
-        for cand in (out / name / "replication.md", out / name / "report.md"):
+                        ("matched", "Rho-matched toy"), ("replay", "Causal replay of spikes")):
+        for cand in (out / name / "replication.md", out / name / "report.md",
+                     out / name / "replay.md"):
             if cand.exists():
                 lines += ["", f"## {title}", "", cand.read_text().strip()]
                 break

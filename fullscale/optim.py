@@ -14,6 +14,11 @@ the torch trainer, with the same semantics as simulate/optim.py (the JAX chain):
        gets lr = lr_t / max(1, rms_t) and weight_decay = wd * max(1, rms_t) (so lr * wd is
        unchanged). Cost: one extra pass over g and v per step and one all-reduce of a
        (num_tensors, 2) tensor; per-tensor groups make the foreach kernels batch less.
+    3b. layer freezing (the registry's `update` hook): the frozen tensors get param groups of
+       their own (split from the others by eps as usual); on a freeze step their groups get
+       lr = 0 just before optimizer.step(), so p is unchanged exactly (AdamW's p (1 - 0 wd)
+       and - 0 m_hat / (...)) while m, v and the step count accumulate as usual; the next
+       scheduler.step() restores every group's lr (as for the update clip).
     4. schedule: torch.optim.lr_scheduler.LambdaLR with lambda(k) = lr_at(k + 1) / lr, so
        the lr applied at optimizer step s (1-based; s - 1 scheduler.step() calls before it)
        is exactly OptimSection.lr_at(s, num_steps).
@@ -50,18 +55,20 @@ def build_optimizer(model: nn.Module, optim: OptimSection, plan: StepPlan | None
                     ) -> torch.optim.AdamW:
     """torch.optim.AdamW over model.named_parameters(); each param group records the names
     of its parameters ("names"). The mitigation plan (adamspike.mitigations) sets each
-    tensor's eps (one group per eps value, in order of first appearance) and, with
-    update_clip, makes every tensor its own group."""
+    tensor's eps (one group per eps value, in order of first appearance), with
+    update_clip makes every tensor its own group, and with layer freezing keeps the frozen
+    tensors out of the others' groups (group key: eps, frozen)."""
     plan = plan or StepPlan()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     eps_of = {n: float(plan.tensor_eps.get(n, optim.eps)) for n, _ in named}
+    frozen = set(plan.freeze)
     if plan.update_clip:
         members = [[(n, p)] for n, p in named]
     else:
-        by_eps: dict[float, list] = {}
+        by_key: dict[tuple[float, bool], list] = {}
         for n, p in named:
-            by_eps.setdefault(eps_of[n], []).append((n, p))
-        members = list(by_eps.values())
+            by_key.setdefault((eps_of[n], n in frozen), []).append((n, p))
+        members = list(by_key.values())
     groups = [{"params": [p for _, p in m], "names": [n for n, _ in m], "eps": eps_of[m[0][0]],
                "base_weight_decay": optim.weight_decay} for m in members]
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps,
@@ -145,11 +152,32 @@ def apply_mitigations(optimizer: torch.optim.AdamW, plan: StepPlan, step: int, l
                       ) -> torch.Tensor | None:
     """The plan's hooks for optimizer step `step` at scheduled lr `lr`, called just before
     optimizer.step() (after clipping): the state edits (v <- 0 of the tensors
-    plan.v_reset names at this step), then the direction hook (update clipping). Returns
-    the update clip's rms_t per param group, or None."""
+    plan.v_reset names at this step), then the direction hook (update clipping), then the
+    update hook (lr 0 for the groups of the tensors frozen at this step). Returns the
+    update clip's rms_t per param group, or None."""
     if step in plan.v_reset:
         reset_second_moment(optimizer, plan.v_reset[step])
-    return apply_update_clip(optimizer, lr) if plan.update_clip else None
+    rms = apply_update_clip(optimizer, lr) if plan.update_clip else None
+    apply_freeze(optimizer, plan.frozen_at(step))
+    return rms
+
+
+def apply_freeze(optimizer: torch.optim.AdamW, names) -> int:
+    """lr <- 0 for the param groups of the named tensors (call just before optimizer.step();
+    the next scheduler.step() restores it). Every group must be wholly frozen or not
+    (build_optimizer with the same plan keeps them apart). Returns the groups frozen."""
+    names, count = set(names), 0
+    if not names:
+        return 0
+    for group in optimizer.param_groups:
+        inside = [n in names for n in group["names"]]
+        if any(inside):
+            if not all(inside):
+                raise ValueError(f"apply_freeze: param group {group['names']} is only partly "
+                                 "frozen; build the optimizer with the same StepPlan")
+            group["lr"] = 0.0
+            count += 1
+    return count
 
 
 def apply_update_clip(optimizer: torch.optim.AdamW, lr: float) -> torch.Tensor:

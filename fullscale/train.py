@@ -84,15 +84,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from adamspike import mitigations
-from adamspike.config import ConfigError, load_config, to_dict
+from adamspike.config import ConfigError, flatten, load_config, to_dict
 from adamspike.llama import flops_per_token, num_params, spec_by_name
 from adamspike.predictions import PredictionsError
 from adamspike.faults import kill_point
 from adamspike.rundir import (RunFormatError, RunLock, RunLockedError, RunWriter,
-                              check_new_run_dir, environment)
+                              check_new_run_dir, environment, read_meta)
 from adamspike.train_config import RunConfig
 from fullscale import device as devices
-from fullscale.checkpoint import CheckpointError, CheckpointManager, NonFiniteError, complete
+from fullscale.checkpoint import (CheckpointError, CheckpointManager, NonFiniteError, complete,
+                                  load)
 from fullscale.alarms import build_alarms
 from fullscale.data import DataFormatError, build_source
 from fullscale.guard import SpikeGuard
@@ -125,6 +126,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run directory (new, or the one to --resume)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest valid checkpoint in OUT/checkpoints")
+    p.add_argument("--replay-from", metavar="CKPT",
+                   help="a new run OUT that starts from checkpoint CKPT of another run "
+                        "(RUN/checkpoints/step-N) under this config (replay_from_checkpoint)")
     return p
 
 
@@ -191,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(RunConfig, args.config, overrides)
         cfg.check()
         own_group = _setup_distributed(cfg)
-        rc = train(cfg, Path(args.out), resume=args.resume)
+        if args.replay_from and args.resume:
+            raise ConfigError("--replay-from: a replay is a new run; it cannot --resume")
+        rc = train(cfg, Path(args.out), resume=args.resume,
+                   replay_from=Path(args.replay_from) if args.replay_from else None)
         finished = True
         return rc
     except USER_ERRORS as e:
@@ -215,17 +222,31 @@ def _setup_distributed(cfg: RunConfig) -> bool:
     return True
 
 
-def train(cfg: RunConfig, out: Path, *, resume: bool = False) -> int:
-    """Train cfg into run directory `out` (collective); returns the exit status (0)."""
-    return Trainer(cfg, Path(out), resume=resume).run()
+def train(cfg: RunConfig, out: Path, *, resume: bool = False,
+          replay_from: Path | None = None) -> int:
+    """Train cfg into run directory `out` (collective); returns the exit status (0).
+    replay_from: see `Trainer`."""
+    return Trainer(cfg, Path(out), resume=resume, replay_from=replay_from).run()
 
 
 class Trainer:
     """One training run: the model, its optimizer, data position, guard, checkpoints and the
     run directory (rank 0), built in __init__; `run()` is the loop."""
 
-    def __init__(self, cfg: RunConfig, out: Path, *, resume: bool):
+    def __init__(self, cfg: RunConfig, out: Path, *, resume: bool,
+                 replay_from: Path | None = None):
+        """replay_from (replay from checkpoint): a *new* run directory `out` whose state at
+        the start is checkpoint `replay_from` (RUN/checkpoints/step-N) of another run, under
+        this cfg, which may differ from that run's (`--resume` continues one run under its
+        own config; a replay is an explicit fork): the checkpoint loads into an optimizer
+        and scheduler built from the source run's config (run.json), then every tensor's
+        Adam state moves into this cfg's optimizer (its own param groups, eps and frozen
+        groups), the scheduler is rebuilt from this cfg at the checkpoint's step (so
+        optim.lr / schedule changes apply), and the data position and RNG are restored.
+        The run starts at step N + 1; its run.json records `replay_of` and an event
+        "replay_from" names the checkpoint."""
         self.cfg, self.out, self.resume = cfg, out, resume
+        self.replay_from = None if replay_from is None else Path(replay_from)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # --- ownership of the run directory first (rank 0 decides, the others follow): a
         # resumed run is locked before its checkpoints are read; a new one is only checked
@@ -299,11 +320,16 @@ class Trainer:
             if restored is None:
                 raise CheckpointError(self.ckpt.root, "no complete checkpoint to resume from")
             self.start_step = restored[0] + 1
+        elif self.replay_from is not None:
+            restored = self._load_replay_source(cfg, model, specs, arch.num_layers)
+            self.start_step = restored[0] + 1
 
         # --- run directory (rank 0): rows after the resumed checkpoint are truncated
         meta = {"architecture": asdict(arch), "num_params": num_params(arch),
                 "flops_per_token": self.fpt, "world_size": world,
                 "batch_plan": asdict(self.plan)}
+        if self.replay_from is not None:
+            meta["replay_of"] = {"checkpoint": str(self.replay_from), "step": restored[0]}
 
         def open_writer():
             if self.resume:
@@ -327,8 +353,37 @@ class Trainer:
             self._log_rejected(restored[3], restored[1])
         if cfg.telemetry.tensorboard:
             self.tb = TensorBoardScalars(out / "tensorboard")
+        if self.replay_from is not None:
+            writer.event("replay_from", step=restored[0], checkpoint=str(self.replay_from))
         writer.event("start", step=self.start_step, world_size=world, device=info.name,
                      resumed_from=None if restored is None else str(restored[1]))
+
+    def _load_replay_source(self, cfg: RunConfig, model, specs, num_layers: int):
+        """Load checkpoint self.replay_from under its own run's config, then hand its state
+        to this cfg's optimizer and scheduler (see __init__). Returns (step, path, extra,
+        rejected) like CheckpointManager.load_latest_valid."""
+        path = self.replay_from
+        src_run = path.parent.parent
+        try:
+            src_cfg = RunConfig.from_dict(flatten(read_meta(src_run)["config"]))
+        except (OSError, KeyError, ValueError, RunFormatError) as e:
+            raise CheckpointError(path, f"--replay-from: no readable run.json in {src_run} "
+                                        f"({e})") from None
+        if to_dict(src_cfg.model) != to_dict(cfg.model):
+            raise ConfigError("--replay-from: model.* differs from the checkpoint's run")
+        src_plan = mitigations.plan(src_cfg, {n: s.depth for n, s in specs.items()}, num_layers)
+        src_opt = build_optimizer(model, src_cfg.optim, src_plan)
+        src_sched = build_scheduler(src_opt, src_cfg.optim, src_cfg.train.num_steps)
+        extra = load(path, model, src_opt, src_sched, position=self.position, guard=None)
+        for group in src_opt.param_groups:
+            for p in group["params"]:
+                if p in src_opt.state:
+                    self.optimizer.state[p] = src_opt.state[p]
+        with warnings.catch_warnings():   # scheduler steps without optimizer steps: intended
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(int(src_sched.last_epoch)):
+                self.scheduler.step()
+        return int(extra["step"]), path, extra, []
 
     # ------------------------------------------------------------------------- the loop
     def run(self) -> int:

@@ -58,7 +58,8 @@ skipped batches.
 Mitigations (`mitigation` section, adamspike.mitigations): the registry's StepPlan for
 this model. model_options go to loss_fn; tensor_eps becomes a per-tensor eps pytree of the
 Adam step (and of the telemetry: rho, rms_t, eps_frac use each tensor's eps); its direction
-hook turns on simulate.optim's StableAdamW clipping; its state edits (simulate.optim.
+hook turns on simulate.optim's StableAdamW clipping; its update hook (layer freezing) is
+the chain's last transform (simulate.optim.scale_by_lr_freeze); its state edits (simulate.optim.
 apply_state_edits, e.g. v <- 0 of chosen tensors) run before the step, and the telemetry
 is handed that edited state as the previous one.
 

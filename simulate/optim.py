@@ -17,6 +17,9 @@ The chain `adamw(optim, num_steps, loss_scale)` applies, per optimizer step t (1
        eps = 0, coordinates with v_hat = 0 have g = 0 and count 0 in the mean.)
     4. decoupled weight decay and the learning rate (torch AdamW):
            p <- p - lr_t (r + wd p),   lr_t = optim.lr_at(t, num_steps)
+    5. optional layer freezing (the registry's `update` hook, `scale_by_lr_freeze`): on the
+       plan's freeze steps the change of the frozen tensors is 0 (p_t = p_{t-1}); Adam's m,
+       v and count above still accumulate.
 
 Loss scaling: the caller multiplies the loss by s; passing `loss_scale=s` scales the clip
 threshold with it, so Adam on s*L equals Adam on L with eps/s (see DESIGN.md).
@@ -142,17 +145,53 @@ def scale_by_adam_stable(b1=0.9, b2=0.999, eps=1e-8, update_clip: bool = False
     return optax.GradientTransformation(adam.init, update_fn)
 
 
+def freeze_updates(updates, frozen):
+    """The `update` hook's edit: updates with the leaves where `frozen` (a pytree of bools
+    like updates, static or traced) is true set to exactly 0."""
+    return jax.tree.map(lambda u, f: jnp.where(f, jnp.zeros_like(u), u), updates, frozen)
+
+
+def scale_by_lr_freeze(lr, frozen, first: int, last: int) -> optax.GradientTransformation:
+    """optax.scale_by_learning_rate(lr) (lr a schedule of the 0-based count) whose result
+    is 0 for the leaves where `frozen` (static bools like the parameters) is true on steps
+    first <= t <= last (t = count + 1; last = 0: to the end): layer freezing. The state is
+    optax's ScaleByScheduleState, so a skipped step that advances only the schedule
+    (simulate.llama_train.advance_schedule) advances the freeze window too."""
+    sched = lr if callable(lr) else (lambda _: lr)
+
+    def init_fn(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        del params
+        step = state.count + 1
+        active = (step >= first) & ((last == 0) | (step <= last))
+        step_size = -sched(state.count)
+        scaled = jax.tree.map(lambda u: u * jnp.asarray(step_size, u.dtype), updates)
+        mask = jax.tree.map(lambda f: active & bool(f), frozen)
+        return (freeze_updates(scaled, mask),
+                optax.ScaleByScheduleState(count=optax.safe_increment(state.count)))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 def adamw_chain(b1, b2, eps, lr, max_norm: float, weight_decay: float = 0.0,
-                plan: StepPlan | None = None) -> optax.GradientTransformation:
+                plan: StepPlan | None = None, frozen=None) -> optax.GradientTransformation:
     """The chain of the module docstring from scalars (b1, b2, eps, lr may be traced, lr
     may be an optax schedule; eps a scalar or a per-tensor pytree): clip at max_norm (the
     torch formula; <= 0: off) -> Adam -> [update clip: the plan's `direction` hook] ->
-    [+ wd*p] -> * -lr."""
-    clip = (plan or StepPlan()).update_clip
-    parts = [clip_by_global_norm_torch(max_norm), scale_by_adam_stable(b1, b2, eps, clip)]
+    [+ wd*p] -> * -lr [-> 0 for the `frozen` leaves (a pytree of static bools like the
+    parameters) on the plan's freeze_steps: its `update` hook]."""
+    plan = plan or StepPlan()
+    parts = [clip_by_global_norm_torch(max_norm),
+             scale_by_adam_stable(b1, b2, eps, plan.update_clip)]
     if weight_decay > 0:
         parts.append(optax.add_decayed_weights(weight_decay))
-    parts.append(optax.scale_by_learning_rate(lr))
+    if frozen is not None and any(jax.tree.leaves(frozen)):
+        parts.append(scale_by_lr_freeze(lr, frozen, *plan.freeze_steps))
+    else:
+        parts.append(optax.scale_by_learning_rate(lr))
     return optax.chain(*parts)
 
 
@@ -160,13 +199,24 @@ def adamw(optim: OptimSection, num_steps: int, loss_scale: float = 1.0, *,
           plan: StepPlan | None = None, params=None) -> optax.GradientTransformation:
     """`adamw_chain` for a config section: clip at grad_clip * loss_scale, lr_at(t), and
     the mitigation plan (adamspike.mitigations.plan): its per-tensor eps (`eps_tree` of
-    `params`, a pytree of arrays or shapes; optim.eps without it) and its update clipping."""
+    `params`, a pytree of arrays or shapes; optim.eps without it), its update clipping and
+    its layer freezing (plan.freeze by tensor name; needs `params`)."""
     if loss_scale <= 0:
         raise ValueError(f"loss_scale: must be > 0, got {loss_scale}")
     plan = plan or StepPlan()
     eps = optim.eps if params is None else eps_tree(params, plan.tensor_eps, optim.eps)
+    if plan.freeze and params is None:
+        raise ValueError("adamw: plan.freeze names tensors; pass params (arrays or shapes)")
+    frozen = None if not plan.freeze else frozen_tree(params, plan.freeze)
     return adamw_chain(optim.b1, optim.b2, eps, lr_schedule(optim, num_steps),
-                       optim.grad_clip * loss_scale, optim.weight_decay, plan)
+                       optim.grad_clip * loss_scale, optim.weight_decay, plan, frozen)
+
+
+def frozen_tree(params, names) -> Any:
+    """A pytree like params of bools: the tensor's dotted name is in `names`."""
+    names = set(names)
+    flags = [n in names for n in tensor_names(params)]
+    return jax.tree.unflatten(jax.tree.structure(params), flags)
 
 
 def eps_tree(params, tensor_eps: Mapping[str, float], default: float):

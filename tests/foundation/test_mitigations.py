@@ -74,3 +74,31 @@ def test_neutral_mask_keeps_runs_without_mitigations():
                       "mitigation.eps_embed": [None, None, 1e-3], "num_spikes": [1, 2, 3]})
     assert t[M.neutral_mask(t)]["num_spikes"].tolist() == [1]
     assert M.neutral_mask(pd.DataFrame({"num_spikes": [1, 2]})).tolist() == [True, True]
+
+
+def test_freeze_groups_resolves_by_depth_group_and_step_range():
+    cfg = RunConfig.from_dict({"mitigation.freeze_groups": ["embed", "shallow"],
+                               "mitigation.freeze_from": 100, "mitigation.freeze_until": 150})
+    plan = M.plan(cfg, DEPTHS_70B, 80)
+    frozen = set(plan.freeze)
+    assert "tok_embeddings.weight" in frozen and "layers.7.ffn_norm.weight" in frozen
+    assert "layers.8.attention.wq.weight" not in frozen and "output.weight" not in frozen
+    assert plan.frozen_at(99) == () and plan.frozen_at(151) == ()
+    assert set(plan.frozen_at(100)) == frozen == set(plan.frozen_at(150))
+    assert [m.name for m in M.active(cfg)] == ["freeze_groups"]
+    assert not M.needs_explicit_m_prev(cfg)      # no optimizer state is edited
+    assert M.REGISTRY["freeze_groups"].hook == "update"
+    (gap,) = M.megatron_gaps(cfg)
+    assert "freeze_groups" in gap and "no Megatron flag" in gap
+    to_end = M.plan(RunConfig.from_dict({"mitigation.freeze_groups": ["head"]}), DEPTHS_70B, 80)
+    assert set(to_end.frozen_at(1)) == set(to_end.frozen_at(10**6)) == {"norm.weight", "output.weight"}
+    assert M.plan(RunConfig(), DEPTHS_70B, 80).frozen_at(5) == ()
+    with pytest.raises(ConfigError, match="mitigation.freeze_groups\\[0\\]"):
+        RunConfig.from_dict({"mitigation.freeze_groups": ["middle"]})
+    with pytest.raises(ConfigError, match="mitigation.freeze_until"):
+        RunConfig.from_dict({"mitigation.freeze_groups": ["embed"], "mitigation.freeze_from": 10,
+                             "mitigation.freeze_until": 5})
+    with pytest.raises(ConfigError, match="mitigation.freeze_groups: empty"):
+        RunConfig.from_dict({"mitigation.freeze_from": 10})
+    with pytest.raises(ConfigError, match="mitigation.freeze_groups"):
+        M.require_hooks(cfg, ("direction",), "the mlp problem")
