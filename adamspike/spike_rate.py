@@ -389,16 +389,25 @@ def p_spike(rate_per_1k, num_steps) -> np.ndarray:
 # ----------------------------------------------------------------------------- validation
 
 def heldout_split(table: pd.DataFrame) -> tuple[np.ndarray, str]:
-    """(held-out mask, description): the runs at the largest width when the table has
-    runs at >= 2 widths (rows without a width stay in training); else the runs of the
-    largest seed (a split over seeds: it tests the seed-to-seed noise, not extrapolation)."""
+    """(held-out mask, description): per source (sweep / run set) with runs at >= 2 widths,
+    the runs at its largest width (widths of different problems are not comparable; rows
+    without a width and sources with one width stay in training); when no source has two
+    widths, the runs of the largest seed (a split over seeds: it tests the seed-to-seed
+    noise, not extrapolation)."""
     w = table["width"].to_numpy(float)
-    fin = np.isfinite(w)
-    if fin.any() and len(np.unique(w[fin])) >= 2:
-        top = float(w[fin].max())
-        return fin & (w == top), (f"held out: the runs at the largest width {top:g} "
-                                  f"({int((fin & (w == top)).sum())} runs); trained on the "
-                                  "narrower widths and the runs without a width")
+    src = table["source"].astype(str).to_numpy()
+    mask = np.zeros(len(table), bool)
+    parts = []
+    for s_ in sorted(set(src)):
+        m = (src == s_) & np.isfinite(w)
+        if m.any() and len(np.unique(w[m])) >= 2:
+            top = float(w[m].max())
+            sel = m & (w == top)
+            mask |= sel
+            parts.append(f"{s_} width {top:g} ({int(sel.sum())} runs)")
+    if mask.any():
+        return mask, ("held out: the largest width of each source with several widths: "
+                      + ", ".join(parts) + "; trained on the narrower widths and the other runs")
     s = table["seed"].to_numpy(float)
     if np.isfinite(s).any() and len(np.unique(s[np.isfinite(s)])) >= 2:
         top = float(np.nanmax(s))
