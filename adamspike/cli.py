@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("fullscale.cli:model_main", "`model info`: parameters, FLOPs/token, memory per card"),
     "data": ("fullscale.cli:data_main", "inspect / convert Megatron indexed data"),
     "analyze": ("adamspike.cli:analyze_main", "spikes, precursors, alarm scores, theory fits, report"),
+    "megatron-log": ("analysis.megatron_log:export_main", "a run directory's steps as a Megatron training log"),
     "figures": ("figures.cli:main", "regenerate every figure"),
     "reproduce": ("adamspike.reproduce:main", "the whole study at CPU scale (--quick for CI)"),
 }
