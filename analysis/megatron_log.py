@@ -377,7 +377,7 @@ def megatron_lines(steps: pd.DataFrame, *, global_batch_size: int,
             s += f" lm loss: {float(loss):.6E} |"
         s += " loss scale: 1.0 |"
         if gn is not None and math.isfinite(float(gn)):
-            s += f" grad norm: {float(gn):.6f} |"
+            s += f" grad norm: {float(gn):.6E} |"   # Megatron: .3f; toys need the digits
         sk = r.get("skipped")
         sk = 1 if (sk is True or (isinstance(sk, (int, float, np.bool_)) and sk == 1)) else 0
         s += (f" number of skipped iterations: {sk:3d} |"

@@ -114,3 +114,51 @@ def test_tampered_file_is_refused_and_unhashed_file_warns(study, capsys):
                     "--no-figures"]) == 0
     assert "not pre-registered" in capsys.readouterr().err
     assert "not pre-registered" in (d / "r2" / "report.md").read_text()
+
+
+def test_megatron_log_export_round_trips_the_steps(study, tmp_path, capsys):
+    from adamspike.cli import main as adamspike
+    from adamspike.rundir import load_run
+    from analysis.megatron_log import read_megatron_log
+    _, run, _, _ = study
+    log = tmp_path / "toy.log"
+    assert adamspike(["megatron-log", str(run), "--out", str(log)]) == 0
+    parsed = read_megatron_log(log)
+    steps = load_run(run, tables=("steps",)).steps
+    assert parsed.stats["num_malformed"] == 0 and len(parsed.steps) == len(steps)
+    np.testing.assert_allclose(parsed.steps["loss"], steps["loss"], rtol=1e-6)
+    np.testing.assert_allclose(parsed.steps["grad_norm"], steps["grad_norm"], rtol=1e-6)
+    assert (parsed.steps["global_batch_size"] == 16).all()
+    assert adamspike(["megatron-log", str(run), "--out", str(log)]) == 2   # never overwritten
+
+
+def test_spike_rate_cli_fits_validates_and_refuses_to_overwrite(study, tmp_path, capsys):
+    import pandas as pd
+    from analysis.spike_rate import main as spike_rate
+    _, run, _, _ = study
+    rng = np.random.default_rng(0)
+    rows = [{"problem": "mlp", "cell_id": f"c{w}{e}{b2}", "mlp.width": w, "optim.eps": e,
+             "optim.b2": b2, "optim.lr": 1e-2, "train.num_steps": 2000, "seed": s,
+             "median_rho": 1e-2 / e * (1 + 0.1 * s),
+             "num_spikes": rng.poisson(2.0 * (1e-2 / e < 10) + 0.1), "diverged": False,
+             "mlp.num_points": 256, "mlp.batch": 0}
+            for w in (16, 32, 64) for e in (1e-8, 1e-4, 1e-2) for b2 in (0.95, 0.999)
+            for s in range(3)]
+    table = tmp_path / "runs.csv"
+    pd.DataFrame(rows).to_csv(table, index=False)
+    out = tmp_path / "sr"
+    assert spike_rate(["--sweep", str(table), "--runs", str(run), str(tmp_path / "absent"),
+                       "--out", str(out), "--n-boot", "20"]) == 0
+    model = json.loads((out / "model.json").read_text())
+    assert model["n_runs"] == 55 and "log10_rho_shallow" in model["features"]
+    val = model["validation"]
+    assert "width 64" in val["split"] and val["n_heldout"] == 18
+    for k in ("log_loss", "brier"):
+        assert np.isfinite(val["model"][k]) and np.isfinite(val["baseline"][k])
+    assert any("absent" in n for n in model["notes"])
+    cal = pd.read_csv(out / "calibration.csv")
+    assert cal["n_runs"].sum() == 18
+    report = (out / "report.md").read_text()
+    assert "Held-out validation" in report and "constant rate" in report
+    assert spike_rate(["--sweep", str(table), "--out", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err
