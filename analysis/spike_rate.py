@@ -98,7 +98,11 @@ def run_row(path: str | Path) -> dict:
     feats = SR.setting_features(rho_shallow=rho_sh, rho_deep=rho_dp, b2=op["b2"], lr=op["lr"],
                                 eps=op["eps"], tokens_per_step=tokens)
     seed = (run.config.get("train") or {}).get("seed", run.config.get("seed", math.nan))
-    return {"source": "run", "run": str(path), "width": _width(run.config),
+    prob = run.config.get("problem")
+    kind = (prob.get("kind") if isinstance(prob, dict) else prob) or (
+        "llama" if run.config.get("model") else run.meta.get("backend", "run"))
+    # one source per problem kind: widths of different problems are not comparable
+    return {"source": f"run:{kind}", "run": str(path), "width": _width(run.config),
             "seed": float(seed) if seed is not None else math.nan,
             "num_spikes": float(len(spikes)), "num_steps": float(n), **feats}
 
