@@ -220,6 +220,10 @@ class RateModel:
     train_range: dict = field(default_factory=dict)
     sources: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    # ranges of every FEATURE over the training runs that have it (also the unused ones)
+    data_range: dict = field(default_factory=dict)
+    # the training features (n, p), original units: the joint-support check
+    train_x: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
 
     # -- design
     def design(self, X: np.ndarray) -> np.ndarray:
@@ -284,12 +288,43 @@ class RateModel:
                 "lo": np.exp(np.minimum(f_lo, b_lo)), "hi": np.exp(np.maximum(f_hi, b_hi))}
 
     def extrapolation(self, feats: Mapping[str, float]) -> dict:
-        """Per feature: 'inside', 'below' or 'above' the training range."""
+        """Per model feature: 'inside', 'below' or 'above' the training range."""
         out = {}
         for f in self.features:
             lo, hi = self.train_range[f]
             v = feats[f]
             out[f] = "below" if v < lo - 1e-9 else "above" if v > hi + 1e-9 else "inside"
+        return out
+
+    def support(self, feats: Mapping[str, float]) -> dict:
+        """Joint support: the standardised distance from the setting to its nearest
+        training run against the 95th percentile of the nearest-neighbour distances between
+        the training runs' distinct feature points (the data's own spacing) (a setting inside every feature's range can still lie where no training
+        run is); and the features the model does not use, against the training data's
+        range of them ("not in the training data" when no training run has one)."""
+        out: dict[str, Any] = {}
+        if self.train_x.size:
+            Z = (self.train_x - self.x_mean) / self.x_std
+            z = (np.array([feats[f] for f in self.features]) - self.x_mean) / self.x_std
+            d = float(np.sqrt(((Z - z) ** 2).sum(1)).min())
+            U = np.unique(np.round(Z, 9), axis=0)       # distinct points (seeds repeat cells)
+            D = np.sqrt(((U[:, None, :] - U[None, :, :]) ** 2).sum(-1))
+            np.fill_diagonal(D, np.inf)
+            nn = D.min(1)
+            ref = float(np.quantile(nn[np.isfinite(nn)], 0.95)) if np.isfinite(nn).any() else 0.0
+            out.update(nearest_run_distance=d, nn_distance_q95=ref,
+                       outside_joint_support=bool(d > max(ref, 1e-9)))
+        unused = {}
+        for f in FEATURES:
+            if f in self.features or feats.get(f) is None or not np.isfinite(feats[f]):
+                continue
+            r = self.data_range.get(f)
+            if not r:
+                unused[f] = "not in the training data"
+            else:
+                unused[f] = ("below" if feats[f] < r[0] - 1e-9 else "above"
+                             if feats[f] > r[1] + 1e-9 else "inside") + " (not a model feature)"
+        out["unmodelled"] = unused
         return out
 
     # -- file
@@ -301,7 +336,8 @@ class RateModel:
                 "dispersion": self.dispersion, "ci": self.ci, "n_runs": self.n_runs,
                 "n_spikes": self.n_spikes, "total_steps": self.total_steps,
                 "baseline_rate_per_1k": baseline_rate(self.n_spikes, self.total_steps),
-                "train_range": self.train_range, "sources": self.sources,
+                "train_range": self.train_range, "data_range": self.data_range,
+                "train_x": self.train_x.tolist(), "sources": self.sources,
                 "coefficients": self.coefficients(), **self.extra}
 
 
@@ -314,7 +350,8 @@ def model_from_json(d: Mapping[str, Any], where: str = "model") -> RateModel:
     try:
         known = {"schema", "version", "features", "beta_std", "cov_std", "x_mean", "x_std",
                  "boot_std", "ridge", "dispersion", "ci", "n_runs", "n_spikes", "total_steps",
-                 "baseline_rate_per_1k", "train_range", "sources", "coefficients"}
+                 "baseline_rate_per_1k", "train_range", "sources", "coefficients",
+                 "data_range", "train_x"}
         return RateModel(features=list(d["features"]), beta=np.asarray(d["beta_std"], float),
                          cov=np.asarray(d["cov_std"], float), x_mean=np.asarray(d["x_mean"], float),
                          x_std=np.asarray(d["x_std"], float),
@@ -323,6 +360,9 @@ def model_from_json(d: Mapping[str, Any], where: str = "model") -> RateModel:
                          ci=float(d["ci"]), n_runs=int(d["n_runs"]), n_spikes=float(d["n_spikes"]),
                          total_steps=float(d["total_steps"]),
                          train_range={k: list(v) for k, v in d["train_range"].items()},
+                         data_range={k: list(v) for k, v in d.get("data_range", {}).items()},
+                         train_x=np.asarray(d.get("train_x", []), float).reshape(
+                             -1, len(d["features"])),
                          sources=list(d.get("sources", [])),
                          extra={k: v for k, v in d.items() if k not in known})
     except (KeyError, TypeError, ValueError) as e:
@@ -378,6 +418,10 @@ def fit(table: pd.DataFrame, features: Sequence[str] | None = None, *, ridge: fl
                      total_steps=float(n.sum()),
                      train_range={f: [float(X[:, j].min()), float(X[:, j].max())]
                                   for j, f in enumerate(feats)},
+                     data_range={f: [float(np.nanmin(v)), float(np.nanmax(v))]
+                                 for f in FEATURES if f in t
+                                 for v in [t[f].to_numpy(float)] if np.isfinite(v).any()},
+                     train_x=X.copy(),
                      sources=sorted(set(t["source"].astype(str))))
 
 

@@ -13,7 +13,8 @@ Per analysed run (telemetry run directory or an imported Megatron log):
   verdict    inside / above / below the setting's rate_ci. As a count check, with
              mu = rate n / 1000: p_above = P(K >= k | mu_hi) and p_below = P(K <= k | mu_lo)
              (Poisson), small when the count is out of reach of the interval (a short run
-             with k = 0 is "below" a high interval without contradicting it: p_below says so).
+             with k = 0 is "below" a high interval without contradicting it: p_below says so);
+             count_consistent = both >= 0.05.
 
 Alarms. The file's alarm rules evaluated offline on every run with per-tensor telemetry
 (analysis.alarms.fire_steps), pooled over the runs: precision, lift over the chance rate
@@ -133,6 +134,7 @@ def score_rate(ra, pred: Predictions) -> dict:
                p_above=float(stats.poisson.sf(k - 1, mu_hi)) if k > 0 else 1.0,
                p_below=float(stats.poisson.cdf(k, mu_lo)),
                extrapolated=bool(s.get("extrapolated", False)))
+    row["count_consistent"] = bool(row["p_above"] >= 0.05 and row["p_below"] >= 0.05)
     return row
 
 
@@ -191,12 +193,15 @@ def section(rates: list[dict], lift: pd.DataFrame, alarm_source: str, pred: Pred
              "missing": "**absent: the file is not pre-registered**",
              "mismatch": "**does not match**"}[status]) + ".", "",
          "Observed spike rate (the report's loss-spike rule) against the matched setting's "
-         "interval; p_above = P(K >= k | upper rate), p_below = P(K <= k | lower rate).", ""]
+         "interval; p_above = P(K >= k | upper rate), p_below = P(K <= k | lower rate); the "
+         "count is consistent with the interval when both are >= 0.05 (a short run can be "
+         "'below' without contradicting it).", ""]
     rows = [{"run": r["run"], "steps": r["num_steps"], "spikes": r["num_spikes"],
              "observed /1k": r["observed_rate_per_1k"], "setting": r.get("setting") or "-",
              "predicted /1k": r.get("predicted_rate_per_1k"),
              "interval": (f"[{_f(r['rate_lo'])}, {_f(r['rate_hi'])}]" if "rate_lo" in r else "-"),
              "verdict": r["verdict"], "p_above": r.get("p_above"), "p_below": r.get("p_below"),
+             "count consistent": r.get("count_consistent", "-"),
              "match": r["match"] + ("; " + "; ".join(r["value_notes"]) if r["value_notes"] else "")}
             for r in rates]
     L += [md_table(pd.DataFrame(rows)), ""]

@@ -466,7 +466,11 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
     p = float(SR.p_spike(rate, horizon))
     p_lo, p_hi = float(SR.p_spike(lo, horizon)), float(SR.p_spike(hi, horizon))
     extrap = model.extrapolation(feats["mid"])
+    sup = model.support(feats["mid"])
     outside = [f"{f} {v}" for f, v in extrap.items() if v != "inside"]
+    if sup.get("outside_joint_support"):
+        outside.append(f"the joint feature point (distance {sup['nearest_run_distance']:.2f} to "
+                       f"the nearest training run > {sup['nn_distance_q95']:.2f})")
     label = "low" if p < 1 / 3 else "medium" if p < 2 / 3 else "high"
     sh = set(shallow_depths(profile))
     sh_rows = [r for d, r in zip(depths, rows) if d in sh]
@@ -480,8 +484,10 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
     rationale = (f"GLM: {rate:.3g} spikes / 1k steps [{lo:.3g}, {hi:.3g}] at shallow rho "
                  f"{10 ** fm['log10_rho_shallow']:.3g}, 1-b2 {1 - b2:g}, lr/eps "
                  f"{10 ** fm['log10_lr_over_eps']:.3g}; "
-                 + (f"extrapolated ({', '.join(outside)} the training range); " if outside
+                 + (f"extrapolated ({', '.join(outside)}); " if outside
                     else "inside the training range; ")
+                 + (f"not modelled: {', '.join(f'{k} {v}' for k, v in sup['unmodelled'].items())}; "
+                    if sup["unmodelled"] else "")
                  + f"theory: {frozen} frozen + {trans} transition of {len(sh_rows)} shallow "
                    f"depths; rms_t <= {rows[0]['rms_t_bound']:.1f} after dormancy at b2={b2:g}")
     out = {"id": setting_id(cand), "overrides": {k: cand[k] for k in CANDIDATE_KEYS},
@@ -491,7 +497,7 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
            "horizon_steps": int(horizon), "p_spike": p, "p_spike_ci": [p_lo, p_hi],
            "features": _finite(fm), "features_lo": _finite(feats["lo"]),
            "features_hi": _finite(feats["hi"]), "model_features": list(model.features),
-           "extrapolation": extrap, "extrapolated": bool(outside),
+           "extrapolation": extrap, "support": sup, "extrapolated": bool(outside),
            "risk": p, "risk_label": label, "rationale": rationale, "per_depth": per_depth}
     if "rho_bar" in feats:
         out["rho_bar"], out["rho_bar_bound"] = feats["rho_bar"], feats["rho_bar_bound"]
@@ -576,21 +582,29 @@ def alarm_rules(profile: Mapping[str, Any], table: pd.DataFrame | None, table_na
 def _model_summary(model: SR.RateModel, prov: Mapping[str, Any], horizon: int,
                    settings: Sequence[Mapping[str, Any]]) -> dict:
     ext = [s["id"] for s in settings if s["extrapolated"]]
+    unm = sorted({f"{k} ({v})" for s in settings for k, v in s["support"]["unmodelled"].items()
+                  if not v.startswith("inside")})
     d = model.to_json()
     summary = {k: d[k] for k in ("features", "coefficients", "ridge", "dispersion", "ci",
                                  "n_runs", "n_spikes", "total_steps", "baseline_rate_per_1k",
-                                 "train_range", "sources")}
+                                 "train_range", "data_range", "sources")}
     if "validation" in d:
         summary["validation"] = {k: v for k, v in d["validation"].items()
                                  if k not in ("calibration", "coefficients")}
     summary.update(prov)
     summary["horizon_steps"] = int(horizon)
     summary["extrapolation_note"] = (
-        f"{len(ext)} of {len(settings)} settings lie outside the training range of at least "
-        "one feature (see each setting's `extrapolation`): their rates extrapolate the "
-        "log-linear GLM beyond the toy data and are a pre-registered hypothesis, not an "
-        "interpolation" if ext else "every setting lies inside the training range of every "
-        "feature")
+        (f"{len(ext)} of {len(settings)} settings lie outside the training range of a model "
+         "feature or outside the joint support of the training runs (each setting's "
+         "`extrapolation`, `support`)" if ext else
+         f"all {len(settings)} settings lie inside every model feature's training range and "
+         "the joint support")
+        + (f"; features the model does not use differ from the training data: "
+           f"{', '.join(unm)}" if unm else "")
+        + f". The training runs are toy problems ({', '.join(model.sources)}); a prediction "
+          "for another model (profile: see `profile`) transfers the dimensionless groups only "
+          "and is an extrapolation in model class and scale: a pre-registered hypothesis, "
+          "not an interpolation")
     return summary
 
 

@@ -84,6 +84,9 @@ def test_predictions_validate_and_rank_by_rate(tmp_path, profile_file, cands):
     # rho ~ 2000 lies above the table's largest rho (300): flagged as an extrapolation
     assert by_eps[1e-8]["extrapolation"]["log10_rho_shallow"] == "above"
     assert by_eps[1e-8]["extrapolated"] and not by_eps[1e-5]["extrapolated"]
+    assert not by_eps[1e-5]["support"]["outside_joint_support"]
+    # tokens per step: not in the sweep table, so not a model feature
+    assert "model class and scale" in pred.rate_model["extrapolation_note"]
     rule = {r.id: r for r in pred.alarm_rules}["rms_t_shallow"]
     # the threshold separates the table's classes and says it came from the sweep
     assert 1.5 <= rule.threshold <= 3.0 and rule.source.startswith("sweep")
