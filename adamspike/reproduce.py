@@ -312,13 +312,12 @@ def spike_rate_section(out: Path) -> list[str]:
               f"`{d.get('content_sha256', 'missing')}`. P(>= 1 spike) over "
               f"{rm.get('horizon_steps', '?')} steps. {rm.get('extrapolation_note', '')}.", "",
               "| rank | setting | rate / 1k steps | interval | P(>= 1 spike) | shallow rho | "
-              "deep rho | outside the training range |", "|---|---|---|---|---|---|---|---|"]
+              "deep rho | extrapolation |", "|---|---|---|---|---|---|---|---|"]
         for s in sorted(d.get("settings", []), key=lambda s: s.get("rank", 0)):
             f = s.get("features", {})
             rho = {k: (10 ** f[k] if f.get(k) is not None else None)
                    for k in ("log10_rho_shallow", "log10_rho_deep")}
-            ext = ", ".join(f"{k} ({v})" for k, v in s.get("extrapolation", {}).items()
-                            if v != "inside") or "-"
+            ext = "; ".join(s.get("extrapolation_reasons", [])) or "-"
             ci = s.get("rate_ci", [None, None])
             L.append(f"| {s.get('rank')} | {s['id']} | {_g(s.get('rate_per_1k'))} | "
                      f"[{_g(ci[0])}, {_g(ci[1])}] | {_g(s.get('p_spike'))} | "

@@ -471,6 +471,9 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
     if sup.get("outside_joint_support"):
         outside.append(f"the joint feature point (distance {sup['nearest_run_distance']:.2f} to "
                        f"the nearest training run > {sup['nn_distance_q95']:.2f})")
+    # a group the model ignores but that differs from its training data: the prediction
+    # assumes it has no effect, which the data cannot check
+    outside += [f"{k} {v}" for k, v in sup["unmodelled"].items() if not v.startswith("inside")]
     label = "low" if p < 1 / 3 else "medium" if p < 2 / 3 else "high"
     sh = set(shallow_depths(profile))
     sh_rows = [r for d, r in zip(depths, rows) if d in sh]
@@ -486,8 +489,7 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
                  f"{10 ** fm['log10_lr_over_eps']:.3g}; "
                  + (f"extrapolated ({', '.join(outside)}); " if outside
                     else "inside the training range; ")
-                 + (f"not modelled: {', '.join(f'{k} {v}' for k, v in sup['unmodelled'].items())}; "
-                    if sup["unmodelled"] else "")
+
                  + f"theory: {frozen} frozen + {trans} transition of {len(sh_rows)} shallow "
                    f"depths; rms_t <= {rows[0]['rms_t_bound']:.1f} after dormancy at b2={b2:g}")
     out = {"id": setting_id(cand), "overrides": {k: cand[k] for k in CANDIDATE_KEYS},
@@ -498,6 +500,7 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
            "features": _finite(fm), "features_lo": _finite(feats["lo"]),
            "features_hi": _finite(feats["hi"]), "model_features": list(model.features),
            "extrapolation": extrap, "support": sup, "extrapolated": bool(outside),
+           "extrapolation_reasons": outside,
            "risk": p, "risk_label": label, "rationale": rationale, "per_depth": per_depth}
     if "rho_bar" in feats:
         out["rho_bar"], out["rho_bar_bound"] = feats["rho_bar"], feats["rho_bar_bound"]
@@ -594,13 +597,14 @@ def _model_summary(model: SR.RateModel, prov: Mapping[str, Any], horizon: int,
     summary.update(prov)
     summary["horizon_steps"] = int(horizon)
     summary["extrapolation_note"] = (
-        (f"{len(ext)} of {len(settings)} settings lie outside the training range of a model "
-         "feature or outside the joint support of the training runs (each setting's "
-         "`extrapolation`, `support`)" if ext else
+        (f"{len(ext)} of {len(settings)} settings are extrapolations: outside a model "
+         "feature's training range, outside the joint support of the training runs, or with a "
+         "group the model does not use that differs from its training data (each setting's "
+         "`extrapolation_reasons`)" if ext else
          f"all {len(settings)} settings lie inside every model feature's training range and "
          "the joint support")
-        + (f"; features the model does not use differ from the training data: "
-           f"{', '.join(unm)}" if unm else "")
+        + (f"; groups the model does not use that differ from the training data: "
+           f"{', '.join(unm)} (the prediction assumes they have no effect)" if unm else "")
         + f". The training runs are toy problems ({', '.join(model.sources)}); a prediction "
           "for another model (profile: see `profile`) transfers the dimensionless groups only "
           "and is an extrapolation in model class and scale: a pre-registered hypothesis, "

@@ -83,8 +83,11 @@ def test_predictions_validate_and_rank_by_rate(tmp_path, profile_file, cands):
     assert by_eps[1e-8]["risk_label"] == "low"
     # rho ~ 2000 lies above the table's largest rho (300): flagged as an extrapolation
     assert by_eps[1e-8]["extrapolation"]["log10_rho_shallow"] == "above"
-    assert by_eps[1e-8]["extrapolated"] and not by_eps[1e-5]["extrapolated"]
+    assert set(by_eps[1e-5]["extrapolation"].values()) == {"inside"}
     assert not by_eps[1e-5]["support"]["outside_joint_support"]
+    # the profile has a deep side the sweep table never measured: flagged, not silently used
+    assert by_eps[1e-5]["extrapolated"] and by_eps[1e-5]["extrapolation_reasons"] == [
+        "log10_rho_deep not in the training data"]
     # tokens per step: not in the sweep table, so not a model feature
     assert "model class and scale" in pred.rate_model["extrapolation_note"]
     rule = {r.id: r for r in pred.alarm_rules}["rms_t_shallow"]
