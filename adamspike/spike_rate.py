@@ -298,8 +298,10 @@ class RateModel:
 
     def support(self, feats: Mapping[str, float]) -> dict:
         """Joint support: the standardised distance from the setting to its nearest
-        training run against the 95th percentile of the nearest-neighbour distances between
-        the training runs' distinct feature points (the data's own spacing) (a setting inside every feature's range can still lie where no training
+        training run against the largest nearest-neighbour distance between the training
+        runs' distinct feature points (the sparsest spot of the data: a setting farther from
+        every run than that lies where the data are not; seeds of one cell differ a little,
+        so a percentile would mostly measure the seed scatter) (a setting inside every feature's range can still lie where no training
         run is); and the features the model does not use, against the training data's
         range of them ("not in the training data" when no training run has one)."""
         out: dict[str, Any] = {}
@@ -311,8 +313,8 @@ class RateModel:
             D = np.sqrt(((U[:, None, :] - U[None, :, :]) ** 2).sum(-1))
             np.fill_diagonal(D, np.inf)
             nn = D.min(1)
-            ref = float(np.quantile(nn[np.isfinite(nn)], 0.95)) if np.isfinite(nn).any() else 0.0
-            out.update(nearest_run_distance=d, nn_distance_q95=ref,
+            ref = float(nn[np.isfinite(nn)].max()) if np.isfinite(nn).any() else 0.0
+            out.update(nearest_run_distance=d, nn_distance_max=ref,
                        outside_joint_support=bool(d > max(ref, 1e-9)))
         unused = {}
         for f in FEATURES:

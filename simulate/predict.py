@@ -470,7 +470,7 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
     outside = [f"{f} {v}" for f, v in extrap.items() if v != "inside"]
     if sup.get("outside_joint_support"):
         outside.append(f"the joint feature point (distance {sup['nearest_run_distance']:.2f} to "
-                       f"the nearest training run > {sup['nn_distance_q95']:.2f})")
+                       f"the nearest training run > {sup['nn_distance_max']:.2f}, the data's largest gap)")
     # a group the model ignores but that differs from its training data: the prediction
     # assumes it has no effect, which the data cannot check
     outside += [f"{k} {v}" for k, v in sup["unmodelled"].items() if not v.startswith("inside")]
