@@ -65,6 +65,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from adamspike.llama import PRESETS
+
 FEATURES = ("log10_rho_shallow", "log10_rho_deep", "log10_one_minus_b2", "log10_lr_over_eps",
             "log10_tokens_per_step")
 RIDGE = 0.1
@@ -125,7 +127,6 @@ def sweep_rows(table: pd.DataFrame, source: str = "sweep") -> pd.DataFrame:
             width = _col(table, c)
             break
     if "model.preset" in table and not np.isfinite(width).any():
-        from adamspike.llama import PRESETS
         width = np.array([PRESETS[p].dim if p in PRESETS else np.nan
                           for p in table["model.preset"].astype(str)], float)
     feats = [setting_features(rho_shallow=r, b2=b, lr=l, eps=e, tokens_per_step=tk)

@@ -36,6 +36,7 @@ import pandas as pd
 from adamspike import spike_rate as SR
 from adamspike.config import ConfigError
 from adamspike.depth_groups import is_shallow
+from adamspike.llama import PRESETS
 from adamspike.mitigations import neutral_mask
 from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
 from analysis.controls import infer_num_layers
@@ -48,7 +49,6 @@ def _width(config: dict) -> float:
     if model.get("dim"):
         return float(model["dim"])
     if model.get("preset"):
-        from adamspike.llama import PRESETS
         if model["preset"] in PRESETS:
             return float(PRESETS[model["preset"]].dim)
     for sec in ("mlp", "problem"):

@@ -73,6 +73,7 @@ Alarm rules (each rule's `source` says where its threshold comes from):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import sys
 from pathlib import Path
@@ -377,7 +378,7 @@ def rate_model(model_path: str | None, tables: Sequence[tuple[str, pd.DataFrame]
     if model_path:
         m = SR.load_model(model_path)
         return m, {"model_file": str(model_path),
-                   "model_sha256": __import__("hashlib").sha256(Path(model_path).read_bytes()).hexdigest()}
+                   "model_sha256": hashlib.sha256(Path(model_path).read_bytes()).hexdigest()}
     if not tables:
         raise ConfigError("no spike-rate model: give --rate-model MODEL.json (adamspike "
                           "spike-rate) or --sweep TABLE to fit one")
