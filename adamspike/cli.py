@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("adamspike.cli:sweep_main", "grids over dotted config keys (resumable, --shard k/n)"),
     "replicate": ("simulate.replication:main", "test the literature's claims on the toy problems"),
     "spike-rate": ("analysis.spike_rate:main", "fit + validate the spike-rate GLM on sweeps and runs"),
-    "predict": ("simulate.predict:main", "predictions.json from theory + sweep results"),
+    "predict": ("simulate.predict:main", "pre-registered predictions.json: GLM spike rate per setting"),
     "train": ("fullscale.train:main", "fullscale LLaMA2 training (run under torchrun)"),
     "launch": ("fullscale.launch:launch_main", "write per-node torchrun / MindSpeed scripts"),
     "plan": ("fullscale.launch:plan_main", "one run config + launch script per predicted setting"),

@@ -1,8 +1,13 @@
-"""`adamspike predict`: predictions.json (schema v2) from theory + sweep results.
+"""`adamspike predict`: pre-registered predictions.json (schema v3): the spike-rate GLM's
+rate per candidate setting, alarm rules from sweep results.
 
     adamspike predict (--profile (llama2-70b | PROFILE.json | RUN_DIR) | --profile-from-log LOG
-                       | --profile-from-run RUN) [--ladder DIR] --sweep TABLE
+                       | --profile-from-run RUN) [--ladder DIR] [--sweep TABLE ...]
+                      [--rate-model MODEL.json] [--horizon-steps 2000]
                       [--candidates candidates.toml] --out predictions.json
+
+The file is pre-registered (adamspike.predictions.save_predictions: UTC creation time and
+the sha256 of its canonical JSON); an existing --out is never overwritten (exit 2).
 
 Profile: per-depth gradient scale of the model the predictions are for, as
 rho_ref(depth) = rms(g) / eps_ref of the gradient Adam consumes, at the eps it refers to.
