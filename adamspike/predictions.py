@@ -1,22 +1,32 @@
 """predictions.json: what the toy study predicts, in a form fullscale and analysis act on.
 
-Schema (version 2), written by `adamspike predict`, read by `adamspike plan` (one run per
+Schema (version 3), written by `adamspike predict`, read by `adamspike plan` (one run per
 recommended setting), by the trainer (alarm rules evaluated online, fired alarms logged as
-events) and by `adamspike analyze --predictions` (alarm precision / recall / lead time):
+events) and by `adamspike analyze --predictions` (observed spike rate against the
+predicted interval, alarm precision / lift / lead time):
 
     {
-      "schema": "adamspike.predictions", "schema_version": 2,
-      "created": "2026-12-02T12:00:00+0000",
+      "schema": "adamspike.predictions", "schema_version": 3,
+      "created": "2026-12-02T12:00:00Z",      # UTC, written once at creation
+      "content_sha256": "...",         # pre-registration: sha256 of the canonical JSON
+                                       # (content_hash) of everything but this field
       "source": {...},                 # free-form provenance (sweep tables, theory version)
+      "rate_model": {...},             # the spike-rate GLM used (adamspike.spike_rate):
+                                       # features, coefficients with intervals, training
+                                       # range, held-out scores, horizon_steps
       "profile": {                     # the model the predictions are for
         "name": "llama2-70b", "num_layers": 80,
         "rho_by_depth": {"-1": 0.05, "0": 0.3, ...},   # rms(g)/eps per depth (measured/assumed)
         "phi": 0.0                     # assumed lag-1 gradient correlation
       },
-      "settings": [                    # candidate settings, ranked
+      "settings": [                    # candidate settings, ranked by predicted rate
         {"id": "eps1e-08-b2_0.95", "overrides": {"optim.b1": 0.9, "optim.b2": 0.95,
          "optim.eps": 1e-8, "optim.lr": 1.5e-4, "train.global_batch_size": 1024},
-         "risk": 0.1, "risk_label": "low", "rank": 1,
+         "rate_per_1k": 0.3, "rate_ci": [0.1, 0.9],   # spikes per 1000 steps, GLM interval
+         "p_spike": 0.45, "p_spike_ci": [...],        # P(>= 1 spike in horizon_steps)
+         "features": {...}, "features_lo": {...}, "features_hi": {...},
+         "extrapolation": {"log10_rho_shallow": "above", ...}, "extrapolated": true,
+         "risk": 0.45, "risk_label": "medium", "rank": 1,   # risk = p_spike
          "rationale": "...", "per_depth": [{"depth": -1, "rho": ..., "regime": ...}, ...]}
       ],
       "alarm_rules": [
@@ -29,8 +39,16 @@ events) and by `adamspike analyze --predictions` (alarm precision / recall / lea
 
 A setting's `overrides` are dotted RunConfig keys (adamspike.train_config.RunConfig.from_dict,
 which validates them; `adamspike plan` applies them over a base config). Version 1 files
-(b1 / b2 / eps / lr / global_batch_size fields per setting) are refused with a message
-saying to regenerate them.
+(b1 / b2 / eps / lr / global_batch_size fields per setting) and version 2 files (the
+heuristic risk, no pre-registration hash) are refused with a message saying to regenerate
+them.
+
+Pre-registration. `save_predictions` stamps `created` (UTC) and `content_sha256` =
+sha256 of the canonical JSON (keys sorted, no whitespace, no NaN) of the file's object
+without the `content_sha256` key, and never replaces an existing file. `from_json` checks
+the hash and records the outcome in `Predictions.integrity` ("ok", "missing": not
+pre-registered, "mismatch": edited after creation); `adamspike analyze --predictions`
+refuses a mismatching file.
 
 A rule selects tensors by depth range (inclusive; null = all) and kind list (null = all),
 reduces the metric over them (max / min / mean / median), compares with the threshold, and
@@ -39,6 +57,7 @@ fires once the comparison has held on `consecutive` logged steps in a row.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -55,7 +74,8 @@ from adamspike.rundir import atomic_write_bytes, read_json
 from adamspike.train_config import RunConfig
 
 SCHEMA = "adamspike.predictions"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+HASH_KEY = "content_sha256"
 REDUCERS = {"max": np.nanmax, "min": np.nanmin, "mean": np.nanmean, "median": np.nanmedian}
 DERIVED_METRICS = ("bimodality", "skewness", "kurtosis")
 RULE_METRICS = METRIC_NAMES + DERIVED_METRICS
@@ -196,6 +216,10 @@ class Predictions:
     profile: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)
     created: str = ""
+    rate_model: dict = field(default_factory=dict)
+    content_sha256: str = ""
+    # set by from_json: {"status": "ok" | "missing" | "mismatch", "stored", "computed"}
+    integrity: dict = field(default_factory=dict)
 
     def setting(self, setting_id: str) -> dict:
         for s in self.settings:
@@ -204,11 +228,32 @@ class Predictions:
         raise PredictionsError(f"validate: no setting with id {setting_id!r}")
 
     def to_json(self) -> dict:
+        """The file's object, without the content hash (save_predictions adds it)."""
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
-                "created": self.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "source": self.source, "profile": self.profile, "settings": self.settings,
+                "created": self.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "source": self.source, "rate_model": self.rate_model, "profile": self.profile,
+                "settings": self.settings,
                 "alarm_rules": [_rule_json(r) for r in self.alarm_rules],
                 "validate": self.validate}
+
+
+def content_hash(data: Mapping[str, Any]) -> str:
+    """sha256 (hex) of the canonical JSON of `data` without its HASH_KEY: keys sorted,
+    separators ',' and ':', no NaN / infinity."""
+    body = {k: v for k, v in data.items() if k != HASH_KEY}
+    blob = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def verify_hash(data: Mapping[str, Any]) -> dict:
+    """{"status": "ok" | "missing" | "mismatch", "stored": ..., "computed": ...}."""
+    stored = data.get(HASH_KEY)
+    try:
+        computed = content_hash(data)
+    except ValueError:        # NaN somewhere: it cannot be the file that was hashed
+        computed = ""
+    status = "missing" if not stored else "ok" if stored == computed else "mismatch"
+    return {"status": status, "stored": stored or "", "computed": computed}
 
 
 def _rule_json(r: AlarmRule) -> dict:
@@ -228,6 +273,11 @@ def from_json(data: Mapping[str, Any], where: str = "predictions") -> Prediction
         raise PredictionsError(f"{where}: schema_version 1 (settings with b1/b2/eps/lr fields) is "
                                f"no longer read; regenerate it with `adamspike predict` "
                                f"(version {SCHEMA_VERSION}: settings carry dotted overrides)")
+    if data.get("schema_version") == 2:
+        raise PredictionsError(f"{where}: schema_version 2 (the heuristic risk, no "
+                               f"pre-registration hash) is no longer read; regenerate it with "
+                               f"`adamspike predict` (version {SCHEMA_VERSION}: GLM spike rate "
+                               "per setting with an interval, content hash)")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise PredictionsError(f"{where}: schema_version {data.get('schema_version')!r} is not "
                                f"supported (expected {SCHEMA_VERSION})")
@@ -256,7 +306,9 @@ def from_json(data: Mapping[str, Any], where: str = "predictions") -> Prediction
         rules.append(AlarmRule(**r))
     p = Predictions(settings=list(settings), alarm_rules=rules,
                     validate=list(data.get("validate", [])), profile=dict(data.get("profile", {})),
-                    source=dict(data.get("source", {})), created=str(data.get("created", "")))
+                    source=dict(data.get("source", {})), created=str(data.get("created", "")),
+                    rate_model=dict(data.get("rate_model") or {}),
+                    content_sha256=str(data.get(HASH_KEY) or ""), integrity=verify_hash(data))
     for sid in p.validate:
         p.setting(sid)
     return p
@@ -288,10 +340,19 @@ def load_predictions(path: str | Path) -> Predictions:
     return from_json(data, where=str(path))
 
 
-def save_predictions(pred: Predictions, path: str | Path) -> None:
-    """Atomic write; refuses to replace an existing file (nothing written is lost)."""
+def save_predictions(pred: Predictions, path: str | Path) -> dict:
+    """Pre-register: stamp the UTC creation time and the content hash, write atomically.
+    Refuses to replace an existing file (a pre-registered file is never overwritten).
+    Returns the object written."""
     path = Path(path)
     if path.exists():
-        raise PredictionsError(f"{path}: exists; choose another path (nothing was overwritten)")
+        raise PredictionsError(f"{path}: exists (a pre-registered predictions file is never "
+                               "overwritten); choose a new path")
+    data = pred.to_json()
+    data[HASH_KEY] = content_hash(data)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, json.dumps(pred.to_json(), indent=2, allow_nan=False).encode())
+    if path.exists():
+        raise PredictionsError(f"{path}: appeared while writing; nothing was overwritten")
+    atomic_write_bytes(path, json.dumps(data, indent=2, allow_nan=False).encode())
+    pred.created, pred.content_sha256 = data["created"], data[HASH_KEY]
+    return data

@@ -3,9 +3,11 @@
 The loop of DESIGN.md, stage by stage, each stage one `adamspike <command>` in its own
 process (the JAX and torch halves never share an interpreter):
 
-    theory -> Monte-Carlo check -> toy spike runs (quadratic, MLP, tiny LLaMA) -> sweep
-    -> replication table -> predictions.json -> plan -> tiny torch run driven by the
-    predictions -> analysis -> figures -> STUDY.md
+    theory -> Monte-Carlo check -> toy spike runs (quadratic, MLP, tiny LLaMA) -> sweeps
+    -> replication table -> spike-rate GLM (sweeps + toy runs, held-out validated) ->
+    predictions.json / predictions_70b.json (pre-registered) -> plan -> tiny torch run
+    driven by the predictions -> analysis (+ the 70B predictions scored on the rho-matched
+    toy and on its Megatron-format log) -> figures -> STUDY.md
 
 Independent stages overlap (`--jobs`, default 2); a stage starts once the stages it
 needs have succeeded and those it reads after have finished. A stage whose command is not built yet is reported as missing, a stage that fails is
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -51,6 +54,20 @@ class Stage:
 # Stages that leave run directories under OUT/runs (analysis and figures read them all).
 RUN_STAGES = ["quadratic_spike", "quadratic_stable", "mlp", "llama_spike", "llama_stable",
               "torch_run", "matched_toy", "matched_toy_1e8", "matched_toy_ge", "matched_toy_ge_1e8"]
+
+
+# Run stages whose run directories train the spike-rate GLM (not torch_run: it needs the
+# predictions; not the matched toys: the 70B predictions are scored on them).
+RATE_RUN_STAGES = {"quadratic_spike": "quadratic_eps1e-8", "quadratic_stable": "quadratic_eps5e-4",
+                   "mlp": "mlp_sin", "llama_spike": "llama_spike", "llama_stable": "llama_stable"}
+
+
+def _matched_optim() -> list[str]:
+    """--b2 / --eps of configs/matched_70b.toml for its exported Megatron log (a log does not
+    state them)."""
+    from adamspike.config import read_toml
+    optim = read_toml(REPO / "configs" / "matched_70b.toml").get("optim", {})
+    return [a for k in ("b2", "eps") if k in optim for a in (f"--{k}", repr(float(optim[k])))]
 
 
 def stages(out: Path, quick: bool) -> list[Stage]:
@@ -120,17 +137,40 @@ def stages(out: Path, quick: bool) -> list[Stage]:
         Stage("sweep", "eps x b2 x lr x seed sweep on the quadratic",
               ["sweep", "run", "--grid", str(REPO / "configs" / "sweep_quadratic.toml"),
                "--out", o("sweep"), *q], outputs=["sweep"]),
+        Stage("sweep_mlp_width", "eps x b2 x width x seed sweep on the MLP (GLM held-out width)",
+              ["sweep", "run", "--grid", str(REPO / "configs" / "sweep_mlp_width.toml"),
+               "--out", o("sweep_mlp_width"), "--no-progress", *q],
+              outputs=["sweep_mlp_width"]),
+        Stage("spike_rate", "Spike-rate GLM on the sweeps and toy runs, held-out validation",
+              ["spike-rate", "--sweep", o("sweep"), "--sweep", o("sweep_mlp_width"), "--runs",
+               *[o("runs", d) for d in RATE_RUN_STAGES.values()], "--out", o("spike_rate")],
+              needs=["sweep", "sweep_mlp_width"], after=list(RATE_RUN_STAGES),
+              outputs=["spike_rate/model.json"], fresh=["spike_rate"]),
         Stage("replication", "Replication table of the literature's claims",
               ["sweep", "replicate", "--out", o("replication"), *q],
               outputs=["replication"]),
-        Stage("predict", "predictions.json from theory + sweep",
+        Stage("predict", "predictions.json from the spike-rate GLM + sweep",
               ["predict", "--profile", o("runs", "llama_spike"), "--sweep", o("sweep"),
-               "--out", o("predictions.json")],
-              needs=["sweep", "llama_spike"], outputs=["predictions.json"]),
-        Stage("predict_70b", "predictions for the LLaMA2-70B profile (ladder fit per depth)",
+               "--rate-model", o("spike_rate", "model.json"), "--out", o("predictions.json")],
+              needs=["sweep", "llama_spike", "spike_rate"], outputs=["predictions.json"],
+              fresh=["predictions.json"]),
+        Stage("predict_70b", "pre-registered predictions for LLaMA2-70B (GLM rate per setting, "
+              "ladder profile per depth)",
               ["predict", "--profile", "llama2-70b", "--ladder", o("ladder"), "--sweep", o("sweep"),
-               "--out", o("predictions_70b.json")],
-              needs=["sweep", "ladder"], outputs=["predictions_70b.json"]),
+               "--rate-model", o("spike_rate", "model.json"), "--out", o("predictions_70b.json")],
+              needs=["sweep", "ladder", "spike_rate"], outputs=["predictions_70b.json"],
+              fresh=["predictions_70b.json"]),
+        Stage("megatron_log", "The rho-matched toy's steps as a Megatron-format training log",
+              ["megatron-log", o("runs", "matched_70b"), "--out", o("megatron", "matched_70b.log")],
+              needs=["matched_toy"], outputs=["megatron/matched_70b.log"],
+              fresh=["megatron/matched_70b.log"]),
+        Stage("score_70b", "The 70B predictions scored on the rho-matched toys and the log",
+              ["analyze", o("runs", "matched_70b"), o("runs", "matched_70b_eps1e-8"),
+               "--log", o("megatron", "matched_70b.log"), *_matched_optim(),
+               "--predictions", o("predictions_70b.json"), "--out", o("scores_70b"),
+               "--no-figures"],
+              needs=["predict_70b", "matched_toy", "matched_toy_1e8", "megatron_log"],
+              outputs=["scores_70b/prediction_scores.md"], fresh=["scores_70b"]),
         Stage("matched_report", "Rho-matched toy: spikes, regime trajectories, dormancy",
               ["simulate", "matched", "--runs", o("runs", "matched_70b"),
                o("runs", "matched_70b_eps1e-8"), o("runs", "matched_70b_groupeps"),
@@ -160,7 +200,8 @@ def stages(out: Path, quick: bool) -> list[Stage]:
               outputs=["analysis"], fresh=["analysis"]),
         Stage("figures", "Every figure of the study",
               ["figures", "--from-study", str(out), "--out", o("figures"), *q],
-              after=RUN_STAGES + ["sweep", "replication", "ladder"], outputs=["figures"]),
+              after=RUN_STAGES + ["sweep", "replication", "ladder", "spike_rate"],
+              outputs=["figures"]),
     ]
 
 
@@ -239,6 +280,7 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
             if cand.exists():
                 lines += ["", f"## {title}", "", cand.read_text().strip()]
                 break
+    lines += spike_rate_section(out)
     figs = sorted((out / "figures").rglob("*.png")) if (out / "figures").exists() else []
     if figs:
         lines += ["", "## Figures", ""] + [f"- [{p.stem}]({p.relative_to(out)})" for p in figs]
@@ -250,6 +292,48 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
     path = out / "STUDY.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _g(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.3g}"
+
+
+def spike_rate_section(out: Path) -> list[str]:
+    """STUDY.md: the GLM's held-out scores and calibration (spike_rate/report.md), the
+    calibration figure, the pre-registered 70B table and its scores on the matched toys."""
+    rep, p70 = out / "spike_rate" / "report.md", out / "predictions_70b.json"
+    if not rep.exists() and not p70.exists():
+        return []
+    L = ["", "## Spike-rate model and the pre-registered 70B predictions", ""]
+    if rep.exists():
+        L += [rep.read_text().strip(), ""]
+    fig = out / "figures" / "spike_rate" / "calibration.png"
+    if fig.exists():
+        L += [f"![calibration of the spike-rate GLM]({fig.relative_to(out)})", ""]
+    if p70.exists():
+        d = json.loads(p70.read_text())
+        rm = d.get("rate_model", {})
+        L += ["### predictions_70b.json", "",
+              f"Pre-registered {d.get('created', '?')}, content sha256 "
+              f"`{d.get('content_sha256', 'missing')}`. P(>= 1 spike) over "
+              f"{rm.get('horizon_steps', '?')} steps. {rm.get('extrapolation_note', '')}.", "",
+              "| rank | setting | rate / 1k steps | interval | P(>= 1 spike) | shallow rho | "
+              "deep rho | extrapolation |", "|---|---|---|---|---|---|---|---|"]
+        for s in sorted(d.get("settings", []), key=lambda s: s.get("rank", 0)):
+            f = s.get("features", {})
+            rho = {k: (10 ** f[k] if f.get(k) is not None else None)
+                   for k in ("log10_rho_shallow", "log10_rho_deep")}
+            ext = "; ".join(s.get("extrapolation_reasons", [])) or "-"
+            ci = s.get("rate_ci", [None, None])
+            L.append(f"| {s.get('rank')} | {s['id']} | {_g(s.get('rate_per_1k'))} | "
+                     f"[{_g(ci[0])}, {_g(ci[1])}] | {_g(s.get('p_spike'))} | "
+                     f"{_g(rho['log10_rho_shallow'])} | {_g(rho['log10_rho_deep'])} | {ext} |")
+    sc = out / "scores_70b" / "prediction_scores.md"
+    if sc.exists():
+        L += ["", "### The 70B predictions scored on the rho-matched toys and their Megatron log",
+              "", "\n".join(("#" + ln) if ln.startswith("#") else ln
+                            for ln in sc.read_text().strip().splitlines())]
+    return L
 
 
 def _skipped(st: Stage, out: Path, reason: str) -> dict:

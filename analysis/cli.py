@@ -12,6 +12,13 @@ logs with the same file name get their parent directories in the run name).
 Every report carries a regime card (analysis.regime): per depth group rho, dormancy and
 wake-ups for telemetry runs; for a log, rho_bar = min(gn, clip) / (sqrt(N) eps) with N from
 --num-params, --model or the model arguments the log prints.
+With --predictions P (a pre-registered predictions.json, schema 3) the runs are scored
+against it (analysis.scoring): each run's observed spike rate against its matched
+setting's interval (inside / above / below), the alarm rules' precision, lift and lead
+(lead >= 1) pooled over the runs with telemetry; OUT/prediction_scores.{md,json},
+OUT/predictions.scored.json (rules with lift <= 1 marked uninformative) and a section in
+OUT/report.md. A file whose content hash does not match (edited after pre-registration)
+is an error (exit 2); a file without a hash is scored with a warning.
 Bad input (a missing or empty run directory, another schema version, a log without
 iteration lines, a malformed predictions file) is reported on stderr with exit status 2.
 """
@@ -19,6 +26,7 @@ iteration lines, a malformed predictions file) is reported on stderr with exit s
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Callable, Optional   # Optional: runtime types on python 3.8
@@ -136,6 +144,15 @@ def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
             preds = load_predictions(args.predictions)
         except PredictionsError as e:
             return _fail(str(e))
+        integ = preds.integrity
+        if integ.get("status") == "mismatch":
+            return _fail(f"{args.predictions}: content hash mismatch (stored "
+                         f"{integ['stored'][:16]}..., computed {integ['computed'][:16]}...): the "
+                         "file was edited after it was pre-registered; scoring refused (score "
+                         "against the original file)")
+        if integ.get("status") == "missing":
+            print(f"adamspike analyze: warning: {args.predictions} has no content hash (not "
+                  "pre-registered); scored anyway", file=sys.stderr)
     for log, dest_name in zip(args.log, log_run_names(args.log)):
         dest = out / dest_name
         optim = {k: getattr(args, k) for k in ("b1", "b2", "eps", "lr")
@@ -176,6 +193,12 @@ def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
         write_run_report(ra, out / name, figures=None if args.no_figures else figures)
         analyses.append(ra)
     index = write_index(analyses, out, names)
+    if preds is not None:
+        from analysis.scoring import score
+        md = score(analyses, preds, json.loads(Path(args.predictions).read_text()),
+                   args.predictions, out)
+        with open(index, "a") as fh:
+            fh.write("\n" + md + "\n")
     print(index)
     return 0
 

@@ -30,9 +30,11 @@ and reported with its line number and reason, never silently dropped. A repeated
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -40,7 +42,7 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
-from adamspike.rundir import STEP_COLUMNS, RunWriter, environment
+from adamspike.rundir import STEP_COLUMNS, RunFormatError, RunWriter, environment, load_run
 
 
 class MegatronLogError(ValueError):
@@ -344,3 +346,76 @@ def import_megatron_log(path: str | Path, out_run_dir: str | Path, *,
         for v in parsed.validation.to_dict("records"):
             w.event("validation", **v)
     return parsed
+
+
+# ----------------------------------------------------------------------------- export
+
+def megatron_lines(steps: pd.DataFrame, *, global_batch_size: int,
+                   start: str = "2024-06-01 12:00:00") -> list[str]:
+    """Megatron-LM core `training_log` lines (log interval 1, the format in the module
+    docstring) of a steps table: its loss, lr, grad norm and step time; consumed samples =
+    step x global_batch_size; skipped steps counted as skipped iterations."""
+    t0 = _dt.datetime.fromisoformat(start)
+    total = int(steps["step"].max()) if len(steps) else 0
+    out, elapsed = [], 0.0
+    for r in steps.to_dict("records"):
+        it = int(r["step"])
+        dt = float(r.get("step_time_s") or 0.0)
+        dt = dt if math.isfinite(dt) else 0.0
+        elapsed += dt
+        ts = (t0 + _dt.timedelta(seconds=elapsed)).strftime("%Y-%m-%d %H:%M:%S.%f")
+        lr = r.get("lr")
+        gn = r.get("grad_norm")
+        loss = r.get("loss")
+        s = (f" [{ts}] iteration {it:8d}/{total:8d} | consumed samples: "
+             f"{it * int(global_batch_size):12d} | elapsed time per iteration (ms): "
+             f"{1000 * dt:.1f} |")
+        if lr is not None and math.isfinite(float(lr)):
+            s += f" learning rate: {float(lr):.6E} |"
+        s += f" global batch size: {int(global_batch_size):5d} |"
+        if loss is not None and math.isfinite(float(loss)):
+            s += f" lm loss: {float(loss):.6E} |"
+        s += " loss scale: 1.0 |"
+        if gn is not None and math.isfinite(float(gn)):
+            s += f" grad norm: {float(gn):.6E} |"   # Megatron: .3f; toys need the digits
+        sk = r.get("skipped")
+        sk = 1 if (sk is True or (isinstance(sk, (int, float, np.bool_)) and sk == 1)) else 0
+        s += (f" number of skipped iterations: {sk:3d} |"
+              f" number of nan iterations: {0:3d} |")
+        out.append(s)
+    return out
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    """`adamspike megatron-log RUN --out LOG`: a run directory's steps as a Megatron-LM
+    training log (megatron_lines), so the log path of `adamspike analyze --log` can be
+    exercised on a measured run. Refuses an existing --out (exit 2)."""
+    ap = argparse.ArgumentParser(prog="adamspike megatron-log", description=export_main.__doc__
+                                 .split("\n\n")[0])
+    ap.add_argument("run", help="run directory")
+    ap.add_argument("--out", required=True, help="log file to write (must not exist)")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return 0 if e.code == 0 else 2
+    out = Path(args.out)
+    if out.exists():
+        print(f"adamspike megatron-log: {out}: exists (nothing was overwritten)", file=sys.stderr)
+        return 2
+    try:
+        run = load_run(args.run, tables=("steps",))
+    except RunFormatError as e:
+        print(f"adamspike megatron-log: {e}", file=sys.stderr)
+        return 2
+    if run.steps.empty:
+        print(f"adamspike megatron-log: {args.run}: no steps", file=sys.stderr)
+        return 2
+    bs = (run.config.get("train") or {}).get("global_batch_size")
+    if not bs:
+        print(f"adamspike megatron-log: {args.run}: run.json has no train.global_batch_size",
+              file=sys.stderr)
+        return 2
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(megatron_lines(run.steps, global_batch_size=int(bs))) + "\n")
+    print(f"{len(run.steps)} iterations -> {out}")
+    return 0

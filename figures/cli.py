@@ -27,7 +27,8 @@ from adamspike.rundir import RunFormatError, find_runs, load_run, run_names
 # (figures.style.computed_figure_main);
 # "sweep" take --table SWEEP --out; "replication" take --table REPLICATION (or the sweep
 # folder, next to which a study keeps replication/) --out; "study" take RUN... --out
-# [--predictions-70b FILE] (all runs in one figure, OUT/study/); "ladder" take --ladder DIR --out.
+# [--predictions-70b FILE] (all runs in one figure, OUT/study/); "ladder" take --ladder DIR --out;
+# "spike_rate" take --spike-rate DIR --out (adamspike spike-rate's output).
 REGISTRY: list[tuple[str, str]] = [
     ("figures.fig_loss_spikes", "run"),
     ("figures.fig_grad_norm", "run"),
@@ -43,6 +44,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("figures.fig_replication", "replication"),
     ("figures.fig_regime_map", "study"),
     ("figures.fig_ladder", "ladder"),
+    ("figures.fig_calibration", "spike_rate"),
 ]
 
 
@@ -140,7 +142,8 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
              sweep: str | Path | None = None, replication: str | Path | None = None,
              quick: bool = False,
              theory: bool = True, registry=None, study: str | Path | None = None,
-             ladder: str | Path | None = None) -> tuple[list[Path], list[Outcome]]:
+             ladder: str | Path | None = None,
+             spike_rate: str | Path | None = None) -> tuple[list[Path], list[Outcome]]:
     """Regenerate all figures; returns (files written, one Outcome per module x target)."""
 
     out = Path(out)
@@ -204,6 +207,15 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
                 continue
             d = out / "ladder"
             outcomes.append(_call_main(m, ["--ladder", str(ladder), "--out", str(d)], d, str(ladder)))
+        elif kind == "spike_rate":
+            if spike_rate is None or not Path(spike_rate).exists():
+                outcomes.append(Outcome(m.__name__, str(spike_rate or ""), "skipped",
+                                        "no spike-rate directory" if spike_rate is None
+                                        else f"{spike_rate} does not exist"))
+                continue
+            d = out / "spike_rate"
+            outcomes.append(_call_main(m, ["--spike-rate", str(spike_rate), "--out", str(d)], d,
+                                       str(spike_rate)))
     files = sorted({f for o in outcomes for f in o.files})
     return files, outcomes
 
@@ -216,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", metavar="TABLE", help="sweep directory or table")
     ap.add_argument("--replication", metavar="DIR", help="replication directory or csv")
     ap.add_argument("--ladder", metavar="DIR", help="ladder directory (adamspike simulate ladder)")
+    ap.add_argument("--spike-rate", metavar="DIR", help="adamspike spike-rate output directory")
     ap.add_argument("--out", default="figures_out", help="output directory")
     ap.add_argument("--quick", action="store_true", help="CI scale where a figure supports it")
     ap.add_argument("--no-theory", action="store_true", help="skip the theory figures")
@@ -234,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             replication = study / "replication"
         if args.ladder is None and (study / "ladder" / "fit.json").exists():
             args.ladder = study / "ladder"
+        if args.spike_rate is None and (study / "spike_rate" / "model.json").exists():
+            args.spike_rate = study / "spike_rate"
     for r in runs:
         if not (r / "run.json").is_file():
             print(f"adamspike figures: {r}: not a run directory (no run.json)", file=sys.stderr)
@@ -241,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     files, outcomes = generate(runs, args.out, sweep=sweep, replication=replication,
                                quick=args.quick,
                                theory=not args.no_theory, study=args.from_study,
-                               ladder=args.ladder)
+                               ladder=args.ladder, spike_rate=args.spike_rate)
     for o in outcomes:
         tgt = f" [{o.target}]" if o.target else ""
         msg = f" ({o.detail})" if o.detail else ""

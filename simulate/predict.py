@@ -1,8 +1,13 @@
-"""`adamspike predict`: predictions.json (schema v2) from theory + sweep results.
+"""`adamspike predict`: pre-registered predictions.json (schema v3): the spike-rate GLM's
+rate per candidate setting, alarm rules from sweep results.
 
     adamspike predict (--profile (llama2-70b | PROFILE.json | RUN_DIR) | --profile-from-log LOG
-                       | --profile-from-run RUN) [--ladder DIR] --sweep TABLE
+                       | --profile-from-run RUN) [--ladder DIR] [--sweep TABLE ...]
+                      [--rate-model MODEL.json] [--horizon-steps 2000]
                       [--candidates candidates.toml] --out predictions.json
+
+The file is pre-registered (adamspike.predictions.save_predictions: UTC creation time and
+the sha256 of its canonical JSON); an existing --out is never overwritten (exit 2).
 
 Profile: per-depth gradient scale of the model the predictions are for, as
 rho_ref(depth) = rms(g) / eps_ref of the gradient Adam consumes, at the eps it refers to.
@@ -34,20 +39,27 @@ optim.eps, optim.lr, train.global_batch_size; a candidates TOML gives [[candidat
 of them, missing ones taken from the profile), validated by RunConfig.from_dict; each
 setting of predictions.json carries them as its `overrides`.
 
-Risk of a candidate, in [0, 1]:
-  theory  p_theory = fraction of shallow depths (adamspike.depth_groups.shallow_depths)
-          outside the scale-invariant regime (rho <= 10, theory.eps_regime): the layers whose
-          effective step depends on eps (Molybog's regime); per-depth details from
-          theory.risk.layer_risk are stored in `per_depth` (evaluated on a 1/20-decade rho
-          grid and a 0.05 phi grid, cached).
-  sweep   p_sweep = kernel-weighted fraction of sweep runs (baseline mitigations only) that
-          spiked, weights exp(-d^2/2) with d^2 = (log10 rho ratio / 0.5)^2 + (log10
-          (1-b2) ratio / 0.25)^2, matching the shallow rho (sweep column median_rho) and b2;
-          n_eff = (sum w)^2 / sum w^2.
-  risk    (n_eff p_sweep + 2 p_theory) / (n_eff + 2): the theory acts as a prior worth two
-          runs. This combination is a documented heuristic, not a fitted model.
-  label   low (< 1/3), medium (< 2/3), high.
-Settings are ranked by risk (rank 1 = lowest); `validate` lists the three lowest-risk ids.
+Spike rate of a candidate (the GLM of adamspike.spike_rate, which replaced the heuristic
+risk): the model comes from --rate-model (model.json of `adamspike spike-rate`: sweeps and
+run directories, held-out validated) or, without it, is fitted here on the --sweep tables'
+runs (neutral mitigations only; validation by adamspike.spike_rate.validate where the table
+allows a split). The candidate's features (adamspike.spike_rate.FEATURES): the shallow side's
+rho = median over the profile's embed + shallow depths of rho_ref * eps_ref / eps, the deep
+side's over the other depths, log10 (1 - b2), log10 (lr / eps), tokens per step = global
+batch x the profile's seq_len. The per-depth interval (rho_lo, rho_hi) of the profile gives
+features_lo / features_hi; the stated rate interval is the union of the GLM's intervals
+(quasi-Poisson Fisher and bootstrap) at the low, central and high rho. With a ladder
+profile the mean rho respects the clip bound rho_bar <= clip / (sqrt(N) eps) at every eps
+(rms(g) is held fixed, so both sides scale by eps_ref / eps; checked and stored). Every
+feature outside the model's training range is flagged (extrapolation: below / above);
+at 70B scale every setting is an extrapolation and the file says so.
+  rate     spikes per 1000 steps with rate_ci (level of the model, 90 %)
+  p_spike  P(>= 1 spike in --horizon-steps steps) = 1 - exp(-rate N / 1000), with p_spike_ci
+  risk     = p_spike; label low (< 1/3), medium (< 2/3), high
+Settings are ranked by rate (rank 1 = lowest); `validate` lists the three lowest-rate ids.
+The per-depth theory (theory.risk.layer_risk: regime, update_rms, rms_t bound, on a
+1/20-decade rho grid and a 0.05 phi grid, cached) stays in `per_depth` and the rationale as
+context; it no longer sets the risk.
 
 Alarm rules (each rule's `source` says where its threshold comes from):
   rms_t / sat_frac / grad_mom_cos of shallow tensors (max): the threshold maximising
@@ -66,6 +78,7 @@ Alarm rules (each rule's `source` says where its threshold comes from):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -75,6 +88,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from adamspike import spike_rate as SR
 from adamspike.config import ConfigError, flatten, read_toml, to_dict
 from adamspike.depth_groups import depth_group
 from adamspike.depth_groups import shallow_depths as group_shallow_depths
@@ -91,18 +105,16 @@ from theory.bimodality import BC_THRESHOLD, snr_bc_crossing
 from theory.eps_regime import RHO_FROZEN, regime
 from theory.risk import layer_risk
 
+DEFAULT_HORIZON_STEPS = 2000   # P(>= 1 spike) horizon (the seed report's run stopped at 1543)
 MIN_CLASS_RUNS = 3
 MIN_YOUDEN_J = 0.2           # a data threshold must separate the classes at least this well
-PRIOR_RUNS = 2.0
-RHO_BANDWIDTH_DECADES = 0.5
-B2_BANDWIDTH_DECADES = 0.25
 NUM_VALIDATE = 3
 
 
 # ----------------------------------------------------------------------------- profiles
 
 LLAMA2_70B_SETTINGS = {"lr": 1.5e-4, "b1": 0.9, "global_batch_size": 1024, "eps_ref": 1e-5,
-                      "clip": 1.0}   # configs/llama2-70b.toml (the seed report's run)
+                      "clip": 1.0, "seq_len": 4096}   # configs/llama2-70b.toml (the seed report's run)
 
 
 def _by_depth(num_layers: int, rho: Mapping[int, float], lo: Mapping[int, float],
@@ -128,6 +140,11 @@ def _ladder_source(ladder_dir: str | Path, fit: Mapping[str, Any], ext: Mapping[
             f"(bound clip/(sqrt(N) eps) = {ext['mean_rho_bound']:.3g})")
 
 
+def _num_params_70b() -> int:
+    from adamspike.llama import num_params, preset
+    return int(num_params(preset("llama2-70b")))
+
+
 def ladder_profile(ladder_dir: str | Path) -> dict:
     """The LLaMA2-70B profile from a ladder directory (module docstring)."""
     s = LLAMA2_70B_SETTINGS
@@ -137,7 +154,8 @@ def ladder_profile(ladder_dir: str | Path) -> dict:
     rho = {r["depth"]: r["rho"] for r in rows}
     return {"name": "llama2-70b", "num_layers": L, "eps_ref": s["eps_ref"], "rho_by_depth": rho,
             "phi_by_depth": {d: 0.0 for d in rho}, "lr": s["lr"], "b1": s["b1"],
-            "global_batch_size": s["global_batch_size"],
+            "global_batch_size": s["global_batch_size"], "seq_len": s["seq_len"],
+            "clip": s["clip"], "num_params": _num_params_70b(),
             "by_depth": _by_depth(L, rho, {r["depth"]: r["rho_lo"] for r in rows},
                                   {r["depth"]: r["rho_hi"] for r in rows}),
             "ladder": {"fit": LD.public(fit), "llama2_70b": {k: v for k, v in LD.public(ext).items()}},
@@ -182,7 +200,8 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
     s = LLAMA2_70B_SETTINGS
     return {"name": "llama2-70b", "num_layers": L, "eps_ref": eps_ref, "rho_by_depth": rho,
             "phi_by_depth": {d: 0.0 for d in rho}, "lr": s["lr"], "b1": s["b1"],
-            "global_batch_size": s["global_batch_size"], "by_depth": _by_depth(L, rho, lo, hi),
+            "global_batch_size": s["global_batch_size"], "seq_len": s["seq_len"], "clip": clip,
+            "num_params": N, "by_depth": _by_depth(L, rho, lo, hi),
             "rho_bar": rho_bar, "rho_bar_q10_q90": [q10, q90],
             "source": (f"measured log {log}: rho_bar = median of min(grad_norm, {clip:g}) / "
                        f"(sqrt(N) eps) over its last {len(late)} logged iterations = "
@@ -224,6 +243,7 @@ def profile_from_run(path: Path) -> dict:
             "by_depth": _by_depth(num_layers, rho, lo, hi) if all(
                 -1 <= d <= num_layers for d in rho) else [],
             "b1": b1, "global_batch_size": int(train.get("global_batch_size", 1)),
+            "seq_len": train.get("seq_len"),
             "source": f"measured: median grad_rms per depth of run {path}"}
 
 
@@ -253,7 +273,7 @@ def profile_from_json(path: Path) -> dict:
             "rho_by_depth": rho, "phi_by_depth": {d: phi.get(d, 0.0) for d in rho},
             "lr": float(data.get("lr", 1.5e-4)), "b1": float(data.get("b1", 0.9)),
             "global_batch_size": int(data.get("global_batch_size", 1024)),
-            "source": f"profile file {path}"}
+            "seq_len": data.get("seq_len"), "source": f"profile file {path}"}
 
 
 def load_profile(spec: str, ladder: str | None = None) -> dict:
@@ -292,9 +312,16 @@ def _profile_defaults(profile: Mapping[str, Any]) -> dict:
 
 
 def default_candidates(profile: Mapping[str, Any]) -> list[dict]:
-    """The seed report's eps (1e-5 as run, 1e-8) x b2 (0.95 as run, 0.99, 0.999), plus the
+    """LLaMA2-70B: eps {1e-5 (as run), 1e-6, 1e-8} x b2 {0.95 (as run), 0.99} x lr
+    {1.5e-4 (as run), 3e-4} x global batch {1024 (as run), 2048}: 24 settings. Other
+    profiles: the seed report's eps (1e-5, 1e-8) x b2 (0.95, 0.99, 0.999), plus the
     run's setting at half the learning rate."""
     base = _profile_defaults(profile)
+    if profile.get("name") == "llama2-70b":
+        return [{**base, "optim.b2": b2, "optim.eps": eps, "optim.lr": lr,
+                 "train.global_batch_size": bs}
+                for eps in (1e-5, 1e-6, 1e-8) for b2 in (0.95, 0.99) for lr in (1.5e-4, 3e-4)
+                for bs in (1024, 2048)]
     out = [{**base, "optim.b2": b2, "optim.eps": eps}
            for eps in (1e-5, 1e-8) for b2 in (0.95, 0.99, 0.999)]
     out.append({**base, "optim.b2": 0.95, "optim.eps": 1e-5, "optim.lr": base["optim.lr"] / 2})
@@ -341,25 +368,66 @@ def setting_id(c: Mapping[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- risk
 
-def _baseline_rows(table: pd.DataFrame) -> pd.DataFrame:
-    return table[neutral_mask(table)]
+def _tables_rows(tables: Sequence[tuple[str, pd.DataFrame]]) -> pd.DataFrame:
+    frames = [SR.sweep_rows(t[neutral_mask(t)].reset_index(drop=True), f"sweep:{name}")
+              for name, t in tables]
+    rows = pd.concat(frames, ignore_index=True)
+    return rows[np.isfinite(rows["log10_rho_shallow"].to_numpy(float))].reset_index(drop=True)
 
 
-def sweep_rate(table: pd.DataFrame, rho: float, b2: float) -> tuple[float, float]:
-    """(p_sweep, n_eff) near (shallow rho, b2); (nan, 0) without usable rows."""
-    t = _baseline_rows(table)
-    if t.empty or "optim.b2" not in t:
-        return math.nan, 0.0
-    d2 = (np.log10((1 - t["optim.b2"].to_numpy(float)) / (1 - b2)) / B2_BANDWIDTH_DECADES) ** 2
-    if "median_rho" in t:
-        r = t["median_rho"].to_numpy(float)
-        ok = np.isfinite(r) & (r > 0)
-        d2 = np.where(ok, d2 + (np.log10(np.where(ok, r, 1.0) / rho) / RHO_BANDWIDTH_DECADES) ** 2, np.inf)
-    w = np.exp(-0.5 * d2)
-    if not w.sum() > 0:
-        return math.nan, 0.0
-    spiked = ((t["num_spikes"].to_numpy() > 0) | t["diverged"].astype(bool).to_numpy()).astype(float)
-    return float((w * spiked).sum() / w.sum()), float(w.sum() ** 2 / (w ** 2).sum())
+def rate_model(model_path: str | None, tables: Sequence[tuple[str, pd.DataFrame]],
+               n_boot: int = SR.N_BOOT) -> tuple[SR.RateModel, dict]:
+    """(model, provenance): the GLM from a model.json, or fitted on the sweep tables."""
+    if model_path:
+        m = SR.load_model(model_path)
+        return m, {"model_file": str(model_path),
+                   "model_sha256": hashlib.sha256(Path(model_path).read_bytes()).hexdigest()}
+    if not tables:
+        raise ConfigError("no spike-rate model: give --rate-model MODEL.json (adamspike "
+                          "spike-rate) or --sweep TABLE to fit one")
+    rows = _tables_rows(tables)
+    m = SR.fit(rows, n_boot=n_boot)
+    prov = {"fitted_on": [name for name, _ in tables]}
+    try:
+        v = SR.validate(rows, n_boot=min(n_boot, 50))
+        prov["validation"] = {k: v[k] for k in ("split", "n_train", "n_heldout", "heldout_spikes",
+                                                "all_heldout_zero", "model", "baseline",
+                                                "baseline_rate_per_1k")}
+    except SR.SpikeRateError as e:
+        prov["validation"] = {"skipped": str(e)}
+    return m, prov
+
+
+def candidate_features(profile: Mapping[str, Any], cand: Mapping[str, Any]) -> dict:
+    """Features (adamspike.spike_rate) of a candidate at the profile's central rho and at
+    its per-depth interval: {"mid", "lo", "hi"} plus the rho_bar check."""
+    eps = float(cand["optim.eps"])
+    scale = profile["eps_ref"] / eps
+    sh = set(shallow_depths(profile))
+    depths = sorted(profile["rho_by_depth"])
+    bd = {int(r["depth"]): r for r in profile.get("by_depth", [])}
+    seq = profile.get("seq_len")
+    tokens = float(cand["train.global_batch_size"]) * float(seq) if seq else None
+    out = {}
+    for which, key in (("mid", "rho"), ("lo", "rho_lo"), ("hi", "rho_hi")):
+        rho = {d: (bd[d][key] if d in bd and key in bd[d] else profile["rho_by_depth"][d]) * scale
+               for d in depths}
+        s_side = [rho[d] for d in depths if d in sh]
+        d_side = [rho[d] for d in depths if d not in sh]
+        out[which] = SR.setting_features(
+            rho_shallow=float(np.median(s_side)) if s_side else None,
+            rho_deep=float(np.median(d_side)) if d_side else None,
+            b2=float(cand["optim.b2"]), lr=float(cand["optim.lr"]), eps=eps,
+            tokens_per_step=tokens)
+    ext = (profile.get("ladder") or {}).get("llama2_70b") or {}
+    if ext.get("mean_rho") is not None and profile.get("num_params"):
+        rho_bar = float(ext["mean_rho"]) * scale
+        bound = float(profile.get("clip", 1.0)) / (math.sqrt(profile["num_params"]) * eps)
+        if rho_bar > bound * (1 + 1e-6):
+            raise ConfigError(f"profile: mean rho {rho_bar:.3g} at eps {eps:g} exceeds the clip "
+                              f"bound {bound:.3g}")
+        out["rho_bar"], out["rho_bar_bound"] = rho_bar, bound
+    return out
 
 
 _RISK_CACHE: dict = {}
@@ -378,38 +446,70 @@ def _layer_risk(rho: float, phi: float, b1: float, b2: float, eps: float) -> dic
     return {**_RISK_CACHE[key], "rho": rho, "phi": phi, "regime": regime(rho)}
 
 
-def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], table: pd.DataFrame | None) -> dict:
+def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateModel,
+           horizon: int = DEFAULT_HORIZON_STEPS) -> dict:
+    """One setting of predictions.json: the GLM's rate with its interval, P(>= 1 spike in
+    `horizon` steps), the features and their extrapolation flags, the per-depth theory."""
     depths = sorted(profile["rho_by_depth"])
     b1, b2, eps = cand["optim.b1"], cand["optim.b2"], cand["optim.eps"]
     scale = profile["eps_ref"] / eps
     rhos = [profile["rho_by_depth"][d] * scale for d in depths]
     phis = [profile["phi_by_depth"].get(d, 0.0) for d in depths]
     rows = [_layer_risk(r, p, b1, b2, eps) for r, p in zip(rhos, phis)]
-    shallow = set(shallow_depths(profile))
-    sh = [r for d, r in zip(depths, rows) if d in shallow]
-    p_theory = float(np.mean([r["regime"] != "scale_invariant" for r in sh]))
-    rho_sh = float(np.median([r["rho"] for r in sh]))
-    p_sweep, n_eff = sweep_rate(table, rho_sh, b2) if table is not None else (math.nan, 0.0)
-    if not math.isfinite(p_sweep):
-        p_sweep, n_eff = math.nan, 0.0
-    risk = ((n_eff * p_sweep if n_eff else 0.0) + PRIOR_RUNS * p_theory) / (n_eff + PRIOR_RUNS)
-    label = "low" if risk < 1 / 3 else "medium" if risk < 2 / 3 else "high"
+    feats = candidate_features(profile, cand)
+    try:
+        X = model.matrix([feats["mid"], feats["lo"], feats["hi"]])
+    except SR.SpikeRateError as e:
+        raise ConfigError(f"candidate {setting_id(cand)}: {e} (profile {profile['name']})") from None
+    iv = model.rate_interval(X)
+    rate = float(iv["rate"][0])
+    lo, hi = float(np.min(iv["lo"])), float(np.max(iv["hi"]))
+    p = float(SR.p_spike(rate, horizon))
+    p_lo, p_hi = float(SR.p_spike(lo, horizon)), float(SR.p_spike(hi, horizon))
+    extrap = model.extrapolation(feats["mid"])
+    sup = model.support(feats["mid"])
+    outside = [f"{f} {v}" for f, v in extrap.items() if v != "inside"]
+    if sup.get("outside_joint_support"):
+        outside.append(f"the joint feature point (distance {sup['nearest_run_distance']:.2f} to "
+                       f"the nearest training run > {sup['nn_distance_max']:.2f}, the data's largest gap)")
+    # a group the model ignores but that differs from its training data: the prediction
+    # assumes it has no effect, which the data cannot check
+    outside += [f"{k} {v}" for k, v in sup["unmodelled"].items() if not v.startswith("inside")]
+    label = "low" if p < 1 / 3 else "medium" if p < 2 / 3 else "high"
+    sh = set(shallow_depths(profile))
+    sh_rows = [r for d, r in zip(depths, rows) if d in sh]
+    frozen = sum(r["regime"] == "frozen" for r in sh_rows)
+    trans = sum(r["regime"] == "transition" for r in sh_rows)
     per_depth = [{"depth": d, **{k: r[k] for k in ("rho", "phi", "regime", "update_rms", "bc",
                                                     "sat_frac", "rms_t_bound", "const_peak",
                                                     "frozen_risk")}}
                  for d, r in zip(depths, rows)]
-    frozen = sum(r["regime"] == "frozen" for r in sh)
-    trans = sum(r["regime"] == "transition" for r in sh)
-    rationale = (f"shallow rho median {rho_sh:.3g}: {frozen} frozen + {trans} transition of "
-                 f"{len(sh)} shallow depths (p_theory {p_theory:.2f}); sweep spike fraction near "
-                 f"rho/b2 {'n/a' if not n_eff else f'{p_sweep:.2f} (n_eff {n_eff:.1f})'}; "
-                 f"after dormancy |r| peaks at {rows[0]['const_peak']:.2f} and rms_t <= "
-                 f"{rows[0]['rms_t_bound']:.1f} at b2={b2:g}")
-    return {"id": setting_id(cand), "overrides": {k: cand[k] for k in CANDIDATE_KEYS},
-            "risk": float(risk),
-            "risk_label": label, "p_theory": p_theory,
-            "p_sweep": None if not n_eff else p_sweep, "n_eff": n_eff,
-            "rationale": rationale, "per_depth": per_depth}
+    fm = feats["mid"]
+    rationale = (f"GLM: {rate:.3g} spikes / 1k steps [{lo:.3g}, {hi:.3g}] at shallow rho "
+                 f"{10 ** fm['log10_rho_shallow']:.3g}, 1-b2 {1 - b2:g}, lr/eps "
+                 f"{10 ** fm['log10_lr_over_eps']:.3g}; "
+                 + (f"extrapolated ({', '.join(outside)}); " if outside
+                    else "inside the training range; ")
+
+                 + f"theory: {frozen} frozen + {trans} transition of {len(sh_rows)} shallow "
+                   f"depths; rms_t <= {rows[0]['rms_t_bound']:.1f} after dormancy at b2={b2:g}")
+    out = {"id": setting_id(cand), "overrides": {k: cand[k] for k in CANDIDATE_KEYS},
+           "rate_per_1k": rate, "rate_ci": [lo, hi],
+           "rate_ci_fisher": [float(iv["fisher"][0][0]), float(iv["fisher"][1][0])],
+           "rate_ci_boot": [float(iv["boot"][0][0]), float(iv["boot"][1][0])],
+           "horizon_steps": int(horizon), "p_spike": p, "p_spike_ci": [p_lo, p_hi],
+           "features": _finite(fm), "features_lo": _finite(feats["lo"]),
+           "features_hi": _finite(feats["hi"]), "model_features": list(model.features),
+           "extrapolation": extrap, "support": sup, "extrapolated": bool(outside),
+           "extrapolation_reasons": outside,
+           "risk": p, "risk_label": label, "rationale": rationale, "per_depth": per_depth}
+    if "rho_bar" in feats:
+        out["rho_bar"], out["rho_bar_bound"] = feats["rho_bar"], feats["rho_bar_bound"]
+    return out
+
+
+def _finite(d: Mapping[str, float]) -> dict:
+    return {k: (float(v) if np.isfinite(v) else None) for k, v in d.items()}
 
 
 # ----------------------------------------------------------------------------- alarm rules
@@ -479,13 +579,49 @@ def alarm_rules(profile: Mapping[str, Any], table: pd.DataFrame | None, table_na
 
 # ----------------------------------------------------------------------------- build
 
+def _model_summary(model: SR.RateModel, prov: Mapping[str, Any], horizon: int,
+                   settings: Sequence[Mapping[str, Any]]) -> dict:
+    ext = [s["id"] for s in settings if s["extrapolated"]]
+    unm = sorted({f"{k} ({v})" for s in settings for k, v in s["support"]["unmodelled"].items()
+                  if not v.startswith("inside")})
+    d = model.to_json()
+    summary = {k: d[k] for k in ("features", "coefficients", "ridge", "dispersion", "ci",
+                                 "n_runs", "n_spikes", "total_steps", "baseline_rate_per_1k",
+                                 "train_range", "data_range", "sources")}
+    if "validation" in d:
+        summary["validation"] = {k: v for k, v in d["validation"].items()
+                                 if k not in ("calibration", "coefficients")}
+    summary.update(prov)
+    summary["horizon_steps"] = int(horizon)
+    summary["extrapolation_note"] = (
+        (f"{len(ext)} of {len(settings)} settings are extrapolations: outside a model "
+         "feature's training range, outside the joint support of the training runs, or with a "
+         "group the model does not use that differs from its training data (each setting's "
+         "`extrapolation_reasons`)" if ext else
+         f"all {len(settings)} settings lie inside every model feature's training range and "
+         "the joint support")
+        + (f"; groups the model does not use that differ from the training data: "
+           f"{', '.join(unm)} (the prediction assumes they have no effect)" if unm else "")
+        + f". The training runs are toy problems ({', '.join(model.sources)}); a prediction "
+          "for another model (profile: see `profile`) transfers the dimensionless groups only "
+          "and is an extrapolation in model class and scale: a pre-registered hypothesis, "
+          "not an interpolation")
+    return summary
+
+
 def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.DataFrame | None,
-            table_name: str = "") -> Predictions:
-    settings = [assess(profile, c, table) for c in candidates]
+            table_name: str = "", model: SR.RateModel | None = None,
+            provenance: Mapping[str, Any] | None = None,
+            horizon: int = DEFAULT_HORIZON_STEPS) -> Predictions:
+    """predictions.json: the GLM's rate per candidate (`assess`), ranked; alarm rules from
+    the sweep table (or theory / literature)."""
+    if model is None:
+        raise ConfigError("no spike-rate model (--rate-model or --sweep)")
+    settings = [assess(profile, c, model, horizon) for c in candidates]
     ids = [s["id"] for s in settings]
     if len(set(ids)) != len(ids):
         raise ConfigError("candidates: two candidates have the same id/setting")
-    settings.sort(key=lambda s: (s["risk"], -s["overrides"]["optim.lr"], s["id"]))
+    settings.sort(key=lambda s: (s["rate_per_1k"], -s["overrides"]["optim.lr"], s["id"]))
     for i, s in enumerate(settings, 1):
         s["rank"] = i
     base = candidates[0]
@@ -496,13 +632,18 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
             "phi_by_depth": {str(d): float(v) for d, v in sorted(profile["phi_by_depth"].items())},
             "eps_ref": profile["eps_ref"], "shallow_depths": shallow_depths(profile),
             "source": profile["source"]}
-    for k in ("by_depth", "ladder", "rho_bar", "rho_bar_q10_q90"):
-        if k in profile:
+    for k in ("by_depth", "ladder", "rho_bar", "rho_bar_q10_q90", "seq_len", "clip",
+              "num_params"):
+        if k in profile and profile[k] is not None:
             prof[k] = profile[k]
     src = {"sweep": table_name or None, "sweep_runs": 0 if table is None else int(len(table)),
-           "method": "risk = (n_eff p_sweep + 2 p_theory)/(n_eff + 2); see simulate/predict.py"}
+           "method": "rate per 1000 steps from the Poisson GLM of adamspike.spike_rate "
+                     "(rate_model); risk = P(>= 1 spike in horizon_steps); see "
+                     "simulate/predict.py"}
     return Predictions(settings=settings, alarm_rules=rules,
-                       validate=[s["id"] for s in settings[:NUM_VALIDATE]], profile=prof, source=src)
+                       validate=[s["id"] for s in settings[:NUM_VALIDATE]], profile=prof,
+                       source=src, rate_model=_model_summary(model, provenance or {}, horizon,
+                                                             settings))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -517,17 +658,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ladder", help="ladder directory (adamspike simulate ladder)")
     ap.add_argument("--clip", type=float, default=1.0, help="--profile-from-log: grad clip")
     ap.add_argument("--eps-ref", type=float, default=1e-5, help="--profile-from-log: the run's eps")
-    ap.add_argument("--sweep", help="sweep table (runs.parquet / .csv or a sweep directory)")
+    ap.add_argument("--sweep", action="append", default=[],
+                    help="sweep table (runs.parquet / .csv or a sweep directory; repeatable): "
+                         "the alarm thresholds, and the GLM's data without --rate-model")
+    ap.add_argument("--rate-model", metavar="MODEL.json",
+                    help="spike-rate GLM from `adamspike spike-rate` (else fitted on --sweep)")
+    ap.add_argument("--horizon-steps", type=int, default=DEFAULT_HORIZON_STEPS,
+                    help="N of P(>= 1 spike in N steps)")
     ap.add_argument("--candidates", help="TOML with [[candidate]] tables of dotted keys "
                     "(optim.b1, optim.b2, optim.eps, optim.lr, train.global_batch_size)")
-    ap.add_argument("--out", required=True, help="predictions.json to write (must not exist)")
+    ap.add_argument("--out", required=True, help="predictions.json to write (must not exist: "
+                    "a pre-registered file is never overwritten)")
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:
         return 0 if e.code == 0 else 2
     try:
         if Path(args.out).exists():
-            raise ConfigError(f"{args.out}: exists; choose another --out (nothing was overwritten)")
+            raise ConfigError(f"{args.out}: exists (a pre-registered predictions file is never "
+                              "overwritten); choose a new --out")
+        if args.horizon_steps < 1:
+            raise ConfigError(f"--horizon-steps: must be >= 1, got {args.horizon_steps}")
         if args.profile_from_log:
             if not args.ladder:
                 raise ConfigError("--profile-from-log: needs --ladder DIR for the depth shape")
@@ -538,22 +689,28 @@ def main(argv: list[str] | None = None) -> int:
             profile = load_profile(args.profile_from_run)
         else:
             profile = load_profile(args.profile, args.ladder)
-        table = None
-        if args.sweep:
-            table = load_table(args.sweep)
+        tables = []
+        for sw in args.sweep:
+            t = load_table(sw)
             need = {"optim.b2", "num_spikes", "diverged"}
-            if not need <= set(table.columns):
-                raise ConfigError(f"{args.sweep}: not a sweep table (missing {sorted(need - set(table.columns))})")
+            if not need <= set(t.columns):
+                raise ConfigError(f"{sw}: not a sweep table (missing {sorted(need - set(t.columns))})")
+            tables.append((Path(sw).name, t))
+        table = pd.concat([t for _, t in tables], ignore_index=True) if tables else None
         cands = (load_candidates(args.candidates, profile) if args.candidates
                  else default_candidates(profile))
-        pred = predict(profile, cands, table, args.sweep or "")
-        save_predictions(pred, args.out)
-    except (ConfigError, PredictionsError, ValueError) as e:
+        model, prov = rate_model(args.rate_model, tables)
+        pred = predict(profile, cands, table, ", ".join(args.sweep), model=model,
+                       provenance=prov, horizon=args.horizon_steps)
+        data = save_predictions(pred, args.out)
+    except (ConfigError, PredictionsError, SR.SpikeRateError, ValueError) as e:
         print(f"adamspike predict: {e}", file=sys.stderr)
         return 2
-    best = pred.settings[0]
-    print(f"{len(pred.settings)} settings, {len(pred.alarm_rules)} alarm rules -> {args.out}; "
-          f"lowest risk {best['id']} ({best['risk']:.2f}, {best['risk_label']})")
+    best, worst = pred.settings[0], pred.settings[-1]
+    print(f"{len(pred.settings)} settings, {len(pred.alarm_rules)} alarm rules -> {args.out} "
+          f"(pre-registered {data['created']}, sha256 {data['content_sha256'][:12]}); rates "
+          f"{best['rate_per_1k']:.3g} ({best['id']}) .. {worst['rate_per_1k']:.3g} spikes / 1k "
+          f"steps ({worst['id']}); {sum(s['extrapolated'] for s in pred.settings)} extrapolated")
     return 0
 
 

@@ -155,7 +155,7 @@ def test_random_alarm_has_lift_one_and_is_uninformative():
     assert lt.loc["rand", "num_true_alarms"] == res["num_true_alarms"]
     assert lt.loc["rand", "lift"] == pytest.approx(res["lift"], rel=0.02)
     assert not lt.loc["rand", "informative"] and lt.loc["good", "informative"]
-    pred = {"schema": "adamspike.predictions", "schema_version": 2,
+    pred = {"schema": "adamspike.predictions", "schema_version": 3,
             "alarm_rules": [{"id": "rand", "metric": "rms_t"}, {"id": "good", "metric": "rms_t"},
                             {"id": "unscored", "metric": "rms_t"}]}
     out = C.mark_uninformative(pred, lt.reset_index())
@@ -177,7 +177,7 @@ def test_lift_edge_cases():
 # ----------------------------------------------------------------------------- run dirs
 
 def test_report_section_on_run_directory(synthetic_run):
-    pred = {"schema": "adamspike.predictions", "schema_version": 2,
+    pred = {"schema": "adamspike.predictions", "schema_version": 3,
             "alarm_rules": [{"id": "sat_shallow", "metric": "sat_frac", "depths": [-1, 0],
                              "reduce": "max", "op": ">", "threshold": 0.1,
                              "expected_lead_steps": [1, 10]}]}
@@ -195,7 +195,7 @@ def test_marked_rules_load_and_are_not_armed_online():
     lt = pd.DataFrame({"rule": ["bad"], "lift": [0.8], "informative": [False],
                        "reason": ["lift 0.8 <= 1"], "horizon": [8], "num_alarms": [10], "num_true_alarms": [1],
                        "precision": [0.1], "chance_rate": [0.125], "p": [0.7]})
-    pred = {"schema": "adamspike.predictions", "schema_version": 2,
+    pred = {"schema": "adamspike.predictions", "schema_version": 3,
             "alarm_rules": [{"id": "bad", "metric": "rms_t", "threshold": 2.0},
                             {"id": "kept", "metric": "rms_t", "threshold": 2.0}]}
     marked = C.mark_uninformative(pred, lt)

@@ -84,3 +84,31 @@ def test_registry_calls_main_with_inputs(tmp_path, monkeypatch):
     assert st["fake_broken_fig"] == ("failed", "RuntimeError: boom")
     assert [f.name for f in files] == ["fake.png"]
     assert files[0].read_text().endswith("--quick")
+
+
+def test_calibration_figure_from_a_spike_rate_directory(tmp_path, capsys):
+    """figures.fig_calibration on what `adamspike spike-rate` writes (a seeded sweep-like
+    table), through the figures CLI's spike_rate kind; a missing directory is exit 2."""
+    import numpy as np
+    import pandas as pd
+
+    from analysis.spike_rate import main as spike_rate
+    from figures import fig_calibration
+    rng = np.random.default_rng(1)
+    rows = [{"problem": "mlp", "cell_id": f"c{w}{e}{b2}", "mlp.width": w, "optim.eps": e,
+             "optim.b2": b2, "optim.lr": 1e-2, "train.num_steps": 2000, "seed": s,
+             "median_rho": 1e-2 / e, "num_spikes": rng.poisson(2.0 * (e < 1e-4) + 0.1),
+             "diverged": False}
+            for w in (16, 32, 64) for e in (1e-8, 1e-4, 1e-2) for b2 in (0.95, 0.999)
+            for s in range(3)]
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    sr = tmp_path / "sr"
+    assert spike_rate(["--sweep", str(tmp_path / "runs.csv"), "--out", str(sr),
+                       "--n-boot", "10"]) == 0
+    files, outcomes = generate([], tmp_path / "figs", spike_rate=sr, theory=False,
+                               registry=[("figures.fig_calibration", "spike_rate")])
+    assert [o.status for o in outcomes] == ["ok"]
+    assert {f.name for f in files} == {"calibration.png", "calibration.pdf"}
+    assert all(f.stat().st_size > 0 for f in files)
+    assert fig_calibration.main(["--spike-rate", str(tmp_path / "none"), "--out",
+                                 str(tmp_path / "x")]) == 2

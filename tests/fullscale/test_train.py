@@ -106,7 +106,7 @@ def test_guard_aborts_without_a_checkpoint_to_roll_back_to(tmp_path, capsys):
 
 
 def test_alarms_from_predictions_fire_as_events(tmp_path):
-    pred = {"schema": "adamspike.predictions", "schema_version": 2, "settings": [],
+    pred = {"schema": "adamspike.predictions", "schema_version": 3, "settings": [],
             "alarm_rules": [{"id": "sat", "metric": "sat_frac", "depths": [-1, 0],
                              "op": ">", "threshold": 0.5, "consecutive": 1}]}
     (tmp_path / "p.json").write_text(json.dumps(pred))

@@ -8,6 +8,7 @@ import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from adamspike.llama import num_params, preset
@@ -155,11 +156,34 @@ def test_vmapped_seeds_equal_sequential():
     assert a["depth_sumsq"].shape == (2, 1, 3)                   # depths -1, 0, 1
 
 
+def _rate_model_file(tmp_path):
+    """A spike-rate GLM (adamspike.spike_rate) fitted on a small seeded sweep-like table."""
+    from adamspike import spike_rate as SR
+    rng = np.random.default_rng(0)
+    rows = [{"num_spikes": rng.poisson(3.0 * (rho < 10) + 0.2), "train.num_steps": 1000,
+             "optim.b2": b2, "optim.eps": eps, "optim.lr": 1e-2, "median_rho": rho, "seed": s}
+            for rho, eps in ((0.3, 1e-4), (3.0, 1e-5), (300.0, 1e-8)) for b2 in (0.95, 0.999)
+            for s in range(4)]
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(SR.fit(SR.sweep_rows(pd.DataFrame(rows)), n_boot=20).to_json()))
+    return str(path)
+
+
 def test_predict_profile_from_ladder(synthetic_ladder, tmp_path, capsys):
     out, _, _ = synthetic_ladder
     pred = tmp_path / "p70.json"
-    assert P.main(["--profile", "llama2-70b", "--ladder", str(out), "--out", str(pred)]) == 0
-    prof = json.loads(pred.read_text())["profile"]
+    assert P.main(["--profile", "llama2-70b", "--ladder", str(out), "--rate-model",
+                   _rate_model_file(tmp_path), "--out", str(pred)]) == 0
+    data = json.loads(pred.read_text())
+    # eps {1e-5, 1e-6, 1e-8} x b2 {0.95, 0.99} x lr {1.5e-4, 3e-4} x batch {1024, 2048}
+    assert len(data["settings"]) == 24
+    for s in data["settings"]:
+        assert s["rho_bar"] <= s["rho_bar_bound"] * (1 + 1e-9)
+        assert s["rate_ci"][0] <= s["rate_per_1k"] <= s["rate_ci"][1]
+        assert s["features"]["log10_tokens_per_step"] == pytest.approx(
+            np.log10(s["overrides"]["train.global_batch_size"] * 4096))
+    assert "extrapolation_note" in data["rate_model"]
+    prof = data["profile"]
     assert prof["source"].startswith("ladder fit") and "R^2 (log)" in prof["source"]
     assert "bootstrap prediction interval" in prof["source"]
     rows = prof["by_depth"]
@@ -179,7 +203,8 @@ def test_predict_profile_from_log(synthetic_ladder, tmp_path):
         f"{g} | number of skipped iterations: 0 | number of nan iterations: 0 |\n"
         for i, g in enumerate(gns)))
     pred = tmp_path / "plog.json"
-    assert P.main(["--profile-from-log", str(log), "--ladder", str(out), "--out", str(pred)]) == 0
+    assert P.main(["--profile-from-log", str(log), "--ladder", str(out), "--rate-model",
+                   _rate_model_file(tmp_path), "--out", str(pred)]) == 0
     prof = json.loads(pred.read_text())["profile"]
     N = num_params(preset("llama2-70b"))
     rho_bar = float(np.median(np.minimum(gns[4:], 1.0))) / (math.sqrt(N) * 1e-5)

@@ -1,4 +1,5 @@
-"""simulate.predict: predictions.json validates, ranks by risk, thresholds come from data."""
+"""simulate.predict: predictions.json validates, ranks by the GLM's spike rate, is
+pre-registered (hash, never overwritten), thresholds come from data."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def _table(seed=0):
             for s in range(6):
                 spiky = rho < 10
                 rows.append({"optim.b2": b2, "median_rho": rho, "seed": s, "mitigation.update_clip": False,
-                             "num_spikes": int(spiky), "diverged": False,
+                             "optim.eps": 1e-5, "optim.lr": 1e-3, "train.num_steps": 1000,
+                             "num_spikes": int(spiky) * (1 + s % 2), "diverged": False,
                              "pre_rms_t": 3.0 + rng.random() if spiky else np.nan,
                              "max_rms_t": (3.0 + rng.random()) if spiky else 1.0 + 0.5 * rng.random(),
                              "lead_rms_t": float(rng.integers(2, 6)) if spiky else np.nan})
@@ -52,22 +54,42 @@ def profile_file(tmp_path):
     return p
 
 
-def test_predictions_validate_and_rank_by_risk(tmp_path, profile_file, cands):
+def test_predictions_validate_and_rank_by_rate(tmp_path, profile_file, cands):
     table = _table()
     table.to_parquet(tmp_path / "runs.parquet")
     out = tmp_path / "pred.json"
     assert P.main(["--profile", str(profile_file), "--sweep", str(tmp_path / "runs.parquet"),
                    "--candidates", cands, "--out", str(out)]) == 0
     pred = load_predictions(out)
-    risks = [s["risk"] for s in sorted(pred.settings, key=lambda s: s["rank"])]
-    assert risks == sorted(risks) and all(0 <= r <= 1 for r in risks)
+    assert pred.integrity["status"] == "ok"
+    ranked = sorted(pred.settings, key=lambda s: s["rank"])
+    rates = [s["rate_per_1k"] for s in ranked]
+    assert rates == sorted(rates)
+    for s in ranked:
+        lo, hi = s["rate_ci"]
+        assert lo <= s["rate_per_1k"] <= hi
+        assert s["risk"] == s["p_spike"] and 0 <= s["p_spike_ci"][0] <= s["p_spike"] <= s["p_spike_ci"][1] <= 1
+        assert s["p_spike"] == pytest.approx(1 - np.exp(-s["rate_per_1k"] * s["horizon_steps"] / 1000))
+        assert set(s["extrapolation"]) == set(pred.rate_model["features"])
+    assert pred.rate_model["features"] == ["log10_rho_shallow", "log10_one_minus_b2"]
+    assert "validation" in pred.rate_model
     assert [s["rank"] for s in pred.settings] == list(range(1, len(pred.settings) + 1))
     assert pred.validate == [s["id"] for s in pred.settings[:3]]
     by_eps = {s["overrides"]["optim.eps"]: s for s in pred.settings
               if s["overrides"]["optim.b2"] == 0.95}
     # eps 1e-5 puts the shallow layers at rho ~ 2 (spiky in the table); eps 1e-8 at ~2000
     assert by_eps[1e-5]["risk"] > 0.6 and by_eps[1e-5]["risk_label"] == "high"
-    assert by_eps[1e-8]["risk"] < 0.2 and by_eps[1e-8]["risk_label"] == "low"
+    assert by_eps[1e-8]["rate_per_1k"] < by_eps[1e-5]["rate_per_1k"] / 5
+    assert by_eps[1e-8]["risk_label"] == "low"
+    # rho ~ 2000 lies above the table's largest rho (300): flagged as an extrapolation
+    assert by_eps[1e-8]["extrapolation"]["log10_rho_shallow"] == "above"
+    assert set(by_eps[1e-5]["extrapolation"].values()) == {"inside"}
+    assert not by_eps[1e-5]["support"]["outside_joint_support"]
+    # the profile has a deep side the sweep table never measured: flagged, not silently used
+    assert by_eps[1e-5]["extrapolated"] and by_eps[1e-5]["extrapolation_reasons"] == [
+        "log10_rho_deep not in the training data"]
+    # tokens per step: not in the sweep table, so not a model feature
+    assert "model class and scale" in pred.rate_model["extrapolation_note"]
     rule = {r.id: r for r in pred.alarm_rules}["rms_t_shallow"]
     # the threshold separates the table's classes and says it came from the sweep
     assert 1.5 <= rule.threshold <= 3.0 and rule.source.startswith("sweep")
@@ -77,15 +99,50 @@ def test_predictions_validate_and_rank_by_risk(tmp_path, profile_file, cands):
     assert pred.profile["rho_by_depth"]["-1"] == 0.5 and pred.profile["shallow_depths"] == [-1, 0]
 
 
-def test_without_sweep_falls_back_to_theory(tmp_path, profile_file, cands):
+def test_without_sweep_needs_a_rate_model_and_alarms_fall_back_to_theory(
+        tmp_path, profile_file, cands, capsys):
     out = tmp_path / "pred.json"
-    assert P.main(["--profile", str(profile_file), "--candidates", cands, "--out", str(out)]) == 0
+    assert P.main(["--profile", str(profile_file), "--candidates", cands, "--out", str(out)]) == 2
+    assert "--rate-model" in capsys.readouterr().err and not out.exists()
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(_rate_model(tmp_path).to_json()))
+    assert P.main(["--profile", str(profile_file), "--candidates", cands, "--rate-model",
+                   str(model), "--out", str(out)]) == 0
     pred = load_predictions(out)
+    assert pred.rate_model["model_file"] == str(model)
     rules = {r.id: r for r in pred.alarm_rules}
     assert rules["rms_t_shallow"].source.startswith("literature")
     assert rules["grad_mom_cos_shallow"].source.startswith("theory")
     assert "sat_frac_shallow" not in rules         # no data, no invented threshold
     assert abs(rules["bimodality_shallow"].threshold - 5 / 9) < 1e-12
+
+
+def _rate_model(tmp_path):
+    from adamspike import spike_rate as SR
+    return SR.fit(SR.sweep_rows(_table()), n_boot=20)
+
+
+def test_preregistration_hash_and_refusal_to_overwrite(tmp_path, profile_file, cands, capsys):
+    from adamspike.predictions import PredictionsError, content_hash, from_json
+    table = tmp_path / "runs.parquet"
+    _table().to_parquet(table)
+    out = tmp_path / "pred.json"
+    args = ["--profile", str(profile_file), "--sweep", str(table), "--candidates", cands,
+            "--out", str(out)]
+    assert P.main(args) == 0
+    data = json.loads(out.read_text())
+    assert data["schema_version"] == 3 and data["created"].endswith("Z")
+    assert data["content_sha256"] == content_hash(data)
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert P.main(args) == 2                              # never overwritten
+    assert "pre-registered" in capsys.readouterr().err and out.read_bytes() == before
+    data["settings"][0]["rate_per_1k"] *= 0.5            # an edit after pre-registration
+    assert from_json(data).integrity["status"] == "mismatch"
+    del data["content_sha256"]
+    assert from_json(data).integrity["status"] == "missing"
+    with pytest.raises(PredictionsError, match="schema_version 2 .*regenerate"):
+        from_json({**data, "schema_version": 2})
 
 
 def test_profile_from_run_dir(tmp_path, cands):
@@ -108,7 +165,10 @@ def test_profile_from_run_dir(tmp_path, cands):
     np.testing.assert_allclose([prof["rho_by_depth"][d] for d in (-1, 0, 1)], [0.2, 8.0, 200.0], rtol=1e-5)
     assert all(0 <= v < 1 for v in prof["phi_by_depth"].values())
     out = tmp_path / "pred.json"
-    assert P.main(["--profile", str(run), "--candidates", cands, "--out", str(out)]) == 0
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(_rate_model(tmp_path).to_json()))
+    assert P.main(["--profile", str(run), "--candidates", cands, "--rate-model", str(model),
+                   "--out", str(out)]) == 0
     load_predictions(out)
 
 

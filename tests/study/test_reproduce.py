@@ -38,6 +38,14 @@ def test_reproduce_quick(tmp_path):
     p70 = json.loads((out / "predictions_70b.json").read_text())["profile"]
     assert p70["source"].startswith("ladder fit") and len(p70["by_depth"]) == 82
     assert "Width/depth ladder" in report and "Rho-matched toy" in report
+    # issue 14: the spike-rate GLM, its calibration figure, the pre-registered 70B table
+    assert "calibration" in names
+    for section in ("## Spike-rate model and the pre-registered 70B predictions",
+                    "#### Held-out validation", "### predictions_70b.json",
+                    "Scores against the predictions"):
+        assert section in report, section
+    d70 = json.loads((out / "predictions_70b.json").read_text())
+    assert d70["schema_version"] == 3 and len(d70["settings"]) >= 12 and d70["content_sha256"]
 
 
 def test_reproduce_refuses_nonempty_out(tmp_path):
