@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "theory": ("theory.cli:main", "closed-form numbers (--json for machines)"),
     "simulate": ("simulate.cli:simulate_main", "Monte-Carlo streams, quadratic, MLP, toy LLaMA runs"),
     "sweep": ("adamspike.cli:sweep_main", "grids over dotted config keys (resumable, --shard k/n)"),
-    "replicate": ("simulate.replication:main", "test the literature's claims on the toy problems"),
+    "replicate": ("adamspike.cli:replicate_main", "test the literature's claims (toy problems; `replicate matched`: the 70B's regime)"),
     "replay": ("adamspike.cli:replay_main", "causal replay of spikes with one intervention each (resumable)"),
     "spike-rate": ("analysis.spike_rate:main", "fit + validate the spike-rate GLM on sweeps and runs"),
     "predict": ("simulate.predict:main", "pre-registered predictions.json: GLM spike rate per setting"),
@@ -59,11 +59,51 @@ def sweep_main(argv: list[str]) -> int:
     """`adamspike sweep run|merge` over simulate.sweep_problems.PROBLEMS;
     `adamspike sweep replicate` is `adamspike replicate`."""
     if argv and argv[0] == "replicate":
-        return int(resolve("replicate")(argv[1:]) or 0)
+        return replicate_main(argv[1:])
     # lazy: the sweep problems import jax, only this subcommand needs it
     from simulate.sweep import main as sweep
     from simulate.sweep_problems import PROBLEMS
     return sweep(argv, PROBLEMS)
+
+
+def replicate_main(argv: list[str]) -> int:
+    """`adamspike replicate [--quick] --out DIR`: the claims on the toy problems
+    (simulate.replication); `adamspike replicate matched --ladder L --out DIR`: the claims in
+    the rho-matched regime, arms run by simulate.matched_replication and the table made by
+    analysis.matched_replication from their files."""
+    if not (argv and argv[0] == "matched"):
+        from simulate.replication import main as replicate   # jax: only for this subcommand
+        return int(replicate(argv) or 0)
+    import argparse
+    ap = argparse.ArgumentParser(prog="adamspike replicate matched",
+                                 description="the literature's claims in the rho-matched regime "
+                                             "(>= 10 paired seeds per arm, vmapped)")
+    ap.add_argument("--ladder", required=True, help="ladder directory (fit.json: the 70B's rho per group)")
+    ap.add_argument("--out", required=True, help="study directory (resumes; another study is refused)")
+    ap.add_argument("--quick", action="store_true", help="CI scale: the arms marked quick, 150 steps (simulate.matched_replication)")
+    ap.add_argument("--seeds", type=int, default=10, help="paired seeds per arm (>= 10)")
+    ap.add_argument("--claims", default=None, help="claims TOML ([[arm]], [[claim]])")
+    ap.add_argument("--no-progress", action="store_true")
+    try:
+        a = ap.parse_args(argv[1:])
+    except SystemExit as e:
+        return 0 if e.code == 0 else 2
+    # lazy: jax (arms) and pandas / scipy (table), only for this subcommand
+    from adamspike.config import ConfigError
+    from adamspike.rundir import atomic_write_bytes
+    from analysis.matched_replication import report_md
+    from simulate import matched_replication as mr
+    try:
+        out = mr.run_study(a.out, a.ladder, quick=a.quick, num_seeds=a.seeds,
+                           claims_path=a.claims or mr.CLAIMS, progress=not a.no_progress)
+        md, table = report_md(out)
+    except (ConfigError, ValueError) as e:
+        print(f"adamspike replicate matched: {e}", file=sys.stderr)
+        return 2
+    atomic_write_bytes(out / "replication.csv", table.to_csv(index=False).encode())
+    atomic_write_bytes(out / "replication.md", md.encode())
+    print(table[["id", "mean_diff", "ci_low", "ci_high", "p_holm", "verdict"]].to_string(index=False))
+    return 0
 
 
 def replay_main(argv: list[str]) -> int:

@@ -30,7 +30,10 @@ batches with exactly one intervention, and count how often the spike comes back.
 3. Per (spike, intervention): recurred = the same detector, run over the base trace up to s0
    followed by the replay trace, finds a spike starting within +-W steps of t; height =
    peak replay loss in [t - W, t + W] / the base spike's baseline (the detector's median at
-   its start); spiked_any = a spike anywhere in the replay. Table per intervention:
+   its start); spiked_any = a spike anywhere in the replay.
+   Spikes are counted as incidents: a start within 2 W steps of the previous start of the
+   same seed is part of the same burst and is not replayed on its own (the binomial
+   counts need independent trials). Table per intervention:
    recurrence k / n with the exact (Clopper-Pearson) 95 % interval
    (scipy.stats.binomtest(k, n).proportion_ci(method="exact")), median height ratio.
 
@@ -355,7 +358,7 @@ def run_base(spec: ReplaySpec, prog: LaneProgram, seeds: Sequence[int], cache: P
     for j, k in enumerate(seeds):
         trace = np.asarray(losses[j])
         sp = spec.detect(trace, np.arange(1, len(trace) + 1))
-        arrays = {"loss": trace, "spikes": np.frombuffer(sp.to_json(orient="records").encode(),
+        arrays = {"loss": trace, "spikes": np.frombuffer(sp.to_json(orient="records", double_precision=15).encode(),
                                                          np.uint8)}
         for t, (s0, st) in kept[j].items():
             arrays[f"t{t}_s0"] = np.array(s0)
@@ -411,13 +414,17 @@ def measure(spec: ReplaySpec, backend: str, seed_cfg: RunConfig, t: int, s0: int
     rows = []
     for name, trace in traces.items():
         trace = np.asarray(trace, np.float64)
+        ov = intervention_overrides(name, seed_cfg, t, s0 + 1, spec.skip_window)
+        # skipped steps train nothing: their logged loss (of a batch that is not used) is
+        # not part of the training trajectory, so the detector and the height leave them out
+        trained = ~np.isin(steps, ov.get("data.skip_batches", []))
         full = np.concatenate([base_loss[:s0], trace])
-        sp = spec.detect(full, steps)
+        sp = spec.detect(full[trained], steps[trained])
         after = sp[sp["start"] > s0]
         near = after[(after["start"] >= t - W) & (after["start"] <= t + W)]
-        win = trace[t - W - 1 - s0: t + W - s0]
-        peak = float(np.max(win)) if np.isfinite(win).all() else math.inf
-        ov = intervention_overrides(name, seed_cfg, t, s0 + 1, spec.skip_window)
+        in_win = (steps >= t - W) & (steps <= t + W) & trained
+        win = full[in_win]
+        peak = (float(np.max(win)) if np.isfinite(win).all() else math.inf) if win.size else math.nan
         rows.append({"backend": backend, "seed": int(seed_cfg.train.seed), "spike_step": int(t),
                      "restart_step": int(s0 + 1), "lead": int(t - s0), "intervention": name,
                      "overrides": json.dumps(ov, sort_keys=True),
@@ -479,9 +486,17 @@ def run_study(spec: ReplaySpec, out: str | Path, progress: bool = True) -> pd.Da
     jobs: list = []
     for k in spec.seeds:
         loss, spikes, z = read_base(cache / f"base-s{k}.npz")
+        last = -math.inf
         for _, sp in spikes.iterrows():
-            if f"t{int(sp['start'])}_s0" in z.files:
-                jobs.append((k, int(sp["start"]), loss, sp, z))
+            t = int(sp["start"])
+            # one incident per burst: a start within 2 W of the previous one is the same
+            # incident (its replay window already covers it), so replays are independent
+            if t - last <= 2 * spec.recur_window:
+                last = t
+                continue
+            last = t
+            if f"t{t}_s0" in z.files:
+                jobs.append((k, t, loss, sp, z))
     if spec.max_spikes:
         jobs = jobs[:spec.max_spikes]
     frames = []
@@ -495,7 +510,7 @@ def run_study(spec: ReplaySpec, out: str | Path, progress: bool = True) -> pd.Da
             else:
                 rows, traces = replay_spike(spec, prog, k, t, loss, sp, z)
                 atomic_write_bytes(path, _npz_bytes(
-                    traces=traces, rows=np.frombuffer(rows.to_json(orient="records").encode(),
+                    traces=traces, rows=np.frombuffer(rows.to_json(orient="records", double_precision=15).encode(),
                                                       np.uint8)))
             frames.append(rows)
             bar.update(1)

@@ -5,6 +5,7 @@ cache resumes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pandas as pd
 import pytest
 
 from adamspike.config import ConfigError, flatten, to_dict
@@ -109,11 +110,10 @@ def test_each_intervention_changes_only_what_it_names():
         R.lane_config(cfg, {"optim.b2": 0.95})
 
 
-@pytest.mark.xfail(reason="TODO: at this tiny config the loss is still ~log(64) at step 80, so "
-                          "the poisoned batch is not a >= 10 % spike and nothing is replayed; "
-                          "needs a config whose poisoned step spikes", strict=False)
 def test_study_detects_a_poisoned_spike_replays_it_and_resumes(tmp_path, monkeypatch):
-    cfg = _cfg(**{"data.poison_steps": [80]})
+    # a low-entropy Markov source is learned by step 80 (loss ~1.2), so the poisoned batch
+    # (every target = token 0) is a ~7x loss spike
+    cfg = _cfg(**{"data.task": "markov", "data.alpha": 0.01, "data.poison_steps": [80]})
     spec = R.ReplaySpec(config=to_dict(cfg), seeds=[0], snapshot_every=25, min_lead=50,
                         max_lead=150, horizon=10, recur_window=5, skip_window=5)
     table = R.run_study(spec, tmp_path, progress=False)
@@ -129,7 +129,7 @@ def test_study_detects_a_poisoned_spike_replays_it_and_resumes(tmp_path, monkeyp
     monkeypatch.setattr(R, "replay_spike", lambda *a, **k: pytest.fail("recomputed"))
     monkeypatch.setattr(R, "run_base", lambda *a, **k: pytest.fail("recomputed"))
     again = R.run_study(spec, tmp_path, progress=False)
-    assert again.equals(table)
+    pd.testing.assert_frame_equal(again, table, check_dtype=False, rtol=1e-12)
     other = R.ReplaySpec(config=to_dict(cfg), seeds=[0, 1], snapshot_every=25, min_lead=50,
                          max_lead=150, horizon=10)
     with pytest.raises(ConfigError, match="another replay study"):

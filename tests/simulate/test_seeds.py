@@ -1,0 +1,59 @@
+"""simulate.seeds: the seeds of one arm as one vmapped program, paired across arms."""
+
+import numpy as np
+import pytest
+
+from adamspike.config import ConfigError
+from adamspike.rundir import load_run
+from adamspike.train_config import RunConfig
+from simulate.llama_train import train
+from simulate.seeds import run_arm
+
+SETTINGS = {"model.preset": "tiny", "model.vocab_size": 64, "model.dim": 32, "model.num_layers": 2,
+            "model.num_heads": 4, "model.num_kv_heads": 2, "model.max_seq_len": 16,
+            "train.seq_len": 16, "train.global_batch_size": 4, "train.num_steps": 25,
+            "optim.lr": 3e-3, "optim.warmup_steps": 5, "optim.schedule": "cosine",
+            "optim.b2": 0.95, "optim.eps": 1e-6, "optim.grad_clip": 1.0,
+            "optim.weight_decay": 0.1, "data.task": "zipf", "data.zipf_exponent": 1.1,
+            "mitigation.eps_embed": 1e-4, "mitigation.eps_deep": 1e-5,
+            "telemetry.every": 1, "telemetry.hist_every": 0}
+
+
+def cfg(**over):
+    return RunConfig.from_dict({**SETTINGS, **over})
+
+
+def test_a_vmapped_seed_is_the_trainers_run(tmp_path):
+    res = run_arm(cfg(), [0, 3])
+    for j, seed in enumerate((0, 3)):
+        run = load_run(train(cfg(**{"train.seed": seed}), tmp_path / f"s{seed}", progress=False))
+        st = run.steps.sort_values("step")
+        np.testing.assert_allclose(res["loss"][j], st["loss"], rtol=2e-5)
+        np.testing.assert_allclose(res["grad_norm"][j], st["grad_norm"], rtol=1e-4)
+        # group rho of the consumed gradient = the telemetry's per-tensor rho, pooled by group
+        lay = run.layers
+        last = lay[lay["step"] == 25]
+        shallow = last[last["depth"] == 0]
+        rms = np.sqrt((shallow["grad_rms"] ** 2 * shallow["numel"]).sum() / shallow["numel"].sum())
+        k = list(res["groups"]).index("shallow")
+        np.testing.assert_allclose(res["rho"][j, -1, k], rms / 1e-6, rtol=1e-3)
+    assert res["group_eps"][list(res["groups"]).index("embed")] == 1e-4
+
+
+def test_arms_are_paired_and_eps_only_arms_share_the_program():
+    a = run_arm(cfg(), [0, 1, 2])
+    b = run_arm(cfg(**{"optim.eps": 1e-3}), [0, 1, 2])
+    # same seeds: same first batch and init, so step 1's loss is identical across arms
+    np.testing.assert_array_equal(a["loss"][:, 0], b["loss"][:, 0])
+    assert not np.allclose(a["loss"][:, -1], b["loss"][:, -1])
+    assert len({tuple(np.round(a["loss"][i, :3], 6)) for i in range(3)}) == 3   # seeds differ
+    seq = run_arm(cfg(), [0, 1, 2], vmapped=False)
+    np.testing.assert_allclose(seq["loss"], a["loss"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("over, key", [({"mitigation.v_reset_steps": [3]}, "v_reset_steps"),
+                                       ({"guard.enabled": True, "checkpoint.every": 5}, "guard"),
+                                       ({"data.poison_steps": [4]}, "poison_steps")])
+def test_host_side_settings_are_refused(over, key):
+    with pytest.raises(ConfigError, match=key):
+        run_arm(cfg(**over), [0])
