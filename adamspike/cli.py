@@ -106,16 +106,19 @@ def replicate_main(argv: list[str]) -> int:
     return 0
 
 
+TORCH_REPLAY_SEEDS = 4   # torch base runs searched for spikes (bounds the study's cost)
+
+
 def replay_main(argv: list[str]) -> int:
     """`adamspike replay`: the JAX study (simulate.replay) and, with --torch-spikes, its torch
-    subset (fullscale.replay), wired here (simulate never imports torch, fullscale never
+    subset (fullscale.replay: spikes of the first TORCH_REPLAY_SEEDS seeds' torch runs), wired here (simulate never imports torch, fullscale never
     imports jax)."""
     from simulate import replay   # jax: only for this subcommand
 
     def torch_replay(spec, out, num_spikes, progress):
         from fullscale.replay import torch_replays   # torch: only with --torch-spikes
         found = torch_replays(
-            spec.run_config(), out, num_spikes, spec.seeds, spec.detect,
+            spec.run_config(), out, num_spikes, spec.seeds[:TORCH_REPLAY_SEEDS], spec.detect,
             lambda name, cfg, t, restart: replay.intervention_overrides(
                 name, cfg, t, restart, spec.skip_window),
             spec.interventions, snapshot_every=spec.snapshot_every, min_lead=spec.min_lead,
