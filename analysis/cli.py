@@ -38,8 +38,10 @@ from adamspike.llama import PRESETS
 from adamspike.llama import num_params as llama_num_params
 from adamspike.predictions import PredictionsError, load_predictions
 from adamspike.rundir import RunFormatError, find_runs, run_names
+from analysis.controls import study_sections
 from analysis.megatron_log import MegatronLogError, import_megatron_log
 from analysis.report import AnalysisError, SpikeParams, analyze_run, write_index, write_run_report
+from analysis.scoring import score
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -194,11 +196,13 @@ def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
         analyses.append(ra)
     index = write_index(analyses, out, names)
     if preds is not None:
-        from analysis.scoring import score
         md = score(analyses, preds, json.loads(Path(args.predictions).read_text()),
                    args.predictions, out)
         with open(index, "a") as fh:
             fh.write("\n" + md + "\n")
+    if len(runs) > 1:   # precursors against control windows, alarm lift (per problem)
+        with open(index, "a") as fh:
+            fh.write("\n" + study_sections(runs, predictions=args.predictions) + "\n")
     print(index)
     return 0
 

@@ -498,3 +498,37 @@ def report_section(run_dirs: Iterable[str | Path], *, predictions: str | Path | 
               md_table(lt, ["rule", "horizon", "num_alarms", "num_true_alarms", "precision",
                             "chance_rate", "lift", "p", "informative", "reason"]), ""]
     return "\n".join(L)
+
+
+def problem_key(config: Mapping) -> str:
+    """Runs whose windows can be each other's controls: the same model and data (the
+    sections model / data / mlp / quadratic, seeds stripped); optimizer settings and
+    mitigations may differ (other arms at the same phase of training are controls)."""
+    keep = {k: v for k, v in dict(config or {}).items() if k in ("model", "data", "mlp", "quadratic")}
+    return arm_key(keep)
+
+
+def study_sections(run_dirs: Iterable[str | Path], *, predictions: str | Path | None = None,
+                   window: int = DEFAULT_WINDOW, alpha: float = 0.05) -> str:
+    """`report_section` per problem (runs grouped by `problem_key`, those with per-layer
+    telemetry): the analyze report's precursor-controls and alarm-lift sections."""
+    groups: dict[str, list[Path]] = {}
+    for p in map(Path, run_dirs):
+        try:
+            run = load_run(p, tables=("steps",))
+        except Exception:   # noqa: BLE001  (a bad run is reported by its own analysis)
+            continue
+        if not (p / "layers").exists():
+            continue
+        groups.setdefault(problem_key(run.config), []).append(p)
+    out = ["## Precursors against controls, alarm lift", ""]
+    if not groups:
+        return "\n".join(out + ["No run with per-layer telemetry.", ""])
+    for paths in groups.values():
+        names = ", ".join(p.name for p in paths)
+        try:
+            out += [f"Runs: {names}", "", report_section(paths, predictions=predictions,
+                                                          window=window, alpha=alpha)]
+        except (ValueError, KeyError) as e:
+            out += [f"Runs: {names}: not compared ({e})", ""]
+    return "\n".join(out)

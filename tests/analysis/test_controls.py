@@ -8,6 +8,7 @@ import pytest
 
 from adamspike.predictions import AlarmRule
 from analysis import controls as C
+from analysis.synthetic import write_synthetic_run
 
 L = 4                      # blocks 0..3: shallow = block 0 (max(1, 4 // 10) = 1)
 B2 = 0.95                  # burn-in ceil(3 / 0.05) = 60
@@ -204,3 +205,13 @@ def test_marked_rules_load_and_are_not_armed_online():
     assert [r.id for r in online.rules] == ["kept"] and "bad" in online.disarmed
     cols = {"depth": np.array([0]), "kind": np.array(["wq"]), "rms_t": np.array([5.0])}
     assert [a["rule"] for a in online.update(1, cols)] == ["kept"]
+
+
+def test_study_sections_group_runs_by_problem_and_skip_runs_without_telemetry(synthetic_run, tmp_path):
+    other = write_synthetic_run(tmp_path / "other", num_steps=600, spikes=(), lead=10, seed=1)
+    md = C.study_sections([synthetic_run, other, tmp_path / "not_a_run"])
+    # the two synthetic runs are one problem: the second one's windows are matched controls
+    assert md.count("### Precursors against control windows") == 1
+    assert "(2 runs" in md and "matched" in md
+    assert C.problem_key({"model": {"dim": 8}, "optim": {"eps": 1e-8}, "train": {"seed": 1}}) == \
+        C.problem_key({"model": {"dim": 8}, "optim": {"eps": 1e-5}, "train": {"seed": 2}})
