@@ -6,6 +6,7 @@ Subcommands are imported when called (importlib, by the module path in COMMANDS)
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -74,7 +75,6 @@ def replicate_main(argv: list[str]) -> int:
     if not (argv and argv[0] == "matched"):
         from simulate.replication import main as replicate   # jax: only for this subcommand
         return int(replicate(argv) or 0)
-    import argparse
     ap = argparse.ArgumentParser(prog="adamspike replicate matched",
                                  description="the literature's claims in the rho-matched regime "
                                              "(>= 10 paired seeds per arm, vmapped)")

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from adamspike.config import read_toml
+
 REPO = Path(__file__).resolve().parent.parent
 NOT_BUILT = 3
 
@@ -65,7 +67,6 @@ RATE_RUN_STAGES = {"quadratic_spike": "quadratic_eps1e-8", "quadratic_stable": "
 def _matched_optim() -> list[str]:
     """--b2 / --eps of configs/matched_70b.toml for its exported Megatron log (a log does not
     state them)."""
-    from adamspike.config import read_toml
     optim = read_toml(REPO / "configs" / "matched_70b.toml").get("optim", {})
     return [a for k in ("b2", "eps") if k in optim for a in (f"--{k}", repr(float(optim[k])))]
 

@@ -141,7 +141,6 @@ def _ladder_source(ladder_dir: str | Path, fit: Mapping[str, Any], ext: Mapping[
 
 
 def _num_params_70b() -> int:
-    from adamspike.llama import num_params, preset
     return int(num_params(preset("llama2-70b")))
 
 
