@@ -46,6 +46,13 @@ def test_reproduce_quick(tmp_path):
         assert section in report, section
     d70 = json.loads((out / "predictions_70b.json").read_text())
     assert d70["schema_version"] == 3 and len(d70["settings"]) >= 12 and d70["content_sha256"]
+    # issue 14: the matched-regime replication (10 paired seeds), the causal replay, controls
+    for section in ("## Replication table, matched regime", "Holm-Bonferroni",
+                    "## Replication table, toy regime", "## Causal replay of spikes",
+                    "## Precursors against controls, alarm lift"):
+        assert section in report, section
+    rep = (out / "replication_matched" / "replication.csv").read_text()
+    assert "seed.lower_eps" in rep and ",10," in rep
 
 
 def test_reproduce_refuses_nonempty_out(tmp_path):
