@@ -1,7 +1,8 @@
 """`adamspike spike-rate`: fit and validate the spike-rate GLM (adamspike.spike_rate) on
 sweep tables and run directories.
 
-    adamspike spike-rate [--sweep TABLE_OR_DIR ...] [--runs RUN ...] --out DIR [--n-boot 200]
+    adamspike spike-rate [--sweep TABLE_OR_DIR ...] [--runs RUN ...] [--matched DIR ...]
+                         --out DIR [--n-boot 200]
 
 Training table (DIR/table.csv, one row per run, adamspike.spike_rate.TABLE_COLUMNS):
   - sweep tables (simulate.sweep; the quadratic / mlp / llama sweeps, replication cells):
@@ -14,7 +15,9 @@ Training table (DIR/table.csv, one row per run, adamspike.spike_rate.TABLE_COLUM
     infer_num_layers); b2, lr, eps from the config; tokens per step = the median step
     difference of the `tokens` column (else train.global_batch_size x train.seq_len);
     width = model dim (config model.dim or its preset) or mlp.width. A run without
-    per-tensor telemetry has no rho and is left out of the fit (listed in the report).
+    per-tensor telemetry has no rho and is left out of the fit (listed in the report);
+  - matched-regime replications (`adamspike replicate matched`): one row per arm and seed
+    (`matched_rows`), the regime the 70B predictions are about.
 Then: held-out validation (adamspike.spike_rate.validate: the largest width, else the
 last seed), and the final fit on every run. Writes DIR/model.json (the final model, with
 the validation scores in it), DIR/calibration.csv, DIR/heldout.csv, DIR/table.csv and
@@ -120,11 +123,48 @@ def read_sweep_table(path: str | Path) -> pd.DataFrame:
         raise SR.SpikeRateError(f"{p}: unreadable sweep table ({e})") from None
 
 
-def training_table(sweeps: Sequence[str | Path] = (), runs: Sequence[str | Path] = ()
-                   ) -> tuple[pd.DataFrame, list[str]]:
-    """(table, notes): the rows of every sweep table (neutral mitigations only) and run
-    directory; notes say what was left out and why."""
+def matched_rows(study: str | Path) -> pd.DataFrame:
+    """Rows of a matched-regime replication (`adamspike replicate matched`): one per arm and
+    seed, from its files (replication.json, arms/<arm>.parquet). Spikes by the report's loss
+    rule; the shallow side's rho = median over steps of the mean of the embed and shallow
+    groups' rho, the deep side's of the deep and head groups'; b2, lr, eps (optim.eps), batch
+    x seq_len from the arm's config (the eps of other groups is in their rho)."""
+    study = Path(study)
+    try:
+        meta = json.loads((study / "replication.json").read_text())
+        configs = meta["arm_configs"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SR.SpikeRateError(f"{study}: not a matched replication ({e})") from None
+    rows = []
+    for arm, c in configs.items():
+        path = study / "arms" / f"{arm}.parquet"
+        if not path.exists():
+            raise SR.SpikeRateError(f"{path}: missing (unfinished study)")
+        t = pd.read_parquet(path)
+        for seed, g in t.groupby("seed"):
+            g = g.sort_values("step")
+            sp, _ = loss_spikes(g[["step", "loss"]].reset_index(drop=True))
+            side = {k: [f"rho_{x}" for x in grp if f"rho_{x}" in g]
+                    for k, grp in (("sh", ("embed", "shallow")), ("dp", ("deep", "head")))}
+            rho = {k: float(np.median(g[cols].mean(axis=1))) if cols else math.nan
+                   for k, cols in side.items()}
+            feats = SR.setting_features(rho_shallow=rho["sh"], rho_deep=rho["dp"],
+                                        b2=c["optim.b2"], lr=c["optim.lr"], eps=c["optim.eps"],
+                                        tokens_per_step=c["train.global_batch_size"] * c["train.seq_len"])
+            rows.append({"source": "matched", "run": f"{study.name}/{arm}/s{seed}",
+                         "width": float(c["model.dim"]), "seed": float(seed),
+                         "num_spikes": float(len(sp)), "num_steps": float(len(g)), **feats})
+    return pd.DataFrame(rows, columns=list(SR.TABLE_COLUMNS))
+
+
+def training_table(sweeps: Sequence[str | Path] = (), runs: Sequence[str | Path] = (),
+                   matched: Sequence[str | Path] = ()) -> tuple[pd.DataFrame, list[str]]:
+    """(table, notes): the rows of every sweep table (neutral mitigations only), run
+    directory and matched-regime replication (`matched_rows`); notes say what was left out
+    and why."""
     frames, notes = [], []
+    for m in matched:
+        frames.append(matched_rows(m))
     for sw in sweeps:
         t = read_sweep_table(sw)
         keep = neutral_mask(t)
@@ -218,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike spike-rate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", action="append", default=[], help="sweep table or directory")
     ap.add_argument("--runs", nargs="*", default=[], help="run directories")
+    ap.add_argument("--matched", action="append", default=[],
+                    help="matched-regime replication directory (adamspike replicate matched)")
     ap.add_argument("--out", required=True, help="output directory (model.json must not exist)")
     ap.add_argument("--n-boot", type=int, default=SR.N_BOOT)
     ap.add_argument("--ridge", type=float, default=SR.RIDGE)
@@ -232,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                               "overwritten)")
         if args.n_boot < 0 or not args.ridge >= 0:
             raise ConfigError("--n-boot must be >= 0 and --ridge >= 0")
-        table, notes = training_table(args.sweep, args.runs)
+        table, notes = training_table(args.sweep, args.runs, args.matched)
         val = SR.validate(table, ridge=args.ridge, n_boot=args.n_boot)
         model = SR.fit(table, ridge=args.ridge, n_boot=args.n_boot)
     except (ConfigError, SR.SpikeRateError) as e:

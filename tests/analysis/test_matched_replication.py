@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from analysis.matched_replication import claims_table, load, mechanism_table, report_md
+from analysis.spike_rate import matched_rows
 
 NUM_SEEDS, NUM_STEPS = 10, 400
 
@@ -48,8 +49,20 @@ def study(tmp_path):
                      "optim.b1": 0.9, "optim.b2": 0.95, "optim.weight_decay": 0.1,
                      "optim.grad_clip": 1.0, "optim.lr": 1e-3, "optim.warmup_steps": 10,
                      "optim.schedule": "cosine", "train.dtype": "fp32"}}
+    meta["arm_configs"] = {n: {"optim.b2": 0.95, "optim.lr": 1e-3, "optim.eps": 1e-3,
+                               "train.global_batch_size": 8, "train.seq_len": 32, "model.dim": 32}
+                           for n in arms}
     (tmp_path / "replication.json").write_text(json.dumps(meta))
     return tmp_path
+
+
+def test_spike_rate_rows_one_per_arm_and_seed(study):
+    rows = matched_rows(study).set_index("run")
+    assert len(rows) == 4 * NUM_SEEDS and (rows["source"] == "matched").all()
+    assert rows.loc[f"{study.name}/more/s0", "num_spikes"] == 3
+    assert rows.loc[f"{study.name}/more/s0", "log10_rho_shallow"] == pytest.approx(np.log10((0.7 + 900) / 2))
+    assert rows.loc[f"{study.name}/base/s0", "log10_lr_over_eps"] == pytest.approx(0.0)
+    assert rows.loc[f"{study.name}/base/s0", "log10_tokens_per_step"] == pytest.approx(np.log10(256))
 
 
 def test_verdicts_follow_the_paired_tests(study):
