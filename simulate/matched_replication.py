@@ -54,13 +54,14 @@ RULES = ("decrease", "increase", "weak")
 
 
 def study_spec(quick: bool, num_seeds: int | None = None) -> dict:
-    """Steps and seeds: full 1000 steps x 10 seeds, calibration 2 rounds x 300 steps; quick
-    150 steps x 10 seeds (3 arms), calibration 1 round x 100 steps."""
+    """Steps and seeds: full 600 steps x 10 seeds, calibration 2 rounds x 200 steps; quick
+    100 steps x 10 seeds (the arms marked quick), calibration 1 round x 100 steps (the same
+    program as the arms: one compile)."""
     if quick:
-        return {"num_steps": 150, "warmup_steps": 15, "seeds": num_seeds or 10,
-                "calib_steps": 100, "calib_rounds": 1}
-    return {"num_steps": 1000, "warmup_steps": 100, "seeds": num_seeds or 10,
-            "calib_steps": 300, "calib_rounds": 2}
+        return {"num_steps": 100, "warmup_steps": 10, "seeds": num_seeds or 10,
+                "calib_steps": 100, "calib_rounds": 1, "calib_seeds": num_seeds or 10}
+    return {"num_steps": 600, "warmup_steps": 60, "seeds": num_seeds or 10,
+            "calib_steps": 200, "calib_rounds": 2}
 
 
 def read_claims(path: str | Path = CLAIMS, quick: bool = False) -> tuple[list[dict], list[dict]]:
@@ -148,7 +149,7 @@ def calibrate(flat: Mapping[str, Any], targets: Mapping[str, float], spec: Mappi
     rounds = []
     eps = group_eps(pilot)
     for _ in tqdm(range(spec["calib_rounds"]), desc="calibrate", disable=not progress, file=sys.stderr):
-        res = run_arm(_config(with_group_eps(pilot, eps)), list(range(CALIB_SEEDS)))
+        res = run_arm(_config(with_group_eps(pilot, eps)), list(range(spec.get("calib_seeds", CALIB_SEEDS))))
         half = res["rho"].shape[1] // 2
         rho = {str(g): float(np.median(res["rho"][:, half:, i])) for i, g in enumerate(res["groups"])}
         rms = {g: rho[g] * eps[g] for g in rho}
