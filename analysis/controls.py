@@ -515,7 +515,7 @@ def study_sections(run_dirs: Iterable[str | Path], *, predictions: str | Path | 
     groups: dict[str, list[Path]] = {}
     for p in map(Path, run_dirs):
         try:
-            run = load_run(p, tables=("steps",))
+            run = load_run(p, tables=())   # its config only: report_section reads the tables
         except Exception:   # noqa: BLE001  (a bad run is reported by its own analysis)
             continue
         if not (p / "layers").exists():

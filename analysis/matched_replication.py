@@ -109,10 +109,16 @@ def _rho_text(m: pd.DataFrame, groups: list[str]) -> str:
     return "/".join(f"{m[f'rho_{g}'].median():.3g}" for g in groups)
 
 
-def claims_table(meta: Mapping[str, Any], arms: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+def arm_metrics(arms: Mapping[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """`seed_metrics` of every arm."""
+    return {a: seed_metrics(t) for a, t in arms.items()}
+
+
+def claims_table(meta: Mapping[str, Any], arms: Mapping[str, pd.DataFrame],
+                 metrics: Mapping[str, pd.DataFrame] | None = None) -> pd.DataFrame:
     """One row per claim: regime, n_seeds, the paired test, interval, Holm p, verdict and
-    the equal-progress comparison."""
-    metrics = {a: seed_metrics(t) for a, t in arms.items()}
+    the equal-progress comparison (metrics: `arm_metrics(arms)` when already computed)."""
+    metrics = arm_metrics(arms) if metrics is None else metrics
     steps = {a: seed_steps(t) for a, t in arms.items()}
     groups = [c[4:] for c in next(iter(metrics.values())).columns if c.startswith("rho_")]
     rows = []
@@ -143,10 +149,11 @@ def claims_table(meta: Mapping[str, Any], arms: Mapping[str, pd.DataFrame]) -> p
 
 
 def mechanism_table(meta: Mapping[str, Any], arms: Mapping[str, pd.DataFrame],
-                    base: str = "base") -> pd.DataFrame:
+                    base: str = "base", metrics: Mapping[str, pd.DataFrame] | None = None
+                    ) -> pd.DataFrame:
     """Per arm against the base arm: median rho per group (late half) and final loss,
     paired ratio / difference with its BCa interval for the shallow rho and the loss."""
-    metrics = {a: seed_metrics(t) for a, t in arms.items()}
+    metrics = arm_metrics(arms) if metrics is None else metrics
     mb = metrics[base]
     groups = [c[4:] for c in mb.columns if c.startswith("rho_")]
     rows = []
@@ -172,8 +179,9 @@ def mechanism_table(meta: Mapping[str, Any], arms: Mapping[str, pd.DataFrame],
 def report_md(study: str | Path) -> tuple[str, pd.DataFrame]:
     """(markdown, claims table) of a finished study."""
     meta, arms = load(study)
-    table = claims_table(meta, arms)
-    mech = mechanism_table(meta, arms)
+    metrics = arm_metrics(arms)   # spike detection once per arm and seed
+    table = claims_table(meta, arms, metrics)
+    mech = mechanism_table(meta, arms, metrics=metrics)
     spec, cal = meta["spec"], meta["calibration"]
     groups = list(cal["eps"])
     reached = mech.loc[mech["arm"] == "base"].iloc[0]
