@@ -118,7 +118,8 @@ def replay_main(argv: list[str]) -> int:
     def torch_replay(spec, out, num_spikes, progress):
         from fullscale.replay import torch_replays   # torch: only with --torch-spikes
         found = torch_replays(
-            spec.run_config(), out, num_spikes, spec.seeds[:TORCH_REPLAY_SEEDS], spec.detect,
+            spec.run_config(), out, num_spikes, spec.seeds[:TORCH_REPLAY_SEEDS],
+            lambda loss, steps: spec.incidents(spec.detect(loss, steps)),
             lambda name, cfg, t, restart: replay.intervention_overrides(
                 name, cfg, t, restart, spec.skip_window),
             spec.interventions, snapshot_every=spec.snapshot_every, min_lead=spec.min_lead,

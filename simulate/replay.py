@@ -1,9 +1,11 @@
 """Causal replay of loss spikes (JAX): restore a snapshot before each spike, replay the same
 batches with exactly one intervention, and count how often the spike comes back.
 
-    adamspike replay --config configs/toy_spike.toml --out DIR [--seeds N] [--quick]
+    adamspike replay --config configs/toy_spike.toml --out DIR [--seeds N]
+                     [--min-incidents K] [--quick]
 
-1. Base runs. N seeds of the config (default configs/toy_spike.toml) train as lanes of one
+1. Base runs. Seeds 0, 1, ... of the config (default configs/toy_spike.toml; with
+   --min-incidents K, in order until K incidents are found, at most N) train as lanes of one
    vmapped program (`LaneProgram`: simulate.llama loss, simulate.optim.adamw_chain, the
    registry's StepPlan semantics as per-lane controls), CHUNK steps per call (one
    lax.scan). Snapshots (params + Adam state, step s) are kept in memory every
@@ -11,7 +13,7 @@ batches with exactly one intervention, and count how often the spike comes back.
    goes through the project's detector (analysis.spikes.detect_spikes: window 50, 6 MAD,
    and the 10 % relative-jump rule of the toy reports); the detector is causal, so a spike
    found online is the one an offline pass finds. Each spike start t gets the newest
-   snapshot s0 with MIN_LEAD <= t - s0 (so 50 <= t - s0 < 50 + SNAPSHOT_EVERY <= 150).
+   snapshot s0 with MIN_LEAD <= t - s0 (so 50 <= t - s0 < 50 + SNAPSHOT_EVERY = 75 <= 150).
 2. Replays. From s0, every intervention replays steps s0 + 1 .. t + horizon on the same
    batches (batch_at of the base config: skipped steps do not shift later batches) as one
    lane each of the same program:
@@ -93,12 +95,13 @@ class ReplaySpec:
     """A replay study: which config, seeds, detector and windows."""
     config: dict                 # the resolved base RunConfig (to_dict)
     seeds: list[int]
-    snapshot_every: int = 50
+    snapshot_every: int = 25
     min_lead: int = 50
     max_lead: int = 150
     recur_window: int = 10       # W: a replay spike within +-W of t is a recurrence
     horizon: int = 15            # replay to t + horizon (>= recur_window)
     max_spikes: int = 0          # replay at most this many spikes (0: all), in seed order
+    min_incidents: int = 0       # run seeds in order until this many incidents (0: all seeds)
     skip_window: int = 20        # w of skip_window: steps [t - w, t]
     det_window: int = 50
     det_k: float = 6.0
@@ -127,6 +130,17 @@ class ReplaySpec:
 
     def run_config(self) -> RunConfig:
         return RunConfig.from_dict(flatten(self.config))
+
+    def incidents(self, spikes: pd.DataFrame) -> pd.DataFrame:
+        """The spikes (detector rows, one seed, by start) that open an incident: a start
+        within 2 W steps of the previous start is part of the same burst (its replay window
+        covers it), so it is not replayed on its own and the binomial trials stay
+        independent."""
+        keep, last = [], -math.inf
+        for i, t in enumerate(spikes["start"].tolist() if len(spikes) else []):
+            keep.append(t - last > 2 * self.recur_window)
+            last = t
+        return spikes[np.asarray(keep, bool)] if len(spikes) else spikes
 
 
 # ----------------------------------------------------------------------------- interventions
@@ -477,26 +491,33 @@ def run_study(spec: ReplaySpec, out: str | Path, progress: bool = True) -> pd.Da
     cache.mkdir(exist_ok=True)
     prog = LaneProgram(spec.run_config())
     num = spec.run_config().train.num_steps
-    todo = [k for k in spec.seeds if not (cache / f"base-s{k}.npz").exists()]
-    with tqdm(total=len(spec.seeds) * num, initial=(len(spec.seeds) - len(todo)) * num,
-              desc="replay: base runs", unit="step", disable=not progress, file=sys.stderr,
-              mininterval=1.0) as bar:
-        for lo in range(0, len(todo), LANES):
-            run_base(spec, prog, todo[lo:lo + LANES], cache, bar)
+    done = [k for k in spec.seeds if (cache / f"base-s{k}.npz").exists()]
     jobs: list = []
-    for k in spec.seeds:
+
+    def add_jobs(k: int) -> None:
         loss, spikes, z = read_base(cache / f"base-s{k}.npz")
-        last = -math.inf
-        for _, sp in spikes.iterrows():
+        for _, sp in spec.incidents(spikes).iterrows():
             t = int(sp["start"])
-            # one incident per burst: a start within 2 W of the previous one is the same
-            # incident (its replay window already covers it), so replays are independent
-            if t - last <= 2 * spec.recur_window:
-                last = t
-                continue
-            last = t
             if f"t{t}_s0" in z.files:
                 jobs.append((k, t, loss, sp, z))
+
+    # seeds in order; with min_incidents, only until that many incidents (the rest of the
+    # seed list is a cap), so the study's size follows the spike rate it finds
+    with tqdm(total=len(spec.seeds) * num, initial=len(done) * num, desc="replay: base runs",
+              unit="step", disable=not progress, file=sys.stderr, mininterval=1.0) as bar:
+        if spec.min_incidents:
+            for k in spec.seeds:
+                if len(jobs) >= spec.min_incidents:
+                    break
+                if k not in done:
+                    run_base(spec, prog, [k], cache, bar)
+                add_jobs(k)
+        else:
+            todo = [k for k in spec.seeds if k not in done]
+            for lo in range(0, len(todo), LANES):
+                run_base(spec, prog, todo[lo:lo + LANES], cache, bar)
+            for k in spec.seeds:
+                add_jobs(k)
     if spec.max_spikes:
         jobs = jobs[:spec.max_spikes]
     frames = []
@@ -602,8 +623,9 @@ def report_md(table: pd.DataFrame, spec: Mapping[str, Any], seconds: float | Non
 
 REGIME_NOTE = ("Spikes come from the spiking toy regime ({config}: tiny LLaMA, copy task, "
                "constant lr {lr:g}, b2 {b2:g}, eps {eps:g}, no clipping; {seeds} seeds x "
-               "{steps} steps). The rho-matched toys (configs/matched_70b*.toml, b2 0.95) "
-               "produced no spikes, so none of them could be replayed.")
+               "{steps} steps{why_seeds}). The rho-matched toys (configs/matched_70b*.toml, "
+               "b2 0.95) are not the source: they produced no spikes in the study's runs "
+               "(their spike counts: the matched report), so there was nothing to replay.")
 
 
 def write_outputs(out: Path, table: pd.DataFrame, spec: ReplaySpec, seconds: float,
@@ -612,8 +634,11 @@ def write_outputs(out: Path, table: pd.DataFrame, spec: ReplaySpec, seconds: flo
     if extra is not None and not extra.empty:
         table = pd.concat([table, extra], ignore_index=True)
     cfg = spec.run_config()
+    ran = [k for k in spec.seeds if (out / "cache" / f"base-s{k}.npz").exists()]
+    why = (f": seeds run in order until {spec.min_incidents} incidents were found, at most "
+           f"{len(spec.seeds)}" if spec.min_incidents else "")
     regime = REGIME_NOTE.format(config=config_name, lr=cfg.optim.lr, b2=cfg.optim.b2,
-                                eps=cfg.optim.eps, seeds=len(spec.seeds),
+                                eps=cfg.optim.eps, seeds=len(ran), why_seeds=why,
                                 steps=cfg.train.num_steps)
     md = report_md(table, spec.to_json(), seconds, regime)
     atomic_write_bytes(out / "replay.csv", table.to_csv(index=False).encode())
@@ -623,12 +648,13 @@ def write_outputs(out: Path, table: pd.DataFrame, spec: ReplaySpec, seconds: flo
 
 # ----------------------------------------------------------------------------- CLI
 
-def make_spec(config: Path | None, seeds: int, quick: bool, overrides: Sequence[str] = ()
-              ) -> ReplaySpec:
+def make_spec(config: Path | None, seeds: int, quick: bool, overrides: Sequence[str] = (),
+              min_incidents: int = 0) -> ReplaySpec:
     cfg = load_config(RunConfig, config, list(overrides))
     if quick:   # CI: seeds of 400 steps, one spike replayed (it may find none; it says so)
         cfg = RunConfig.from_dict({**flatten(to_dict(cfg)), "train.num_steps": 400})
-    return ReplaySpec(config=to_dict(cfg), seeds=list(range(seeds)), max_spikes=1 if quick else 0)
+    return ReplaySpec(config=to_dict(cfg), seeds=list(range(seeds)), max_spikes=1 if quick else 0,
+                      min_incidents=min_incidents)
 
 
 def main(argv: list[str] | None = None, torch_replay=None) -> int:
@@ -643,7 +669,11 @@ def main(argv: list[str] | None = None, torch_replay=None) -> int:
                     help="spiking TOML RunConfig (default configs/toy_spike.toml)")
     ap.add_argument("--out", type=Path, required=True, help="study directory (resumable)")
     ap.add_argument("--seeds", type=int, default=None,
-                    help="number of base seeds (default 14; --quick 1)")
+                    help="base seeds 0 .. N-1 (with --min-incidents: the most that are run; "
+                         "default 40; --quick 1)")
+    ap.add_argument("--min-incidents", type=int, default=None,
+                    help="run seeds in order until this many spike incidents are found "
+                         "(default 20; --quick 0: every seed); 0 runs every seed")
     ap.add_argument("--quick", action="store_true",
                     help="1 seed x 400 steps, at most one spike replayed (CI)")
     ap.add_argument("--torch-spikes", type=int, default=0,
@@ -654,10 +684,14 @@ def main(argv: list[str] | None = None, torch_replay=None) -> int:
     try:
         if not args.config.is_file():
             raise ConfigError(f"--config {args.config}: no such file")
-        seeds = args.seeds if args.seeds is not None else (1 if args.quick else 14)
+        seeds = args.seeds if args.seeds is not None else (1 if args.quick else 40)
         if seeds < 1:
             raise ConfigError(f"--seeds: must be >= 1, got {seeds}")
-        spec = make_spec(args.config, seeds, args.quick, overrides)
+        want = (args.min_incidents if args.min_incidents is not None
+                else (0 if args.quick else 20))
+        if want < 0:
+            raise ConfigError(f"--min-incidents: must be >= 0, got {want}")
+        spec = make_spec(args.config, seeds, args.quick, overrides, want)
         t0 = time.perf_counter()
         table = run_study(spec, args.out, progress=not args.no_progress)
         extra = None

@@ -136,3 +136,25 @@ def test_study_detects_a_poisoned_spike_replays_it_and_resumes(tmp_path, monkeyp
         R.run_study(other, tmp_path, progress=False)
     md = R.write_outputs(tmp_path, table, spec, 1.0, "test")
     assert "| jax | none | 1 / 1 |" in md and (tmp_path / "replay.csv").is_file()
+
+
+def test_incidents_merge_bursts_within_two_windows():
+    # a start within 2 W of the previous start (chained) is the same incident
+    spec = R.ReplaySpec(config=to_dict(_cfg()), seeds=[0], recur_window=10)
+    spikes = pd.DataFrame({"start": [374, 376, 378, 381, 1184, 1334, 1337, 1355, 1376]})
+    assert spec.incidents(spikes)["start"].tolist() == [374, 1184, 1334, 1376]
+    assert spec.incidents(spikes.iloc[:0]).empty
+
+
+def test_min_incidents_stops_running_seeds_once_enough_are_found(tmp_path):
+    # every seed has one poisoned-batch spike: one incident is found in seed 0, so seeds 1
+    # and 2 (the cap) are never trained, and the report says how many seeds ran
+    cfg = _cfg(**{"data.task": "markov", "data.alpha": 0.01, "data.poison_steps": [80]})
+    spec = R.ReplaySpec(config=to_dict(cfg), seeds=[0, 1, 2], snapshot_every=25, min_lead=50,
+                        max_lead=150, horizon=10, recur_window=5, skip_window=5,
+                        min_incidents=1, interventions=("none",))
+    table = R.run_study(spec, tmp_path, progress=False)
+    assert sorted(p.name for p in (tmp_path / "cache").glob("base-*")) == ["base-s0.npz"]
+    assert table["spike_step"].tolist() == [80]
+    md = R.write_outputs(tmp_path, table, spec, 1.0, "test")
+    assert "1 seeds x 100 steps: seeds run in order until 1 incidents were found, at most 3" in md
