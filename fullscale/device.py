@@ -245,13 +245,16 @@ def init_distributed(info: DeviceInfo, timeout_s: float = 300.0) -> tuple[int, i
     if not dist.is_available():
         raise DeviceError("torch.distributed is not available in this torch build")
     set_device(info)
-    # Eager NCCL init binds the communicator to this GPU; gloo (cpu) must not get a device,
-    # and torch 2.1 (the Ascend stack) has no device_id argument for hccl.
-    device_id = torch_device(info) if info.type == "cuda" else None
     dist.init_process_group(backend=info.backend, timeout=timedelta(seconds=float(timeout_s)),
-                            rank=rank, world_size=world_size,
-                            **({"device_id": device_id} if device_id is not None else {}))
+                            rank=rank, world_size=world_size, **group_device(info))
     return rank, world_size, local_rank
+
+
+def group_device(info: DeviceInfo) -> dict[str, Any]:
+    """init_process_group's device_id for this device: eager NCCL init binds the communicator
+    (and its barriers) to this GPU; gloo (cpu) must not get a device, and torch 2.1 (the
+    Ascend stack) has no device_id argument for hccl."""
+    return {"device_id": torch_device(info)} if info.type == "cuda" else {}
 
 
 def destroy_distributed(synchronize: bool = False) -> None:

@@ -218,7 +218,8 @@ def _setup_distributed(cfg: RunConfig) -> bool:
     devices.init_distributed(info, cfg.dist.timeout_s)
     if dist.is_initialized():
         return False
-    dist.init_process_group(info.backend, store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(info.backend, store=dist.HashStore(), rank=0, world_size=1,
+                            **devices.group_device(info))
     return True
 
 

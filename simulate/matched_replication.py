@@ -54,13 +54,14 @@ RULES = ("decrease", "increase", "weak")
 
 
 def study_spec(quick: bool, num_seeds: int | None = None) -> dict:
-    """Steps and seeds: full 600 steps x 10 seeds, calibration 2 rounds x 200 steps; quick
+    """Steps and seeds: full 300 steps x 10 seeds (~1 min per arm on one core; batch x4 arms
+    cost 4x: the reproduce study's time budget), calibration 2 rounds x 200 steps; quick
     100 steps x 10 seeds (the arms marked quick), calibration 1 round x 100 steps (the same
     program as the arms: one compile)."""
     if quick:
         return {"num_steps": 100, "warmup_steps": 10, "seeds": num_seeds or 10,
                 "calib_steps": 100, "calib_rounds": 1, "calib_seeds": num_seeds or 10}
-    return {"num_steps": 600, "warmup_steps": 60, "seeds": num_seeds or 10,
+    return {"num_steps": 300, "warmup_steps": 30, "seeds": num_seeds or 10,
             "calib_steps": 200, "calib_rounds": 2}
 
 

@@ -22,7 +22,8 @@ under DIR/cells/):
   llama      the JAX tiny LLaMA (simulate.llama_train with sweep_problems.LLAMA_BASE), 1500
              steps, one run after another: full replication only. In --quick (CI) the llama
              rows say "not run" (verdict inconclusive): their spikes are late and rare, so
-             shorter runs leave the control with nothing to remove.
+             shorter runs leave the control with nothing to remove. --skip-llama (the
+             reproduce study, for its time budget) leaves them out the same way.
 Each claim is tested where the toy problems spike; the seed report's own setting (b2 = 0.95)
 does not spike in these toys, so its eps claims are tested at b2 = 0.999 (said per row).
 The spike guard row (report.batch_skip) counts spikes in the kept trace (rolled-back steps
@@ -101,7 +102,7 @@ class Claim:
     also: tuple[str, ...] = ()         # more sweep-table columns: arm means go in the note
 
 
-def base_cells(quick: bool) -> dict[str, dict]:
+def base_cells(quick: bool, llama: bool = True) -> dict[str, dict]:
     """Base settings (dotted keys) of each problem; the problem fills in the rest."""
     mlp = {"mlp.kind": "sin", "mlp.width": 64 if quick else 128,
            "train.num_steps": 2000 if quick else 4000, "optim.lr": 1e-2, "optim.eps": 1e-8,
@@ -112,7 +113,7 @@ def base_cells(quick: bool) -> dict[str, dict]:
             "mlp.init_gain": 0.5, "train.num_steps": 1000 if quick else 4000, "optim.lr": 1e-2,
             "optim.eps": 1e-8, "optim.b1": 0.9, "optim.b2": 0.999}
     bases = {"mlp": mlp, "mlp_deep": deep, "quadratic": quad}
-    if not quick:   # ~40 s per run on one core: not in --quick (see the module docstring)
+    if llama and not quick:   # ~40 s per run on one core: not in --quick (module docstring)
         bases["llama"] = {"train.num_steps": LLAMA_STEPS, "optim.b2": 0.999, "optim.eps": 1e-8,
                           "optim.lr": 1e-2}
     return bases
@@ -275,12 +276,23 @@ def _full_cell(problem, overrides: dict) -> dict:
     return problem.values(cell_settings(problem, overrides, "claim"))
 
 
+NOT_RUN = {
+    "quick": "not run in --quick: needs the JAX tiny LLaMA (embeddings / batch skipping), ~40 s "
+             "per 1500-step run on one core, and shorter runs do not spike; the full "
+             "replication runs it",
+    "skip_llama": "not run in this study (--skip-llama, for the reproduce budget: 15 tiny-LLaMA "
+                  "runs, ~9 min on 2 cores): batch skipping is tested causally in replay/ "
+                  "(skip_window) and GLM shrink in the matched-regime table (glm_shrink arm); "
+                  "`adamspike replicate --out DIR` runs these rows"}
+
+
 def replicate(out: str | Path, quick: bool = False, num_seeds: int = 5, progress: bool = True,
-              claim_list: list[Claim] | None = None) -> pd.DataFrame:
-    """Run every claim's cells (resumable under out/cells) and return the table."""
+              claim_list: list[Claim] | None = None, llama: bool = True) -> pd.DataFrame:
+    """Run every claim's cells (resumable under out/cells) and return the table; llama=False
+    leaves the tiny-LLaMA rows out (said in their note)."""
     out = Path(out)
     seeds = list(range(num_seeds))
-    bases = base_cells(quick)
+    bases = base_cells(quick, llama)
     claim_list = claims() if claim_list is None else claim_list
     # every cell of every runnable claim, run per problem in one pass (vmapped groups)
     want: dict[str, list[dict]] = {}
@@ -308,9 +320,7 @@ def replicate(out: str | Path, quick: bool = False, num_seeds: int = 5, progress
                 "id": c.id, "source": c.source, "claim": c.claim, "problem": c.problem,
                 "experiment": c.experiment, "metric": c.metric, "rule": RULES[c.rule],
                 "n_seeds": 0, "ci_method": "", "verdict": "inconclusive",
-                "note": "not run in --quick: needs the JAX tiny LLaMA (embeddings / batch "
-                        "skipping), ~40 s per 1500-step run on one core, and shorter runs do "
-                        "not spike; the full replication runs it"})
+                "note": NOT_RUN["quick" if quick else "skip_llama"]})
             continue
         t = tables[c.problem]
         pick = lambda cell: t[t["cell_id"] == cell_id(c.problem, cell)]  # noqa: E731
@@ -341,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller, shorter runs (CI, <= 60 s)")
     ap.add_argument("--seeds", type=int, default=5, help="seeds per cell (>= 5 for the CIs)")
     ap.add_argument("--claims", default=str(CLAIMS_FILE), help="claims TOML ([[claim]] tables)")
+    ap.add_argument("--skip-llama", action="store_true",
+                    help="leave out the tiny-LLaMA rows (15 runs; their note says so)")
     ap.add_argument("--no-progress", action="store_true")
     try:
         args = ap.parse_args(argv)
@@ -351,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         table = replicate(args.out, args.quick, args.seeds, progress=not args.no_progress,
-                          claim_list=claims(args.claims))
+                          claim_list=claims(args.claims), llama=not args.skip_llama)
     except ConfigError as e:
         print(f"adamspike replicate: {e}", file=sys.stderr)
         return 2
