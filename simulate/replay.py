@@ -622,8 +622,8 @@ def report_md(table: pd.DataFrame, spec: Mapping[str, Any], seconds: float | Non
 
 
 REGIME_NOTE = ("Spikes come from the spiking toy regime ({config}: tiny LLaMA, copy task, "
-               "constant lr {lr:g}, b2 {b2:g}, eps {eps:g}, no clipping; {seeds} seeds x "
-               "{steps} steps{why_seeds}). The rho-matched toys (configs/matched_70b*.toml, "
+               "constant lr {lr:g}, b2 {b2:g}, eps {eps:g}, no clipping, batch {batch} x "
+               "{seq} tokens; {seeds} seeds x {steps} steps{why_seeds}). The rho-matched toys (configs/matched_70b*.toml, "
                "b2 0.95) are not the source: they produced no spikes in the study's runs "
                "(their spike counts: the matched report), so there was nothing to replay.")
 
@@ -639,6 +639,7 @@ def write_outputs(out: Path, table: pd.DataFrame, spec: ReplaySpec, seconds: flo
            f"{len(spec.seeds)}" if spec.min_incidents else "")
     regime = REGIME_NOTE.format(config=config_name, lr=cfg.optim.lr, b2=cfg.optim.b2,
                                 eps=cfg.optim.eps, seeds=len(ran), why_seeds=why,
+                                batch=cfg.train.global_batch_size, seq=cfg.train.seq_len,
                                 steps=cfg.train.num_steps)
     md = report_md(table, spec.to_json(), seconds, regime)
     atomic_write_bytes(out / "replay.csv", table.to_csv(index=False).encode())
