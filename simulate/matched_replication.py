@@ -6,11 +6,14 @@
    depth group (mitigation.eps_embed / eps_shallow / eps_deep / eps_head, optim.eps =
    eps_shallow) such that each group's rho = rms(consumed gradient) / eps sits at the
    LLaMA2-70B's estimate at eps 1e-5 (LADDER_DIR/fit.json, `llama2_70b.rho`, from
-   `adamspike simulate ladder`). The gradient scale moves with eps, so this is a fixed-point
-   iteration: pilot (CALIB_SEEDS seeds, the first `calib_steps` steps), measure
-   rms_g = median over the second half of the pilot of rho_g * eps_g, set
-   eps_g <- rms_g / target_g, repeat `calib_rounds` times. The rho reached by the arms
-   themselves is reported beside the target.
+   `adamspike simulate ladder`). The gradient scale moves with eps (a smaller eps gives
+   larger updates, and the embedding's gradient grows: measured, rho_embed ~ eps^-2 near
+   the target), so eps is found by root finding in log-log: pilot runs (CALIB_SEEDS seeds,
+   the arms' own schedule and length) measure rho_g = median over the second half of the
+   run; the first update is eps_g <- eps_g rho_g / target_g (rms held fixed), later ones
+   are secant steps on log rho_g(log eps_g) through the last two pilots (slope clipped to
+   [-4, -0.25], steps to 1.5 decades), `calib_rounds` pilots in all. The rho reached by the
+   arms themselves is reported beside the target.
 2. Arms ([[arm]] of configs/claims_matched.toml): dotted overrides of the calibrated base,
    and/or every group eps of `scale_groups` times `scale_eps`. Each arm is one vmapped
    program over the seeds (simulate.seeds.run_arm); seed k of every arm reads the same
@@ -28,6 +31,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -55,14 +59,14 @@ RULES = ("decrease", "increase", "weak")
 
 def study_spec(quick: bool, num_seeds: int | None = None) -> dict:
     """Steps and seeds: full 300 steps x 10 seeds (~1 min per arm on one core; batch x4 arms
-    cost 4x: the reproduce study's time budget), calibration 2 rounds x 200 steps; quick
-    100 steps x 10 seeds (the arms marked quick), calibration 1 round x 100 steps (the same
-    program as the arms: one compile)."""
+    cost 4x: the reproduce study's time budget), calibration 4 pilots of CALIB_SEEDS seeds x
+    300 steps; quick 100 steps x 10 seeds (the arms marked quick), calibration 1 pilot x 100
+    steps (the same program as the arms: one compile)."""
     if quick:
         return {"num_steps": 100, "warmup_steps": 10, "seeds": num_seeds or 10,
                 "calib_steps": 100, "calib_rounds": 1, "calib_seeds": num_seeds or 10}
     return {"num_steps": 300, "warmup_steps": 30, "seeds": num_seeds or 10,
-            "calib_steps": 200, "calib_rounds": 2}
+            "calib_steps": 300, "calib_rounds": 4}
 
 
 def read_claims(path: str | Path = CLAIMS, quick: bool = False) -> tuple[list[dict], list[dict]]:
@@ -153,10 +157,26 @@ def calibrate(flat: Mapping[str, Any], targets: Mapping[str, float], spec: Mappi
         res = run_arm(_config(with_group_eps(pilot, eps)), list(range(spec.get("calib_seeds", CALIB_SEEDS))))
         half = res["rho"].shape[1] // 2
         rho = {str(g): float(np.median(res["rho"][:, half:, i])) for i, g in enumerate(res["groups"])}
-        rms = {g: rho[g] * eps[g] for g in rho}
         rounds.append({"eps": dict(eps), "rho": rho})
-        eps = {g: rms[g] / targets[g] if g in targets else eps[g] for g in rho}
+        eps = {g: next_eps(g, rounds, targets[g]) if g in targets else eps[g] for g in rho}
     return {"targets": dict(targets), "rounds": rounds, "eps": eps}
+
+
+def next_eps(group: str, rounds: Sequence[Mapping[str, Mapping[str, float]]], target: float
+             ) -> float:
+    """The next pilot's eps of one group: log rho(log eps) crosses log target. One pilot:
+    eps rho / target (the gradient RMS held fixed, slope -1); more: the secant through the
+    last two pilots, its slope clipped to [-4, -0.25] (rho falls as eps grows), the step to
+    1.5 decades."""
+    e1, r1 = math.log(rounds[-1]["eps"][group]), math.log(rounds[-1]["rho"][group])
+    slope = -1.0
+    if len(rounds) >= 2:
+        e0, r0 = math.log(rounds[-2]["eps"][group]), math.log(rounds[-2]["rho"][group])
+        if abs(e1 - e0) > 1e-9:
+            slope = min(-0.25, max(-4.0, (r1 - r0) / (e1 - e0)))
+    step = (math.log(target) - r1) / slope
+    cap = 1.5 * math.log(10.0)
+    return math.exp(e1 + max(-cap, min(cap, step)))
 
 
 def arm_flat(base: Mapping[str, Any], eps: Mapping[str, float], arm: Mapping[str, Any]) -> dict:

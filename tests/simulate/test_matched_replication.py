@@ -51,3 +51,19 @@ def test_ladder_targets_need_a_ladder_fit_at_eps_1e5(tmp_path):
     (tmp_path / "fit.json").write_text(json.dumps({"llama2_70b": {"eps": 1e-8, "rho": {"deep": 1}}}))
     with pytest.raises(ConfigError, match="expected 1e-5"):
         mr.ladder_targets(tmp_path)
+
+
+def test_calibration_secant_finds_eps_when_the_gradient_grows_as_eps_shrinks():
+    # rho = c eps^-2 (the gradient RMS grows as eps shrinks, as the embedding's does): the
+    # rms-held-fixed step alone would overshoot by 4x; the secant lands on sqrt(c / target)
+    from simulate.matched_replication import next_eps
+    c, target = 4e-6, 1.0
+    rounds = [{"eps": {"embed": 1e-3}, "rho": {"embed": c / 1e-3 ** 2}}]
+    for _ in range(3):
+        e = next_eps("embed", rounds, target)
+        rounds.append({"eps": {"embed": e}, "rho": {"embed": c / e ** 2}})
+    assert rounds[1]["eps"]["embed"] == pytest.approx(4e-3)       # first step: eps rho / target
+    assert rounds[-1]["rho"]["embed"] == pytest.approx(target, rel=1e-6)
+    # a flat response cannot send eps away by more than 1.5 decades per pilot
+    flat = [{"eps": {"g": 1e-3}, "rho": {"g": 1e3}}, {"eps": {"g": 2e-3}, "rho": {"g": 1e3}}]
+    assert next_eps("g", flat, 1.0) == pytest.approx(2e-3 * 10 ** 1.5)
