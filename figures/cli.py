@@ -17,11 +17,13 @@ import contextlib
 import importlib
 import io
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 from adamspike.rundir import RunFormatError, find_runs, load_run, run_names
+from figures import style
 
 # (module, kind): kind "run" figures take RUN... --out; "theory" take --out [--quick]
 # (figures.style.computed_figure_main);
@@ -55,6 +57,20 @@ class Outcome:
     status: str            # ok | missing | skipped | failed
     detail: str = ""
     files: list[Path] = field(default_factory=list)
+    seconds: float = 0.0   # wall time since the previous outcome (the figure's own cost)
+
+
+class _Timed(list):
+    """Outcomes, each stamped on append with the seconds since the previous one."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = time.perf_counter()
+
+    def append(self, o: Outcome) -> None:
+        now = time.perf_counter()
+        o.seconds, self.last = now - self.last, now
+        super().append(o)
 
 
 def analysis_figures(ra, out_dir: Path) -> list[Path]:
@@ -77,7 +93,8 @@ def analysis_figures(ra, out_dir: Path) -> list[Path]:
         if mod_name.endswith("fig_precursors"):
             kw = {"spikes": ra.spikes}
         try:
-            files += mod.plot(mod.prepare(run, **kw), out_dir)
+            with style.only_formats("png"):
+                files += mod.plot(mod.prepare(run, **kw), out_dir)
         except ValueError as e:
             ra.notes[f"figure {mod_name.rsplit('.', 1)[-1]}"] = str(e)
     return files
@@ -148,7 +165,7 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
 
     out = Path(out)
     runs = [Path(r) for r in runs]
-    outcomes: list[Outcome] = []
+    outcomes: list[Outcome] = _Timed()
     mods = {}
     for name, kind in registry or REGISTRY:
         try:
@@ -232,7 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="figures_out", help="output directory")
     ap.add_argument("--quick", action="store_true", help="CI scale where a figure supports it")
     ap.add_argument("--no-theory", action="store_true", help="skip the theory figures")
+    ap.add_argument("--only-theory", action="store_true",
+                    help="only the theory figures (they read no runs: the study draws them "
+                         "early, beside the training stages)")
     args = ap.parse_args(argv)
+    if args.only_theory:
+        if args.no_theory:
+            print("adamspike figures: --only-theory and --no-theory exclude each other",
+                  file=sys.stderr)
+            return 2
+        _, outcomes = generate([], args.out, quick=args.quick,
+                               registry=[(n, k) for n, k in REGISTRY if k == "theory"])
+        return _print_outcomes(outcomes)
     runs = [Path(r) for r in args.runs]
     sweep, replication = args.sweep, args.replication
     if args.from_study:
@@ -253,14 +281,19 @@ def main(argv: list[str] | None = None) -> int:
         if not (r / "run.json").is_file():
             print(f"adamspike figures: {r}: not a run directory (no run.json)", file=sys.stderr)
             return 2
-    files, outcomes = generate(runs, args.out, sweep=sweep, replication=replication,
-                               quick=args.quick,
-                               theory=not args.no_theory, study=args.from_study,
-                               ladder=args.ladder, spike_rate=args.spike_rate)
+    _, outcomes = generate(runs, args.out, sweep=sweep, replication=replication,
+                           quick=args.quick, theory=not args.no_theory, study=args.from_study,
+                           ladder=args.ladder, spike_rate=args.spike_rate)
+    return _print_outcomes(outcomes)
+
+
+def _print_outcomes(outcomes: list[Outcome]) -> int:
+    """One line per outcome (stderr), the files written (stdout); 1 if a figure failed."""
     for o in outcomes:
         tgt = f" [{o.target}]" if o.target else ""
         msg = f" ({o.detail})" if o.detail else ""
-        print(f"{o.status:8s} {o.module}{tgt}: {len(o.files)} file(s){msg}", file=sys.stderr)
-    for f in files:
+        print(f"{o.status:8s} {o.module}{tgt}: {len(o.files)} file(s), {o.seconds:.1f} s{msg}",
+              file=sys.stderr)
+    for f in sorted({f for o in outcomes for f in o.files}):
         print(f)
     return 1 if any(o.status == "failed" for o in outcomes) else 0

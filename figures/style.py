@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -27,11 +28,26 @@ def apply() -> None:
     plt.rcParams.update(_RC)
 
 
+FORMATS = ("png", "pdf")   # what save() writes (only_formats narrows it for a block)
+
+
+@contextlib.contextmanager
+def only_formats(*formats: str):
+    """save() writes only these formats inside the block (the analysis report embeds PNGs;
+    the PDFs are the figures stage's job)."""
+    global FORMATS
+    old, FORMATS = FORMATS, tuple(formats)
+    try:
+        yield
+    finally:
+        FORMATS = old
+
+
 def save(fig, out_dir: str | Path, name: str) -> list[Path]:
-    """Write `name`.png and `name`.pdf into out_dir; return both paths."""
+    """Write `name`.png and `name`.pdf (FORMATS) into out_dir; return the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{name}.png", out_dir / f"{name}.pdf"]
+    paths = [out_dir / f"{name}.{ext}" for ext in FORMATS]
     fig.tight_layout()
     for p in paths:
         fig.savefig(p)
