@@ -84,7 +84,7 @@ def plot(data: dict, out_dir) -> list[Path]:
     fig.suptitle(f"{data['name']}: distribution of r over steps", fontsize=10)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "r_heatmap.png", out_dir / "r_heatmap.pdf"]
+    paths = [out_dir / f"r_heatmap.{ext}" for ext in style.FORMATS]
     for p in paths:  # colorbar over two axes: tight_layout (style.save) would warn
         fig.savefig(p, bbox_inches="tight")
     plt.close(fig)
