@@ -41,7 +41,7 @@ batches with exactly one intervention, and count how often the spike comes back.
 
 Storage (DIR, as simulate.sweep): replay.json (the resolved study; a different one is
 refused), cache/base-s<seed>.npz (loss trace, spikes, the spikes' snapshots, written once a
-seed group is done), cache/replay-s<seed>-t<step>.npz (each intervention's loss trace and
+seed is done), cache/replay-s<seed>-t<step>.npz (each intervention's loss trace and
 row), so a killed study resumes at the first missing file; then replay.csv and replay.md.
 Lanes: the program (vmapped over a lane axis of width 1) is compiled once for CHUNK steps
 and runs one lane per call: XLA's results change with the vmap width, and the determinism
@@ -81,7 +81,6 @@ from simulate.telemetry import tensor_names
 INTERVENTIONS = ("none", "eps_shallow", "eps_deep", "v_reset", "skip_window", "freeze",
                  "lr_half")
 SHALLOW = ["embed", "shallow"]
-LANES = 7     # base seeds per program call (= the number of interventions)
 CHUNK = 25
 # keys a replay lane may change; everything else must equal the base config
 LANE_KEYS = ("optim.lr", "mitigation.eps_embed", "mitigation.eps_shallow",
@@ -136,11 +135,10 @@ class ReplaySpec:
         within 2 W steps of the previous start is part of the same burst (its replay window
         covers it), so it is not replayed on its own and the binomial trials stay
         independent."""
-        keep, last = [], -math.inf
-        for i, t in enumerate(spikes["start"].tolist() if len(spikes) else []):
-            keep.append(t - last > 2 * self.recur_window)
-            last = t
-        return spikes[np.asarray(keep, bool)] if len(spikes) else spikes
+        if spikes.empty:
+            return spikes
+        gaps = np.diff(spikes["start"].to_numpy(np.float64), prepend=-math.inf)
+        return spikes[gaps > 2 * self.recur_window]
 
 
 # ----------------------------------------------------------------------------- interventions
@@ -197,7 +195,7 @@ class Controls:
 
 
 class LaneProgram:
-    """The training step of simulate.llama_train for LANES independent lanes (vmap), CHUNK
+    """The training step of simulate.llama_train for independent lanes (vmap), CHUNK
     steps per call (lax.scan). What may differ between lanes (`LANE_KEYS`) is an input: the
     per-tensor eps (the registry's `eps` hook), the lr of each step (OptimSection.lr_at of
     the lane's config), skipped steps (data.skip_batches: params and Adam state kept),
@@ -329,7 +327,7 @@ def _spike_key(seed: int, step: int) -> str:
 
 def run_base(spec: ReplaySpec, prog: LaneProgram, seeds: Sequence[int], cache: Path,
              bar=None) -> None:
-    """Train `seeds` (<= LANES) as lanes, detect spikes online, write cache/base-s<seed>.npz
+    """Train `seeds` as lanes, detect spikes online, write cache/base-s<seed>.npz
     for each (loss trace, spikes, the snapshot before each spike)."""
     cfg = spec.run_config()
     num = cfg.train.num_steps
@@ -501,23 +499,17 @@ def run_study(spec: ReplaySpec, out: str | Path, progress: bool = True) -> pd.Da
             if f"t{t}_s0" in z.files:
                 jobs.append((k, t, loss, sp, z))
 
-    # seeds in order; with min_incidents, only until that many incidents (the rest of the
+    # seeds in order, one per base run (lanes run one per program call, so grouping seeds
+    # saves nothing); with min_incidents, only until that many incidents (the rest of the
     # seed list is a cap), so the study's size follows the spike rate it finds
     with tqdm(total=len(spec.seeds) * num, initial=len(done) * num, desc="replay: base runs",
               unit="step", disable=not progress, file=sys.stderr, mininterval=1.0) as bar:
-        if spec.min_incidents:
-            for k in spec.seeds:
-                if len(jobs) >= spec.min_incidents:
-                    break
-                if k not in done:
-                    run_base(spec, prog, [k], cache, bar)
-                add_jobs(k)
-        else:
-            todo = [k for k in spec.seeds if k not in done]
-            for lo in range(0, len(todo), LANES):
-                run_base(spec, prog, todo[lo:lo + LANES], cache, bar)
-            for k in spec.seeds:
-                add_jobs(k)
+        for k in spec.seeds:
+            if spec.min_incidents and len(jobs) >= spec.min_incidents:
+                break
+            if k not in done:
+                run_base(spec, prog, [k], cache, bar)
+            add_jobs(k)
     if spec.max_spikes:
         jobs = jobs[:spec.max_spikes]
     frames = []
@@ -623,8 +615,8 @@ def report_md(table: pd.DataFrame, spec: Mapping[str, Any], seconds: float | Non
 
 REGIME_NOTE = ("Spikes come from the spiking toy regime ({config}: tiny LLaMA, copy task, "
                "constant lr {lr:g}, b2 {b2:g}, eps {eps:g}, no clipping, batch {batch} x "
-               "{seq} tokens; {seeds} seeds x {steps} steps{why_seeds}). The rho-matched toys (configs/matched_70b*.toml, "
-               "b2 0.95) are not the source: they produced no spikes in the study's runs "
+               "{seq} tokens; {seeds} seeds x {steps} steps{why_seeds}). The rho-matched "
+               "toys (configs/matched_70b*.toml, b2 0.95) are not the source: they produced no spikes in the study's runs "
                "(their spike counts: the matched report), so there was nothing to replay.")
 
 
