@@ -71,24 +71,58 @@ def _matched_optim() -> list[str]:
     return [a for k in ("b2", "eps") if k in optim for a in (f"--{k}", repr(float(optim[k])))]
 
 
-def stages(out: Path, quick: bool) -> list[Stage]:
-    """The study, in order. Paths are inside `out`."""
+def stages(out: Path, quick: bool, jobs: int = 2) -> list[Stage]:
+    """The study, in order. Paths are inside `out`; jobs: processes of the figures stage
+    (it runs last, beside nothing but the analysis)."""
     q = ["--quick"] if quick else []
     o = lambda *p: str(out.joinpath(*p))  # noqa: E731
     llama_steps = ["--train.num_steps", "150"] if quick else []
-    matched_steps = ["--train.num_steps", "200"] if quick else []   # quick: no curvature step
     # the global-eps pair is the per-group pair's variant: 1000 steps, no curvature (each
     # curvature evaluation costs ~300 gradients and its compile ~50 s: the per-group pair
-    # measures it), for the time budget
-    global_steps = matched_steps or ["--train.num_steps", "1000",
-                                     "--telemetry.curvature_every", "0"]
+    # measures it), for the time budget; quick: 200 steps (no curvature step)
+    global_steps = ["--train.num_steps", "200" if quick else "1000",
+                    "--telemetry.curvature_every", "0"]
+    # the per-group-eps pair (5k steps, curvature): the full study only; --quick runs the
+    # global-eps pair at 200 steps (its Megatron log and the 70B scores need that pair)
+    groupeps = [] if quick else [
+        Stage("matched_toy_ge", "Rho-matched tiny LLaMA, per-group eps (70B rho per group at "
+              "eps 1e-5)",
+              ["simulate", "llama", "--config", str(REPO / "configs" / "matched_70b_groupeps.toml"),
+               "--out", o("runs", "matched_70b_groupeps"), "--no-progress"],
+              outputs=["runs/matched_70b_groupeps/run.json"]),
+        Stage("matched_toy_ge_1e8", "Rho-matched tiny LLaMA, per-group eps / 1000 (the 70B at "
+              "eps 1e-8)",
+              ["simulate", "llama", "--config",
+               str(REPO / "configs" / "matched_70b_groupeps_eps1e-8.toml"),
+               "--out", o("runs", "matched_70b_groupeps_eps1e-8"), "--no-progress"],
+              outputs=["runs/matched_70b_groupeps_eps1e-8/run.json"]),
+    ]
+    matched_runs = ["matched_70b", "matched_70b_eps1e-8"] + (
+        [] if quick else ["matched_70b_groupeps", "matched_70b_groupeps_eps1e-8"])
     return [
         Stage("theory", "Closed-form theory numbers", ["theory", "all", "--json"],
               outputs=["theory/theory.json"], stdout_to="theory/theory.json"),
-        # the longest stages first (they start at once; the short ones fill the other slot)
+        # the longest stages first (they start at once, the matched replication as soon as
+        # the ladder is done; the short ones fill the other slot)
         Stage("ladder", "Width/depth ladder of tiny LLaMAs: gradient RMS fit, 70B profile",
               ["simulate", "ladder", "--out", o("ladder"), "--no-progress", *q],
               outputs=["ladder/fit.json", "ladder/report.md"]),
+        Stage("replay", "Causal replay of toy spikes (toy_spike at batch 16), one intervention "
+              "each (JAX; torch subset)",
+              ["replay", "--config", str(REPO / "configs" / "toy_spike.toml"),
+               "--out", o("replay"), "--no-progress",
+               # batch 16: ~2.5x the incidents per CPU second of batch 32 (measured: 11
+               # incidents in 7 seeds x 1500 steps at 20 ms / step, against 15 in 14 seeds at
+               # 35 ms / step), so >= 20 incidents fit the study's time budget
+               "--train.global_batch_size", "16",
+               *(q if quick else ["--torch-spikes", "2"])],
+              outputs=["replay/replay.md", "replay/replay.csv"]),
+        Stage("replication_matched", "Replication of the claims in the rho-matched regime "
+              "(10 paired seeds per arm)",
+              ["replicate", "matched", "--ladder", o("ladder"), "--out", o("replication_matched"),
+               "--no-progress", *q],
+              needs=["ladder"], outputs=["replication_matched/replication.md"]),
+        *groupeps,
         Stage("matched_toy", "Rho-matched tiny LLaMA (70B rho at eps 1e-5, b2 0.95, Zipf data; "
               f"{global_steps[1]} steps)",
               ["simulate", "llama", "--config", str(REPO / "configs" / "matched_70b.toml"),
@@ -99,18 +133,6 @@ def stages(out: Path, quick: bool) -> list[Stage]:
               ["simulate", "llama", "--config", str(REPO / "configs" / "matched_70b_eps1e-8.toml"),
                "--out", o("runs", "matched_70b_eps1e-8"), "--no-progress", *global_steps],
               outputs=["runs/matched_70b_eps1e-8/run.json"]),
-        Stage("matched_toy_ge", "Rho-matched tiny LLaMA, per-group eps (70B rho per group at "
-              "eps 1e-5)",
-              ["simulate", "llama", "--config", str(REPO / "configs" / "matched_70b_groupeps.toml"),
-               "--out", o("runs", "matched_70b_groupeps"), "--no-progress", *matched_steps],
-              outputs=["runs/matched_70b_groupeps/run.json"]),
-        Stage("matched_toy_ge_1e8", "Rho-matched tiny LLaMA, per-group eps / 1000 (the 70B at "
-              "eps 1e-8)",
-              ["simulate", "llama", "--config",
-               str(REPO / "configs" / "matched_70b_groupeps_eps1e-8.toml"),
-               "--out", o("runs", "matched_70b_groupeps_eps1e-8"), "--no-progress",
-               *matched_steps],
-              outputs=["runs/matched_70b_groupeps_eps1e-8/run.json"]),
         Stage("montecarlo", "Monte-Carlo of Adam on i.i.d. and AR(1) streams (optax)",
               ["simulate", "streams", "--steps", "500" if quick else "2000",
                "--coords", "16384" if quick else "65536", "--b1", "0.9", "--b2", "0.95",
@@ -142,16 +164,6 @@ def stages(out: Path, quick: bool) -> list[Stage]:
               ["simulate", "llama", "--config", str(REPO / "configs" / "toy_stable.toml"),
                "--out", o("runs", "llama_stable"), *llama_steps],
               outputs=["runs/llama_stable/run.json"]),
-        Stage("replay", "Causal replay of toy spikes (toy_spike at batch 16), one intervention "
-              "each (JAX; torch subset)",
-              ["replay", "--config", str(REPO / "configs" / "toy_spike.toml"),
-               "--out", o("replay"), "--no-progress",
-               # batch 16: ~2.5x the incidents per CPU second of batch 32 (measured: 11
-               # incidents in 7 seeds x 1500 steps at 20 ms / step, against 15 in 14 seeds at
-               # 35 ms / step), so >= 20 incidents fit the study's time budget
-               "--train.global_batch_size", "16",
-               *(q if quick else ["--torch-spikes", "2"])],
-              outputs=["replay/replay.md", "replay/replay.csv"]),
         Stage("sweep", "eps x b2 x lr x seed sweep on the quadratic",
               ["sweep", "run", "--grid", str(REPO / "configs" / "sweep_quadratic.toml"),
                "--out", o("sweep"), *q], outputs=["sweep"]),
@@ -159,11 +171,6 @@ def stages(out: Path, quick: bool) -> list[Stage]:
               ["sweep", "run", "--grid", str(REPO / "configs" / "sweep_mlp_width.toml"),
                "--out", o("sweep_mlp_width"), "--no-progress", *q],
               outputs=["sweep_mlp_width"]),
-        Stage("replication_matched", "Replication of the claims in the rho-matched regime "
-              "(10 paired seeds per arm)",
-              ["replicate", "matched", "--ladder", o("ladder"), "--out", o("replication_matched"),
-               "--no-progress", *q],
-              needs=["ladder"], outputs=["replication_matched/replication.md"]),
         Stage("spike_rate", "Spike-rate GLM on the sweeps, toy runs and matched arms, held-out validation",
               ["spike-rate", "--sweep", o("sweep"), "--sweep", o("sweep_mlp_width"), "--runs",
                *[o("runs", d) for d in RATE_RUN_STAGES.values()],
@@ -196,11 +203,9 @@ def stages(out: Path, quick: bool) -> list[Stage]:
               needs=["predict_70b", "matched_toy", "matched_toy_1e8", "megatron_log"],
               outputs=["scores_70b/prediction_scores.md"], fresh=["scores_70b"]),
         Stage("matched_report", "Rho-matched toy: spikes, regime trajectories, dormancy",
-              ["simulate", "matched", "--runs", o("runs", "matched_70b"),
-               o("runs", "matched_70b_eps1e-8"), o("runs", "matched_70b_groupeps"),
-               o("runs", "matched_70b_groupeps_eps1e-8"),
+              ["simulate", "matched", "--runs", *[o("runs", r) for r in matched_runs],
                "--predictions", o("predictions_70b.json"), "--out", o("matched")],
-              needs=["matched_toy", "matched_toy_1e8", "matched_toy_ge", "matched_toy_ge_1e8",
+              needs=["matched_toy", "matched_toy_1e8", *[st.name for st in groupeps],
                      "predict_70b"],
               outputs=["matched/report.md"]),
         Stage("plan", "Full-scale run configs + launch scripts per recommended setting",
@@ -218,14 +223,18 @@ def stages(out: Path, quick: bool) -> list[Stage]:
                "--out", o("runs", "torch_tiny"), "--alarms.predictions", o("predictions.json"),
                *(["--train.num_steps", "60"] if quick else [])],
               needs=["predict"], outputs=["runs/torch_tiny/run.json"]),
-        Stage("analyze", "Spikes, precursors, alarm scores, theory fits",
-              ["analyze", "--from-study", str(out), "--predictions", o("predictions.json"),
-               "--out", o("analysis")], needs=["predict"], after=RUN_STAGES,
-              outputs=["analysis"], fresh=["analysis"]),
+        # the run figures are drawn once, by the figures stage (one process per run); the
+        # analysis reports link them
         Stage("figures", "Every figure of the study (the theory figures: figures_theory)",
-              ["figures", "--from-study", str(out), "--out", o("figures"), "--no-theory", *q],
+              ["figures", "--from-study", str(out), "--out", o("figures"), "--no-theory",
+               "--jobs", str(jobs), *q],
               after=RUN_STAGES + ["sweep", "replication", "ladder", "spike_rate"],
               outputs=["figures"]),
+        Stage("analyze", "Spikes, precursors, alarm scores, theory fits",
+              ["analyze", "--from-study", str(out), "--predictions", o("predictions.json"),
+               "--figures-from", o("figures"), "--jobs", str(jobs), "--out", o("analysis")],
+              needs=["predict"],
+              after=RUN_STAGES + ["figures"], outputs=["analysis"], fresh=["analysis"]),
     ]
 
 
@@ -285,6 +294,7 @@ def _tail(path: Path, num_lines: int = 15) -> str:
 
 def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
     """STUDY.md: what ran, what it produced, where to look; failures with their log tail."""
+    from analysis.report import rebase_links   # inlined reports keep their links valid
     lines = [f"# adamspike study{' (quick)' if quick else ''}", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by `adamspike reproduce"
              f"{' --quick' if quick else ''}`.", "", "## Stages", "",
@@ -305,7 +315,7 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
         for cand in (out / name / "replication.md", out / name / "report.md",
                      out / name / "replay.md"):
             if cand.exists():
-                lines += ["", f"## {title}", "", cand.read_text().strip()]
+                lines += ["", f"## {title}", "", rebase_links(cand.read_text().strip(), name)]
                 break
     lines += spike_rate_section(out)
     figs = sorted((out / "figures").rglob("*.png")) if (out / "figures").exists() else []
@@ -391,19 +401,29 @@ def _schedule(plan: list[Stage], out: Path, env: dict, marks: Path, resume: bool
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         while pending or running:
-            for st in list(pending):
-                waits = [n for n in st.needs + st.after if n in names and n not in status]
-                if waits:
-                    continue
-                pending.remove(st)
-                mark = marks / f"{st.name}.json"
-                failed = [n for n in st.needs if status.get(n, "ok") != "ok"]
-                if resume and mark.exists():
-                    finish(st, json.loads(mark.read_text()))
-                elif failed:
-                    finish(st, _skipped(st, out, "needs " + ", ".join(failed)))
-                else:
-                    running[pool.submit(_run_stage, st, out, env)] = st
+            # a free slot takes the first ready stage in plan order (submitting every ready
+            # stage at once would queue a stage that just became ready behind all others);
+            # passes repeat while stages finish in place (resumed or skipped)
+            changed = True
+            while changed:
+                changed = False
+                for st in list(pending):
+                    waits = [n for n in st.needs + st.after if n in names and n not in status]
+                    if waits:
+                        continue
+                    mark = marks / f"{st.name}.json"
+                    failed = [n for n in st.needs if status.get(n, "ok") != "ok"]
+                    if resume and mark.exists():
+                        pending.remove(st)
+                        finish(st, json.loads(mark.read_text()))
+                        changed = True
+                    elif failed:
+                        pending.remove(st)
+                        finish(st, _skipped(st, out, "needs " + ", ".join(failed)))
+                        changed = True
+                    elif len(running) < jobs:
+                        pending.remove(st)
+                        running[pool.submit(_run_stage, st, out, env)] = st
             if not running:
                 if pending:  # a dependency outside the plan that never finishes
                     for st in pending:
@@ -438,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     marks = out / ".stages"
     marks.mkdir(exist_ok=True)
-    plan = stages(out, args.quick)
+    plan = stages(out, args.quick, max(1, args.jobs))
     if args.only:
         unknown = sorted(set(args.only) - {s.name for s in plan})
         if unknown:
@@ -449,6 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ADAMSPIKE_STUDY": str(out)}
     # overlapping stages share the cores instead of oversubscribing them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, args.jobs))))
+    # JAX's persistent compilation cache, per study: stages that compile the same program
+    # (the trainer's init and steps at one model size) compile it once, and --resume
+    # finds every finished compile
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / ".cache" / "jax"))
+    # the analyses' tables of exact theory values (analysis.fits), computed once per study
+    env.setdefault("ADAMSPIKE_CACHE_DIR", str(out / ".cache"))
     results = _schedule(plan, out, env, marks, args.resume, max(1, args.jobs))
     (out / "stages.json").write_text(json.dumps(results, indent=2))
     report = write_study_report(out, results, args.quick)

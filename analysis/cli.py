@@ -26,8 +26,12 @@ iteration lines, a malformed predictions file) is reported on stderr with exit s
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
+import multiprocessing
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional   # Optional: runtime types on python 3.8
 
@@ -72,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--horizon", type=int, help="alarm horizon (default: per rule)")
     ap.add_argument("--min-lead", type=int, default=0, help="alarm must precede by >= this")
     ap.add_argument("--no-figures", action="store_true")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="processes analysing runs (one run each; default 1)")
+    ap.add_argument("--figures-from", metavar="DIR",
+                    help="link the run figures already drawn in DIR/<run name>/*.png "
+                         "(`adamspike figures`' layout) instead of drawing them")
     return ap
 
 
@@ -99,7 +108,7 @@ def _fail(msg: str) -> int:
 LIMITS = {
     "window": (int, dict(lo=2)), "k": (float, dict(lo=0.0)),
     "min_rel_jump": (float, dict(lo=0.0)), "precursor_window": (int, dict(lo=1)),
-    "baseline": (int, dict(lo=1)), "horizon": (Optional[int], dict(lo=1)),
+    "baseline": (int, dict(lo=1)), "jobs": (int, dict(lo=1)), "horizon": (Optional[int], dict(lo=1)),
     "min_lead": (int, dict(lo=0)), "seq_len": (Optional[int], dict(lo=1)),
     "clip": (Optional[float], dict(lo=0.0)), "b1": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)),
     "b2": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)), "eps": (Optional[float], dict(lo=0.0)),
@@ -111,6 +120,25 @@ def _check_args(args: argparse.Namespace) -> None:
     """Type, finiteness and range of every numeric option; ConfigError naming it."""
     for name, (tp, limits) in LIMITS.items():
         check_value("--" + name.replace("_", "-"), getattr(args, name), tp, **limits)
+
+
+def _analyze_one(item: tuple):
+    """analyze_run + write_run_report of one run (a picklable unit of work for --jobs);
+    returns the RunAnalysis, or the error message of bad input."""
+    path, name, dest, kw, maker, drawn = item
+    if drawn is not None:
+        maker = functools.partial(_linked_figures, drawn)
+    try:
+        ra = analyze_run(path, name=name, **kw)
+    except (RunFormatError, AnalysisError) as e:
+        return str(e)
+    write_run_report(ra, dest, figures=maker)
+    return ra
+
+
+def _linked_figures(drawn: Path, ra, _dest: Path) -> list[Path]:
+    """The figure maker of --figures-from: the PNGs already in DIR/<run name>/."""
+    return sorted((drawn / ra.name).glob("*.png"))
 
 
 def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
@@ -182,18 +210,30 @@ def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
     log_mode = {"auto": None, "yes": True, "no": False}[args.log_loss]
     params = SpikeParams(args.window, args.k, args.min_rel_jump, log_mode)
     names = run_names(runs)
+    maker = None if args.no_figures else figures
+    drawn = None
+    if args.figures_from:   # the figures stage drew them: link, do not draw twice
+        drawn = Path(args.figures_from)
+        if not drawn.is_dir():
+            return _fail(f"--figures-from: {drawn} is not a directory")
+        maker = None
+    kw = dict(predictions=preds, horizon=args.horizon, min_lead=args.min_lead,
+              spike_params=params, window=args.precursor_window, baseline=args.baseline,
+              num_params=num_params, num_params_source=num_params_source)
+    items = [(path, name, out / name, kw, maker, drawn) for path, name in zip(runs, names)]
     analyses = []
-    for path, name in tqdm(list(zip(runs, names)), desc="analyze", unit="run", file=sys.stderr,
-                           disable=len(runs) < 2):
-        try:
-            ra = analyze_run(path, predictions=preds, horizon=args.horizon,
-                             min_lead=args.min_lead, spike_params=params,
-                             window=args.precursor_window, baseline=args.baseline, name=name,
-                             num_params=num_params, num_params_source=num_params_source)
-        except (RunFormatError, AnalysisError) as e:
-            return _fail(str(e))
-        write_run_report(ra, out / name, figures=None if args.no_figures else figures)
-        analyses.append(ra)
+    with contextlib.ExitStack() as stack:
+        results = map(_analyze_one, items)
+        if args.jobs > 1 and len(items) > 1:   # runs are independent: one process each
+            ctx = multiprocessing.get_context(
+                "fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+            pool = stack.enter_context(ProcessPoolExecutor(args.jobs, mp_context=ctx))
+            results = pool.map(_analyze_one, items)
+        for res in tqdm(results, total=len(items), desc="analyze", unit="run",
+                        file=sys.stderr, disable=len(items) < 2):
+            if isinstance(res, str):
+                return _fail(res)
+            analyses.append(res)
     index = write_index(analyses, out, names)
     if preds is not None:
         md = score(analyses, preds, json.loads(Path(args.predictions).read_text()),

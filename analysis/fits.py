@@ -39,8 +39,12 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import io
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -48,6 +52,7 @@ from scipy.interpolate import RegularGridInterpolator
 from scipy.optimize import minimize_scalar
 
 from adamspike.metrics import NUM_VHIST_BINS, shape_stats, vhist_centers
+from adamspike.rundir import atomic_write_bytes
 from analysis.precursors import depth_group
 from theory.adam_moments import grad_mom_cos as theory_grad_mom_cos
 from theory.eps_regime import regime, update_rms
@@ -414,9 +419,27 @@ BANDS = (("rho<0.1", 0.0, 0.1), ("0.1-10", 0.1, 10.0), ("rho>10", 10.0, math.inf
 def _exact_column(b1: float, b2: float, phi: float) -> np.ndarray:
     """log10 of theory.eps_regime.update_rms(rho, b1, b2, phi, method="exact") (the Laplace
     integral) on HET_LOG_RHO_GRID: ~0.02-0.1 s a point, so columns are built only for the
-    phi the data needs (cached per process)."""
-    return np.log10([update_rms(10.0 ** lr, b1, b2, phi, method="exact")
-                     for lr in HET_LOG_RHO_GRID])
+    phi the data needs (cached per process, and on disk in $ADAMSPIKE_CACHE_DIR when set:
+    `adamspike reproduce` sets it to OUT/.cache, so the study's analyses compute each column
+    once)."""
+    cache = os.environ.get("ADAMSPIKE_CACHE_DIR")
+    key = hashlib.sha1(repr((b1, b2, phi, HET_LOG_RHO_GRID.tolist())).encode()).hexdigest()[:16]
+    path = Path(cache) / "exact_update_rms" / f"{key}.npy" if cache else None
+    if path is not None and path.is_file():
+        try:
+            col = np.load(path)
+            if col.shape == HET_LOG_RHO_GRID.shape:
+                return col
+        except (OSError, ValueError):
+            pass   # a damaged entry is recomputed and replaced
+    col = np.log10([update_rms(10.0 ** lr, b1, b2, phi, method="exact")
+                    for lr in HET_LOG_RHO_GRID])
+    if path is not None:
+        buf = io.BytesIO()
+        np.save(buf, col)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, buf.getvalue())
+    return col
 
 
 class ExactUpdateRms:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import posixpath
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -394,7 +397,7 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
         L += ["", "## Figures", ""]
         for f in figures or []:
             if f.suffix == ".png":
-                rel = f.relative_to(out_dir) if out_dir else f
+                rel = Path(os.path.relpath(f, out_dir)).as_posix() if out_dir else f
                 L.append(f"![{f.stem}]({rel})")
         for name, why in skipped.items():
             L.append(f"- {name}: not drawn ({why})")
@@ -624,6 +627,16 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path, *,
     return written + [out / "report.md", out / "summary.json"]
 
 
+_LINK = re.compile(r"\]\((?![a-z]+:|/|#)([^)\s]+)\)")
+
+
+def rebase_links(markdown: str, prefix: str) -> str:
+    """The relative links of a markdown file inlined into one `prefix` folders above it,
+    rewritten to stay valid (`](figures/a.png)` -> `](prefix/figures/a.png)`, normalized)."""
+    return _LINK.sub(lambda m: f"]({posixpath.normpath(posixpath.join(prefix, m.group(1)))})",
+                     markdown)
+
+
 def write_index(analyses: list[RunAnalysis], out_dir: str | Path,
                 run_dirs: list[str]) -> Path:
     """OUT/report.md: one line per run and each run's report inlined below."""
@@ -644,7 +657,7 @@ def write_index(analyses: list[RunAnalysis], out_dir: str | Path,
                  f"{_f(ck['max_rms_t'] / ck['bound']) if ck else '-'} |")
     L += index_regime_sections(analyses, run_dirs)
     for ra, d in zip(analyses, run_dirs):
-        body = (out / d / "report.md").read_text().replace("](figures/", f"]({d}/figures/")
+        body = rebase_links((out / d / "report.md").read_text(), d)
         L += [""] + [("#" + ln) if ln.startswith("#") else ln for ln in body.splitlines()]
     path = out / "report.md"
     atomic_write_bytes(path, ("\n".join(L) + "\n").encode())

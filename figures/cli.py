@@ -16,8 +16,10 @@ import argparse
 import contextlib
 import importlib
 import io
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -71,6 +73,11 @@ class _Timed(list):
         now = time.perf_counter()
         o.seconds, self.last = now - self.last, now
         super().append(o)
+
+    def extend_timed(self, done: list[Outcome]) -> None:
+        """Outcomes timed elsewhere (a worker process): their seconds are kept."""
+        super().extend(done)
+        self.last = time.perf_counter()
 
 
 def analysis_figures(ra, out_dir: Path) -> list[Path]:
@@ -155,13 +162,44 @@ def _call_main(mod, argv: list[str], out: Path, target: str) -> Outcome:
     return Outcome(mod.__name__, target, "ok", "", files)
 
 
+def _run_figures(item: tuple) -> list[Outcome]:
+    """The run figures (module names) of one run directory into its own folder; one
+    Outcome each, timed. A picklable unit of work: `generate(..., jobs=N)` hands runs to N
+    processes."""
+    path, d, module_names, formats = item
+    path, d = Path(path), Path(d)
+    mods = [importlib.import_module(n) for n in module_names]
+    t0 = time.perf_counter()
+    try:
+        run = load_run(path)
+    except RunFormatError as e:
+        return [Outcome(m.__name__, str(path), "failed", str(e)) for m in mods]
+    res: list[Outcome] = []
+    with style.only_formats(*formats):
+        for m in mods:
+            before = _snapshot(d)
+            try:
+                m.plot(m.prepare(run), d)
+                o = Outcome(m.__name__, str(path), "ok", "", _written(d, before))
+            except ValueError as e:  # the run lacks this figure's input
+                o = Outcome(m.__name__, str(path), "skipped", str(e))
+            except Exception as e:  # noqa: BLE001
+                o = Outcome(m.__name__, str(path), "failed", f"{type(e).__name__}: {e}")
+            now = time.perf_counter()
+            o.seconds, t0 = now - t0, now
+            res.append(o)
+    return res
+
+
 def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *,
              sweep: str | Path | None = None, replication: str | Path | None = None,
              quick: bool = False,
              theory: bool = True, registry=None, study: str | Path | None = None,
              ladder: str | Path | None = None,
-             spike_rate: str | Path | None = None) -> tuple[list[Path], list[Outcome]]:
-    """Regenerate all figures; returns (files written, one Outcome per module x target)."""
+             spike_rate: str | Path | None = None,
+             jobs: int = 1) -> tuple[list[Path], list[Outcome]]:
+    """Regenerate all figures; returns (files written, one Outcome per module x target).
+    jobs > 1: the run figures of different runs are drawn in that many processes."""
 
     out = Path(out)
     runs = [Path(r) for r in runs]
@@ -175,24 +213,18 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
                 outcomes.append(Outcome(name, "", "failed", f"import error: {e}"))
             else:
                 outcomes.append(Outcome(name, "", "missing", "module not in this checkout"))
-    run_mods = [m for m, k in mods.values() if k == "run"]
-    for path, rname in zip(runs, run_names(runs)):
-        try:
-            run = load_run(path)
-        except RunFormatError as e:
-            outcomes += [Outcome(m.__name__, str(path), "failed", str(e)) for m in run_mods]
-            continue
-        for m in run_mods:
-            d = out / rname
-            before = _snapshot(d)
-            try:
-                m.plot(m.prepare(run), d)
-                outcomes.append(Outcome(m.__name__, str(path), "ok", "", _written(d, before)))
-            except ValueError as e:  # the run lacks this figure's input
-                outcomes.append(Outcome(m.__name__, str(path), "skipped", str(e)))
-            except Exception as e:  # noqa: BLE001
-                outcomes.append(Outcome(m.__name__, str(path), "failed",
-                                        f"{type(e).__name__}: {e}"))
+    run_modules = [m.__name__ for m, k in mods.values() if k == "run"]
+    items = [(str(p), str(out / n), run_modules, style.FORMATS) for p, n in zip(runs, run_names(runs))]
+    if jobs > 1 and len(items) > 1:
+        # runs are independent and matplotlib is single-threaded: one process per run
+        ctx = multiprocessing.get_context("fork" if "fork" in
+                                          multiprocessing.get_all_start_methods() else None)
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            for done in pool.map(_run_figures, items):
+                outcomes.extend_timed(done)
+    else:
+        for item in items:
+            outcomes.extend_timed(_run_figures(item))
     for m, kind in mods.values():
         if kind == "theory" and theory:
             d = out / "theory"
@@ -247,12 +279,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ladder", metavar="DIR", help="ladder directory (adamspike simulate ladder)")
     ap.add_argument("--spike-rate", metavar="DIR", help="adamspike spike-rate output directory")
     ap.add_argument("--out", default="figures_out", help="output directory")
-    ap.add_argument("--quick", action="store_true", help="CI scale where a figure supports it")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI scale where a figure supports it, PNG only (no PDF)")
     ap.add_argument("--no-theory", action="store_true", help="skip the theory figures")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="processes drawing the run figures (one run each; default 1)")
     ap.add_argument("--only-theory", action="store_true",
                     help="only the theory figures (they read no runs: the study draws them "
                          "early, beside the training stages)")
     args = ap.parse_args(argv)
+    with style.only_formats("png") if args.quick else contextlib.nullcontext():
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.only_theory:
         if args.no_theory:
             print("adamspike figures: --only-theory and --no-theory exclude each other",
@@ -283,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     _, outcomes = generate(runs, args.out, sweep=sweep, replication=replication,
                            quick=args.quick, theory=not args.no_theory, study=args.from_study,
-                           ladder=args.ladder, spike_rate=args.spike_rate)
+                           ladder=args.ladder, spike_rate=args.spike_rate,
+                           jobs=max(1, args.jobs))
     return _print_outcomes(outcomes)
 
 

@@ -105,7 +105,7 @@ class Claim:
 def base_cells(quick: bool, llama: bool = True) -> dict[str, dict]:
     """Base settings (dotted keys) of each problem; the problem fills in the rest."""
     mlp = {"mlp.kind": "sin", "mlp.width": 64 if quick else 128,
-           "train.num_steps": 2000 if quick else 4000, "optim.lr": 1e-2, "optim.eps": 1e-8,
+           "train.num_steps": 1000 if quick else 4000, "optim.lr": 1e-2, "optim.eps": 1e-8,
            "optim.b1": 0.9, "optim.b2": 0.999}
     quad = {"train.num_steps": 20000, "optim.lr": 1e-2, "optim.eps": 1e-8, "optim.b2": 0.999,
             "quadratic.noise": 1e-9}
