@@ -91,3 +91,38 @@ def test_bad_inputs_exit_2(synthetic_run, tmp_path, capsys):
          "invalid JSON")
     _bad([*out], capsys, "no runs given")
     _bad([str(synthetic_run), "--window", "1", *out], capsys, "--window")
+
+
+def test_jobs_and_figures_from_give_the_same_reports(synthetic_run, tmp_path):
+    """--jobs 2 analyses runs in two processes with the same results as one; --figures-from
+    links the figures stage's PNGs (relative links that resolve) instead of drawing any."""
+    from analysis.report import rebase_links
+    from figures.cli import generate
+
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        shutil.copytree(synthetic_run, runs / name)
+    files, outcomes = generate([runs / "a", runs / "b"], tmp_path / "figures", theory=False,
+                               jobs=2)
+    assert {o.status for o in outcomes if "fig_" in o.module and o.target} <= {"ok", "skipped"}
+    assert (tmp_path / "figures" / "a" / "loss_spikes.png").is_file()
+    assert (tmp_path / "figures" / "b" / "loss_spikes.pdf").is_file()
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main([str(runs / "a"), str(runs / "b"), "--out", str(one), "--no-figures"]) == 0
+    assert main([str(runs / "a"), str(runs / "b"), "--out", str(two), "--jobs", "2",
+                 "--figures-from", str(tmp_path / "figures")]) == 0
+    for name in ("a", "b"):
+        s1 = json.loads((one / name / "summary.json").read_text())
+        s2 = json.loads((two / name / "summary.json").read_text())
+        s1.pop("created", None), s2.pop("created", None)
+        assert s1 == s2
+        assert not (two / name / "figures").exists()          # nothing drawn twice
+        report = (two / name / "report.md").read_text()
+        assert f"](../../figures/{name}/loss_spikes.png)" in report
+        assert (two / name / "../../figures" / name / "loss_spikes.png").is_file()
+    index = (two / "report.md").read_text()
+    assert "](../figures/a/loss_spikes.png)" in index           # rebased for the index
+    assert main([str(runs / "a"), "--out", str(tmp_path / "x"),
+                 "--figures-from", str(tmp_path / "nope")]) == 2
+    assert rebase_links("![f](figures/x.png) [w](https://a.b/c) [h](#top)", "run") == \
+        "![f](run/figures/x.png) [w](https://a.b/c) [h](#top)"
