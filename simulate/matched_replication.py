@@ -60,11 +60,11 @@ RULES = ("decrease", "increase", "weak")
 def study_spec(quick: bool, num_seeds: int | None = None) -> dict:
     """Steps and seeds: full 300 steps x 10 seeds (~1 min per arm on one core; the batch x2 arm
     costs 2x: the reproduce study's time budget), calibration 4 pilots of CALIB_SEEDS seeds x
-    300 steps; quick 60 steps x 10 seeds (the arms marked quick), calibration 1 pilot x 60
+    300 steps; quick 40 steps x 10 seeds (the arms marked quick), calibration 1 pilot x 40
     steps (the same program as the arms: one compile)."""
     if quick:
-        return {"num_steps": 60, "warmup_steps": 6, "seeds": num_seeds or 10,
-                "calib_steps": 60, "calib_rounds": 1, "calib_seeds": num_seeds or 10}
+        return {"num_steps": 40, "warmup_steps": 4, "seeds": num_seeds or 10,
+                "calib_steps": 40, "calib_rounds": 1, "calib_seeds": num_seeds or 10}
     return {"num_steps": 300, "warmup_steps": 30, "seeds": num_seeds or 10,
             "calib_steps": 300, "calib_rounds": 4}
 
