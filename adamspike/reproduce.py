@@ -6,11 +6,13 @@ process (the JAX and torch halves never share an interpreter):
     theory -> Monte-Carlo check -> toy spike runs (quadratic, MLP, tiny LLaMA) -> sweeps
     -> replication table -> spike-rate GLM (sweeps + toy runs, held-out validated) ->
     predictions.json / predictions_70b.json (pre-registered) -> plan -> tiny torch run
-    driven by the predictions -> analysis (+ the 70B predictions scored on the rho-matched
-    toy and on its Megatron-format log) -> figures -> STUDY.md
+    driven by the predictions -> figures -> analysis (+ the 70B predictions scored on the
+    rho-matched toy and on its Megatron-format log) -> STUDY.md
 
-Independent stages overlap (`--jobs`, default 2); a stage starts once the stages it
-needs have succeeded and those it reads after have finished. A stage whose command is not built yet is reported as missing, a stage that fails is
+Independent stages overlap (`--jobs`, default 2): a stage can start once the stages it
+needs have succeeded and those it reads after have finished, and a free slot takes the
+first such stage in plan order. Compiled JAX programs and exact theory tables are cached
+in OUT/.cache. A stage whose command is not built yet is reported as missing, a stage that fails is
 reported as failed (with the tail of its log) and the stages that need its output are
 skipped; nothing is faked. Each stage's stdout/stderr go to OUT/logs/<stage>.log and a
 finished stage leaves OUT/.stages/<stage>.json, so `--resume` continues an interrupted
