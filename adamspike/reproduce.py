@@ -74,8 +74,8 @@ def _matched_optim() -> list[str]:
 
 
 def stages(out: Path, quick: bool, jobs: int = 2) -> list[Stage]:
-    """The study, in order. Paths are inside `out`; jobs: processes of the figures stage
-    (it runs last, beside nothing but the analysis)."""
+    """The study, in order. Paths are inside `out`; jobs: processes of the figures and
+    analysis stages (they run last, one after the other, beside nothing else)."""
     q = ["--quick"] if quick else []
     o = lambda *p: str(out.joinpath(*p))  # noqa: E731
     llama_steps = ["--train.num_steps", "100"] if quick else []
@@ -87,8 +87,8 @@ def stages(out: Path, quick: bool, jobs: int = 2) -> list[Stage]:
     # measures it), for the time budget; quick: 120 steps
     global_steps = ["--train.num_steps", "120" if quick else "1000",
                     "--telemetry.curvature_every", "0"]
-    # the per-group-eps pair (5k steps, curvature): the full study only; --quick runs the
-    # global-eps pair at 200 steps (its Megatron log and the 70B scores need that pair)
+    # the per-group-eps pair (5k steps, curvature): the full study only; --quick runs only
+    # the global-eps pair (its Megatron log and the 70B scores need that pair)
     groupeps = [] if quick else [
         Stage("matched_toy_ge", "Rho-matched tiny LLaMA, per-group eps (70B rho per group at "
               "eps 1e-5)",

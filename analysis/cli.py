@@ -26,12 +26,9 @@ iteration lines, a malformed predictions file) is reported on stderr with exit s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
-import multiprocessing
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional   # Optional: runtime types on python 3.8
 
@@ -40,6 +37,7 @@ from tqdm import tqdm
 from adamspike.config import ConfigError, check_value
 from adamspike.llama import PRESETS
 from adamspike.llama import num_params as llama_num_params
+from adamspike.parallel import process_map
 from adamspike.predictions import PredictionsError, load_predictions
 from adamspike.rundir import RunFormatError, find_runs, run_names
 from analysis.controls import study_sections
@@ -125,9 +123,7 @@ def _check_args(args: argparse.Namespace) -> None:
 def _analyze_one(item: tuple):
     """analyze_run + write_run_report of one run (a picklable unit of work for --jobs);
     returns the RunAnalysis, or the error message of bad input."""
-    path, name, dest, kw, maker, drawn = item
-    if drawn is not None:
-        maker = functools.partial(_linked_figures, drawn)
+    path, name, dest, kw, maker = item
     try:
         ra = analyze_run(path, name=name, **kw)
     except (RunFormatError, AnalysisError) as e:
@@ -211,29 +207,22 @@ def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
     params = SpikeParams(args.window, args.k, args.min_rel_jump, log_mode)
     names = run_names(runs)
     maker = None if args.no_figures else figures
-    drawn = None
     if args.figures_from:   # the figures stage drew them: link, do not draw twice
         drawn = Path(args.figures_from)
         if not drawn.is_dir():
             return _fail(f"--figures-from: {drawn} is not a directory")
-        maker = None
+        maker = functools.partial(_linked_figures, drawn)
     kw = dict(predictions=preds, horizon=args.horizon, min_lead=args.min_lead,
               spike_params=params, window=args.precursor_window, baseline=args.baseline,
               num_params=num_params, num_params_source=num_params_source)
-    items = [(path, name, out / name, kw, maker, drawn) for path, name in zip(runs, names)]
+    items = [(path, name, out / name, kw, maker) for path, name in zip(runs, names)]
     analyses = []
-    with contextlib.ExitStack() as stack:
-        results = map(_analyze_one, items)
-        if args.jobs > 1 and len(items) > 1:   # runs are independent: one process each
-            ctx = multiprocessing.get_context(
-                "fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-            pool = stack.enter_context(ProcessPoolExecutor(args.jobs, mp_context=ctx))
-            results = pool.map(_analyze_one, items)
-        for res in tqdm(results, total=len(items), desc="analyze", unit="run",
-                        file=sys.stderr, disable=len(items) < 2):
-            if isinstance(res, str):
-                return _fail(res)
-            analyses.append(res)
+    # runs are independent: --jobs analyses them in that many processes
+    for res in tqdm(process_map(_analyze_one, items, args.jobs), total=len(items),
+                    desc="analyze", unit="run", file=sys.stderr, disable=len(items) < 2):
+        if isinstance(res, str):
+            return _fail(res)
+        analyses.append(res)
     index = write_index(analyses, out, names)
     if preds is not None:
         md = score(analyses, preds, json.loads(Path(args.predictions).read_text()),

@@ -16,14 +16,13 @@ import argparse
 import contextlib
 import importlib
 import io
-import multiprocessing
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from adamspike.parallel import process_map
 from adamspike.rundir import RunFormatError, find_runs, load_run, run_names
 from figures import style
 
@@ -215,16 +214,9 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
                 outcomes.append(Outcome(name, "", "missing", "module not in this checkout"))
     run_modules = [m.__name__ for m, k in mods.values() if k == "run"]
     items = [(str(p), str(out / n), run_modules, style.FORMATS) for p, n in zip(runs, run_names(runs))]
-    if jobs > 1 and len(items) > 1:
-        # runs are independent and matplotlib is single-threaded: one process per run
-        ctx = multiprocessing.get_context("fork" if "fork" in
-                                          multiprocessing.get_all_start_methods() else None)
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            for done in pool.map(_run_figures, items):
-                outcomes.extend_timed(done)
-    else:
-        for item in items:
-            outcomes.extend_timed(_run_figures(item))
+    # runs are independent and matplotlib is single-threaded: one process per run
+    for done in process_map(_run_figures, items, jobs):
+        outcomes.extend_timed(done)
     for m, kind in mods.values():
         if kind == "theory" and theory:
             d = out / "theory"
