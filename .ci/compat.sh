@@ -78,8 +78,8 @@ PY
   fi
   if [[ -f "$extra/.stamp" ]]; then
     local py38x=(env PYTHONPATH="$ROOT:$extra" "$env/bin/python")
-    "${py38x[@]}" -m adamspike model info --config configs/llama2-70b.toml --world-size 1024 >/dev/null
-    "${py38x[@]}" -m adamspike launch --config configs/llama2-70b.toml \
+    "${py38x[@]}" -m study model info --config configs/llama2-70b.toml --world-size 1024 >/dev/null
+    "${py38x[@]}" -m study launch --config configs/llama2-70b.toml \
       --cluster configs/cluster-128x8.toml --master-addr node-000 --out "$TMP/launch38" >/dev/null
     bash -n "$TMP/launch38/train_mindspeed.sh"
     grep -q "fullscale.megatron_probe" "$TMP/launch38/train_mindspeed.sh"
@@ -94,7 +94,7 @@ with open(sys.argv[1], "w") as fh:
                  f" lm loss: {3.0 - it / 100:.6E} | loss scale: {1.0:.1f} | grad norm: {0.8:.3f} |"
                  f" number of skipped iterations: {0:3d} | number of nan iterations: {0:3d} |\n")
 PY
-    "${py38x[@]}" -m adamspike analyze --log "$TMP/m.log" "$TMP/py38/run" --seq-len 4096 --clip 1 \
+    "${py38x[@]}" -m study analyze --log "$TMP/m.log" "$TMP/py38/run" --seq-len 4096 --clip 1 \
       --out "$TMP/py38/report38" --no-figures >/dev/null
     grep -q "^## Imported log" "$TMP/py38/report38/m.log.run/report.md"
   else
@@ -102,7 +102,7 @@ PY
   fi
   # analyze the probe's (plain) run directory with the main environment
   if [[ -x "$MAIN_PY" ]]; then
-    PYTHONPATH="$ROOT" "$MAIN_PY" -m adamspike analyze "$TMP/py38/run" --out "$TMP/py38/report" \
+    PYTHONPATH="$ROOT" "$MAIN_PY" -m study analyze "$TMP/py38/run" --out "$TMP/py38/report" \
       --no-figures >/dev/null
     grep -q "^## Loss spikes" "$TMP/py38/report/run/report.md"
   else
@@ -132,12 +132,12 @@ cfg = load_config(RunConfig, "configs/llama2-70b.toml", ["--optim.eps", "1e-6"])
 assert cfg.optim.eps == 1e-6 and cfg.model.rope_theta is None
 print("py310 imports and config: ok")
 PY
-  PYTHONPATH="$ROOT" "$env/bin/python" -m adamspike --help >/dev/null
-  PYTHONPATH="$ROOT" "$env/bin/python" -m adamspike theory --help >/dev/null
-  PYTHONPATH="$ROOT" "$env/bin/python" -m adamspike launch --config configs/llama2-70b.toml \
+  PYTHONPATH="$ROOT" "$env/bin/python" -m study --help >/dev/null
+  PYTHONPATH="$ROOT" "$env/bin/python" -m study theory --help >/dev/null
+  PYTHONPATH="$ROOT" "$env/bin/python" -m study launch --config configs/llama2-70b.toml \
     --cluster configs/cluster-128x8.toml --master-addr node-000 --out "$TMP/launch310" >/dev/null
   if [[ -d "$TMP/py38/run" ]]; then
-    PYTHONPATH="$ROOT" "$env/bin/python" -m adamspike analyze "$TMP/py38/run" --out "$TMP/r310" --no-figures >/dev/null
+    PYTHONPATH="$ROOT" "$env/bin/python" -m study analyze "$TMP/py38/run" --out "$TMP/r310" --no-figures >/dev/null
   fi
   echo "py310: OK"
 }

@@ -10,7 +10,7 @@ batches with exactly one intervention, and count how often the spike comes back.
    registry's StepPlan semantics as per-lane controls), CHUNK steps per call (one
    lax.scan). Snapshots (params + Adam state, step s) are kept in memory every
    SNAPSHOT_EVERY steps for the last MAX_LEAD steps. After each chunk the loss trace so far
-   goes through the project's detector (analysis.spikes.detect_spikes: window 50, 6 MAD,
+   goes through the project's detector (adamspike.spikes.detect_spikes: window 50, 6 MAD,
    and the 10 % relative-jump rule of the toy reports); the detector is causal, so a spike
    found online is the one an offline pass finds. Each spike start t gets the newest
    snapshot s0 with MIN_LEAD <= t - s0 (so 50 <= t - s0 < 50 + SNAPSHOT_EVERY = 75 <= 150).
@@ -72,7 +72,7 @@ import pandas as pd
 from adamspike.config import ConfigError, flatten, load_config, to_dict
 from adamspike.rundir import atomic_write_bytes
 from adamspike.train_config import RunConfig
-from analysis.spikes import detect_spikes
+from adamspike.spikes import SpikeParams, detect_spikes, incidents
 from simulate import llama as jllama
 from simulate import optim as jopt
 from simulate.llama_train import batch_at, dataset, step_plan
@@ -124,21 +124,17 @@ class ReplaySpec:
         return d
 
     def detect(self, loss: np.ndarray, steps: np.ndarray) -> pd.DataFrame:
-        return detect_spikes(loss, steps, window=self.det_window, k=self.det_k,
-                             min_rel_jump=self.min_rel_jump)
+        return detect_spikes(loss, steps, SpikeParams(self.det_window, self.det_k,
+                                                      self.min_rel_jump))
 
     def run_config(self) -> RunConfig:
         return RunConfig.from_dict(flatten(self.config))
 
     def incidents(self, spikes: pd.DataFrame) -> pd.DataFrame:
-        """The spikes (detector rows, one seed, by start) that open an incident: a start
-        within 2 W steps of the previous start is part of the same burst (its replay window
-        covers it), so it is not replayed on its own and the binomial trials stay
-        independent."""
-        if spikes.empty:
-            return spikes
-        gaps = np.diff(spikes["start"].to_numpy(np.float64), prepend=-math.inf)
-        return spikes[gaps > 2 * self.recur_window]
+        """The spikes (detector rows, one seed, by start) that open an incident
+        (adamspike.spikes.incidents with W = recur_window: its replay window covers the
+        rest of the burst), so the binomial trials stay independent."""
+        return incidents(spikes, self.recur_window)
 
 
 # ----------------------------------------------------------------------------- interventions
@@ -570,7 +566,7 @@ def report_md(table: pd.DataFrame, spec: Mapping[str, Any], seconds: float | Non
     if regime:
         lines += [regime, ""]
     lines += [
-        f"Detector: analysis.spikes.detect_spikes (window {spec['det_window']}, "
+        f"Detector: adamspike.spikes.detect_spikes (window {spec['det_window']}, "
         f"{spec['det_k']:g} MAD, >= {spec['min_rel_jump']:.0%} over the median). Each spike start "
         f"t is replayed from the newest snapshot {spec['min_lead']}-{spec['max_lead']} steps "
         f"before it (snapshots every {spec['snapshot_every']} steps) to t + {spec['horizon']}, "
@@ -652,7 +648,7 @@ def make_spec(config: Path | None, seeds: int, quick: bool, overrides: Sequence[
 
 def main(argv: list[str] | None = None, torch_replay=None) -> int:
     """`adamspike replay`; torch_replay(spec, out_dir, num_spikes, progress) -> rows (the
-    torch subset, fullscale.replay, handed in by adamspike.cli: simulate never imports
+    torch subset, fullscale.replay, handed in by study.cli: simulate never imports
     torch)."""
     ap = argparse.ArgumentParser(
         prog="adamspike replay",

@@ -7,7 +7,7 @@ import pytest
 
 from adamspike.predictions import AlarmRule, Predictions, save_predictions
 from adamspike.rundir import RunWriter
-from adamspike.cli import analyze_main as main   # analysis + the figures it is handed
+from study.cli import analyze_main as main   # analysis + the figures it is handed
 
 
 def test_analyze_writes_report_and_figures(synthetic_run, tmp_path, capsys):

@@ -117,7 +117,7 @@ def test_tampered_file_is_refused_and_unhashed_file_warns(study, capsys):
 
 
 def test_megatron_log_export_round_trips_the_steps(study, tmp_path, capsys):
-    from adamspike.cli import main as adamspike
+    from study.cli import main as adamspike
     from adamspike.rundir import load_run
     from analysis.megatron_log import read_megatron_log
     _, run, _, _ = study

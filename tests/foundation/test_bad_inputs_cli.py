@@ -3,7 +3,7 @@ names the problem, no traceback, and nothing already written changes (a sha256 s
 the whole fixture directory, which holds an existing run, analysis report, predictions and
 files, is identical before and after every case; a new --out is not created).
 
-The commands run in-process through `adamspike.cli.main` (the real entry point; it returns
+The commands run in-process through `study.cli.main` (the real entry point; it returns
 the exit status): one process pays the torch / jax imports once.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from adamspike.cli import main
+from study.cli import main
 from adamspike.predictions import AlarmRule, Predictions, save_predictions
 
 ROOT = Path(__file__).resolve().parents[2]

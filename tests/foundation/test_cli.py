@@ -1,7 +1,7 @@
 import subprocess
 import sys
 
-from adamspike.cli import COMMANDS, main
+from study.cli import COMMANDS, main
 
 
 def test_help_lists_every_command(capsys):
@@ -16,7 +16,7 @@ def test_unknown_command(capsys):
 
 
 def test_console_script_runs():
-    res = subprocess.run([sys.executable, "-m", "adamspike", "--version"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "study", "--version"], capture_output=True,
                          text=True)
     assert res.returncode == 0 and res.stdout.strip()
 

@@ -1,12 +1,15 @@
 """The dependency direction of the packages (docs/design.md, "Layout and dependency
 direction"), checked on the source with ast (nothing of the project is imported, except in
-the one subprocess check of `import adamspike.cli`):
+the one subprocess check of `import study.cli`):
+
+- study/ (the top CLI and the study scheduler) sits above all others: no package below it
+  (adamspike, theory, simulate, fullscale, analysis, figures) imports study, anywhere;
 
 - theory/ imports nothing of ours; simulate/ never imports torch or fullscale/; fullscale/
   never imports jax / optax or simulate/; analysis/ and figures/ never import simulate/ or
   fullscale/, and analysis/ never imports figures/ (every import, module-top and local);
-  the foundation modules of adamspike/ (all but the wiring: cli, reproduce, __main__) import
-  no simulate/ fullscale/ analysis/ figures/ at module top, and no jax / optax / torch at all;
+  the modules of adamspike/ (the floor) import no simulate/ fullscale/ analysis/ figures/
+  at module top, and no jax / optax / torch at all;
 - no import cycle among the module-top imports of project modules;
 - an import inside a function is of an optional heavy dependency (LAZY_OK) or says why on
   its line, on the line above it, or on the line above / the first line of the run of
@@ -27,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("adamspike", "theory", "simulate", "fullscale", "analysis", "figures")
+TOP = "study"                            # the CLI and the scheduler: imports anything
+BELOW = ("adamspike", "theory", "simulate", "fullscale", "analysis", "figures")
+PACKAGES = BELOW + (TOP,)
 SCANNED = PACKAGES + ("bench",)          # bench/: scripts, checked for (c) only
-WIRING = {"adamspike.cli", "adamspike.reproduce", "adamspike.__main__"}
 
 # optional heavy dependencies that a function may import without a comment
 LAZY_OK = {"jax", "jaxlib", "optax", "torch", "torch_npu", "matplotlib",
@@ -37,11 +41,12 @@ LAZY_OK = {"jax", "jaxlib", "optax", "torch", "torch_npu", "matplotlib",
 
 # package -> top-level names it must never import (module top or local)
 FORBIDDEN = {
+    "adamspike": {TOP},
     "theory": set(PACKAGES),
-    "simulate": {"torch", "torch_npu", "fullscale"},
-    "fullscale": {"jax", "jaxlib", "optax", "simulate"},
-    "analysis": {"simulate", "fullscale", "figures"},
-    "figures": {"simulate", "fullscale"},
+    "simulate": {"torch", "torch_npu", "fullscale", TOP},
+    "fullscale": {"jax", "jaxlib", "optax", "simulate", TOP},
+    "analysis": {"simulate", "fullscale", "figures", TOP},
+    "figures": {"simulate", "fullscale", TOP},
 }
 FOUNDATION_TOP_FORBIDDEN = {"simulate", "fullscale", "analysis", "figures"}
 FOUNDATION_NEVER = {"jax", "jaxlib", "optax", "torch", "torch_npu"}
@@ -184,7 +189,7 @@ def test_scanner_sees_the_packages():
     # a known module-top import and a known local import are both found
     assert any(i.file == "adamspike/train_config.py" and i.target == "adamspike.config"
                and not i.local for i in imps)
-    assert any(i.file == "adamspike/cli.py" and i.target == "simulate.sweep" and i.local
+    assert any(i.file == "study/cli.py" and i.target == "simulate.sweep" and i.local
                for i in imps)
 
 
@@ -197,7 +202,7 @@ def test_dependency_direction():
         why = None
         if i.root in FORBIDDEN.get(pkg, ()) and i.root != pkg:
             why = f"{pkg}/ must not import {i.root}"
-        elif pkg == "adamspike" and i.module not in WIRING:
+        elif pkg == "adamspike":
             if i.root in FOUNDATION_NEVER:
                 why = f"foundation module {i.module} must not import {i.root}"
             elif i.root in FOUNDATION_TOP_FORBIDDEN and not i.local and not i.guarded:
@@ -212,6 +217,20 @@ def test_dependency_direction():
     stale = [f"{f}: {t}" for f, t in KNOWN if (f, t) not in seen]
     assert not bad, "upward / sideways imports:\n" + "\n".join(sorted(set(bad)))
     assert not stale, "KNOWN entries without a matching import (remove them):\n" + "\n".join(stale)
+
+
+def test_nothing_below_imports_the_top_package():
+    """study/ (CLI, scheduler) is the top: no module below it imports study, neither by an
+    import statement nor by name (importlib / `python -m study`)."""
+    bad = [f"{i.where}: imports {i.target}" for i in all_imports()
+           if _package(i) in BELOW and i.root == TOP]
+    for pkg in BELOW:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if any(s in line for s in ('import_module("study', "import_module('study",
+                                           '"-m", "study"', "'-m', 'study'")):
+                    bad.append(f"{path.relative_to(ROOT).as_posix()}:{n}: {line.strip()}")
+    assert not bad, "below the top package, imports of study:\n" + "\n".join(bad)
 
 
 def _sccs(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -301,8 +320,8 @@ def test_top_cli_imports_no_framework():
     called)."""
     heavy = {"jax", "optax", "torch", "pandas", "matplotlib", "scipy", "theory", "simulate",
              "fullscale", "analysis", "figures"}
-    loaded = heavy & set(_imported_by("import adamspike.cli"))
-    assert not loaded, f"import adamspike.cli loaded {sorted(loaded)}"
+    loaded = heavy & set(_imported_by("import study.cli"))
+    assert not loaded, f"import study.cli loaded {sorted(loaded)}"
 
 
 def test_light_paths_import_no_framework():

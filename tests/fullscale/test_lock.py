@@ -19,7 +19,7 @@ from adamspike.rundir import RunLockedError, RunWriter, load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-TRAIN = [sys.executable, "-m", "adamspike", "train", "--config", str(ROOT / "configs" / "tiny.toml"),
+TRAIN = [sys.executable, "-m", "study", "train", "--config", str(ROOT / "configs" / "tiny.toml"),
          "--train.num_steps", "20", "--checkpoint.every", "10", "--telemetry.enabled", "false"]
 
 

@@ -20,7 +20,7 @@ C70 = PRESETS["llama2-70b"]
 
 
 def test_model_info_70b_json_subprocess():
-    r = subprocess.run([sys.executable, "-m", "adamspike", "model", "info", "--config", "llama2-70b",
+    r = subprocess.run([sys.executable, "-m", "study", "model", "info", "--config", "llama2-70b",
                         "--world-size", "1024", "--json"], capture_output=True, text=True, cwd=ROOT,
                        timeout=120)
     assert r.returncode == 0, r.stderr

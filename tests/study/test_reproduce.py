@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 def test_reproduce_quick(tmp_path):
     out = tmp_path / "study"
-    res = subprocess.run([sys.executable, "-m", "adamspike", "reproduce", "--quick", "--out",
+    res = subprocess.run([sys.executable, "-m", "study", "reproduce", "--quick", "--out",
                           str(out)], capture_output=True, text=True, timeout=900)
     stages = json.loads((out / "stages.json").read_text())
     bad = {s["name"]: s["status"] for s in stages if s["status"] != "ok"}
@@ -57,7 +57,7 @@ def test_reproduce_quick(tmp_path):
 
 def test_reproduce_refuses_nonempty_out(tmp_path):
     (tmp_path / "keep.txt").write_text("precious")
-    res = subprocess.run([sys.executable, "-m", "adamspike", "reproduce", "--quick", "--out",
+    res = subprocess.run([sys.executable, "-m", "study", "reproduce", "--quick", "--out",
                           str(tmp_path)], capture_output=True, text=True)
     assert res.returncode == 2 and "not empty" in res.stderr
     assert (tmp_path / "keep.txt").read_text() == "precious"
@@ -66,7 +66,7 @@ def test_reproduce_refuses_nonempty_out(tmp_path):
 def test_rerun_sets_an_interrupted_stage_output_aside(tmp_path):
     """A stage whose earlier attempt died mid-way (no .stages mark) left a non-empty
     analysis/ that `analyze --out` would refuse: the rerun moves it to .stale/, keeps it."""
-    from adamspike.reproduce import Stage, _set_aside
+    from study.reproduce import Stage, _set_aside
     (tmp_path / "analysis" / "run").mkdir(parents=True)
     (tmp_path / "analysis" / "run" / "report.md").write_text("half\n")
     st = Stage("analyze", "t", [], fresh=["analysis"])
@@ -87,7 +87,7 @@ def test_scheduler_gives_a_free_slot_to_the_first_ready_stage(tmp_path, monkeypa
     import threading
     import time as _time
 
-    from adamspike import reproduce
+    from study import reproduce
 
     started, lock = [], threading.Lock()
     cost = {"long": 0.3, "needs_long": 0.05}

@@ -265,7 +265,7 @@ def _run_stage(st: Stage, out: Path, env: dict) -> dict:
     _set_aside(st, out)
     log = out / "logs" / f"{st.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "adamspike", *st.argv]
+    cmd = [sys.executable, "-m", "study", *st.argv]
     t0 = time.monotonic()
     with open(log, "w") as err:
         err.write("$ adamspike " + " ".join(st.argv) + "\n")

@@ -1,4 +1,5 @@
-"""`adamspike` entry point: one subcommand per job, each implemented in its own package.
+"""`adamspike` entry point (the top package: nothing below imports it): one subcommand per
+job, each implemented in its own package. `python -m study` runs it too.
 
 Subcommands are imported when called (importlib, by the module path in COMMANDS), so that
 `adamspike theory` never loads torch or jax.
@@ -17,9 +18,9 @@ from adamspike import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "theory": ("theory.cli:main", "closed-form numbers (--json for machines)"),
     "simulate": ("simulate.cli:simulate_main", "Monte-Carlo streams, quadratic, MLP, toy LLaMA runs"),
-    "sweep": ("adamspike.cli:sweep_main", "grids over dotted config keys (resumable, --shard k/n)"),
-    "replicate": ("adamspike.cli:replicate_main", "test the literature's claims (toy problems; `replicate matched`: the 70B's regime)"),
-    "replay": ("adamspike.cli:replay_main", "causal replay of spikes with one intervention each (resumable)"),
+    "sweep": ("study.cli:sweep_main", "grids over dotted config keys (resumable, --shard k/n)"),
+    "replicate": ("study.cli:replicate_main", "test the literature's claims (toy problems; `replicate matched`: the 70B's regime)"),
+    "replay": ("study.cli:replay_main", "causal replay of spikes with one intervention each (resumable)"),
     "spike-rate": ("analysis.spike_rate:main", "fit + validate the spike-rate GLM on sweeps and runs"),
     "predict": ("simulate.predict:main", "pre-registered predictions.json: GLM spike rate per setting"),
     "train": ("fullscale.train:main", "fullscale LLaMA2 training (run under torchrun)"),
@@ -27,10 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("fullscale.launch:plan_main", "one run config + launch script per predicted setting"),
     "model": ("fullscale.cli:model_main", "`model info`: parameters, FLOPs/token, memory per card"),
     "data": ("fullscale.cli:data_main", "inspect / convert Megatron indexed data"),
-    "analyze": ("adamspike.cli:analyze_main", "spikes, precursors, alarm scores, theory fits, report"),
+    "analyze": ("study.cli:analyze_main", "spikes, precursors, alarm scores, theory fits, report"),
     "megatron-log": ("analysis.megatron_log:export_main", "a run directory's steps as a Megatron training log"),
     "figures": ("figures.cli:main", "regenerate every figure"),
-    "reproduce": ("adamspike.reproduce:main", "the whole study at CPU scale (--quick for CI)"),
+    "reproduce": ("study.reproduce:main", "the whole study at CPU scale (--quick for CI)"),
 }
 
 

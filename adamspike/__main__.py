@@ -1,5 +1,0 @@
-import sys
-
-from adamspike.cli import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from study.cli import main
+
+sys.exit(main())
