@@ -176,14 +176,25 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def _json_clean(o: Any) -> Any:
-    """Non-finite floats become None (strict JSON)."""
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
+def json_clean(o: Any) -> Any:
+    """The project's one JSON non-finite cleaner: non-finite floats become None (strict
+    JSON, `allow_nan=False` holds), numpy scalars / arrays / bools become Python values,
+    tuples lists, dict keys strings. Every JSON file the project writes goes through it
+    (fullscale/megatron_probe.py keeps its own copy: it must import on python 3.8 with torch
+    and numpy only)."""
     if isinstance(o, dict):
-        return {k: _json_clean(v) for k, v in o.items()}
+        return {str(k): json_clean(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
-        return [_json_clean(v) for v in o]
+        return [json_clean(v) for v in o]
+    if isinstance(o, np.ndarray):
+        return json_clean(o.tolist())
+    if isinstance(o, (bool, np.bool_)):
+        return bool(o)
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, (float, np.floating)):
+        o = float(o)
+        return o if math.isfinite(o) else None
     return o
 
 
@@ -400,7 +411,7 @@ class RunWriter:
                 "hist_edges": [float(x) for x in hist_edges],
                 "vhist_edges": [float(x) for x in VHIST_EDGES], **dict(extra_meta or {}),
             }
-            atomic_write_bytes(meta_path, json.dumps(_json_clean(self.meta), indent=2,
+            atomic_write_bytes(meta_path, json.dumps(json_clean(self.meta), indent=2,
                                                      default=_json_default).encode())
             self._next_part = {t: 0 for t in TABLES}
         else:
@@ -474,7 +485,7 @@ class RunWriter:
     def event(self, type: str, **fields: Any) -> None:
         """Append one event line (fsynced at once: events are rare and precious)."""
         rec = {"time": time.time(), "type": type, **fields}
-        line = json.dumps(_json_clean(rec), default=_json_default, allow_nan=False)
+        line = json.dumps(json_clean(rec), default=_json_default, allow_nan=False)
         with open(self.path / "events.jsonl", "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
             fh.flush()

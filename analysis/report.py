@@ -22,7 +22,8 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
+from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, load_run
+from adamspike.tables import fmt as _f, md_table  # noqa: F401 (md_table: re-exported)
 from analysis.alarms import fire_steps, online_alarms, score_alarms
 from analysis.fits import (check_rms_t, failing_assumption, fit_update_rms, fit_update_rms_heterogeneous,
                            optim_params, spike_regimes)
@@ -235,38 +236,6 @@ def _load(path: Path, tables):
 
 
 # ------------------------------------------------------------------ formatting
-
-def _f(x, digits: int = 3) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, (bool, np.bool_)):
-        return "yes" if x else "no"
-    if isinstance(x, (int, np.integer)):
-        return str(int(x))
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return str(x)
-    if math.isnan(x):
-        return "-"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x != 0 and (abs(x) >= 1e5 or abs(x) < 1e-3):
-        return f"{x:.{digits - 1}e}"
-    return f"{x:.{digits}g}"
-
-
-def md_table(df: pd.DataFrame, cols: list[str] | None = None, headers=None,
-             max_rows: int = 40) -> str:
-    cols = cols or list(df.columns)
-    headers = headers or cols
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(cols)]
-    for _, r in df.head(max_rows).iterrows():
-        lines.append("| " + " | ".join(_f(r[c]) for c in cols) + " |")
-    if len(df) > max_rows:
-        lines.append(f"| ... {len(df) - max_rows} more rows (see the CSV) |" + " |" * (len(cols) - 1))
-    return "\n".join(lines)
-
 
 def _config_line(meta: dict) -> str:
     cfg = meta.get("config", {})
@@ -568,22 +537,6 @@ def summary_dict(ra: RunAnalysis) -> dict:
     }
 
 
-def _clean(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return _clean(float(o))
-    if isinstance(o, np.bool_):
-        return bool(o)
-    return o
-
-
 def write_run_report(ra: RunAnalysis, out_dir: str | Path, *,
                      figures: Callable[[RunAnalysis, Path], list[Path]] | None = None
                      ) -> list[Path]:
@@ -623,7 +576,7 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path, *,
     md = render_markdown(ra, figs, out)
     atomic_write_bytes(out / "report.md", md.encode())
     atomic_write_bytes(out / "summary.json",
-                       json.dumps(_clean(summary_dict(ra)), indent=2).encode())
+                       json.dumps(json_clean(summary_dict(ra)), indent=2, allow_nan=False).encode())
     return written + [out / "report.md", out / "summary.json"]
 
 

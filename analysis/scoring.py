@@ -42,11 +42,11 @@ import pandas as pd
 from scipy import stats
 
 from adamspike.predictions import HASH_KEY, Predictions
-from adamspike.rundir import atomic_write_bytes
+from adamspike.rundir import atomic_write_bytes, json_clean
 from analysis.alarms import fire_steps, score_alarms
 from analysis.controls import lift_table, mark_uninformative
 from analysis.fits import optim_params
-from analysis.report import md_table
+from adamspike.tables import md_table
 
 KEYS = ("optim.eps", "optim.b2", "optim.lr", "optim.b1", "train.global_batch_size")
 REL_TOL = 1e-6
@@ -235,22 +235,8 @@ def score(analyses: Sequence[Any], pred: Predictions, pred_data: Mapping[str, An
     blob = {"predictions": str(path), "integrity": pred.integrity, "rates": rates,
             "alarms": lift.to_dict("records") if len(lift) else [], "alarm_source": src}
     atomic_write_bytes(out / "prediction_scores.json",
-                       json.dumps(_clean(blob), indent=1, allow_nan=False).encode())
+                       json.dumps(json_clean(blob), indent=1, allow_nan=False).encode())
     atomic_write_bytes(out / "predictions.scored.json",
-                       json.dumps(_clean(scored_copy(pred_data, lift, path, pred.integrity)),
+                       json.dumps(json_clean(scored_copy(pred_data, lift, path, pred.integrity)),
                                   indent=2, allow_nan=False).encode())
     return md
-
-
-def _clean(o):
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    if isinstance(o, (np.bool_,)):
-        return bool(o)
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (float, np.floating)):
-        return float(o) if math.isfinite(o) else None
-    return o

@@ -355,6 +355,8 @@ def _atomic_write(path: str, data: bytes) -> None:
 
 
 def _clean(o):
+    # A copy of adamspike.rundir.json_clean: this probe runs inside a Megatron job on
+    # python 3.8 and must import with torch + numpy only (no adamspike, no pandas).
     if isinstance(o, float) and not math.isfinite(o):
         return None
     if isinstance(o, dict):

@@ -95,7 +95,7 @@ from adamspike.depth_groups import shallow_depths as group_shallow_depths
 from adamspike.llama import num_params, preset
 from adamspike.mitigations import neutral_mask
 from adamspike.predictions import AlarmRule, Predictions, PredictionsError, save_predictions
-from adamspike.rundir import RunFormatError, load_run
+from adamspike.rundir import RunFormatError, json_clean, load_run
 from adamspike.train_config import RunConfig
 from analysis.megatron_log import MegatronLogError, read_megatron_log
 from simulate import ladder as LD
@@ -497,18 +497,14 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
            "rate_ci_fisher": [float(iv["fisher"][0][0]), float(iv["fisher"][1][0])],
            "rate_ci_boot": [float(iv["boot"][0][0]), float(iv["boot"][1][0])],
            "horizon_steps": int(horizon), "p_spike": p, "p_spike_ci": [p_lo, p_hi],
-           "features": _finite(fm), "features_lo": _finite(feats["lo"]),
-           "features_hi": _finite(feats["hi"]), "model_features": list(model.features),
+           "features": json_clean(fm), "features_lo": json_clean(feats["lo"]),
+           "features_hi": json_clean(feats["hi"]), "model_features": list(model.features),
            "extrapolation": extrap, "support": sup, "extrapolated": bool(outside),
            "extrapolation_reasons": outside,
            "risk": p, "risk_label": label, "rationale": rationale, "per_depth": per_depth}
     if "rho_bar" in feats:
         out["rho_bar"], out["rho_bar_bound"] = feats["rho_bar"], feats["rho_bar_bound"]
     return out
-
-
-def _finite(d: Mapping[str, float]) -> dict:
-    return {k: (float(v) if np.isfinite(v) else None) for k, v in d.items()}
 
 
 # ----------------------------------------------------------------------------- alarm rules

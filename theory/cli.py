@@ -23,6 +23,8 @@ from . import adam_moments, bimodality, eps_regime, galton, quadratic, transient
 
 
 def _clean(x):
+    # A copy of adamspike.rundir.json_clean: theory imports nothing of the project (it is
+    # the bottom layer, numpy + scipy only), so `python -m theory --json` keeps its own.
     if isinstance(x, dict):
         return {str(k): _clean(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
