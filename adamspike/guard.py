@@ -1,18 +1,10 @@
-"""The spike detector and the spike guard's decision rule, shared by the torch trainer
-(fullscale.guard), the JAX trainer (simulate.guard) and analysis (analysis.spikes runs the
-same detector offline); stdlib only. How a rollback restores state (on-disk checkpoints vs
+"""The spike guard's decision rule, shared by the torch trainer (fullscale.guard) and the JAX
+trainer (simulate.guard); the detector is the project's one spike rule (adamspike.spikes,
+which analysis runs offline). How a rollback restores state (on-disk checkpoints vs
 in-memory snapshots) is each trainer's own.
 
-Detector (`RollingSpikeDetector`, the project rule): with med and MAD the median and median
-absolute deviation of the past `window` normal values (strictly before t), x_t is anomalous
-when
-
-    x_t > med + k * 1.4826 * MAD      and      x_t > med + min_rel_jump * |med|
-
-and at least `min_history` (default min(window, max(5, window // 2))) past values exist;
-NaN / inf are always anomalous. Anomalous values do not enter the history (unless
-`absorb=True`). With `log=True` the rule runs on log(x). 1.4826 * MAD estimates sigma for
-Gaussian noise.
+Detector: `adamspike.spikes.RollingSpikeDetector` with `SpikeParams.from_config(guard)`
+(guard.window, guard.mad_k, guard.min_rel_jump).
 
 Policy (`GuardPolicy.observe(step, loss) -> Decision`):
 - "ok": normal (the loss joins the detector's history), or a spike while guard.enabled is
@@ -39,100 +31,12 @@ skip 200-500 batches.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-MAD_TO_SIGMA = 1.4826
+from adamspike.spikes import MAD_TO_SIGMA, RollingSpikeDetector, SpikeParams
 
 __all__ = ["MAD_TO_SIGMA", "Decision", "GuardPolicy", "RollingSpikeDetector"]
-
-
-def _default_min_history(window: int) -> int:
-    return min(window, max(5, window // 2))
-
-
-def _median_sorted(s: list[float]) -> float:
-    n = len(s)
-    h = n // 2
-    return s[h] if n % 2 else 0.5 * (s[h - 1] + s[h])
-
-
-class RollingSpikeDetector:
-    """Online spike rule. `update(x)` returns True when x is anomalous (see module doc).
-
-    After each update, `baseline` (median of the history, in the units of x) and
-    `threshold` (the smallest anomalous value, in the units of x; NaN until min_history
-    values exist) describe the band the point was judged against.
-    """
-
-    def __init__(self, window: int = 50, k: float = 6.0, min_rel_jump: float = 0.2,
-                 min_history: int | None = None, *, log: bool = False, absorb: bool = False):
-        if int(window) < 2:
-            raise ValueError(f"window must be >= 2, got {window}")
-        if not (k >= 0 and math.isfinite(k)):
-            raise ValueError(f"k must be a finite number >= 0, got {k}")
-        if not (min_rel_jump >= 0 and math.isfinite(min_rel_jump)):
-            raise ValueError(f"min_rel_jump must be a finite number >= 0, got {min_rel_jump}")
-        self.window = int(window)
-        self.k = float(k)
-        self.min_rel_jump = float(min_rel_jump)
-        self.min_history = _default_min_history(self.window) if min_history is None \
-            else int(min_history)
-        if not 1 <= self.min_history <= self.window:
-            raise ValueError(f"min_history must be in [1, window={self.window}], "
-                             f"got {self.min_history}")
-        self.log = bool(log)
-        self.absorb = bool(absorb)
-        self._hist: deque[float] = deque(maxlen=self.window)
-        self.num_updates = 0
-        self.baseline = math.nan
-        self.threshold = math.nan
-
-    def _band(self) -> tuple[float, float]:
-        """(median, anomaly threshold) of the history, in transformed units."""
-        s = sorted(self._hist)
-        med = _median_sorted(s)
-        mad = _median_sorted(sorted(abs(x - med) for x in s))
-        jump = math.log1p(self.min_rel_jump) if self.log else self.min_rel_jump * abs(med)
-        return med, med + max(self.k * MAD_TO_SIGMA * mad, jump)
-
-    def update(self, value: float) -> bool:
-        x = float(value)
-        self.num_updates += 1
-        if not math.isfinite(x):
-            return True
-        if self.log:
-            if x <= 0:
-                return False
-            x = math.log(x)
-        anomalous = False
-        if len(self._hist) >= self.min_history:
-            med, thr = self._band()
-            anomalous = x > thr
-            self.baseline = math.exp(med) if self.log else med
-            self.threshold = math.exp(thr) if self.log else thr
-        else:
-            self.baseline = self.threshold = math.nan
-        if self.absorb or not anomalous:
-            self._hist.append(x)
-        return anomalous
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"window": self.window, "k": self.k, "min_rel_jump": self.min_rel_jump,
-                "min_history": self.min_history, "log": self.log, "absorb": self.absorb,
-                "history": list(self._hist), "num_updates": self.num_updates}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("window", "k", "min_rel_jump", "min_history", "log", "absorb"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"spike detector state has {key}={state[key]!r}, this "
-                                 f"detector has {getattr(self, key)!r}")
-        hist = [float(x) for x in state["history"]]
-        if len(hist) > self.window:
-            raise ValueError(f"spike detector state has {len(hist)} history values > window")
-        self._hist = deque(hist, maxlen=self.window)
-        self.num_updates = int(state.get("num_updates", len(hist)))
 
 
 @dataclass
@@ -151,8 +55,7 @@ class GuardPolicy:
         """cfg: adamspike.train_config.GuardSection (enabled, window, mad_k, min_rel_jump,
         skip_batches, max_retries)."""
         self.cfg = cfg
-        self.detector = RollingSpikeDetector(window=cfg.window, k=cfg.mad_k,
-                                             min_rel_jump=cfg.min_rel_jump)
+        self.detector = SpikeParams.from_config(cfg).detector()
         self.retries = 0                # rollbacks in the current incident
         self.num_rollbacks = 0          # over the whole run
         self.ok_since_rollback = 0      # consecutive normal steps after the last rollback
@@ -220,6 +123,5 @@ class GuardPolicy:
         self.last_spike_step = None if last is None else int(last)
         base = state.get("baseline")
         if base is not None:
-            RollingSpikeDetector(self.detector.window, self.detector.k,
-                                 self.detector.min_rel_jump).load_state_dict(base)  # checks it
+            self.detector.fresh().load_state_dict(base)  # checks it
         self.baseline_state = base

@@ -1,7 +1,9 @@
 """One run's analysis (spikes, precursors, alarms, theory fits) and its Markdown report.
 
 `analyze_run(path, ...)` computes everything into a RunAnalysis; `write_run_report` writes
-OUT/report.md, the tables behind it (CSV), summary.json and, optionally, the run figures;
+OUT/report.md, the tables behind it (CSV: everything the run figures draw, so `adamspike
+figures` reads them instead of recomputing) and summary.json; the report links the run
+figures where they already lie at their conventional path (FIGURE_DIRS);
 `write_index` writes the top-level report over several runs. Each section states what it
 could not compute and why (no per-layer telemetry, no b1/b2 in run.json, no predictions)
 instead of leaving it out silently.
@@ -11,25 +13,25 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import posixpath
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, load_run
 from adamspike.tables import fmt as _f, md_table  # noqa: F401 (md_table: re-exported)
+from adamspike.spikes import SpikeParams, detect_spikes, loss_spikes, valued_rows  # noqa: F401 (re-exported)
 from analysis.alarms import fire_steps, online_alarms, score_alarms
 from analysis.fits import (check_rms_t, failing_assumption, fit_update_rms, fit_update_rms_heterogeneous,
                            optim_params, spike_regimes)
 from analysis.precursors import precursors
 from analysis.regime import card_for_run
-from analysis.spikes import detect_spikes, spike_score_olmo2, zscore_flags
+from analysis.spikes import spike_score_olmo2, zscore_flags
 
 LAYER_COLUMNS = ["grad_rms", "rho", "update_rms", "rms_t", "sat_frac", "grad_mom_cos",
                  "m_v_ratio", "r_mean", "r_m2", "r_m3", "r_m4", "eps_frac"]  # eps_frac: regime card
@@ -37,66 +39,6 @@ LAYER_COLUMNS = ["grad_rms", "rho", "update_rms", "rms_t", "sat_frac", "grad_mom
 
 class AnalysisError(ValueError):
     """The run cannot be analysed (empty, no loss); the message says why."""
-
-
-@dataclass
-class SpikeParams:
-    window: int = 50
-    k: float = 6.0
-    min_rel_jump: float = 0.2
-    log: bool | None = None          # None: log scale when the loss spans > 2 decades
-    absorb: bool | None = None       # None: on with log scale (a trend over decades)
-    envelope: int | None = None      # running max over N steps first; None: 50 for
-                                     # quadratic problems (dips where theta crosses 0)
-
-    def resolved(self, x: np.ndarray, config: dict | None = None) -> "SpikeParams":
-        log = self.log
-        if log is None:
-            pos = x[np.isfinite(x) & (x > 0)]
-            log = bool(len(pos) and np.log10(pos.max()) - np.log10(pos.min()) > 2)
-        env = self.envelope
-        if env is None:
-            kind = ((config or {}).get("problem") or {}).get("kind")
-            env = 50 if kind == "quadratic" else 0
-        return SpikeParams(self.window, self.k, self.min_rel_jump, log,
-                           log if self.absorb is None else self.absorb, int(env))
-
-    def describe(self) -> str:
-        s = (f"loss > median + {self.k:g} x 1.4826 MAD of the previous {self.window} normal "
-             f"steps and > (1 + {self.min_rel_jump:g}) x median")
-        if self.log:
-            s += " (on log loss)"
-        if self.envelope:
-            s += f", applied to the {self.envelope}-step running max of the loss"
-        if self.absorb:
-            s += ("; every finite value enters the history (the band follows the level: "
-                  "'recovered' means the rise stopped, not a return to the old level)")
-        return s
-
-
-def valued_rows(steps: pd.DataFrame, column: str) -> pd.DataFrame:
-    """The rows that carry a value of `column`: a skipped step (fp16 loss-scale overflow,
-    where Megatron prints neither loss nor grad norm) with a NaN there has no value, and is
-    not a non-finite spike. A NaN on a step that was not skipped stays (a divergence)."""
-    if "skipped" not in steps or steps.empty:
-        return steps
-    missing = steps["skipped"].to_numpy(bool) & ~np.isfinite(steps[column].to_numpy(float))
-    return steps.loc[~missing] if missing.any() else steps
-
-
-def loss_spikes(steps: pd.DataFrame, params: SpikeParams = SpikeParams(),
-                column: str = "loss", config: dict | None = None
-                ) -> tuple[pd.DataFrame, SpikeParams]:
-    """Spikes of a steps column with the report's rule; returns (spikes, resolved rule).
-    Skipped steps without a value (`valued_rows`) are left out."""
-    steps = valued_rows(steps, column)
-    x = steps[column].to_numpy(float)
-    p = params.resolved(x, config)
-    if p.envelope > 1:
-        x = pd.Series(x).rolling(p.envelope, min_periods=1).max().to_numpy()
-    sp = detect_spikes(x, steps["step"].to_numpy(), window=p.window, k=p.k,
-                       min_rel_jump=p.min_rel_jump, log=p.log, absorb=p.absorb)
-    return sp, p
 
 
 @dataclass
@@ -250,8 +192,26 @@ def _config_line(meta: dict) -> str:
     return ", ".join(parts)
 
 
-def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
-                    out_dir: Path | None = None) -> str:
+# Where a run report (OUT/<run>/report.md) finds its run figures, relative to it: drawn into
+# the report's folder, or by the figures stage beside the analysis (a study: analysis/<run>/
+# and figures/<run>/). The figures are drawn after the analysis, from its tables.
+FIGURE_DIRS = ("figures", "../../figures/{name}")
+MAX_FIT_SCATTER = 20_000   # update_rms_fit_rows.csv: a uniform subsample (the figure's)
+
+
+def linked_figures(name: str, out_dir: Path | None) -> list[str]:
+    """Relative links of the PNGs at the first FIGURE_DIRS folder that has any."""
+    if out_dir is None:
+        return []
+    for d in FIGURE_DIRS:
+        rel = d.format(name=name)
+        pngs = sorted((Path(out_dir) / rel).glob("*.png"))
+        if pngs:
+            return [posixpath.join(rel, f.name) for f in pngs]
+    return []
+
+
+def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
     sp, L = ra.spikes, []
     L += [f"# Run `{ra.name}`", "", f"`{ra.path}`", "", _config_line(ra.meta) + ".", "",
           f"{ra.num_steps} steps logged; per-layer telemetry on {ra.num_layer_steps} steps x "
@@ -361,15 +321,9 @@ def render_markdown(ra: RunAnalysis, figures: list[Path] | None = None,
     elif ra.notes.get("regimes"):
         L += ["", f"Regimes not computed: {ra.notes['regimes']}."]
     L += regime_markdown(ra)
-    skipped = {k[len("figure "):]: v for k, v in ra.notes.items() if k.startswith("figure ")}
-    if figures or skipped:
-        L += ["", "## Figures", ""]
-        for f in figures or []:
-            if f.suffix == ".png":
-                rel = Path(os.path.relpath(f, out_dir)).as_posix() if out_dir else f
-                L.append(f"![{f.stem}]({rel})")
-        for name, why in skipped.items():
-            L.append(f"- {name}: not drawn ({why})")
+    links = linked_figures(ra.name, out_dir)
+    if links:
+        L += ["", "## Figures", ""] + [f"![{posixpath.basename(f)[:-4]}]({f})" for f in links]
     return "\n".join(L) + "\n"
 
 
@@ -515,6 +469,9 @@ def summary_dict(ra: RunAnalysis) -> dict:
         else None,
         "spike_starts": [int(s) for s in ra.spikes["start"]],
         "num_grad_norm_spikes": len(ra.grad_spikes), "scores": ra.scores,
+        "spike_rule": {"window": ra.spike_params.window, "k": ra.spike_params.k,
+                       "min_rel_jump": ra.spike_params.min_rel_jump, "log": ra.loss_log,
+                       "describe": ra.spike_params.describe()},
         "update_fit": None if uf is None else {"r2_log": uf.r2_log, "eps_scale": uf.eps_scale,
                                                "eps_scale_identifiable":
                                                    uf.eps_scale_identifiable,
@@ -537,12 +494,11 @@ def summary_dict(ra: RunAnalysis) -> dict:
     }
 
 
-def write_run_report(ra: RunAnalysis, out_dir: str | Path, *,
-                     figures: Callable[[RunAnalysis, Path], list[Path]] | None = None
-                     ) -> list[Path]:
-    """report.md + CSV tables + summary.json (+ figures/) into out_dir; returns the files.
-    figures: the caller's figure maker, figures(ra, out_dir / "figures") -> the files it
-    wrote (figures.cli.analysis_figures from `adamspike analyze`); None: no figures."""
+def write_run_report(ra: RunAnalysis, out_dir: str | Path) -> list[Path]:
+    """report.md + CSV tables + summary.json into out_dir; returns the files. The tables
+    are what the run figures read (`adamspike figures --analysis OUT`): spikes.csv,
+    grad_norm_spikes.csv, precursor_trajectories.csv, update_rms_fit_rows.csv,
+    regime_trajectory.csv, summary.json (spike rule, fit, regime card)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -552,9 +508,14 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path, *,
         _write_csv(ra.precursors.leads, out / "precursor_leads.csv", written)
         _write_csv(ra.precursors.summary, out / "lead_summary.csv", written)
         _write_csv(ra.precursors.tensor_leads, out / "tensor_leads.csv", written)
+        _write_csv(ra.precursors.trajectories, out / "precursor_trajectories.csv", written)
     _write_csv(ra.alarm_scores, out / "alarm_scores.csv", written)
     if ra.update_fit is not None:
         _write_csv(ra.update_fit.by_group, out / "update_rms_fit.csv", written)
+        rows = ra.update_fit.rows
+        if len(rows) > MAX_FIT_SCATTER:
+            rows = rows.sample(MAX_FIT_SCATTER, random_state=0).sort_index()
+        _write_csv(rows, out / "update_rms_fit_rows.csv", written)
     if ra.rms_t is not None and len(ra.rms_t.transients):
         _write_csv(ra.rms_t.transients.drop(columns=["rms_t"]), out / "rms_t_transients.csv",
                    written)
@@ -569,11 +530,7 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path, *,
     if ra.hetero_fit is not None:
         _write_csv(ra.hetero_fit.bands, out / "update_rms_fit_bands.csv", written)
         _write_csv(ra.hetero_fit.diagnostics, out / "update_rms_fit_diagnostics.csv", written)
-    figs: list[Path] = []
-    if figures is not None:
-        figs = list(figures(ra, out / "figures"))
-        written += figs
-    md = render_markdown(ra, figs, out)
+    md = render_markdown(ra, out)
     atomic_write_bytes(out / "report.md", md.encode())
     atomic_write_bytes(out / "summary.json",
                        json.dumps(json_clean(summary_dict(ra)), indent=2, allow_nan=False).encode())

@@ -1,26 +1,6 @@
-"""Spike detection on a scalar training trace (loss, grad norm, ...).
-
-The rule (robust, one-sided): a point x_t is anomalous when, with med and MAD the median
-and median absolute deviation of the past `window` *normal* values (strictly before t),
-
-    x_t > med + k * 1.4826 * MAD      and      x_t > med + min_rel_jump * |med|
-
-and at least `min_history` past values exist. NaN / inf are always anomalous. Consecutive
-anomalous points form one spike. Anomalous values do not enter the history (unless
-`absorb=True`), so the band stays that of the regime before the spike and "recovered"
-means back inside the pre-spike band. 1.4826 * MAD estimates sigma for Gaussian noise.
-With `log=True` the rule runs on log(x) (losses that decay over orders of magnitude); the
-relative-jump condition then reads x_t > (1 + min_rel_jump) * exp(med), the same ratio
-test; values <= 0 are not anomalous (they are low) and do not enter the history.
-
-False positives (measured, tests/analysis/test_spikes.py, defaults window 50, k 6): none in
-10 x 20,000 points of Gaussian noise; about 9e-4 per point for Student-t(5) noise, whose
-tails are heavier than the MAD-sigma assumes. The median of the past window lags a falling
-loss by ~window/2 steps, so heights on a steep descent are slightly underestimated.
-
-`adamspike.guard.RollingSpikeDetector` is the online form (stdlib only, O(window) per
-update), shared with both trainers' spike guards: `detect_spikes` runs it over the series,
-so offline and online decisions are identical.
+"""Spike tables for analysis: the project's rule lives in the floor (adamspike.spikes:
+RollingSpikeDetector, SpikeParams, detect_spikes, anomaly_flags, incidents; re-exported here),
+and this module adds the published rules it is compared with.
 
 For comparison with published practice:
 - `spike_score_olmo2`: OLMo 2's spike score, % of points at least 7 sigma from the rolling
@@ -39,84 +19,11 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from adamspike.guard import MAD_TO_SIGMA, RollingSpikeDetector
+from adamspike.spikes import (MAD_TO_SIGMA, SPIKE_COLUMNS, RollingSpikeDetector, SpikeParams,
+                              anomaly_flags, detect_spikes, incidents)
 
-__all__ = ["MAD_TO_SIGMA", "RollingSpikeDetector", "SPIKE_COLUMNS", "anomaly_flags",
-           "detect_spikes", "spike_score_olmo2", "zscore_flags"]
-
-SPIKE_COLUMNS = ["start", "end", "peak_step", "peak", "baseline", "height", "duration",
-                 "recovered", "num_points", "nonfinite"]
-
-
-def anomaly_flags(values: Sequence[float], *, window: int = 50, k: float = 6.0,
-                  min_rel_jump: float = 0.2, min_history: int | None = None,
-                  log: bool = False, absorb: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Per-point anomalous flags and the baseline (median) each point was judged against."""
-    det = RollingSpikeDetector(window, k, min_rel_jump, min_history, log=log, absorb=absorb)
-    x = np.asarray(values, dtype=np.float64)
-    flags = np.zeros(len(x), dtype=bool)
-    base = np.full(len(x), np.nan)
-    for i, v in enumerate(x.tolist()):
-        flags[i] = det.update(v)
-        base[i] = det.baseline
-    return flags, base
-
-
-def detect_spikes(values: Sequence[float], steps: Sequence[int] | None = None, *,
-                  window: int = 50, k: float = 6.0, min_rel_jump: float = 0.2,
-                  min_history: int | None = None, log: bool = False,
-                  absorb: bool = False) -> pd.DataFrame:
-    """Spikes in a series: one row per run of consecutive anomalous points.
-
-    Columns: start / end (first / last anomalous step), peak_step, peak (max value; inf or
-    NaN for a non-finite spike), baseline (history median at the start), height
-    (peak / baseline - 1; (peak - baseline) / |baseline| for a non-positive baseline),
-    duration (steps from start until the first point back within the band; for an
-    unrecovered spike, up to and including the last step), recovered, num_points,
-    nonfinite (any NaN / inf in the spike).
-    """
-    x = np.asarray(values, dtype=np.float64)
-    s = np.arange(len(x), dtype=np.int64) if steps is None else np.asarray(steps, dtype=np.int64)
-    if s.shape != x.shape:
-        raise ValueError(f"steps has shape {s.shape}, values {x.shape}")
-    flags, base = anomaly_flags(x, window=window, k=k, min_rel_jump=min_rel_jump,
-                                min_history=min_history, log=log, absorb=absorb)
-    rows = []
-    i, n = 0, len(x)
-    while i < n:
-        if not flags[i]:
-            i += 1
-            continue
-        j = i
-        while j + 1 < n and flags[j + 1]:
-            j += 1
-        seg = x[i:j + 1]
-        bad = ~np.isfinite(seg)
-        if bad.any():
-            p = i + int(np.argmax(bad))
-            peak = math.inf if np.isposinf(seg).any() else float(x[p])
-        else:
-            p = i + int(np.argmax(seg))
-            peak = float(x[p])
-        b = float(base[i])
-        if not math.isfinite(b):  # non-finite before the band existed
-            height = math.nan
-        elif b > 0:
-            height = peak / b - 1.0
-        else:
-            height = (peak - b) / abs(b) if b != 0 else math.inf
-        recovered = j + 1 < n
-        duration = int(s[j + 1] - s[i]) if recovered else int(s[j] - s[i] + 1)
-        rows.append({"start": int(s[i]), "end": int(s[j]), "peak_step": int(s[p]),
-                     "peak": peak, "baseline": b, "height": float(height),
-                     "duration": duration, "recovered": bool(recovered),
-                     "num_points": int(j - i + 1), "nonfinite": bool(bad.any())})
-        i = j + 1
-    df = pd.DataFrame(rows, columns=SPIKE_COLUMNS)
-    return df.astype({"start": "int64", "end": "int64", "peak_step": "int64",
-                      "duration": "int64", "num_points": "int64", "recovered": bool,
-                      "nonfinite": bool, "peak": "float64", "baseline": "float64",
-                      "height": "float64"})
+__all__ = ["MAD_TO_SIGMA", "RollingSpikeDetector", "SPIKE_COLUMNS", "SpikeParams",
+           "anomaly_flags", "detect_spikes", "incidents", "spike_score_olmo2", "zscore_flags"]
 
 
 def _past_rolling(x: np.ndarray, window: int, ddof: int) -> tuple[np.ndarray, np.ndarray,

@@ -19,7 +19,7 @@ eps_frac, dormant). Definitions, per depth group g (adamspike.depth_groups) and 
     70B target  the profile's rho of the group at eps_ref, and times eps_ref / 1e-8 for the
                 eps 1e-8 twin (rms(g) held fixed)
 
-Spikes: analysis.spikes.detect_spikes on the loss (window 50, k = 6 MAD) with a >= 10 % and
+Spikes: adamspike.spikes.detect_spikes on the loss (window 50, k = 6 MAD) with a >= 10 % and
 a >= 20 % jump; a wake-up "precedes" a spike when it lies in the LEAD_WINDOW steps before the
 spike's start. Curvature (when the run has the table): the largest ratio
 precond_curvature / (2 / lr) over the run per group, and how many evaluations exceed 1
@@ -39,7 +39,7 @@ import pandas as pd
 
 from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
-from analysis.spikes import detect_spikes
+from adamspike.spikes import SpikeParams, detect_spikes
 
 DORMANT_MIN = 5
 LEAD_WINDOW = 100
@@ -93,7 +93,7 @@ def summarize(path: Path, profile: dict) -> dict:
     groups_eps = {g: (cfg.get("mitigation") or {}).get(f"eps_{g}") for g in GROUPS}
     steps = run.steps
     loss = steps["loss"].to_numpy(float)
-    spikes = {j: detect_spikes(loss, steps["step"].to_numpy(), window=50, k=6.0, min_rel_jump=j)
+    spikes = {j: detect_spikes(loss, steps["step"].to_numpy(), SpikeParams(min_rel_jump=j))
               for j in (0.1, 0.2)}
     traj = trajectories(run)
     wake = wakeups(traj)

@@ -93,11 +93,11 @@ from adamspike.config import ConfigError, flatten, read_toml, to_dict
 from adamspike.depth_groups import depth_group
 from adamspike.depth_groups import shallow_depths as group_shallow_depths
 from adamspike.llama import num_params, preset
+from adamspike.megatron_log import MegatronLogError, read_megatron_log
 from adamspike.mitigations import neutral_mask
 from adamspike.predictions import AlarmRule, Predictions, PredictionsError, save_predictions
 from adamspike.rundir import RunFormatError, json_clean, load_run
 from adamspike.train_config import RunConfig
-from analysis.megatron_log import MegatronLogError, read_megatron_log
 from simulate import ladder as LD
 from simulate.sweep import load_table
 from theory.adam_moments import grad_mom_cos

@@ -17,7 +17,7 @@ table, which is the same thing:
     [grid]                       # one list per axis; cells are the cartesian product
     optim.eps = [1e-8, 1e-6, 1e-4, 3e-4]
     optim.b2 = [0.95, 0.99, 0.999]
-    [spikes]                     # analysis.spikes.detect_spikes arguments (optional)
+    [spikes]                     # adamspike.spikes.SpikeParams fields (optional)
     window = 50
     [quick]                      # --quick: these tables replace the ones above, key by key
     fixed = {train.num_steps = 3000}
@@ -42,7 +42,7 @@ keeps the cells with int(cell_id, 16) % n == k-1; merging the shards' cells give
 table as an unsharded run.
 
 Table columns: problem, cell_id, every knob (dotted key), seed, then per run: num_spikes,
-spike_rate (per 1000 steps), max_spike_height (relative, from analysis.spikes), mean_recovery_steps,
+spike_rate (per 1000 steps), max_spike_height (relative, from adamspike.spikes), mean_recovery_steps,
 recovered_frac, final_loss, min_loss, diverged (non-finite loss, or final loss >= initial loss),
 and for each precursor trace the problem reports (rms_t, sat_frac, bimodality, grad_mom_cos,
 rho of its shallow parameters): max_<m> over the run and pre_<m> = max over the PRE_WINDOW (8)
@@ -61,7 +61,7 @@ import itertools
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -71,7 +71,7 @@ from tqdm import tqdm
 
 from adamspike.config import ConfigError, flatten, from_dict, merge, nest, read_toml, to_dict
 from adamspike.rundir import atomic_write_bytes
-from analysis.spikes import detect_spikes
+from adamspike.spikes import SpikeParams, detect_spikes
 
 PRE_WINDOW = 8            # Wortsman 2023a: rms_t leads loss spikes by 1-8 steps
 LEAD_WINDOW = 32          # the lead is measured in a wider window, so 1-8 is a testable claim
@@ -89,7 +89,7 @@ BatchFn = Callable[[dict, dict, np.ndarray], dict]
 
 
 def _detect_default(signal: np.ndarray, **kw) -> pd.DataFrame:
-    return detect_spikes(signal, np.arange(1, len(signal) + 1), **kw)
+    return detect_spikes(signal, np.arange(1, len(signal) + 1), SpikeParams(**kw))
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class Problem:
     over the schema's. Every cell is validated by the schema (`config`), so ranges and
     types are declared once, in the schema. `run` may add a "signal" trace [N, T] that
     spikes are detected on (default: the loss); `detect(signal_1d, **spikes)` returns
-    analysis.spikes columns (start, height, duration, recovered); `height_unit` says
+    adamspike.spikes columns (start, height, duration, recovered); `height_unit` says
     what `height` measures."""
     name: str
     schema: type
@@ -111,7 +111,7 @@ class Problem:
     spikes: Mapping[str, Any] = field(default_factory=dict)   # default detector kwargs
     max_vmap: int = 256                                       # runs per vmapped call
     detect: Callable[..., pd.DataFrame] = _detect_default
-    spike_keys: tuple[str, ...] = ("window", "k", "min_rel_jump", "min_history", "log", "absorb")
+    spike_keys: tuple[str, ...] = tuple(f.name for f in fields(SpikeParams))
     height_unit: str = "relative"                             # peak / baseline - 1
     check: Callable[[Any], None] | None = None                # cross-field check of a config
     save: Callable[[dict, int, Path], None] | None = None     # write one run directory
