@@ -5,9 +5,9 @@ the one subprocess check of `import study.cli`):
 - study/ (the top CLI and the study scheduler) sits above all others: no package below it
   (adamspike, theory, simulate, fullscale, analysis, figures) imports study, anywhere;
 
-- theory/ imports nothing of ours; simulate/ never imports torch or fullscale/; fullscale/
-  never imports jax / optax or simulate/; analysis/ and figures/ never import simulate/ or
-  fullscale/, and analysis/ never imports figures/ (every import, module-top and local);
+- theory/ imports nothing of ours; simulate/ never imports torch, fullscale/ or analysis/
+  (the spike rule and the log parser it needs are in the floor); fullscale/ never imports
+  jax / optax or simulate/; analysis/ and figures/ never import simulate/ or fullscale/, and analysis/ never imports figures/ (every import, module-top and local);
   the modules of adamspike/ (the floor) import no simulate/ fullscale/ analysis/ figures/
   at module top, and no jax / optax / torch at all;
 - no import cycle among the module-top imports of project modules;
@@ -43,7 +43,7 @@ LAZY_OK = {"jax", "jaxlib", "optax", "torch", "torch_npu", "matplotlib",
 FORBIDDEN = {
     "adamspike": {TOP},
     "theory": set(PACKAGES),
-    "simulate": {"torch", "torch_npu", "fullscale", TOP},
+    "simulate": {"torch", "torch_npu", "fullscale", "analysis", TOP},
     "fullscale": {"jax", "jaxlib", "optax", "simulate", TOP},
     "analysis": {"simulate", "fullscale", "figures", TOP},
     "figures": {"simulate", "fullscale", TOP},
