@@ -16,8 +16,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.report import SpikeParams, loss_spikes
-from analysis.spikes import detect_spikes
+from adamspike.spikes import SpikeParams, detect_spikes, loss_spikes
 from figures import style
 from figures.cli import run_figure_main
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.report import SpikeParams, loss_spikes
+from adamspike.spikes import SpikeParams, loss_spikes
 from figures import style
 from figures.cli import run_figure_main
 

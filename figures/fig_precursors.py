@@ -18,8 +18,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
+from adamspike.spikes import loss_spikes
 from analysis.precursors import precursors
-from analysis.report import loss_spikes
 from figures import style
 from figures.cli import run_figure_main
 

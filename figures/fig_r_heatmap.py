@@ -19,7 +19,7 @@ from matplotlib.colors import LogNorm
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis.report import loss_spikes
+from adamspike.spikes import loss_spikes
 from figures import style
 from figures.cli import run_figure_main
 
