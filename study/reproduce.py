@@ -9,6 +9,11 @@ process (the JAX and torch halves never share an interpreter):
     driven by the predictions -> figures -> analysis (+ the 70B predictions scored on the
     rho-matched toy and on its Megatron-format log) -> STUDY.md
 
+The stages are data, configs/study.toml: one table per stage (its arguments, sizes,
+dependencies, outputs), in plan order; `--quick` is the same study with each stage's
+`quick` values merged in (smaller sizes; a few stages left out). This module only fills in
+the paths and runs the plan.
+
 Independent stages overlap (`--jobs`, default 2): a stage can start once the stages it
 needs have succeeded and those it reads after have finished, and a free slot takes the
 first such stage in plan order. Compiled JAX programs and exact theory tables are cached
@@ -26,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,7 +41,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from adamspike.config import read_toml
+from adamspike.config import ConfigError, read_toml
 
 REPO = Path(__file__).resolve().parent.parent
 NOT_BUILT = 3
@@ -55,195 +61,102 @@ class Stage:
     fresh: list[str] = field(default_factory=list)
 
 
-# Stages that leave run directories under OUT/runs (analysis and figures read them all).
-RUN_STAGES = ["quadratic_spike", "quadratic_stable", "mlp", "llama_spike", "llama_stable",
-              "torch_run", "matched_toy", "matched_toy_1e8", "matched_toy_ge", "matched_toy_ge_1e8"]
+STUDY = REPO / "configs" / "study.toml"
+STAGE_KEYS = {"title", "args", "sizes", "run", "needs", "after", "outputs", "stdout_to", "fresh",
+              "quick"}
+QUICK_KEYS = STAGE_KEYS - {"quick"} | {"skip"}
+_PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
 
 
-# Run stages whose run directories train the spike-rate GLM (not torch_run: it needs the
-# predictions; not the matched toys: the 70B predictions are scored on them).
-RATE_RUN_STAGES = {"quadratic_spike": "quadratic_eps1e-8", "quadratic_stable": "quadratic_eps5e-4",
-                   "mlp": "mlp_sin", "llama_spike": "llama_spike", "llama_stable": "llama_stable"}
+def _size_flags(sizes: dict) -> list[str]:
+    """`key = value` -> `--key value`; true: `--key` alone; false: left out."""
+    out: list[str] = []
+    for k, v in sizes.items():
+        if v is True:
+            out.append(f"--{k}")
+        elif v is not False:
+            out += [f"--{k}", str(v)]
+    return out
 
 
-def _matched_optim() -> list[str]:
-    """--b2 / --eps of configs/matched_70b.toml for its exported Megatron log (a log does not
-    state them)."""
-    optim = read_toml(REPO / "configs" / "matched_70b.toml").get("optim", {})
+def _optim_of(path: str) -> list[str]:
+    """--b2 / --eps of a config's [optim] (for a Megatron log, which does not state them)."""
+    optim = read_toml(REPO / path).get("optim", {})
     return [a for k in ("b2", "eps") if k in optim for a in (f"--{k}", repr(float(optim[k])))]
 
 
-def stages(out: Path, quick: bool, jobs: int = 2) -> list[Stage]:
-    """The study, in order. Paths are inside `out`; jobs: processes of the figures and
-    analysis stages (they run last, one after the other, beside nothing else)."""
-    q = ["--quick"] if quick else []
-    o = lambda *p: str(out.joinpath(*p))  # noqa: E731
-    llama_steps = ["--train.num_steps", "100"] if quick else []
-    # --quick leaves out the stable tiny LLaMA (the spiking one stays: predictions.json's
-    # profile and the torch run's alarms read it)
-    rate_runs = {k: v for k, v in RATE_RUN_STAGES.items() if not (quick and k == "llama_stable")}
-    # the global-eps pair is the per-group pair's variant: 1000 steps, no curvature (each
-    # curvature evaluation costs ~300 gradients and its compile ~50 s: the per-group pair
-    # measures it), for the time budget; quick: 120 steps
-    global_steps = ["--train.num_steps", "120" if quick else "1000",
-                    "--telemetry.curvature_every", "0"]
-    # the per-group-eps pair (5k steps, curvature): the full study only; --quick runs only
-    # the global-eps pair (its Megatron log and the 70B scores need that pair)
-    groupeps = [] if quick else [
-        Stage("matched_toy_ge", "Rho-matched tiny LLaMA, per-group eps (70B rho per group at "
-              "eps 1e-5)",
-              ["simulate", "llama", "--config", str(REPO / "configs" / "matched_70b_groupeps.toml"),
-               "--out", o("runs", "matched_70b_groupeps"), "--no-progress"],
-              outputs=["runs/matched_70b_groupeps/run.json"]),
-        Stage("matched_toy_ge_1e8", "Rho-matched tiny LLaMA, per-group eps / 1000 (the 70B at "
-              "eps 1e-8)",
-              ["simulate", "llama", "--config",
-               str(REPO / "configs" / "matched_70b_groupeps_eps1e-8.toml"),
-               "--out", o("runs", "matched_70b_groupeps_eps1e-8"), "--no-progress"],
-              outputs=["runs/matched_70b_groupeps_eps1e-8/run.json"]),
-    ]
-    matched_runs = ["matched_70b", "matched_70b_eps1e-8"] + (
-        [] if quick else ["matched_70b_groupeps", "matched_70b_groupeps_eps1e-8"])
-    return [
-        Stage("theory", "Closed-form theory numbers", ["theory", "all", "--json"],
-              outputs=["theory/theory.json"], stdout_to="theory/theory.json"),
-        # the longest stages first (they start at once, the matched replication as soon as
-        # the ladder is done; the short ones fill the other slot)
-        Stage("ladder", "Width/depth ladder of tiny LLaMAs: gradient RMS fit, 70B profile",
-              ["simulate", "ladder", "--out", o("ladder"), "--no-progress", *q],
-              outputs=["ladder/fit.json", "ladder/report.md"]),
-        Stage("replay", "Causal replay of toy spikes (toy_spike at batch 16), one intervention "
-              "each (JAX; torch subset)",
-              ["replay", "--config", str(REPO / "configs" / "toy_spike.toml"),
-               "--out", o("replay"), "--no-progress",
-               # batch 16: ~2.5x the incidents per CPU second of batch 32 (measured: 11
-               # incidents in 7 seeds x 1500 steps at 20 ms / step, against 15 in 14 seeds at
-               # 35 ms / step), so >= 20 incidents fit the study's time budget
-               "--train.global_batch_size", "16",
-               *(q if quick else ["--torch-spikes", "2"])],
-              outputs=["replay/replay.md", "replay/replay.csv"]),
-        Stage("replication_matched", "Replication of the claims in the rho-matched regime "
-              "(10 paired seeds per arm)",
-              ["replicate", "matched", "--ladder", o("ladder"), "--out", o("replication_matched"),
-               "--no-progress", *q],
-              needs=["ladder"], outputs=["replication_matched/replication.md"]),
-        *groupeps,
-        # the spike-rate GLM's inputs, then the GLM and what reads it (predictions, the torch
-        # run), so that chain overlaps the stages below instead of ending the study
-        Stage("quadratic_spike", "Adam on a quadratic, eps below eps* (spikes)",
-              ["simulate", "quadratic", "--steps", "30000", "--lr", "1e-2", "--eps", "1e-8",
-               "--b2", "0.999", "--out", o("runs", "quadratic_eps1e-8"), "--no-progress"],
-              outputs=["runs/quadratic_eps1e-8/run.json"]),
-        Stage("quadratic_stable", "Adam on a quadratic, eps above eps* (no spikes)",
-              ["simulate", "quadratic", "--steps", "30000", "--lr", "1e-2", "--eps", "5e-4",
-               "--b2", "0.999", "--out", o("runs", "quadratic_eps5e-4"), "--no-progress"],
-              outputs=["runs/quadratic_eps5e-4/run.json"]),
-        Stage("mlp", "2-layer FNN on sin x + sin 4x, full-batch Adam (Bai et al.)",
-              ["simulate", "mlp", "--kind", "sin", "--steps", "4000" if quick else "20000",
-               "--lr", "1e-2", "--b2", "0.999", "--eps", "1e-8", "--hist-every", "50",
-               "--out", o("runs", "mlp_sin"), "--no-progress"],
-              outputs=["runs/mlp_sin/run.json"]),
-        Stage("llama_spike", "Tiny LLaMA (JAX) in the spiking regime",
-              ["simulate", "llama", "--config", str(REPO / "configs" / "toy_spike.toml"),
-               "--out", o("runs", "llama_spike"), *llama_steps],
-              outputs=["runs/llama_spike/run.json"]),
-        *([] if quick else [
-            Stage("llama_stable", "Tiny LLaMA (JAX), stable setting",
-                  ["simulate", "llama", "--config", str(REPO / "configs" / "toy_stable.toml"),
-                   "--out", o("runs", "llama_stable")],
-                  outputs=["runs/llama_stable/run.json"])]),
-        Stage("sweep", "eps x b2 x lr x seed sweep on the quadratic",
-              ["sweep", "run", "--grid", str(REPO / "configs" / "sweep_quadratic.toml"),
-               "--out", o("sweep"), *q], outputs=["sweep"]),
-        Stage("sweep_mlp_width", "eps x b2 x width x seed sweep on the MLP (GLM held-out width)",
-              ["sweep", "run", "--grid", str(REPO / "configs" / "sweep_mlp_width.toml"),
-               "--out", o("sweep_mlp_width"), "--no-progress", *q],
-              outputs=["sweep_mlp_width"]),
-        Stage("spike_rate", "Spike-rate GLM on the sweeps, toy runs and matched arms, held-out validation",
-              ["spike-rate", "--sweep", o("sweep"), "--sweep", o("sweep_mlp_width"), "--runs",
-               *[o("runs", d) for d in rate_runs.values()],
-               "--matched", o("replication_matched"), "--out", o("spike_rate")],
-              needs=["sweep", "sweep_mlp_width", "replication_matched"], after=list(rate_runs),
-              outputs=["spike_rate/model.json"], fresh=["spike_rate"]),
-        Stage("predict", "predictions.json from the spike-rate GLM + sweep",
-              ["predict", "--profile", o("runs", "llama_spike"), "--sweep", o("sweep"),
-               "--rate-model", o("spike_rate", "model.json"), "--out", o("predictions.json")],
-              needs=["sweep", "llama_spike", "spike_rate"], outputs=["predictions.json"],
-              fresh=["predictions.json"]),
-        Stage("predict_70b", "pre-registered predictions for LLaMA2-70B (GLM rate per setting, "
-              "ladder profile per depth)",
-              ["predict", "--profile", "llama2-70b", "--ladder", o("ladder"), "--sweep", o("sweep"),
-               "--rate-model", o("spike_rate", "model.json"), "--out", o("predictions_70b.json")],
-              needs=["sweep", "ladder", "spike_rate"], outputs=["predictions_70b.json"],
-              fresh=["predictions_70b.json"]),
-        Stage("torch_run", "Tiny LLaMA (torch) driven by the predictions' alarms",
-              ["train", "--config", str(REPO / "configs" / "tiny_torch_study.toml"),
-               "--out", o("runs", "torch_tiny"), "--alarms.predictions", o("predictions.json"),
-               *(["--train.num_steps", "60"] if quick else [])],
-              needs=["predict"], outputs=["runs/torch_tiny/run.json"]),
-        Stage("matched_toy", "Rho-matched tiny LLaMA (70B rho at eps 1e-5, b2 0.95, Zipf data; "
-              f"{global_steps[1]} steps)",
-              ["simulate", "llama", "--config", str(REPO / "configs" / "matched_70b.toml"),
-               "--out", o("runs", "matched_70b"), "--no-progress", *global_steps],
-              outputs=["runs/matched_70b/run.json"]),
-        Stage("matched_toy_1e8", "Rho-matched tiny LLaMA at the 70B's eps 1e-8 (eps / 1000; "
-              f"{global_steps[1]} steps)",
-              ["simulate", "llama", "--config", str(REPO / "configs" / "matched_70b_eps1e-8.toml"),
-               "--out", o("runs", "matched_70b_eps1e-8"), "--no-progress", *global_steps],
-              outputs=["runs/matched_70b_eps1e-8/run.json"]),
-        Stage("montecarlo", "Monte-Carlo of Adam on i.i.d. and AR(1) streams (optax)",
-              ["simulate", "streams", "--steps", "500" if quick else "2000",
-               "--coords", "16384" if quick else "65536", "--b1", "0.9", "--b2", "0.95",
-               "--phi", "0.5", "--out", o("montecarlo", "streams.json")],
-              outputs=["montecarlo/streams.json"]),
-        # theory figures read no runs (their Monte-Carlo points take ~1.5 min): drawn early,
-        # beside the training stages, not at the study's end
-        Stage("figures_theory", "Theory figures (closed forms with Monte-Carlo points)",
-              ["figures", "--only-theory", "--out", o("figures"), *q],
-              outputs=["figures/theory"]),
-        Stage("replication", "Replication table of the literature's claims (toy regime)",
-              ["sweep", "replicate", "--out", o("replication"), "--skip-llama", *q],
-              outputs=["replication"]),
-        Stage("megatron_log", "The rho-matched toy's steps as a Megatron-format training log",
-              ["megatron-log", o("runs", "matched_70b"), "--out", o("megatron", "matched_70b.log")],
-              needs=["matched_toy"], outputs=["megatron/matched_70b.log"],
-              fresh=["megatron/matched_70b.log"]),
-        Stage("score_70b", "The 70B predictions scored on the rho-matched toys and the log",
-              ["analyze", o("runs", "matched_70b"), o("runs", "matched_70b_eps1e-8"),
-               "--log", o("megatron", "matched_70b.log"), *_matched_optim(),
-               "--predictions", o("predictions_70b.json"), "--out", o("scores_70b"),
-               "--no-figures"],
-              needs=["predict_70b", "matched_toy", "matched_toy_1e8", "megatron_log"],
-              outputs=["scores_70b/prediction_scores.md"], fresh=["scores_70b"]),
-        Stage("matched_report", "Rho-matched toy: spikes, regime trajectories, dormancy",
-              ["simulate", "matched", "--runs", *[o("runs", r) for r in matched_runs],
-               "--predictions", o("predictions_70b.json"), "--out", o("matched")],
-              needs=["matched_toy", "matched_toy_1e8", *[st.name for st in groupeps],
-                     "predict_70b"],
-              outputs=["matched/report.md"]),
-        Stage("plan", "Full-scale run configs + launch scripts per recommended setting",
-              ["plan", "--predictions", o("predictions_70b.json"),
-               "--base", str(REPO / "configs" / "llama2-70b.toml"),
-               "--cluster", str(REPO / "configs" / "cluster-128x8.toml"), "--top", "3",
-               "--master-addr", "node0000",  # the rank-0 host name, to edit
-               "--out", o("plan")],
-              needs=["predict_70b"], outputs=["plan"]),
-        Stage("model_info", "LLaMA2-70B parameters, FLOPs/token, memory per card",
-              ["model", "info", "--config", "llama2-70b", "--world-size", "1024", "--json"],
-              outputs=["model_info.json"], stdout_to="model_info.json"),
-        # the run figures are drawn once, by the figures stage (one process per run); the
-        # analysis reports link them
-        Stage("figures", "Every figure of the study (the theory figures: figures_theory)",
-              ["figures", "--from-study", str(out), "--out", o("figures"), "--no-theory",
-               "--jobs", str(jobs), *q],
-              after=RUN_STAGES + ["sweep", "replication", "ladder", "spike_rate"],
-              outputs=["figures"]),
-        Stage("analyze", "Spikes, precursors, alarm scores, theory fits",
-              ["analyze", "--from-study", str(out), "--predictions", o("predictions.json"),
-               "--figures-from", o("figures"), "--jobs", str(jobs), "--out", o("analysis")],
-              needs=["predict"],
-              after=RUN_STAGES + ["figures"], outputs=["analysis"], fresh=["analysis"]),
-    ]
+def load_study(path: Path = STUDY, quick: bool = False) -> dict[str, dict]:
+    """The study's stage tables (configs/study.toml), in plan order, with --quick's values
+    merged in (`sizes` key by key, other keys replaced) and its skipped stages left out."""
+    tables = read_toml(path).get("stages")
+    if not isinstance(tables, dict) or not tables:
+        raise ConfigError(f"{path}: expected [stages.<name>] tables")
+    plan: dict[str, dict] = {}
+    for name, t in tables.items():
+        unknown = sorted(set(t) - STAGE_KEYS)
+        if unknown:
+            raise ConfigError(f"stages.{name}: unknown key(s) {unknown} (known: {sorted(STAGE_KEYS)})")
+        q = t.get("quick", {}) if quick else {}
+        unknown = sorted(set(q) - QUICK_KEYS)
+        if unknown:
+            raise ConfigError(f"stages.{name}.quick: unknown key(s) {unknown} (known: {sorted(QUICK_KEYS)})")
+        if q.get("skip"):
+            continue
+        st = {k: v for k, v in t.items() if k != "quick"}
+        st.update({k: v for k, v in q.items() if k not in ("skip", "sizes")})
+        st["sizes"] = {**t.get("sizes", {}), **q.get("sizes", {})}
+        plan[name] = st
+    known = set(tables)
+    for name, st in plan.items():
+        for key in ("needs", "after"):
+            bad = sorted(set(st.get(key, [])) - known)
+            if bad:
+                raise ConfigError(f"stages.{name}.{key}: unknown stage(s) {bad}")
+    return plan
+
+
+def stages(out: Path, quick: bool, jobs: int = 2, study: Path = STUDY) -> list[Stage]:
+    """The study (configs/study.toml), in order, its placeholders filled in. Paths are inside
+    `out`; jobs: processes of the figures and analysis stages (they run last, one after the
+    other, beside nothing else)."""
+    plan = load_study(study, quick)
+    values = {"out": str(out), "repo": str(REPO), "jobs": str(jobs)}
+
+    def fill(text: str, sizes: dict) -> str:
+        def one(m: re.Match) -> str:
+            key = m.group(1)
+            if key in values:
+                return values[key]
+            if key in sizes:
+                return str(sizes[key])
+            raise ConfigError(f"{study}: unknown placeholder {{{key}}} in {text!r}")
+        return _PLACEHOLDER.sub(one, text)
+
+    def expand(arg: str, sizes: dict) -> list[str]:
+        if arg.startswith("{runs:") and arg.endswith("}"):
+            names = arg[len("{runs:"):-1].split(",")
+            unknown = [n for n in names if n in plan and "run" not in plan[n]]
+            if unknown:
+                raise ConfigError(f"{study}: {arg}: stage(s) {unknown} leave no run")
+            return [str(out / plan[n]["run"]) for n in names if n in plan]
+        if arg.startswith("{optim_of:") and arg.endswith("}"):
+            return _optim_of(arg[len("{optim_of:"):-1])
+        return [fill(arg, sizes)]
+
+    result = []
+    for name, st in plan.items():
+        sizes = st["sizes"]
+        outputs = list(st.get("outputs", []))
+        if "run" in st:
+            outputs.append(f"{st['run']}/run.json")
+        result.append(Stage(
+            name, fill(st.get("title", name), sizes),
+            [a for arg in st.get("args", []) for a in expand(arg, sizes)] + _size_flags(sizes),
+            # stages --quick leaves out are not waited for
+            needs=[n for n in st.get("needs", []) if n in plan],
+            after=[n for n in st.get("after", []) if n in plan],
+            outputs=outputs, stdout_to=st.get("stdout_to"), fresh=list(st.get("fresh", []))))
+    return result
 
 
 def _set_aside(st: Stage, out: Path) -> None:
@@ -452,8 +365,11 @@ def _schedule(plan: list[Stage], out: Path, env: dict, marks: Path, resume: bool
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike reproduce", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out/study", help="output folder (must be new or empty)")
-    ap.add_argument("--quick", action="store_true", help="CI scale (a few minutes)")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI scale (a few minutes): configs/study.toml's quick values")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted study")
+    ap.add_argument("--study", default=str(STUDY),
+                    help="the stages, as TOML (default configs/study.toml)")
     ap.add_argument("--only", nargs="+", metavar="STAGE", help="run only these stages")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                     help="stages run at once (independent stages overlap; default 2)")
@@ -463,10 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"adamspike reproduce: {out} exists and is not empty; use --resume or a new "
               "--out (nothing was overwritten)", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    marks = out / ".stages"
-    marks.mkdir(exist_ok=True)
-    plan = stages(out, args.quick, max(1, args.jobs))
+    try:
+        plan = stages(out, args.quick, max(1, args.jobs), Path(args.study))
+    except ConfigError as e:
+        print(f"adamspike reproduce: {e}", file=sys.stderr)
+        return 2
     if args.only:
         unknown = sorted(set(args.only) - {s.name for s in plan})
         if unknown:
@@ -474,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{[s.name for s in plan]}", file=sys.stderr)
             return 2
         plan = [s for s in plan if s.name in args.only]
+    out.mkdir(parents=True, exist_ok=True)
+    marks = out / ".stages"
+    marks.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ADAMSPIKE_STUDY": str(out)}
     # overlapping stages share the cores instead of oversubscribing them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, args.jobs))))

@@ -115,3 +115,42 @@ def test_scheduler_gives_a_free_slot_to_the_first_ready_stage(tmp_path, monkeypa
     started.clear()
     res = reproduce._schedule(plan[:2], tmp_path, {}, marks, resume=True, jobs=2)
     assert [r["status"] for r in res] == ["ok", "ok"] and started == ["needs_long"]
+
+
+def test_the_study_is_data_and_quick_merges_its_values(tmp_path):
+    """configs/study.toml is the plan: --quick is the same stages in the same order, minus
+    those it skips, with its sizes merged in; a skipped stage drops out of the others'
+    needs / after and run lists; sizes become flags."""
+    from study.reproduce import load_study, stages
+    full, quick = stages(tmp_path, False), stages(tmp_path, True, jobs=3)
+    names = [s.name for s in full]
+    assert names == list(load_study()) and names[0] == "theory"
+    skipped = set(names) - {s.name for s in quick}
+    assert skipped == {"llama_stable", "matched_toy_ge", "matched_toy_ge_1e8"}
+    assert [s.name for s in quick] == [n for n in names if n not in skipped]
+    f, q = {s.name: s for s in full}, {s.name: s for s in quick}
+    assert f["mlp"].argv[-2:] == ["--steps", "20000"] and q["mlp"].argv[-2:] == ["--steps", "4000"]
+    assert "--torch-spikes" in f["replay"].argv and "--torch-spikes" not in q["replay"].argv
+    assert "--quick" in q["ladder"].argv and "--quick" not in f["ladder"].argv
+    assert "120 steps" in q["matched_toy"].title and "1000 steps" in f["matched_toy"].title
+    assert str(tmp_path / "runs" / "llama_stable") in f["spike_rate"].argv
+    assert str(tmp_path / "runs" / "llama_stable") not in q["spike_rate"].argv
+    assert "llama_stable" not in q["spike_rate"].after
+    assert not skipped & set(q["matched_report"].needs)
+    assert f["llama_spike"].outputs == ["runs/llama_spike/run.json"]
+    assert q["figures"].argv[q["figures"].argv.index("--jobs") + 1] == "3"
+    assert all("{" not in a for s in full + quick for a in s.argv), "placeholder left"
+
+
+def test_a_bad_study_file_names_the_key(tmp_path):
+    from adamspike.config import ConfigError
+    from study.reproduce import main, stages
+    bad = tmp_path / "s.toml"
+    bad.write_text('[stages.a]\nargs = ["theory"]\nneeds = ["nope"]\n')
+    with pytest.raises(ConfigError, match=r"stages.a.needs: unknown stage\(s\) \['nope'\]"):
+        stages(tmp_path, False, study=bad)
+    bad.write_text('[stages.a]\nargs = ["theory"]\nquick.steps = 3\n')
+    with pytest.raises(ConfigError, match=r"stages.a.quick: unknown key\(s\) \['steps'\]"):
+        stages(tmp_path, True, study=bad)
+    assert main(["--study", str(bad), "--quick", "--out", str(tmp_path / "o")]) == 2
+    assert not (tmp_path / "o").exists()
