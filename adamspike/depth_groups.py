@@ -16,6 +16,8 @@ layers has depths 0..L-1 and uses the same rule, with no embed or head group.
 
 from __future__ import annotations
 
+import numpy as np
+
 GROUPS = ("embed", "shallow", "deep", "head")
 
 
@@ -54,3 +56,16 @@ def infer_num_layers(depths) -> int:
     """L of a run's layers table: the head sits at depth L, the largest depth (>= 1)."""
     depths = [int(d) for d in depths]
     return max(1, max(depths, default=1))
+
+
+def group_rho(rho, numel, axis: int = -1):
+    """rho of a group of tensors (the project's one group statistic): the rms over the
+    group's coordinates of g / eps, sqrt(sum_t numel_t rho_t^2 / sum_t numel_t) with
+    rho_t = rms(g_t) / eps_t (each tensor's own eps); equivalently, for one eps,
+    sqrt(sum of g^2 over the group / numel of the group) / eps. `rho` [..., tensors] along
+    `axis`, `numel` [tensors]; NaN tensors are left out (NaN when none is finite)."""
+    r = np.moveaxis(np.asarray(rho, dtype=np.float64), axis, -1)
+    w = np.asarray(numel, dtype=np.float64)
+    ok = np.isfinite(r)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.sqrt(np.where(ok, r * r, 0.0) @ w / (ok @ w))

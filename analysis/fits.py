@@ -55,7 +55,7 @@ from adamspike.metrics import NUM_VHIST_BINS, shape_stats, vhist_centers
 from adamspike.rundir import atomic_write_bytes
 from analysis.precursors import depth_group
 from theory.adam_moments import grad_mom_cos as theory_grad_mom_cos
-from theory.eps_regime import regime, update_rms
+from theory.eps_regime import RHO_FROZEN, RHO_SCALE_INVARIANT, REGIMES, regime, regimes, update_rms
 from theory.quadratic import critical_eps
 from theory.transients import dormant_rms_t_bound, step_up
 
@@ -202,15 +202,14 @@ def fit_update_rms(layers: pd.DataFrame, b1: float, b2: float, *, min_step: int 
                          "depth": sub["depth"].to_numpy(), "rho": rho, "phi": phi,
                          "measured": meas, "predicted": pred})
     rows["group"] = depth_group(rows["depth"])
-    rows["regime"] = np.select([rho < 0.1, rho > 10.0], ["frozen", "scale_invariant"],
-                               "transition")
+    rows["regime"] = regimes(rho)
     by = []
     for (g, rg), part in rows.groupby(["group", "regime"], sort=True):
         by.append({"group": g, "regime": rg, "num_rows": len(part),
                    "median_ratio": float(np.median(part["measured"] / part["predicted"])),
                    "r2_log": r2_score(np.log(part["measured"]), np.log(part["predicted"]))
                    if len(part) > 2 else math.nan})
-    frac_sens = float(np.mean(rho <= 10.0))
+    frac_sens = float(np.mean(rho <= RHO_SCALE_INVARIANT))
     return UpdateFit(b1=float(b1), b2=float(b2), method=model.method, num_rows=len(rows),
                      frac_eps_sensitive=frac_sens, eps_scale_identifiable=frac_sens >= 0.05,
                      r2_log=r2, median_ratio=float(np.median(meas / pred)), eps_scale=float(c),
@@ -412,7 +411,9 @@ def spike_regimes(layers: pd.DataFrame, spikes: pd.DataFrame, config: dict, *,
 # ------------------------------------------------------------------ heterogeneous update_rms
 
 HET_LOG_RHO_GRID = np.arange(-2.5, 3.51, 0.25)
-BANDS = (("rho<0.1", 0.0, 0.1), ("0.1-10", 0.1, 10.0), ("rho>10", 10.0, math.inf))
+BANDS = ((f"rho<{RHO_FROZEN:g}", 0.0, RHO_FROZEN),                # theory.eps_regime.REGIMES
+         (f"{RHO_FROZEN:g}-{RHO_SCALE_INVARIANT:g}", RHO_FROZEN, RHO_SCALE_INVARIANT),
+         (f"rho>{RHO_SCALE_INVARIANT:g}", RHO_SCALE_INVARIANT, math.inf))
 
 
 @functools.lru_cache(maxsize=256)
@@ -619,7 +620,7 @@ def fit_update_rms_heterogeneous(layers: pd.DataFrame, vhists: pd.DataFrame, b1:
                          "g2_over_v": g2_over_v,
                          "burstiness": m["burstiness"].to_numpy(float),
                          "vhist_spread_decades": q90 - q10})
-    rows["band"] = np.select([rho < 0.1, rho > 10.0], ["rho<0.1", "rho>10"], "0.1-10")
+    rows["band"] = pd.Series(regimes(rho)).map(dict(zip(REGIMES, (b[0] for b in BANDS)))).to_numpy()
     brows, drows = [], []
     for band, _, _ in (*BANDS, ("all", 0, 0)):
         part = rows if band == "all" else rows[rows["band"] == band]

@@ -56,11 +56,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from adamspike.depth_groups import GROUPS, depth_group
+from adamspike.depth_groups import GROUPS, depth_group, group_rho
 from adamspike.llama import PRESETS, LlamaConfig
 from adamspike.llama import num_params as llama_num_params
 from adamspike.rundir import load_run
 from analysis.fits import optim_params
+from theory.eps_regime import regimes
 
 RHO_WAKE = 1.0
 MIN_DORMANT = 10
@@ -225,8 +226,7 @@ def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | No
                                                 "rho_dormant_median", "rho_at_wake",
                                                 "rms_t_at_wake", "update_rms_at_wake"])
 
-    # trajectory: per step and group, the group's rho (all its coordinates as one vector)
-    g2 = np.where(np.isfinite(rho), rho ** 2, 0.0)
+    # trajectory: per step and group, the group's rho (adamspike.depth_groups.group_rho)
     present = np.isfinite(rho)
     traj = []
     for g in [x for x in GROUPS if x in set(grp)]:
@@ -234,7 +234,7 @@ def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | No
         w = numel[cols]
         nw = present[:, cols] @ w
         with np.errstate(all="ignore"):
-            rho_g = np.sqrt((g2[:, cols] @ w) / nw)
+            rho_g = group_rho(rho[:, cols], w)
             ef = (np.where(present[:, cols], np.nan_to_num(extra["eps_frac"][:, cols]), 0.0) @ w
                   / nw) if "eps_frac" in extra else np.full(len(st), np.nan)
             mv = np.nanmedian(snr[:, cols], axis=1) if snr is not None else np.full(len(st), np.nan)
@@ -294,7 +294,7 @@ def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | No
 def _band(rho: float) -> str:
     if not math.isfinite(rho):
         return "-"
-    return "frozen" if rho < 0.1 else ("scale_invariant" if rho > 10 else "transition")
+    return str(regimes(rho))
 
 
 def curvature_card(curv: pd.DataFrame, b1: float | None, eps: float | None) -> pd.DataFrame:

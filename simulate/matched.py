@@ -7,9 +7,10 @@ predictions_70b.json (`profile.by_depth`, at `profile.eps_ref`), writes DIR/repo
 STUDY.md section) and DIR/trajectories.csv (per run, logged step and depth group: rho,
 eps_frac, dormant). Definitions, per depth group g (adamspike.depth_groups) and logged step:
 
-    rho_g       sqrt(sum_t numel_t rho_t^2 / sum_t numel_t), rho_t = grad_rms_t / eps_t: the
-                group's RMS of the gradient Adam consumed (after the clip) over its eps (each
-                tensor's own eps, so per-group eps, mitigation.eps_*, is accounted for)
+    rho_g       adamspike.depth_groups.group_rho: sqrt(sum_t numel_t rho_t^2 / sum_t numel_t),
+                rho_t = grad_rms_t / eps_t: the group's RMS of the gradient Adam consumed
+                (after the clip) over its eps (each tensor's own eps, so per-group eps,
+                mitigation.eps_*, is accounted for)
     eps_frac_g  numel-weighted mean of eps_frac (fraction of coordinates with
                 sqrt(v_hat) < eps: their update r = m_hat / (sqrt(v_hat) + eps) is
                 eps-dominated)
@@ -37,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from adamspike.depth_groups import GROUPS, depth_group
+from adamspike.depth_groups import GROUPS, depth_group, group_rho
 from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
 from adamspike.spikes import SpikeParams, detect_spikes
 
@@ -51,13 +52,13 @@ def trajectories(run) -> pd.DataFrame:
     L = int(run.config.get("model", {}).get("num_layers") or run.layers["depth"].max())
     lay = run.layers
     df = pd.DataFrame({"step": lay["step"].to_numpy(), "numel": lay["numel"].to_numpy(float),
-                       "g2": lay["rho"].to_numpy(float) ** 2,
+                       "rho": lay["rho"].to_numpy(float),
                        "eps_frac": lay["eps_frac"].to_numpy(float),
                        "group": [depth_group(int(d), L) for d in lay["depth"]]})
-    df["g2n"] = df["g2"] * df["numel"]
     df["efn"] = df["eps_frac"] * df["numel"]
-    g = df.groupby(["step", "group"], as_index=False)[["g2n", "efn", "numel"]].sum()
-    g["rho"] = np.sqrt(g["g2n"] / g["numel"])
+    g = df.groupby(["step", "group"], as_index=False)[["efn", "numel"]].sum()
+    g["rho"] = [float(group_rho(p["rho"], p["numel"]))
+                for _, p in df.groupby(["step", "group"], sort=True)]
     g["eps_frac"] = g["efn"] / g["numel"]
     g["dormant"] = g["eps_frac"] > 0.5
     return g[["step", "group", "rho", "eps_frac", "dormant"]]

@@ -20,6 +20,7 @@ from .adam_moments import m_moments, update_stats
 
 RHO_FROZEN = 0.1
 RHO_SCALE_INVARIANT = 10.0
+REGIMES = ("frozen", "transition", "scale_invariant")
 
 
 def regime(rho: float) -> str:
@@ -30,6 +31,13 @@ def regime(rho: float) -> str:
     if rho > RHO_SCALE_INVARIANT:
         return "scale_invariant"
     return "transition"
+
+
+def regimes(rho) -> np.ndarray:
+    """`regime` elementwise over an array, unvalidated (NaN -> 'transition', like no band)."""
+    rho = np.asarray(rho, dtype=float)
+    return np.select([rho < RHO_FROZEN, rho > RHO_SCALE_INVARIANT],
+                     [REGIMES[0], REGIMES[2]], REGIMES[1])
 
 
 def _split(snr):
