@@ -41,9 +41,14 @@ def _simulate_markov(rng, n, persist, draws):
     return np.bincount(tot, minlength=n + 1) / draws
 
 
-def prepare(quick: bool = False, seed: int = 0) -> dict:
+# Monte-Carlo sizes, and the --quick (CI) reductions merged into them (figures.style)
+SIZES = {"draws": 200_000, "icc_points": 300}
+QUICK = {"draws": 20_000, "icc_points": 100}
+
+
+def prepare(sizes: dict = SIZES, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    draws = 20_000 if quick else 200_000
+    draws = sizes["draws"]
     boards = []
     for label, icc in (("independent", 0.0), ("icc = 0.1", 0.1), ("icc = 1/3 (threshold)", 1 / 3),
                        ("icc = 0.5", 0.5)):
@@ -51,7 +56,7 @@ def prepare(quick: bool = False, seed: int = 0) -> dict:
                        "sim": _simulate_exchangeable(rng, N, icc, draws)})
     boards.append({"label": "Markov, persist = 0.9", "pmf": G.markov_pmf(N, 0.9),
                    "sim": _simulate_markov(rng, N, 0.9, draws)})
-    icc = np.linspace(0.0, 0.99, 100 if quick else 300)
+    icc = np.linspace(0.0, 0.99, sizes["icc_points"])
     bc = {n: np.array([B.betabinom_bc(n, x) for x in icc]) for n in (5, 20, 100)}
     return {"n": N, "boards": boards, "icc": icc, "bc": bc,
             "u_threshold": B.betabinom_u_threshold(N), "draws": draws,
@@ -83,7 +88,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    return computed_figure_main(__doc__, prepare, plot, argv)
+    return computed_figure_main(__doc__, prepare, plot, argv, SIZES, QUICK)
 
 
 if __name__ == "__main__":

@@ -25,13 +25,17 @@ B1, B2, EPS, T = 0.9, 0.999, 1e-8, 3000
 SNRS = (0.0, 0.3, 1.0, 3.0)
 
 
-def prepare(quick: bool = False, seed: int = 0) -> dict:
+# Monte-Carlo sizes, and the --quick (CI) reductions merged into them (figures.style)
+SIZES = {"coords": 131072, "steps": T, "snr_points": 31}
+QUICK = {"coords": 16384, "steps": 800, "snr_points": 13}
+
+
+def prepare(sizes: dict = SIZES, seed: int = 0) -> dict:
     # lazy: jax Monte-Carlo points (simulate.streams): a known figures -> simulate exception
     # (tests/foundation/test_layering.py KNOWN)
     from simulate.streams import sample_updates, simulate_streams
 
-    n = 16384 if quick else 131072
-    steps = 800 if quick else T
+    n, steps = sizes["coords"], sizes["steps"]
     panels = []
     for s in SNRS:
         r = sample_updates(dict(b1=B1, b2=B2, eps=EPS, mu=s, sigma=1.0), steps, n, seed=seed)
@@ -40,7 +44,7 @@ def prepare(quick: bool = False, seed: int = 0) -> dict:
         den = math.sqrt(s * s + 1.0) + EPS
         panels.append({"snr": s, "r": r, "bc_theory": th["bc"], "c": s / den,
                        "s": math.sqrt(mv["var"]) / den})
-    grid = np.linspace(0.0, 3.0, 13 if quick else 31)
+    grid = np.linspace(0.0, 3.0, sizes["snr_points"])
     curve = {phi: np.array([r_bimodality(B1, B2, EPS, g, phi, t=steps)["bc"] for g in grid]) for phi in (0.0, 0.5)}
     pts_snr = np.array([0.2, 0.5, 1.0, 2.0])
     cfgs = [dict(b1=B1, b2=B2, eps=EPS, mu=g, phi=phi) for phi in (0.0, 0.5) for g in pts_snr]
@@ -85,7 +89,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    return computed_figure_main(__doc__, prepare, plot, argv)
+    return computed_figure_main(__doc__, prepare, plot, argv, SIZES, QUICK)
 
 
 if __name__ == "__main__":

@@ -23,18 +23,22 @@ B1, KAPPA = 0.9, 10.0
 B2S = (0.95, 0.99, 0.999)
 
 
-def prepare(quick: bool = False, seed: int = 0) -> dict:
+# Monte-Carlo sizes, and the --quick (CI) reductions merged into them (figures.style)
+SIZES = {"quiet": 4000, "steps": 60, "coords": 32768}
+QUICK = {"quiet": 500, "steps": 20, "coords": 4096}
+
+
+def prepare(sizes: dict = SIZES, seed: int = 0) -> dict:
     # lazy: jax Monte-Carlo points (simulate.streams): a known figures -> simulate exception
     # (tests/foundation/test_layering.py KNOWN)
     from simulate.streams import simulate_streams
 
-    quiet = 500 if quick else 4000
-    steps = 20 if quick else 60
+    quiet, steps = sizes["quiet"], sizes["steps"]
     total = quiet + steps
     sig = np.ones((len(B2S), total))
     sig[:, quiet:] = KAPPA
     mc = simulate_streams([dict(b1=B1, b2=b, eps=1e-8) for b in B2S], steps=total,
-                          n_coords=4096 if quick else 32768, record="all", sigma_t=sig, seed=seed)
+                          n_coords=sizes["coords"], record="all", sigma_t=sig, seed=seed)
     rows = []
     for i, b2 in enumerate(B2S):
         th = T.step_up(B1, b2, KAPPA, steps, eps=1e-8, quiet=quiet)
@@ -73,7 +77,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    return computed_figure_main(__doc__, prepare, plot, argv)
+    return computed_figure_main(__doc__, prepare, plot, argv, SIZES, QUICK)
 
 
 if __name__ == "__main__":

@@ -22,19 +22,24 @@ from theory import eps_regime as E
 CASES = ((0.9, 0.95, 0.0, 0.0), (0.9, 0.999, 0.0, 0.0), (0.9, 0.95, 0.5, 1.0))
 
 
-def prepare(quick: bool = False, seed: int = 0) -> dict:
+# Monte-Carlo sizes, and the --quick (CI) reductions merged into them (figures.style)
+SIZES = {"rho_points": 41, "mc_points": 9, "steps": 3000, "coords": 32768}
+QUICK = {"rho_points": 17, "mc_points": 5, "steps": 400, "coords": 8192}
+
+
+def prepare(sizes: dict = SIZES, seed: int = 0) -> dict:
     # lazy: jax Monte-Carlo points (simulate.streams): a known figures -> simulate exception
     # (tests/foundation/test_layering.py KNOWN)
     from simulate.streams import simulate_streams
 
-    rho = np.logspace(2, -2, 17 if quick else 41)
-    pts = np.logspace(2, -2, 5 if quick else 9)
-    steps = 400 if quick else 3000
+    rho = np.logspace(2, -2, sizes["rho_points"])
+    pts = np.logspace(2, -2, sizes["mc_points"])
+    steps = sizes["steps"]
     out = []
     for b1, b2, phi, snr in CASES:
         sigma = 1 / math.sqrt(1 + snr * snr)
         mc = simulate_streams([dict(b1=b1, b2=b2, phi=phi, mu=snr * sigma, sigma=sigma, eps=1 / r) for r in pts],
-                              steps=steps, n_coords=8192 if quick else 32768, seed=seed)
+                              steps=steps, n_coords=sizes["coords"], seed=seed)
         out.append({"b1": b1, "b2": b2, "phi": phi, "snr": snr,
                     "theory": E.update_rms_curve(rho, b1, b2, phi, snr, t=steps),
                     "frozen": E.frozen_limit(rho, b1, phi, snr, t=steps),
@@ -61,7 +66,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    return computed_figure_main(__doc__, prepare, plot, argv)
+    return computed_figure_main(__doc__, prepare, plot, argv, SIZES, QUICK)
 
 
 if __name__ == "__main__":

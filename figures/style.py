@@ -55,14 +55,17 @@ def save(fig, out_dir: str | Path, name: str) -> list[Path]:
     return paths
 
 
-def computed_figure_main(doc: str, prepare, plot, argv=None) -> int:
-    """`main` of a figure computed from theory / Monte-Carlo: --out DIR, --quick."""
+def computed_figure_main(doc: str, prepare, plot, argv=None, sizes: dict | None = None,
+                         quick: dict | None = None) -> int:
+    """`main` of a figure computed from theory / Monte-Carlo: --out DIR, --quick.
+    prepare(sizes) gets the figure's Monte-Carlo sizes, with its `quick` reductions merged
+    in under --quick (the one place --quick acts)."""
 
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--out", default="figures_out")
     ap.add_argument("--quick", action="store_true", help="smaller Monte-Carlo sizes")
     args = ap.parse_args(argv)
-    for p in plot(prepare(args.quick), args.out):
+    for p in plot(prepare({**(sizes or {}), **((quick or {}) if args.quick else {})}), args.out):
         print(p)
     return 0
 
