@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from adamspike.config import ConfigError, param
-from adamspike.depth_groups import depth_group, shallow_depths
+from adamspike.depth_groups import depth_group, group_rho, shallow_depths
 from adamspike.metrics import finalize, shape_stats
 from adamspike.mitigations import REGISTRY, MitigationSection, require_hooks
 from adamspike.mitigations import all_keys as all_mitigation_keys
@@ -247,8 +247,9 @@ def _run_mlp(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
     keys = np.stack([np.asarray(jax.random.PRNGKey(int(s) + 7)) for s in seeds])
     hp = {k: np.asarray(scalars[f"optim.{k}"], np.float32) for k in ("lr", "eps", "b1", "b2")}
     out = jax.tree.map(np.asarray, _mlp_fn(tuple(sorted(static.items())))(params, x, y, keys, hp))
-    names = tensor_meta(specs[0])[0]
+    names, _, _, numels = tensor_meta(specs[0])
     shallow_names = [names[i] for i in mlp_shallow(specs[0])]
+    shallow_numel = [numels[i] for i in mlp_shallow(specs[0])]
     w = shallow_names.index("layers.0.weight")      # bimodality of the first weight matrix
     traces = {k: [] for k in ("rms_t", "sat_frac", "bimodality", "grad_mom_cos", "rho")}
     for sums, e in zip(out["sums"], scalars["optim.eps"]):   # sums [T, shallow tensors, NUM_SUMS]
@@ -259,7 +260,7 @@ def _run_mlp(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
                                                     m["r_m3"][:, w], m["r_m4"][:, w])["bimodality"])
             for k in ("rms_t", "sat_frac", "grad_mom_cos"):
                 traces[k].append(np.nanmax(m[k], axis=1))
-            traces["rho"].append(np.nanmedian(m["rho"], axis=1) if e > 0
+            traces["rho"].append(group_rho(m["rho"], shallow_numel) if e > 0
                                  else np.full(len(sums), np.inf))
     return {"loss": out["loss"], **{k: np.asarray(v) for k, v in traces.items()}}
 
