@@ -7,7 +7,8 @@ the one subprocess check of `import study.cli`):
 
 - theory/ imports nothing of ours; simulate/ never imports torch, fullscale/ or analysis/
   (the spike rule and the log parser it needs are in the floor); fullscale/ never imports
-  jax / optax or simulate/; analysis/ and figures/ never import simulate/ or fullscale/, and analysis/ never imports figures/ (every import, module-top and local);
+  jax / optax or simulate/; analysis/ and figures/ never import simulate/ or fullscale/,
+  and analysis/ never imports figures/ (every import, module-top and local);
   the modules of adamspike/ (the floor) import no simulate/ fullscale/ analysis/ figures/
   at module top, and no jax / optax / torch at all;
 - no import cycle among the module-top imports of project modules;
