@@ -38,14 +38,13 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
-from adamspike.rundir import load_run
-from analysis.report import SpikeParams, loss_spikes, md_table
+from analysis.report import SpikeParams, loss_spikes
 
 MIN_SEEDS = 10
 EXACT_MAX_N = 16
@@ -342,68 +341,3 @@ def equal_progress_verdict(spikes_full: PairedResult, spikes_at_target: PairedRe
     tail = "; trains slower" if slower else ""
     return (f"removes spikes only by slowing training: the reduction is not significant at "
             f"equal progress ({full}; {at}; {loss}{tail})")
-
-
-def equal_progress_runs(control_dirs: Sequence[str], treatment_dirs: Sequence[str],
-                        **kwargs) -> EqualProgress:
-    """`equal_progress` on run directories (seed k of each list paired): steps tables
-    read with adamspike.rundir.load_run, spikes by the report's rule with each run's config
-    (analysis.report.loss_spikes: log scale, quadratic envelope as configured)."""
-    if len(control_dirs) != len(treatment_dirs):
-        raise ValueError(f"paired arms need the same seeds: {len(control_dirs)} control runs, "
-                         f"{len(treatment_dirs)} treatment runs")
-    arms = {}
-    for arm, dirs in (("control", control_dirs), ("treatment", treatment_dirs)):
-        runs = [load_run(p, tables=("steps",)) for p in dirs]
-        arms[arm] = ([r.steps for r in runs],
-                     [loss_spikes(r.steps, config=r.config)[0] for r in runs])
-    return equal_progress(arms["control"][0], arms["treatment"][0],
-                          control_spikes=arms["control"][1],
-                          treatment_spikes=arms["treatment"][1], **kwargs)
-
-
-def paired_table(rows: Sequence[Mapping], *, alpha: float = 0.05, **kwargs) -> pd.DataFrame:
-    """One paired test per row, Holm over the rows. rows: mappings with "id",
-    "treatment" and "control" (per-seed values, seed k paired) and any other columns
-    (kept). Columns added: n, mean_diff, ci_low, ci_high, ci_note, sign_p, perm_p, p,
-    p_holm, reject_holm, note; attrs["multiplicity"] states the correction."""
-    out = []
-    for r in rows:
-        res = paired_test(r["treatment"], r["control"], **kwargs)
-        keep = {k: v for k, v in r.items() if k not in ("treatment", "control")}
-        out.append({**keep, **{k: getattr(res, k) for k in (
-            "n", "mean_diff", "ci_low", "ci_high", "ci_note", "sign_p", "n_pos", "n_neg",
-            "perm_p", "perm_exact", "p", "note")}})
-    return correct_rows(pd.DataFrame(out), "p", alpha)
-
-
-def paired_markdown(table: pd.DataFrame, title: str = "Paired comparisons") -> str:
-    """Markdown section for a `paired_table` result (the interval, both exact tests, the
-    Holm-adjusted p and the notes)."""
-    cols = [c for c in ("id", "n", "mean_diff", "ci_low", "ci_high", "sign_p", "perm_p",
-                        "p_holm", "reject_holm", "note") if c in table]
-    conf = "95 %"
-    return "\n".join([f"### {title}", "",
-                      f"Treatment - control per paired seed: BCa bootstrap {conf} interval of "
-                      "the mean difference (zero-width when every difference is equal), exact "
-                      "sign test, exact paired permutation test (p); "
-                      f"{table.attrs.get('multiplicity', 'Holm-Bonferroni over the rows')}.",
-                      "", md_table(table, cols), ""])
-
-
-def equal_progress_markdown(ep: EqualProgress, label: str = "remedy") -> str:
-    """Markdown section for one `equal_progress` comparison: per-seed rows and the tests."""
-    res = pd.DataFrame([{"quantity": name, **{k: getattr(r, k) for k in (
-        "n", "mean_diff", "ci_low", "ci_high", "sign_p", "perm_p", "note")}}
-        for name, r in (("spikes per run (whole run)", ep.spikes_full),
-                        ("spikes before the loss target", ep.spikes_at_target),
-                        ("final smoothed loss", ep.final_loss))])
-    cols = ["seed", "target", "control_final_loss", "treatment_final_loss",
-            "control_steps_to_target", "treatment_steps_to_target", "control_spikes",
-            "treatment_spikes", "control_spikes_before_target",
-            "treatment_spikes_before_target"]
-    return "\n".join([f"### Equal progress: {label}", "",
-                      "Target per seed pair: the worse final running-median loss of the two "
-                      "arms; spikes counted before each arm first reaches it.", "",
-                      md_table(res), "", md_table(ep.per_seed, cols), "",
-                      f"**Verdict:** {ep.verdict}", ""])

@@ -2,7 +2,7 @@
 
     adamspike sweep run --grid configs/sweep_quadratic.toml --out DIR [--shard k/n] [--quick]
     adamspike sweep merge DIR... --out TABLE_DIR
-    adamspike replicate --out DIR [--quick] [--seeds 5]            (simulate.replication)
+    adamspike replicate --out DIR [--quick] [--seeds 10]           (simulate.claims)
 
 A grid TOML names a problem (simulate.sweep_problems.PROBLEMS) and the values to cross, as
 dotted keys of the problem's config schema (RunConfig keys such as optim.eps, plus the

@@ -1,4 +1,5 @@
-"""analysis.matched_replication: the claims table from arms' files (synthetic arms)."""
+"""analysis.claims: the one verdict function, the claims table and report from arms'
+files (synthetic per-step and per-seed arms)."""
 
 import json
 
@@ -6,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.matched_replication import claims_table, load, mechanism_table, report_md
+from analysis.claims import arms_table, claims_table, load, report_md, verdict
 from analysis.spike_rate import matched_rows
 
 NUM_SEEDS, NUM_STEPS = 10, 400
@@ -34,21 +35,23 @@ def study(tmp_path):
     (tmp_path / "arms").mkdir()
     for name, df in arms.items():
         df.to_parquet(tmp_path / "arms" / f"{name}.parquet")
-    claims = [
-        {"id": "up", "source": "s", "claim": "more spikes", "control": "base", "treatment": "more", "rule": "increase"},
-        {"id": "down", "source": "s", "claim": "fewer spikes", "control": "base", "treatment": "quiet", "rule": "decrease"},
-        {"id": "wrong", "source": "s", "claim": "fewer spikes", "control": "base", "treatment": "more", "rule": "decrease"},
-        {"id": "weak", "source": "s", "claim": "weak effect", "control": "base", "treatment": "same", "rule": "weak"},
-        {"id": "none", "source": "s", "claim": "fewer", "control": "quiet", "treatment": "quiet", "rule": "decrease"},
-    ]
-    meta = {"spec": {"num_steps": NUM_STEPS, "seeds": NUM_SEEDS},
-            "arms": [{"name": n} for n in arms], "claims": claims,
-            "calibration": {"targets": {"shallow": 0.94}, "eps": {"shallow": 1e-3}},
-            "base": {"model.dim": 32, "model.num_layers": 4, "model.vocab_size": 4096,
-                     "data.zipf_exponent": 1.1, "train.global_batch_size": 8, "train.seq_len": 32,
-                     "optim.b1": 0.9, "optim.b2": 0.95, "optim.weight_decay": 0.1,
-                     "optim.grad_clip": 1.0, "optim.lr": 1e-3, "optim.warmup_steps": 10,
-                     "optim.schedule": "cosine", "train.dtype": "fp32"}}
+
+    def claim(id, control, treatment, rule, **kw):
+        return {"id": id, "source": "s", "claim": id, "base": "matched", "metric": "num_spikes",
+                "rule": rule, "rule_text": rule, "arg": None, "experiment": "", "note": "",
+                "only_spiking": False, "also": [], "not_run": "", "control_arm": control,
+                "treatment_arm": treatment, **kw}
+    claims = [claim("up", "base", "more", "increase"), claim("down", "base", "quiet", "decrease"),
+              claim("wrong", "base", "more", "decrease"), claim("weak", "base", "same", "weak"),
+              claim("none", "quiet", "quiet", "decrease"),
+              claim("toy", "tc", "tt", "removes", metric="num_spikes"),
+              claim("skipped", None, None, "decrease", not_run="not run in --quick")]
+    pd.DataFrame({"seed": range(NUM_SEEDS), "num_spikes": 4.0}).to_parquet(tmp_path / "arms" / "tc.parquet")
+    pd.DataFrame({"seed": range(NUM_SEEDS), "num_spikes": 0.0}).to_parquet(tmp_path / "arms" / "tt.parquet")
+    meta = {"title": "T", "description": "D", "seeds": list(range(NUM_SEEDS)),
+            "arms": {n: {"base": "matched", "label": n} for n in [*arms, "tc", "tt"]}, "claims": claims,
+            "calibration": {"matched": {"targets": {"shallow": 0.94}, "eps": {"shallow": 1e-3},
+                                        "rounds": [{"rho": {"shallow": 0.9}}]}}}
     meta["arm_configs"] = {n: {"optim.b2": 0.95, "optim.lr": 1e-3, "optim.eps": 1e-3,
                                "train.global_batch_size": 8, "train.seq_len": 32, "model.dim": 32}
                            for n in arms}
@@ -68,25 +71,49 @@ def test_spike_rate_rows_one_per_arm_and_seed(study):
 def test_verdicts_follow_the_paired_tests(study):
     meta, arms = load(study)
     t = claims_table(meta, arms).set_index("id")
-    assert (t["n_seeds"] == NUM_SEEDS).all()
+    assert (t.drop(index="skipped")["n_seeds"] == NUM_SEEDS).all()
     assert t.loc["up", "verdict"] == "supported"
-    assert t.loc["up", "mean_diff"] == pytest.approx(2.0)
+    assert t.loc["up", "effect"] == pytest.approx(2.0)
     assert t.loc["down", "verdict"] == "supported"
     assert t.loc["wrong", "verdict"].startswith("not supported")
     assert t.loc["weak", "verdict"] == "supported"          # identical spike counts: d = 0
-    assert t.loc["none", "verdict"] == "inconclusive: no spikes in either arm"
-    # Holm: adjusted p >= raw p, and the exact permutation p of 10 equal differences is 2/2^10
+    assert t.loc["none", "verdict"] == "inconclusive: metric 0 in every run of both arms"
+    assert t.loc["toy", "verdict"] == "supported"           # per-seed rows: every run at 0
+    assert t.loc["skipped", "verdict"] == "inconclusive" and "not run" in t.loc["skipped", "note"]
+    # Holm over the tested rows: adjusted p >= raw p; 10 equal differences: exact p = 2/2^10
     assert (t["p_holm"].dropna() >= t["p"].dropna() - 1e-12).all()
     assert t.loc["up", "p"] == pytest.approx(2 / 2 ** NUM_SEEDS)
-    assert "matched" in t.loc["up", "regime"]
+    assert np.isnan(t.loc["none", "p"]) and np.isnan(t.loc["weak", "p"])
+    assert "equal progress" in t.loc["down", "equal_progress"] or t.loc["down", "equal_progress"]
 
 
-def test_mechanism_rows_and_markdown(study):
+@pytest.mark.parametrize("rule,arg,r,trt,ctl,expected", [
+    ("decrease", None, (-3, -1, 0.01), [1] * 10, [3] * 10, "supported"),
+    ("decrease", None, (-3, -1, 0.2), [1] * 10, [3] * 10, "inconclusive"),       # Holm p too big
+    ("decrease", None, (1, 3, 0.01), [3] * 10, [1] * 10, "not supported (opposite direction)"),
+    ("increase", None, (0, 0, 1.0), [3] * 10, [3] * 10, "not supported: no change in any seed"),
+    ("removes", None, (-5, -3, 0.01), [1] * 10, [5] * 10, "not supported (spikes remain)"),
+    ("weak", None, (-0.2, 0.3, 1.0), [2] * 10, [2] * 10, "supported"),
+    ("weak", None, (-3, -1.5, 1.0), [0] * 10, [2] * 10, "not supported"),
+    ("at_least", 0.5, (0.6, 0.9, 0.01), [0.7] * 10, None, "supported"),
+    ("at_least", 0.5, (0.1, 0.4, 0.01), [0.3] * 10, None, "not supported"),
+    ("within", (1, 8), (2, 5, np.nan), [3] * 10, None, "supported"),
+    ("within", (1, 8), (9, 12, np.nan), [10] * 10, None, "not supported"),
+    ("within", (1, 8), (6, 10, np.nan), [8] * 10, None, "inconclusive"),
+])
+def test_one_verdict_function(rule, arg, r, trt, ctl, expected):
+    row = {"ci_low": r[0], "ci_high": r[1], "p_holm": r[2], "treatment_ci_low": min(trt)}
+    assert verdict(rule, arg, row, np.asarray(trt, float),
+                   None if ctl is None else np.asarray(ctl, float)) == expected
+
+
+def test_arms_table_and_markdown(study):
     meta, arms = load(study)
-    mech = mechanism_table(meta, arms).set_index("arm")
-    assert mech.loc["more", "log10_rho_shallow_vs_base"].startswith("+3")
+    mech = arms_table(meta, arms).set_index("arm")
+    assert mech.loc["more", "rho_shallow"] > 100 * mech.loc["base", "rho_shallow"]
+    assert mech.loc["more", "num_spikes"] == 3
     md, _ = report_md(study)
-    assert "| up |" in md and "Holm" in md
+    assert "| up |" in md and "Holm-Bonferroni" in md and "calibrated" in md
 
 
 def test_an_unfinished_study_names_the_missing_arm(study):

@@ -147,20 +147,16 @@ def test_equal_progress_real_remedy():
     assert ep.verdict.startswith("reduces spikes at equal progress")
 
 
-def test_paired_table_and_markdown():
+def test_paired_rows_with_holm():
+    """The claims table's path (analysis.claims): paired_test per row, correct_rows over them."""
     rng = np.random.default_rng(7)
     c = rng.normal(size=10)
-    rows = [{"id": "shift", "treatment": c + 2.0 + 0.1 * rng.normal(size=10), "control": c},
-            {"id": "null", "treatment": c + 0.1 * rng.normal(size=10), "control": c},
-            {"id": "quadratic", "treatment": np.full(10, -2.0), "control": np.zeros(10)}]
-    tab = S.paired_table(rows)
-    by = tab.set_index("id")
+    pairs = {"shift": (c + 2.0 + 0.1 * rng.normal(size=10), c),
+             "null": (c + 0.1 * rng.normal(size=10), c),
+             "quadratic": (np.full(10, -2.0), np.zeros(10))}
+    rows = [{"id": k, **S.paired_test(t, k_).as_dict()} for k, (t, k_) in pairs.items()]
+    by = S.correct_rows(pd.DataFrame(rows)).set_index("id")
     assert by.loc["shift", "reject_holm"] and not by.loc["null", "reject_holm"]
     # Holm over 3 rows: the smallest p is multiplied by 3
     assert by.loc["shift", "p_holm"] == pytest.approx(3 * by.loc["shift", "p"])
-    md = S.paired_markdown(tab)
-    assert "Holm-Bonferroni over 3 tested rows" in md and "| quadratic | 10 |" in md
-    assert "degenerate" in md
-    ep = S.equal_progress(*_arms(slowed=True))
-    md = S.equal_progress_markdown(ep, "lower eps")
-    assert "removes spikes only by slowing training" in md and "| 9 |" in md
+    assert "degenerate" in by.loc["quadratic", "note"]

@@ -1,116 +1,103 @@
-"""simulate.replication: verdict rules, bootstrap CIs, and table rows from a small real run."""
+"""The one claims system: adamspike.claims (schema), simulate.claims (arms, resumable) and the
+`adamspike replicate` CLI on both shipped claim files (a small real toy run; the tiny-LLaMA
+arms are stubbed here, the matched stage itself runs in tests/study)."""
 
 from __future__ import annotations
 
-import math
+import json
 
-import numpy as np
 import pandas as pd
 import pytest
 
-from simulate import replication as R
+from adamspike.claims import REPO, read_study, resolve
+from adamspike.config import ConfigError
+from analysis.claims import report_md
+from simulate import claims as C
+from study.cli import replicate_main
+
+TOY, MATCHED = REPO / "configs" / "claims.toml", REPO / "configs" / "claims_matched.toml"
 
 
-@pytest.mark.parametrize("rule,lo,hi,arg,expected", [
-    ("decrease", -3.0, -0.5, None, "supported"),
-    ("decrease", -3.0, 0.5, None, "inconclusive"),
-    ("decrease", 0.5, 2.0, None, "not supported"),
-    ("increase", 0.1, 2.0, None, "supported"),
-    ("increase", -2.0, -0.1, None, "not supported"),
-    ("weak", -0.2, 0.3, None, "supported"),
-    ("weak", -1.0, -0.6, None, "not supported"),
-    ("weak", -0.8, 0.1, None, "inconclusive"),
-    ("at_least", 0.6, 0.9, 0.5, "supported"),
-    ("at_least", 0.1, 0.4, 0.5, "not supported"),
-    ("within", 2.0, 5.0, (1, 8), "supported"),
-    ("within", 9.0, 12.0, (1, 8), "not supported"),
-    ("within", 6.0, 10.0, (1, 8), "inconclusive"),
-    ("decrease", math.nan, math.nan, None, "inconclusive"),
+def _subset(path, ids):
+    st = read_study(path)
+    st.claims = [c for c in st.claims if c.id in ids]
+    return st
+
+
+def test_shipped_claim_files_parse_into_one_schema():
+    toy, matched = read_study(TOY), read_study(MATCHED)
+    assert len(toy.claims) >= 15 and len(matched.claims) >= 8 and toy.seeds == matched.seeds == 10
+    assert {c.base for c in toy.claims} == {"mlp", "mlp_deep", "quadratic", "llama"}
+    lower = next(c for c in matched.claims if c.id == "seed.lower_eps")
+    assert lower.control == {} and lower.treatment_name == "eps_div1000" and lower.quick
+    for c in toy.claims + matched.claims:
+        assert all("." in k for k in {**c.treatment, **(c.control or {})}), c.id
+
+
+def test_multiplier_values_scale_the_base():
+    assert resolve({"optim.eps": 2e-3, "optim.b2": 0.95}, {"optim.eps": "*0.001", "optim.b2": 0.99}) \
+        == {"optim.eps": pytest.approx(2e-6), "optim.b2": 0.99}
+    with pytest.raises(ConfigError, match="optim.lr"):
+        resolve({}, {"optim.lr": "*2"})
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('[base.q]\nproblem = "quadratic"\n[[claim]]\nid = "a"\nsource = "s"\nclaim = "c"\nmetric = "num_spikes"\n'
+     'rule = "removes"\ntreatment = {"optim.epsilon" = 1.0}\n', "optim.epsilon"),
+    ('[base.q]\nproblem = "quadratic"\n[[claim]]\nid = "a"\nsource = "s"\nclaim = "c"\nmetric = "num_spikes"\n'
+     'rule = "halves"\ntreatment = {}\n', "rule"),
+    ('[base.q]\nproblem = "cnn"\n[[claim]]\nid = "a"\nsource = "s"\nclaim = "c"\nmetric = "num_spikes"\n'
+     'rule = "removes"\ntreatment = {}\n', "problem"),
+    ('[base.q]\nproblem = "quadratic"\n[[claim]]\nid = "a"\nsource = "s"\nclaim = "c"\nmetric = "num_spikes"\n'
+     'rule = "removes"\ntreatment = "nope"\n', "unknown arm 'nope'"),
+    ('[base.q]\nproblem = "quadratic"\nbogus = 1\n[[claim]]\nid = "a"\n', "unknown field 'bogus'"),
 ])
-def test_verdict_rules(rule, lo, hi, arg, expected):
-    assert R.verdict(rule, lo, hi, arg) == expected
+def test_claims_file_errors_name_the_claim_and_key(tmp_path, capsys, text, needle):
+    p = tmp_path / "claims.toml"
+    p.write_text(text)
+    assert replicate_main(["--out", str(tmp_path / "o"), "--claims", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not (tmp_path / "o" / "arms").exists() or not any((tmp_path / "o" / "arms").iterdir())
 
 
-def test_bootstrap_ci_covers_the_difference():
-    rng = np.random.default_rng(1)
-    est, lo, hi = R.bootstrap_ci(np.array([1.0, 2, 3, 4, 5]), np.array([11.0, 12, 13, 14, 15]),
-                                 "diff", rng)
-    assert est == -10 and lo < -10 < hi and hi < -8
-    est, lo, hi = R.bootstrap_ci(np.array([2.0, 2, 2]), None, "mean", rng)
-    assert est == lo == hi == 2.0
-
-
-def test_removes_rule():
-    rng = np.random.default_rng(0)
-    c = R.Claim("x", "s", "c", "quadratic", "num_spikes", "removes", {}, {})
-    ctl = pd.DataFrame({"num_spikes": [4, 5, 6, 5, 4]})
-    assert R.evaluate(c, pd.DataFrame({"num_spikes": [0] * 5}), ctl, rng)["verdict"] == "supported"
-    fewer = R.evaluate(c, pd.DataFrame({"num_spikes": [1, 2, 1, 2, 1]}), ctl, rng)
-    assert fewer["effect"] < 0 and fewer["verdict"] == "not supported"   # fewer, not removed
-
-
-def test_evaluate_degenerate_arms_are_inconclusive():
-    zeros = pd.DataFrame({"num_spikes": [0] * 5})
-    c = R.Claim("x", "s", "c", "quadratic", "num_spikes", "decrease", {}, {})
-    row = R.evaluate(c, zeros, zeros, np.random.default_rng(0))
-    assert row["verdict"] == "inconclusive" and "every run" in row["note"]
-    same = pd.DataFrame({"num_spikes": [3] * 5})
-    assert R.evaluate(c, same, same, np.random.default_rng(0))["verdict"] == "not supported"
+def test_cli_bad_seeds(tmp_path, capsys):
+    assert replicate_main(["--out", str(tmp_path), "--seeds", "1"]) == 2
+    assert "--seeds" in capsys.readouterr().err
+    assert replicate_main(["matched", "--out", str(tmp_path / "m")]) == 2   # --ladder required
 
 
 def test_small_real_replication(tmp_path):
-    """Two Bai claims on the real quadratic (5 seeds): rows, CIs and verdicts; resumable.
-    --quick (the quadratic is the same) leaves the llama row "not run"."""
-    claims = [c for c in R.claims() if c.id in ("bai.lower_b2", "bai.eps_star", "report.glm_shrink")]
-    table = R.replicate(tmp_path, quick=True, num_seeds=5, progress=False, claim_list=claims)
-    assert list(table.columns) == R.COLUMNS and list(table.id) == [c.id for c in claims]
+    """Two Bai claims on the real quadratic (10 paired seeds): rows, intervals, verdicts;
+    resumable (arm files reused); --quick leaves the llama row "not run"."""
+    st = _subset(TOY, ("bai.lower_b2", "bai.eps_star", "report.glm_shrink"))
+    C.run_study(st, tmp_path, quick=True, progress=False)
+    md, table = report_md(tmp_path)
     rows = table.set_index("id")
     b2 = rows.loc["bai.lower_b2"]
-    assert b2.n_seeds == 5 and b2.ci_low <= b2.effect <= b2.ci_high
+    assert b2.n_seeds == 10 and b2.ci_low <= b2.effect <= b2.ci_high
     # measured: b2 0.999 -> 0.95 lowers the spike height by ~4 decades in every seed
     assert b2.treatment_mean < b2.control_mean and b2.verdict == "supported"
     es = rows.loc["bai.eps_star"]
     assert es.control_mean > 0 and es.treatment_mean == 0 and es.verdict == "supported"
     assert rows.loc["report.glm_shrink"].verdict == "inconclusive"
     assert "not run" in rows.loc["report.glm_shrink"].note
-    md = R.to_markdown(table)
-    assert "bai.lower_b2" in md and "supported" in md
+    assert "bai.lower_b2" in md and "Holm-Bonferroni" in md
     from figures import fig_replication as F
     table.to_csv(tmp_path / "replication.csv", index=False)
     assert F.main(["--table", str(tmp_path), "--out", str(tmp_path / "fig")]) == 0
-    assert (tmp_path / "fig" / "replication.pdf").is_file()
-    # a second call finds every cell on disk
-    again = R.replicate(tmp_path, quick=True, num_seeds=5, progress=False, claim_list=claims)
-    pd.testing.assert_frame_equal(table, again)
-
-
-LLAMA_CLAIMS = ("report.batch_skip", "report.glm_shrink")
+    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "arms").iterdir()}
+    C.run_study(st, tmp_path, quick=True, progress=False)     # every arm on disk: nothing reruns
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "arms").iterdir()} == stamps
+    pd.testing.assert_frame_equal(table, report_md(tmp_path)[1])
 
 
 def test_full_replication_runs_the_llama_claims(tmp_path, monkeypatch):
-    """Without --quick the two llama claims have runnable cells (valid trainer configs) that
-    differ from their shared control only by the treatment, and reach run_cells; their rows
-    come from the (here stubbed) sweep table, with the also-metrics in the note."""
+    """Without --quick the two llama claims have runnable cells that differ from their
+    shared control only by the treatment; their rows come from the (stubbed) sweep table,
+    with the also-metrics in the note."""
     import simulate.sweep as S
-    from simulate.sweep_problems import PROBLEMS, _llama_config
-
-    claims = [c for c in R.claims() if c.id in LLAMA_CLAIMS]
-    assert [c.problem for c in claims] == ["llama", "llama"]
-    prob = PROBLEMS["llama"]
-    base = R.base_cells(False)["llama"]
-    assert "llama" not in R.base_cells(True)
-    cells = {}
-    for c in claims:
-        tc, cc = R._full_cell(prob, {**base, **c.treatment}), R._full_cell(prob, {**base, **c.control})
-        assert {k for k in tc if tc[k] != cc[k]} == set(c.treatment)
-        cfg = _llama_config(tc, 0)
-        assert cfg.train.num_steps == R.LLAMA_STEPS and cfg.optim.b2 == 0.999
-        cells[c.id] = (tc, cc)
-    assert cells["report.batch_skip"][1] == cells["report.glm_shrink"][1]   # one control
-    guard_cfg = _llama_config(cells["report.batch_skip"][0], 3)
-    assert guard_cfg.guard.enabled and guard_cfg.checkpoint.every == 25 and guard_cfg.train.seed == 3
-    assert _llama_config(cells["report.glm_shrink"][0], 0).mitigation.embed_grad_shrink == 0.1
-
+    st = _subset(TOY, ("report.batch_skip", "report.glm_shrink"))
     seen = {}
 
     def fake_run_cells(problem, cell_list, seeds, out, progress=True, desc=None):
@@ -118,48 +105,68 @@ def test_full_replication_runs_the_llama_claims(tmp_path, monkeypatch):
         rows = []
         for cell in cell_list:
             spikes = 1 if cell["guard.enabled"] else (1 if cell["mitigation.embed_grad_shrink"] < 1 else 3)
-            for s in seeds:
-                rows.append({"cell_id": S.cell_id(problem.name, cell), "seed": s,
-                             "num_spikes": spikes + (s % 2), "final_loss": 2.1, "max_spike_height": 0.3,
-                             "online_spikes": 2.0, "guard_rollbacks": 2.0 * cell["guard.enabled"],
-                             "guard_aborted": 0.0})
+            rows += [{"cell_id": S.cell_id(problem.name, cell), "seed": s, "num_spikes": spikes + (s % 2),
+                      "final_loss": 2.1, "max_spike_height": 0.3, "guard_rollbacks": 2.0 * cell["guard.enabled"],
+                      "guard_aborted": 0.0} for s in seeds]
         return pd.DataFrame(rows)
 
-    monkeypatch.setattr(R, "run_cells", fake_run_cells)
-    table = R.replicate(tmp_path, num_seeds=5, progress=False, claim_list=claims).set_index("id")
-    run, seeds = seen["llama"]
-    assert len(run) == 3 and seeds == [0, 1, 2, 3, 4]   # control + two treatments, once each
+    monkeypatch.setattr(C, "run_cells", fake_run_cells)
+    C.run_study(st, tmp_path, progress=False)
+    cells, seeds = seen["llama"]
+    assert len(cells) == 3 and seeds == list(range(10))   # control + two treatments, once each
+    assert {k for k in cells[0] if cells[0][k] != cells[1][k]} <= {"guard.enabled", "mitigation.embed_grad_shrink"}
+    assert all(c["train.num_steps"] == 1500 and c["optim.b2"] == 0.999 for c in cells)
+    table = report_md(tmp_path)[1].set_index("id")
     skip, glm = table.loc["report.batch_skip"], table.loc["report.glm_shrink"]
-    assert skip.n_seeds == 5 and skip.control_mean == 3.4 and skip.treatment_mean == 1.4
-    assert skip.verdict == "not supported"   # spikes remain in the treatment
+    assert skip.n_seeds == 10 and skip.control_mean == 3.5 and skip.treatment_mean == 1.5
+    assert skip.verdict == "not supported (spikes remain)"
     assert "guard_rollbacks: control 0, treatment 2" in skip.note and "by construction" in skip.note
-    assert glm.treatment_mean == 1.4 and glm.ci_high < 0 and glm.verdict == "supported"
-    assert "final_loss: control 2.1, treatment 2.1" in glm.note
+    assert glm.ci_high < 0 and glm.verdict == "supported"
+    # --skip-llama: the rows stay, not run
+    t2 = report_md(C.run_study(st, tmp_path / "s", skip_llama=True, progress=False))[1]
+    assert (t2["verdict"] == "inconclusive").all() and t2["note"].str.contains("skip-llama").all()
 
 
-def test_cli_bad_seeds(tmp_path, capsys):
-    assert R.main(["--out", str(tmp_path), "--seeds", "1"]) == 2
-    assert "--seeds" in capsys.readouterr().err
+def test_matched_arms_scale_the_calibrated_eps(tmp_path, monkeypatch):
+    """The matched file's arms: calibrated base (stubbed pilots), "*0.001" on the group eps,
+    overrides; resolved configs land in replication.json's arm_configs (the spike-rate reader)."""
+    (tmp_path / "ladder").mkdir()
+    (tmp_path / "ladder" / "fit.json").write_text(json.dumps(
+        {"llama2_70b": {"eps": 1e-5, "rho": {"embed": 1, "shallow": 1, "deep": 1, "head": 1}}}))
+    eps = {"embed": 1e-3, "shallow": 2e-3, "deep": 4e-3, "head": 5e-4}
+    monkeypatch.setattr(C, "calibrate", lambda *a, **k: {"targets": {}, "rounds": [], "eps": eps})
+    monkeypatch.setattr(C, "run_arm", lambda cfg, seeds: (_ for _ in ()).throw(KeyboardInterrupt))
+    st = _subset(MATCHED, ("seed.lower_eps", "seed.shallow_eps", "seed.eps_lower_b2"))
+    with pytest.raises(KeyboardInterrupt):      # killed at the first arm: meta is on disk
+        C.run_study(st, tmp_path / "o", ladder=tmp_path / "ladder", progress=False)
+    meta = json.loads((tmp_path / "o" / "replication.json").read_text())
+    label = {m["label"]: meta["arm_configs"][a] for a, m in meta["arms"].items()}
+    assert set(label) == {"base", "eps_div1000", "shallow_eps_div1000", "b2_0.99"}
+    s = label["shallow_eps_div1000"]
+    assert s["mitigation.eps_embed"] == pytest.approx(1e-6)
+    assert s["mitigation.eps_shallow"] == pytest.approx(2e-6) == s["optim.eps"]
+    assert s["mitigation.eps_deep"] == pytest.approx(4e-3) and label["b2_0.99"]["optim.b2"] == 0.99
+    assert label["base"]["train.num_steps"] == 300
+    with pytest.raises(ConfigError, match="ladder"):
+        C.run_study(st, tmp_path / "p", progress=False)
 
 
-@pytest.mark.parametrize("text,needle", [
-    ('[[claim]]\nid = "a"\nsource = "s"\nclaim = "c"\nproblem = "mlp"\nmetric = "num_spikes"\n'
-     'rule = "removes"\ntreatment = {"optim.epsilon" = 1.0}\n', "optim.epsilon"),
-    ('[[claim]]\nid = "a"\nsource = "s"\nclaim = "c"\nproblem = "mlp"\nmetric = "num_spikes"\n'
-     'rule = "halves"\ntreatment = {}\n', "rule"),
-    ('[[claim]]\nid = "a"\nsource = "s"\nclaim = "c"\nproblem = "cnn"\nmetric = "num_spikes"\n'
-     'rule = "removes"\ntreatment = {}\n', "problem"),
-])
-def test_claims_file_errors_name_the_claim_and_key(tmp_path, capsys, text, needle):
-    p = tmp_path / "claims.toml"
-    p.write_text(text)
-    assert R.main(["--out", str(tmp_path / "o"), "--claims", str(p)]) == 2
-    err = capsys.readouterr().err
-    assert needle in err and "Traceback" not in err
-    assert not (tmp_path / "o").exists()
+def test_ladder_targets_need_a_ladder_fit_at_eps_1e5(tmp_path):
+    with pytest.raises(ConfigError, match="not a ladder fit"):
+        C.ladder_targets(tmp_path)
+    (tmp_path / "fit.json").write_text(json.dumps({"llama2_70b": {"eps": 1e-8, "rho": {"deep": 1}}}))
+    with pytest.raises(ConfigError, match="expected 1e-5"):
+        C.ladder_targets(tmp_path)
 
 
-def test_shipped_claims_are_dotted_overrides_the_problems_accept():
-    for c in R.claims():
-        for arm in (c.treatment, c.control or {}):
-            assert all("." in k for k in arm), c.id
+def test_calibration_secant_finds_eps_when_the_gradient_grows_as_eps_shrinks():
+    # rho = c eps^-2: the rms-held-fixed step alone would overshoot by 4x; the secant lands
+    c, target = 4e-6, 1.0
+    rounds = [{"eps": {"embed": 1e-3}, "rho": {"embed": c / 1e-3 ** 2}}]
+    for _ in range(3):
+        e = C.next_eps("embed", rounds, target)
+        rounds.append({"eps": {"embed": e}, "rho": {"embed": c / e ** 2}})
+    assert rounds[1]["eps"]["embed"] == pytest.approx(4e-3)
+    assert rounds[-1]["rho"]["embed"] == pytest.approx(target, rel=1e-6)
+    flat = [{"eps": {"g": 1e-3}, "rho": {"g": 1e3}}, {"eps": {"g": 2e-3}, "rho": {"g": 1e3}}]
+    assert C.next_eps("g", flat, 1.0) == pytest.approx(2e-3 * 10 ** 1.5)

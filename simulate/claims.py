@@ -1,0 +1,244 @@
+"""Run the arms of a claims study (adamspike.claims): paired seeds per arm, resumable.
+
+    adamspike replicate --out DIR [--quick] [--seeds N] [--claims configs/claims.toml] [--skip-llama]
+    adamspike replicate matched --ladder LADDER_DIR --out DIR [--quick] [--seeds 10]
+                                (= --claims configs/claims_matched.toml --ladder LADDER_DIR)
+
+Runners, by the base's kind (seed k of every arm has the same init and batches: paired):
+  problem = P    a spiking toy of simulate.sweep_problems (mlp, mlp_deep, quadratic, llama)
+                 through simulate.sweep.run_cells (vmapped, cached per cell under DIR/cells/);
+                 arm file: one row per seed, the sweep table's metrics.
+  config = TOML  the tiny LLaMA of a RunConfig, one vmapped program per arm
+                 (simulate.seeds.run_arm); arm file: one row per seed x step (loss, grad_norm,
+                 update_norm, rho_<group>); the metrics come from analysis.claims.
+
+Calibration (a base with `calibrate`, e.g. the matched regime): one Adam eps per depth group
+(mitigation.eps_embed / eps_shallow / eps_deep / eps_head, optim.eps = eps_shallow) such
+that each group's rho = rms(consumed gradient) / eps sits at the LLaMA2-70B's estimate at
+eps 1e-5 (LADDER_DIR/fit.json, `llama2_70b.rho`). The gradient scale moves with eps
+(rho_embed ~ eps^-2 near the target), so eps is found by root finding in log-log: pilots
+(`seeds` seeds, the arms' schedule and length) measure rho_g = median over the second half;
+the first update is eps_g <- eps_g rho_g / target_g, later ones secant steps through the
+last two pilots (slope clipped to [-4, -0.25], steps to 1.5 decades), `rounds` pilots in all.
+An arm's "*k" value then scales the calibrated eps.
+
+Storage (DIR): replication.json (the resolved study: claims, every arm's full config,
+calibration; arm_configs: the RunConfig arms, which `adamspike spike-rate --matched` reads),
+arms/<arm>.parquet written atomically when the arm is done. <arm> = base name + a hash of
+its config and seeds, so a killed study resumes at the first missing arm and a changed claim
+reruns only its own arms. Verdicts and the report: analysis.claims (reads these files).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from adamspike.claims import REPO, Study, arm_label, resolve
+from adamspike.config import ConfigError, flatten, read_toml, to_dict
+from adamspike.rundir import atomic_write_bytes
+from adamspike.train_config import RunConfig
+from simulate.sweep import cell_id, cell_settings, run_cells
+from simulate.sweep_problems import PROBLEMS
+
+EPS_KEYS = {"embed": "mitigation.eps_embed", "shallow": "mitigation.eps_shallow",
+            "deep": "mitigation.eps_deep", "head": "mitigation.eps_head"}
+NOT_RUN = {
+    "quick": "not run in --quick (full_only base or claim): `adamspike replicate` without "
+             "--quick runs it",
+    "skip_llama": "not run in this study (--skip-llama, for the reproduce budget): batch "
+                  "skipping is tested causally in replay/ (skip_window) and GLM shrink in the "
+                  "matched-regime table; `adamspike replicate --out DIR` runs these rows"}
+
+
+def ladder_targets(ladder_dir: str | Path) -> dict[str, float]:
+    """The 70B's rho per depth group at eps 1e-5 from a ladder's fit.json."""
+    path = Path(ladder_dir) / "fit.json"
+    try:
+        fit = json.loads(path.read_text())
+        rho, eps = fit["llama2_70b"]["rho"], float(fit["llama2_70b"]["eps"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: not a ladder fit ({e}); run `adamspike simulate ladder` first") from None
+    if abs(eps - 1e-5) > 1e-12:
+        raise ConfigError(f"{path}: its 70B profile is at eps {eps:g}, expected 1e-5")
+    return {g: float(v) for g, v in rho.items()}
+
+
+def _config(flat: Mapping[str, Any]) -> RunConfig:
+    return RunConfig.from_dict(dict(flat))
+
+
+def run_arm(cfg: RunConfig, seeds: Sequence[int]) -> dict:
+    from simulate import seeds as S   # the tiny-LLaMA step program: only for config bases
+    return S.run_arm(cfg, seeds)
+
+
+def group_layout(cfg: RunConfig) -> tuple:
+    from simulate import seeds as S   # the tiny-LLaMA step program: only for config bases
+    return S.group_layout(cfg)
+
+
+def with_group_eps(flat: Mapping[str, Any], eps: Mapping[str, float]) -> dict:
+    out = {**flat, **{EPS_KEYS[g]: float(e) for g, e in eps.items()}}
+    out["optim.eps"] = float(eps.get("shallow", out["optim.eps"]))
+    return out
+
+
+def calibrate(flat: Mapping[str, Any], targets: Mapping[str, float], rounds: int, seeds: int,
+              progress: bool = True) -> dict:
+    """Per-group eps putting each group at its target rho (module docstring)."""
+    pilot = {**flat, "optim.warmup_steps": min(flat["optim.warmup_steps"], flat["train.num_steps"] // 4)}
+    groups, _, _, eps0 = group_layout(_config(pilot))
+    eps, history = dict(zip(groups, map(float, eps0))), []
+    for _ in tqdm(range(rounds), desc="calibrate", disable=not progress, file=sys.stderr):
+        res = run_arm(_config(with_group_eps(pilot, eps)), list(range(seeds)))
+        half = res["rho"].shape[1] // 2
+        rho = {str(g): float(np.median(res["rho"][:, half:, i])) for i, g in enumerate(res["groups"])}
+        history.append({"eps": dict(eps), "rho": rho})
+        eps = {g: next_eps(g, history, targets[g]) if g in targets else eps[g] for g in rho}
+    return {"targets": dict(targets), "rounds": history, "eps": eps}
+
+
+def next_eps(group: str, rounds: Sequence[Mapping[str, Mapping[str, float]]], target: float) -> float:
+    """The next pilot's eps of one group: log rho(log eps) crosses log target. One pilot:
+    eps rho / target (slope -1); more: the secant through the last two pilots, its slope
+    clipped to [-4, -0.25], the step to 1.5 decades."""
+    e1, r1 = math.log(rounds[-1]["eps"][group]), math.log(rounds[-1]["rho"][group])
+    slope = -1.0
+    if len(rounds) >= 2:
+        e0, r0 = math.log(rounds[-2]["eps"][group]), math.log(rounds[-2]["rho"][group])
+        if abs(e1 - e0) > 1e-9:
+            slope = min(-0.25, max(-4.0, (r1 - r0) / (e1 - e0)))
+    cap = 1.5 * math.log(10.0)
+    return math.exp(e1 + max(-cap, min(cap, (math.log(target) - r1) / slope)))
+
+
+def base_config(study: Study, name: str, quick: bool, ladder: str | Path | None, meta: dict,
+                progress: bool) -> dict:
+    """A base's full dotted config (sweep problem: its cell; RunConfig: calibrated)."""
+    b = study.bases[name]
+    over = {**flatten(b.get("overrides", {})), **(flatten(b.get("quick", {})) if quick else {})}
+    if "problem" in b:
+        if b["problem"] not in PROBLEMS:
+            raise ConfigError(f"base.{name}.problem: unknown {b['problem']!r} (known: {', '.join(PROBLEMS)})")
+        prob = PROBLEMS[b["problem"]]
+        return prob.values(cell_settings(prob, over, f"base.{name}"))
+    flat = resolve(flatten(to_dict(RunConfig.from_dict(read_toml(REPO / b["config"])))), over)
+    _config(flat)
+    cal = b.get("calibrate_quick" if quick and "calibrate_quick" in b else "calibrate")
+    if not cal:
+        return flat
+    if ladder is None:
+        raise ConfigError(f"base.{name}: calibrated to a ladder's 70B rho: give --ladder LADDER_DIR")
+    key = {"base": flat, "targets": ladder_targets(ladder), "calibrate": cal}
+    have = meta.get("calibration", {}).get(name, {})
+    if {k: have.get(k) for k in key} != json.loads(json.dumps(key)):   # else resumed
+        t0 = time.perf_counter()
+        have = {**key, **calibrate(flat, key["targets"], int(cal["rounds"]), int(cal["seeds"]), progress),
+                "seconds": time.perf_counter() - t0}
+        meta.setdefault("calibration", {})[name] = have
+    return with_group_eps(flat, have["eps"])
+
+
+def arm_config(study: Study, base_name: str, base: Mapping[str, Any], over: Mapping[str, Any]) -> dict:
+    """An arm's full config: base + overrides, validated (errors name the key)."""
+    b = study.bases[base_name]
+    flat = resolve(base, over)
+    if "problem" in b:
+        prob = PROBLEMS[b["problem"]]
+        return prob.values(cell_settings(prob, flat, "arm"))
+    unknown = sorted(set(flat) - set(base))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown config key")
+    _config(flat)
+    return flat
+
+
+def arm_table(res: Mapping[str, np.ndarray], seeds: Sequence[int]) -> pd.DataFrame:
+    n, T = res["loss"].shape
+    df = pd.DataFrame({"seed": np.repeat(np.asarray(seeds), T), "step": np.tile(np.arange(1, T + 1), n),
+                       "loss": res["loss"].ravel(), "grad_norm": res["grad_norm"].ravel(),
+                       "update_norm": res["update_norm"].ravel()})
+    for i, g in enumerate(res["groups"]):
+        df[f"rho_{g}"] = res["rho"][:, :, i].ravel()
+    return df
+
+
+def _write(path: Path, df: pd.DataFrame) -> None:
+    buf = io.BytesIO()
+    df.to_parquet(buf, index=False)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def run_study(study: Study, out: str | Path, quick: bool = False, num_seeds: int | None = None,
+              ladder: str | Path | None = None, skip_llama: bool = False,
+              progress: bool = True) -> Path:
+    """Resolve every claim's arms, run those not yet under out/arms, write replication.json."""
+    out = Path(out)
+    seeds = list(range(num_seeds or study.seeds))
+    meta_path = out / "replication.json"
+    old = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta = {"claims_file": study.path, "title": study.title, "description": study.description,
+            "quick": quick, "seeds": seeds, "calibration": old.get("calibration", {}),
+            "claims": [], "arms": {}, "arm_configs": {}, "arm_seconds": old.get("arm_seconds", {})}
+    bases = {}
+    for c in study.claims:
+        b = study.bases[c.base]
+        skip = ("quick" if quick and (b.get("full_only") or not c.quick) else
+                "skip_llama" if skip_llama and b.get("problem") == "llama" else None)
+        row = {**asdict(c), "rule_text": c.rule_text(), "not_run": NOT_RUN[skip] if skip else ""}
+        if not skip:
+            if c.base not in bases:
+                bases[c.base] = base_config(study, c.base, quick, ladder, meta, progress)
+            for arm in ("treatment", "control"):
+                over = getattr(c, arm)
+                if over is None:
+                    continue
+                try:
+                    cfg = arm_config(study, c.base, bases[c.base], over)
+                except ConfigError as e:
+                    raise ConfigError(f"{study.path}: claim {c.id}.{arm}: {e}") from None
+                blob = json.dumps({"config": cfg, "seeds": seeds}, sort_keys=True, default=repr)
+                aid = f"{c.base}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
+                row[f"{arm}_arm"] = aid
+                meta["arms"][aid] = {"base": c.base, "label": arm_label(over, getattr(c, f"{arm}_name")),
+                                     "config": cfg}
+                if "config" in b:
+                    meta["arm_configs"][aid] = cfg
+        meta["claims"].append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "arms").mkdir(exist_ok=True)
+    atomic_write_bytes(meta_path, json.dumps(meta, indent=2, default=repr).encode())
+    todo = {a: m for a, m in meta["arms"].items() if not (out / "arms" / f"{a}.parquet").exists()}
+    by_problem: dict[str, list] = {}
+    bar = tqdm(total=len(todo), desc="arms", unit="arm", disable=not progress, file=sys.stderr)
+    for aid, m in todo.items():
+        b = study.bases[m["base"]]
+        if "problem" in b:
+            by_problem.setdefault(b["problem"], []).append((aid, m["config"]))
+            continue
+        t0 = time.perf_counter()
+        _write(out / "arms" / f"{aid}.parquet", arm_table(run_arm(_config(m["config"]), seeds), seeds))
+        meta["arm_seconds"][aid] = time.perf_counter() - t0
+        atomic_write_bytes(meta_path, json.dumps(meta, indent=2, default=repr).encode())
+        bar.update(1)
+    for name, arms in by_problem.items():   # one pass per problem: vmapped groups, cached cells
+        uniq = list({cell_id(name, c): c for _, c in arms}.values())
+        table = run_cells(PROBLEMS[name], uniq, seeds, out, progress=progress, desc=f"replicate {name}")
+        for aid, cfg in arms:
+            _write(out / "arms" / f"{aid}.parquet",
+                   table[table["cell_id"] == cell_id(name, cfg)].reset_index(drop=True))
+            bar.update(1)
+    bar.close()
+    return out
