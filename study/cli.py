@@ -69,41 +69,45 @@ def sweep_main(argv: list[str]) -> int:
 
 
 def replicate_main(argv: list[str]) -> int:
-    """`adamspike replicate [--quick] --out DIR`: the claims on the toy problems
-    (simulate.replication); `adamspike replicate matched --ladder L --out DIR`: the claims in
-    the rho-matched regime, arms run by simulate.matched_replication and the table made by
-    analysis.matched_replication from their files."""
-    if not (argv and argv[0] == "matched"):
-        from simulate.replication import main as replicate   # jax: only for this subcommand
-        return int(replicate(argv) or 0)
-    ap = argparse.ArgumentParser(prog="adamspike replicate matched",
-                                 description="the literature's claims in the rho-matched regime "
-                                             "(>= 10 paired seeds per arm, vmapped)")
-    ap.add_argument("--ladder", required=True, help="ladder directory (fit.json: the 70B's rho per group)")
-    ap.add_argument("--out", required=True, help="study directory (resumes; another study is refused)")
-    ap.add_argument("--quick", action="store_true", help="CI scale: the arms marked quick, 150 steps (simulate.matched_replication)")
-    ap.add_argument("--seeds", type=int, default=10, help="paired seeds per arm (>= 10)")
-    ap.add_argument("--claims", default=None, help="claims TOML ([[arm]], [[claim]])")
+    """`adamspike replicate --out DIR [--claims FILE]`: a claims study (adamspike.claims):
+    arms run by simulate.claims, verdicts and report by analysis.claims from their files;
+    `adamspike replicate matched --ladder L ...` is `--claims configs/claims_matched.toml`."""
+    matched = bool(argv) and argv[0] == "matched"
+    ap = argparse.ArgumentParser(prog="adamspike replicate" + " matched" * matched,
+                                 description="test the literature's claims: paired seeds per arm")
+    ap.add_argument("--out", required=True, help="study directory (resumes at the first missing arm)")
+    ap.add_argument("--claims", default=f"configs/claims{'_matched' * matched}.toml",
+                    help="claims TOML (docs/design.md, 'Claims: one system')")
+    ap.add_argument("--ladder", required=matched, help="ladder directory (fit.json: the 70B's rho per group)")
+    ap.add_argument("--quick", action="store_true", help="CI scale: the bases' quick overrides, no full_only rows")
+    ap.add_argument("--seeds", type=int, default=None, help="paired seeds per arm (default: the file's; >= 10 for the tests)")
+    ap.add_argument("--skip-llama", action="store_true", help="leave out the tiny-LLaMA toy rows (their note says so)")
     ap.add_argument("--no-progress", action="store_true")
     try:
-        a = ap.parse_args(argv[1:])
+        a = ap.parse_args(argv[matched:])
     except SystemExit as e:
         return 0 if e.code == 0 else 2
+    if a.seeds is not None and a.seeds < 2:
+        print("adamspike replicate: --seeds must be >= 2 (>= 10 for the paired tests)", file=sys.stderr)
+        return 2
     # lazy: jax (arms) and pandas / scipy (table), only for this subcommand
+    from pathlib import Path
+    from adamspike.claims import REPO, read_study
     from adamspike.config import ConfigError
     from adamspike.rundir import atomic_write_bytes
-    from analysis.matched_replication import report_md
-    from simulate import matched_replication as mr
+    from analysis.claims import report_md
+    from simulate.claims import run_study
     try:
-        out = mr.run_study(a.out, a.ladder, quick=a.quick, num_seeds=a.seeds,
-                           claims_path=a.claims or mr.CLAIMS, progress=not a.no_progress)
+        path = Path(a.claims) if Path(a.claims).exists() else REPO / a.claims
+        out = run_study(read_study(path), a.out, quick=a.quick, num_seeds=a.seeds, ladder=a.ladder,
+                        skip_llama=a.skip_llama, progress=not a.no_progress)
         md, table = report_md(out)
     except (ConfigError, ValueError) as e:
-        print(f"adamspike replicate matched: {e}", file=sys.stderr)
+        print(f"adamspike replicate: {e}", file=sys.stderr)
         return 2
     atomic_write_bytes(out / "replication.csv", table.to_csv(index=False).encode())
     atomic_write_bytes(out / "replication.md", md.encode())
-    print(table[["id", "mean_diff", "ci_low", "ci_high", "p_holm", "verdict"]].to_string(index=False))
+    print(table[["id", "effect", "ci_low", "ci_high", "p_holm", "verdict"]].to_string(index=False))
     return 0
 
 
