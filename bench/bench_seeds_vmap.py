@@ -7,9 +7,9 @@ The arm is a RunConfig (default: the matched-regime replication's base); its see
 train.seed (init, data, batch order), so seed k of every arm is paired. Three ways to run
 the same seeds, all compiled before timing (compile times printed separately):
 
-  vmapped     simulate.seeds.run_arm: jit(vmap(lax.scan of the trainer's step)), one call
-              (timed with making the seeds' batches, simulate.seeds.arm_tokens)
-  sequential  the same per-seed program jit(lax.scan), called once per seed (same batches)
+  vmapped     simulate.seeds.run_arm: simulate.program's run form (jit(vmap(lax.scan of the
+              one step))), one call (timed with making the seeds' batches)
+  sequential  the same program at one lane, called once per seed (run_arm(vmapped=False))
   trainer     simulate.llama_train.train per seed (what `adamspike simulate llama` runs,
               telemetry off: the per-step loop with its host-side control flow), after one
               warm-up run that compiles its step
@@ -27,8 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from adamspike.config import flatten, read_toml, to_dict
@@ -51,27 +49,22 @@ def main(argv: list[str] | None = None) -> int:
                  "telemetry.enabled": False, "telemetry.curvature_every": 0})
     cfg = RunConfig.from_dict(flat)
     seeds = list(range(a.seeds))
-    toks = jnp.asarray(S.arm_tokens(cfg, seeds))
-    keys = jnp.stack([jax.random.PRNGKey(k) for k in seeds])
-    hp = S.hyper(cfg)
-    run_one = S.arm_program(cfg)
     t0 = time.perf_counter()
-    vm = jax.jit(jax.vmap(run_one, in_axes=(0, 0, None))).lower(keys, toks, hp).compile()
+    S.run_arm(cfg, seeds)                    # compiles the program at len(seeds) lanes
     t1 = time.perf_counter()
-    one = jax.jit(run_one).lower(keys[0], toks[0], hp).compile()
+    S.run_arm(cfg, seeds[:1], vmapped=False)  # and at one lane
     t2 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="bench_seeds_"))
     train(cfg, tmp / "warmup", progress=False)
     t3 = time.perf_counter()
-    print(f"compile: vmapped {t1 - t0:.1f} s, sequential {t2 - t1:.1f} s, trainer warm-up run "
-          f"{t3 - t2:.1f} s")
+    print(f"first run (compile + run): vmapped {t1 - t0:.1f} s, one lane {t2 - t1:.1f} s, "
+          f"trainer warm-up run {t3 - t2:.1f} s")
 
     def vec():   # includes making the seeds' batches, as the trainer does per step
-        return jax.block_until_ready(vm(keys, jnp.asarray(S.arm_tokens(cfg, seeds)), hp))
+        return S.run_arm(cfg, seeds)
 
     def seq():
-        tk = jnp.asarray(S.arm_tokens(cfg, seeds))
-        return [jax.block_until_ready(one(keys[i], tk[i], hp)) for i in seeds]
+        return S.run_arm(cfg, seeds, vmapped=False)
 
     runs = iter(range(10 ** 6))
 
@@ -90,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 rv = out
             elif name == "sequential":
                 rs = out
-    np.testing.assert_allclose(np.stack([r[0] for r in rs]), np.asarray(rv[0]), rtol=1e-3)
+    # different XLA programs (lane width 10 vs 1): fp32 rounding differs, bound loosely
+    np.testing.assert_allclose(rs["loss"], rv["loss"], rtol=1e-3)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{a.seeds} seeds x {a.steps} steps of {Path(a.config).name} (dim {cfg.model.dim}, "
           f"{cfg.model.num_layers} layers, vocab {cfg.model.vocab_size}, batch "

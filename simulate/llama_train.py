@@ -8,11 +8,12 @@ torch trainer reads the same file). Step s (1-based) reads the samples
 `SyntheticTokens(data.task, vocab_size, train.seq_len, data.num_samples, train.seed,
 data.alpha)`, the same batches the torch trainer reads.
 
-One jitted step: value_and_grad of `loss_scale * loss` -> simulate.optim.adamw (torch-style
-global-norm clip at grad_clip * loss_scale, Adam, decoupled weight decay, lr_at(s)) ->
-telemetry sums of simulate.telemetry.step_telemetry on logged steps (+ r histograms,
-sqrt(v_hat)/eps histograms and |g| < eps counts on hist steps). Three compiled variants (plain / telemetry / telemetry + hist) so steps that log
-nothing pay nothing.
+The step is simulate.program's one step function (the program every tiny-LLaMA driver
+runs), called once per step with the step's controls (lr_at(s), the registry's per-tensor
+eps, v resets, frozen tensors, skip, poison) and, on logged steps, the telemetry sums of
+simulate.telemetry.step_telemetry (+ r histograms, sqrt(v_hat)/eps histograms and |g| < eps
+counts on hist steps): three compiled variants (plain / telemetry / telemetry + hist), so
+steps that log nothing pay nothing.
 
 Compute dtype: train.dtype "bf16" runs the forward and backward in bfloat16 on float32
 master parameters (simulate.llama.loss_fn; the torch trainer's FSDP2 policy); Adam's state,
@@ -56,12 +57,9 @@ the discarded losses survive in the "spike" events. The "end" event counts rollb
 skipped batches.
 
 Mitigations (`mitigation` section, adamspike.mitigations): the registry's StepPlan for
-this model. model_options go to loss_fn; tensor_eps becomes a per-tensor eps pytree of the
-Adam step (and of the telemetry: rho, rms_t, eps_frac use each tensor's eps); its direction
-hook turns on simulate.optim's StableAdamW clipping; its update hook (layer freezing) is
-the chain's last transform (simulate.optim.scale_by_lr_freeze); its state edits (simulate.optim.
-apply_state_edits, e.g. v <- 0 of chosen tensors) run before the step, and the telemetry
-is handed that edited state as the previous one.
+this model, as simulate.program implements it for every driver (model options compiled in;
+eps, v resets and freezing as per-step controls; update clipping compiled in). The
+telemetry is handed the state after the step's v reset as the previous one.
 
 Measured toy-spike numbers live in the study's generated reports (`adamspike reproduce`),
 not here.
@@ -70,8 +68,6 @@ not here.
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import math
 import sys
 import time
@@ -88,7 +84,6 @@ from tqdm.auto import tqdm
 from adamspike.config import ConfigError, load_config, to_dict
 from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.llama import LlamaConfig, spec_by_name
-from adamspike.mitigations import StepPlan, plan as mitigation_plan
 from adamspike.order import sample_indices
 from adamspike.rundir import RunFormatError, RunWriter, environment
 from adamspike.synthdata import SyntheticTokens
@@ -96,12 +91,10 @@ from adamspike.train_config import RunConfig
 from simulate import llama as jllama
 from simulate import optim as jopt
 from simulate import telemetry as jtel
+from simulate.program import POISON_TOKEN, program, step_plan  # noqa: F401 (POISON_TOKEN: API)
 from simulate.curvature import make_curvature_fn
 from simulate.guard import SnapshotGuard
 from simulate.zipf_data import ZipfMarkov
-
-POISON_TOKEN = 0
-
 
 # ----------------------------------------------------------------------------- data
 
@@ -117,88 +110,11 @@ def dataset(cfg: RunConfig, llama: LlamaConfig):
 
 def batch_at(data, cfg: RunConfig, step: int, offset: int = 0) -> np.ndarray:
     """Tokens (global_batch_size, seq_len + 1) of optimizer step `step` at data offset
-    `offset` (it reads batch step + offset; data.poison_steps name batches, as in torch)."""
+    `offset` (it reads batch step + offset; poisoned batches are the program's `poison`
+    control)."""
     idx = sample_indices(step, cfg.train.global_batch_size, cfg.data.num_samples, cfg.train.seed,
                          offset=offset)
-    batch = data.batch(idx)
-    if step + offset in cfg.data.poison_steps:
-        batch[:, 1:] = POISON_TOKEN
-    return batch
-
-
-# ----------------------------------------------------------------------------- steps
-
-_STEP_CACHE: dict[str, tuple] = {}
-
-
-def step_plan(cfg: RunConfig) -> StepPlan:
-    """The mitigation registry's plan for cfg's model (tensor depths of adamspike.llama)."""
-    llama = cfg.model.llama()
-    return mitigation_plan(cfg, {n: s.depth for n, s in spec_by_name(llama).items()},
-                           llama.num_layers)
-
-
-def make_steps(cfg: RunConfig):
-    """(tx, step): the optax chain and the jitted step(params, opt_state, batch, telemetry,
-    hist, native=True) (the last three static; native: the telemetry's native CPU kernel,
-    simulate.native_telemetry, where it applies) -> (params, opt_state, out). Cached per
-    (model, optim, train, mitigation) settings, so runs of one process that share them
-    compile once."""
-    train = {k: v for k, v in to_dict(cfg.train).items() if k != "seed"}  # seed: not compiled in
-    key = json.dumps([to_dict(cfg.model), to_dict(cfg.optim), train, to_dict(cfg.mitigation)],
-                     sort_keys=True)
-    if key not in _STEP_CACHE:
-        if len(_STEP_CACHE) >= 8:  # bounded: sweeps in one process keep a few
-            _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
-        _STEP_CACHE[key] = _make_steps(cfg)
-    return _STEP_CACHE[key]
-
-
-def objective(cfg: RunConfig):
-    """(tx, value_and_grad, tensor eps): the optax chain of cfg (simulate.optim.adamw with
-    the registry's plan) and value_and_grad(params, batch) -> ((loss_scale * loss, aux),
-    grads) of the model's loss with the plan's forward options; tensor eps is a pytree like
-    the parameters, or optim.eps when uniform. Shared by the trainer's step and the
-    vmapped seed programs (simulate.seeds)."""
-    t, o = cfg.train, cfg.optim
-    llama = cfg.model.llama()
-    plan = step_plan(cfg)
-    shapes = jax.eval_shape(functools.partial(jllama.init_params, llama), jax.random.PRNGKey(0))
-    eps = jopt.eps_tree(shapes, plan.tensor_eps, o.eps)   # o.eps itself when uniform
-    tx = jopt.adamw(o, t.num_steps, t.loss_scale, plan=plan, params=shapes)
-    value_and_grad = jax.value_and_grad(
-        lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss, compute_dtype=t.dtype,
-                                    **plan.model_options),
-        has_aux=True)
-    return tx, value_and_grad, eps
-
-
-def _make_steps(cfg: RunConfig):
-    o = cfg.optim
-    tx, value_and_grad, eps = objective(cfg)
-    tel_eps = jax.tree.leaves(eps) if isinstance(eps, dict) else o.eps
-
-    def step(params, opt_state, batch, telemetry: bool, hist: bool, native: bool = True):
-        (_, aux), grads = value_and_grad(params, batch)
-        updates, new_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        grad_norm, _, clipped = jopt.clip_info(new_state)
-        out = {"loss": aux["loss"], "grad_norm": grad_norm, "clipped": clipped,
-               "update_norm": jopt.global_norm(updates)}
-        if telemetry:
-            sums, hists = jtel.step_telemetry(
-                grads, jopt.adam_state(opt_state), jopt.adam_state(new_state), new_params,
-                o.b1, o.b2, tel_eps, with_hist=hist, grad_scale=jopt.clip_info(new_state)[1],
-                native=native)
-            out["sums"] = sums
-            if hist:
-                out["hists"] = hists
-                out["vhists"] = jtel.step_vhists(jopt.adam_state(new_state), o.b2, tel_eps)
-                out["g_below_eps"] = jtel.grad_below_eps(grads, tel_eps,
-                                                         jopt.clip_info(new_state)[1])
-        return new_params, new_state, out
-
-    return tx, jax.jit(step, static_argnums=(3, 4, 5))
+    return data.batch(idx)
 
 
 def _curvature_fn(cfg: RunConfig, llama: LlamaConfig):
@@ -210,15 +126,6 @@ def _curvature_fn(cfg: RunConfig, llama: LlamaConfig):
     loss = lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss,  # noqa: E731
                                         compute_dtype=t.dtype, **options)[0]
     return make_curvature_fn(loss, groups, present, cfg.telemetry.curvature_iters), present
-
-
-def advance_schedule(opt_state):
-    """A skipped step: only the lr schedule's count moves (Adam's count and moments stay)."""
-    if isinstance(opt_state, optax.ScaleByScheduleState):
-        return opt_state._replace(count=opt_state.count + 1)
-    if isinstance(opt_state, tuple) and not hasattr(opt_state, "_fields"):
-        return tuple(advance_schedule(s) for s in opt_state)
-    return opt_state
 
 
 # ----------------------------------------------------------------------------- loop
@@ -242,9 +149,9 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
     t, o, tel = cfg.train, cfg.optim, cfg.telemetry
     native = tel.compile != "off"   # the telemetry's native CPU kernel where it applies
     data = dataset(cfg, llama)
-    tx, step_fn = make_steps(cfg)
-    params = jllama.init_params(llama, jax.random.PRNGKey(t.seed))
-    opt_state = tx.init(params)
+    prog = program(cfg)
+    tel_spec = prog.telemetry_spec(cfg)
+    params, opt_state = prog.init(t.seed)
     guard = SnapshotGuard(cfg.guard, cfg.checkpoint.every, params, opt_state)
     curv_fn, curv_groups = _curvature_fn(cfg, llama) if tel.curvature_every > 0 else (None, [])
     curv_eps = {n: float(e) for n, e in step_plan(cfg).tensor_eps.items()} or o.eps
@@ -277,16 +184,14 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
                 pending = loader.submit(batch_at, data, cfg, step + 1, offset)
             log = tel.enabled and step % tel.every == 0
             hist = log and tel.hist_every > 0 and step % tel.hist_every == 0 and step not in skip
-            if step not in skip:   # the mitigation plan's state edits (v resets)
-                opt_state = jopt.apply_state_edits(opt_state, plan, step, names)
-            new_params, new_state, out = step_fn(params, opt_state, batch, log, hist, native)
+            ctl = prog.controls(cfg, [step], offset).at(0)
+            new_params, new_state, out = prog.step_fn(params, opt_state, batch, ctl,
+                                                      tel_spec if log else None, hist, native)
             out = jax.device_get(out)
             row = dict(loss=float(out["loss"]), grad_norm=float(out["grad_norm"]),
                        clipped=bool(out["clipped"]), update_norm=float(out["update_norm"]),
                        skipped=step in skip)
-            if step in skip:  # keep params and Adam state; only the lr schedule advances
-                opt_state = advance_schedule(opt_state)
-                row.update(clipped=False, update_norm=0.0)
+            if step in skip:  # the program kept params and Adam state (lr: the host's)
                 writer.event("skip", step=step, reason="data.skip_batches", loss=row["loss"])
             else:
                 # spike guard: judge the loss before its update is applied

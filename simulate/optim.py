@@ -76,9 +76,12 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 
 
-def clip_by_global_norm_torch(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm_torch(max_norm, enabled: bool | None = None
+                              ) -> optax.GradientTransformation:
     """g <- g * min(1, max_norm / (||g|| + 1e-6)) (torch's clip_grad_norm_); max_norm <= 0:
-    no clipping (scale 1). The state records the pre-clip norm and the scale."""
+    no clipping (scale 1). max_norm may be traced when `enabled` (static) says whether to
+    clip. The state records the pre-clip norm and the scale."""
+    enabled = max_norm > 0 if enabled is None else enabled
 
     def init_fn(params):
         del params
@@ -87,7 +90,7 @@ def clip_by_global_norm_torch(max_norm: float) -> optax.GradientTransformation:
     def update_fn(updates, state, params=None):
         del params, state
         norm = global_norm(updates)
-        if max_norm > 0:
+        if enabled:
             scale = jnp.minimum(1.0, max_norm / (norm + TORCH_CLIP_EPS))
             updates = jax.tree.map(lambda g: g * scale.astype(g.dtype), updates)
         else:
@@ -176,15 +179,17 @@ def scale_by_lr_freeze(lr, frozen, first: int, last: int) -> optax.GradientTrans
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def adamw_chain(b1, b2, eps, lr, max_norm: float, weight_decay: float = 0.0,
-                plan: StepPlan | None = None, frozen=None) -> optax.GradientTransformation:
-    """The chain of the module docstring from scalars (b1, b2, eps, lr may be traced, lr
-    may be an optax schedule; eps a scalar or a per-tensor pytree): clip at max_norm (the
-    torch formula; <= 0: off) -> Adam -> [update clip: the plan's `direction` hook] ->
-    [+ wd*p] -> * -lr [-> 0 for the `frozen` leaves (a pytree of static bools like the
-    parameters) on the plan's freeze_steps: its `update` hook]."""
+def adamw_chain(b1, b2, eps, lr, max_norm, weight_decay: float = 0.0,
+                plan: StepPlan | None = None, frozen=None, clip: bool | None = None
+                ) -> optax.GradientTransformation:
+    """The chain of the module docstring from scalars (b1, b2, eps, lr, max_norm may be
+    traced, lr may be an optax schedule; eps a scalar or a per-tensor pytree): clip at
+    max_norm (the torch formula; off when `clip` is False, or with clip None when
+    max_norm <= 0) -> Adam -> [update clip: the plan's `direction` hook] -> [+ wd*p] ->
+    * -lr [-> 0 for the `frozen` leaves (a pytree of static bools like the parameters) on
+    the plan's freeze_steps: its `update` hook]."""
     plan = plan or StepPlan()
-    parts = [clip_by_global_norm_torch(max_norm),
+    parts = [clip_by_global_norm_torch(max_norm, clip),
              scale_by_adam_stable(b1, b2, eps, plan.update_clip)]
     if weight_decay > 0:
         parts.append(optax.add_decayed_weights(weight_decay))

@@ -6,53 +6,40 @@ An arm is a RunConfig (the JAX trainer's settings, simulate.llama_train); its se
 in train.seed only, which the trainer uses for the parameter init (PRNGKey(seed)), the data
 set (the synthetic source's seed) and the batch order (adamspike.order.sample_indices), so
 seed k of every arm reads the same batches from the same initial parameters: arms are
-paired by seed index. The program is the trainer's own objective and optax chain
-(simulate.llama_train.objective: the registry's model and eps hooks, update clipping,
-clip, weight decay, the lr schedule), one `jax.lax.scan` over the steps, `jax.vmap` over the
-seeds:
+paired by seed index. The program is simulate.program's one step, its `run` form (all
+steps in one `jax.lax.scan`, `jax.vmap` over the seeds), with the arm's per-step controls:
 
-    (params_k, state_k) <- step(params_k, state_k, batch_{k,s}),  s = 1..num_steps
+    (params_k, state_k) <- step(params_k, state_k, batch_{k,s}, controls_s),  s = 1..num_steps
 
-Per step and seed it keeps the loss, the pre-clip gradient norm, the update norm and, per
-depth group (adamspike.depth_groups), the sum of squares of the gradient Adam consumed
-(after clipping, in the loss-scale frame of the trainer's telemetry), from which
+Arms that differ only in controls (lr and its schedule, b1, b2, eps and group eps, clip
+threshold, loss scale, v resets, freezing, skipped or poisoned batches) share one compiled
+program. Per step and seed it keeps the loss, the pre-clip gradient norm, the update norm
+and, per depth group (adamspike.depth_groups), the sum of squares of the gradient Adam
+consumed (after clipping), from which
 
     rho_group(s) = sqrt(sumsq_group / numel_group) / eps_group
 
-(eps_group: the group's Adam eps, all tensors of a group share one under the registry's
-group_eps). Without telemetry tables or Python per step this is the cheap path for many
-seeds; a seed's loss trace equals the trainer's run of the same config (test_seeds).
-
-Not supported (ConfigError): mitigations with the `state` hook (step-indexed edits of the
-optimizer state: the trainer applies them between jitted steps), the spike guard, skipped
-or poisoned batches (the trainer's host-side control flow).
+in the frame of the unscaled loss (eps_group: the group's Adam eps, all tensors of a group
+share one under the registry's group_eps). Without telemetry tables or Python per step this
+is the cheap path for many seeds. The spike guard (host-side rollbacks) is the trainer's
+only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from adamspike.config import ConfigError, flatten, to_dict
+from adamspike.config import ConfigError
 from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.llama import spec_by_name
-from adamspike.mitigations import require_hooks
 from adamspike.train_config import RunConfig
-from simulate import llama as jllama
-from simulate import optim as jopt
-from simulate.llama_train import batch_at, dataset, objective, step_plan
-
-HOOKS = ("model", "eps", "direction")
-# passed to the compiled program as traced values: arms differing only here compile once
-TRACED_KEYS = frozenset({"optim.b1", "optim.b2", "optim.eps", "mitigation.eps_embed",
-                         "mitigation.eps_shallow", "mitigation.eps_deep", "mitigation.eps_head"})
+from simulate.llama_train import batch_at, dataset
+from simulate.program import program, step_plan
 
 
 def with_seed(cfg: RunConfig, seed: int) -> RunConfig:
@@ -63,13 +50,9 @@ def with_seed(cfg: RunConfig, seed: int) -> RunConfig:
 def check_arm(cfg: RunConfig) -> None:
     """ConfigError for settings the vmapped program does not implement (module docstring)."""
     cfg.check()
-    require_hooks(cfg, HOOKS, "the vmapped seed program (simulate.seeds)")
     if cfg.guard.enabled:
         raise ConfigError("guard.enabled: the spike guard's rollbacks are host-side; run the "
                           "trainer (adamspike simulate llama) for guarded runs")
-    if cfg.data.skip_batches or cfg.data.poison_steps:
-        raise ConfigError("data.skip_batches / data.poison_steps: not supported by the "
-                          "vmapped seed program; run the trainer")
     if cfg.data.source != "synthetic":
         raise ConfigError(f"data.source: synthetic only (got {cfg.data.source!r})")
 
@@ -108,90 +91,30 @@ def group_layout(cfg: RunConfig) -> tuple[list[str], dict[str, list[str]], np.nd
     return groups, {g: by_group[g] for g in groups}, numel, np.array(eps)
 
 
-def hyper(cfg: RunConfig) -> dict:
-    """The traced hyperparameters of an arm: b1, b2 and the per-tensor eps pytree (arms
-    differing only in these share one compiled program)."""
-    llama = cfg.model.llama()
-    shapes = jax.eval_shape(functools.partial(jllama.init_params, llama), jax.random.PRNGKey(0))
-    plan = step_plan(cfg)
-    names = jopt.tensor_names(shapes)
-    eps = [jnp.float32(plan.tensor_eps.get(n, cfg.optim.eps)) for n in names]
-    return {"b1": jnp.float32(cfg.optim.b1), "b2": jnp.float32(cfg.optim.b2),
-            "eps": jax.tree.unflatten(jax.tree.structure(shapes), eps)}
-
-
-def arm_program(cfg: RunConfig):
-    """run_one(key, tokens (num_steps, B, T+1), hyper) -> (loss, grad_norm, update_norm
-    (num_steps,), group_sumsq (num_steps, num_groups)): one seed's whole run, pure and
-    traceable (vmap it over seeds, or jit it and call it per seed); `hyper` as `hyper(cfg)`."""
-    check_arm(cfg)
-    llama = cfg.model.llama()
-    t, o = cfg.train, cfg.optim
-    _, value_and_grad, _ = objective(cfg)
-    plan = step_plan(cfg)
-    _, names, _, _ = group_layout(cfg)
-    inv_scale = 1.0 / t.loss_scale
-
-    def run_one(key, toks, hp):
-        # the trainer's chain (simulate.optim.adamw) with b1, b2, eps as traced values
-        tx = jopt.adamw_chain(hp["b1"], hp["b2"], hp["eps"], jopt.lr_schedule(o, t.num_steps),
-                              o.grad_clip * t.loss_scale, o.weight_decay, plan)
-        params = jllama.init_params(llama, key)
-        state = tx.init(params)
-
-        def step(carry, batch):
-            params, state = carry
-            (_, aux), grads = value_and_grad(params, batch)
-            updates, state = tx.update(grads, state, params)
-            params = optax.apply_updates(params, updates)
-            grad_norm, scale, _ = jopt.clip_info(state)
-            sumsq = jnp.stack([sum(jnp.sum(jnp.square(grads[n].astype(jnp.float32)))
-                                   for n in group) for group in names.values()])
-            sumsq = sumsq * jnp.square(scale * inv_scale)
-            return (params, state), (aux["loss"], grad_norm * inv_scale,
-                                     jopt.global_norm(updates), sumsq)
-
-        _, outs = jax.lax.scan(step, (params, state), toks)
-        return outs
-
-    return run_one
-
-
-_PROGRAMS: dict[tuple, Any] = {}
-
-
-def _compiled(cfg: RunConfig, vmapped: bool):
-    """jit(vmap(run_one)) or jit(run_one), cached per config up to the traced b1, b2, eps."""
-    flat = flatten(to_dict(cfg))
-    key = (vmapped, json.dumps({k: v for k, v in flat.items()
-                                if k not in TRACED_KEYS and k != "train.seed"},
-                               sort_keys=True, default=str))
-    if key not in _PROGRAMS:
-        if len(_PROGRAMS) >= 8:
-            _PROGRAMS.pop(next(iter(_PROGRAMS)))
-        run_one = arm_program(cfg)
-        _PROGRAMS[key] = jax.jit(jax.vmap(run_one, in_axes=(0, 0, None)) if vmapped else run_one)
-    return _PROGRAMS[key]
-
-
 def run_arm(cfg: RunConfig, seeds: Sequence[int], *, vmapped: bool = True,
             tokens: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Train len(seeds) copies of cfg (train.seed = each seed); vmapped=True as one
-    program, False one after another (the same jitted per-seed function: the bench compares
-    the two). Returns float64 arrays loss, grad_norm, update_norm (num_seeds, num_steps),
+    program, False one seed per call of the same program (the bench compares the two).
+    Returns float64 arrays loss, grad_norm, update_norm (num_seeds, num_steps),
     rho (num_seeds, num_steps, num_groups) and groups, group_eps, group_numel."""
     check_arm(cfg)
-    groups, _, numel, eps = group_layout(cfg)
+    groups, by_group, numel, eps = group_layout(cfg)
+    prog = program(cfg)
     toks = jnp.asarray(arm_tokens(cfg, seeds) if tokens is None else tokens)
     keys = jnp.stack([jax.random.PRNGKey(int(k)) for k in seeds])
-    hp = hyper(cfg)
-    fn = _compiled(cfg, vmapped)
+    ctl = prog.controls(cfg, range(1, cfg.train.num_steps + 1))
     if vmapped:
-        outs = fn(keys, toks, hp)
+        outs = prog.run(keys, toks, ctl)
     else:
-        per = [fn(keys[i], toks[i], hp) for i in range(len(seeds))]
-        outs = tuple(jnp.stack([p[j] for p in per]) for j in range(4))
-    loss, gn, un, sumsq = (np.asarray(x, np.float64) for x in jax.device_get(outs))
+        per = [prog.run(keys[i:i + 1], toks[i:i + 1], ctl) for i in range(len(seeds))]
+        outs = {k: jnp.concatenate([p[k] for p in per]) for k in per[0]}
+    outs = {k: np.asarray(v, np.float64) for k, v in jax.device_get(outs).items()}
+    inv = 1.0 / cfg.train.loss_scale
+    index = {n: i for i, n in enumerate(prog.names)}
+    cols = [[index[n] for n in by_group[g]] for g in groups]
+    sumsq = np.stack([outs["tensor_sumsq"][..., c].sum(-1) for c in cols], axis=-1)
+    sumsq *= np.square(outs["clip_scale"] * inv)[..., None]   # consumed, unscaled frame
     rho = np.sqrt(sumsq / numel) / eps
-    return {"loss": loss, "grad_norm": gn, "update_norm": un, "rho": rho,
+    return {"loss": outs["loss"], "grad_norm": outs["grad_norm"] * inv,
+            "update_norm": outs["update_norm"], "rho": rho,
             "groups": np.array(groups), "group_eps": eps, "group_numel": numel}

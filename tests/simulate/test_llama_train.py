@@ -114,17 +114,6 @@ def test_skipped_batches_and_poison(run):
     assert s.loss[POISON] > neighbours.max() + 1.0
 
 
-def test_advance_schedule_moves_only_the_lr_count():
-    cfg = _cfg()
-    tx = jopt.adamw(cfg.optim, NUM_STEPS)
-    state = tx.init({"w": jnp.zeros(3)})
-    _, state = tx.update({"w": jnp.ones(3)}, state, {"w": jnp.zeros(3)})
-    adv = lt.advance_schedule(state)
-    sched = [s for s in adv if isinstance(s, optax.ScaleByScheduleState)]
-    assert int(sched[0].count) == 2 and int(jopt.adam_state(adv).count) == 1
-    np.testing.assert_array_equal(jopt.adam_state(adv).mu["w"], jopt.adam_state(state).mu["w"])
-
-
 def test_same_seed_same_run_other_seed_differs(run, tmp_path):
     again = load_run(lt.train(_cfg(), tmp_path / "again", progress=False))
     cols = ["loss", "grad_norm", "update_norm", "lr", "clipped", "skipped"]

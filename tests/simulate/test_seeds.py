@@ -28,8 +28,8 @@ def test_a_vmapped_seed_is_the_trainers_run(tmp_path):
     for j, seed in enumerate((0, 3)):
         run = load_run(train(cfg(**{"train.seed": seed}), tmp_path / f"s{seed}", progress=False))
         st = run.steps.sort_values("step")
-        np.testing.assert_allclose(res["loss"][j], st["loss"], rtol=2e-5)
-        np.testing.assert_allclose(res["grad_norm"][j], st["grad_norm"], rtol=1e-4)
+        np.testing.assert_allclose(res["loss"][j], st["loss"], rtol=PROGRAMS_RTOL)
+        np.testing.assert_allclose(res["grad_norm"][j], st["grad_norm"], rtol=PROGRAMS_RTOL)
         # group rho of the consumed gradient = the telemetry's per-tensor rho, pooled by group
         lay = run.layers
         last = lay[lay["step"] == 25]
@@ -47,13 +47,32 @@ def test_arms_are_paired_and_eps_only_arms_share_the_program():
     np.testing.assert_array_equal(a["loss"][:, 0], b["loss"][:, 0])
     assert not np.allclose(a["loss"][:, -1], b["loss"][:, -1])
     assert len({tuple(np.round(a["loss"][i, :3], 6)) for i in range(3)}) == 3   # seeds differ
-    seq = run_arm(cfg(), [0, 1, 2], vmapped=False)
-    np.testing.assert_allclose(seq["loss"], a["loss"], rtol=1e-4)
+    seq = run_arm(cfg(), [0, 1, 2], vmapped=False)   # lane width 1 vs 3: other programs
+    np.testing.assert_allclose(seq["loss"], a["loss"], rtol=PROGRAMS_RTOL)
 
 
-@pytest.mark.parametrize("over, key", [({"mitigation.v_reset_steps": [3]}, "v_reset_steps"),
-                                       ({"guard.enabled": True, "checkpoint.every": 5}, "guard"),
-                                       ({"data.poison_steps": [4]}, "poison_steps")])
-def test_host_side_settings_are_refused(over, key):
-    with pytest.raises(ConfigError, match=key):
-        run_arm(cfg(**over), [0])
+# run_arm and the trainer run the same step function as two XLA programs (lax.scan +
+# vmap vs one jitted step per call), whose fp32 roundings differ (~1e-7 relative per op);
+# 25 Adam steps amplify that: the measured worst relative loss difference is below 2e-6
+# (AVX-512 and XLA_FLAGS=--xla_cpu_max_isa=AVX2), bounded here at 1e-4.
+PROGRAMS_RTOL = 1e-4
+
+
+def test_every_control_matches_the_trainer(tmp_path):
+    """v reset, poison, skipped batches and freezing: the controls of the one program."""
+    over = {"mitigation.v_reset_steps": [3], "mitigation.v_reset_groups": ["embed", "shallow"],
+            "data.poison_steps": [12], "data.skip_batches": [6, 7],
+            "mitigation.freeze_groups": ["embed"], "mitigation.freeze_from": 15}
+    res = run_arm(cfg(**over), [1])
+    run = load_run(train(cfg(**over, **{"train.seed": 1}), tmp_path / "r", progress=False))
+    st = run.steps.sort_values("step")
+    np.testing.assert_allclose(res["loss"][0], st["loss"], rtol=PROGRAMS_RTOL)
+    np.testing.assert_allclose(res["update_norm"][0], st["update_norm"], rtol=PROGRAMS_RTOL,
+                               atol=0)
+    assert (res["update_norm"][0, [5, 6]] == 0).all()            # skipped steps 6, 7
+    # (the poison control's spike: tests/simulate/test_llama_train.py, same program)
+
+
+def test_the_guard_is_refused():
+    with pytest.raises(ConfigError, match="guard"):
+        run_arm(cfg(**{"guard.enabled": True, "checkpoint.every": 5}), [0])

@@ -1,0 +1,253 @@
+"""The one JAX training program of the tiny LLaMA (never torch).
+
+Every tiny-LLaMA driver (the trainer simulate.llama_train, the vmapped seed arms
+simulate.seeds, the width/depth ladder simulate.ladder, the causal replay simulate.replay)
+runs this one step function; they differ only in how they call it:
+
+    step(params, state, batch, c)  ->  (params, state, out)
+
+with the per-step controls `c` (a `Controls` of traced arrays, so settings that differ only
+in them share one compiled program):
+
+    lr          ()     the step's learning rate, OptimSection.lr_at(t, num_steps)
+    b1, b2      ()     Adam's decay rates
+    eps         (n,)   each tensor's Adam eps (the registry's `eps` hook: group eps)
+    max_norm    ()     global-norm clip threshold grad_clip * loss_scale (0: no clip)
+    loss_scale  ()     s: the objective is s * loss (Adam on s L = Adam on L with eps / s)
+    reset       (n,)   v <- 0 of these tensors just before the step (the `state` hook)
+    frozen      (n,)   zero parameter change of these tensors (the `update` hook)
+    skip        ()     the step's result is discarded: parameters and optimizer state kept
+                       (Levanter's skip semantics; the lr schedule is the host's)
+    poison      ()     every target replaced by POISON_TOKEN (a deterministic loss spike)
+
+(n: the tensors in leaf order, simulate.telemetry.tensor_names). The step is, with g the
+gradient of s * loss:
+
+    v <- where(reset, 0, v)
+    g <- g * min(1, max_norm / (||g|| + 1e-6))          (torch's clip_grad_norm_)
+    m, v <- Adam moments;  r = m_hat / (sqrt(v_hat) + eps)   [/ max(1, rms_t): update_clip]
+    p <- p - lr (r + wd p)   except where frozen;   (p, state) <- old where skip
+
+(simulate.optim.adamw_chain with these scalars; the compiled-in rest: the architecture,
+z-loss, compute dtype, the registry's model options (GLM shrink), update clipping, weight
+decay, whether the clip is on). `Program.controls(cfg, steps)` turns any RunConfig whose
+static part equals the program's into its controls, so every registry mitigation works in
+every driver.
+
+Two compiled forms of the one step:
+- `Program.step_fn`: jit(step), one step per call (static options: telemetry sums / r and
+  sqrt(v_hat)/eps histograms, the native CPU telemetry kernel). The trainer and the replay
+  lanes call it, so the same settings on the same inputs give bit-identical results in
+  both.
+- `Program.run`: jit(vmap(scan(step))) over lanes (seeds, arms), all steps in one call;
+  controls shared by the lanes or one set per lane. XLA compiles the scanned, vmapped body
+  as another program: its results agree with `step_fn` to fp32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from adamspike.config import ConfigError, to_dict
+from adamspike.llama import spec_by_name
+from adamspike.mitigations import StepPlan, plan as mitigation_plan
+from adamspike.train_config import RunConfig
+from simulate import llama as jllama
+from simulate import optim as jopt
+from simulate import telemetry as jtel
+
+POISON_TOKEN = 0
+
+
+class Controls(NamedTuple):
+    """Per-step traced inputs (module docstring); numpy arrays with a leading step axis
+    from `Program.controls`, one step's slice (`at(i)`) for `Program.step_fn`."""
+    lr: Any
+    b1: Any
+    b2: Any
+    eps: Any
+    max_norm: Any
+    loss_scale: Any
+    reset: Any
+    frozen: Any
+    skip: Any
+    poison: Any
+
+    def at(self, i: int) -> "Controls":
+        return Controls(*(x[i] for x in self))
+
+
+def step_plan(cfg: RunConfig) -> StepPlan:
+    """The mitigation registry's plan for cfg's model (tensor depths of adamspike.llama)."""
+    llama = cfg.model.llama()
+    return mitigation_plan(cfg, {n: s.depth for n, s in spec_by_name(llama).items()},
+                           llama.num_layers)
+
+
+def static_key(cfg: RunConfig) -> str:
+    """What is compiled into the program (everything else is a control or host-side)."""
+    t, o = cfg.train, cfg.optim
+    plan = step_plan(cfg)
+    return json.dumps([to_dict(cfg.model), t.z_loss, t.dtype, plan.model_options,
+                       plan.update_clip, o.grad_clip > 0, o.weight_decay], sort_keys=True)
+
+
+class Program:
+    """The compiled step of one static configuration (`static_key`)."""
+
+    def __init__(self, cfg: RunConfig):
+        t, o = cfg.train, cfg.optim
+        self.key = static_key(cfg)
+        self.llama = llama = cfg.model.llama()
+        plan = step_plan(cfg)
+        self.update_clip, self.clip_on, self.weight_decay = (plan.update_clip, o.grad_clip > 0,
+                                                             o.weight_decay)
+        shapes = jax.eval_shape(functools.partial(jllama.init_params, llama),
+                                jax.random.PRNGKey(0))
+        self.names = jtel.tensor_names(shapes)
+        self.treedef = jax.tree.structure(shapes)
+        options = dict(plan.model_options)
+        self._value_and_grad = jax.value_and_grad(
+            lambda p, b, s: jllama.loss_fn(p, b, llama, s, t.z_loss, compute_dtype=t.dtype,
+                                           **options), has_aux=True)
+        self.step_fn = jax.jit(self.step, static_argnames=("tel", "hist", "native"))
+        self._runs: dict[bool, Any] = {}
+
+    # ------------------------------------------------------------------ the step
+    def tx(self, c: Controls) -> optax.GradientTransformation:
+        """simulate.optim.adamw_chain with the step's controls (freezing: `step`)."""
+        eps = self.tree(list(c.eps[i] for i in range(len(self.names))))
+        return jopt.adamw_chain(c.b1, c.b2, eps, c.lr, c.max_norm, self.weight_decay,
+                                StepPlan(update_clip=self.update_clip), clip=self.clip_on)
+
+    def tree(self, leaves: Sequence) -> Any:
+        return jax.tree.unflatten(self.treedef, list(leaves))
+
+    def step(self, params, state, batch, c: Controls, tel: tuple | None = None,
+             hist: bool = False, native: bool = True):
+        """One optimizer step (module docstring). out: loss (unscaled), grad_norm (pre-clip,
+        of s * loss), clipped, update_norm, tensor_sumsq (n,) of the pre-clip gradient of
+        s * loss, clip_scale; with tel = (b1, b2, eps) static floats (eps: a float, or one
+        per tensor; the native kernel needs them static, so they are the config's, which
+        the controls must equal) the telemetry sums, and with hist its histograms."""
+        c = Controls(*(jnp.asarray(x) for x in c))
+        adam = jopt.adam_state(state)
+        edited = jopt._replace_state(state, adam, adam._replace(nu=self.tree(
+            [jnp.where(c.reset[i], jnp.zeros_like(v), v)
+             for i, v in enumerate(jax.tree.leaves(adam.nu))])))
+        batch = jnp.where(c.poison, batch.at[:, 1:].set(POISON_TOKEN), batch)
+        (_, aux), grads = self._value_and_grad(params, batch, c.loss_scale)
+        updates, new_state = self.tx(c).update(grads, edited, params)
+        updates = jopt.freeze_updates(updates, self.tree([c.frozen[i]
+                                                          for i in range(len(self.names))]))
+        new_params = optax.apply_updates(params, updates)
+        grad_norm, scale, clipped = jopt.clip_info(new_state)
+        out = {"loss": aux["loss"], "grad_norm": grad_norm, "clipped": clipped & ~c.skip,
+               "update_norm": jnp.where(c.skip, 0.0, jopt.global_norm(updates)),
+               "tensor_sumsq": jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32)))
+                                          for g in jax.tree.leaves(grads)]),
+               "clip_scale": scale}
+        if tel is not None:
+            b1, b2, eps = tel
+            eps = list(eps) if isinstance(eps, tuple) else eps
+            prev, new = jopt.adam_state(edited), jopt.adam_state(new_state)
+            out["sums"], hists = jtel.step_telemetry(grads, prev, new, new_params, b1, b2, eps,
+                                                     with_hist=hist, grad_scale=scale,
+                                                     native=native)
+            if hist:
+                out["hists"] = hists
+                out["vhists"] = jtel.step_vhists(new, b2, eps)
+                out["g_below_eps"] = jtel.grad_below_eps(grads, eps, scale)
+        keep = lambda old, new: jax.tree.map(  # noqa: E731
+            lambda a, b: jnp.where(c.skip, a, b), old, new)
+        return keep(params, new_params), keep(state, new_state), out
+
+    # ------------------------------------------------------------------ inputs
+    def init(self, seed: int | jax.Array):
+        """(params, optimizer state) of train.seed `seed` (a key when traced)."""
+        key = jax.random.PRNGKey(seed) if isinstance(seed, (int, np.integer)) else seed
+        params = jllama.init_params(self.llama, key)
+        zero = jnp.zeros([], jnp.float32)
+        blank = Controls(zero, zero, zero, jnp.zeros(len(self.names)), zero, zero,
+                         *(None,) * 4)
+        return params, self.tx(blank).init(params)
+
+    def controls(self, cfg: RunConfig, steps: Sequence[int], offset: int = 0) -> Controls:
+        """The controls of cfg (whose static part must be this program's) at optimizer
+        steps `steps` (1-based; data offset `offset`: batch s + offset is read, as the
+        guard's skipped batches shift it), numpy with a leading step axis."""
+        if static_key(cfg) != self.key:
+            raise ConfigError("the controls' config differs from the program's in a compiled "
+                              "setting (model, train.z_loss, train.dtype, model options, "
+                              "mitigation.update_clip, optim.grad_clip on/off, "
+                              "optim.weight_decay)")
+        t, o, d = cfg.train, cfg.optim, cfg.data
+        plan = step_plan(cfg)
+        steps = [int(s) for s in steps]
+        k, n = len(steps), len(self.names)
+        full = lambda v: np.full(k, v, np.float32)  # noqa: E731
+        frozen, reset = np.zeros((k, n), bool), np.zeros((k, n), bool)
+        for i, s in enumerate(steps):
+            f, r = set(plan.frozen_at(s)), set(plan.v_reset.get(s, ()))
+            frozen[i] = [nm in f for nm in self.names]
+            reset[i] = [nm in r for nm in self.names]
+        eps = np.array([plan.tensor_eps.get(nm, o.eps) for nm in self.names], np.float32)
+        skip, poison = set(d.skip_batches), set(d.poison_steps)
+        return Controls(
+            lr=np.array([o.lr_at(s, t.num_steps) for s in steps], np.float32),
+            b1=full(o.b1), b2=full(o.b2), eps=np.broadcast_to(eps, (k, n)).copy(),
+            max_norm=full(o.grad_clip * t.loss_scale), loss_scale=full(t.loss_scale),
+            reset=reset, frozen=frozen, skip=np.array([s in skip for s in steps]),
+            poison=np.array([s + offset in poison for s in steps]))
+
+    def telemetry_spec(self, cfg: RunConfig) -> tuple:
+        """The static (b1, b2, eps) of step(tel=...): eps a float when uniform, else one
+        per tensor."""
+        plan, o = step_plan(cfg), cfg.optim
+        eps = tuple(float(plan.tensor_eps.get(nm, o.eps)) for nm in self.names)
+        return (float(o.b1), float(o.b2), eps[0] if len(set(eps)) == 1 else eps)
+
+    # ------------------------------------------------------------------ lanes
+    def run(self, keys, batches, controls: Controls, per_lane: bool = False):
+        """Lanes as one program: keys (lanes, 2) init keys, batches (lanes, steps, B, T+1),
+        controls with a step axis (shared by the lanes) or (per_lane) a lanes axis first.
+        Returns per lane and step: loss, grad_norm, update_norm, clip_scale (lanes, steps)
+        and tensor_sumsq (lanes, steps, n), as device arrays."""
+        if per_lane not in self._runs:
+            def run_one(key, toks, ctl):
+                params, state = self.init(key)
+
+                def body(carry, x):
+                    params, state = carry
+                    params, state, out = self.step(params, state, x[0], Controls(*x[1]))
+                    return (params, state), tuple(out[k] for k in RUN_OUTPUTS)
+
+                return jax.lax.scan(body, (params, state), (toks, tuple(ctl)))[1]
+
+            self._runs[per_lane] = jax.jit(jax.vmap(run_one, in_axes=(0, 0, 0 if per_lane
+                                                                          else None)))
+        outs = self._runs[per_lane](keys, batches, tuple(jnp.asarray(x) for x in controls))
+        return dict(zip(RUN_OUTPUTS, outs))
+
+
+RUN_OUTPUTS = ("loss", "grad_norm", "update_norm", "clip_scale", "tensor_sumsq")
+
+_PROGRAMS: dict[str, Program] = {}
+
+
+def program(cfg: RunConfig) -> Program:
+    """The Program of cfg's static part, shared by every config (and driver) with it in
+    this process (bounded cache)."""
+    key = static_key(cfg)
+    if key not in _PROGRAMS:
+        if len(_PROGRAMS) >= 8:
+            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+        _PROGRAMS[key] = Program(cfg)
+    return _PROGRAMS[key]
