@@ -4,8 +4,9 @@
                       [--log megatron.log [--seq-len 4096] [--clip 1.0] [--b1 .. --b2 .. --eps ..]
                        [--num-params N | --model PRESET]]
 
-Writes DIR/<run>/report.md (+ CSV tables, summary.json, figures/) per run and DIR/report.md
-over all runs. `--log` first imports a Megatron / MindSpeed / AscendSpeed training log into
+Writes DIR/<run>/report.md (+ CSV tables, summary.json) per run and DIR/report.md over
+all runs. The tables are what the figures read: `adamspike figures RUN... --analysis DIR`
+draws the run figures from them afterwards (spike detection and fits run once, here). `--log` first imports a Megatron / MindSpeed / AscendSpeed training log into
 DIR/<log name>.run (a run directory, backend "megatron") and analyses it with the rest;
 repeat it for several settings' logs (`--log A --log B --out R`: one report over both;
 logs with the same file name get their parent directories in the run name).
@@ -26,11 +27,10 @@ iteration lines, a malformed predictions file) is reported on stderr with exit s
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
-from typing import Callable, Optional   # Optional: runtime types on python 3.8
+from typing import Optional   # Optional: runtime types on python 3.8
 
 from tqdm import tqdm
 
@@ -73,12 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--baseline", type=int, default=200, help="precursor baseline steps")
     ap.add_argument("--horizon", type=int, help="alarm horizon (default: per rule)")
     ap.add_argument("--min-lead", type=int, default=0, help="alarm must precede by >= this")
-    ap.add_argument("--no-figures", action="store_true")
     ap.add_argument("--jobs", type=int, default=1,
                     help="processes analysing runs (one run each; default 1)")
-    ap.add_argument("--figures-from", metavar="DIR",
-                    help="link the run figures already drawn in DIR/<run name>/*.png "
-                         "(`adamspike figures`' layout) instead of drawing them")
     return ap
 
 
@@ -123,24 +119,17 @@ def _check_args(args: argparse.Namespace) -> None:
 def _analyze_one(item: tuple):
     """analyze_run + write_run_report of one run (a picklable unit of work for --jobs);
     returns the RunAnalysis, or the error message of bad input."""
-    path, name, dest, kw, maker = item
+    path, name, dest, kw = item
     try:
         ra = analyze_run(path, name=name, **kw)
     except (RunFormatError, AnalysisError) as e:
         return str(e)
-    write_run_report(ra, dest, figures=maker)
+    write_run_report(ra, dest)
     return ra
 
 
-def _linked_figures(drawn: Path, ra, _dest: Path) -> list[Path]:
-    """The figure maker of --figures-from: the PNGs already in DIR/<run name>/."""
-    return sorted((drawn / ra.name).glob("*.png"))
-
-
-def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
-    """`adamspike analyze`. figures: the figure maker of the reports (figure files of a
-    RunAnalysis; the top CLI passes figures.cli.analysis_figures: analysis imports no
-    figures code), None = no figures."""
+def main(argv: list[str] | None = None) -> int:
+    """`adamspike analyze`."""
     args = _parser().parse_args(argv)
     try:
         _check_args(args)
@@ -206,16 +195,10 @@ def main(argv: list[str] | None = None, figures: Callable | None = None) -> int:
     log_mode = {"auto": None, "yes": True, "no": False}[args.log_loss]
     params = SpikeParams(args.window, args.k, args.min_rel_jump, log_mode)
     names = run_names(runs)
-    maker = None if args.no_figures else figures
-    if args.figures_from:   # the figures stage drew them: link, do not draw twice
-        drawn = Path(args.figures_from)
-        if not drawn.is_dir():
-            return _fail(f"--figures-from: {drawn} is not a directory")
-        maker = functools.partial(_linked_figures, drawn)
     kw = dict(predictions=preds, horizon=args.horizon, min_lead=args.min_lead,
               spike_params=params, window=args.precursor_window, baseline=args.baseline,
               num_params=num_params, num_params_source=num_params_source)
-    items = [(path, name, out / name, kw, maker) for path, name in zip(runs, names)]
+    items = [(path, name, out / name, kw) for path, name in zip(runs, names)]
     analyses = []
     # runs are independent: --jobs analyses them in that many processes
     for res in tqdm(process_map(_analyze_one, items, args.jobs), total=len(items),

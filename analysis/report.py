@@ -469,6 +469,7 @@ def summary_dict(ra: RunAnalysis) -> dict:
         else None,
         "spike_starts": [int(s) for s in ra.spikes["start"]],
         "num_grad_norm_spikes": len(ra.grad_spikes), "scores": ra.scores,
+        "precursor_window": None if ra.precursors is None else ra.precursors.window,
         "spike_rule": {"window": ra.spike_params.window, "k": ra.spike_params.k,
                        "min_rel_jump": ra.spike_params.min_rel_jump, "log": ra.loss_log,
                        "describe": ra.spike_params.describe()},

@@ -4,7 +4,7 @@ Generates a synthetic LLaMA2-70B-shaped trace (analysis.synthetic: the real 723 
 adamspike.llama's llama2-70b preset, 20,000 logged steps, spikes with a shallow-layer
 precursor; written with RunWriter as parquet parts), then, in fresh child processes so
 their peak memory is their own:
-  1. end to end: analysis.report.analyze_run + write_run_report(figures=False)
+  1. end to end: analysis.report.analyze_run + write_run_report
   2. the same stages one by one (load_run, spikes, precursors, update_rms fit, rms_t
      check, regimes) with their times.
 Targets: <= 30 s and <= 4 GB peak RSS on 2 cores. Prints medians over --repeat runs.
@@ -37,7 +37,7 @@ TARGET_S, TARGET_GB = 30.0, 4.0
 def child_end_to_end(run: str, out: str) -> dict:
     t = time.perf_counter()
     ra = analyze_run(run)
-    write_run_report(ra, out, figures=False)
+    write_run_report(ra, out)
     return {"seconds": time.perf_counter() - t, "num_spikes": len(ra.spikes),
             "eps_scale": ra.update_fit.eps_scale, "r2_log": ra.update_fit.r2_log}
 

@@ -1,10 +1,13 @@
 """`adamspike figures`: regenerate every figure of the study.
 
-    adamspike figures [RUN...] [--from-study DIR] [--sweep TABLE] [--replication DIR]
-                      [--out DIR] [--quick]
+    adamspike figures [RUN...] [--analysis DIR] [--from-study DIR] [--sweep TABLE]
+                      [--replication DIR] [--out DIR] [--quick]
 
 Run figures (one set per run directory, in OUT/<run name>/), theory figures (OUT/theory/)
 and sweep figures (OUT/sweep/, when a sweep table is given or found in the study folder).
+Spikes, precursors, fits and regime cards are not computed here: the figures read the
+tables `adamspike analyze --out DIR` wrote (--analysis DIR; a study's analysis/), and a
+figure drawn from them is skipped for a run without an analysis.
 The figure scripts are listed in REGISTRY and called through their `main(argv)`; a script
 that is not there is reported as missing, one whose input is absent as skipped, one that
 fails as failed with its error; nothing is faked. `generate` returns the files written.
@@ -20,17 +23,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 from adamspike.parallel import process_map
 from adamspike.rundir import RunFormatError, find_runs, load_run, run_names
 from figures import style
+from figures._common import run_analysis
 
-# (module, kind): kind "run" figures take RUN... --out; "theory" take --out [--quick]
+# (module, kind): kind "run" figures take RUN... --out [--tables DIR] (prepare(run,
+# tables), figures._common); "theory" take --out [--quick]
 # (figures.style.computed_figure_main);
 # "sweep" take --table SWEEP --out; "replication" take --table REPLICATION (or the sweep
-# folder, next to which a study keeps replication/) --out; "study" take RUN... --out
-# [--predictions-70b FILE] (all runs in one figure, OUT/study/); "ladder" take --ladder DIR --out;
+# folder, next to which a study keeps replication/) --out; "study" take --tables DIR --out
+# [--predictions-70b FILE] (all analysed runs in one figure, OUT/study/); "ladder" take
+# --ladder DIR --out;
 # "spike_rate" take --spike-rate DIR --out (adamspike spike-rate's output).
 REGISTRY: list[tuple[str, str]] = [
     ("figures.fig_loss_spikes", "run"),
@@ -79,67 +85,12 @@ class _Timed(list):
         self.last = time.perf_counter()
 
 
-def analysis_figures(ra, out_dir: Path) -> list[Path]:
-    """The run figures of REGISTRY for an analysis.report.RunAnalysis (those whose input
-    exists; a figure that cannot be drawn leaves a note in ra.notes): the figure maker
-    `adamspike analyze` hands to analysis.report.write_run_report."""
-    run = ra.run
-    if run.hists.empty and (run.path / "hists").is_dir():
-        run.hists = load_run(run.path, tables=("hists",)).hists
-    files: list[Path] = []
-    for mod_name, kind in REGISTRY:
-        if kind != "run":
-            continue
-        try:
-            mod = importlib.import_module(mod_name)
-        except ModuleNotFoundError:
-            ra.notes[f"figure {mod_name}"] = "module missing"
-            continue
-        kw = {}
-        if mod_name.endswith("fig_precursors"):
-            kw = {"spikes": ra.spikes}
-        try:
-            with style.only_formats("png"):
-                files += mod.plot(mod.prepare(run, **kw), out_dir)
-        except ValueError as e:
-            ra.notes[f"figure {mod_name.rsplit('.', 1)[-1]}"] = str(e)
-    return files
-
-
 def _snapshot(d: Path) -> dict[Path, float]:
     return {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()} if d.exists() else {}
 
 
 def _written(d: Path, before: dict[Path, float]) -> list[Path]:
     return sorted(p for p, t in _snapshot(d).items() if before.get(p) != t)
-
-
-def run_figure_main(argv, doc: str, prepare: Callable, plot: Callable, *, tables=("steps",),
-                    layer_columns=None, extra_args=()) -> int:
-    """The `main(argv)` of a run figure: RUN... --out DIR; exit 2 on bad input."""
-
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
-    ap.add_argument("--out", required=True, help="output directory")
-    for flag, dest in extra_args:
-        ap.add_argument(flag, dest=dest, default=None)
-    args = ap.parse_args(argv)
-    names = run_names(args.runs)
-    rc = 0
-    for path, name in zip(args.runs, names):
-        out = Path(args.out) if len(args.runs) == 1 else Path(args.out) / name
-        try:
-            run = load_run(path, tables=tables, layer_columns=layer_columns)
-            kw = {d: getattr(args, d) for _, d in extra_args if getattr(args, d) is not None}
-            files = plot(prepare(run, **kw), out)
-        except (RunFormatError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            rc = 2
-            continue
-        for f in files:
-            print(f)
-    return rc
 
 
 def _call_main(mod, argv: list[str], out: Path, target: str) -> Outcome:
@@ -165,20 +116,21 @@ def _run_figures(item: tuple) -> list[Outcome]:
     """The run figures (module names) of one run directory into its own folder; one
     Outcome each, timed. A picklable unit of work: `generate(..., jobs=N)` hands runs to N
     processes."""
-    path, d, module_names, formats = item
+    path, d, module_names, formats, analysis, name = item
     path, d = Path(path), Path(d)
     mods = [importlib.import_module(n) for n in module_names]
     t0 = time.perf_counter()
     try:
         run = load_run(path)
-    except RunFormatError as e:
+        tables = run_analysis(analysis, path, name)
+    except (RunFormatError, ValueError) as e:
         return [Outcome(m.__name__, str(path), "failed", str(e)) for m in mods]
     res: list[Outcome] = []
     with style.only_formats(*formats):
         for m in mods:
             before = _snapshot(d)
             try:
-                m.plot(m.prepare(run), d)
+                m.plot(m.prepare(run, tables), d)
                 o = Outcome(m.__name__, str(path), "ok", "", _written(d, before))
             except ValueError as e:  # the run lacks this figure's input
                 o = Outcome(m.__name__, str(path), "skipped", str(e))
@@ -195,10 +147,12 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
              quick: bool = False,
              theory: bool = True, registry=None, study: str | Path | None = None,
              ladder: str | Path | None = None,
-             spike_rate: str | Path | None = None,
+             spike_rate: str | Path | None = None, analysis: str | Path | None = None,
              jobs: int = 1) -> tuple[list[Path], list[Outcome]]:
     """Regenerate all figures; returns (files written, one Outcome per module x target).
-    jobs > 1: the run figures of different runs are drawn in that many processes."""
+    analysis: the `adamspike analyze --out` folder the run and study figures read (None:
+    those figures are skipped). jobs > 1: the run figures of different runs are drawn in
+    that many processes."""
 
     out = Path(out)
     runs = [Path(r) for r in runs]
@@ -213,7 +167,9 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
             else:
                 outcomes.append(Outcome(name, "", "missing", "module not in this checkout"))
     run_modules = [m.__name__ for m, k in mods.values() if k == "run"]
-    items = [(str(p), str(out / n), run_modules, style.FORMATS) for p, n in zip(runs, run_names(runs))]
+    items = [(str(p), str(out / n), run_modules, style.FORMATS,
+              None if analysis is None else str(analysis), n)
+             for p, n in zip(runs, run_names(runs))]
     # runs are independent and matplotlib is single-threaded: one process per run
     for done in process_map(_run_figures, items, jobs):
         outcomes.extend_timed(done)
@@ -223,12 +179,13 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
             argv = ["--out", str(d)] + (["--quick"] if quick else [])
             outcomes.append(_call_main(m, argv, d, "theory"))
         elif kind == "study":
-            if not runs:
-                outcomes.append(Outcome(m.__name__, "", "skipped", "no runs"))
+            if analysis is None or not Path(analysis).is_dir():
+                outcomes.append(Outcome(m.__name__, str(analysis or ""), "skipped",
+                                        "no analysis folder (`adamspike analyze` first)"))
                 continue
             d = out / "study"
             pred = Path(study) / "predictions_70b.json" if study else None
-            argv = [*map(str, runs), "--out", str(d)]
+            argv = ["--tables", str(analysis), "--out", str(d)]
             if pred is not None and pred.is_file():
                 argv += ["--predictions-70b", str(pred)]
             outcomes.append(_call_main(m, argv, d, "study"))
@@ -265,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike figures", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="*", metavar="RUN", help="run directories")
     ap.add_argument("--from-study", metavar="DIR",
-                    help="a `adamspike reproduce` output folder: its runs/ and sweep/")
+                    help="a `adamspike reproduce` output folder: its runs/, analysis/, sweep/")
+    ap.add_argument("--analysis", metavar="DIR",
+                    help="`adamspike analyze --out` folder of the runs: its tables (spikes, "
+                         "precursors, fits, regime cards) are what the run figures draw")
     ap.add_argument("--sweep", metavar="TABLE", help="sweep directory or table")
     ap.add_argument("--replication", metavar="DIR", help="replication directory or csv")
     ap.add_argument("--ladder", metavar="DIR", help="ladder directory (adamspike simulate ladder)")
@@ -309,6 +269,8 @@ def _main(args: argparse.Namespace) -> int:
             args.ladder = study / "ladder"
         if args.spike_rate is None and (study / "spike_rate" / "model.json").exists():
             args.spike_rate = study / "spike_rate"
+        if args.analysis is None and (study / "analysis").is_dir():
+            args.analysis = study / "analysis"
     for r in runs:
         if not (r / "run.json").is_file():
             print(f"adamspike figures: {r}: not a run directory (no run.json)", file=sys.stderr)
@@ -316,7 +278,7 @@ def _main(args: argparse.Namespace) -> int:
     _, outcomes = generate(runs, args.out, sweep=sweep, replication=replication,
                            quick=args.quick, theory=not args.no_theory, study=args.from_study,
                            ladder=args.ladder, spike_rate=args.spike_rate,
-                           jobs=max(1, args.jobs))
+                           analysis=args.analysis, jobs=max(1, args.jobs))
     return _print_outcomes(outcomes)
 
 

@@ -2,10 +2,11 @@
 threshold.
 
 grad_norm vs step (log y), the threshold optim.grad_clip of run.json as a dashed line,
-clipped steps as dots and grad-norm spikes (analysis.spikes.detect_spikes on log grad_norm)
-as triangles. Loss-spike starts are drawn as thin vertical lines for comparison.
+clipped steps as dots and grad-norm spikes (the spike rule on log grad_norm, `adamspike
+analyze`'s grad_norm_spikes.csv) as triangles. Loss-spike starts (its spikes.csv) are drawn
+as thin vertical lines for comparison.
 
-    python -m figures.fig_grad_norm RUN... --out DIR
+    python -m figures.fig_grad_norm RUN... --tables DIR --out DIR
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from adamspike.spikes import SpikeParams, detect_spikes, loss_spikes
 from figures import style
-from figures.cli import run_figure_main
+from figures._common import need_tables, run_figure_main
 
 
-def prepare(run, *, window: int = 50, k: float = 6.0) -> dict:
-
+def prepare(run, tables=None) -> dict:
+    """tables: the run's `adamspike analyze` folder (figures._common.RunTables)."""
+    a = need_tables(tables, run.path)
     st = run.steps
     gn = st["grad_norm"].to_numpy(float)
     steps = st["step"].to_numpy()
@@ -30,8 +31,7 @@ def prepare(run, *, window: int = 50, k: float = 6.0) -> dict:
     return {"name": Path(run.path).name, "step": steps, "grad_norm": gn,
             "clip": float(clip) if clip else None,
             "clipped": st["clipped"].to_numpy(bool) if "clipped" in st else np.zeros(len(st), bool),
-            "grad_spikes": detect_spikes(gn, steps, window=window, k=k, log=True),
-            "loss_spikes": loss_spikes(st, SpikeParams(window, k), config=run.config)[0]}
+            "grad_spikes": a.table("grad_norm_spikes"), "loss_spikes": a.table("spikes")}
 
 
 def plot(data: dict, out_dir) -> list[Path]:
@@ -47,7 +47,7 @@ def plot(data: dict, out_dir) -> list[Path]:
         ax.plot(data["step"][c], data["grad_norm"][c], ".", ms=2, color="#7f8c8d",
                 label=f"clipped ({int(c.sum())} steps)")
     gs = data["grad_spikes"]
-    fin = gs[np.isfinite(gs["peak"])]
+    fin = gs[np.isfinite(gs["peak"].to_numpy(float))]
     if len(fin):
         ax.plot(fin["peak_step"], fin["peak"], "^", color="#c0392b", ms=4,
                 label=f"grad-norm spikes ({len(gs)})")

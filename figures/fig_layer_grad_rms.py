@@ -19,12 +19,13 @@ from matplotlib import cm, colors
 import numpy as np
 
 from figures import style
-from figures.cli import run_figure_main
+from figures._common import run_figure_main
 
 MAX_POINTS = 2000
 
 
-def prepare(run) -> dict:
+def prepare(run, tables=None) -> dict:
+    """tables: unused (the figure draws the run's layers table only)."""
     lay = run.layers
     if lay.empty:
         raise ValueError(f"{run.path}: no per-layer telemetry (layers table is empty)")

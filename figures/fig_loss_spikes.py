@@ -1,12 +1,11 @@
 """Figure 1 of the seed report: the training loss with the detected spikes marked.
 
-Loss vs step (log y when it spans more than two decades); each spike detected by the
-report's rule (analysis.report.loss_spikes: rolling median + k MAD of the past `window`
-steps, analysis.spikes.detect_spikes) is shaded
+Loss vs step (log y when `adamspike analyze` ran the spike rule on log loss); each spike of
+`adamspike analyze` (its spikes.csv: the project's spike rule, adamspike.spikes) is shaded
 from its start for its duration (red when it never came back inside the band), its peak
 marked and labelled with the height over the baseline.
 
-    python -m figures.fig_loss_spikes RUN... --out DIR
+    python -m figures.fig_loss_spikes RUN... --tables DIR --out DIR
 """
 
 from __future__ import annotations
@@ -17,16 +16,16 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from adamspike.spikes import SpikeParams, loss_spikes
 from figures import style
-from figures.cli import run_figure_main
+from figures._common import need_tables, run_figure_main
 
 
-def prepare(run, *, window: int = 50, k: float = 6.0, min_rel_jump: float = 0.2,
-            log: bool | None = None) -> dict:
-
+def prepare(run, tables=None) -> dict:
+    """tables: the run's `adamspike analyze` folder (figures._common.RunTables)."""
+    a = need_tables(tables, run.path)
     st = run.steps
-    spikes, rule = loss_spikes(st, SpikeParams(window, k, min_rel_jump, log), config=run.config)
+    spikes = a.table("spikes")
+    log = bool((a.summary.get("spike_rule") or {}).get("log"))
     # The trainer's spike guard rolls back and re-runs steps, so a guarded spike is not in the
     # steps table (readers keep the re-run row); it lives in the events.
     ev = run.events
@@ -35,7 +34,7 @@ def prepare(run, *, window: int = 50, k: float = 6.0, min_rel_jump: float = 0.2,
     guard_events = [(str(r["type"]), int(r["step"])) for _, r in guard.iterrows()
                     if r.get("step") == r.get("step")]
     return {"name": Path(run.path).name, "step": st["step"].to_numpy(),
-            "loss": st["loss"].to_numpy(float), "spikes": spikes, "log": rule.log,
+            "loss": st["loss"].to_numpy(float), "spikes": spikes, "log": log,
             "guard_events": guard_events}
 
 

@@ -1,13 +1,13 @@
 """Per-layer Adam metrics aligned on the spike start: shallow (embed + shallow groups, adamspike.depth_groups) vs deep.
 
-For each loss spike (analysis.spikes.detect_spikes) and metric (rho, rms_t, update_rms,
-sat_frac, bimodality of r, grad_mom_cos) the group median across tensors per step
-(analysis.precursors), divided by that spike's baseline (median over the `baseline` steps
+For each loss spike and metric (rho, rms_t, update_rms, sat_frac, bimodality of r,
+grad_mom_cos) the group median across tensors per step (`adamspike analyze`'s
+precursor_trajectories.csv and precursor_leads.csv), divided by that spike's baseline (median over the `baseline` steps
 before the window), then the median over spikes; thin lines are single spikes when there
 are at most 10. x = step - spike start; the grey band is the pre-spike window in which lead
 times are measured. Values > 1 before x = 0 mean the metric moved before the loss did.
 
-    python -m figures.fig_precursors RUN... --out DIR
+    python -m figures.fig_precursors RUN... --tables DIR --out DIR
 """
 
 from __future__ import annotations
@@ -18,28 +18,24 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from adamspike.spikes import loss_spikes
-from analysis.precursors import precursors
 from figures import style
-from figures.cli import run_figure_main
+from figures._common import need_tables, run_figure_main
 
 METRICS = ("rms_t", "update_rms", "sat_frac", "bimodality", "grad_mom_cos", "rho")
 
 
-def prepare(run, *, window: int = 50, baseline: int = 200, spikes=None) -> dict:
-
-    if run.layers.empty:
-        raise ValueError(f"{run.path}: no per-layer telemetry (layers table is empty)")
-    st = run.steps
-    if spikes is None:
-        spikes = loss_spikes(st, config=run.config)[0]
-    pre = precursors(run.layers, spikes, window=window, baseline=baseline)
-    tr = pre.trajectories.merge(pre.leads[["spike_id", "group", "metric", "baseline"]],
-                                on=["spike_id", "group", "metric"])
+def prepare(run, tables=None) -> dict:
+    """tables: the run's `adamspike analyze` folder (figures._common.RunTables); its
+    precursor tables exist when the run has per-layer telemetry and spikes."""
+    a = need_tables(tables, run.path)
+    traj, leads = a.table("precursor_trajectories"), a.table("precursor_leads")
+    tr = traj.merge(leads[["spike_id", "group", "metric", "baseline"]],
+                    on=["spike_id", "group", "metric"])
     with np.errstate(all="ignore"):
         tr["rel_value"] = tr["value"] / tr["baseline"]
-    return {"name": Path(run.path).name, "traj": tr, "window": window,
-            "num_spikes": len(spikes), "summary": pre.summary}
+    return {"name": Path(run.path).name, "traj": tr,
+            "window": int(a.summary.get("precursor_window") or 50),
+            "num_spikes": len(a.table("spikes")), "summary": a.table("lead_summary", False)}
 
 
 def plot(data: dict, out_dir) -> list[Path]:
@@ -72,7 +68,7 @@ def plot(data: dict, out_dir) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_figure_main(argv, __doc__, prepare, plot, tables=("steps", "layers"))
+    return run_figure_main(argv, __doc__, prepare, plot, tables=("steps",))
 
 
 if __name__ == "__main__":

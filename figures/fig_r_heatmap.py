@@ -5,9 +5,11 @@ coordinates (fixed edges from run.json, out-of-range values in the end bins), no
 a fraction per bin; colour on a log scale. A healthy tensor is unimodal around 0; a tensor
 whose gradients became time-correlated shows mass at +-1 (bimodal). Left: the shallowest
 tensor with histograms (the embedding when logged); right: the deepest block's tensor of
-the same kind when there is one, else the deepest. Loss-spike starts are dashed lines.
+the same kind when there is one, else the deepest. Loss-spike starts (`adamspike analyze`'s
+spikes.csv, when its tables are given) are dashed lines.
 
-    python -m figures.fig_r_heatmap RUN... --out DIR [--shallow NAME] [--deep NAME]
+    python -m figures.fig_r_heatmap RUN... --out DIR [--tables DIR]
+                                    [--shallow NAME] [--deep NAME]
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ from matplotlib.colors import LogNorm
 import matplotlib.pyplot as plt
 import numpy as np
 
-from adamspike.spikes import loss_spikes
 from figures import style
-from figures.cli import run_figure_main
+from figures._common import run_figure_main
 
 
 def _pick(hists, shallow: str | None, deep: str | None) -> tuple[str, str]:
@@ -42,8 +43,8 @@ def _pick(hists, shallow: str | None, deep: str | None) -> tuple[str, str]:
     return shallow, deep
 
 
-def prepare(run, *, shallow: str | None = None, deep: str | None = None) -> dict:
-
+def prepare(run, tables=None, *, shallow: str | None = None, deep: str | None = None) -> dict:
+    """tables: the run's `adamspike analyze` folder (RunTables) for the spike lines, or None."""
     h = run.hists
     if h.empty:
         raise ValueError(f"{run.path}: no r histograms (hists table is empty)")
@@ -55,8 +56,7 @@ def prepare(run, *, shallow: str | None = None, deep: str | None = None) -> dict
         frac = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
         panels[label] = {"name": n, "depth": int(g["depth"].iloc[0]),
                          "step": g["step"].to_numpy(), "frac": frac}
-    st = run.steps
-    spikes = loss_spikes(st, config=run.config)[0] if len(st) else None
+    spikes = None if tables is None else tables.table("spikes")
     return {"name": Path(run.path).name, "edges": run.hist_edges, "panels": panels,
             "spike_starts": [] if spikes is None else list(spikes["start"])}
 
@@ -92,7 +92,7 @@ def plot(data: dict, out_dir) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_figure_main(argv, __doc__, prepare, plot, tables=("steps", "hists"),
+    return run_figure_main(argv, __doc__, prepare, plot, tables=("hists",),
                            extra_args=(("--shallow", "shallow"), ("--deep", "deep")))
 
 

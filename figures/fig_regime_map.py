@@ -1,7 +1,9 @@
 """Regime map: where each run and the LLaMA2-70B estimate sit in Adam's eps regimes.
 
+Every run analysed by `adamspike analyze --out DIR` (its regime cards:
+summary.json and regime_trajectory.csv per run).
 Left, the (rho_shallow, rho_deep) plane: each run's trajectory over training (group rho =
-the rms of the group's whole consumed gradient over eps, analysis.regime; shallow = the
+the rms of the group's whole consumed gradient over eps, the regime card; shallow = the
 first max(1, L // 10) blocks, adamspike.depth_groups; a model without deep blocks, such as
 the 1-block MLP, uses its head as "deep"), a dot at its end. Right, the (rho, b2) plane:
 each run's median shallow-group rho (bar: 10-90 % over its logged steps; the whole model's
@@ -16,8 +18,8 @@ band the clip bound allows, rho_bar = min(gn, clip) / (sqrt(N) eps) for grad nor
 says nothing about shallow vs deep) and at the seed's b2 = 0.95. Megatron log runs among
 the inputs appear as their rho_bar band at their own eps.
 
-    python -m figures.fig_regime_map RUN... --out DIR [--predictions-70b FILE]
-                                     [--num-params N]
+    python -m figures.fig_regime_map --tables DIR --out DIR
+                                     [--predictions-70b FILE] [--num-params N]
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
 
 from adamspike.depth_groups import depth_group
 from adamspike.llama import PRESETS, param_specs
 from adamspike.llama import num_params as llama_num_params
-from adamspike.rundir import RunFormatError, load_run
-from analysis.regime import card_for_run, rho_bar
 from figures import style
+from figures._common import RunTables
 
 SEED_B2 = 0.95
 GN_BAND = (0.1, 1.0)
@@ -79,32 +81,51 @@ def _profile_70b(pred_path: str | Path | None) -> dict | None:
             "b2": SEED_B2}
 
 
-def prepare(runs, predictions_70b: str | Path | None = None,
+def analysed_runs(root: str | Path) -> list[RunTables]:
+    """The run folders of an `adamspike analyze --out` folder (root itself when it is one)."""
+    root = Path(root)
+    if (root / "summary.json").is_file():
+        return [RunTables(root)]
+    found = [RunTables(s.parent) for s in sorted(root.glob("*/summary.json"))]
+    if not found:
+        raise ValueError(f"{root}: no analysed runs (no */summary.json; `adamspike analyze` "
+                         "first)")
+    return found
+
+
+def rho_bar(grad_norm, clip: float, num_params: int, eps: float) -> np.ndarray:
+    """min(gn, clip) / (sqrt(N) eps): the mean rho of a clipped gradient (the formula of
+    the regime card's rho_bar, for the 70B band)."""
+    return np.minimum(np.asarray(grad_norm, float), clip) / (math.sqrt(num_params) * eps)
+
+
+def prepare(runs: list[RunTables], predictions_70b: str | Path | None = None,
             num_params: int | None = None) -> dict:
-    """-> {"runs": [{name, b2, traj (shallow, deep arrays), shallow/deep summaries, log}],
-    "p70": fitted profile or None, "bands_70b": {eps: (lo, hi)}}. num_params: N of the 70B
-    band (default LLaMA2-70B's) and of logs without printed model arguments (without it
-    such logs are left out)."""
+    """runs: analysed runs (`analysed_runs`) -> {"runs": [{name, b2, traj (shallow, deep arrays),
+    shallow/deep summaries, log}], "p70": fitted profile or None, "bands_70b": {eps: (lo,
+    hi)}}. num_params: N of the 70B band (default LLaMA2-70B's); a log's own N is the
+    one `adamspike analyze --num-params` used)."""
 
     items = []
-    for run in runs:
-        card = card_for_run(run, num_params=num_params,
-                            num_params_source="--num-params" if num_params else "")
-        name = Path(run.path).name
-        if card.kind == "log":
-            if card.groups.empty:
+    for a in runs:
+        card = a.summary.get("regime_card")
+        if not card:
+            continue
+        name = a.summary.get("name") or a.path.name
+        groups = pd.DataFrame(card.get("groups") or [])
+        if card.get("kind") == "log":
+            if groups.empty:
                 continue
-            g = card.groups[card.groups["is_run_eps"]] if card.groups["is_run_eps"].any() \
-                else card.groups.iloc[:1]
+            g = groups[groups["is_run_eps"]] if groups["is_run_eps"].any() else groups.iloc[:1]
             r = g.iloc[0]
-            items.append({"name": name, "b2": card.b2, "log": True,
+            items.append({"name": name, "b2": card.get("b2"), "log": True,
                           "rho": (r["rho_bar_q10"], r["rho_bar_median"], r["rho_bar_q90"])})
             continue
-        tr = card.trajectory
+        tr = a.table("regime_trajectory")
         piv = tr.pivot_table(index="step", columns="group", values="rho")
         deep = "deep" if "deep" in piv else ("head" if "head" in piv else None)
         sh = "shallow" if "shallow" in piv else None
-        item = {"name": name, "b2": card.b2, "log": False, "deep_label": deep}
+        item = {"name": name, "b2": card.get("b2"), "log": False, "deep_label": deep}
         if sh and deep:
             p = piv[[sh, deep]].dropna()
             if len(p) > MAX_POINTS:
@@ -203,17 +224,17 @@ def plot(data: dict, out_dir: str | Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    ap.add_argument("--tables", required=True, metavar="DIR",
+                    help="`adamspike analyze --out` folder (its runs' regime cards)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--predictions-70b", help="predictions_70b.json (its profile)")
     ap.add_argument("--num-params", type=int,
-                    help="N of the 70B band (default LLaMA2-70B) and of log runs that do "
-                         "not print their model arguments (else those are left out)")
+                    help="N of the 70B band (default LLaMA2-70B)")
     args = ap.parse_args(argv)
     try:
-        runs = [load_run(p, tables=("steps", "layers")) for p in args.runs]
-        files = plot(prepare(runs, args.predictions_70b, args.num_params), args.out)
-    except (RunFormatError, ValueError, json.JSONDecodeError) as e:
+        files = plot(prepare(analysed_runs(args.tables), args.predictions_70b, args.num_params),
+                     args.out)
+    except (OSError, ValueError) as e:   # json.JSONDecodeError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     for f in files:

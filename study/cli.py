@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("fullscale.launch:plan_main", "one run config + launch script per predicted setting"),
     "model": ("fullscale.cli:model_main", "`model info`: parameters, FLOPs/token, memory per card"),
     "data": ("fullscale.cli:data_main", "inspect / convert Megatron indexed data"),
-    "analyze": ("study.cli:analyze_main", "spikes, precursors, alarm scores, theory fits, report"),
+    "analyze": ("analysis.cli:main", "spikes, precursors, alarm scores, theory fits, report"),
     "megatron-log": ("analysis.megatron_log:export_main", "a run directory's steps as a Megatron training log"),
     "figures": ("figures.cli:main", "regenerate every figure"),
     "reproduce": ("study.reproduce:main", "the whole study at CPU scale (--quick for CI)"),
@@ -46,15 +46,6 @@ def resolve(name: str):
     """The function implementing subcommand `name`."""
     module_name, func_name = COMMANDS[name][0].split(":")
     return getattr(importlib.import_module(module_name), func_name)
-
-
-def analyze_main(argv: list[str]) -> int:
-    """`adamspike analyze` with the run figures drawn by figures/ (analysis imports no
-    figures code: the report takes the figure maker from here)."""
-    # lazy: pandas / matplotlib, only this subcommand needs them (`adamspike --help` stays light)
-    from analysis.cli import main as analyze
-    from figures.cli import analysis_figures
-    return analyze(argv, figures=analysis_figures)
 
 
 def sweep_main(argv: list[str]) -> int:

@@ -7,10 +7,13 @@ import pytest
 
 from adamspike.predictions import AlarmRule, Predictions, save_predictions
 from adamspike.rundir import RunWriter
-from study.cli import analyze_main as main   # analysis + the figures it is handed
+from analysis.cli import main
 
 
-def test_analyze_writes_report_and_figures(synthetic_run, tmp_path, capsys):
+def test_analyze_writes_report_and_tables_the_figures_draw(synthetic_run, tmp_path, capsys):
+    """analyze -> tables (spikes, precursors, fits, regime cards); figures -> drawn from them."""
+    from figures.cli import generate
+
     pred = Predictions(alarm_rules=[AlarmRule(id="rms_t_shallow", metric="rms_t",
                                               depths=(-1, 1), threshold=2.0,
                                               expected_lead_steps=(1, 8))])
@@ -24,14 +27,17 @@ def test_analyze_writes_report_and_figures(synthetic_run, tmp_path, capsys):
     assert "rms_t: shallow led 2/2 (median 10 steps), deep 0/2" in report
     assert "| rms_t_shallow | 8 | 2 | 2 | 1 | 2 | 2 | 1 |" in report  # precision 1, recall 1
     assert "update_rms vs theory" in report
-    figs = sorted((out / "synthetic" / "figures").iterdir())
-    names = {f.name for f in figs}
+    assert not (out / "synthetic" / "figures").exists()        # analysis draws nothing
+    for table in ("spikes", "grad_norm_spikes", "precursor_trajectories", "precursor_leads",
+                  "update_rms_fit_rows", "regime_trajectory"):
+        assert (out / "synthetic" / f"{table}.csv").is_file(), table
+    files, outcomes = generate([synthetic_run], tmp_path / "figs", theory=False, analysis=out)
+    assert {o.status for o in outcomes if o.target} == {"ok"}, outcomes
+    names = {f.name for f in files}
     for stem in ("loss_spikes", "grad_norm", "layer_grad_rms", "r_heatmap", "precursors",
-                 "theory_fit"):
-        assert f"{stem}.png" in names
-    # the report embeds PNGs; PDFs are `adamspike figures`' job
-    assert not any(n.endswith(".pdf") for n in names)
-    assert all(f.stat().st_size > 1000 for f in figs)
+                 "theory_fit", "regime_map"):
+        assert f"{stem}.png" in names and f"{stem}.pdf" in names
+    assert all(f.stat().st_size > 1000 for f in files)
     summary = json.loads((out / "synthetic" / "summary.json").read_text())
     assert summary["spike_starts"] == [300, 450]
     assert abs(summary["update_fit"]["eps_scale"] - 1) < 0.05  # the generator's truth is 1
@@ -54,7 +60,7 @@ def test_analyze_megatron_log(tmp_path, capsys):
     log.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     assert main(["--log", str(log), "--seq-len", "4096", "--clip", "1.0", "--b1", "0.9",
-                 "--b2", "0.95", "--eps", "1e-5", "--out", str(out), "--no-figures"]) == 0
+                 "--b2", "0.95", "--eps", "1e-5", "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert "200 steps, 1 malformed line(s) at 201" in err
     report = (out / "train.log.run" / "report.md").read_text()
@@ -93,36 +99,36 @@ def test_bad_inputs_exit_2(synthetic_run, tmp_path, capsys):
     _bad([str(synthetic_run), "--window", "1", *out], capsys, "--window")
 
 
-def test_jobs_and_figures_from_give_the_same_reports(synthetic_run, tmp_path):
-    """--jobs 2 analyses runs in two processes with the same results as one; --figures-from
-    links the figures stage's PNGs (relative links that resolve) instead of drawing any."""
+def test_jobs_give_the_same_reports_and_reports_link_drawn_figures(synthetic_run, tmp_path):
+    """--jobs 2 analyses runs in two processes with the same results as one; the figures
+    stage draws from the analysis afterwards, and a report written when the figures lie at
+    their conventional path (a study's figures/<run>/) links them."""
     from analysis.report import rebase_links
     from figures.cli import generate
 
     runs = tmp_path / "runs"
     for name in ("a", "b"):
         shutil.copytree(synthetic_run, runs / name)
-    files, outcomes = generate([runs / "a", runs / "b"], tmp_path / "figures", theory=False,
-                               jobs=2)
-    assert {o.status for o in outcomes if "fig_" in o.module and o.target} <= {"ok", "skipped"}
-    assert (tmp_path / "figures" / "a" / "loss_spikes.png").is_file()
-    assert (tmp_path / "figures" / "b" / "loss_spikes.pdf").is_file()
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main([str(runs / "a"), str(runs / "b"), "--out", str(one), "--no-figures"]) == 0
-    assert main([str(runs / "a"), str(runs / "b"), "--out", str(two), "--jobs", "2",
-                 "--figures-from", str(tmp_path / "figures")]) == 0
+    one, two, three = tmp_path / "one", tmp_path / "two", tmp_path / "three"
+    assert main([str(runs / "a"), str(runs / "b"), "--out", str(one)]) == 0
+    assert main([str(runs / "a"), str(runs / "b"), "--out", str(two), "--jobs", "2"]) == 0
     for name in ("a", "b"):
         s1 = json.loads((one / name / "summary.json").read_text())
         s2 = json.loads((two / name / "summary.json").read_text())
         s1.pop("created", None), s2.pop("created", None)
         assert s1 == s2
-        assert not (two / name / "figures").exists()          # nothing drawn twice
-        report = (two / name / "report.md").read_text()
+        assert "## Figures" not in (two / name / "report.md").read_text()   # none drawn yet
+    files, outcomes = generate([runs / "a", runs / "b"], tmp_path / "figures", theory=False,
+                               analysis=two, jobs=2)
+    assert {o.status for o in outcomes if "fig_" in o.module and o.target} <= {"ok", "skipped"}
+    assert (tmp_path / "figures" / "a" / "loss_spikes.png").is_file()
+    assert (tmp_path / "figures" / "b" / "loss_spikes.pdf").is_file()
+    assert main([str(runs / "a"), str(runs / "b"), "--out", str(three)]) == 0
+    for name in ("a", "b"):
+        report = (three / name / "report.md").read_text()
         assert f"](../../figures/{name}/loss_spikes.png)" in report
-        assert (two / name / "../../figures" / name / "loss_spikes.png").is_file()
-    index = (two / "report.md").read_text()
+        assert (three / name / "../../figures" / name / "loss_spikes.png").is_file()
+    index = (three / "report.md").read_text()
     assert "](../figures/a/loss_spikes.png)" in index           # rebased for the index
-    assert main([str(runs / "a"), "--out", str(tmp_path / "x"),
-                 "--figures-from", str(tmp_path / "nope")]) == 2
     assert rebase_links("![f](figures/x.png) [w](https://a.b/c) [h](#top)", "run") == \
         "![f](run/figures/x.png) [w](https://a.b/c) [h](#top)"

@@ -104,7 +104,7 @@ def test_card_groups_dormancy_and_wakeups(known_run):
 def test_analyze_report_carries_the_card(known_run, tmp_path):
     from analysis.report import analyze_run, write_run_report
     ra = analyze_run(known_run)
-    write_run_report(ra, tmp_path / "r", figures=None)
+    write_run_report(ra, tmp_path / "r")
     card = pd.read_csv(tmp_path / "r" / "regime_card.csv").set_index("group")
     assert card.loc["deep", "eps_frac_median"] == 1.0 and card.loc["embed", "num_wakeups"] == 2
     md = (tmp_path / "r" / "report.md").read_text()
@@ -192,7 +192,7 @@ def test_analyze_log_writes_the_regime_card(tmp_path, capsys):
     text, _ = _log_text()
     p.write_text(text)
     out = tmp_path / "an"
-    rc = main(["--log", str(p), "--out", str(out), "--no-figures"])
+    rc = main(["--log", str(p), "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     md = (out / "megatron.log.run" / "report.md").read_text()
     assert "## Regime card" in md and "rho_bar" in md and "68976648192" in md
@@ -217,11 +217,11 @@ def test_analyze_log_without_architecture_needs_num_params(tmp_path, capsys):
     p = tmp_path / "bare.log"
     p.write_text(_log_text()[0].split("-------------------- end of arguments")[1])
     out = tmp_path / "an"
-    assert main(["--log", str(p), "--out", str(out), "--no-figures", "--eps", "1e-8",
+    assert main(["--log", str(p), "--out", str(out), "--eps", "1e-8",
                  "--clip", "1.0"]) == 0
     assert "parameter count unknown" in (out / "bare.log.run" / "report.md").read_text()
     out2 = tmp_path / "an2"
-    assert main(["--log", str(p), "--out", str(out2), "--no-figures", "--eps", "1e-8",
+    assert main(["--log", str(p), "--out", str(out2), "--eps", "1e-8",
                  "--clip", "1.0", "--model", "llama2-70b"]) == 0
     card = pd.read_csv(out2 / "bare.log.run" / "regime_card.csv").set_index("eps")
     assert card.loc[1e-8, "is_run_eps"] and card.loc[1e-8, "bound"] == pytest.approx(381, abs=.5)

@@ -58,7 +58,7 @@ def test_run_and_megatron_log_scored_end_to_end(study, capsys):
     d, run, log, pred = study
     out = d / "report"
     assert analyze([str(run), "--log", str(log), "--b2", "0.95", "--eps", "1e-5",
-                    "--predictions", str(pred), "--out", str(out), "--no-figures"]) == 0
+                    "--predictions", str(pred), "--out", str(out)]) == 0
     scores = json.loads((out / "prediction_scores.json").read_text())
     assert scores["integrity"]["status"] == "ok"
     by = {r["setting"]: r for r in scores["rates"]}
@@ -91,7 +91,7 @@ def test_nearest_setting_when_none_matches(study):
     p2 = d / "pred_nearest.json"
     p2.write_text(json.dumps(data))
     out = d / "report_nearest"
-    assert analyze([str(run), "--predictions", str(p2), "--out", str(out), "--no-figures"]) == 0
+    assert analyze([str(run), "--predictions", str(p2), "--out", str(out)]) == 0
     r = json.loads((out / "prediction_scores.json").read_text())["rates"][0]
     assert r["setting"] == "toy" and r["match"].startswith("no setting matches")
     assert "optim.lr" in r["match"]
@@ -103,15 +103,13 @@ def test_tampered_file_is_refused_and_unhashed_file_warns(study, capsys):
     data["settings"][0]["rate_ci"] = [0.0, 100.0]          # edited after pre-registration
     bad = d / "tampered.json"
     bad.write_text(json.dumps(data))
-    assert analyze([str(run), "--predictions", str(bad), "--out", str(d / "r1"),
-                    "--no-figures"]) == 2
+    assert analyze([str(run), "--predictions", str(bad), "--out", str(d / "r1")]) == 2
     assert "content hash mismatch" in capsys.readouterr().err
     assert not (d / "r1" / "report.md").exists()
     del data["content_sha256"]
     unhashed = d / "unhashed.json"
     unhashed.write_text(json.dumps(data))
-    assert analyze([str(run), "--predictions", str(unhashed), "--out", str(d / "r2"),
-                    "--no-figures"]) == 0
+    assert analyze([str(run), "--predictions", str(unhashed), "--out", str(d / "r2")]) == 0
     assert "not pre-registered" in capsys.readouterr().err
     assert "not pre-registered" in (d / "r2" / "report.md").read_text()
 

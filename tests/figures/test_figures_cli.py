@@ -7,10 +7,11 @@ from figures import fig_loss_spikes
 from figures.cli import find_runs, generate, main, run_names
 
 
-def test_generate_run_figures_and_report_missing(small_run, tmp_path):
+def test_generate_run_figures_and_report_missing(small_run, small_analysis, tmp_path):
     registry = [("figures.fig_loss_spikes", "run"), ("figures.fig_layer_grad_rms", "run"),
                 ("figures.fig_does_not_exist", "theory"), ("figures.fig_phase_diagram", "sweep")]
-    files, outcomes = generate([small_run], tmp_path / "figs", registry=registry)
+    files, outcomes = generate([small_run], tmp_path / "figs", registry=registry,
+                               analysis=small_analysis)
     status = {o.module: o.status for o in outcomes}
     assert status == {"figures.fig_loss_spikes": "ok", "figures.fig_layer_grad_rms": "ok",
                       "figures.fig_does_not_exist": "missing",
@@ -20,8 +21,8 @@ def test_generate_run_figures_and_report_missing(small_run, tmp_path):
     assert all(f.parent.name == "small" and f.stat().st_size > 1000 for f in files)
 
 
-def test_main_from_study(small_run, tmp_path, capsys, monkeypatch):
-    # all six run figures are drawn end to end by tests/analysis/test_analyze_cli.py
+def test_main_from_study(small_run, small_analysis, tmp_path, capsys, monkeypatch):
+    """--from-study: the runs of runs/, drawn from the tables of analysis/."""
     import figures.cli as cli
     monkeypatch.setattr(cli, "REGISTRY", [("figures.fig_r_heatmap", "run"),
                                           ("figures.fig_precursors", "run"),
@@ -29,6 +30,7 @@ def test_main_from_study(small_run, tmp_path, capsys, monkeypatch):
     study = tmp_path / "study" / "runs"
     study.mkdir(parents=True)
     (study / "small").symlink_to(small_run, target_is_directory=True)
+    (tmp_path / "study" / "analysis").symlink_to(small_analysis, target_is_directory=True)
     rc = main(["--from-study", str(tmp_path / "study"), "--out", str(tmp_path / "o"),
                "--no-theory"])
     out, err = capsys.readouterr()
@@ -49,7 +51,9 @@ def test_figure_main_bad_input(tmp_path, capsys):
     from figures import fig_layer_grad_rms
     assert fig_layer_grad_rms.main([str(tmp_path / "steps_only"), "--out", str(tmp_path)]) == 2
     assert "no per-layer telemetry" in capsys.readouterr().err
-    assert fig_loss_spikes.main([str(tmp_path / "steps_only"), "--out", str(tmp_path / "f")]) == 0
+    # drawn from `adamspike analyze`'s tables: without them, bad input that says so
+    assert fig_loss_spikes.main([str(tmp_path / "steps_only"), "--out", str(tmp_path / "f")]) == 2
+    assert "adamspike analyze" in capsys.readouterr().err
 
 
 def test_find_runs_and_names(small_run, tmp_path):

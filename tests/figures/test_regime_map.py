@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from adamspike.rundir import load_run
-from analysis.megatron_log import import_megatron_log
+from analysis.cli import main as analyze
 from figures import fig_regime_map as F
 
 LOG = "".join(
@@ -27,13 +26,15 @@ def _profile(path, source):
 def test_prepare_and_plot(small_run, tmp_path):
     log = tmp_path / "m.log"
     log.write_text(LOG)
-    mrun = import_megatron_log(log, tmp_path / "m.run", clip=1.0,
-                               optim={"eps": 1e-8, "b2": 0.95}) and tmp_path / "m.run"
-    runs = [load_run(small_run), load_run(mrun)]
-    # a log without model arguments: rho_bar needs N (the 70B preset's here)
+    # the figure reads the regime cards `adamspike analyze` wrote; a log without model
+    # arguments: rho_bar needs N (the 70B preset's here)
+    assert analyze([str(small_run), "--log", str(log), "--clip", "1.0", "--eps", "1e-8",
+                    "--b2", "0.95", "--num-params", "68976648192",
+                    "--out", str(tmp_path / "an")]) == 0
+    runs = F.analysed_runs(tmp_path / "an")
     data = F.prepare(runs, _profile(tmp_path / "fit.json", "ladder fit (test)"),
                      num_params=68_976_648_192)
-    toy, lg = data["runs"]
+    lg, toy = sorted(data["runs"], key=lambda it: not it["log"])
     assert toy["traj"][0].size > 10 and toy["deep_label"] == "deep"
     assert toy["shallow"][0] <= toy["shallow"][1] <= toy["shallow"][2]
     assert data["bands_70b"][1e-5] == pytest.approx((0.0381, 0.381), abs=5e-4)
@@ -43,12 +44,13 @@ def test_prepare_and_plot(small_run, tmp_path):
     assert sorted(f.name for f in files) == ["regime_map.pdf", "regime_map.png"]
     assert all(f.stat().st_size > 1000 for f in files)
     # the hand-written ("assumed") profile is not drawn as an estimate
-    assert F.prepare(runs[:1], _profile(tmp_path / "a.json", "assumed (built-in)"))["p70"] is None
+    toy_run = [a for a in runs if a.path.name == "small"]
+    assert F.prepare(toy_run, _profile(tmp_path / "a.json", "assumed (built-in)"))["p70"] is None
     # the log: rho_bar = min(gn, 1) / (sqrt(N) 1e-8) at its eps, gn 0.20-0.24
     assert lg["log"] and lg["b2"] == 0.95
     assert lg["rho"][1] == pytest.approx(0.22 / (68_976_648_192 ** 0.5 * 1e-8), rel=0.1)
 
 
 def test_main_bad_input(tmp_path, capsys):
-    assert F.main([str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert F.main(["--tables", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "error" in capsys.readouterr().err

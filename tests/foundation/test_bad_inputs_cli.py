@@ -44,7 +44,7 @@ def world(tmp_path_factory):
     run = d / "run"
     assert main(["simulate", "quadratic", "--steps", "60", "--out", str(run),
                  "--no-progress"]) == 0
-    assert main(["analyze", str(run), "--out", str(d / "report"), "--no-figures"]) == 0
+    assert main(["analyze", str(run), "--out", str(d / "report")]) == 0
     (d / "afile").write_text("not a directory\n")
     _megatron_log(d / "megatron.log")
     pred = Predictions(settings=[{"id": "a", "overrides": {
@@ -77,7 +77,7 @@ def _train(w, *extra):
 
 
 def _an_log(w, out, *extra):
-    return ["analyze", "--log", w["log"], "--out", out, "--no-figures", *extra]
+    return ["analyze", "--log", w["log"], "--out", out, *extra]
 
 
 def _plan(w, out, pred):

@@ -343,3 +343,19 @@ def test_megatron_probe_needs_torch_and_numpy_only():
             + "".join(f"sys.modules[{m!r}] = None\n" for m in missing)   # import -> ImportError
             + "import adamspike.metrics, fullscale.megatron_probe")
     _imported_by(code)
+
+
+def test_figures_import_no_analysis_and_no_cli_cycle():
+    """Figures read the files `adamspike analyze` wrote (spike detection and fits run once):
+    no figures/*.py imports analysis; the figure scripts share figures._common, not
+    figures.cli (which loads them by name)."""
+    import ast
+    root = Path(__file__).resolve().parents[2] / "figures"
+    for p in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for m in mods:
+                assert m.split(".")[0] != "analysis", f"{p.name} imports {m}"
+                if p.name.startswith("fig_"):
+                    assert m != "figures.cli", f"{p.name} imports figures.cli"

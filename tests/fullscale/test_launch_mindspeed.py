@@ -102,12 +102,11 @@ def test_two_settings_logs_into_one_report(tmp_path, capsys):
     a, b = logs
     merged = ["--log", a[a.index("--log") + 1], "--log", b[b.index("--log") + 1]]
     merged += [x for k, v in zip(a[::2], a[1::2]) if k not in ("--log", "--out") for x in (k, v)]
-    assert analyze_main(merged + ["--out", str(report), "--no-figures"]) == 0
+    assert analyze_main(merged + ["--out", str(report)]) == 0
     index = (report / "report.md").read_text()
     assert "eps1e-05-b2_0.95.node127.log" in index and "eps1e-06-b2_0.9.node127.log" in index
     # the hint's own command, as printed, works too
-    assert analyze_main(logs[0][:logs[0].index("--out")] + ["--out", str(tmp_path / "one"),
-                                                            "--no-figures"]) == 0
+    assert analyze_main(logs[0][:logs[0].index("--out")] + ["--out", str(tmp_path / "one")]) == 0
 
 
 def test_same_named_logs_get_distinct_run_names(tmp_path):
@@ -119,6 +118,6 @@ def test_same_named_logs_get_distinct_run_names(tmp_path):
         p.parent.mkdir(parents=True)
         p.write_text("\n".join(_line(i, 2.0 + 1 / i) for i in range(1, 61)) + "\n")
     out = tmp_path / "r"
-    assert analyze_main(["--log", str(a), "--log", str(b), "--out", str(out), "--no-figures"]) == 0
+    assert analyze_main(["--log", str(a), "--log", str(b), "--out", str(out)]) == 0
     assert (out / "s1_logs_node127.log.run" / "run.json").is_file()
     assert (out / "s2_logs_node127.log.run" / "run.json").is_file()

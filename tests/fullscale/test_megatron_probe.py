@@ -110,7 +110,7 @@ def test_probe_run_directory_reads_and_analyzes_like_ours(megatron_runs, tmp_pat
     from analysis.cli import main as analyze
 
     def sections(src, out):
-        assert analyze([str(src), "--out", str(out), "--no-figures"]) == 0
+        assert analyze([str(src), "--out", str(out)]) == 0
         md = next(p for p in out.glob("*/report.md"))
         return [l for l in md.read_text().splitlines() if l.startswith("#")][1:]
 
