@@ -5,10 +5,9 @@ batches with exactly one intervention, and count how often the spike comes back.
                      [--min-incidents K] [--quick]
 
 1. Base runs. Seeds 0, 1, ... of the config (default configs/toy_spike.toml; with
-   --min-incidents K, in order until K incidents are found, at most N) train as lanes of one
-   vmapped program (`LaneProgram`: simulate.llama loss, simulate.optim.adamw_chain, the
-   registry's StepPlan semantics as per-lane controls), CHUNK steps per call (one
-   lax.scan). Snapshots (params + Adam state, step s) are kept in memory every
+   --min-incidents K, in order until K incidents are found, at most N) train through
+   simulate.program's one jitted step (the trainer's: the registry's StepPlan, skips and
+   the lr as per-step controls), in chunks of CHUNK steps. Snapshots (params + Adam state, step s) are kept in memory every
    SNAPSHOT_EVERY steps for the last MAX_LEAD steps. After each chunk the loss trace so far
    goes through the project's detector (adamspike.spikes.detect_spikes: window 50, 6 MAD,
    and the 10 % relative-jump rule of the toy reports); the detector is causal, so a spike
@@ -28,7 +27,8 @@ batches with exactly one intervention, and count how often the spike comes back.
    Each is a dict of dotted RunConfig keys (`intervention_overrides`); the lane's controls
    come from RunConfig.from_dict(overrides, base) and the registry's StepPlan (per-tensor
    eps, v resets, frozen tensors per step) and OptimSection.lr_at / data.skip_batches, so a
-   replay lane computes what simulate.llama_train would for that config (tests check it).
+   replay lane computes what simulate.llama_train computes for that config, bit for bit
+   (the same compiled step on the same inputs; tests check it).
 3. Per (spike, intervention): recurred = the same detector, run over the base trace up to s0
    followed by the replay trace, finds a spike starting within +-W steps of t; height =
    peak replay loss in [t - W, t + W] / the base spike's baseline (the detector's median at
@@ -43,16 +43,16 @@ Storage (DIR, as simulate.sweep): replay.json (the resolved study; a different o
 refused), cache/base-s<seed>.npz (loss trace, spikes, the spikes' snapshots, written once a
 seed is done), cache/replay-s<seed>-t<step>.npz (each intervention's loss trace and
 row), so a killed study resumes at the first missing file; then replay.csv and replay.md.
-Lanes: the program (vmapped over a lane axis of width 1) is compiled once for CHUNK steps
-and runs one lane per call: XLA's results change with the vmap width, and the determinism
-control needs the base run's exact program. Cost: the step is compute-bound on a CPU
-(~40-70 steps / s on 2 shared cores), so side-by-side lanes would save little.
+Lanes run one after another through the one step program (`Program.step_fn`, one step per
+call): XLA's results change with the vmap width and with lax.scan, and the determinism
+control and the trainer identity need the base run's exact program. Cost: the step is
+compute-bound on a CPU (~40-70 steps / s on 2 shared cores), so side-by-side lanes
+(Program.run) would save little.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import io
 import json
@@ -66,28 +66,19 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pandas as pd
 
 from adamspike.config import ConfigError, flatten, load_config, to_dict
 from adamspike.rundir import atomic_write_bytes
 from adamspike.train_config import RunConfig
 from adamspike.spikes import SpikeParams, detect_spikes, incidents
-from simulate import llama as jllama
-from simulate import optim as jopt
-from simulate.llama_train import batch_at, dataset, step_plan
-from simulate.telemetry import tensor_names
+from simulate.llama_train import batch_at, dataset
+from simulate.program import Program, program, static_key
 
 INTERVENTIONS = ("none", "eps_shallow", "eps_deep", "v_reset", "skip_window", "freeze",
                  "lr_half")
 SHALLOW = ["embed", "shallow"]
 CHUNK = 25
-# keys a replay lane may change; everything else must equal the base config
-LANE_KEYS = ("optim.lr", "mitigation.eps_embed", "mitigation.eps_shallow",
-             "mitigation.eps_deep", "mitigation.eps_head", "mitigation.v_reset_steps",
-             "mitigation.v_reset_groups", "mitigation.freeze_groups",
-             "mitigation.freeze_from", "mitigation.freeze_until", "data.skip_batches")
-
 
 @dataclass
 class ReplaySpec:
@@ -168,125 +159,35 @@ def intervention_overrides(name: str, base: RunConfig, spike_step: int, restart:
 
 
 def lane_config(base: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
-    """base + overrides, validated; refuses keys the lane program cannot vary."""
-    bad = sorted(k for k in overrides if k not in LANE_KEYS)
-    if bad:
-        raise ConfigError(f"{', '.join(bad)}: a replay lane can only change {list(LANE_KEYS)}")
+    """base + overrides, validated; refuses a change of what the program compiles in
+    (simulate.program.static_key: the lanes share one program)."""
     cfg = RunConfig.from_dict({**flatten(to_dict(base)), **dict(overrides)})
     cfg.check()
+    if static_key(cfg) != static_key(base):
+        raise ConfigError(f"{', '.join(sorted(overrides))}: a replay lane cannot change a "
+                          "setting compiled into the program (model, train.z_loss, "
+                          "train.dtype, model options, mitigation.update_clip, clip on/off, "
+                          "optim.weight_decay)")
     return cfg
 
 
 # ----------------------------------------------------------------------------- program
 
-@dataclass
-class Controls:
-    """Per-lane inputs of one chunk: lr (K,), skip (K,), frozen / reset (K, tensors), eps
-    (tensors,), in the leaf order of the parameters."""
-    lr: np.ndarray
-    skip: np.ndarray
-    frozen: np.ndarray
-    reset: np.ndarray
-    eps: np.ndarray
-
-
-class LaneProgram:
-    """The training step of simulate.llama_train for independent lanes (vmap), CHUNK
-    steps per call (lax.scan). What may differ between lanes (`LANE_KEYS`) is an input: the
-    per-tensor eps (the registry's `eps` hook), the lr of each step (OptimSection.lr_at of
-    the lane's config), skipped steps (data.skip_batches: params and Adam state kept),
-    frozen tensors per step (the `update` hook: simulate.optim.freeze_updates) and v resets
-    per step (the `state` hook: v <- 0 before the step, not on skipped steps). The rest
-    (model, b1, b2, clip, weight decay, loss scale, z-loss, dtype, model options, update
-    clip) is compiled in from the base config."""
-
-    def __init__(self, base: RunConfig):
-        self.base = base
-        t, o = base.train, base.optim
-        self.llama = llama = base.model.llama()
-        plan = step_plan(base)
-        shapes = jax.eval_shape(functools.partial(jllama.init_params, llama),
-                                jax.random.PRNGKey(0))
-        self.names = tensor_names(shapes)
-        self.treedef = jax.tree.structure(shapes)
-        vg = jax.value_and_grad(
-            lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss,
-                                        compute_dtype=t.dtype, **plan.model_options),
-            has_aux=True)
-
-        def tx(eps_leaves, lr):
-            eps = jax.tree.unflatten(self.treedef, list(eps_leaves))
-            return jopt.adamw_chain(o.b1, o.b2, eps, lr, o.grad_clip * t.loss_scale,
-                                    o.weight_decay, plan)
-
-        self._tx = tx
-
-        def one_step(carry, x):
-            params, state = carry
-            batch, lr, skip, frozen, reset, eps = x
-            adam = jopt.adam_state(state)
-            nu = jax.tree.unflatten(self.treedef, [
-                jnp.where(r, jnp.zeros_like(v), v)
-                for v, r in zip(jax.tree.leaves(adam.nu), list(reset))])
-            edited = jopt._replace_state(state, adam, adam._replace(nu=nu))
-            (_, aux), grads = vg(params, batch)
-            updates, new_state = tx(eps, lr).update(grads, edited, params)
-            updates = jopt.freeze_updates(
-                updates, jax.tree.unflatten(self.treedef, list(frozen)))
-            new_params = optax.apply_updates(params, updates)
-            keep = lambda old, new: jax.tree.map(  # noqa: E731
-                lambda a, b: jnp.where(skip, a, b), old, new)
-            return (keep(params, new_params), keep(state, new_state)), aux["loss"]
-
-        def chunk(params, state, batches, lr, skip, frozen, reset, eps):
-            xs = (batches, lr, skip, frozen, reset, jnp.broadcast_to(eps, frozen.shape))
-            (params, state), loss = jax.lax.scan(
-                lambda c, x: one_step(c, (x[0], x[1], x[2], x[3], x[4], x[5])),
-                (params, state), xs)
-            return params, state, loss
-
-        self._chunk = jax.jit(jax.vmap(chunk))
-
-    def init(self, seed: int):
-        """(params, Adam chain state) of seed `seed` (simulate.llama_train's init)."""
-        params = jllama.init_params(self.llama, jax.random.PRNGKey(seed))
-        eps = np.full(len(self.names), float(self.base.optim.eps), np.float32)
-        return params, self._tx(eps, 0.0).init(params)
-
-    def controls(self, cfg: RunConfig, first: int, length: int = CHUNK) -> Controls:
-        """The lane controls of config cfg for steps first .. first + length - 1."""
-        plan = step_plan(cfg)
-        steps = range(first, first + length)
-        n, num = len(self.names), cfg.train.num_steps
-        skip = set(cfg.data.skip_batches)
-        frozen = np.zeros((length, n), bool)
-        reset = np.zeros((length, n), bool)
-        for i, s in enumerate(steps):
-            f = set(plan.frozen_at(s))
-            r = set(plan.v_reset.get(s, ()))
-            frozen[i] = [nm in f for nm in self.names]
-            reset[i] = [nm in r for nm in self.names]
-        return Controls(
-            lr=np.array([cfg.optim.lr_at(s, num) for s in steps], np.float32),
-            skip=np.array([s in skip for s in steps]), frozen=frozen, reset=reset,
-            eps=np.array([plan.tensor_eps[nm] for nm in self.names], np.float32))
-
-    def run_chunk(self, params: list, states: list, batches: list, controls: list):
-        """One chunk for each lane, one lane per program call (the program is compiled for
-        one lane: XLA's results depend on the vmap width, so base runs and replays must
-        share it to be bit-identical; the step is compute-bound, so lanes side by side
-        would save little): returns the lanes' (params, states) and losses (lanes,
-        CHUNK), host numpy."""
-        out_p, out_s, losses = [], [], []
-        for p, st, b, c in zip(params, states, batches, controls):
-            args = [jnp.asarray(x)[None] for x in (b, c.lr, c.skip, c.frozen, c.reset, c.eps)]
-            add = lambda tree: jax.tree.map(lambda a: jnp.asarray(a)[None], tree)  # noqa: E731
-            np_, ns, loss = self._chunk(add(p), add(st), *args)
-            np_, ns, loss = jax.device_get((np_, ns, loss))
-            out_p.append(jax.tree.map(lambda a: a[0], np_))
-            out_s.append(jax.tree.map(lambda a: a[0], ns))
-            losses.append(np.asarray(loss[0], np.float64))
-        return out_p, out_s, np.stack(losses)
+def run_chunk(prog: Program, params: list, states: list, batches: list, controls: list):
+    """CHUNK steps of each lane through the program's one jitted step (the trainer's
+    `step_fn`: the same settings on the same inputs give the trainer's bits); returns the
+    lanes' (params, states) and losses (lanes, CHUNK), host numpy."""
+    out_p, out_s, losses = [], [], []
+    for p, st, b, c in zip(params, states, batches, controls):
+        trace = []
+        for i in range(len(b)):
+            p, st, out = prog.step_fn(p, st, jnp.asarray(b[i]), c.at(i))
+            trace.append(out["loss"])
+        p, st, trace = jax.device_get((p, st, trace))
+        out_p.append(p)
+        out_s.append(st)
+        losses.append(np.asarray(trace, np.float64))
+    return out_p, out_s, np.stack(losses)
 
 
 def chunk_batches(data, cfg: RunConfig, first: int, length: int = CHUNK) -> np.ndarray:
@@ -308,7 +209,7 @@ def _flat_state(params, state) -> dict[str, np.ndarray]:
     return {f"leaf{i:04d}": np.asarray(x) for i, x in enumerate(leaves)}
 
 
-def _unflat_state(prog: LaneProgram, seed: int, arrays: Mapping[str, np.ndarray], prefix: str):
+def _unflat_state(prog: Program, seed: int, arrays: Mapping[str, np.ndarray], prefix: str):
     template = prog.init(seed)
     leaves, tree = jax.tree.flatten(template)
     got = [arrays[f"{prefix}leaf{i:04d}"] for i in range(len(leaves))]
@@ -321,7 +222,7 @@ def _spike_key(seed: int, step: int) -> str:
 
 # ----------------------------------------------------------------------------- phase 1
 
-def run_base(spec: ReplaySpec, prog: LaneProgram, seeds: Sequence[int], cache: Path,
+def run_base(spec: ReplaySpec, prog: Program, seeds: Sequence[int], cache: Path,
              bar=None) -> None:
     """Train `seeds` as lanes, detect spikes online, write cache/base-s<seed>.npz
     for each (loss trace, spikes, the snapshot before each spike)."""
@@ -341,9 +242,9 @@ def run_base(spec: ReplaySpec, prog: LaneProgram, seeds: Sequence[int], cache: P
             raise ConfigError(f"train.num_steps: must be a multiple of {CHUNK} for replay "
                               f"(got {num})")
         if first not in ctrl:
-            ctrl = {first: prog.controls(cfg, first)}
+            ctrl = {first: prog.controls(cfg, range(first, first + CHUNK))}
         batches = [chunk_batches(d, c, first) for d, c in zip(datas, cfgs)]
-        params, opt, loss = prog.run_chunk(params, opt, batches, [ctrl[first]] * len(seeds))
+        params, opt, loss = run_chunk(prog, params, opt, batches, [ctrl[first]] * len(seeds))
         end = first + CHUNK - 1
         for j in range(len(seeds)):
             losses[j].extend(loss[j].tolist())
@@ -382,7 +283,7 @@ def read_base(path: Path) -> tuple[np.ndarray, pd.DataFrame, dict]:
 
 # ----------------------------------------------------------------------------- phase 2
 
-def replay_spike(spec: ReplaySpec, prog: LaneProgram, seed: int, t: int, base_loss: np.ndarray,
+def replay_spike(spec: ReplaySpec, prog: Program, seed: int, t: int, base_loss: np.ndarray,
                  base_spike: Mapping[str, Any], z) -> tuple[pd.DataFrame, np.ndarray]:
     """Every intervention of one spike (lanes of one program call per chunk); returns the
     rows and the replay loss traces (interventions, steps s0 + 1 .. t + horizon)."""
@@ -400,8 +301,8 @@ def replay_spike(spec: ReplaySpec, prog: LaneProgram, seed: int, t: int, base_lo
     first = restart
     while first <= end:
         batch = chunk_batches(data, seed_cfg, first)
-        ctrls = [prog.controls(c, first) for c in cfgs]
-        lanes_p, lanes_s, loss = prog.run_chunk(lanes_p, lanes_s, [batch] * len(names), ctrls)
+        ctrls = [prog.controls(c, range(first, first + CHUNK)) for c in cfgs]
+        lanes_p, lanes_s, loss = run_chunk(prog, lanes_p, lanes_s, [batch] * len(names), ctrls)
         for i in range(len(names)):
             traces[i].extend(loss[i].tolist())
         first += CHUNK
@@ -483,7 +384,7 @@ def run_study(spec: ReplaySpec, out: str | Path, progress: bool = True) -> pd.Da
     _check_meta(out, spec)
     cache = out / "cache"
     cache.mkdir(exist_ok=True)
-    prog = LaneProgram(spec.run_config())
+    prog = program(spec.run_config())
     num = spec.run_config().train.num_steps
     done = [k for k in spec.seeds if (cache / f"base-s{k}.npz").exists()]
     jobs: list = []
