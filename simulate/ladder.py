@@ -2,8 +2,8 @@
 
     adamspike simulate ladder --out DIR [--quick]       (cells cached in DIR/cells, resumable)
 
-The ladder trains the JAX LLaMA of simulate/llama.py (same parameter specs, init, loss and
-AdamW chain simulate.optim.adamw as the trainer simulate/llama_train.py) on one fixed
+The ladder trains the JAX LLaMA through simulate.program's one step (the trainer's: same
+parameter specs, init, loss and AdamW chain; the rung as a RunConfig, `run_config`) on one fixed
 synthetic data set (adamspike.synthdata Markov task, data seed 0) at every rung:
 
     full   dim in {32, 64, 128, 256} x layers in {2, 4, 8} at batch 16 x 32 tokens, without
@@ -83,7 +83,6 @@ from adamspike.llama import LlamaConfig, ffn_dim_for, param_specs, preset
 from adamspike.order import sample_indices
 from adamspike.rundir import atomic_write_bytes
 from adamspike.synthdata import SyntheticTokens
-from adamspike.train_config import OptimSection
 
 LOG_EVERY = 5
 DATA_SEED = 0
@@ -170,78 +169,57 @@ def batches(spec: LadderSpec, batch: int, seeds: Sequence[int]) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- training
 
-def seed_program(cfg, spec: LadderSpec):
-    """(run_one, depths, depth_numel): run_one(key, tokens (num_steps, B, T+1)) -> (loss
-    (num_steps,), grad_norm (num_steps,), depth_sumsq (num_logged, num_depths)) trains one
-    seed from init key `key`: simulate.llama init and loss, simulate.optim.adamw (cosine
-    after warmup, clip, weight decay), the steps as one lax.scan. Pure and traceable: vmap it
-    over seeds, or jit it and call it per seed."""
-    # lazy: jax (simulate.llama / simulate.optim import it), so that the fit and the 70B
-    # profile (`adamspike predict --ladder`) work without it
-    import jax
-    import jax.numpy as jnp
-    from simulate import llama as jllama
-    from simulate import optim as jopt
-
-    optim = OptimSection(lr=spec.lr_for(cfg.dim), warmup_steps=spec.warmup_steps, schedule="cosine",
-                         b1=0.9, b2=spec.b2, eps=spec.eps, grad_clip=spec.grad_clip,
-                         weight_decay=spec.weight_decay)
-    tx = jopt.adamw(optim, spec.num_steps)
-    specs = param_specs(cfg)
-    depths = sorted({s.depth for s in specs})
-    depth_index = {d: i for i, d in enumerate(depths)}
-    numel = np.zeros(len(depths), np.int64)
-    for s in specs:
-        numel[depth_index[s.depth]] += s.numel
-    names_by_depth = [[s.name for s in specs if s.depth == d] for d in depths]
-    grad_fn = jax.value_and_grad(lambda p, b: jllama.loss_fn(p, b, cfg)[0])
-
-    def run_one(key, toks):
-        params = jllama.init_params(cfg, key)
-        opt_state = tx.init(params)
-
-        def step(carry, batch):
-            params, opt_state = carry
-            loss, grads = grad_fn(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = jax.tree.map(lambda p, u: p + u, params, updates)
-            sumsq = jnp.stack([sum(jnp.sum(jnp.square(grads[n])) for n in names)
-                               for names in names_by_depth])
-            gn = jnp.sqrt(jnp.sum(sumsq))
-            return (params, opt_state), (loss, gn, sumsq)
-
-        _, (loss, gn, sumsq) = jax.lax.scan(step, (params, opt_state), toks)
-        return loss, gn, sumsq[LOG_EVERY - 1::LOG_EVERY]
-
-    return run_one, np.array(depths), numel
+def run_config(cfg: LlamaConfig, spec: LadderSpec, batch: int):
+    """The rung as a RunConfig of simulate.program: its architecture, AdamW with the
+    ladder's lr (lr_for(dim)), warmup, cosine decay, b2, eps, clip and weight decay; fp32,
+    loss scale 1, no z-loss."""
+    from adamspike.train_config import RunConfig   # lazy, as the program below
+    fields = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim",
+              "max_seq_len", "norm_eps", "rope_theta", "init_std")
+    return RunConfig.from_dict({
+        **{f"model.{f}": getattr(cfg, f) for f in fields}, "model.preset": "tiny",
+        "optim.lr": spec.lr_for(cfg.dim), "optim.warmup_steps": spec.warmup_steps,
+        "optim.schedule": "cosine", "optim.b1": 0.9, "optim.b2": spec.b2, "optim.eps": spec.eps,
+        "optim.grad_clip": spec.grad_clip, "optim.weight_decay": spec.weight_decay,
+        "train.num_steps": spec.num_steps, "train.global_batch_size": batch,
+        "train.seq_len": spec.seq_len})
 
 
 def train_seeds(cfg, spec: LadderSpec, tokens: np.ndarray, seeds: Sequence[int],
                 vmapped: bool = True) -> dict[str, np.ndarray]:
-    """Train len(seeds) models of architecture cfg, one per seed, on tokens
-    (num_steps, num_seeds, B, T+1); vmapped=True runs the seeds as one vmapped program,
-    False one after another (the same per-seed function, jitted once: the bench compares
-    the two).
+    """Train len(seeds) models of architecture cfg, one per seed (init key PRNGKey(seed)),
+    on tokens (num_steps, num_seeds, B, T+1) through simulate.program's one step (its
+    vmapped lax.scan form); vmapped=True runs the seeds as one program, False one lane per
+    call (the bench compares the two).
 
     Returns numpy arrays: loss, grad_norm (num_seeds, num_steps); depth_sumsq
     (num_seeds, num_logged, num_depths) of the raw (pre-clip) gradient on steps
     log_steps (1-based, every LOG_EVERY); depths, depth_numel (num_depths,)."""
-    import jax   # lazy: jax, only training needs it (the fit does not)
+    # lazy: jax (simulate.program imports it), so that the fit and the 70B profile
+    # (`adamspike predict --ladder`) work without it
+    import jax
     import jax.numpy as jnp
+    from simulate.program import program
 
-    run_one, depths, numel = seed_program(cfg, spec)
+    rc = run_config(cfg, spec, tokens.shape[2])
+    prog = program(rc)
+    specs = {s.name: s for s in param_specs(cfg)}
+    depths = sorted({s.depth for s in specs.values()})
+    numel = np.array([sum(s.numel for s in specs.values() if s.depth == d) for d in depths],
+                     np.int64)
+    member = np.array([[specs[n].depth == d for d in depths] for n in prog.names], np.float64)
     keys = jnp.stack([jax.random.PRNGKey(int(k)) for k in seeds])
     toks = jnp.asarray(np.swapaxes(tokens, 0, 1))  # (seeds, steps, B, T+1)
+    ctl = prog.controls(rc, range(1, spec.num_steps + 1))
     if vmapped:
-        loss, gn, sumsq = jax.jit(jax.vmap(run_one))(keys, toks)
+        outs = prog.run(keys, toks, ctl)
     else:
-        one = jax.jit(run_one)
-        outs = [one(keys[i], toks[i]) for i in range(len(seeds))]
-        loss, gn, sumsq = (jnp.stack([o[j] for o in outs]) for j in range(3))
-    loss, gn, sumsq = jax.device_get((loss, gn, sumsq))
-    return {"loss": np.asarray(loss, np.float64), "grad_norm": np.asarray(gn, np.float64),
-            "depth_sumsq": np.asarray(sumsq, np.float64), "depths": depths,
-            "depth_numel": numel,
+        per = [prog.run(keys[i:i + 1], toks[i:i + 1], ctl) for i in range(len(seeds))]
+        outs = {k: jnp.concatenate([p[k] for p in per]) for k in per[0]}
+    outs = {k: np.asarray(v, np.float64) for k, v in jax.device_get(outs).items()}
+    sumsq = outs["tensor_sumsq"][:, LOG_EVERY - 1::LOG_EVERY] @ member
+    return {"loss": outs["loss"], "grad_norm": outs["grad_norm"], "depth_sumsq": sumsq,
+            "depths": np.array(depths), "depth_numel": numel,
             "log_steps": np.arange(LOG_EVERY, spec.num_steps + 1, LOG_EVERY)}
 
 
