@@ -14,8 +14,10 @@ back in the original units).
 Features (FEATURES; each one dimensionless):
     log10_rho_shallow   log10 of rho = rms(g) / eps of the gradient Adam consumes, shallow
                         side (adamspike.depth_groups.shallow_depths: embed + shallow
-                        groups), median over logged steps of the per-step median over the
-                        side's tensors (the sweep tables' `median_rho`)
+                        groups), median over logged steps of the side's group rho
+                        (adamspike.depth_groups.group_rho: the numel-weighted rms over the
+                        side's tensors; the sweep tables' `median_rho`, the same for run
+                        directories and matched arms: analysis.spike_rate)
     log10_rho_deep      the same on the deep side (deep + head groups)
     log10_one_minus_b2  log10 (1 - b2): the second moment's memory
     log10_lr_over_eps   log10 (lr / eps): the largest per-coordinate step a frozen
@@ -104,7 +106,8 @@ def _col(t: pd.DataFrame, key: str) -> np.ndarray:
 
 def sweep_rows(table: pd.DataFrame, source: str = "sweep") -> pd.DataFrame:
     """Training rows (TABLE_COLUMNS) from a sweep table (simulate.sweep: one row per cell x
-    seed with num_spikes, train.num_steps, optim.*, median_rho of the shallow side).
+    seed with num_spikes, train.num_steps, optim.*, median_rho: the median over steps of
+    the shallow side's group_rho).
     Only runs with the mitigations at their neutral values are kept by the caller's choice
     (`neutral` in analysis.spike_rate); tokens per step: train.global_batch_size x
     train.seq_len (llama), mlp.batch or mlp.num_points for a full batch (mlp), none

@@ -23,9 +23,10 @@
    kappa after a quiet stretch, the measured rms_t for k = 1..K against
    theory.transients.step_up(b1, b2, kappa) (computed for b2 <= 0.99 only: its cost grows
    like 1/(1-b2)); `fit_b2_transient` picks the b2 whose curves explain the events best.
-3. Regime per spike: the median rho of each depth group before the spike, classified by
-   theory.eps_regime.regime (frozen < 0.1 <= transition <= 10 < scale-invariant), and
-   Bai's eps* = lr lam (1-b1)/(2(1+b1)) where the run records a curvature.
+3. Regime per spike: the rho of each depth group before the spike (the median over the
+   window's logged steps of adamspike.depth_groups.group_rho over the group's tensors),
+   classified by theory.eps_regime.regime (frozen < 0.1 <= transition <= 10 <
+   scale-invariant), and Bai's eps* = lr lam (1-b1)/(2(1+b1)) where the run records a curvature.
 4. update_rms with per-coordinate heterogeneity (fit_update_rms_heterogeneous), on the
    histogram steps that carry a sqrt(v_hat)/eps histogram (the vhists table): each
    coordinate at its own rho (the histogram's bin centres), the exact (Laplace) stationary
@@ -51,6 +52,7 @@ import pandas as pd
 from scipy.interpolate import RegularGridInterpolator
 from scipy.optimize import minimize_scalar
 
+from adamspike.depth_groups import group_rho
 from adamspike.metrics import NUM_VHIST_BINS, shape_stats, vhist_centers
 from adamspike.rundir import atomic_write_bytes
 from analysis.precursors import depth_group
@@ -372,8 +374,11 @@ def _find_curvature(config: dict) -> float | None:
 
 def spike_regimes(layers: pd.DataFrame, spikes: pd.DataFrame, config: dict, *,
                   window: int = 50) -> pd.DataFrame:
-    """Per spike and depth group: median rho before the spike, its regime, the number of
-    tensors in each regime, and Bai's eps* where a curvature is recorded."""
+    """Per spike and depth group: the group's rho before the spike (rho_median: median over
+    the window's logged steps of group_rho over the group's tensors with a positive rho,
+    numel-weighted; layers needs numel), its regime, the number of tensors in each regime
+    (each by its own median rho over the window), and Bai's eps* where a curvature is
+    recorded."""
     op = optim_params(config)
     lam = _find_curvature(config)
     rows = []
@@ -389,7 +394,12 @@ def spike_regimes(layers: pd.DataFrame, spikes: pd.DataFrame, config: dict, *,
         per_tensor = per_tensor[np.isfinite(per_tensor["rho"]) & (per_tensor["rho"] > 0)]
         per_tensor["group"] = depth_group(per_tensor["depth"])
         for g, part in per_tensor.groupby("group"):
-            med = float(part["rho"].median())
+            sub = pre[pre["name"].isin(part.index)]
+            rt = sub.groupby(["step", "name"], observed=True)["rho"].first().unstack("name")
+            w = sub.groupby("name", observed=True)["numel"].first().reindex(rt.columns)
+            per_step = group_rho(rt.to_numpy(float), w.to_numpy(float))
+            per_step = per_step[~np.isnan(per_step)]
+            med = float(np.median(per_step)) if per_step.size else math.nan
             regs = [regime(r) for r in part["rho"]]
             row = {"spike_id": sid, "start": s, "group": g, "rho_median": med,
                    "regime": regime(med), "num_tensors": len(part),

@@ -10,14 +10,20 @@ Training table (DIR/table.csv, one row per run, adamspike.spike_rate.TABLE_COLUM
     (adamspike.mitigations.neutral_mask) only;
   - run directories (either backend): spikes by the report's loss rule
     (analysis.report.loss_spikes), num_steps = steps with a loss; the shallow / deep side's
-    rho = median over logged steps of the per-step median of `rho` over the side's tensors
-    (adamspike.depth_groups.is_shallow, L from the depths: analysis.controls.
-    infer_num_layers); b2, lr, eps from the config; tokens per step = the median step
+    rho = median over logged steps of the side's group rho (adamspike.depth_groups.
+    group_rho over the side's tensors, numel-weighted rms; sides by adamspike.depth_groups.
+    is_shallow, L from the depths: analysis.controls.infer_num_layers); b2, lr, eps from
+    the config; tokens per step = the median step
     difference of the `tokens` column (else train.global_batch_size x train.seq_len);
     width = model dim (config model.dim or its preset) or mlp.width. A run without
     per-tensor telemetry has no rho and is left out of the fit (listed in the report);
   - matched-regime replications (`adamspike replicate matched`): one row per arm and seed
     (`matched_rows`), the regime the 70B predictions are about.
+Every row type has the same rho: the median over steps of the per-step group rho of the
+side (adamspike.depth_groups.group_rho, sqrt(sum numel rho^2 / sum numel)); sweep tables
+carry it as `median_rho` (simulate.sweep_problems: the shallow side's group_rho per step),
+matched arms as rho_<group> per step (simulate.seeds.run_arm: sqrt(sumsq / numel) / eps
+per group, the same statistic), combined into a side by group_rho with the groups' numel.
 Then: held-out validation (adamspike.spike_rate.validate: the largest width, else the
 last seed), and the final fit on every run. Writes DIR/model.json (the final model, with
 the validation scores in it), DIR/calibration.csv, DIR/heldout.csv, DIR/table.csv and
@@ -38,10 +44,11 @@ import pandas as pd
 
 from adamspike import spike_rate as SR
 from adamspike.config import ConfigError
-from adamspike.depth_groups import is_shallow
-from adamspike.llama import PRESETS
+from adamspike.depth_groups import GROUPS, depth_group, group_rho, is_shallow
+from adamspike.llama import PRESETS, spec_by_name
 from adamspike.mitigations import neutral_mask
 from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
+from adamspike.train_config import RunConfig
 from analysis.controls import infer_num_layers
 from analysis.fits import optim_params
 from analysis.report import loss_spikes, md_table
@@ -63,6 +70,33 @@ def _width(config: dict) -> float:
     return math.nan
 
 
+def _median_over_steps(per_step) -> float:
+    """Median over steps of a per-step group rho (steps where it is NaN left out)."""
+    v = np.asarray(per_step, dtype=np.float64)
+    v = v[~np.isnan(v)]
+    return float(np.median(v)) if v.size else math.nan
+
+
+def _side_rho(lay: pd.DataFrame) -> float:
+    """Median over logged steps of group_rho over the rows' tensors (layers table rows with
+    step, name, numel, rho; a tensor without rho at a step is left out of that step)."""
+    if lay.empty:
+        return math.nan
+    r = lay.groupby(["step", "name"])["rho"].first().unstack("name")
+    numel = lay.groupby("name")["numel"].first().reindex(r.columns).to_numpy(float)
+    return _median_over_steps(group_rho(r.to_numpy(float), numel))
+
+
+def group_numel(config: dict) -> dict[str, float]:
+    """Parameters per depth group (adamspike.depth_groups) of a tiny-LLaMA arm's flat
+    RunConfig (as simulate.seeds.group_layout counts them)."""
+    llama = RunConfig.from_dict(dict(config)).model.llama()
+    out = {g: 0.0 for g in GROUPS}
+    for s in spec_by_name(llama).values():
+        out[depth_group(s.depth, llama.num_layers)] += float(s.numel)
+    return out
+
+
 def run_row(path: str | Path) -> dict:
     """One training row (TABLE_COLUMNS) from a run directory (module docstring)."""
     path = Path(path)
@@ -78,16 +112,7 @@ def run_row(path: str | Path) -> dict:
     if not lay.empty and "rho" in lay:
         L = infer_num_layers(lay)
         sh = np.asarray(is_shallow(lay["depth"].to_numpy(), L), bool)
-        for side, mask in (("sh", sh), ("dp", ~sh)):
-            sub = lay.loc[mask]
-            if sub.empty:
-                continue
-            per_step = sub.groupby("step")["rho"].median()
-            v = float(per_step.median()) if len(per_step) else math.nan
-            if side == "sh":
-                rho_sh = v
-            else:
-                rho_dp = v
+        rho_sh, rho_dp = _side_rho(lay.loc[sh]), _side_rho(lay.loc[~sh])
     tokens = math.nan
     if "tokens" in st:
         tk = st["tokens"].to_numpy(float)
@@ -126,9 +151,12 @@ def read_sweep_table(path: str | Path) -> pd.DataFrame:
 def matched_rows(study: str | Path) -> pd.DataFrame:
     """Rows of a matched-regime replication (`adamspike replicate matched`): one per arm and
     seed, from its files (replication.json, arms/<arm>.parquet). Spikes by the report's loss
-    rule; the shallow side's rho = median over steps of the mean of the embed and shallow
-    groups' rho, the deep side's of the deep and head groups'; b2, lr, eps (optim.eps), batch
-    x seq_len from the arm's config (the eps of other groups is in their rho)."""
+    rule; the shallow side's rho = median over steps of group_rho of the embed and shallow
+    groups' rho_<group> weighted by the groups' numel (`group_numel` of the arm's config):
+    rho_<group> of simulate.seeds.run_arm is sqrt(sumsq_group / numel_group) / eps_group,
+    the group's group_rho, so this is group_rho over the side's tensors, the statistic of
+    the other rows; the deep side's of the deep and head groups'; b2, lr, eps (optim.eps),
+    batch x seq_len from the arm's config (the eps of other groups is in their rho)."""
     study = Path(study)
     try:
         meta = json.loads((study / "replication.json").read_text())
@@ -141,13 +169,18 @@ def matched_rows(study: str | Path) -> pd.DataFrame:
         if not path.exists():
             raise SR.SpikeRateError(f"{path}: missing (unfinished study)")
         t = pd.read_parquet(path)
+        try:
+            numel = group_numel(c)
+        except ConfigError as e:
+            raise SR.SpikeRateError(f"{study}: arm {arm}: bad config ({e})") from None
         for seed, g in t.groupby("seed"):
             g = g.sort_values("step")
             sp, _ = loss_spikes(g[["step", "loss"]].reset_index(drop=True))
-            side = {k: [f"rho_{x}" for x in grp if f"rho_{x}" in g]
+            side = {k: [x for x in grp if f"rho_{x}" in g]
                     for k, grp in (("sh", ("embed", "shallow")), ("dp", ("deep", "head")))}
-            rho = {k: float(np.median(g[cols].mean(axis=1))) if cols else math.nan
-                   for k, cols in side.items()}
+            rho = {k: _median_over_steps(group_rho(g[[f"rho_{x}" for x in gs]].to_numpy(float),
+                                                   [numel[x] for x in gs]))
+                   if gs else math.nan for k, gs in side.items()}
             feats = SR.setting_features(rho_shallow=rho["sh"], rho_deep=rho["dp"],
                                         b2=c["optim.b2"], lr=c["optim.lr"], eps=c["optim.eps"],
                                         tokens_per_step=c["train.global_batch_size"] * c["train.seq_len"])

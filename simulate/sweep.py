@@ -48,8 +48,10 @@ and for each precursor trace the problem reports (rms_t, sat_frac, bimodality, g
 rho of its shallow parameters): max_<m> over the run and pre_<m> = max over the PRE_WINDOW (8)
 steps before each spike start (maximum over spikes; NaN without spikes), lead_<m> = mean over
 spikes of (spike start - step of the maximum over the LEAD_WINDOW (32) steps before it), and
-median_rho, and any per-run numbers the problem reports itself (llama: online_spikes and the
-spike guard's guard_rollbacks, guard_skipped_batches, guard_aborted).
+median_rho (median over steps of the rho trace: the shallow group's adamspike.depth_groups.
+group_rho, the spike-rate GLM's log10_rho_shallow), and any per-run numbers the problem
+reports itself (llama: online_spikes and the spike guard's guard_rollbacks,
+guard_skipped_batches, guard_aborted).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ code paths, step counts: compiled separately); every value is validated by the s
 own field metadata (RunConfig's for optim / train / mitigation keys), never re-declared.
 `run(static, scalars, seeds)` returns traces [N, T]: loss, an optional detection signal,
 and the precursors of the problem's shallow group (adamspike.depth_groups; rms_t,
-sat_frac, bimodality, grad_mom_cos, rho with adamspike.metrics' definitions).
+sat_frac, bimodality, grad_mom_cos, rho with adamspike.metrics' definitions; rho of the
+group: adamspike.depth_groups.group_rho over its tensors).
 
 quadratic  simulate.quadratic (Bai et al.): 1/2 theta^T H theta under Adam, float64 with an
            exact power-of-two rescaling. Keys: optim.lr / eps / b1 / b2 (vmapped),
@@ -24,7 +25,9 @@ llama      the JAX tiny LLaMA (simulate.llama_train.train, with LLAMA_BASE: copy
            another (every key is static: the trainer is a host loop that writes a run
            directory, read back here). Any RunConfig key may be set (including every
            mitigation.* key of the registry and guard.*). Shallow = the embed and shallow
-           groups. With guard.enabled the loss trace is the kept trajectory, and the table
+           groups (rho per step: adamspike.depth_groups.group_rho over them, as for mlp;
+           max of rms_t / sat_frac / grad_mom_cos, median of bimodality). With
+           guard.enabled the loss trace is the kept trajectory, and the table
            gets online_spikes, guard_rollbacks, guard_skipped_batches, guard_aborted.
 """
 
@@ -352,9 +355,11 @@ def _run_llama(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
         lay = run.layers[run.layers["depth"].isin(shallow_depths(num_layers))].copy()
         lay["bimodality"] = shape_stats(lay["r_mean"], lay["r_m2"], lay["r_m3"], lay["r_m4"])["bimodality"]
         g = lay.groupby("step")
+        rho = lay.groupby(["step", "name"])["rho"].first().unstack("name")
+        numel = lay.groupby("name")["numel"].first().reindex(rho.columns).to_numpy(float)
         agg = {"rms_t": g["rms_t"].max(), "sat_frac": g["sat_frac"].max(),
                "grad_mom_cos": g["grad_mom_cos"].max(), "bimodality": g["bimodality"].median(),
-               "rho": g["rho"].median()}
+               "rho": pd.Series(group_rho(rho.to_numpy(float), numel), index=rho.index)}
         for k, ser in agg.items():
             out[k][i, ser.index.to_numpy() - 1] = ser.to_numpy()
     return {**out, "scalars": extra}

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from analysis.claims import arms_table, claims_table, load, report_md, verdict
-from analysis.spike_rate import matched_rows
+from analysis.spike_rate import group_numel, matched_rows
 
 NUM_SEEDS, NUM_STEPS = 10, 400
 
@@ -63,7 +63,14 @@ def test_spike_rate_rows_one_per_arm_and_seed(study):
     rows = matched_rows(study).set_index("run")
     assert len(rows) == 4 * NUM_SEEDS and (rows["source"] == "matched").all()
     assert rows.loc[f"{study.name}/more/s0", "num_spikes"] == 3
-    assert rows.loc[f"{study.name}/more/s0", "log10_rho_shallow"] == pytest.approx(np.log10((0.7 + 900) / 2))
+    # the side's group_rho: the groups' rho_<g> weighted by their numel (dim 32 tiny: embed
+    # 2048, shallow 21568 parameters), not their plain mean
+    numel = group_numel(json.loads((study / "replication.json").read_text())["arm_configs"]["more"])
+    assert (numel["embed"], numel["shallow"]) == (2048, 21568)
+    want = np.sqrt((2048 * 0.7 ** 2 + 21568 * 900.0 ** 2) / (2048 + 21568))
+    assert rows.loc[f"{study.name}/more/s0", "log10_rho_shallow"] == pytest.approx(np.log10(want))
+    assert rows.loc[f"{study.name}/more/s0", "log10_rho_deep"] == pytest.approx(
+        np.log10(np.sqrt((21568 * 0.2 ** 2 + 2080 * 3.0 ** 2) / (21568 + 2080))))
     assert rows.loc[f"{study.name}/base/s0", "log10_lr_over_eps"] == pytest.approx(0.0)
     assert rows.loc[f"{study.name}/base/s0", "log10_tokens_per_step"] == pytest.approx(np.log10(256))
 
