@@ -44,7 +44,6 @@ import jax.numpy as jnp
 
 from adamspike.config import load_config
 from adamspike.train_config import RunConfig
-from simulate import llama as jl
 from simulate import llama_train as lt
 
 # (telemetry, histograms, native CPU kernel)
@@ -64,15 +63,17 @@ def main(argv=None) -> int:
         "--model.preset", args.preset, "--train.global_batch_size", str(args.batch),
         "--train.seq_len", str(args.seq), "--train.num_steps", "1000"])
     llama = cfg.model.llama()
-    tx, step = lt.make_steps(cfg)
-    params = jl.init_params(llama, jax.random.PRNGKey(0))
-    state = tx.init(params)
+    prog = lt.program(cfg)
+    params, state = prog.init(0)
     batch = jnp.asarray(lt.batch_at(lt.dataset(cfg, llama), cfg, 1))
+    ctl = prog.controls(cfg, [1]).at(0)
+    spec = prog.telemetry_spec(cfg)
     compiled = {}
     for name, (tel, hist, native) in VARIANTS.items():
         t0 = time.perf_counter()
-        compiled[name] = step.lower(params, state, batch, tel, hist, native).compile()
-        jax.block_until_ready(compiled[name](params, state, batch))
+        compiled[name] = prog.step_fn.lower(params, state, batch, ctl, spec if tel else None,
+                                            hist, native).compile()
+        jax.block_until_ready(compiled[name](params, state, batch, ctl))
         print(f"compile {name:15s} {time.perf_counter() - t0:6.2f} s")
 
     names = list(VARIANTS)
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
             fn, p, s = compiled[name], params, state
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
-                p, s, out = fn(p, s, batch)
+                p, s, out = fn(p, s, batch, ctl)
             jax.block_until_ready((p, s, out))
             if r:
                 wall[name].append((time.perf_counter() - t0) / args.steps)

@@ -91,7 +91,7 @@ from adamspike.train_config import RunConfig
 from simulate import llama as jllama
 from simulate import optim as jopt
 from simulate import telemetry as jtel
-from simulate.program import POISON_TOKEN, program, step_plan  # noqa: F401 (POISON_TOKEN: API)
+from simulate.program import program, step_plan
 from simulate.curvature import make_curvature_fn
 from simulate.guard import SnapshotGuard
 from simulate.zipf_data import ZipfMarkov

@@ -17,9 +17,9 @@ The chain `adamw(optim, num_steps, loss_scale)` applies, per optimizer step t (1
        eps = 0, coordinates with v_hat = 0 have g = 0 and count 0 in the mean.)
     4. decoupled weight decay and the learning rate (torch AdamW):
            p <- p - lr_t (r + wd p),   lr_t = optim.lr_at(t, num_steps)
-    5. optional layer freezing (the registry's `update` hook, `scale_by_lr_freeze`): on the
-       plan's freeze steps the change of the frozen tensors is 0 (p_t = p_{t-1}); Adam's m,
-       v and count above still accumulate.
+    5. optional layer freezing (the registry's `update` hook, `freeze_updates`, applied by
+       simulate.program per step): the change of the frozen tensors is 0 (p_t = p_{t-1});
+       Adam's m, v and count above still accumulate.
 
 Loss scaling: the caller multiplies the loss by s; passing `loss_scale=s` scales the clip
 threshold with it, so Adam on s*L equals Adam on L with eps/s (see DESIGN.md).
@@ -32,7 +32,7 @@ exactly the tensors Adam saw (the same multiplication), `clip_info(opt_state)` g
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,6 @@ import optax
 
 from adamspike.mitigations import StepPlan
 from adamspike.train_config import OptimSection
-from simulate.telemetry import tensor_names
 
 TORCH_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm
 
@@ -154,105 +153,45 @@ def freeze_updates(updates, frozen):
     return jax.tree.map(lambda u, f: jnp.where(f, jnp.zeros_like(u), u), updates, frozen)
 
 
-def scale_by_lr_freeze(lr, frozen, first: int, last: int) -> optax.GradientTransformation:
-    """optax.scale_by_learning_rate(lr) (lr a schedule of the 0-based count) whose result
-    is 0 for the leaves where `frozen` (static bools like the parameters) is true on steps
-    first <= t <= last (t = count + 1; last = 0: to the end): layer freezing. The state is
-    optax's ScaleByScheduleState, so a skipped step that advances only the schedule
-    (simulate.llama_train.advance_schedule) advances the freeze window too."""
-    sched = lr if callable(lr) else (lambda _: lr)
-
-    def init_fn(params):
-        del params
-        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
-
-    def update_fn(updates, state, params=None):
-        del params
-        step = state.count + 1
-        active = (step >= first) & ((last == 0) | (step <= last))
-        step_size = -sched(state.count)
-        scaled = jax.tree.map(lambda u: u * jnp.asarray(step_size, u.dtype), updates)
-        mask = jax.tree.map(lambda f: active & bool(f), frozen)
-        return (freeze_updates(scaled, mask),
-                optax.ScaleByScheduleState(count=optax.safe_increment(state.count)))
-
-    return optax.GradientTransformation(init_fn, update_fn)
-
-
 def adamw_chain(b1, b2, eps, lr, max_norm, weight_decay: float = 0.0,
-                plan: StepPlan | None = None, frozen=None, clip: bool | None = None
+                plan: StepPlan | None = None, clip: bool | None = None
                 ) -> optax.GradientTransformation:
-    """The chain of the module docstring from scalars (b1, b2, eps, lr, max_norm may be
+    """Steps 1-4 of the module docstring from scalars (b1, b2, eps, lr, max_norm may be
     traced, lr may be an optax schedule; eps a scalar or a per-tensor pytree): clip at
     max_norm (the torch formula; off when `clip` is False, or with clip None when
     max_norm <= 0) -> Adam -> [update clip: the plan's `direction` hook] -> [+ wd*p] ->
-    * -lr [-> 0 for the `frozen` leaves (a pytree of static bools like the parameters) on
-    the plan's freeze_steps: its `update` hook]."""
+    * -lr. Freezing (step 5) and v resets are per-step edits around the chain
+    (simulate.program's controls)."""
     plan = plan or StepPlan()
     parts = [clip_by_global_norm_torch(max_norm, clip),
              scale_by_adam_stable(b1, b2, eps, plan.update_clip)]
     if weight_decay > 0:
         parts.append(optax.add_decayed_weights(weight_decay))
-    if frozen is not None and any(jax.tree.leaves(frozen)):
-        parts.append(scale_by_lr_freeze(lr, frozen, *plan.freeze_steps))
-    else:
-        parts.append(optax.scale_by_learning_rate(lr))
+    parts.append(optax.scale_by_learning_rate(lr))
     return optax.chain(*parts)
 
 
 def adamw(optim: OptimSection, num_steps: int, loss_scale: float = 1.0, *,
-          plan: StepPlan | None = None, params=None) -> optax.GradientTransformation:
-    """`adamw_chain` for a config section: clip at grad_clip * loss_scale, lr_at(t), and
-    the mitigation plan (adamspike.mitigations.plan): its per-tensor eps (`eps_tree` of
-    `params`, a pytree of arrays or shapes; optim.eps without it), its update clipping and
-    its layer freezing (plan.freeze by tensor name; needs `params`)."""
+          plan: StepPlan | None = None) -> optax.GradientTransformation:
+    """`adamw_chain` for a config section (the MLP and quadratic toys; the tiny LLaMA's is
+    simulate.program): clip at grad_clip * loss_scale, lr_at(t), optim.eps, and the plan's
+    update clipping."""
     if loss_scale <= 0:
         raise ValueError(f"loss_scale: must be > 0, got {loss_scale}")
-    plan = plan or StepPlan()
-    eps = optim.eps if params is None else eps_tree(params, plan.tensor_eps, optim.eps)
-    if plan.freeze and params is None:
-        raise ValueError("adamw: plan.freeze names tensors; pass params (arrays or shapes)")
-    frozen = None if not plan.freeze else frozen_tree(params, plan.freeze)
-    return adamw_chain(optim.b1, optim.b2, eps, lr_schedule(optim, num_steps),
-                       optim.grad_clip * loss_scale, optim.weight_decay, plan, frozen)
+    return adamw_chain(optim.b1, optim.b2, optim.eps, lr_schedule(optim, num_steps),
+                       optim.grad_clip * loss_scale, optim.weight_decay, plan)
 
 
-def frozen_tree(params, names) -> Any:
-    """A pytree like params of bools: the tensor's dotted name is in `names`."""
-    names = set(names)
-    flags = [n in names for n in tensor_names(params)]
-    return jax.tree.unflatten(jax.tree.structure(params), flags)
-
-
-def eps_tree(params, tensor_eps: Mapping[str, float], default: float):
-    """A pytree like params of each tensor's eps (by its dotted name; default where absent),
-    or the scalar `default` when every tensor has it (the plain optax path)."""
-    names = tensor_names(params)
-    values = [float(tensor_eps.get(n, default)) for n in names]
-    if all(v == default for v in values):
-        return default
-    return jax.tree.unflatten(jax.tree.structure(params), values)
-
-
-def apply_state_edits(opt_state, plan: StepPlan, step: int, names: Sequence[str]):
-    """The plan's `state` hook for optimizer step `step` (1-based), applied just before
-    the step: Adam's v <- 0 for the tensors plan.v_reset names at this step (names: the
-    tensors in leaf order, simulate.telemetry.tensor_names). Unchanged state otherwise."""
-    if step not in plan.v_reset:
-        return opt_state
-    reset = set(plan.v_reset[step])
-    return reset_second_moment(opt_state, [n in reset for n in names])
-
-
-def reset_second_moment(opt_state, reset: Sequence[bool]):
+def reset_second_moment(opt_state, reset: Sequence):
     """The chain state with Adam's v set to 0 for the leaves where `reset` is true (leaf
-    order); m, the step count and every other state untouched (adamspike.mitigations'
-    v_reset, applied just before a step's update)."""
+    order; bools, static or traced); m, the step count and every other state untouched
+    (adamspike.mitigations' v_reset, applied just before a step's update)."""
     adam = adam_state(opt_state)
     leaves, tree = jax.tree.flatten(adam.nu)
     if len(reset) != len(leaves):
         raise ValueError(f"reset: {len(reset)} flags for {len(leaves)} tensors")
-    nu = jax.tree.unflatten(tree, [jnp.zeros_like(x) if r else x for x, r in zip(leaves, reset)])
+    nu = jax.tree.unflatten(tree, [jnp.where(r, jnp.zeros_like(x), x)
+                                   for x, r in zip(leaves, reset)])
     return _replace_state(opt_state, adam, adam._replace(nu=nu))
 
 

@@ -138,10 +138,7 @@ class Program:
         per tensor; the native kernel needs them static, so they are the config's, which
         the controls must equal) the telemetry sums, and with hist its histograms."""
         c = Controls(*(jnp.asarray(x) for x in c))
-        adam = jopt.adam_state(state)
-        edited = jopt._replace_state(state, adam, adam._replace(nu=self.tree(
-            [jnp.where(c.reset[i], jnp.zeros_like(v), v)
-             for i, v in enumerate(jax.tree.leaves(adam.nu))])))
+        edited = jopt.reset_second_moment(state, [c.reset[i] for i in range(len(self.names))])
         batch = jnp.where(c.poison, batch.at[:, 1:].set(POISON_TOKEN), batch)
         (_, aux), grads = self._value_and_grad(params, batch, c.loss_scale)
         updates, new_state = self.tx(c).update(grads, edited, params)

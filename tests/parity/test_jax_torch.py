@@ -85,9 +85,8 @@ def test_adamw_trajectory_and_telemetry_match():
     cfg = _cfg()
     llama = cfg.model.llama()
     data = lt.dataset(cfg, llama)
-    tx, step_fn = lt.make_steps(cfg)
-    params = jl.init_params(llama, jax.random.PRNGKey(0))
-    state = tx.init(params)
+    prog = lt.program(cfg)
+    params, state = prog.init(0)
     model = _torch_model(params, cfg)
     opt = topt.build_optimizer(model, cfg.optim)
     sched = topt.build_scheduler(opt, cfg.optim, NUM_STEPS)
@@ -100,7 +99,9 @@ def test_adamw_trajectory_and_telemetry_match():
     for step in range(1, NUM_STEPS + 1):
         batch = lt.batch_at(data, cfg, step)
         log = step in tel_steps
-        params, state, out = step_fn(params, state, jnp.asarray(batch), log, False)
+        params, state, out = prog.step_fn(params, state, jnp.asarray(batch),
+                                          prog.controls(cfg, [step]).at(0),
+                                          prog.telemetry_spec(cfg) if log else None)
         out = jax.device_get(out)
 
         loss = _torch_loss(model, batch, cfg)
@@ -142,18 +143,17 @@ def _compare_telemetry(step, sums, jnames, tstats, cfg, llama):
 
 
 def _run_both(cfg, tel_steps, explicit_m_prev, params_at=None):
-    """50 steps of the JAX step (with the registry's v resets applied as llama_train does)
-    and of the torch optimizer step (fullscale.train's hook order); returns per step the
+    """50 steps of the JAX step (simulate.program: the registry's v resets are its
+    controls) and of the torch optimizer step (fullscale.train's hook order); returns per step the
     telemetry of both and the final parameters of both."""
     from adamspike import mitigations
 
     torch.manual_seed(0)
     llama = cfg.model.llama()
     data = lt.dataset(cfg, llama)
-    tx, step_fn = lt.make_steps(cfg)
+    prog = lt.program(cfg)
     mit = lt.step_plan(cfg)
-    params = jl.init_params(llama, jax.random.PRNGKey(0))
-    state = tx.init(params)
+    params, state = prog.init(0)
     model = _torch_model(params, cfg)
     opt = topt.build_optimizer(model, cfg.optim, mit)
     sched = topt.build_scheduler(opt, cfg.optim, NUM_STEPS)
@@ -165,12 +165,12 @@ def _run_both(cfg, tel_steps, explicit_m_prev, params_at=None):
     seen = []
     for step in range(1, NUM_STEPS + 1):
         batch = lt.batch_at(data, cfg, step)
-        if step in mit.v_reset:
-            state = lt.jopt.reset_second_moment(state, [n in mit.v_reset[step] for n in jnames])
         mu = lt.jopt.adam_state(state).mu
         prev_mu = dict(zip(lt.jtel.tensor_names(mu), jax.device_get(jax.tree.leaves(mu))))
         log = step in tel_steps
-        params, state, out = step_fn(params, state, jnp.asarray(batch), log, False)
+        params, state, out = prog.step_fn(params, state, jnp.asarray(batch),
+                                          prog.controls(cfg, [step]).at(0),
+                                          prog.telemetry_spec(cfg) if log else None)
         out = jax.device_get(out)
         loss = _torch_loss(model, batch, cfg)
         (loss * s).backward()
