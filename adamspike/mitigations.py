@@ -5,12 +5,14 @@ defaults are neutral (plain AdamW). Its entry here says what it does, which opti
 it edits, how it maps to Megatron / MindSpeed flags (or that it cannot), and how its
 settings resolve into the backend-neutral `StepPlan` that both trainers implement:
 
-    hook        StepPlan field         JAX (simulate/optim.py)        torch (fullscale/optim.py)
+    hook        StepPlan field         JAX (simulate/program.py)      torch (fullscale/optim.py)
     model       model_options          loss_fn keyword arguments      Transformer keywords
-    eps         tensor_eps             per-leaf eps of the Adam step  one param group per eps
+    eps         tensor_eps             `eps` control (per tensor)     one param group per eps
     direction   update_clip            scale_by_adam_stable           apply_update_clip
-    state       v_reset                reset_second_moment            reset_second_moment
-    update      freeze, freeze_steps   scale_by_lr_freeze (lr x 0)    apply_freeze (group lr 0)
+    state       v_reset                `reset` control               reset_second_moment
+                                       (optim.reset_second_moment)
+    update      freeze, freeze_steps   `frozen` control               apply_freeze (group lr 0)
+                                       (optim.freeze_updates)
 
 Entries (keys, math, reference):
 
