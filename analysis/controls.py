@@ -318,14 +318,6 @@ def _verdict(r, alpha: float) -> str:
             f"p_holm {r.p_holm:.2g})")
 
 
-def precursor_controls(runs: Sequence[StudyRun], *, window: int = DEFAULT_WINDOW,
-                       thresholds: Mapping[str, float | None] | None = None,
-                       alpha: float = 0.05) -> pd.DataFrame:
-    """collect_windows + compare_windows."""
-    return compare_windows(collect_windows(runs, window=window), thresholds=thresholds,
-                           alpha=alpha)
-
-
 # ----------------------------------------------------------------------------- alarm lift
 
 def chance_rate(logged_steps: Sequence[int], spike_starts: Sequence[int], horizon: int,
@@ -373,16 +365,6 @@ def lift_result(num_alarms: int, num_true: int, chance: float, alpha: float = 0.
     return {"num_alarms": int(num_alarms), "num_true_alarms": int(num_true),
             "precision": prec, "chance_rate": chance, "lift": lift, "p": p,
             "informative": inf, "reason": reason}
-
-
-def alarm_lift(fired: Sequence[int], spike_starts: Sequence[int], logged_steps: Sequence[int],
-               horizon: int, *, min_lead: int = 1, alpha: float = 0.05) -> dict:
-    """Lift of one alarm over one run (see module doc); `lift_result` plus the horizon."""
-    f = np.asarray(fired, dtype=np.int64)
-    true = int(_covered(f, spike_starts, horizon, min_lead).sum())
-    return {"horizon": int(horizon), "min_lead": int(min_lead),
-            **lift_result(int(f.size), true,
-                          chance_rate(logged_steps, spike_starts, horizon, min_lead), alpha)}
 
 
 def rule_horizon(rule: AlarmRule, horizon: int | None = None) -> int:

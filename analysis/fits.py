@@ -22,7 +22,7 @@
    fraction of rows above it. Transients: at a step-up of a tensor's gradient scale by
    kappa after a quiet stretch, the measured rms_t for k = 1..K against
    theory.transients.step_up(b1, b2, kappa) (computed for b2 <= 0.99 only: its cost grows
-   like 1/(1-b2)); `fit_b2_transient` picks the b2 whose curves explain the events best.
+   like 1/(1-b2)).
 3. Regime per spike: the rho of each depth group before the spike (the median over the
    window's logged steps of adamspike.depth_groups.group_rho over the group's tensors),
    classified by theory.eps_regime.regime (frozen < 0.1 <= transition <= 10 <
@@ -342,19 +342,6 @@ def check_rms_t(layers: pd.DataFrame, b1: float, b2: float, *, max_k: int = 20,
                      max_rms_t=float(rt.max()) if len(rt) else math.nan,
                      max_over_bound=float(rt.max() / bound) if len(rt) else math.nan,
                      transients=events, transient_r2=r2, note=note)
-
-
-def fit_b2_transient(events: pd.DataFrame, b1: float, candidates=(0.9, 0.95, 0.98, 0.99),
-                     max_k: int = 20) -> tuple[float, dict]:
-    """The candidate b2 whose step-up curves fit the events' rms_t best (least squares);
-    returns (b2, {b2: sse})."""
-    sse = {}
-    for b2 in candidates:
-        if b2 > EXPENSIVE_B2:
-            raise ValueError(f"b2 candidate {b2} > {EXPENSIVE_B2}: too costly to evaluate")
-        y, yh = _transient_points(events, b1, b2, max_k)
-        sse[float(b2)] = float(np.sum((y - yh) ** 2))
-    return min(sse, key=sse.get), sse
 
 
 # ------------------------------------------------------------------ regime per spike

@@ -84,7 +84,7 @@ def test_burn_in_excludes_step_one():
 
 
 def test_planted_bc_rise_detected_against_matched_controls(study):
-    tab = C.precursor_controls(study, window=50)
+    tab = C.compare_windows(C.collect_windows(study, window=50))
     row = tab.set_index(["metric", "group"])
     sh = row.loc[("bimodality", "shallow")]
     assert sh["n_pre"] == 8 and sh["frac_pre"] == 1.0 and sh["frac_control"] == 0.0
@@ -102,7 +102,7 @@ def test_no_planted_precursor_is_not_detected():
     rng = np.random.default_rng(2)
     runs = [_run(f"s{k}", (250 + 40 * k, 520 + 40 * k), rng, planted=False)
             for k in range(4)] + [_run(f"q{k}", (), rng, planted=False) for k in range(4)]
-    tab = C.precursor_controls(runs, window=50)
+    tab = C.compare_windows(C.collect_windows(runs, window=50))
     assert not tab["verdict"].str.startswith("precursor").any()
     # sat_frac threshold from the controls' 90th percentile
     assert (tab.loc[tab["metric"] == "sat_frac", "threshold_source"] == "control q90").all()
@@ -136,17 +136,18 @@ def test_random_alarm_has_lift_one_and_is_uninformative():
     logged = np.arange(1, 20_001)
     starts = np.sort(rng.choice(np.arange(100, 20_000), 200, replace=False))
     fired = np.sort(rng.choice(logged, 2000, replace=False))
-    res = C.alarm_lift(fired, starts, logged, horizon=10)
-    assert res["chance_rate"] == pytest.approx(0.1, abs=0.01)
-    assert res["lift"] == pytest.approx(1.0, abs=0.15)
-    assert res["informative"] is False
-    good = C.alarm_lift(starts - 5, starts, logged, horizon=10)
-    assert good["precision"] == 1.0 and good["lift"] > 5 and good["informative"] is True
-    # the same counts through analysis.alarms.score_alarms, pooled over two "runs"
     rules = [AlarmRule(id="rand", metric="rms_t", expected_lead_steps=(1, 10)),
              AlarmRule(id="good", metric="rms_t", expected_lead_steps=(1, 10))]
     al = pd.DataFrame({"rule": ["rand"] * len(fired) + ["good"] * len(starts),
                        "step": np.r_[fired, starts - 5]})
+    one = C.lift_table([(al, pd.DataFrame({"start": starts}), logged)], rules).set_index("rule")
+    res = one.loc["rand"]
+    assert res["chance_rate"] == pytest.approx(0.1, abs=0.01)
+    assert res["lift"] == pytest.approx(1.0, abs=0.15)
+    assert not res["informative"]
+    good = one.loc["good"]
+    assert good["precision"] == 1.0 and good["lift"] > 5 and good["informative"]
+    # the same counts pooled over two "runs"
     half = 10_000
     runs = [(al[al["step"] <= half], pd.DataFrame({"start": starts[starts <= half + 10]}),
              logged[logged <= half]),

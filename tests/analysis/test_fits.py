@@ -7,12 +7,11 @@ import pandas as pd
 import pytest
 
 from adamspike.rundir import load_run
-from analysis.fits import (UpdateRmsModel, check_rms_t, find_step_ups, fit_b2_transient,
+from analysis.fits import (UpdateRmsModel, check_rms_t, find_step_ups,
                            fit_update_rms, phi_from_cos, spike_regimes, transient_curve)
 from analysis.spikes import detect_spikes
 from theory.adam_moments import grad_mom_cos
 from theory.eps_regime import update_rms
-from theory.transients import step_up
 
 
 def test_phi_inversion_round_trip():
@@ -70,22 +69,6 @@ def test_deterministic_v_limit_for_large_b2():
     model = UpdateRmsModel(0.9, 0.999)
     assert model.method == "deterministic-v limit"
     assert model(100.0, 0.3) == pytest.approx(0.29926, rel=0.005)  # exact theory value
-
-
-def _events_from_theory(b2, kappas, seed=0, k=15):
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i, kap in enumerate(kappas):
-        curve = step_up(0.9, b2, kap, steps=k)["rms_t"]
-        rows.append({"name": f"t{i}", "depth": 0, "onset": 100, "kappa": kap,
-                     "rms_t": list(curve * np.exp(0.03 * rng.standard_normal(k)))})
-    return pd.DataFrame(rows)
-
-
-def test_transient_fit_recovers_b2():
-    ev = _events_from_theory(0.95, [3.0, 10.0])
-    best, sse = fit_b2_transient(ev, 0.9, candidates=(0.9, 0.95, 0.97), max_k=15)
-    assert best == 0.95 and sse[0.95] < 0.5 * min(sse[0.9], sse[0.97])
 
 
 def test_step_up_detection_and_bound_check():
