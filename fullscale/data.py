@@ -61,11 +61,6 @@ def split_prefix(path: str | Path) -> str:
     return s[:-4] if s.endswith((".bin", ".idx")) else s
 
 
-def best_dtype(vocab_size: int) -> type:
-    """Megatron's rule: uint16 when the vocabulary fits (< 65500), else int32."""
-    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
-
-
 # ----------------------------------------------------------------------------- reader
 
 class IndexedTokens:

@@ -200,11 +200,6 @@ def memory_stats(info: DeviceInfo) -> dict[str, int] | None:
             "total_bytes": int(acc.get_device_properties(info.index).total_memory)}
 
 
-def reset_peak_memory(info: DeviceInfo) -> None:
-    if info.type != "cpu":
-        _accelerator(info.type).reset_peak_memory_stats(info.index)
-
-
 def mfu(tokens_per_s: float, flops_per_token: float, info: DeviceInfo) -> float | None:
     """Model FLOPs utilisation of one device: tokens_per_s (this device's share) x
     flops_per_token / peak; None when the peak is unknown."""

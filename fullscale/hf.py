@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from adamspike.config import ConfigError
-from adamspike.llama import LlamaConfig, PRESETS
+from adamspike.llama import LlamaConfig
 from adamspike.rundir import read_json
 
 REQUIRED = {"hidden_size": "dim", "intermediate_size": "ffn_dim", "num_hidden_layers": "num_layers",
@@ -99,13 +99,3 @@ def resolve_model(model_section) -> LlamaConfig:
     if model_section.hf_config:
         return load_hf_config(model_section.hf_config)
     return model_section.llama()
-
-
-def matching_preset(cfg: LlamaConfig) -> str | None:
-    """Name of the preset with exactly this architecture (ignoring init_std), if any."""
-    for name, p in PRESETS.items():
-        if all(getattr(p, f) == getattr(cfg, f) for f in
-               ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim",
-                "max_seq_len", "norm_eps", "rope_theta")):
-            return name
-    return None

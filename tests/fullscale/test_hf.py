@@ -9,7 +9,7 @@ import pytest
 from adamspike.config import ConfigError
 from adamspike.llama import PRESETS, num_params
 from adamspike.train_config import ModelSection
-from fullscale.hf import from_hf_dict, load_hf_config, matching_preset, resolve_model
+from fullscale.hf import from_hf_dict, load_hf_config, resolve_model
 
 # The published Llama-2-70b-hf config.json fields (architecture part).
 LLAMA2_70B = {
@@ -27,7 +27,6 @@ def test_llama2_70b_config_matches_preset(tmp_path):
     p.write_text(json.dumps(LLAMA2_70B))
     cfg = load_hf_config(tmp_path)            # a directory works too
     assert cfg == PRESETS["llama2-70b"]
-    assert matching_preset(cfg) == "llama2-70b"
     assert num_params(cfg) == 68_976_648_192
     assert resolve_model(ModelSection(hf_config=str(p))) == cfg
     assert resolve_model(ModelSection(preset="tiny")) == PRESETS["tiny"]
@@ -37,7 +36,7 @@ def test_hf_defaults_for_absent_optional_fields():
     d = {k: v for k, v in LLAMA2_70B.items() if k not in ("num_key_value_heads", "rope_theta",
                                                            "tie_word_embeddings", "model_type")}
     cfg = from_hf_dict(d)
-    assert cfg.num_kv_heads == 64 and cfg.rope_theta == 10000.0 and matching_preset(cfg) is None
+    assert cfg.num_kv_heads == 64 and cfg.rope_theta == 10000.0
 
 
 @pytest.mark.parametrize("change, message", [
