@@ -6,9 +6,8 @@ Each configuration c has n_coords independent coordinates; coordinate i sees
 
 (stationary, unit variance), mu_i = +mu ("fixed") or +-mu with random sign ("random").
 The gradients go through ``optax.scale_by_adam(b1, b2, eps)`` (eps_root = 0), whose output
-is exactly r = m_hat / (sqrt(v_hat) + eps) (eps outside the root; ``check_optax_update``
-verifies it), with m_hat, v_hat read from its state.  Configurations are ``jax.vmap``-ed,
-steps run in ``jax.lax.scan``.
+is exactly r = m_hat / (sqrt(v_hat) + eps) (eps outside the root), with m_hat, v_hat read
+from its state. Configurations are ``jax.vmap``-ed, steps run in ``jax.lax.scan``.
 
 Statistics (``STATS``), per recorded step, each with a standard error:
     r_mean, r_rms, r_abs (E|r|), r_m2..r_m4 (raw moments), bc (Sarle, population form from
@@ -225,26 +224,6 @@ def simulate_streams(configs: Sequence[dict], steps: int, n_coords: int = 65536,
     if record == "last":
         out = {k: v[:, 0] for k, v in out.items()}
     return out
-
-
-def check_optax_update(b1: float = 0.9, b2: float = 0.95, eps: float = 0.3, steps: int = 7,
-                       seed: int = 0) -> float:
-    """Max |optax update - m_hat/(sqrt(v_hat)+eps)| over a short random run (float64)."""
-    with jax.enable_x64(True):
-        tx = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-        rng = np.random.default_rng(seed)
-        st = tx.init(jnp.zeros(16))
-        m = np.zeros(16)
-        v = np.zeros(16)
-        err = 0.0
-        for t in range(1, steps + 1):
-            g = rng.standard_normal(16)
-            upd, st = tx.update(jnp.asarray(g), st)
-            m = b1 * m + (1 - b1) * g
-            v = b2 * v + (1 - b2) * g * g
-            ref = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
-            err = max(err, float(np.max(np.abs(np.asarray(upd) - ref))))
-    return err
 
 
 def sample_updates(config: dict, steps: int, n_coords: int = 65536, *, seed: int = 0,
