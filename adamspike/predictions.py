@@ -66,7 +66,6 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import numpy as np
-import pandas as pd
 
 from adamspike.config import ConfigError, check_value, flatten, nest, to_dict
 from adamspike.metrics import METRIC_NAMES, shape_stats
@@ -188,24 +187,6 @@ class OnlineAlarms:
             else:
                 self._run[r.id] = 0
         return fired
-
-
-def evaluate_rules(rules: Iterable[AlarmRule], layers) -> "Any":
-    """Offline evaluation over a layers DataFrame: one row per (step, rule) with the reduced
-    value, whether the condition held, and whether the alarm fired (same semantics as
-    OnlineAlarms)."""
-    rules = list(rules)
-    online = OnlineAlarms(rules)
-    rows = []
-    for step, g in layers.groupby("step", sort=True):
-        cols = {c: g[c].to_numpy() for c in g.columns}
-        cols["kind"] = g["kind"].astype(str).to_numpy()
-        fired = {f["rule"] for f in online.update(int(step), cols)}
-        for r in rules:
-            v = r.value(cols["depth"], cols["kind"], metric_values(r, cols))
-            rows.append({"step": int(step), "rule": r.id, "value": v, "holds": r.holds(v),
-                         "fired": r.id in fired})
-    return pd.DataFrame(rows, columns=["step", "rule", "value", "holds", "fired"])
 
 
 @dataclass

@@ -4,7 +4,7 @@ Rules come from predictions.json (adamspike.predictions). `fire_steps` evaluates
 a layers table with the exact semantics of adamspike.predictions.OnlineAlarms (reduce the
 metric over the selected tensors, compare, fire once the condition has held on
 `consecutive` logged steps, re-arm after it fails), vectorised per rule instead of looping
-over steps (tested equal to evaluate_rules). Alarms the trainer fired online are read from
+over steps (tested equal to OnlineAlarms). Alarms the trainer fired online are read from
 events.jsonl (type "alarm").
 
 Scoring, per rule, with horizon H = the rule's largest expected lead (or a given horizon):

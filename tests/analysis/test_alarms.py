@@ -1,10 +1,10 @@
-"""Alarm rules: the vectorised evaluation equals adamspike.predictions.evaluate_rules, and
+"""Alarm rules: the vectorised evaluation equals adamspike.predictions.OnlineAlarms, and
 precision / recall / lead time are scored as documented."""
 
 import numpy as np
 import pandas as pd
 
-from adamspike.predictions import AlarmRule, evaluate_rules
+from adamspike.predictions import AlarmRule, OnlineAlarms
 from adamspike.rundir import load_run
 from analysis.alarms import fire_steps, online_alarms, score_alarms
 from analysis.spikes import detect_spikes
@@ -23,8 +23,13 @@ RULES = [
 
 def test_vectorised_equals_reference_evaluation(synthetic_run):
     layers = load_run(synthetic_run).layers
-    ref = evaluate_rules(RULES, layers)
-    ref = ref[ref["fired"]][["rule", "step"]].sort_values(["rule", "step"]).reset_index(drop=True)
+    online, rows = OnlineAlarms(RULES), []
+    for step, g in layers.groupby("step", sort=True):
+        cols = {c: g[c].to_numpy() for c in g.columns}
+        cols["kind"] = g["kind"].astype(str).to_numpy()
+        rows += [(f["rule"], f["step"]) for f in online.update(int(step), cols)]
+    ref = pd.DataFrame(rows, columns=["rule", "step"]).sort_values(["rule", "step"])
+    ref = ref.reset_index(drop=True)
     got = fire_steps(RULES, layers)[["rule", "step"]].sort_values(["rule", "step"])
     pd.testing.assert_frame_equal(got.reset_index(drop=True), ref, check_dtype=False)
     assert set(got["rule"]) >= {"rms_t_shallow", "bimodal_shallow", "sat_wq", "deep_noise"}
