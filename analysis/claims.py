@@ -43,7 +43,7 @@ import pandas as pd
 
 from adamspike.claims import MIN_SEEDS
 from adamspike.tables import md_table
-from analysis.report import SpikeParams, loss_spikes
+from adamspike.spikes import SpikeParams, loss_spikes
 from analysis.stats import bca_interval, correct_rows, equal_progress, paired_test
 
 ALPHA = 0.05

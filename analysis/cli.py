@@ -40,9 +40,10 @@ from adamspike.llama import num_params as llama_num_params
 from adamspike.parallel import process_map
 from adamspike.predictions import PredictionsError, load_predictions
 from adamspike.rundir import RunFormatError, find_runs, run_names
+from adamspike.spikes import SpikeParams
 from analysis.controls import study_sections
 from analysis.megatron_log import MegatronLogError, import_megatron_log
-from analysis.report import AnalysisError, SpikeParams, analyze_run, write_index, write_run_report
+from analysis.report import AnalysisError, analyze_run, write_index, write_run_report
 from analysis.scoring import score
 
 

@@ -24,8 +24,8 @@ import numpy as np
 import pandas as pd
 
 from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, load_run
-from adamspike.tables import fmt as _f, md_table  # noqa: F401 (md_table: re-exported)
-from adamspike.spikes import SpikeParams, detect_spikes, loss_spikes, valued_rows  # noqa: F401 (re-exported)
+from adamspike.tables import fmt as _f, md_table
+from adamspike.spikes import SpikeParams, detect_spikes, loss_spikes, valued_rows
 from analysis.alarms import fire_steps, online_alarms, score_alarms
 from analysis.fits import (check_rms_t, failing_assumption, fit_update_rms, fit_update_rms_heterogeneous,
                            optim_params, spike_regimes)
@@ -248,11 +248,10 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
     L += ["", f"Gradient-norm spikes (same rule on log grad norm): {len(ra.grad_spikes)}."]
     if ra.scores:
         L += ["", "Published detectors on the same traces, for comparison:", "",
-              "| series | OLMo 2 spike score (%) | OLMo-core skips | Levanter skips |",
-              "|---|---|---|---|"]
-        for col, s in ra.scores.items():
-            L.append(f"| {col} | {_f(s['olmo2_spike_score_pct'])} | {s['olmo_core_flags']} | "
-                     f"{s['levanter_flags']} |")
+              md_table(([col, s["olmo2_spike_score_pct"], s["olmo_core_flags"], s["levanter_flags"]]
+                        for col, s in ra.scores.items()),
+                       headers=["series", "OLMo 2 spike score (%)", "OLMo-core skips", "Levanter skips"],
+                       max_rows=None)]
     if ra.events["counts"]:
         L += ["", "Events: " + ", ".join(f"{k} x{v}" for k, v in sorted(ra.events["counts"].items()))
               + (f"; {ra.events['torn_lines']} torn line(s)" if ra.events["torn_lines"] else "")
@@ -553,19 +552,9 @@ def write_index(analyses: list[RunAnalysis], out_dir: str | Path,
     """OUT/report.md: one line per run and each run's report inlined below."""
     out = Path(out_dir)
     L = ["# Loss-spike analysis", "", f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by "
-         "`adamspike analyze`.", "",
-         "| run | backend | steps | spikes | recovered | max height % | update_rms R^2 (log) "
-         "| eps scale c (n/i: not identifiable) | max rms_t / bound |",
-         "|---|---|---|---|---|---|---|---|---|"]
-    for ra, d in zip(analyses, run_dirs):
-        s = summary_dict(ra)
-        uf, ck = s["update_fit"] or {}, s["rms_t"] or {}
-        mh = s["max_height"]
-        L.append(f"| [{ra.name}]({d}/report.md) | {s['backend']} | {s['num_steps']} | "
-                 f"{s['num_spikes']} | {s['num_recovered']} | "
-                 f"{_f(100 * mh) if mh is not None else '-'} | {_f(uf.get('r2_log'))} | "
-                 f"{_f(uf.get('eps_scale')) if uf.get('eps_scale_identifiable') else 'n/i'} | "
-                 f"{_f(ck['max_rms_t'] / ck['bound']) if ck else '-'} |")
+         "`adamspike analyze`.", "", md_table(map(_index_row, analyses, run_dirs), headers=[
+             "run", "backend", "steps", "spikes", "recovered", "max height %", "update_rms R^2 (log)",
+             "eps scale c (n/i: not identifiable)", "max rms_t / bound"], max_rows=None)]
     L += index_regime_sections(analyses, run_dirs)
     for ra, d in zip(analyses, run_dirs):
         body = rebase_links((out / d / "report.md").read_text(), d)
@@ -573,6 +562,31 @@ def write_index(analyses: list[RunAnalysis], out_dir: str | Path,
     path = out / "report.md"
     atomic_write_bytes(path, ("\n".join(L) + "\n").encode())
     return path
+
+
+def _index_row(ra: RunAnalysis, d: str) -> list:
+    s = summary_dict(ra)
+    uf, ck, mh = s["update_fit"] or {}, s["rms_t"] or {}, s["max_height"]
+    return [f"[{ra.name}]({d}/report.md)", s["backend"], s["num_steps"], s["num_spikes"],
+            s["num_recovered"], None if mh is None else 100 * mh, uf.get("r2_log"),
+            uf.get("eps_scale") if uf.get("eps_scale_identifiable") else "n/i",
+            ck["max_rms_t"] / ck["bound"] if ck else None]
+
+
+def _regime_row(ra: RunAnalysis, d: str) -> list:
+    link, c = f"[{ra.name}]({d}/report.md)", ra.regime_card
+    if c is None:
+        return [link, "-", *[""] * 8, ra.notes.get("regime_card", "")]
+    if c.kind == "log":
+        g = c.groups
+        r = g[g["is_run_eps"]] if len(g) and g["is_run_eps"].any() else g.head(1)
+        rb = _f(r["rho_bar_median"].iloc[0]) if len(r) else "-"
+        below = r["frac_time_below_1"].iloc[0] if len(r) else None
+        return [link, "log", c.eps, c.b2, c.lr_over_eps, f"(all: rho_bar {rb})", "", "", "", below, "-"]
+    med = {r.group: r for r in c.groups.itertuples()}
+    return [link, "run", c.eps, c.b2, c.lr_over_eps,
+            *(med[g].rho_median if g in med else None for g in ("embed", "shallow", "deep", "head")),
+            med["shallow"].frac_time_below_1 if "shallow" in med else None, len(c.wakeups)]
 
 
 def index_regime_sections(analyses: list[RunAnalysis], run_dirs: list[str]) -> list[str]:
@@ -583,28 +597,9 @@ def index_regime_sections(analyses: list[RunAnalysis], run_dirs: list[str]) -> l
          "rho_bar = min(gn, clip) / (sqrt(N) eps) at the run's eps), fraction of logged steps "
          "with the shallow group below rho = 1, wake-ups (tensor rho >= 1 after >= 10 "
          "dormant steps). Details: each run's Regime card.", "",
-         "| run | kind | eps | b2 | lr/eps | embed | shallow | deep | head | shallow time "
-         "below 1 | wake-ups |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for ra, d in zip(analyses, run_dirs):
-        c = ra.regime_card
-        if c is None:
-            L.append(f"| [{ra.name}]({d}/report.md) | - | | | | | | | | | "
-                     f"{ra.notes.get('regime_card', '')} |")
-            continue
-        if c.kind == "log":
-            g = c.groups
-            r = g[g["is_run_eps"]] if len(g) and g["is_run_eps"].any() else g.head(1)
-            rb = _f(r["rho_bar_median"].iloc[0]) if len(r) else "-"
-            below = _f(r["frac_time_below_1"].iloc[0]) if len(r) else "-"
-            L.append(f"| [{ra.name}]({d}/report.md) | log | {_f(c.eps)} | {_f(c.b2)} | "
-                     f"{_f(c.lr_over_eps)} | (all: rho_bar {rb}) | | | | {below} | - |")
-            continue
-        med = {r.group: r for r in c.groups.itertuples()}
-        cell = lambda g: _f(med[g].rho_median) if g in med else "-"  # noqa: E731
-        below = _f(med["shallow"].frac_time_below_1) if "shallow" in med else "-"
-        L.append(f"| [{ra.name}]({d}/report.md) | run | {_f(c.eps)} | {_f(c.b2)} | "
-                 f"{_f(c.lr_over_eps)} | {cell('embed')} | {cell('shallow')} | "
-                 f"{cell('deep')} | {cell('head')} | {below} | {len(c.wakeups)} |")
+         md_table(map(_regime_row, analyses, run_dirs), headers=[
+             "run", "kind", "eps", "b2", "lr/eps", "embed", "shallow", "deep", "head",
+             "shallow time below 1", "wake-ups"], max_rows=None)]
     rows = [(ra, d) for ra, d in zip(analyses, run_dirs) if ra.hetero_fit is not None]
     L += ["", "## update_rms fit per regime band: before and after", "",
           "Same rows per run (histogram steps, step >= 3/(1-b2), slowly varying gradient "
@@ -614,17 +609,15 @@ def index_regime_sections(analyses: list[RunAnalysis], run_dirs: list[str]) -> l
           "|median ln(measured/predicted)| < 0.1 and R^2 (log) >= 0.8.", ""]
     if not rows:
         return L + ["No run has sqrt(v_hat)/eps histograms with stationary rows."]
-    L += ["| run | band | rows | R^2 before | R^2 het | R^2 het+mv | med ln before | "
-          "med ln het | med ln het+mv |", "|---|---|---|---|---|---|---|---|---|"]
+    models = ("before", "heterogeneous", "heterogeneous + measured m_v")
+    band_rows = []
     for ra, d in rows:
         b = ra.hetero_fit.bands
-        for band in [x for x in b["band"].unique()]:
+        for band in b["band"].unique():
             part = b[b["band"] == band].set_index("model")
-            get = lambda m, k: _f(part.loc[m, k]) if m in part.index else "-"  # noqa: E731
-            L.append(f"| [{ra.name}]({d}/report.md) | {band} | {int(part['num_rows'].iloc[0])}"
-                     f" | {get('before', 'r2_log')} | {get('heterogeneous', 'r2_log')} | "
-                     f"{get('heterogeneous + measured m_v', 'r2_log')} | "
-                     f"{get('before', 'median_log_ratio')} | "
-                     f"{get('heterogeneous', 'median_log_ratio')} | "
-                     f"{get('heterogeneous + measured m_v', 'median_log_ratio')} |")
-    return L
+            band_rows.append([f"[{ra.name}]({d}/report.md)", band, int(part["num_rows"].iloc[0]),
+                              *(part.loc[m, k] if m in part.index else None
+                                for k in ("r2_log", "median_log_ratio") for m in models)])
+    return L + [md_table(band_rows, headers=["run", "band", "rows", "R^2 before", "R^2 het", "R^2 het+mv",
+                                             "med ln before", "med ln het", "med ln het+mv"],
+                         max_rows=None)]

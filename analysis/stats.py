@@ -44,7 +44,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.report import SpikeParams, loss_spikes
+from adamspike.spikes import SpikeParams, loss_spikes
 
 MIN_SEEDS = 10
 EXACT_MAX_N = 16

@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 
 from adamspike.rundir import load_run
+from adamspike.spikes import loss_spikes
 from analysis.fits import check_rms_t, fit_update_rms, spike_regimes
 from analysis.precursors import precursors
-from analysis.report import LAYER_COLUMNS, analyze_run, loss_spikes, write_run_report
+from analysis.report import LAYER_COLUMNS, analyze_run, write_run_report
 from analysis.synthetic import write_synthetic_run
 
 TARGET_S, TARGET_GB = 30.0, 4.0

@@ -83,6 +83,7 @@ from adamspike.llama import LlamaConfig, ffn_dim_for, param_specs, preset
 from adamspike.order import sample_indices
 from adamspike.rundir import atomic_write_bytes
 from adamspike.synthdata import SyntheticTokens
+from adamspike.tables import md_table
 
 LOG_EVERY = 5
 DATA_SEED = 0
@@ -555,15 +556,14 @@ def report_md(summary: Mapping[str, Any], out: Path) -> str:
              f"{summary['seconds']:.0f} s (cells cached: a resumed ladder only runs missing cells).", "",
              f"Fit: `{fit['form']}` per group; response: {fit['response']}. "
              f"Intervals: {pct} % case bootstrap (n_boot {fit['n_boot']}).", "",
-             "| group | c_d (width) | c_L (layers) | c_B (tokens/step) | R^2 (log) | resid sd (log10) "
-             f"| held-out dim {fit['heldout_dim']}: mean log10 error |", "|---|---|---|---|---|---|---|"]
-    for g, v in fit["groups"].items():
-        c, lo, hi = v["coef"], v["coef_lo"], v["coef_hi"]
-        ho = v.get("heldout_widest")
-        lines.append(f"| {g} | " + " | ".join(f"{c[k]:+.3f} [{lo[k]:+.3f}, {hi[k]:+.3f}]"
-                                             for k in (1, 2, 3))
-                     + f" | {v['r2_log']:.3f} | {v['resid_sd_log10']:.3f} | "
-                     + (f"{ho['mean_log10_error']:+.3f}" if ho else "n/a") + " |")
+             md_table(([g, *(f"{v['coef'][k]:+.3f} [{v['coef_lo'][k]:+.3f}, {v['coef_hi'][k]:+.3f}]"
+                             for k in (1, 2, 3)), f"{v['r2_log']:.3f}", f"{v['resid_sd_log10']:.3f}",
+                        f"{v['heldout_widest']['mean_log10_error']:+.3f}" if v.get("heldout_widest") else "n/a"]
+                       for g, v in fit["groups"].items()),
+                      headers=["group", "c_d (width)", "c_L (layers)", "c_B (tokens/step)", "R^2 (log)",
+                               "resid sd (log10)", f"held-out dim {fit['heldout_dim']}: mean log10 error"],
+                      max_rows=None)]
+    k = ext["eps"] / 1e-8
     lines += ["", f"LLaMA2-70B (dim {ext['dim']}, {ext['num_layers']} layers, "
               f"{ext['tokens_per_step']:,} tokens/step, N = {ext['num_params']:,}): predicted raw "
               f"global grad norm {ext['raw_grad_norm']:.3g} [{ext['raw_grad_norm_lo']:.3g}, "
@@ -571,13 +571,12 @@ def report_md(summary: Mapping[str, Any], out: Path) -> str:
               f"bootstrap draws above the clip {ext['clip']:g}), so Adam consumes the gradient "
               f"times {ext['clip_factor']:.3g}; mean rho {ext['mean_rho']:.4f} at eps "
               f"{ext['eps']:g}, bound clip/(sqrt(N) eps) = {ext['mean_rho_bound']:.4f}.", "",
-              f"| group | N | raw rms | rho at eps {ext['eps']:g} [{pct} % PI] | rho at eps 1e-8 |",
-              "|---|---|---|---|---|"]
-    for g in ext["rho"]:
-        k = ext["eps"] / 1e-8
-        lines.append(f"| {g} | {ext['group_numel'][g]:,} | {ext['raw_rms'][g]:.3g} | "
-                     f"{ext['rho'][g]:.3g} [{ext['rho_lo'][g]:.3g}, {ext['rho_hi'][g]:.3g}] | "
-                     f"{ext['rho'][g] * k:.3g} [{ext['rho_lo'][g] * k:.3g}, {ext['rho_hi'][g] * k:.3g}] |")
+              md_table(([g, f"{ext['group_numel'][g]:,}", f"{ext['raw_rms'][g]:.3g}",
+                         f"{ext['rho'][g]:.3g} [{ext['rho_lo'][g]:.3g}, {ext['rho_hi'][g]:.3g}]",
+                         f"{ext['rho'][g] * k:.3g} [{ext['rho_lo'][g] * k:.3g}, {ext['rho_hi'][g] * k:.3g}]"]
+                        for g in ext["rho"]),
+                       headers=["group", "N", "raw rms", f"rho at eps {ext['eps']:g} [{pct} % PI]",
+                                "rho at eps 1e-8"], max_rows=None)]
     lines += ["", "Limits: the ladder's vocab (256) is fixed, so embed and head extrapolate "
               "without a vocab term (the 70B has 32000); the response is early training (the "
               "late half of a short run); the tokens-per-step exponent comes from one (dim, "

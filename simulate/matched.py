@@ -41,6 +41,7 @@ import pandas as pd
 from adamspike.depth_groups import GROUPS, depth_group, group_rho
 from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
 from adamspike.spikes import SpikeParams, detect_spikes
+from adamspike.tables import md_table
 
 DORMANT_MIN = 5
 LEAD_WINDOW = 100
@@ -147,17 +148,15 @@ def report(summaries: list[dict], profile: dict) -> str:
              "*groupeps* configs; rho of a group uses each tensor's own eps). The 70B target of "
              "a run is the profile's rho at the 70B eps the run stands for (1e-5 for the "
              "matched eps, 1e-8 for its twin at eps / 1000).", ""]
-    lines += ["| run | eps | b2 | compute | steps | final loss (floor) | clipped | "
-              "median grad norm | spikes >= 10 % | spikes >= 20 % |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for s in summaries:
-        sp = {j: ", ".join(f"{int(r['start'])} (+{100 * r['height']:.0f} %)" for r in v) or "none"
-              for j, v in s["spikes"].items()}
-        lines.append(f"| {s['name']} | {s['eps_label']} | {s['b2']:g} | {s['dtype']} | "
-                     f"{s['num_steps']} | "
-                     f"{s['final_loss']:.3f} ({s['entropy_rate']:.3f}) | "
-                     f"{100 * s['clipped_frac']:.0f} % | {s['median_grad_norm']:.3g} | "
-                     f"{len(s['spikes']['0.1'])}: {sp['0.1']} | {len(s['spikes']['0.2'])} |")
+    spikes10 = [", ".join(f"{int(r['start'])} (+{100 * r['height']:.0f} %)" for r in s["spikes"]["0.1"])
+                or "none" for s in summaries]
+    lines.append(md_table(
+        ([s["name"], s["eps_label"], f"{s['b2']:g}", s["dtype"], str(s["num_steps"]),
+          f"{s['final_loss']:.3f} ({s['entropy_rate']:.3f})", f"{100 * s['clipped_frac']:.0f} %",
+          f"{s['median_grad_norm']:.3g}", f"{len(s['spikes']['0.1'])}: {sp}", str(len(s["spikes"]["0.2"]))]
+         for s, sp in zip(summaries, spikes10)),
+        headers=["run", "eps", "b2", "compute", "steps", "final loss (floor)", "clipped",
+                 "median grad norm", "spikes >= 10 %", "spikes >= 20 %"], max_rows=None))
     lines += ["", "Answers, from the numbers below:"]
     for s in summaries:
         t = s["traj"]
@@ -177,26 +176,22 @@ def report(summaries: list[dict], profile: dict) -> str:
         eps70 = 1e-8 if "1e-8" in s["name"] or "1e8" in s["name"] else profile["eps_ref"]
         tgt = _target(profile, s["eps"], eps70)
         t = s["traj"]
-        lines += ["", f"### {s['name']}: rho per group over training (median in each phase; "
-                  f"70B target at eps {eps70:g}), eps_frac, dormant fraction", "",
-                  "| group | 70B target | " + " | ".join(
-                      f"{a}-{b}" for a, b in zip(PHASES[:-1], PHASES[1:]) if a < s["num_steps"])
-                  + " | eps_frac (median) | dormant logged steps | wake-ups |",
-                  "|---|---|" + "---|" * sum(a < s["num_steps"] for a in PHASES[:-1]) + "---|---|---|"]
+        phases = [(a, b) for a, b in zip(PHASES[:-1], PHASES[1:]) if a < s["num_steps"]]
+        rows = []
         for g in GROUPS:
             tg = t[t["group"] == g]
             if tg.empty:
                 continue
-            cells = []
-            for a, b in zip(PHASES[:-1], PHASES[1:]):
-                if a >= s["num_steps"]:
-                    continue
-                w = tg[(tg["step"] > a) & (tg["step"] <= b)]
-                cells.append(f"{w['rho'].median():.3g}" if len(w) else "-")
-            nw = int((s["wake"]["group"] == g).sum())
-            lines.append(f"| {g} | {tgt.get(g, math.nan):.3g} | " + " | ".join(cells)
-                         + f" | {tg['eps_frac'].median():.2f} | {int(tg['dormant'].sum())} of "
-                         f"{len(tg)} | {nw} |")
+            ws = [tg[(tg["step"] > a) & (tg["step"] <= b)] for a, b in phases]
+            rows.append([g, f"{tgt.get(g, math.nan):.3g}",
+                         *(f"{w['rho'].median():.3g}" if len(w) else "-" for w in ws),
+                         f"{tg['eps_frac'].median():.2f}", f"{int(tg['dormant'].sum())} of {len(tg)}",
+                         str(int((s["wake"]["group"] == g).sum()))])
+        lines += ["", f"### {s['name']}: rho per group over training (median in each phase; "
+                  f"70B target at eps {eps70:g}), eps_frac, dormant fraction", "",
+                  md_table(rows, headers=["group", "70B target", *(f"{a}-{b}" for a, b in phases),
+                                          "eps_frac (median)", "dormant logged steps", "wake-ups"],
+                           max_rows=None)]
         if s["lead"]:
             txt = "; ".join(f"spike at {x['spike_start']}: " + (", ".join(
                 f"{w['group']} woke at {w['step']}" for w in x["wakeups_before"]) or

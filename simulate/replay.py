@@ -72,6 +72,7 @@ from adamspike.config import ConfigError, flatten, load_config, to_dict
 from adamspike.rundir import atomic_write_bytes
 from adamspike.train_config import RunConfig
 from adamspike.spikes import SpikeParams, detect_spikes, incidents
+from adamspike.tables import md_table
 from simulate.llama_train import batch_at, dataset
 from simulate.program import Program, program, static_key
 
@@ -486,13 +487,12 @@ def report_md(table: pd.DataFrame, spec: Mapping[str, Any], seconds: float | Non
         n_sp = table.groupby("backend").apply(
             lambda g: g[["seed", "spike_step"]].drop_duplicates().shape[0]).to_dict()
         lines += ["Spikes replayed: " + ", ".join(f"{b}: {n}" for b, n in n_sp.items()), ""]
-        lines += ["| backend | intervention | recurred k / n | rate | 95 % CI | median height "
-                  "(peak / baseline) | any spike in replay |",
-                  "|---|---|---|---|---|---|---|"]
-        for _, r in summ.iterrows():
-            lines.append(f"| {r['backend']} | {r['intervention']} | {r['recurred']} / {r['n']} | "
-                         f"{r['rate']:.2f} | [{r['ci_low']:.2f}, {r['ci_high']:.2f}] | "
-                         f"{r['median_height']:.3f} | {r['spiked_any']} |")
+        lines.append(md_table(
+            ([r["backend"], r["intervention"], f"{r['recurred']} / {r['n']}", f"{r['rate']:.2f}",
+              f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]", f"{r['median_height']:.3f}",
+              str(r["spiked_any"])] for _, r in summ.iterrows()),
+            headers=["backend", "intervention", "recurred k / n", "rate", "95 % CI",
+                     "median height (peak / baseline)", "any spike in replay"], max_rows=None))
         none = table[table["intervention"] == "none"]
         if "exact_trace" in none and len(none):
             ex = none["exact_trace"].astype(bool)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import subprocess
@@ -42,6 +41,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from adamspike.config import ConfigError, read_toml
+from adamspike.tables import fmt, md_table
 
 REPO = Path(__file__).resolve().parent.parent
 NOT_BUILT = 3
@@ -219,9 +219,8 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
     lines = [f"# adamspike study{' (quick)' if quick else ''}", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by `adamspike reproduce"
              f"{' --quick' if quick else ''}`.", "", "## Stages", "",
-             "| stage | status | seconds | output |", "|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['title']} | {r['status']} | {r['seconds']} | `{r['log']}` |")
+             md_table(([r["title"], r["status"], str(r["seconds"]), f"`{r['log']}`"] for r in results),
+                      headers=["stage", "status", "seconds", "output"], max_rows=None)]
     regime_map = out / "figures" / "study" / "regime_map.png"
     if regime_map.exists():   # every run and the 70B estimate in Adam's eps regimes
         lines += ["", "## Regime map", "", f"![regime map]({regime_map.relative_to(out)})",
@@ -252,8 +251,12 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
     return path
 
 
-def _g(x) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.3g}"
+def _setting_row(s: dict) -> list:
+    """A predictions_70b.json setting as a row of STUDY.md's 70B table."""
+    f, (lo, hi) = s.get("features", {}), s.get("rate_ci", [None, None])
+    rho = [10 ** f[k] if f.get(k) is not None else None for k in ("log10_rho_shallow", "log10_rho_deep")]
+    return [s.get("rank"), s["id"], s.get("rate_per_1k"), f"[{fmt(lo)}, {fmt(hi)}]", s.get("p_spike"),
+            *rho, "; ".join(s.get("extrapolation_reasons", [])) or "-"]
 
 
 def spike_rate_section(out: Path) -> list[str]:
@@ -275,17 +278,9 @@ def spike_rate_section(out: Path) -> list[str]:
               f"Pre-registered {d.get('created', '?')}, content sha256 "
               f"`{d.get('content_sha256', 'missing')}`. P(>= 1 spike) over "
               f"{rm.get('horizon_steps', '?')} steps. {rm.get('extrapolation_note', '')}.", "",
-              "| rank | setting | rate / 1k steps | interval | P(>= 1 spike) | shallow rho | "
-              "deep rho | extrapolation |", "|---|---|---|---|---|---|---|---|"]
-        for s in sorted(d.get("settings", []), key=lambda s: s.get("rank", 0)):
-            f = s.get("features", {})
-            rho = {k: (10 ** f[k] if f.get(k) is not None else None)
-                   for k in ("log10_rho_shallow", "log10_rho_deep")}
-            ext = "; ".join(s.get("extrapolation_reasons", [])) or "-"
-            ci = s.get("rate_ci", [None, None])
-            L.append(f"| {s.get('rank')} | {s['id']} | {_g(s.get('rate_per_1k'))} | "
-                     f"[{_g(ci[0])}, {_g(ci[1])}] | {_g(s.get('p_spike'))} | "
-                     f"{_g(rho['log10_rho_shallow'])} | {_g(rho['log10_rho_deep'])} | {ext} |")
+              md_table(map(_setting_row, sorted(d.get("settings", []), key=lambda s: s.get("rank", 0))),
+                       headers=["rank", "setting", "rate / 1k steps", "interval", "P(>= 1 spike)",
+                                "shallow rho", "deep rho", "extrapolation"], max_rows=None)]
     sc = out / "scores_70b" / "prediction_scores.md"
     if sc.exists():
         L += ["", "### The 70B predictions scored on the rho-matched toys and their Megatron log",

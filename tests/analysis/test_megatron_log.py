@@ -217,7 +217,7 @@ def test_partly_skipped_interval_keeps_its_average_and_nan_loss_unskipped_is_a_s
     p = parse_megatron_log(lines)
     assert list(p.steps["skipped"]) == [False, True, False]
     assert p.steps["loss"].iloc[1] == 2.5          # 7 advanced iterations: a real average
-    from analysis.report import loss_spikes
+    from adamspike.spikes import loss_spikes
     steps = pd.DataFrame({"step": range(80), "loss": [2.0] * 70 + [np.nan] + [2.0] * 9,
                           "skipped": [False] * 80})
     sp, _ = loss_spikes(steps)

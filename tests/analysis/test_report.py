@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.fits import optim_params
-from analysis.report import SpikeParams, loss_spikes
+from adamspike.spikes import SpikeParams, loss_spikes
 
 
 def test_rule_resolution_for_quadratic_runs():
