@@ -82,10 +82,6 @@ class StepPlan:
         first, last = self.freeze_steps
         return self.freeze if first <= step and (last == 0 or step <= last) else ()
 
-    def eps_values(self) -> list[float]:
-        """The distinct eps values, sorted."""
-        return sorted(set(self.tensor_eps.values()))
-
 
 @dataclass(frozen=True)
 class Mitigation:

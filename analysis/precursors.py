@@ -35,8 +35,6 @@ from analysis.spikes import MAD_TO_SIGMA
 
 PRECURSOR_METRICS = ("rho", "rms_t", "update_rms", "sat_frac", "bimodality", "grad_mom_cos",
                      "m_v_ratio")
-RAW_COLUMNS = ("rho", "rms_t", "update_rms", "sat_frac", "grad_mom_cos", "m_v_ratio",
-               "r_mean", "r_m2", "r_m3", "r_m4")
 
 
 @dataclass

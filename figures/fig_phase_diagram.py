@@ -30,7 +30,6 @@ EPS, B2, LR, B1 = "optim.eps", "optim.b2", "optim.lr", "optim.b1"
 BATCH = ("train.global_batch_size", "mlp.batch")   # the first present is the batch axis
 LAM_MAX = "quadratic.lam_max"
 PAIRS = ((EPS, B2), (EPS, LR), ("batch", LR))
-LOG_AXES = {EPS, LR, "batch"}
 
 
 def _load(path: str) -> pd.DataFrame:

@@ -179,16 +179,6 @@ class IndexedTokens:
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize
         return self.tokens[start:start + int(self.sequence_lengths[i])]
 
-    def document(self, d: int) -> np.ndarray:
-        """All tokens of document d (its sequences back to back)."""
-        if not 0 <= d < self.num_documents:
-            raise IndexError(f"document {d} out of range [0, {self.num_documents})")
-        a, b = int(self.document_indices[d]), int(self.document_indices[d + 1])
-        if a == b:
-            return self.tokens[:0]
-        start = int(self.sequence_pointers[a]) // self.dtype.itemsize
-        return self.tokens[start:start + int(self.sequence_lengths[a:b].sum())]
-
     def sequence_of_token(self, position: int) -> int:
         """Index of the sequence holding stream position `position`."""
         return int(np.searchsorted(np.cumsum(self.sequence_lengths, dtype=np.int64), position, side="right"))

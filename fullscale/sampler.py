@@ -71,10 +71,6 @@ class DataPosition:
     step: int = 0
     offset: int = 0
 
-    def batch_number(self, step: int) -> int:
-        """Global batch number (1-based) that optimizer step `step` reads."""
-        return int(step) + self.offset
-
     def skip(self, num_batches: int) -> None:
         """Skip `num_batches` batches: the next step reads num_batches further on."""
         if num_batches < 0:

@@ -111,7 +111,3 @@ class ZipfMarkov:
             pij = (1 - q) * p[js] + q * mass
             h[i] = base - base_terms[js].sum() - np.sum(pij * np.log(pij))
         return float(pi @ h)
-
-    def token_frequencies(self) -> np.ndarray:
-        """Stationary frequency of each token id (the tail the embedding rows see)."""
-        return self.stationary()

@@ -48,14 +48,6 @@ def beta(name: str, x: Any) -> float:
     return f
 
 
-def eps(name: str, x: Any) -> float:
-    """A non-negative finite epsilon."""
-    f = finite(name, x)
-    if f < 0.0:
-        _fail(name, "must be >= 0", x)
-    return f
-
-
 def phi(name: str, x: Any) -> float:
     """An AR(1) coefficient in (-1, 1)."""
     f = finite(name, x)
@@ -78,6 +70,9 @@ def nonneg(name: str, x: Any) -> float:
     if f < 0.0:
         _fail(name, "must be >= 0", x)
     return f
+
+
+eps = nonneg   # a non-negative finite epsilon
 
 
 def prob(name: str, x: Any, *, open_low: bool = False, open_high: bool = False) -> float:
