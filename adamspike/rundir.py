@@ -1,19 +1,5 @@
-"""The run directory: the one interface between the backends and analysis.
-
-    RUN/
-      run.json       schema_version, backend, resolved config, environment, start time,
-                     hist_edges, vhist_edges
-      steps/         part-NNNNNN.parquet, one row per optimizer step
-      layers/        part-NNNNNN.parquet, one row per (step, tensor) on logged steps
-      hists/         part-NNNNNN.parquet, r-histogram counts per (step, tensor)
-      vhists/        part-NNNNNN.parquet, sqrt(v_hat)/eps histogram counts per (step,
-                     tensor) on histogram steps (adamspike.metrics.VHIST_EDGES), and the
-                     count of coordinates with |g| < eps (g: the gradient Adam consumed)
-      curvature/     part-NNNNNN.parquet, preconditioned / raw top curvature per (step,
-                     depth group) where a toy measures it (power iteration)
-      events.jsonl   append-only: checkpoints, alarms, rollbacks, skips, faults, resume
-      writer.lock    held (fcntl.flock) by the one process writing the run: host, pid, time
-      checkpoints/   (torch) resumable state, not handled here
+"""The run directory: the one interface between the backends and analysis. Its layout,
+tables and columns are the contract of docs/design.md ("Run directory").
 
 Crash safety: rows are buffered and flushed as a new parquet part, written to a temporary
 name, fsynced and renamed, so a reader never sees half a part and a killed writer loses at

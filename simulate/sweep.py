@@ -78,8 +78,6 @@ from adamspike.spikes import SpikeParams, detect_spikes
 PRE_WINDOW = 8            # Wortsman 2023a: rms_t leads loss spikes by 1-8 steps
 LEAD_WINDOW = 32          # the lead is measured in a wider window, so 1-8 is a testable claim
 PRECURSORS = ("rms_t", "sat_frac", "bimodality", "grad_mom_cos", "rho")
-SUMMARY_COLUMNS = ("num_spikes", "spike_rate", "max_spike_height", "mean_recovery_steps",
-                   "recovered_frac", "final_loss", "min_loss", "diverged", "median_rho")
 
 
 # ----------------------------------------------------------------------------- problems
