@@ -52,10 +52,24 @@ def is_shallow(depths, num_layers: int) -> list[bool]:
     return [int(d) < cut for d in depths]
 
 
-def infer_num_layers(depths) -> int:
-    """L of a run's layers table: the head sits at depth L, the largest depth (>= 1)."""
-    depths = [int(d) for d in depths]
-    return max(1, max(depths, default=1))
+def infer_num_layers(depths, kinds=None, names=None) -> int:
+    """L of a run's layers table (`depths`, or the table itself: its depth, kind, name
+    columns). Depth L is the head (final norm and output): L is the largest depth when a
+    tensor there is the head or final norm (kind output / norm, or a name starting with
+    "output" / "norm", as the MLP writes), else the largest depth + 1 (a table of blocks
+    only). Bare depths (no kinds, no names) are taken as a whole table, whose largest depth
+    is the head's."""
+    if hasattr(depths, "columns"):
+        depths, kinds, names = depths["depth"], depths.get("kind"), depths.get("name")
+    d = np.asarray(depths, dtype=np.int64).ravel()
+    top = int(d.max()) if d.size else 1
+    if kinds is None and names is None:
+        return max(1, top)
+    at = d == top
+    head = (kinds is not None and any(str(k) in ("output", "norm") for k in np.asarray(kinds)[at])
+            or names is not None and any(str(n).startswith(("output", "norm"))
+                                         for n in np.asarray(names)[at]))
+    return max(1, top if head and top > 0 else top + 1)
 
 
 def group_rho(rho, numel, axis: int = -1):

@@ -57,7 +57,6 @@ Brier (1950); Gneiting & Raftery (2007) (proper scoring rules).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +67,8 @@ import pandas as pd
 from scipy import stats
 
 from adamspike.llama import PRESETS
+from adamspike.mitigations import neutral_mask
+from adamspike.rundir import read_json
 
 FEATURES = ("log10_rho_shallow", "log10_rho_deep", "log10_one_minus_b2", "log10_lr_over_eps",
             "log10_tokens_per_step")
@@ -78,7 +79,7 @@ P_CLIP = 1e-6
 CALIBRATION_EDGES = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
 MODEL_SCHEMA = "adamspike.spike_rate_model"
 MODEL_VERSION = 1
-WIDTH_COLUMNS = ("width", "model.dim", "mlp.width", "dim")
+WIDTH_COLUMNS = ("width", "model.dim", "mlp.width", "problem.width", "dim")
 TABLE_COLUMNS = ("source", "run", "width", "seed", "num_spikes", "num_steps", *FEATURES)
 
 
@@ -100,50 +101,103 @@ def setting_features(*, rho_shallow: float | None = None, rho_deep: float | None
             "log10_tokens_per_step": lg(tokens_per_step)}
 
 
-def _col(t: pd.DataFrame, key: str) -> np.ndarray:
-    return t[key].to_numpy(float) if key in t else np.full(len(t), np.nan)
+def _first(flat: Mapping[str, Any], keys: Sequence[str]) -> float:
+    """The first finite value of `keys` in a flat config / table row (NaN if none)."""
+    for k in keys:
+        v = flat.get(k)
+        if isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and np.isfinite(v):
+            return float(v)
+    return math.nan
+
+
+def config_features(flat: Mapping[str, Any], rho_shallow: float | None = None,
+                    rho_deep: float | None = None, tokens_per_step: float | None = None) -> dict:
+    """The one row builder of every training table (sweep rows, run directories, matched
+    arms): FEATURES plus `width` of a run from its flat (dotted) config or sweep-table row.
+    b2, lr, eps: optim.* (problem.* in simulate's quadratic / mlp run directories); tokens
+    per step, unless given: train.global_batch_size x train.seq_len (llama), mlp.batch or
+    mlp.num_points for a full batch (mlp), none (quadratic); width: the first of
+    WIDTH_COLUMNS, else the dim of model.preset."""
+    b2, lr, eps = (_first(flat, (f"optim.{k}", f"problem.{k}")) for k in ("b2", "lr", "eps"))
+    if tokens_per_step is None or not np.isfinite(tokens_per_step):
+        tokens_per_step = (_first(flat, ("train.global_batch_size",))
+                           * _first(flat, ("train.seq_len",)))
+        if not np.isfinite(tokens_per_step) and "mlp.num_points" in flat:
+            bs = _first(flat, ("mlp.batch",))
+            tokens_per_step = bs if bs > 0 else _first(flat, ("mlp.num_points",))
+    width = _first(flat, WIDTH_COLUMNS)
+    if not np.isfinite(width) and str(flat.get("model.preset")) in PRESETS:
+        width = float(PRESETS[str(flat["model.preset"])].dim)
+    return {"width": width, **setting_features(rho_shallow=rho_shallow, rho_deep=rho_deep, b2=b2,
+                                               lr=lr, eps=eps, tokens_per_step=tokens_per_step)}
 
 
 def sweep_rows(table: pd.DataFrame, source: str = "sweep") -> pd.DataFrame:
     """Training rows (TABLE_COLUMNS) from a sweep table (simulate.sweep: one row per cell x
     seed with num_spikes, train.num_steps, optim.*, median_rho: the median over steps of
-    the shallow side's group_rho).
-    Only runs with the mitigations at their neutral values are kept by the caller's choice
-    (`neutral` in analysis.spike_rate); tokens per step: train.global_batch_size x
-    train.seq_len (llama), mlp.batch or mlp.num_points for a full batch (mlp), none
-    (quadratic)."""
+    the shallow side's group_rho), by `config_features`. Only runs with the mitigations at
+    their neutral values are kept by the caller's choice (`training_table`)."""
     need = {"num_spikes", "train.num_steps", "optim.b2", "optim.eps", "optim.lr"}
     missing = sorted(need - set(table.columns))
     if missing:
         raise SpikeRateError(f"{source}: not a sweep table (missing columns {missing})")
+    df = pd.DataFrame([config_features(r, rho_shallow=r.get("median_rho"))
+                       for r in table.to_dict("records")], columns=["width", *FEATURES])
     n = len(table)
-    b2, eps, lr = _col(table, "optim.b2"), _col(table, "optim.eps"), _col(table, "optim.lr")
-    tokens = np.full(n, np.nan)
-    if "train.global_batch_size" in table and "train.seq_len" in table:
-        tokens = _col(table, "train.global_batch_size") * _col(table, "train.seq_len")
-    elif "mlp.num_points" in table:
-        bs = _col(table, "mlp.batch")
-        tokens = np.where(np.isfinite(bs) & (bs > 0), bs, _col(table, "mlp.num_points"))
-    width = np.full(n, np.nan)
-    for c in WIDTH_COLUMNS:
-        if c in table:
-            width = _col(table, c)
-            break
-    if "model.preset" in table and not np.isfinite(width).any():
-        width = np.array([PRESETS[p].dim if p in PRESETS else np.nan
-                          for p in table["model.preset"].astype(str)], float)
-    feats = [setting_features(rho_shallow=r, b2=b, lr=l, eps=e, tokens_per_step=tk)
-             for r, b, l, e, tk in zip(_col(table, "median_rho"), b2, lr, eps, tokens)]
-    df = pd.DataFrame(feats, columns=list(FEATURES))
     df.insert(0, "source", source)
     df.insert(1, "run", [f"{c}-s{s}" for c, s in zip(
         table["cell_id"] if "cell_id" in table else range(n),
         table["seed"] if "seed" in table else [0] * n)])
-    df.insert(2, "width", width)
-    df.insert(3, "seed", _col(table, "seed"))
-    df.insert(4, "num_spikes", table["num_spikes"].to_numpy(float))
-    df.insert(5, "num_steps", _col(table, "train.num_steps"))
+    df["seed"] = table["seed"].to_numpy(float) if "seed" in table else np.nan
+    df["num_spikes"] = table["num_spikes"].to_numpy(float)
+    df["num_steps"] = table["train.num_steps"].to_numpy(float)
     return df[list(TABLE_COLUMNS)]
+
+
+def read_sweep_table(path: str | Path) -> pd.DataFrame:
+    """A sweep table: runs.parquet / runs.csv, or a sweep directory holding runs.parquet."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "runs.parquet"
+    if not p.is_file():
+        raise SpikeRateError(f"{path}: sweep table not found (runs.parquet or a .csv)")
+    try:
+        return pd.read_csv(p) if p.suffix == ".csv" else pd.read_parquet(p)
+    except Exception as e:  # noqa: BLE001 - any unreadable table is a format error
+        raise SpikeRateError(f"{p}: unreadable sweep table ({e})") from None
+
+
+def training_table(parts: Sequence[str | Path | pd.DataFrame],
+                   notes: Sequence[str] = ()) -> tuple[pd.DataFrame, list[str]]:
+    """(table, notes): the training rows of `parts`, in order: a path is a sweep table
+    (`read_sweep_table`; its runs with every mitigation at its neutral value, `sweep_rows`,
+    source sweep:<problem>:<sweep directory>), a DataFrame rows already in TABLE_COLUMNS
+    (run directories, matched replications: analysis.spike_rate). Runs without a positive
+    shallow rho are left out; `notes` (after the sweeps' own) say what was left out and why."""
+    frames, out_notes = [], []
+    for part in parts:
+        if isinstance(part, pd.DataFrame):
+            frames.append(part)
+            continue
+        t = read_sweep_table(part)
+        keep = neutral_mask(t)
+        if (~keep).any():
+            out_notes.append(f"{part}: {int((~keep).sum())} runs with an active mitigation left out")
+        name = Path(part).name if Path(part).is_dir() else Path(part).parent.name
+        prob = str(t["problem"].iloc[0]) if "problem" in t and len(t) else "sweep"
+        frames.append(sweep_rows(t[keep].reset_index(drop=True), f"sweep:{prob}:{name}"))
+    out_notes += notes
+    if not frames:
+        raise SpikeRateError("no training data: give --sweep and/or --runs")
+    table = pd.concat(frames, ignore_index=True)[list(TABLE_COLUMNS)]
+    bad = ~np.isfinite(table["log10_rho_shallow"].to_numpy(float))
+    if bad.any():   # the primary group: a run without it is left out, not the feature
+        out_notes.append(f"{int(bad.sum())} runs without a positive shallow rho (no per-tensor "
+                         "telemetry, or a gradient that reached exactly 0): "
+                         + ", ".join(table.loc[bad, "run"].astype(str).head(5))
+                         + (" ..." if bad.sum() > 5 else ""))
+        table = table.loc[~bad].reset_index(drop=True)
+    return table, out_notes
 
 
 def select_features(table: pd.DataFrame, candidates: Sequence[str] = FEATURES) -> list[str]:
@@ -376,14 +430,8 @@ def model_from_json(d: Mapping[str, Any], where: str = "model") -> RateModel:
 
 
 def load_model(path: str | Path) -> RateModel:
-    path = Path(path)
-    if not path.is_file():
-        raise SpikeRateError(f"{path}: spike-rate model not found")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpikeRateError(f"{path}: invalid JSON ({e})") from None
-    return model_from_json(d, str(path))
+    return model_from_json(read_json(path, SpikeRateError, f"{path}: spike-rate model not found"),
+                           str(path))
 
 
 def baseline_rate(n_spikes: float, total_steps: float) -> float:

@@ -54,7 +54,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from adamspike.depth_groups import GROUPS, depth_group
+from adamspike.depth_groups import GROUPS, depth_group, infer_num_layers
 from adamspike.metrics import shape_stats
 from adamspike.predictions import AlarmRule, from_json
 from adamspike.rundir import load_run
@@ -75,19 +75,6 @@ def burn_in_steps(b2: float) -> int:
     if not 0 <= float(b2) < 1:
         raise ValueError(f"b2 must be in [0, 1), got {b2}")
     return int(math.ceil(3.0 / (1.0 - float(b2)) - 1e-9))
-
-
-def infer_num_layers(layers: pd.DataFrame) -> int:
-    """L of the depth contract: the largest depth when the tensors there are the head /
-    final norm (kind output / norm, or a name starting with "output" / "norm", as the MLP
-    writes), else the largest depth + 1 (blocks only)."""
-    depth = layers["depth"].to_numpy()
-    top = int(depth.max())
-    at = layers.loc[depth == top]
-    kind = at["kind"].astype(str)
-    name = at["name"].astype(str)
-    is_head = kind.isin(["output", "norm"]).any() or name.str.startswith(("output", "norm")).any()
-    return max(1, top if is_head and top > 0 else top + 1)
 
 
 def group_series(layers: pd.DataFrame, num_layers: int, burn_in: int,

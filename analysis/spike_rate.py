@@ -7,16 +7,17 @@ sweep tables and run directories.
 Training table (DIR/table.csv, one row per run, adamspike.spike_rate.TABLE_COLUMNS):
   - sweep tables (simulate.sweep; the quadratic / mlp / llama sweeps, replication cells):
     adamspike.spike_rate.sweep_rows, runs whose mitigation keys are at their neutral values
-    (adamspike.mitigations.neutral_mask) only;
+    (adamspike.mitigations.neutral_mask) only (adamspike.spike_rate.training_table, which
+    `adamspike predict` uses to fit without --rate-model);
   - run directories (either backend): spikes by the report's loss rule
-    (analysis.report.loss_spikes), num_steps = steps with a loss; the shallow / deep side's
+    (adamspike.spikes.loss_spikes), num_steps = steps with a loss; the shallow / deep side's
     rho = median over logged steps of the side's group rho (adamspike.depth_groups.
     group_rho over the side's tensors, numel-weighted rms; sides by adamspike.depth_groups.
-    is_shallow, L from the depths: analysis.controls.infer_num_layers); b2, lr, eps from
-    the config; tokens per step = the median step
-    difference of the `tokens` column (else train.global_batch_size x train.seq_len);
-    width = model dim (config model.dim or its preset) or mlp.width. A run without
-    per-tensor telemetry has no rho and is left out of the fit (listed in the report);
+    is_shallow, L by adamspike.depth_groups.infer_num_layers); tokens per step = the median
+    step difference of the `tokens` column; b2, lr, eps, width (and tokens per step without
+    a `tokens` column) from the config by adamspike.spike_rate.config_features, the row
+    builder of every row type. A run without per-tensor telemetry has no rho and is left
+    out of the fit (listed in the report);
   - matched-regime replications (`adamspike replicate matched`): one row per arm and seed
     (`matched_rows`), the regime the 70B predictions are about.
 Every row type has the same rho: the median over steps of the per-step group rho of the
@@ -43,31 +44,13 @@ import numpy as np
 import pandas as pd
 
 from adamspike import spike_rate as SR
-from adamspike.config import ConfigError
-from adamspike.depth_groups import GROUPS, depth_group, group_rho, is_shallow
-from adamspike.llama import PRESETS, spec_by_name
-from adamspike.mitigations import neutral_mask
-from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
+from adamspike.config import ConfigError, flatten
+from adamspike.depth_groups import GROUPS, depth_group, group_rho, infer_num_layers, is_shallow
+from adamspike.llama import spec_by_name
+from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, load_run
+from adamspike.spikes import loss_spikes
+from adamspike.tables import md_table
 from adamspike.train_config import RunConfig
-from analysis.controls import infer_num_layers
-from analysis.fits import optim_params
-from analysis.report import loss_spikes, md_table
-
-
-def _width(config: dict) -> float:
-    model = config.get("model") or {}
-    if model.get("dim"):
-        return float(model["dim"])
-    if model.get("preset"):
-        if model["preset"] in PRESETS:
-            return float(PRESETS[model["preset"]].dim)
-    for sec in ("mlp", "problem"):
-        d = config.get(sec) or {}
-        if isinstance(d, dict) and d.get("width"):
-            return float(d["width"])
-    if config.get("mlp.width"):
-        return float(config["mlp.width"])
-    return math.nan
 
 
 def _median_over_steps(per_step) -> float:
@@ -106,12 +89,10 @@ def run_row(path: str | Path) -> dict:
         raise SR.SpikeRateError(f"{path}: no steps with a loss")
     spikes, _ = loss_spikes(st, config=run.config)
     n = int(np.isfinite(st["loss"].to_numpy(float)).sum())
-    op = optim_params(run.config)
     rho_sh = rho_dp = math.nan
     lay = run.layers
     if not lay.empty and "rho" in lay:
-        L = infer_num_layers(lay)
-        sh = np.asarray(is_shallow(lay["depth"].to_numpy(), L), bool)
+        sh = np.asarray(is_shallow(lay["depth"].to_numpy(), infer_num_layers(lay)), bool)
         rho_sh, rho_dp = _side_rho(lay.loc[sh]), _side_rho(lay.loc[~sh])
     tokens = math.nan
     if "tokens" in st:
@@ -119,33 +100,16 @@ def run_row(path: str | Path) -> dict:
         d = np.diff(tk[np.isfinite(tk)])
         if d.size and np.isfinite(np.median(d)) and np.median(d) > 0:
             tokens = float(np.median(d))
-    if not np.isfinite(tokens):
-        tr = run.config.get("train") or {}
-        if tr.get("global_batch_size") and tr.get("seq_len"):
-            tokens = float(tr["global_batch_size"]) * float(tr["seq_len"])
-    feats = SR.setting_features(rho_shallow=rho_sh, rho_deep=rho_dp, b2=op["b2"], lr=op["lr"],
-                                eps=op["eps"], tokens_per_step=tokens)
-    seed = (run.config.get("train") or {}).get("seed", run.config.get("seed", math.nan))
+    flat = flatten(run.config)
+    seed = flat.get("train.seed", flat.get("seed", math.nan))
     prob = run.config.get("problem")
     kind = (prob.get("kind") if isinstance(prob, dict) else prob) or (
         "llama" if run.config.get("model") else run.meta.get("backend", "run"))
     # one source per problem kind: widths of different problems are not comparable
-    return {"source": f"run:{kind}", "run": str(path), "width": _width(run.config),
+    return {"source": f"run:{kind}", "run": str(path),
             "seed": float(seed) if seed is not None else math.nan,
-            "num_spikes": float(len(spikes)), "num_steps": float(n), **feats}
-
-
-def read_sweep_table(path: str | Path) -> pd.DataFrame:
-    """A sweep table: runs.parquet / runs.csv, or a sweep directory holding runs.parquet."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "runs.parquet"
-    if not p.is_file():
-        raise SR.SpikeRateError(f"{path}: sweep table not found (runs.parquet or a .csv)")
-    try:
-        return pd.read_csv(p) if p.suffix == ".csv" else pd.read_parquet(p)
-    except Exception as e:  # noqa: BLE001 - any unreadable table is a format error
-        raise SR.SpikeRateError(f"{p}: unreadable sweep table ({e})") from None
+            "num_spikes": float(len(spikes)), "num_steps": float(n),
+            **SR.config_features(flat, rho_sh, rho_dp, tokens)}
 
 
 def matched_rows(study: str | Path) -> pd.DataFrame:
@@ -181,50 +145,27 @@ def matched_rows(study: str | Path) -> pd.DataFrame:
             rho = {k: _median_over_steps(group_rho(g[[f"rho_{x}" for x in gs]].to_numpy(float),
                                                    [numel[x] for x in gs]))
                    if gs else math.nan for k, gs in side.items()}
-            feats = SR.setting_features(rho_shallow=rho["sh"], rho_deep=rho["dp"],
-                                        b2=c["optim.b2"], lr=c["optim.lr"], eps=c["optim.eps"],
-                                        tokens_per_step=c["train.global_batch_size"] * c["train.seq_len"])
             rows.append({"source": "matched", "run": f"{study.name}/{arm}/s{seed}",
-                         "width": float(c["model.dim"]), "seed": float(seed),
-                         "num_spikes": float(len(sp)), "num_steps": float(len(g)), **feats})
+                         "seed": float(seed), "num_spikes": float(len(sp)),
+                         "num_steps": float(len(g)), **SR.config_features(c, rho["sh"], rho["dp"])})
     return pd.DataFrame(rows, columns=list(SR.TABLE_COLUMNS))
 
 
 def training_table(sweeps: Sequence[str | Path] = (), runs: Sequence[str | Path] = (),
                    matched: Sequence[str | Path] = ()) -> tuple[pd.DataFrame, list[str]]:
-    """(table, notes): the rows of every sweep table (neutral mitigations only), run
-    directory and matched-regime replication (`matched_rows`); notes say what was left out
-    and why."""
-    frames, notes = [], []
-    for m in matched:
-        frames.append(matched_rows(m))
-    for sw in sweeps:
-        t = read_sweep_table(sw)
-        keep = neutral_mask(t)
-        if (~keep).any():
-            notes.append(f"{sw}: {int((~keep).sum())} runs with an active mitigation left out")
-        name = Path(sw).name if Path(sw).is_dir() else Path(sw).parent.name
-        prob = str(t["problem"].iloc[0]) if "problem" in t and len(t) else "sweep"
-        frames.append(SR.sweep_rows(t[keep].reset_index(drop=True), f"sweep:{prob}:{name}"))
-    rows = []
+    """(table, notes): adamspike.spike_rate.training_table of the matched-regime
+    replications (`matched_rows`), the sweep tables and the run directories (`run_row`);
+    notes say what was left out and why."""
+    rows, notes = [], []
     for r in runs:
         try:
             rows.append(run_row(r))
         except (RunFormatError, SR.SpikeRateError) as e:
             notes.append(f"{r}: left out ({e})")
+    parts = [*map(matched_rows, matched), *sweeps]
     if rows:
-        frames.append(pd.DataFrame(rows, columns=list(SR.TABLE_COLUMNS)))
-    if not frames:
-        raise SR.SpikeRateError("no training data: give --sweep and/or --runs")
-    table = pd.concat(frames, ignore_index=True)[list(SR.TABLE_COLUMNS)]
-    bad = ~np.isfinite(table["log10_rho_shallow"].to_numpy(float))
-    if bad.any():   # the primary group: a run without it is left out, not the feature
-        notes.append(f"{int(bad.sum())} runs without a positive shallow rho (no per-tensor "
-                     "telemetry, or a gradient that reached exactly 0): "
-                     + ", ".join(table.loc[bad, "run"].astype(str).head(5))
-                     + (" ..." if bad.sum() > 5 else ""))
-        table = table.loc[~bad].reset_index(drop=True)
-    return table, notes
+        parts.append(pd.DataFrame(rows, columns=list(SR.TABLE_COLUMNS)))
+    return SR.training_table(parts, notes)
 
 
 def _fmt(x, d=3) -> str:
@@ -275,18 +216,6 @@ def report_md(model: SR.RateModel, val: dict, table: pd.DataFrame, notes: list[s
     return "\n".join(L)
 
 
-def _jsonable(o):
-    if isinstance(o, dict):
-        return {k: _jsonable(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_jsonable(v) for v in o]
-    if isinstance(o, (float, np.floating)):
-        return float(o) if math.isfinite(o) else None
-    if isinstance(o, np.integer):
-        return int(o)
-    return o
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike spike-rate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", action="append", default=[], help="sweep table or directory")
@@ -317,12 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_bytes(out / "table.csv", table.to_csv(index=False).encode())
     atomic_write_bytes(out / "calibration.csv", val["calibration"].to_csv(index=False).encode())
     atomic_write_bytes(out / "heldout.csv", val["per_run"].to_csv(index=False).encode())
-    model.extra["validation"] = _jsonable({k: v for k, v in val.items()
+    model.extra["validation"] = json_clean({k: v for k, v in val.items()
                                            if k not in ("calibration", "per_run")})
-    model.extra["validation"]["calibration"] = _jsonable(val["calibration"].to_dict("records"))
+    model.extra["validation"]["calibration"] = json_clean(val["calibration"].to_dict("records"))
     model.extra["notes"] = notes
     atomic_write_bytes(out / "model.json",
-                       json.dumps(_jsonable(model.to_json()), indent=1, allow_nan=False).encode())
+                       json.dumps(json_clean(model.to_json()), indent=1, allow_nan=False).encode())
     atomic_write_bytes(out / "report.md", report_md(model, val, table, notes).encode())
     mv, bv = val["model"], val["baseline"]
     print(f"{model.n_runs} runs, {int(model.n_spikes)} spikes, features {model.features}; "

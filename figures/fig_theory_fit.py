@@ -38,7 +38,7 @@ def prepare(run, tables=None) -> dict:
         raise ValueError(f"{run.path}: no per-layer telemetry (layers table is empty)")
     rt = lay[["step", "depth", "rms_t"]].copy()
     d = rt["depth"].to_numpy()   # shallow = embed + shallow groups (adamspike.depth_groups)
-    rt["group"] = np.where(is_shallow(d, infer_num_layers(d)), "shallow", "deep")
+    rt["group"] = np.where(is_shallow(d, infer_num_layers(lay)), "shallow", "deep")
     mx = rt.groupby(["group", "step"])["rms_t"].max()
     return {"name": Path(run.path).name, "fit": fit, "bound": bound,
             "b2": 1.0 - 1.0 / bound ** 2,

@@ -94,12 +94,10 @@ from adamspike.depth_groups import depth_group
 from adamspike.depth_groups import shallow_depths as group_shallow_depths
 from adamspike.llama import num_params, preset
 from adamspike.megatron_log import MegatronLogError, read_megatron_log
-from adamspike.mitigations import neutral_mask
 from adamspike.predictions import AlarmRule, Predictions, PredictionsError, save_predictions
 from adamspike.rundir import RunFormatError, json_clean, load_run
 from adamspike.train_config import RunConfig
 from simulate import ladder as LD
-from simulate.sweep import load_table
 from theory.adam_moments import grad_mom_cos
 from theory.bimodality import BC_THRESHOLD, snr_bc_crossing
 from theory.eps_regime import RHO_FROZEN, regime
@@ -367,26 +365,20 @@ def setting_id(c: Mapping[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- risk
 
-def _tables_rows(tables: Sequence[tuple[str, pd.DataFrame]]) -> pd.DataFrame:
-    frames = [SR.sweep_rows(t[neutral_mask(t)].reset_index(drop=True), f"sweep:{name}")
-              for name, t in tables]
-    rows = pd.concat(frames, ignore_index=True)
-    return rows[np.isfinite(rows["log10_rho_shallow"].to_numpy(float))].reset_index(drop=True)
-
-
-def rate_model(model_path: str | None, tables: Sequence[tuple[str, pd.DataFrame]],
+def rate_model(model_path: str | None, sweeps: Sequence[str],
                n_boot: int = SR.N_BOOT) -> tuple[SR.RateModel, dict]:
-    """(model, provenance): the GLM from a model.json, or fitted on the sweep tables."""
+    """(model, provenance): the GLM from a model.json, or fitted on the sweep tables
+    (adamspike.spike_rate.training_table, as `adamspike spike-rate` builds it)."""
     if model_path:
         m = SR.load_model(model_path)
         return m, {"model_file": str(model_path),
                    "model_sha256": hashlib.sha256(Path(model_path).read_bytes()).hexdigest()}
-    if not tables:
+    if not sweeps:
         raise ConfigError("no spike-rate model: give --rate-model MODEL.json (adamspike "
                           "spike-rate) or --sweep TABLE to fit one")
-    rows = _tables_rows(tables)
+    rows, _ = SR.training_table(sweeps)
     m = SR.fit(rows, n_boot=n_boot)
-    prov = {"fitted_on": [name for name, _ in tables]}
+    prov = {"fitted_on": [Path(sw).name for sw in sweeps]}
     try:
         v = SR.validate(rows, n_boot=min(n_boot, 50))
         prov["validation"] = {k: v[k] for k in ("split", "n_train", "n_heldout", "heldout_spikes",
@@ -684,17 +676,15 @@ def main(argv: list[str] | None = None) -> int:
             profile = load_profile(args.profile_from_run)
         else:
             profile = load_profile(args.profile, args.ladder)
-        tables = []
-        for sw in args.sweep:
-            t = load_table(sw)
+        tables = [SR.read_sweep_table(sw) for sw in args.sweep]
+        for sw, t in zip(args.sweep, tables):
             need = {"optim.b2", "num_spikes", "diverged"}
             if not need <= set(t.columns):
                 raise ConfigError(f"{sw}: not a sweep table (missing {sorted(need - set(t.columns))})")
-            tables.append((Path(sw).name, t))
-        table = pd.concat([t for _, t in tables], ignore_index=True) if tables else None
+        table = pd.concat(tables, ignore_index=True) if tables else None
         cands = (load_candidates(args.candidates, profile) if args.candidates
                  else default_candidates(profile))
-        model, prov = rate_model(args.rate_model, tables)
+        model, prov = rate_model(args.rate_model, args.sweep)
         pred = predict(profile, cands, table, ", ".join(args.sweep), model=model,
                        provenance=prov, horizon=args.horizon_steps)
         data = save_predictions(pred, args.out)
