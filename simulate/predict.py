@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import sys
 from pathlib import Path
@@ -95,7 +94,7 @@ from adamspike.depth_groups import shallow_depths as group_shallow_depths
 from adamspike.llama import num_params, preset
 from adamspike.megatron_log import MegatronLogError, read_megatron_log
 from adamspike.predictions import AlarmRule, Predictions, PredictionsError, save_predictions
-from adamspike.rundir import RunFormatError, json_clean, load_run
+from adamspike.rundir import RunFormatError, json_clean, load_run, read_json
 from adamspike.train_config import RunConfig
 from simulate import ladder as LD
 from theory.adam_moments import grad_mom_cos
@@ -138,8 +137,16 @@ def _ladder_source(ladder_dir: str | Path, fit: Mapping[str, Any], ext: Mapping[
             f"(bound clip/(sqrt(N) eps) = {ext['mean_rho_bound']:.3g})")
 
 
-def _num_params_70b() -> int:
-    return int(num_params(preset("llama2-70b")))
+def _llama70b_profile(L: int, eps_ref: float, clip: float, rho: Mapping[int, float],
+                      lo: Mapping[int, float], hi: Mapping[int, float], **extra) -> dict:
+    """The LLaMA2-70B profile (the seed report's run settings) of per-depth rho and its
+    interval at eps_ref: the one shape of ladder_profile and profile_from_log."""
+    s = LLAMA2_70B_SETTINGS
+    return {"name": "llama2-70b", "num_layers": L, "eps_ref": eps_ref, "rho_by_depth": dict(rho),
+            "phi_by_depth": {d: 0.0 for d in rho}, "lr": s["lr"], "b1": s["b1"],
+            "global_batch_size": s["global_batch_size"], "seq_len": s["seq_len"], "clip": clip,
+            "num_params": int(num_params(preset("llama2-70b"))),
+            "by_depth": _by_depth(L, rho, lo, hi), **extra}
 
 
 def ladder_profile(ladder_dir: str | Path) -> dict:
@@ -147,16 +154,11 @@ def ladder_profile(ladder_dir: str | Path) -> dict:
     s = LLAMA2_70B_SETTINGS
     fit, ext = LD.ladder_70b(ladder_dir, eps=s["eps_ref"], clip=s["clip"])
     rows = LD.profile_by_depth(ext)
-    L = int(ext["num_layers"])
-    rho = {r["depth"]: r["rho"] for r in rows}
-    return {"name": "llama2-70b", "num_layers": L, "eps_ref": s["eps_ref"], "rho_by_depth": rho,
-            "phi_by_depth": {d: 0.0 for d in rho}, "lr": s["lr"], "b1": s["b1"],
-            "global_batch_size": s["global_batch_size"], "seq_len": s["seq_len"],
-            "clip": s["clip"], "num_params": _num_params_70b(),
-            "by_depth": _by_depth(L, rho, {r["depth"]: r["rho_lo"] for r in rows},
-                                  {r["depth"]: r["rho_hi"] for r in rows}),
-            "ladder": {"fit": LD.public(fit), "llama2_70b": {k: v for k, v in LD.public(ext).items()}},
-            "source": _ladder_source(ladder_dir, fit, ext)}
+    by = {k: {r["depth"]: r[k] for r in rows} for k in ("rho", "rho_lo", "rho_hi")}
+    return _llama70b_profile(int(ext["num_layers"]), s["eps_ref"], s["clip"], by["rho"],
+                             by["rho_lo"], by["rho_hi"],
+                             ladder={"fit": LD.public(fit), "llama2_70b": dict(LD.public(ext))},
+                             source=_ladder_source(ladder_dir, fit, ext))
 
 
 def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
@@ -194,16 +196,12 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
     rho = {d: rho_bar * shape[depth_group(d, L)] for d in depths}
     lo = {d: q10 * shape_lo[depth_group(d, L)] for d in depths}
     hi = {d: q90 * shape_hi[depth_group(d, L)] for d in depths}
-    s = LLAMA2_70B_SETTINGS
-    return {"name": "llama2-70b", "num_layers": L, "eps_ref": eps_ref, "rho_by_depth": rho,
-            "phi_by_depth": {d: 0.0 for d in rho}, "lr": s["lr"], "b1": s["b1"],
-            "global_batch_size": s["global_batch_size"], "seq_len": s["seq_len"], "clip": clip,
-            "num_params": N, "by_depth": _by_depth(L, rho, lo, hi),
-            "rho_bar": rho_bar, "rho_bar_q10_q90": [q10, q90],
-            "source": (f"measured log {log}: rho_bar = median of min(grad_norm, {clip:g}) / "
-                       f"(sqrt(N) eps) over its last {len(late)} logged iterations = "
-                       f"{rho_bar:.3g} (10-90 %: {q10:.3g}-{q90:.3g}), N {N}, eps {eps_ref:g}; "
-                       f"depth shape from the " + _ladder_source(ladder_dir, fit, ext))}
+    return _llama70b_profile(
+        L, eps_ref, clip, rho, lo, hi, rho_bar=rho_bar, rho_bar_q10_q90=[q10, q90],
+        source=(f"measured log {log}: rho_bar = median of min(grad_norm, {clip:g}) / "
+                f"(sqrt(N) eps) over its last {len(late)} logged iterations = "
+                f"{rho_bar:.3g} (10-90 %: {q10:.3g}-{q90:.3g}), N {N}, eps {eps_ref:g}; "
+                f"depth shape from the " + _ladder_source(ladder_dir, fit, ext)))
 
 
 def profile_from_run(path: Path) -> dict:
@@ -245,10 +243,7 @@ def profile_from_run(path: Path) -> dict:
 
 
 def profile_from_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    data = read_json(path, ConfigError, f"{path}: profile not found")
     for k in ("num_layers", "eps_ref", "rho_by_depth"):
         if k not in data:
             raise ConfigError(f"{path}: profile field {k!r} missing")
