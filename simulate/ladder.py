@@ -1,6 +1,7 @@
 """Width/depth ladder of tiny LLaMAs: how per-depth-group gradient RMS scales, and the 70B.
 
-    adamspike simulate ladder --out DIR [--quick]       (cells cached in DIR/cells, resumable)
+    adamspike simulate ladder --out DIR [--spec full|quick] [--quick]   (cells cached in DIR/cells,
+                                                                          resumable; --quick = --spec quick)
 
 The ladder trains the JAX LLaMA through simulate.program's one step (the trainer's: same
 parameter specs, init, loss and AdamW chain; the rung as a RunConfig, `run_config`) on one fixed
@@ -132,6 +133,9 @@ def full_spec(lr_scaling: str = "inverse_width") -> LadderSpec:
 def quick_spec(lr_scaling: str = "inverse_width") -> LadderSpec:
     rungs = [(32, 2, 16), (64, 2, 16), (32, 4, 16), (32, 2, 4)]
     return LadderSpec(rungs=rungs, seeds=2, num_steps=60, warmup_steps=6, lr_scaling=lr_scaling)
+
+
+SPECS = {"full": full_spec, "quick": quick_spec}
 
 
 def llama_config(dim: int, num_layers: int, spec: LadderSpec):
@@ -592,7 +596,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike simulate ladder",
                                  description="Width/depth ladder of tiny LLaMAs (simulate.ladder)")
     ap.add_argument("--out", type=Path, required=True, help="ladder directory (resumable)")
-    ap.add_argument("--quick", action="store_true", help="reduced ladder (CI)")
+    ap.add_argument("--spec", choices=sorted(SPECS), default="full", help="the ladder's rungs, seeds and steps")
+    ap.add_argument("--quick", action="store_const", const="quick", dest="spec",
+                    help="--spec quick: the reduced ladder (CI)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--eps", type=float, default=1e-5, help="eps of the 70B profile written")
     ap.add_argument("--lr-scaling", choices=("constant", "inverse_width"), default="inverse_width",
@@ -604,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.out.exists() and not args.out.is_dir():
             raise ConfigError(f"--out {args.out}: exists and is not a directory")
-        spec = quick_spec(args.lr_scaling) if args.quick else full_spec(args.lr_scaling)
+        spec = SPECS[args.spec](args.lr_scaling)
         t0 = time.perf_counter()
         df = run_ladder(spec, args.out, progress=not args.no_progress)
         fit, ext = ladder_70b(args.out, eps=args.eps)

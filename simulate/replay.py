@@ -2,7 +2,7 @@
 batches with exactly one intervention, and count how often the spike comes back.
 
     adamspike replay --config configs/toy_spike.toml --out DIR [--seeds N]
-                     [--min-incidents K] [--quick]
+                     [--min-incidents K] [--max-spikes M] [--train.num_steps S] [--quick]
 
 1. Base runs. Seeds 0, 1, ... of the config (default configs/toy_spike.toml; with
    --min-incidents K, in order until K incidents are found, at most N) train through
@@ -538,13 +538,10 @@ def write_outputs(out: Path, table: pd.DataFrame, spec: ReplaySpec, seconds: flo
 
 # ----------------------------------------------------------------------------- CLI
 
-def make_spec(config: Path | None, seeds: int, quick: bool, overrides: Sequence[str] = (),
-              min_incidents: int = 0) -> ReplaySpec:
-    cfg = load_config(RunConfig, config, list(overrides))
-    if quick:   # CI: seeds of 400 steps, one spike replayed (it may find none; it says so)
-        cfg = RunConfig.from_dict({**flatten(to_dict(cfg)), "train.num_steps": 400})
-    return ReplaySpec(config=to_dict(cfg), seeds=list(range(seeds)), max_spikes=1 if quick else 0,
-                      min_incidents=min_incidents)
+# the study's sizes, and --quick's (CI: 1 seed of 400 steps, one spike replayed; it may find
+# none, and says so); flags given explicitly win
+SIZES = {"seeds": 40, "min_incidents": 20, "max_spikes": 0}
+QUICK = {"seeds": 1, "min_incidents": 0, "max_spikes": 1, "train.num_steps": 400}
 
 
 def main(argv: list[str] | None = None, torch_replay=None) -> int:
@@ -564,8 +561,11 @@ def main(argv: list[str] | None = None, torch_replay=None) -> int:
     ap.add_argument("--min-incidents", type=int, default=None,
                     help="run seeds in order until this many spike incidents are found "
                          "(default 20; --quick 0: every seed); 0 runs every seed")
+    ap.add_argument("--max-spikes", type=int, default=None,
+                    help="replay at most this many spikes, in seed order (default 0: all; --quick 1)")
     ap.add_argument("--quick", action="store_true",
-                    help="1 seed x 400 steps, at most one spike replayed (CI)")
+                    help="the CI sizes: --seeds 1 --min-incidents 0 --max-spikes 1 "
+                         "--train.num_steps 400 (flags given win)")
     ap.add_argument("--torch-spikes", type=int, default=0,
                     help="also replay this many spikes through the torch trainer (its DCP "
                          "checkpoints; adamspike replay only)")
@@ -574,14 +574,17 @@ def main(argv: list[str] | None = None, torch_replay=None) -> int:
     try:
         if not args.config.is_file():
             raise ConfigError(f"--config {args.config}: no such file")
-        seeds = args.seeds if args.seeds is not None else (1 if args.quick else 40)
-        if seeds < 1:
-            raise ConfigError(f"--seeds: must be >= 1, got {seeds}")
-        want = (args.min_incidents if args.min_incidents is not None
-                else (0 if args.quick else 20))
-        if want < 0:
-            raise ConfigError(f"--min-incidents: must be >= 0, got {want}")
-        spec = make_spec(args.config, seeds, args.quick, overrides, want)
+        size = {**SIZES, **(QUICK if args.quick else {}),
+                **{k: v for k, v in vars(args).items() if k in SIZES and v is not None}}
+        if size["seeds"] < 1:
+            raise ConfigError(f"--seeds: must be >= 1, got {size['seeds']}")
+        for k in ("min_incidents", "max_spikes"):
+            if size[k] < 0:
+                raise ConfigError(f"--{k.replace('_', '-')}: must be >= 0, got {size[k]}")
+        steps = ["--train.num_steps", str(size["train.num_steps"])] if "train.num_steps" in size else []
+        spec = ReplaySpec(config=to_dict(load_config(RunConfig, args.config, steps + overrides)),
+                          seeds=list(range(size["seeds"])), max_spikes=size["max_spikes"],
+                          min_incidents=size["min_incidents"])
         t0 = time.perf_counter()
         table = run_study(spec, args.out, progress=not args.no_progress)
         extra = None

@@ -131,7 +131,8 @@ def test_the_study_is_data_and_quick_merges_its_values(tmp_path):
     f, q = {s.name: s for s in full}, {s.name: s for s in quick}
     assert f["mlp"].argv[-2:] == ["--steps", "20000"] and q["mlp"].argv[-2:] == ["--steps", "4000"]
     assert "--torch-spikes" in f["replay"].argv and "--torch-spikes" not in q["replay"].argv
-    assert "--quick" in q["ladder"].argv and "--quick" not in f["ladder"].argv
+    assert q["ladder"].argv[-2:] == ["--spec", "quick"] and "--spec" not in f["ladder"].argv
+    assert q["replay"].argv[-2:] == ["--train.num_steps", "400"] and "--max-spikes" in q["replay"].argv
     assert "120 steps" in q["matched_toy"].title and "1000 steps" in f["matched_toy"].title
     assert str(tmp_path / "runs" / "llama_stable") in f["spike_rate"].argv
     assert str(tmp_path / "runs" / "llama_stable") not in q["spike_rate"].argv
