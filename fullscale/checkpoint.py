@@ -29,7 +29,8 @@ is initialised (call it on all ranks).
 ckpt_root must be one shared filesystem for all ranks (as DCP's FileSystemWriter assumes).
 Re-saving an existing step (after a rollback) moves the old directory aside before the
 rename; a crash in that instant loses that one step's checkpoint, never an older one.
-Pruning renames a directory to `.deleting-*` before removing it.
+Pruning renames a directory to `.deleting-*` before removing it; the next prune removes any
+`.deleting-*` a killed prune left.
 """
 
 from __future__ import annotations
@@ -532,6 +533,8 @@ def prune(ckpt_root: str | Path, keep: int) -> list[Path]:
         m = _PARTIAL_DIR.match(p.name)
         if m and newest is not None and int(m.group(1)) < newest:
             removed.append(p)
+        elif p.name.startswith(".deleting-"):   # a prune killed mid-rmtree: finish it
+            shutil.rmtree(p, ignore_errors=True)
     for p in removed:  # rename first: a prune killed halfway never leaves a torn "complete" dir
         doomed = p.with_name(f".deleting-{p.name}-{os.getpid()}")
         try:
