@@ -5,7 +5,7 @@ fullscale.guard.SpikeGuard also builds on; simulate does not import fullscale), 
 by the same `guard` section (adamspike.train_config.GuardSection:
 enabled, window, mad_k, min_rel_jump, skip_batches, max_retries, same meanings):
 
-- Detection is THE project rule, `adamspike.guard.RollingSpikeDetector(window, mad_k,
+- Detection is THE project rule, `adamspike.spikes.RollingSpikeDetector(window, mad_k,
   min_rel_jump)` on the loss of each trained step, judged before its update is applied; a
   non-finite loss always triggers. Spiking losses do not enter the history. Steps listed in
   data.skip_batches are not judged (as in the torch trainer).

@@ -42,7 +42,7 @@ A non-finite loss stops the run after logging that step (event "diverged"), unle
 guard rolls back.
 
 Spike guard (`guard` section, simulate.guard; the torch trainer's policy and event names):
-the loss of every trained step is judged online by adamspike.guard.RollingSpikeDetector
+the loss of every trained step is judged online by adamspike.spikes.RollingSpikeDetector
 (guard.window, guard.mad_k, guard.min_rel_jump) before its update is applied; "spike" events
 are logged whether or not the guard is enabled. With guard.enabled a spike restores the last
 good in-memory snapshot (taken every checkpoint.every steps, which must then be > 0; "good":
