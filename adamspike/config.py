@@ -147,6 +147,21 @@ def check_finite_args(namespace: Any) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}: must be finite, got {value}")
 
 
+def cli_main(ap: Any, argv: list[str] | None, body: Any, prog: str,
+             errors: tuple[type[BaseException], ...] = (ConfigError,)) -> int:
+    """The one wrapper of a sub-command's `main`: parse argv with `ap` (--help: 0, a usage
+    error: 2), then body(args); one of `errors` -> "prog: message" on stderr and 2."""
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return 0 if e.code == 0 else 2
+    try:
+        return body(args)
+    except errors as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+
+
 def _hints(cls: type) -> dict[str, Any]:
     try:
         return typing.get_type_hints(cls)

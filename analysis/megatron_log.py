@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import pandas as pd
 
 from adamspike.megatron_log import (MegatronLogError, ParsedLog, parse_megatron_log,  # noqa: F401
                                     read_megatron_log)
+from adamspike.config import cli_main
 from adamspike.rundir import RunFormatError, RunWriter, environment, load_run
 
 
@@ -96,27 +96,19 @@ def export_main(argv: list[str] | None = None) -> int:
                                  .split("\n\n")[0])
     ap.add_argument("run", help="run directory")
     ap.add_argument("--out", required=True, help="log file to write (must not exist)")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
+    return cli_main(ap, argv, _export, "adamspike megatron-log", (RunFormatError,))
+
+
+def _export(args) -> int:
     out = Path(args.out)
     if out.exists():
-        print(f"adamspike megatron-log: {out}: exists (nothing was overwritten)", file=sys.stderr)
-        return 2
-    try:
-        run = load_run(args.run, tables=("steps",))
-    except RunFormatError as e:
-        print(f"adamspike megatron-log: {e}", file=sys.stderr)
-        return 2
+        raise RunFormatError(f"{out}: exists (nothing was overwritten)")
+    run = load_run(args.run, tables=("steps",))
     if run.steps.empty:
-        print(f"adamspike megatron-log: {args.run}: no steps", file=sys.stderr)
-        return 2
+        raise RunFormatError(f"{args.run}: no steps")
     bs = (run.config.get("train") or {}).get("global_batch_size")
     if not bs:
-        print(f"adamspike megatron-log: {args.run}: run.json has no train.global_batch_size",
-              file=sys.stderr)
-        return 2
+        raise RunFormatError(f"{args.run}: run.json has no train.global_batch_size")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(megatron_lines(run.steps, global_batch_size=int(bs))) + "\n")
     print(f"{len(run.steps)} iterations -> {out}")

@@ -44,7 +44,7 @@ import numpy as np
 import pandas as pd
 
 from adamspike import spike_rate as SR
-from adamspike.config import ConfigError, flatten
+from adamspike.config import ConfigError, cli_main, flatten
 from adamspike.depth_groups import GROUPS, depth_group, group_rho, infer_num_layers, is_shallow
 from adamspike.llama import spec_by_name
 from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, load_run
@@ -225,23 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output directory (model.json must not exist)")
     ap.add_argument("--n-boot", type=int, default=SR.N_BOOT)
     ap.add_argument("--ridge", type=float, default=SR.RIDGE)
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
+    return cli_main(ap, argv, _main, "adamspike spike-rate", (ConfigError, SR.SpikeRateError))
+
+
+def _main(args) -> int:
     out = Path(args.out)
-    try:
-        if (out / "model.json").exists():
-            raise ConfigError(f"{out / 'model.json'}: exists; choose another --out (nothing was "
-                              "overwritten)")
-        if args.n_boot < 0 or not args.ridge >= 0:
-            raise ConfigError("--n-boot must be >= 0 and --ridge >= 0")
-        table, notes = training_table(args.sweep, args.runs, args.matched)
-        val = SR.validate(table, ridge=args.ridge, n_boot=args.n_boot)
-        model = SR.fit(table, ridge=args.ridge, n_boot=args.n_boot)
-    except (ConfigError, SR.SpikeRateError) as e:
-        print(f"adamspike spike-rate: {e}", file=sys.stderr)
-        return 2
+    if (out / "model.json").exists():
+        raise ConfigError(f"{out / 'model.json'}: exists; choose another --out (nothing was "
+                          "overwritten)")
+    if args.n_boot < 0 or not args.ridge >= 0:
+        raise ConfigError("--n-boot must be >= 0 and --ridge >= 0")
+    table, notes = training_table(args.sweep, args.runs, args.matched)
+    val = SR.validate(table, ridge=args.ridge, n_boot=args.n_boot)
+    model = SR.fit(table, ridge=args.ridge, n_boot=args.n_boot)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / "table.csv", table.to_csv(index=False).encode())
     atomic_write_bytes(out / "calibration.csv", val["calibration"].to_csv(index=False).encode())

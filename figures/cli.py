@@ -173,6 +173,11 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
     # runs are independent and matplotlib is single-threaded: one process per run
     for done in process_map(_run_figures, items, jobs):
         outcomes.extend_timed(done)
+    # kind -> (its input, the figure's option for it, why it is skipped when not given)
+    inputs = {"sweep": (sweep, "--table", "no sweep table"),
+              "replication": (replication or sweep, "--table", "no replication table"),
+              "ladder": (ladder, "--ladder", "no ladder"),
+              "spike_rate": (spike_rate, "--spike-rate", "no spike-rate directory")}
     for m, kind in mods.values():
         if kind == "theory" and theory:
             d = out / "theory"
@@ -189,31 +194,14 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
             if pred is not None and pred.is_file():
                 argv += ["--predictions-70b", str(pred)]
             outcomes.append(_call_main(m, argv, d, "study"))
-        elif kind in ("sweep", "replication"):
-            table = sweep if kind == "sweep" else (replication or sweep)
-            if table is None or not Path(table).exists():
-                outcomes.append(Outcome(m.__name__, str(table or ""), "skipped",
-                                        f"no {kind} table" if table is None else
-                                        f"{table} does not exist"))
+        elif kind in inputs:
+            src, flag, none = inputs[kind]
+            if src is None or not Path(src).exists():
+                outcomes.append(Outcome(m.__name__, str(src or ""), "skipped",
+                                        none if src is None else f"{src} does not exist"))
                 continue
             d = out / kind
-            outcomes.append(_call_main(m, ["--table", str(table), "--out", str(d)], d, str(table)))
-        elif kind == "ladder":
-            if ladder is None or not Path(ladder).exists():
-                outcomes.append(Outcome(m.__name__, str(ladder or ""), "skipped",
-                                        "no ladder" if ladder is None else f"{ladder} does not exist"))
-                continue
-            d = out / "ladder"
-            outcomes.append(_call_main(m, ["--ladder", str(ladder), "--out", str(d)], d, str(ladder)))
-        elif kind == "spike_rate":
-            if spike_rate is None or not Path(spike_rate).exists():
-                outcomes.append(Outcome(m.__name__, str(spike_rate or ""), "skipped",
-                                        "no spike-rate directory" if spike_rate is None
-                                        else f"{spike_rate} does not exist"))
-                continue
-            d = out / "spike_rate"
-            outcomes.append(_call_main(m, ["--spike-rate", str(spike_rate), "--out", str(d)], d,
-                                       str(spike_rate)))
+            outcomes.append(_call_main(m, [flag, str(src), "--out", str(d)], d, str(src)))
     files = sorted({f for o in outcomes for f in o.files})
     return files, outcomes
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from pathlib import Path
 
 import matplotlib
+
+from adamspike.config import cli_main
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -78,15 +79,9 @@ def table_figure_main(prog: str, doc: str, load, prepare, plot, argv=None,
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     ap.add_argument(option, dest="table", required=True, help=table_help)
     ap.add_argument("--out", required=True, help="output directory")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
-    try:
-        data = prepare(load(args.table))
-    except (OSError, ValueError, KeyError) as e:   # json.JSONDecodeError is a ValueError
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
-    for p in plot(data, args.out):
-        print(p)
-    return 0
+    def body(args) -> int:
+        for p in plot(prepare(load(args.table)), args.out):
+            print(p)
+        return 0
+    # json.JSONDecodeError is a ValueError
+    return cli_main(ap, argv, body, prog, (OSError, ValueError, KeyError))

@@ -52,19 +52,31 @@ def _flag_name(msg: str) -> str:
     return f"--{m.group(1).replace('_', '-')}{msg[m.end() - 1:]}" if m else msg
 
 
-def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"out: {out} exists and is not an empty directory (nothing was overwritten)")
+def _run_parser(prog: str, description: str, steps: int) -> _Parser:
+    """The options of a subcommand that writes a run directory (quadratic, mlp)."""
+    p = _Parser(prog=f"adamspike simulate {prog}", description=description)
+    p.add_argument("--out", type=Path, required=True, help="run directory (must not exist)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers-every", type=int, default=1)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _check_run(a) -> None:
+    """--steps, --layers-every in range; --out new or empty."""
+    for k in ("steps", "layers_every"):
+        if getattr(a, k) < 1:
+            raise ValueError(f"{k}: must be >= 1, got {getattr(a, k)}")
+    if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):
+        raise ValueError(f"out: {a.out} exists and is not an empty directory (nothing was overwritten)")
 
 
 # ----------------------------------------------------------------------------- quadratic
 
 def _quadratic(argv) -> int:
-    p = _Parser(prog="adamspike simulate quadratic",
-                description="Adam on a 1-D / N-D quadratic (Bai et al.); see simulate.quadratic")
-    p.add_argument("--out", type=Path, required=True, help="run directory (must not exist)")
-    p.add_argument("--steps", type=int, default=30_000)
-    p.add_argument("--seed", type=int, default=0)
+    p = _run_parser("quadratic", "Adam on a 1-D / N-D quadratic (Bai et al.); see "
+                    "simulate.quadratic", 30_000)
     p.add_argument("--dim", type=int, default=1)
     p.add_argument("--lam-min", type=float, default=None, help="default: lam-max")
     p.add_argument("--lam-max", type=float, default=1.0)
@@ -72,8 +84,6 @@ def _quadratic(argv) -> int:
     p.add_argument("--no-rescale", action="store_true",
                    help="plain floating point (theta may underflow; see simulate.quadratic)")
     p.add_argument("--dtype", default="float64")
-    p.add_argument("--layers-every", type=int, default=1)
-    p.add_argument("--no-progress", action="store_true")
     p.epilog = ("Adam and problem settings: dotted config keys, e.g. --optim.lr 1e-2 "
                 "--optim.eps 1e-4 --optim.b2 0.95 --quadratic.noise 1e-9 --quadratic.theta0 1 "
                 "(a unique last part may stand alone: --eps 1e-4).")
@@ -90,11 +100,7 @@ def _quadratic(argv) -> int:
                          "--lam-min, --lam-max, --rotate)")
     settings = from_dict(QuadraticConfig, merge(nest(QUADRATIC.base), over))
     o, q = settings.optim, settings.quadratic
-    if a.steps < 1:
-        raise ValueError(f"steps: must be >= 1, got {a.steps}")
-    if a.layers_every < 1:
-        raise ValueError(f"layers_every: must be >= 1, got {a.layers_every}")
-    _check_out(a.out)
+    _check_run(a)
     spec = QuadraticSpec(num_steps=a.steps, dim=a.dim, lam_min=a.lam_max if a.lam_min is None
                          else a.lam_min, lam_max=a.lam_max, rotate=a.rotate,
                          rescale=not a.no_rescale, dtype=a.dtype)
@@ -120,11 +126,9 @@ def _quadratic(argv) -> int:
 # ----------------------------------------------------------------------------- mlp
 
 def _mlp(argv) -> int:
-    p = _Parser(prog="adamspike simulate mlp",
-                description="2-layer FNN on sin x + sin 4x ('sin') or a deep tanh MLP ('deep')")
-    p.add_argument("--out", type=Path, required=True, help="run directory (must not exist)")
+    p = _run_parser("mlp", "2-layer FNN on sin x + sin 4x ('sin') or a deep tanh MLP ('deep')",
+                    20_000)
     p.add_argument("--kind", default="sin", help="sin | deep")
-    p.add_argument("--steps", type=int, default=20_000)
     p.add_argument("--width", type=int, default=None, help="default 256 (sin) / 64 (deep)")
     p.add_argument("--depth", type=int, default=None, help="hidden layers; default 1 (sin) / 8 (deep)")
     p.add_argument("--num-points", type=int, default=None, help="default 256 (sin) / 1024 (deep)")
@@ -132,12 +136,9 @@ def _mlp(argv) -> int:
                    help="0 = full batch; default 0 (sin) / 128 (deep)")
     p.add_argument("--init-gain", type=float, default=1.0)
     p.add_argument("--input-scale", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers-every", type=int, default=1)
     p.add_argument("--hist-every", type=int, default=100, help="0 = no histograms")
     p.add_argument("--curvature", action="store_true",
                    help="log lam_hat_grad (one Hessian-vector product per step) and 2/lr")
-    p.add_argument("--no-progress", action="store_true")
     p.epilog = ("Optimizer and mitigation settings: dotted config keys, e.g. --optim.lr 1e-2 "
                 "--optim.b2 0.95 --train.loss_scale 1e-3, mitigation.* keys whose hook the MLP has (a "
                 "unique last part may stand alone: --lr 1e-2).")
@@ -157,13 +158,9 @@ def _mlp(argv) -> int:
                    num_points=a.num_points or (1024 if deep else 256),
                    batch_size=(128 if deep else 0) if a.batch_size is None else a.batch_size,
                    init_gain=a.init_gain, input_scale=a.input_scale, seed=a.seed)
-    if a.steps < 1:
-        raise ValueError(f"steps: must be >= 1, got {a.steps}")
-    if a.layers_every < 1:
-        raise ValueError(f"layers_every: must be >= 1, got {a.layers_every}")
     if a.hist_every < 0:
         raise ValueError(f"hist_every: must be >= 0, got {a.hist_every}")
-    _check_out(a.out)
+    _check_run(a)
     loss_scale = settings.train.loss_scale
     traces = train(spec, optim, a.steps, loss_scale=loss_scale,
                    plan=mitigations.plan(settings, {}, 1), hist_every=a.hist_every,

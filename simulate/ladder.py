@@ -78,7 +78,7 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from adamspike.config import ConfigError
+from adamspike.config import ConfigError, cli_main
 from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.llama import LlamaConfig, ffn_dim_for, param_specs, preset
 from adamspike.order import sample_indices
@@ -603,20 +603,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eps", type=float, default=1e-5, help="eps of the 70B profile written")
     ap.add_argument("--lr-scaling", choices=("constant", "inverse_width"), default="inverse_width",
                     help="lr per rung: lr * 64 / dim (muP-style, default) or the same lr")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
-    try:
-        if args.out.exists() and not args.out.is_dir():
-            raise ConfigError(f"--out {args.out}: exists and is not a directory")
-        spec = SPECS[args.spec](args.lr_scaling)
-        t0 = time.perf_counter()
-        df = run_ladder(spec, args.out, progress=not args.no_progress)
-        fit, ext = ladder_70b(args.out, eps=args.eps)
-    except ConfigError as e:
-        print(f"adamspike simulate ladder: error: {e}", file=sys.stderr)
-        return 2
+    return cli_main(ap, argv, _main, "adamspike simulate ladder: error")
+
+
+def _main(args) -> int:
+    if args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"--out {args.out}: exists and is not a directory")
+    spec = SPECS[args.spec](args.lr_scaling)
+    t0 = time.perf_counter()
+    df = run_ladder(spec, args.out, progress=not args.no_progress)
+    fit, ext = ladder_70b(args.out, eps=args.eps)
     write_outputs(args.out, df, fit, ext, time.perf_counter() - t0)
     g = fit["groups"]
     print(f"ladder: {df['cell_id'].nunique()} cells; R^2(log) "

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from adamspike.config import cli_main
 from adamspike.depth_groups import GROUPS, depth_group, group_rho
 from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
 from adamspike.spikes import SpikeParams, detect_spikes
@@ -209,17 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", nargs="+", required=True, type=Path)
     ap.add_argument("--predictions", required=True, type=Path, help="predictions_70b.json")
     ap.add_argument("--out", required=True, type=Path)
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
-    try:
-        pred = json.loads(args.predictions.read_text())
-        profile = pred["profile"]
-        sums = [summarize(r, profile) for r in args.runs]
-    except (OSError, json.JSONDecodeError, KeyError, RunFormatError) as e:
-        print(f"adamspike simulate matched: error: {e}", file=sys.stderr)
-        return 2
+    return cli_main(ap, argv, _main, "adamspike simulate matched: error",
+                    (OSError, json.JSONDecodeError, KeyError, RunFormatError))
+
+
+def _main(args) -> int:
+    profile = json.loads(args.predictions.read_text())["profile"]
+    sums = [summarize(r, profile) for r in args.runs]
     args.out.mkdir(parents=True, exist_ok=True)
     traj = pd.concat([s["traj"].assign(run=s["name"]) for s in sums], ignore_index=True)
     atomic_write_bytes(args.out / "trajectories.csv", traj.to_csv(index=False).encode())

@@ -80,7 +80,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
-import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -88,7 +87,7 @@ import numpy as np
 import pandas as pd
 
 from adamspike import spike_rate as SR
-from adamspike.config import ConfigError, flatten, read_toml, to_dict
+from adamspike.config import ConfigError, cli_main, flatten, read_toml, to_dict
 from adamspike.depth_groups import depth_group
 from adamspike.depth_groups import shallow_depths as group_shallow_depths
 from adamspike.llama import num_params, preset
@@ -651,41 +650,38 @@ def main(argv: list[str] | None = None) -> int:
                     "(optim.b1, optim.b2, optim.eps, optim.lr, train.global_batch_size)")
     ap.add_argument("--out", required=True, help="predictions.json to write (must not exist: "
                     "a pre-registered file is never overwritten)")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
-    try:
-        if Path(args.out).exists():
-            raise ConfigError(f"{args.out}: exists (a pre-registered predictions file is never "
-                              "overwritten); choose a new --out")
-        if args.horizon_steps < 1:
-            raise ConfigError(f"--horizon-steps: must be >= 1, got {args.horizon_steps}")
-        if args.profile_from_log:
-            if not args.ladder:
-                raise ConfigError("--profile-from-log: needs --ladder DIR for the depth shape")
-            profile = profile_from_log(args.profile_from_log, args.ladder, args.clip, args.eps_ref)
-        elif args.profile_from_run:
-            if not Path(args.profile_from_run).is_dir():
-                raise ConfigError(f"--profile-from-run {args.profile_from_run}: not a directory")
-            profile = load_profile(args.profile_from_run)
-        else:
-            profile = load_profile(args.profile, args.ladder)
-        tables = [SR.read_sweep_table(sw) for sw in args.sweep]
-        for sw, t in zip(args.sweep, tables):
-            need = {"optim.b2", "num_spikes", "diverged"}
-            if not need <= set(t.columns):
-                raise ConfigError(f"{sw}: not a sweep table (missing {sorted(need - set(t.columns))})")
-        table = pd.concat(tables, ignore_index=True) if tables else None
-        cands = (load_candidates(args.candidates, profile) if args.candidates
-                 else default_candidates(profile))
-        model, prov = rate_model(args.rate_model, args.sweep)
-        pred = predict(profile, cands, table, ", ".join(args.sweep), model=model,
-                       provenance=prov, horizon=args.horizon_steps)
-        data = save_predictions(pred, args.out)
-    except (ConfigError, PredictionsError, SR.SpikeRateError, ValueError) as e:
-        print(f"adamspike predict: {e}", file=sys.stderr)
-        return 2
+    return cli_main(ap, argv, _main, "adamspike predict",
+                    (ConfigError, PredictionsError, SR.SpikeRateError, ValueError))
+
+
+def _main(args) -> int:
+    if Path(args.out).exists():
+        raise ConfigError(f"{args.out}: exists (a pre-registered predictions file is never "
+                          "overwritten); choose a new --out")
+    if args.horizon_steps < 1:
+        raise ConfigError(f"--horizon-steps: must be >= 1, got {args.horizon_steps}")
+    if args.profile_from_log:
+        if not args.ladder:
+            raise ConfigError("--profile-from-log: needs --ladder DIR for the depth shape")
+        profile = profile_from_log(args.profile_from_log, args.ladder, args.clip, args.eps_ref)
+    elif args.profile_from_run:
+        if not Path(args.profile_from_run).is_dir():
+            raise ConfigError(f"--profile-from-run {args.profile_from_run}: not a directory")
+        profile = load_profile(args.profile_from_run)
+    else:
+        profile = load_profile(args.profile, args.ladder)
+    tables = [SR.read_sweep_table(sw) for sw in args.sweep]
+    for sw, t in zip(args.sweep, tables):
+        need = {"optim.b2", "num_spikes", "diverged"}
+        if not need <= set(t.columns):
+            raise ConfigError(f"{sw}: not a sweep table (missing {sorted(need - set(t.columns))})")
+    table = pd.concat(tables, ignore_index=True) if tables else None
+    cands = (load_candidates(args.candidates, profile) if args.candidates
+             else default_candidates(profile))
+    model, prov = rate_model(args.rate_model, args.sweep)
+    pred = predict(profile, cands, table, ", ".join(args.sweep), model=model,
+                   provenance=prov, horizon=args.horizon_steps)
+    data = save_predictions(pred, args.out)
     best, worst = pred.settings[0], pred.settings[-1]
     print(f"{len(pred.settings)} settings, {len(pred.alarm_rules)} alarm rules -> {args.out} "
           f"(pre-registered {data['created']}, sha256 {data['content_sha256'][:12]}); rates "

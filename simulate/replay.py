@@ -53,7 +53,6 @@ compute-bound on a CPU (~40-70 steps / s on 2 shared cores), so side-by-side lan
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import math
@@ -354,10 +353,6 @@ def torch_rows(spec: ReplaySpec, found: Sequence[Mapping[str, Any]]) -> pd.DataF
 
 
 # ----------------------------------------------------------------------------- study
-
-def spec_id(spec: ReplaySpec) -> str:
-    return hashlib.sha1(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()[:12]
-
 
 def _check_meta(out: Path, spec: ReplaySpec) -> None:
     meta = out / "replay.json"

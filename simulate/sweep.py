@@ -71,7 +71,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from adamspike.config import ConfigError, flatten, from_dict, merge, nest, read_toml, to_dict
+from adamspike.config import ConfigError, cli_main, flatten, from_dict, merge, nest, read_toml, to_dict
 from adamspike.rundir import atomic_write_bytes
 from adamspike.spikes import SpikeParams, detect_spikes
 
@@ -503,19 +503,6 @@ def _expected_runs(grid_json: Mapping[str, Any]) -> int:
     return math.prod(len(v) for v in grid_json["axes"].values()) * len(grid_json["seeds"])
 
 
-def load_table(path: str | Path) -> pd.DataFrame:
-    """A sweep table from a runs.parquet / .csv file or a directory holding runs.parquet."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "runs.parquet"
-    if not p.is_file():
-        raise ConfigError(f"{path}: sweep table not found (expected runs.parquet or a .csv)")
-    try:
-        return pd.read_csv(p) if p.suffix == ".csv" else pd.read_parquet(p)
-    except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"{p}: unreadable sweep table ({e})") from None
-
-
 # ----------------------------------------------------------------------------- CLI
 
 def _parser() -> argparse.ArgumentParser:
@@ -539,24 +526,19 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None, problems: Mapping[str, Problem]) -> int:
     """`adamspike sweep run|merge` over `problems` (simulate.sweep_problems.PROBLEMS; the
     top CLI passes them, so this engine imports no problem)."""
-    ap = _parser()
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
-    try:
-        if args.cmd == "run":
-            shard = parse_shard(args.shard)
-            grid = load_grid(args.grid, problems, quick=args.quick)
-            if args.save_runs < 0:
-                raise ConfigError(f"--save-runs: must be >= 0, got {args.save_runs}")
-            table = run_sweep(grid, args.out, shard, progress=not args.no_progress,
-                              save_runs=args.save_runs)
-            print(f"{len(table)} runs -> {args.out}")
-        else:
-            table = merge_shards(args.dirs, args.out, force=args.force)
-            print(f"{len(table)} runs -> {Path(args.out) / 'runs.parquet'}")
-    except ConfigError as e:
-        print(f"adamspike sweep: {e}", file=sys.stderr)
-        return 2
+    return cli_main(_parser(), argv, lambda args: _main(args, problems), "adamspike sweep")
+
+
+def _main(args, problems: Mapping[str, Problem]) -> int:
+    if args.cmd == "run":
+        shard = parse_shard(args.shard)
+        grid = load_grid(args.grid, problems, quick=args.quick)
+        if args.save_runs < 0:
+            raise ConfigError(f"--save-runs: must be >= 0, got {args.save_runs}")
+        table = run_sweep(grid, args.out, shard, progress=not args.no_progress,
+                          save_runs=args.save_runs)
+        print(f"{len(table)} runs -> {args.out}")
+    else:
+        table = merge_shards(args.dirs, args.out, force=args.force)
+        print(f"{len(table)} runs -> {Path(args.out) / 'runs.parquet'}")
     return 0
