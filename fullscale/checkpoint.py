@@ -56,6 +56,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from adamspike.faults import kill_point
+from fullscale.device import local_shard as _local
 
 FORMAT = "adamspike-torch-ckpt/1"
 MARKER = "COMPLETE"
@@ -112,11 +113,6 @@ def _gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 # ----------------------------------------------------------------------------- paths

@@ -28,9 +28,17 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def _fail(prog: str, e: Exception) -> int:
-    print(f"{prog}: error: {e}", file=sys.stderr)
-    return 2
+def exit_status(prog: str, body, errors=()) -> int:
+    """body() -> its status, for every `adamspike` command of fullscale (model, data, launch,
+    plan): argparse's exit (--help) -> its status; ConfigError or one of `errors` -> one
+    line `PROG: error: ...` on stderr and 2."""
+    try:
+        return body()
+    except SystemExit as e:
+        return int(e.code or 0)
+    except (ConfigError, *errors) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
 
 
 # ----------------------------------------------------------------------------- model
@@ -99,42 +107,37 @@ def _assumptions(args):
 
 
 def model_main(argv: list[str]) -> int:
-    prog = "adamspike model"
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: adamspike model info --config CONFIG [options]   (adamspike model info --help)")
         return 0 if argv else 2
+    return exit_status("adamspike model", lambda: _model_info(argv))
+
+
+def _model_info(argv: list[str]) -> int:
     if argv[0] != "info":
-        return _fail(prog, ConfigError(f"unknown subcommand {argv[0]!r} (known: info)"))
-    try:
-        args = model_parser().parse_args(argv[1:])
-    except SystemExit as e:          # --help
-        return int(e.code or 0)
-    except ConfigError as e:
-        return _fail(prog, e)
-    try:
-        cfg, run, source = resolve_config(args.config)
-        train = run.train if run is not None else None
-        seq_len = args.seq_len if args.seq_len is not None else (train.seq_len if train else None)
-        global_batch = args.global_batch if args.global_batch is not None else (
-            train.global_batch_size if train else None)
-        if args.micro_batch is not None:
-            micro = args.micro_batch
-        elif train and train.micro_batch_size:
-            micro = train.micro_batch_size
-        elif train:          # micro_batch_size 0 = the rank's whole share in one forward
-            micro = max(1, train.global_batch_size // args.world_size)
-        else:
-            micro = 1
-        dtype = args.dtype or (train.dtype if train else "bf16")
-        ac = (args.activation_checkpointing == "on" if args.activation_checkpointing
-              else (train.activation_checkpointing if train else True))
-        info = model_info(cfg, world_size=args.world_size, seq_len=seq_len, micro_batch=micro,
-                          global_batch=global_batch, sharding=args.sharding, layout=args.layout,
-                          grad_dtype=args.grad_dtype, dtype=dtype, activation_checkpointing=ac,
-                          prefetch=not args.no_prefetch, assumptions=_assumptions(args),
-                          meta_check=not args.no_meta_check)
-    except ConfigError as e:
-        return _fail(prog, e)
+        raise ConfigError(f"unknown subcommand {argv[0]!r} (known: info)")
+    args = model_parser().parse_args(argv[1:])
+    cfg, run, source = resolve_config(args.config)
+    train = run.train if run is not None else None
+    seq_len = args.seq_len if args.seq_len is not None else (train.seq_len if train else None)
+    global_batch = args.global_batch if args.global_batch is not None else (
+        train.global_batch_size if train else None)
+    if args.micro_batch is not None:
+        micro = args.micro_batch
+    elif train and train.micro_batch_size:
+        micro = train.micro_batch_size
+    elif train:          # micro_batch_size 0 = the rank's whole share in one forward
+        micro = max(1, train.global_batch_size // args.world_size)
+    else:
+        micro = 1
+    dtype = args.dtype or (train.dtype if train else "bf16")
+    ac = (args.activation_checkpointing == "on" if args.activation_checkpointing
+          else (train.activation_checkpointing if train else True))
+    info = model_info(cfg, world_size=args.world_size, seq_len=seq_len, micro_batch=micro,
+                      global_batch=global_batch, sharding=args.sharding, layout=args.layout,
+                      grad_dtype=args.grad_dtype, dtype=dtype, activation_checkpointing=ac,
+                      prefetch=not args.no_prefetch, assumptions=_assumptions(args),
+                      meta_check=not args.no_meta_check)
     info["source"] = source
     print(json.dumps(info) if args.json else format_info(info, source))
     return 0
@@ -195,41 +198,36 @@ def _read_documents(path: Path):
 
 
 def data_main(argv: list[str]) -> int:
-    prog = "adamspike data"
-    try:
-        args = data_parser().parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    except ConfigError as e:
-        return _fail(prog, e)
-    try:
-        if args.cmd == "inspect":
-            ds = IndexedTokens(args.prefix)
-            out = ds.summary()
-            rng = ds.token_range(progress=True)
-            out["token_min"], out["token_max"] = rng if rng else (None, None)
-            if args.vocab_size is not None:
-                if args.vocab_size < 1:
-                    raise ConfigError(f"--vocab-size: must be >= 1, got {args.vocab_size}")
-                ds.check_vocab(args.vocab_size, progress=True)
-                out["vocab_size"], out["vocab_check"] = args.vocab_size, "ok"
-            if args.json:
-                print(json.dumps(out))
-            else:
-                for k, v in out.items():
-                    print(f"{k:<20} {v}")
-            return 0
-        documents = _read_documents(Path(args.input))
-        w = IndexedWriter(args.out, np.dtype(args.dtype))
-        try:
-            for doc in documents:
-                w.add_document(doc)
-        except BaseException:
-            w.abort()
-            raise
-        bin_path, idx_path = w.finalize()
-        print(f"wrote {bin_path} and {idx_path}: {len(w.sequence_lengths)} documents, "
-              f"{sum(w.sequence_lengths)} tokens, {args.dtype}")
+    return exit_status("adamspike data", lambda: _data(data_parser().parse_args(argv)),
+                       (DataFormatError,))
+
+
+def _data(args) -> int:
+    if args.cmd == "inspect":
+        ds = IndexedTokens(args.prefix)
+        out = ds.summary()
+        rng = ds.token_range(progress=True)
+        out["token_min"], out["token_max"] = rng if rng else (None, None)
+        if args.vocab_size is not None:
+            if args.vocab_size < 1:
+                raise ConfigError(f"--vocab-size: must be >= 1, got {args.vocab_size}")
+            ds.check_vocab(args.vocab_size, progress=True)
+            out["vocab_size"], out["vocab_check"] = args.vocab_size, "ok"
+        if args.json:
+            print(json.dumps(out))
+        else:
+            for k, v in out.items():
+                print(f"{k:<20} {v}")
         return 0
-    except (DataFormatError, ConfigError) as e:
-        return _fail(prog, e)
+    documents = _read_documents(Path(args.input))
+    w = IndexedWriter(args.out, np.dtype(args.dtype))
+    try:
+        for doc in documents:
+            w.add_document(doc)
+    except BaseException:
+        w.abort()
+        raise
+    bin_path, idx_path = w.finalize()
+    print(f"wrote {bin_path} and {idx_path}: {len(w.sequence_lengths)} documents, "
+          f"{sum(w.sequence_lengths)} tokens, {args.dtype}")
+    return 0

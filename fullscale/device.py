@@ -36,6 +36,11 @@ BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 DEVICES_TOML = Path(__file__).resolve().parent.parent / "configs" / "devices.toml"
 
 
+def local_shard(x: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 DTensor, the tensor itself otherwise."""
+    return x.to_local() if hasattr(x, "to_local") else x
+
+
 class DeviceError(RuntimeError):
     """The requested device or distributed setup is not available or is inconsistent."""
 

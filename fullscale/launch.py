@@ -46,6 +46,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from adamspike.config import ConfigError, load_config, param, replace, to_dict
 from adamspike.llama import num_params
 from adamspike.predictions import PredictionsError, load_predictions, setting_config
 from adamspike.train_config import RunConfig
+from fullscale.cli import _Parser, exit_status
 from fullscale.hf import resolve_model
 from fullscale.model_info import megatron_memory, memory_per_card
 
@@ -132,19 +134,22 @@ def dump_toml(data: dict[str, Any]) -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def _new_dir(out: Path):
-    """A temporary sibling of `out`, renamed onto it by _commit_dir; `out` must not exist
-    (or be an empty directory)."""
+@contextmanager
+def _staged_dir(out: Path):
+    """A temporary sibling of `out` (which must not exist, or be empty), renamed onto it when
+    the block succeeds and removed when it fails."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out: {out} already exists; refusing to overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-
-
-def _commit_dir(tmp: Path, out: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     tmp.chmod(0o755)             # mkdtemp makes it 0700
     if out.exists():
-        out.rmdir()              # empty (checked in _new_dir)
+        out.rmdir()              # empty (checked above)
     os.replace(tmp, out)
 
 
@@ -481,8 +486,7 @@ def write_launch(launch: Launch, out: Path, final: Path | None = None) -> dict[s
     refer to themselves under `final` (default `out`), where the caller will move them."""
     out = Path(out).resolve()
     final = Path(final).resolve() if final is not None else out
-    tmp = _new_dir(out)
-    try:
+    with _staged_dir(out) as tmp:
         run_toml = final / "run.toml"
         (tmp / "run.toml").write_text(
             "# Resolved by `adamspike launch`; edit the source config and regenerate instead.\n"
@@ -508,19 +512,10 @@ def write_launch(launch: Launch, out: Path, final: Path | None = None) -> dict[s
                 "start": "on node k: bash SCRIPT k   (k = 0 .. nodes-1)",
                 "cluster_config": to_dict(launch.cluster)}
         (tmp / "launch.json").write_text(json.dumps(info, indent=2) + "\n")
-        _commit_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return info
 
 
 # ----------------------------------------------------------------------------- CLI
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ConfigError(message)
-
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", help="cluster TOML (configs/cluster-128x8.toml); flags override it")
@@ -567,32 +562,32 @@ def _resolve_run(run, device: str):
                            "alarms.predictions": _abs(run.alarms.predictions)})
 
 
-def _fail(prog: str, e: Exception) -> int:
-    print(f"{prog}: error: {e}", file=sys.stderr)
-    return 2
+def _parse(p: argparse.ArgumentParser, argv: list[str]):
+    """(args, --section.key value overrides) of a launch / plan command line."""
+    args, overrides = p.parse_known_args(argv)
+    if overrides and not overrides[0].startswith("--"):
+        raise ConfigError(f"unexpected argument {overrides[0]!r}")
+    return args, overrides
 
 
 def launch_main(argv: list[str]) -> int:
+    return exit_status("adamspike launch", lambda: _launch(argv))
+
+
+def _launch(argv: list[str]) -> int:
     p = _Parser(prog="adamspike launch", description="Write per-node launch scripts for one run. "
                 "Extra --section.key value pairs override the run config.", allow_abbrev=False)
     p.add_argument("--config", required=True, help="run config TOML")
     p.add_argument("--out", required=True, help="new directory for the scripts")
     p.add_argument("--run-dir", help="run directory the job writes (default OUT/run)")
     _cluster_args(p)
-    try:
-        args, overrides = p.parse_known_args(argv)
-        if overrides and not overrides[0].startswith("--"):
-            raise ConfigError(f"unexpected argument {overrides[0]!r}")
-        cluster = _cluster(args)
-        run = _resolve_run(load_config(RunConfig, args.config, overrides), cluster.cluster.device)
-        out = Path(args.out).resolve()
-        run_dir = Path(args.run_dir).resolve() if args.run_dir else out / "run"
-        launch = prepare(run, cluster, run_dir, _engines(args.engine))
-        info = write_launch(launch, out)
-    except SystemExit as e:
-        return int(e.code or 0)
-    except ConfigError as e:
-        return _fail("adamspike launch", e)
+    args, overrides = _parse(p, argv)
+    cluster = _cluster(args)
+    run = _resolve_run(load_config(RunConfig, args.config, overrides), cluster.cluster.device)
+    out = Path(args.out).resolve()
+    run_dir = Path(args.run_dir).resolve() if args.run_dir else out / "run"
+    launch = prepare(run, cluster, run_dir, _engines(args.engine))
+    info = write_launch(launch, out)
     for note in launch.notes:
         print(f"adamspike launch: warning: Megatron script: {note}", file=sys.stderr)
     _memory_warnings("adamspike launch", launch)
@@ -619,6 +614,10 @@ def _safe_id(setting_id: str) -> str:
 
 def plan_main(argv: list[str]) -> int:
     """One run config + launch scripts per setting in predictions.json's `validate` list."""
+    return exit_status("adamspike plan", lambda: _plan(argv), (PredictionsError,))
+
+
+def _plan(argv: list[str]) -> int:
     p = _Parser(prog="adamspike plan",
                 description="Run configs and launch scripts for the settings predictions.json recommends. "
                 "Extra --section.key value pairs override the base config.", allow_abbrev=False)
@@ -629,30 +628,21 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--runs-dir", help="where the runs write (default OUT/<setting>/run)")
     _cluster_args(p)
     prog = "adamspike plan"
-    try:
-        args, overrides = p.parse_known_args(argv)
-        if overrides and not overrides[0].startswith("--"):
-            raise ConfigError(f"unexpected argument {overrides[0]!r}")
-        if args.top is not None and args.top < 1:
-            raise ConfigError(f"--top: must be >= 1, got {args.top}")
-        pred_path = Path(args.predictions)
-        if not pred_path.is_file():
-            raise ConfigError(f"--predictions: file not found: {pred_path}")
-        preds = load_predictions(pred_path)
-        ids = preds.validate[:args.top] if args.top else list(preds.validate)
-        if not ids:
-            raise ConfigError(f"{pred_path}: the validate list is empty; nothing to plan")
-        cluster = _cluster(args)
-        base = load_config(RunConfig, args.base, overrides)
-        out = Path(args.out).resolve()
-        tmp = _new_dir(out)
-    except SystemExit as e:
-        return int(e.code or 0)
-    except (ConfigError, PredictionsError) as e:
-        return _fail(prog, e)
-    try:
-        pred_copy = tmp / "predictions.json"
-        shutil.copyfile(pred_path, pred_copy)
+    args, overrides = _parse(p, argv)
+    if args.top is not None and args.top < 1:
+        raise ConfigError(f"--top: must be >= 1, got {args.top}")
+    pred_path = Path(args.predictions)
+    if not pred_path.is_file():
+        raise ConfigError(f"--predictions: file not found: {pred_path}")
+    preds = load_predictions(pred_path)
+    ids = preds.validate[:args.top] if args.top else list(preds.validate)
+    if not ids:
+        raise ConfigError(f"{pred_path}: the validate list is empty; nothing to plan")
+    cluster = _cluster(args)
+    base = load_config(RunConfig, args.base, overrides)
+    out = Path(args.out).resolve()
+    with _staged_dir(out) as tmp:
+        shutil.copyfile(pred_path, tmp / "predictions.json")
         rows, seen = [], set()
         for sid in ids:
             s = preds.setting(sid)
@@ -682,12 +672,5 @@ def plan_main(argv: list[str]) -> int:
         (tmp / "plan.json").write_text(json.dumps(
             {"predictions": str(out / "predictions.json"), "base": _abs(args.base), "settings": rows},
             indent=2) + "\n")
-        _commit_dir(tmp, out)
-    except (ConfigError, PredictionsError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return _fail(prog, e)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"wrote {out}: {len(rows)} setting(s): " + ", ".join(r["id"] for r in rows))
     return 0

@@ -1,66 +1,27 @@
 """Per-tensor Adam telemetry inside an unmodified Megatron-LM / MindSpeed-LLM run.
 
-The probe wraps `megatron.training.training.train_step`. That function zeroes the
-gradients at its start and calls `optimizer.step()` inside, so code that runs right after
-it sees the post-step state (the gradient Adam consumed, exp_avg, exp_avg_sq, the updated
-main parameters) before the next zero_grad; it receives `model` (a list of model chunks)
-and `optimizer` as its 3rd and 4th arguments in every Megatron version since 2023.
-On logged steps the probe computes, for every parameter tensor of the model, the
-`adamspike.metrics.SUM_FIELDS` sums (and r-histogram counts) of the elements this rank
-owns, all-reduces one (num_tensors, 14 [+ 64]) float64 table over the world, and the last
-rank (the one Megatron's `training_log` prints on) turns it into the run directory's
-`layers` / `hists` rows with `adamspike.metrics.finalize`; a `steps` row is written every
-step. `adamspike analyze` / `figures` then treat the run like one of ours (backend
-"megatron").
+docs/mindspeed_probe.md is the user's guide: what it needs on the cluster (python >= 3.8,
+torch >= 2.1 + torch_npu, numpy; no jax / pandas / scipy), how to add it to a run (the
+generated script, `python -m fullscale.megatron_probe ... -- pretrain_gpt.py ARGS`, or
+`install()` after MindSpeed-LLM's adaptor import), which optimizer attributes it reads,
+how it names tensors, and its cost. What is only here:
 
-Reaching Adam's state (megatron.core.optimizer; names checked against megatron-core 0.16
-and Megatron-LM main): `ChainedOptimizer.chained_optimizers` is walked recursively; per
-leaf optimizer, (model parameter, main parameter, flat range of the model parameter the
-main parameter holds):
-  - `DistributedOptimizer`: `model_float16_groups` <-> `shard_fp32_from_float16_groups`
-    and `model_fp32_groups` <-> `shard_fp32_groups`, the range from
-    `_get_model_param_range_map(p)["param"]` (this data-parallel rank's slice);
-  - `Float16OptimizerWithFloat16Params`: `float16_groups` <-> `fp32_from_float16_groups`,
-    and `fp32_from_fp32_groups` (model = main), whole tensors;
-  - `FP32Optimizer` (and a plain torch optimizer): the inner param groups, whole tensors.
-The state is `leaf.optimizer.state[main]["exp_avg" | "exp_avg_sq"]`, the gradient
-`main.grad` (after Megatron's clipping: the one Adam consumed), the step t from
-`state["step"]` (torch AdamW) or the param group's "step" (apex / TE FusedAdam).
+`megatron.training.training.train_step` receives `model` (a list of model chunks) and
+`optimizer` as its 3rd and 4th arguments in every Megatron version since 2023. On logged
+steps every rank computes the `adamspike.metrics.SUM_FIELDS` sums (and r-histogram counts)
+of the elements it owns, one (num_tensors, 14 [+ 64]) float64 table is all-reduced over the
+world, and the last rank turns it into `layers` / `hists` rows with
+`adamspike.metrics.finalize`; a `steps` row is written every step.
 
-Exact reduction (every tensor's metrics equal those of the unsharded state): a rank adds
-its elements' sums to its tensors' rows only where it owns them: data-parallel replicas
-(non-distributed optimizer: DP rank 0 of the data-parallel-with-context-parallel group;
-expert parameters: expert-DP rank 0; distributed optimizer: every DP rank owns its
-disjoint slice, and only instance 0 when there are several optimizer instances),
-tensor-parallel copies of non-split tensors (`tensor_model_parallel` false: TP rank 0)
-and, for a tied embedding, the copy on the last pipeline stage (`shared_embedding` off
-the first stage) count once; TP-split and pipeline-stage tensors are disjoint, so plain
-sums over the world are sums over the whole tensor. The tensor list is the union over all
-ranks (one `all_gather_object` at the first logged step). Names come from
-`model.named_parameters()` with `module.` prefixes stripped and each transformer layer's
-local index replaced by its global `layer_number - 1` (pipeline stages and virtual chunks
-number their layers from 0).
+Ownership (each element counts once): non-distributed optimizer: DP rank 0 of the
+data-parallel-with-context-parallel group (expert parameters: expert-DP rank 0);
+distributed optimizer: every DP rank's disjoint slice, only instance 0 when there are
+several optimizer instances; non-split tensors (`tensor_model_parallel` false): TP rank 0;
+a tied embedding: not the copy on the last stage (`shared_embedding` off the first stage).
+The tensor list is the union over all ranks (one `all_gather_object` at the first logged
+step). Elementwise math in float64 (cpu, cuda) or float32 (npu, where float64 kernels are
+not dependable); counts are integer sums.
 
-Metrics: the trainer's definitions (adamspike.metrics; m_prev reconstructed as in
-fullscale.telemetry: m_prev = (m_t - (1 - b1) g) / b1, exactly 0 at t = 1); b1, b2, eps
-and lr from the optimizer's param groups. Elementwise math in float64 (cpu, cuda) or
-float32 (npu, where float64 kernels are not dependable); counts are integer sums.
-
-Where it runs: python >= 3.8, torch >= 2.1 (+ torch_npu), numpy; no jax / pandas / scipy.
-The writer is `adamspike.rundir.RunWriter` (parquet) when pandas and pyarrow import, else
-a plain one (atomically written JSON-lines parts `TABLE/part-NNNNNN.jsonl`, the same
-events.jsonl and run.json) that `adamspike.rundir.load_run` reads as well.
-
-Use (see docs/mindspeed_probe.md):
-  - plain Megatron-LM:  python -m fullscale.megatron_probe --out RUN -- pretrain_gpt.py ARGS
-    (under torchrun: `torchrun ... -m fullscale.megatron_probe --out RUN -- pretrain_gpt.py ARGS`)
-  - MindSpeed-LLM: the same launcher imports `mindspeed_llm.megatron_adaptor` first (its
-    patches are applied once), or two lines after that import in pretrain_gpt.py:
-        from fullscale.megatron_probe import install
-        install()
-    which registers the wrapper with `mindspeed.patch_utils.MindSpeedPatchesManager`
-    (`register_patch(name, fn)` with fn's name ending in `_wrapper`: stacked on top of
-    MindSpeed's own patches) and calls `apply_patches()`.
 Settings come from install()'s arguments or the environment: ADAMSPIKE_PROBE_OUT (the run
 directory; required), ADAMSPIKE_PROBE_EVERY (telemetry every K steps, default 10),
 ADAMSPIKE_PROBE_HIST_EVERY (histograms every H steps, 0 = never, default 100),
@@ -90,7 +51,6 @@ from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, SAT_THRES
 TRAIN_STEP = "megatron.training.training.train_step"
 NUM_SUMS = len(SUM_FIELDS)
 _COL = {f: i for i, f in enumerate(SUM_FIELDS)}
-PLAIN_SCHEMA_VERSION = 1
 ENV_PREFIX = "ADAMSPIKE_PROBE_"
 
 
@@ -280,52 +240,72 @@ _FLOAT_COLS = [i for i, f in enumerate(SUM_FIELDS) if f not in ("n", "sat", "eps
 _INT_COLS = [SUM_FIELDS.index(f) for f in ("n", "sat", "eps_small")]
 
 
+def update_direction(m, v, bc1, bc2, eps, zero_eps: bool):
+    """m_hat, v_hat, sqrt(v_hat) and r = m_hat / (sqrt(v_hat) + eps) of exp_avg m and
+    exp_avg_sq v (bc1, bc2 = 1 - b1^t, 1 - b2^t and eps: numbers, or tensors broadcasting
+    against m); zero_eps: some eps is 0 (r = 0 where v_hat = 0 instead of 0/0)."""
+    m_hat, v_hat = m / bc1, v / bc2
+    s = torch.sqrt(v_hat)
+    r = m_hat / (s + eps)
+    if zero_eps:
+        r = torch.where(v_hat > 0, r, 0.0)
+    return m_hat, v_hat, s, r
+
+
+def adam_terms(g, m, v, p, bc1, bc2, eps, zero_eps: bool, b1: float, m_prev=None):
+    """The elementwise terms of SUM_FIELDS[1:] (g2 .. p2; sat and eps_small as bool) and r,
+    shared by the probe and fullscale.telemetry's block kernel. m, v: exp_avg, exp_avg_sq
+    after the step; g the gradient it consumed; p the parameter after the step; m_prev None:
+    reconstructed as (m - (1 - b1) g) / b1."""
+    m_hat, v_hat, s, r = update_direction(m, v, bc1, bc2, eps, zero_eps)
+    g2, r2 = g * g, r * r
+    denom = torch.maximum(v_hat, eps * eps) if torch.is_tensor(eps) else torch.clamp(v_hat, min=eps * eps)
+    if zero_eps:  # v_hat = 0 implies g = 0 (v >= (1 - b2) g^2): count 0
+        q = torch.where(denom > 0, g2 / torch.where(denom > 0, denom, 1.0), 0.0)
+    else:
+        q = g2 / denom
+    if m_prev is None:
+        m_prev = (m - (1 - b1) * g) / b1
+    return (g2, r, r2, r2 * r, r2 * r2, q, r.abs() > SAT_THRESHOLD, s < eps, m_hat * m_hat, v_hat,
+            g * m_prev, m_prev * m_prev, p * p), r
+
+
 def shard_sums(g, m, v, p, bc1: float, bc2: float, b1: float, eps: float, fresh: bool,
                dtype: torch.dtype, hist_edges: Optional[torch.Tensor] = None):
     """One owned slice's SUM_FIELDS sums, on its device and without a host sync: (the 11
     real-valued sums in _FLOAT_COLS order, float64 or float32 on npu; the int64 counts n,
     sat, eps_small [+ the NUM_HIST_BINS r-histogram counts when `hist_edges`, the 63
-    inner edges, is given]).
-    m, v: exp_avg, exp_avg_sq after the step; g the gradient it consumed; p the main
-    parameter after the step; bc1, bc2 = 1 - b1^t, 1 - b2^t; fresh: t = 1 (m_prev = 0)."""
+    inner edges, is given]). bc1, bc2 = 1 - b1^t, 1 - b2^t; fresh: t = 1 (m_prev = 0)."""
     g, m, v, p = (x.reshape(-1).to(dtype) for x in (g, m, v, p))
     acc = torch.float64 if dtype == torch.float64 or g.device.type != "npu" else dtype
-    m_hat, v_hat = m / bc1, v / bc2
-    s = torch.sqrt(v_hat)
-    r = m_hat / (s + eps)
-    if eps == 0:
-        r = torch.where(v_hat > 0, r, torch.zeros_like(r))
-    g2, r2 = g * g, r * r
-    if eps > 0:
-        q = g2 / torch.clamp(v_hat, min=eps * eps)
-    else:
-        q = torch.where(v_hat > 0, g2 / torch.where(v_hat > 0, v_hat, torch.ones_like(v_hat)),
-                        torch.zeros_like(v_hat))
-    if fresh:
-        mp = [torch.zeros((), dtype=acc, device=g.device)] * 2
-    else:
-        m_prev = (m - (1 - b1) * g) / b1
-        mp = [(g * m_prev).sum(dtype=acc), (m_prev * m_prev).sum(dtype=acc)]
-    floats = torch.stack([x.sum(dtype=acc) for x in (g2, r, r2, r2 * r, r2 * r2, q, m_hat * m_hat, v_hat)]
-                         + mp + [(p * p).sum(dtype=acc)])
+    terms, r = adam_terms(g, m, v, p, bc1, bc2, eps, eps == 0, b1)
+    sums = [t.sum(dtype=acc) for i, t in enumerate(terms) if i not in (6, 7)]
+    if fresh:   # m_prev = 0 exactly (m_t - (1 - b1) g is rounding noise)
+        sums[8:10] = [torch.zeros((), dtype=acc, device=g.device)] * 2
     ints = [torch.full((1,), g.numel(), dtype=torch.int64, device=g.device),
-            (r.abs() > SAT_THRESHOLD).sum().reshape(1), (s < eps).sum().reshape(1)]
+            terms[6].sum().reshape(1), terms[7].sum().reshape(1)]
     if hist_edges is not None:
-        # bin i holds e_i <= r < e_{i+1}; out-of-range values in the end bins, NaN in the last
-        idx = torch.bucketize(r, hist_edges, right=True)
-        idx = torch.where(torch.isnan(r), torch.full_like(idx, NUM_HIST_BINS - 1), idx)
-        ints.append(torch.bincount(idx, minlength=NUM_HIST_BINS))
-    return floats, torch.cat([x.to(torch.int64) for x in ints])
+        ints.append(bin_counts(r, hist_edges, NUM_HIST_BINS))
+    return torch.stack(sums), torch.cat([x.to(torch.int64) for x in ints])
 
 
-def _inner_edges(dtype: torch.dtype, device) -> torch.Tensor:
-    """HIST_EDGES[1:-1] rounded up to `dtype`, so `e <= r` in dtype is numpy's float64
-    decision on the same r."""
+def rounded_edges(edges, dtype: torch.dtype) -> torch.Tensor:
+    """Histogram edges (float64) rounded up to `dtype`, so `e <= x` in dtype is numpy's
+    float64 decision on the same x (the probe's and fullscale.telemetry's r histograms)."""
     npdt = np.float64 if dtype == torch.float64 else np.float32
-    e = HIST_EDGES[1:-1].astype(npdt)
-    up = e.astype(np.float64) < HIST_EDGES[1:-1]
-    e[up] = np.nextafter(e[up], np.array(np.inf, dtype=npdt))
-    return torch.from_numpy(e).to(device)
+    e = np.asarray(edges, dtype=np.float64)
+    out = e.astype(npdt)
+    up = out.astype(np.float64) < e
+    out[up] = np.nextafter(out[up], np.array(np.inf, dtype=npdt))
+    return torch.from_numpy(out)
+
+
+def bin_counts(x: torch.Tensor, inner_edges: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """int64 counts (num_bins,) of x, bin i holding e_i <= x < e_{i+1} (`inner_edges`: the
+    edges without the first and last): values outside in the end bins, NaN in the last."""
+    idx = torch.bucketize(x, inner_edges, right=True)
+    idx = torch.where(torch.isnan(x), torch.full_like(idx, num_bins - 1), idx)
+    return torch.bincount(idx, minlength=num_bins)
 
 
 def _step_of(state: dict, group: dict) -> int:
@@ -578,7 +558,7 @@ class MegatronProbe:
         self.device = slots[0].main.device if slots else torch.device("cpu")
         self.dtype = torch.float32 if (self.device.type == "npu" or self.precision == "float32") \
             else torch.float64
-        self.edges = _inner_edges(self.dtype, self.device)
+        self.edges = rounded_edges(HIST_EDGES[1:-1], self.dtype).to(self.device)
 
     # -- per step --------------------------------------------------------------------
     def active(self, step: int) -> bool:
@@ -859,7 +839,6 @@ def install(out: Optional[str] = None, *, every: Optional[int] = None,
     `megatron_adaptor` import, whose FeatureAdaptor.execute removes earlier patches).
     Otherwise: setattr on megatron.training.training, and every loaded module that
     imported the original `train_step` by name is pointed at the wrapper too."""
-    global _PROBE
     out = out or os.environ.get(ENV_PREFIX + "OUT")
     if not out:
         raise ProbeError(f"no run directory: pass install(out=...) or set {ENV_PREFIX}OUT")

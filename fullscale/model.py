@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from adamspike.llama import LlamaConfig, param_specs
+from fullscale.device import local_shard
 
 
 class RMSNorm(nn.Module):
@@ -154,7 +155,7 @@ class Transformer(nn.Module):
         params = dict(self.named_parameters())
         for spec in param_specs(self.cfg):
             p = params[spec.name]
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = local_shard(p)
             device = generator.device if generator is not None else local.device
             full = torch.empty(spec.shape, device=device, dtype=torch.float32)
             if spec.init == "ones":

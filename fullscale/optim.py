@@ -37,6 +37,7 @@ from torch import nn
 
 from adamspike.mitigations import StepPlan
 from adamspike.train_config import OptimSection
+from fullscale.device import local_shard as _local
 
 TORCH_CLIP_EPS = 1e-6  # clip_grad_norm_ divides by (norm + 1e-6)
 
@@ -110,10 +111,6 @@ def clip_gradients(params, max_norm: float) -> tuple[float, bool]:
     norm = float(_full(torch.nn.utils.clip_grad_norm_(params, limit, foreach=None)))
     clipped = max_norm > 0 and max_norm / (norm + TORCH_CLIP_EPS) < 1.0
     return norm, bool(clipped)
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if hasattr(x, "to_local") else x
 
 
 def _all_reduce_shards(t: torch.Tensor, params) -> torch.Tensor:

@@ -82,9 +82,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, SAT_THRESHOLD, SUM_FIELDS, finalize
+from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, SUM_FIELDS, finalize
 from adamspike.metrics import NUM_VHIST_BINS, VHIST_EDGES
 from fullscale import cpu_kernel
+from fullscale.device import local_shard as _local
+from fullscale.megatron_probe import adam_terms, bin_counts, rounded_edges, update_direction
 
 NUM_SUMS = len(SUM_FIELDS)
 _COL = {f: i for i, f in enumerate(SUM_FIELDS)}
@@ -99,19 +101,6 @@ COMPILE_MODES = ("auto", "on", "off")
 _ZERO_BIN = int(np.searchsorted(HIST_EDGES, 0.0, side="right")) - 1
 
 Segment = Tuple[int, int, int]   # (tensor index, start, stop) in the tensor's flat local view
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if hasattr(x, "to_local") else x
-
-
-def _edges(dtype: torch.dtype) -> torch.Tensor:
-    """HIST_EDGES rounded up to `dtype` (x >= e_dtype <=> x >= e_float64 for x in dtype)."""
-    npdt = np.float64 if dtype == torch.float64 else np.float32
-    e = HIST_EDGES.astype(npdt)
-    up = e.astype(np.float64) < HIST_EDGES
-    e[up] = np.nextafter(e[up], np.array(np.inf, dtype=npdt))
-    return torch.from_numpy(e)
 
 
 def _padded(n: int, block: int) -> int:
@@ -149,17 +138,6 @@ def _bias_corrections(bc, block_tensor):
     return per_block[0][:, None], per_block[1][:, None], per_block[2][:, None]
 
 
-def _update_direction(m, v, bc1, bc2, eps, zero_eps: bool):
-    """(nb, BLOCK) views of m, v and (nb, 1) bias corrections and eps -> m_hat, v_hat,
-    sqrt, r. zero_eps: some tensor has eps = 0 (0/0 where v = 0 is then set to r = 0)."""
-    m_hat, v_hat = m / bc1, v / bc2
-    s = torch.sqrt(v_hat)
-    r = m_hat / (s + eps)
-    if zero_eps:   # 0/0 where v = 0 (the padding and untouched coordinates): r = 0
-        r = torch.where(v_hat > 0, r, 0.0)
-    return m_hat, v_hat, s, r
-
-
 def block_sums(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, b1: float,
                zero_eps: bool) -> torch.Tensor:
     """The SUM_FIELDS terms g2 .. p2 (SUM_FIELDS[1:]) summed over each BLOCK-element block.
@@ -171,19 +149,9 @@ def block_sums(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, b1
     m_prev = (m - (1 - b1) g) / b1."""
     g, m, v, p = (row.view(-1, BLOCK) for row in x[:4])
     bc1, bc2, eps = _bias_corrections(bc, block_tensor)
-    m_hat, v_hat, s, r = _update_direction(m, v, bc1, bc2, eps, zero_eps)
-    g2, r2 = g * g, r * r
-    denom = torch.maximum(v_hat, eps * eps)
-    if zero_eps:  # v_hat = 0 implies g = 0 (v >= (1 - b2) g^2): count 0
-        q = torch.where(denom > 0, g2 / torch.where(denom > 0, denom, 1.0), 0.0)
-    else:
-        q = g2 / denom
-    m_prev = x[4].view(-1, BLOCK) if x.shape[0] == 5 else (m - (1 - b1) * g) / b1
-    one = torch.ones((), dtype=x.dtype, device=x.device)
-    terms = (g2, r, r2, r2 * r, r2 * r2, q, torch.where(r.abs() > SAT_THRESHOLD, one, 0.0),
-             torch.where(s < eps, one, 0.0), m_hat * m_hat, v_hat, g * m_prev, m_prev * m_prev,
-             p * p)
-    return torch.stack([t.sum(1) for t in terms])
+    m_prev = x[4].view(-1, BLOCK) if x.shape[0] == 5 else None
+    terms, _ = adam_terms(g, m, v, p, bc1, bc2, eps, zero_eps, b1, m_prev)
+    return torch.stack([t.sum(1, dtype=x.dtype) for t in terms])
 
 
 def tensor_sums(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, acc: torch.Tensor,
@@ -203,8 +171,8 @@ def bin_index(x: torch.Tensor, bc: torch.Tensor, block_tensor: torch.Tensor, edg
     The bin comes from the equal-width formula, corrected by one comparison with each
     neighbouring edge, so it is numpy.histogram's bin of the same value exactly."""
     bc1, bc2, eps = _bias_corrections(bc, block_tensor)
-    _, _, _, r = _update_direction(x[1].view(-1, BLOCK), x[2].view(-1, BLOCK), bc1, bc2, eps,
-                                   zero_eps)
+    _, _, _, r = update_direction(x[1].view(-1, BLOCK), x[2].view(-1, BLOCK), bc1, bc2, eps,
+                                  zero_eps)
     lo, width = float(HIST_EDGES[0]), float(HIST_EDGES[1] - HIST_EDGES[0])
     idx = torch.nan_to_num((r - lo) / width, nan=NUM_HIST_BINS - 1.0)
     idx = torch.clamp(torch.floor(idx), 0, NUM_HIST_BINS - 1).long()
@@ -390,7 +358,7 @@ class Telemetry:
         self.device = dev
         # float64 kernels are not dependable on npu: float32 there whatever was asked
         self.dtype = torch.float32 if dev.type == "npu" else PRECISIONS[precision]
-        self.edges = _edges(self.dtype).to(dev)
+        self.edges = rounded_edges(HIST_EDGES, self.dtype).to(dev)
         self.depth = np.array([getattr(specs.get(n), "depth", 0) for n in self.names], dtype=np.int32)
         self.kind = np.array([getattr(specs.get(n), "kind", "param") for n in self.names], dtype=object)
         self.numel = np.array([p.numel() for p in self.params], dtype=np.int64)  # global numel
@@ -560,9 +528,7 @@ def vhist_counts(v_hat: torch.Tensor, eps: float, edges: torch.Tensor) -> torch.
     dtype), binned as adamspike.metrics.vhist_bins: torch.bucketize(right=True) - 1 is
     numpy's searchsorted(side="right") - 1; clipped to the bins, NaN to the last."""
     x = v_hat.reshape(-1).sqrt() / eps if eps > 0 else v_hat.reshape(-1).sqrt() / 0.0
-    idx = torch.bucketize(x, edges, right=True) - 1
-    idx = torch.where(torch.isnan(x), NUM_VHIST_BINS - 1, idx).clamp_(0, NUM_VHIST_BINS - 1)
-    return torch.bincount(idx, minlength=NUM_VHIST_BINS)
+    return bin_counts(x, edges[1:-1], NUM_VHIST_BINS)
 
 
 def telemetry_vhists(telemetry: "Telemetry", step: int) -> np.ndarray | None:

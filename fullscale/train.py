@@ -92,6 +92,7 @@ from adamspike.rundir import (RunFormatError, RunLock, RunLockedError, RunWriter
                               check_new_run_dir, environment, read_meta)
 from adamspike.train_config import RunConfig
 from fullscale import device as devices
+from fullscale.device import local_shard as _local
 from fullscale.checkpoint import (CheckpointError, CheckpointManager, NonFiniteError, complete,
                                   load)
 from fullscale.alarms import build_alarms
@@ -179,10 +180,6 @@ def _init_generator(seed: int, device: torch.device) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed)
     except Exception:  # noqa: BLE001 - backends without device generators
         return torch.Generator().manual_seed(seed)
-
-
-def _local(x):
-    return x.to_local() if hasattr(x, "to_local") else x
 
 
 # ----------------------------------------------------------------------------- main
@@ -494,7 +491,7 @@ class Trainer:
         """the registry's mitigations -> telemetry.before_step -> optimizer.step ->
         telemetry.after_step (+ vhists on histogram steps), then the steps row, layers +
         hists + vhists, alarms (rank 0)."""
-        cfg, info, world = self.cfg, self.info, self.world
+        info, world = self.info, self.world
         apply_mitigations(self.optimizer, self.mit, step, lr)   # the registry's plan
         if self.telemetry is not None:
             self.telemetry.before_step(step)
