@@ -95,7 +95,7 @@ with open(sys.argv[1], "w") as fh:
                  f" number of skipped iterations: {0:3d} | number of nan iterations: {0:3d} |\n")
 PY
     "${py38x[@]}" -m study analyze --log "$TMP/m.log" "$TMP/py38/run" --seq-len 4096 --clip 1 \
-      --out "$TMP/py38/report38" --no-figures >/dev/null
+      --out "$TMP/py38/report38" >/dev/null
     grep -q "^## Imported log" "$TMP/py38/report38/m.log.run/report.md"
   else
     skip "py38 model info / launch / analyze" "pandas / pyarrow / scipy wheels for python 3.8 could not be downloaded"
@@ -103,7 +103,7 @@ PY
   # analyze the probe's (plain) run directory with the main environment
   if [[ -x "$MAIN_PY" ]]; then
     PYTHONPATH="$ROOT" "$MAIN_PY" -m study analyze "$TMP/py38/run" --out "$TMP/py38/report" \
-      --no-figures >/dev/null
+      >/dev/null
     grep -q "^## Loss spikes" "$TMP/py38/report/run/report.md"
   else
     skip "py38 analyze" "no main environment at $MAIN_PY (make venv)"
@@ -137,7 +137,7 @@ PY
   PYTHONPATH="$ROOT" "$env/bin/python" -m study launch --config configs/llama2-70b.toml \
     --cluster configs/cluster-128x8.toml --master-addr node-000 --out "$TMP/launch310" >/dev/null
   if [[ -d "$TMP/py38/run" ]]; then
-    PYTHONPATH="$ROOT" "$env/bin/python" -m study analyze "$TMP/py38/run" --out "$TMP/r310" --no-figures >/dev/null
+    PYTHONPATH="$ROOT" "$env/bin/python" -m study analyze "$TMP/py38/run" --out "$TMP/r310" >/dev/null
   fi
   echo "py310: OK"
 }
