@@ -17,6 +17,7 @@ predicted interval, alarm precision / lift / lead time):
       "profile": {                     # the model the predictions are for
         "name": "llama2-70b", "num_layers": 80,
         "rho_by_depth": {"-1": 0.05, "0": 0.3, ...},   # rms(g)/eps per depth (measured/assumed)
+        "numel_by_depth": {"-1": 262144000, ...},      # parameters per depth (group_rho weights)
         "phi": 0.0                     # assumed lag-1 gradient correlation
       },
       "settings": [                    # candidate settings, ranked by predicted rate
@@ -51,8 +52,10 @@ pre-registered, "mismatch": edited after creation); `adamspike analyze --predict
 refuses a mismatching file.
 
 A rule selects tensors by depth range (inclusive; null = all) and kind list (null = all),
-reduces the metric over them (max / min / mean / median), compares with the threshold, and
-fires once the comparison has held on `consecutive` logged steps in a row.
+reduces the metric over them (max / min / mean / median, or group_rho: the numel-weighted
+rms sqrt(sum numel v^2 / sum numel) of adamspike.depth_groups.group_rho, the group statistic
+of the spike-rate GLM's rho features; it needs the tensors' numel), compares with the
+threshold, and fires once the comparison has held on `consecutive` logged steps in a row.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from adamspike.config import ConfigError, check_value, flatten, nest, to_dict
+from adamspike.depth_groups import group_rho
 from adamspike.metrics import METRIC_NAMES, shape_stats
 from adamspike.rundir import atomic_write_bytes, read_json
 from adamspike.train_config import RunConfig
@@ -75,7 +79,9 @@ from adamspike.train_config import RunConfig
 SCHEMA = "adamspike.predictions"
 SCHEMA_VERSION = 3
 HASH_KEY = "content_sha256"
-REDUCERS = {"max": np.nanmax, "min": np.nanmin, "mean": np.nanmean, "median": np.nanmedian}
+REDUCERS = {"max": np.nanmax, "min": np.nanmin, "mean": np.nanmean, "median": np.nanmedian,
+            "group_rho": group_rho}
+WEIGHTED_REDUCERS = ("group_rho",)   # reducers that take (values, numel)
 DERIVED_METRICS = ("bimodality", "skewness", "kurtosis")
 RULE_METRICS = METRIC_NAMES + DERIVED_METRICS
 
@@ -135,11 +141,18 @@ class AlarmRule:
             m &= np.isin(kind, self.kinds)
         return m
 
-    def value(self, depth, kind, values) -> float:
-        """The reduced metric over selected tensors (NaN if none selected or all NaN)."""
-        v = np.asarray(values, dtype=np.float64)[self.mask(np.asarray(depth), np.asarray(kind))]
+    def value(self, depth, kind, values, numel=None) -> float:
+        """The reduced metric over selected tensors (NaN if none selected or all NaN);
+        `numel` (per tensor) is needed by the group_rho reduce."""
+        m = self.mask(np.asarray(depth), np.asarray(kind))
+        v = np.asarray(values, dtype=np.float64)[m]
         if v.size == 0 or np.all(np.isnan(v)):
             return math.nan
+        if self.reduce in WEIGHTED_REDUCERS:
+            if numel is None:
+                raise PredictionsError(f"alarm_rules[{self.id!r}]: reduce {self.reduce!r} needs "
+                                       "the tensors' numel")
+            return float(REDUCERS[self.reduce](v, np.asarray(numel, dtype=np.float64)[m]))
         return float(REDUCERS[self.reduce](v))
 
     def holds(self, value: float) -> bool:
@@ -159,7 +172,8 @@ def metric_values(rule: AlarmRule, columns: Mapping[str, Any]) -> np.ndarray:
 class OnlineAlarms:
     """Evaluates rules step by step, as the trainer logs per-tensor metrics.
 
-    `update(step, columns)` takes one step's layer columns (depth, kind and metric arrays)
+    `update(step, columns)` takes one step's layer columns (depth, kind, numel and metric
+    arrays; numel is read only by group_rho rules)
     and returns the alarms that fire at this step: dicts with rule, step, value, threshold.
     A rule fires when its condition has held for `consecutive` logged steps and re-arms
     after the condition has failed once.
@@ -178,7 +192,8 @@ class OnlineAlarms:
     def update(self, step: int, columns: Mapping[str, Any]) -> list[dict]:
         fired = []
         for r in self.rules:
-            v = r.value(columns["depth"], columns["kind"], metric_values(r, columns))
+            v = r.value(columns["depth"], columns["kind"], metric_values(r, columns),
+                        columns.get("numel"))
             if r.holds(v):
                 self._run[r.id] += 1
                 if self._run[r.id] == r.consecutive:

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from adamspike.metrics import shape_stats
-from adamspike.predictions import DERIVED_METRICS, AlarmRule
+from adamspike.predictions import DERIVED_METRICS, WEIGHTED_REDUCERS, AlarmRule
 
 DEFAULT_HORIZON = 50
 
@@ -42,7 +42,15 @@ def rule_values(rule: AlarmRule, layers: pd.DataFrame) -> pd.Series:
         vals = sel[rule.metric].to_numpy(dtype=np.float64)
     s = pd.Series(np.asarray(vals, dtype=np.float64), index=sel["step"].to_numpy())
     s = s.where(np.isfinite(s))
-    red = s.groupby(level=0).agg(rule.reduce) if len(s) else pd.Series(dtype=float)
+    if not len(s):
+        red = pd.Series(dtype=float)
+    elif rule.reduce in WEIGHTED_REDUCERS:   # group_rho: sqrt(sum n v^2 / sum n), NaN left out
+        n = pd.Series(sel["numel"].to_numpy(dtype=np.float64), index=s.index).where(s.notna())
+        num = (n * s * s).groupby(level=0).sum()
+        den = n.groupby(level=0).sum()
+        red = np.sqrt(num / den.where(den > 0))
+    else:
+        red = s.groupby(level=0).agg(rule.reduce)
     return red.reindex(all_steps)
 
 

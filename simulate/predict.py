@@ -24,14 +24,20 @@ rho_ref(depth) = rms(g) / eps_ref of the gradient Adam consumes, at the eps it r
     result is rho_bar); the interval combines the log's 10-90 % range of rho_bar with the
     shape's bootstrap interval. This replaces the ladder's absolute level by a measurement.
   - --profile-from-run RUN / RUN_DIR: a run directory (either backend; a telemetry run of the
-    70B replaces the ladder entirely): median grad_rms per depth over all logged steps and
-    tensors, interval = its 10-90 % range over steps, eps_ref = the run's optim.eps; phi per
+    70B replaces the ladder entirely): per logged step and depth the numel-weighted rms of
+    grad_rms over the depth's tensors (adamspike.depth_groups.group_rho, numel from the
+    layers table), its median over steps, interval = its 10-90 % range over steps,
+    numel_by_depth = the depth's numel, eps_ref = the run's optim.eps; phi per
     depth from the median grad_mom_cos, inverted through theory.adam_moments.grad_mom_cos
     (zero-mean AR(1) assumption); lr, b1, batch from the run's config.
   - PROFILE.json: {"name", "num_layers", "eps_ref", "rho_by_depth": {"-1": ..., ...}}
-    (optional: "phi", "lr", "b1", "global_batch_size").
+    (optional: "phi", "lr", "b1", "global_batch_size", "numel_by_depth": {"-1": ..., ...};
+    without it the numel of the preset named "name" when it has num_layers, else equal
+    numel per depth, said in numel_source).
+The llama2-70b and log profiles take numel_by_depth from adamspike.llama.param_specs of the
+llama2-70b preset.
 The profile section of predictions.json carries `by_depth`: one row per depth with depth,
-group (adamspike.depth_groups), rho, rho_lo, rho_hi at eps_ref.
+group (adamspike.depth_groups), rho, rho_lo, rho_hi at eps_ref, and numel_by_depth.
 A candidate eps moves every depth to rho = rho_ref * eps_ref / eps (rms(g) held fixed).
 
 Candidates are dicts of dotted RunConfig keys (CANDIDATE_KEYS: optim.b1, optim.b2,
@@ -44,8 +50,9 @@ risk): the model comes from --rate-model (model.json of `adamspike spike-rate`: 
 run directories, held-out validated) or, without it, is fitted here on the --sweep tables'
 runs (neutral mitigations only; validation by adamspike.spike_rate.validate where the table
 allows a split). The candidate's features (adamspike.spike_rate.FEATURES): the shallow side's
-rho = median over the profile's embed + shallow depths of rho_ref * eps_ref / eps, the deep
-side's over the other depths, log10 (1 - b2), log10 (lr / eps), tokens per step = global
+rho = group_rho (adamspike.depth_groups: sqrt(sum numel rho^2 / sum numel), the GLM's
+training statistic) over the profile's embed + shallow depths of rho_ref * eps_ref / eps
+weighted by numel_by_depth, the deep side's over the other depths (deep + head), log10 (1 - b2), log10 (lr / eps), tokens per step = global
 batch x the profile's seq_len. The per-depth interval (rho_lo, rho_hi) of the profile gives
 features_lo / features_hi; the stated rate interval is the union of the GLM's intervals
 (quasi-Poisson Fisher and bootstrap) at the low, central and high rho. With a ladder
@@ -71,8 +78,8 @@ Alarm rules (each rule's `source` says where its threshold comes from):
       crosses 5/9 (theory.bimodality.snr_bc_crossing); sat_frac is then left out.
   bimodality of shallow tensors (median > 5/9: most shallow tensors bimodal): Sarle's
       threshold (theory.bimodality.BC_THRESHOLD).
-  rho of shallow tensors (median < 0.1 for 5 logged steps): frozen band
-      (theory.eps_regime.RHO_FROZEN).
+  rho of the shallow side (group_rho over the shallow tensors, weighted by their numel, the
+      GLM's statistic; < 0.1 for 5 logged steps): frozen band (theory.eps_regime.RHO_FROZEN).
 """
 
 from __future__ import annotations
@@ -88,9 +95,9 @@ import pandas as pd
 
 from adamspike import spike_rate as SR
 from adamspike.config import ConfigError, cli_main, flatten, read_toml, to_dict
-from adamspike.depth_groups import depth_group
+from adamspike.depth_groups import depth_group, group_rho
 from adamspike.depth_groups import shallow_depths as group_shallow_depths
-from adamspike.llama import num_params, preset
+from adamspike.llama import PRESETS, num_params, param_specs, preset
 from adamspike.megatron_log import MegatronLogError, read_megatron_log
 from adamspike.predictions import AlarmRule, Predictions, PredictionsError, save_predictions
 from adamspike.rundir import RunFormatError, json_clean, load_run, read_json
@@ -111,6 +118,15 @@ NUM_VALIDATE = 3
 
 LLAMA2_70B_SETTINGS = {"lr": 1.5e-4, "b1": 0.9, "global_batch_size": 1024, "eps_ref": 1e-5,
                       "clip": 1.0, "seq_len": 4096}   # configs/llama2-70b.toml (the seed report's run)
+
+
+def preset_numel_by_depth(name: str) -> dict[int, int]:
+    """Parameters per depth of a model preset (adamspike.llama.param_specs: -1 the
+    embedding, 0..L-1 the blocks, L the final norm and the head)."""
+    out: dict[int, int] = {}
+    for s in param_specs(preset(name)):
+        out[s.depth] = out.get(s.depth, 0) + int(s.numel)
+    return out
 
 
 def _by_depth(num_layers: int, rho: Mapping[int, float], lo: Mapping[int, float],
@@ -145,6 +161,7 @@ def _llama70b_profile(L: int, eps_ref: float, clip: float, rho: Mapping[int, flo
             "phi_by_depth": {d: 0.0 for d in rho}, "lr": s["lr"], "b1": s["b1"],
             "global_batch_size": s["global_batch_size"], "seq_len": s["seq_len"], "clip": clip,
             "num_params": int(num_params(preset("llama2-70b"))),
+            "numel_by_depth": preset_numel_by_depth("llama2-70b"),
             "by_depth": _by_depth(L, rho, lo, hi), **extra}
 
 
@@ -212,10 +229,18 @@ def profile_from_run(path: Path) -> dict:
     if not eps > 0:
         raise ConfigError(f"{path}: run.json config optim.eps must be > 0 to define rho, got {eps}")
     b1 = float(optim.get("b1", 0.9))
-    by_depth = run.layers.groupby("depth")
-    grad = by_depth["grad_rms"].median()
-    grad_lo, grad_hi = by_depth["grad_rms"].quantile(0.1), by_depth["grad_rms"].quantile(0.9)
-    cos = by_depth["grad_mom_cos"].median()
+    lay = run.layers
+    numel_t = lay.groupby("name")["numel"].first().astype(float)
+    depth_t = lay.groupby("name")["depth"].first().astype(int)
+    # per step and depth: group_rho over the depth's tensors (numel-weighted rms of grad_rms)
+    g = lay.groupby(["step", "name"])["grad_rms"].first().unstack("name")
+    per_step = pd.DataFrame({d: group_rho(g[names].to_numpy(float), numel_t[names].to_numpy())
+                             for d, names in depth_t.groupby(depth_t).groups.items()},
+                            index=g.index)
+    grad = per_step.median()
+    grad_lo, grad_hi = per_step.quantile(0.1), per_step.quantile(0.9)
+    numel_d = numel_t.groupby(depth_t).sum()
+    cos = lay.groupby("depth")["grad_mom_cos"].median()
     phis = np.linspace(-0.9, 0.99, 190)
     curve = np.array([grad_mom_cos(b1, 1.0, 0.0, p) for p in phis])
     rho, phi = {}, {}
@@ -234,11 +259,13 @@ def profile_from_run(path: Path) -> dict:
     hi = {d: float(grad_hi[d] / eps) for d in rho}
     return {"name": str(model.get("preset", path.name)), "num_layers": num_layers, "eps_ref": eps,
             "rho_by_depth": rho, "phi_by_depth": phi, "lr": float(optim.get("lr", 1e-3)),
+            "numel_by_depth": {d: int(numel_d[d]) for d in rho},
             "by_depth": _by_depth(num_layers, rho, lo, hi) if all(
                 -1 <= d <= num_layers for d in rho) else [],
             "b1": b1, "global_batch_size": int(train.get("global_batch_size", 1)),
             "seq_len": train.get("seq_len"),
-            "source": f"measured: median grad_rms per depth of run {path}"}
+            "source": f"measured: median over steps of the numel-weighted rms of grad_rms "
+                      f"per depth of run {path}"}
 
 
 def profile_from_json(path: Path) -> dict:
@@ -260,8 +287,23 @@ def profile_from_json(path: Path) -> dict:
         raise ConfigError(f"{path}: eps_ref must be > 0")
     if any(not -1 < v < 1 for v in phi.values()):
         raise ConfigError(f"{path}: phi must lie in (-1, 1)")
-    return {"name": str(data.get("name", path.stem)), "num_layers": num_layers, "eps_ref": eps_ref,
+    name = str(data.get("name", path.stem))
+    if "numel_by_depth" in data:
+        try:
+            numel = {int(d): float(v) for d, v in dict(data["numel_by_depth"]).items()}
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: malformed numel_by_depth ({e})") from None
+        if any(d not in numel or not (numel[d] > 0 and math.isfinite(numel[d])) for d in rho):
+            raise ConfigError(f"{path}: numel_by_depth must give a positive count for every "
+                              "depth of rho_by_depth")
+        numel_src = "numel_by_depth of the profile"
+    elif name in PRESETS and PRESETS[name].num_layers == num_layers:
+        numel, numel_src = preset_numel_by_depth(name), f"preset {name}"
+    else:
+        numel, numel_src = {d: 1.0 for d in rho}, "none given: equal per depth"
+    return {"name": name, "num_layers": num_layers, "eps_ref": eps_ref,
             "rho_by_depth": rho, "phi_by_depth": {d: phi.get(d, 0.0) for d in rho},
+            "numel_by_depth": {d: numel[d] for d in rho}, "numel_source": numel_src,
             "lr": float(data.get("lr", 1.5e-4)), "b1": float(data.get("b1", 0.9)),
             "global_batch_size": int(data.get("global_batch_size", 1024)),
             "seq_len": data.get("seq_len"), "source": f"profile file {path}"}
@@ -383,6 +425,12 @@ def rate_model(model_path: str | None, sweeps: Sequence[str],
     return m, prov
 
 
+def profile_numel(profile: Mapping[str, Any]) -> dict[int, float]:
+    """Parameters per depth of the profile (numel_by_depth; equal per depth when absent)."""
+    n = profile.get("numel_by_depth") or {}
+    return {d: float(n.get(d, n.get(str(d), 1.0)) if n else 1.0) for d in profile["rho_by_depth"]}
+
+
 def candidate_features(profile: Mapping[str, Any], cand: Mapping[str, Any]) -> dict:
     """Features (adamspike.spike_rate) of a candidate at the profile's central rho and at
     its per-depth interval: {"mid", "lo", "hi"} plus the rho_bar check."""
@@ -390,6 +438,7 @@ def candidate_features(profile: Mapping[str, Any], cand: Mapping[str, Any]) -> d
     scale = profile["eps_ref"] / eps
     sh = set(shallow_depths(profile))
     depths = sorted(profile["rho_by_depth"])
+    numel = profile_numel(profile)
     bd = {int(r["depth"]): r for r in profile.get("by_depth", [])}
     seq = profile.get("seq_len")
     tokens = float(cand["train.global_batch_size"]) * float(seq) if seq else None
@@ -397,11 +446,11 @@ def candidate_features(profile: Mapping[str, Any], cand: Mapping[str, Any]) -> d
     for which, key in (("mid", "rho"), ("lo", "rho_lo"), ("hi", "rho_hi")):
         rho = {d: (bd[d][key] if d in bd and key in bd[d] else profile["rho_by_depth"][d]) * scale
                for d in depths}
-        s_side = [rho[d] for d in depths if d in sh]
-        d_side = [rho[d] for d in depths if d not in sh]
+        side = {}
+        for k, ds in (("s", [d for d in depths if d in sh]), ("d", [d for d in depths if d not in sh])):
+            side[k] = float(group_rho([rho[d] for d in ds], [numel[d] for d in ds])) if ds else None
         out[which] = SR.setting_features(
-            rho_shallow=float(np.median(s_side)) if s_side else None,
-            rho_deep=float(np.median(d_side)) if d_side else None,
+            rho_shallow=side["s"], rho_deep=side["d"],
             b2=float(cand["optim.b2"]), lr=float(cand["optim.lr"]), eps=eps,
             tokens_per_step=tokens)
     ext = (profile.get("ladder") or {}).get("llama2_70b") or {}
@@ -553,8 +602,10 @@ def alarm_rules(profile: Mapping[str, Any], table: pd.DataFrame | None, table_na
                            source="theory: Sarle's bimodality threshold 5/9 "
                                   "(theory.bimodality.BC_THRESHOLD), most shallow tensors"))
     rules.append(AlarmRule(id="rho_shallow_frozen", metric="rho", op="<", threshold=float(RHO_FROZEN),
-                           depths=tuple(depths), reduce="median", consecutive=5,
-                           source="theory: frozen band rho < 0.1 (theory.eps_regime.RHO_FROZEN)"))
+                           depths=tuple(depths), reduce="group_rho", consecutive=5,
+                           source="theory: frozen band rho < 0.1 (theory.eps_regime.RHO_FROZEN); "
+                                  "rho of the shallow side = group_rho over its tensors "
+                                  "(adamspike.depth_groups), the GLM's statistic"))
     return rules
 
 
@@ -612,7 +663,10 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
             "phi": float(np.median(list(profile["phi_by_depth"].values()))),
             "phi_by_depth": {str(d): float(v) for d, v in sorted(profile["phi_by_depth"].items())},
             "eps_ref": profile["eps_ref"], "shallow_depths": shallow_depths(profile),
+            "numel_by_depth": {str(d): int(v) for d, v in sorted(profile_numel(profile).items())},
             "source": profile["source"]}
+    if profile.get("numel_source"):
+        prof["numel_source"] = profile["numel_source"]
     for k in ("by_depth", "ladder", "rho_bar", "rho_bar_q10_q90", "seq_len", "clip",
               "num_params"):
         if k in profile and profile[k] is not None:

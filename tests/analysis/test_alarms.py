@@ -18,6 +18,8 @@ RULES = [
     AlarmRule(id="deep_noise", metric="update_rms", depths=(2, 100), reduce="max",
               threshold=0.262),
     AlarmRule(id="never", metric="rho", op="<", threshold=1e-6, reduce="min"),
+    AlarmRule(id="rho_group", metric="rho", op=">", threshold=0.0, depths=(-1, 1),
+              reduce="group_rho", consecutive=3),
 ]
 
 
@@ -33,6 +35,20 @@ def test_vectorised_equals_reference_evaluation(synthetic_run):
     got = fire_steps(RULES, layers)[["rule", "step"]].sort_values(["rule", "step"])
     pd.testing.assert_frame_equal(got.reset_index(drop=True), ref, check_dtype=False)
     assert set(got["rule"]) >= {"rms_t_shallow", "bimodal_shallow", "sat_wq", "deep_noise"}
+
+
+def test_group_rho_reduce_offline(synthetic_run):
+    """The offline group_rho per step is the numel-weighted rms of the selected tensors."""
+    from adamspike.depth_groups import group_rho
+    from analysis.alarms import rule_values
+    layers = load_run(synthetic_run).layers
+    rule = RULES[-1]
+    got = rule_values(rule, layers)
+    sel = layers[(layers["depth"] >= -1) & (layers["depth"] <= 1)]
+    want = {int(s): float(group_rho(g["rho"].to_numpy(float), g["numel"].to_numpy(float)))
+            for s, g in sel.groupby("step")}
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-12)
 
 
 def test_scores_on_synthetic_run(synthetic_run):

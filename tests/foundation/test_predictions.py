@@ -25,6 +25,19 @@ def test_online_consecutive_and_rearm():
     assert fired == [False, False, True, False, False, False, True]
 
 
+def test_group_rho_reduce_is_the_glm_statistic():
+    """reduce group_rho = adamspike.depth_groups.group_rho: sqrt(sum n v^2 / sum n) over the
+    selected tensors (NaN ones left out); it needs numel, online and offline alike."""
+    r = rule(metric="rho", op="<", threshold=0.1, reduce="group_rho", consecutive=1)
+    depth, kind = np.array([-1, 0, 0, 1]), np.array(["embed", "wq", "w1", "wq"])
+    v, n = np.array([0.01, 0.2, np.nan, 50.0]), np.array([100, 4, 8, 4])
+    assert r.value(depth, kind, v, n) == pytest.approx(np.sqrt((100 * 0.01 ** 2 + 4 * 0.04) / 104))
+    with pytest.raises(PredictionsError, match="numel"):
+        r.value(depth, kind, v)
+    fired = OnlineAlarms([r]).update(3, {"depth": depth, "kind": kind, "rho": v, "numel": n})
+    assert [f["rule"] for f in fired] == ["r"]
+
+
 def test_roundtrip_and_errors(tmp_path):
     p = Predictions(settings=[{"id": "a", "overrides": {"optim.b2": 0.95, "optim.eps": 1e-8,
                                                         "train.global_batch_size": 8}, "risk": 0.5}],

@@ -188,6 +188,16 @@ def test_predict_profile_from_ladder(synthetic_ladder, tmp_path, capsys):
     assert "bootstrap prediction interval" in prof["source"]
     rows = prof["by_depth"]
     assert len(rows) == 82 and set(rows[0]) == {"depth", "group", "rho", "rho_lo", "rho_hi"}
+    # the features are the GLM's statistic: group_rho over the side's depths with the
+    # llama2-70b numel per depth (param_specs), at rho * eps_ref / eps
+    from adamspike.depth_groups import group_rho
+    numel = {int(d): n for d, n in prof["numel_by_depth"].items()}
+    assert sum(numel.values()) == num_params(preset("llama2-70b"))
+    s = next(s for s in data["settings"] if s["overrides"]["optim.eps"] == 1e-6)
+    for side, keep in (("shallow", lambda d: d < 8), ("deep", lambda d: d >= 8)):
+        ds = [r["depth"] for r in rows if keep(r["depth"])]
+        want = group_rho([10 * r["rho"] for r in rows if keep(r["depth"])], [numel[d] for d in ds])
+        assert 10 ** s["features"][f"log10_rho_{side}"] == pytest.approx(want, rel=1e-9)
     # without a ladder: a clear error, nothing written
     assert P.main(["--profile", "llama2-70b", "--out", str(tmp_path / "x.json")]) == 2
     assert "--ladder" in capsys.readouterr().err and not (tmp_path / "x.json").exists()

@@ -172,6 +172,55 @@ def test_profile_from_run_dir(tmp_path, cands):
     load_predictions(out)
 
 
+def test_features_are_the_glms_group_rho(tmp_path):
+    """The candidate's side rho is adamspike.depth_groups.group_rho over the side's depths,
+    weighted by numel (the GLM's training statistic), not the median over depths; a run
+    profile weights a depth's tensors by the layers table's numel."""
+    from adamspike.depth_groups import group_rho
+    from adamspike.metrics import METRIC_NAMES
+    from adamspike.rundir import RunWriter
+    numel = {"-1": 100, "0": 10, "1": 10, "4": 50, "8": 20}
+    prof_file = tmp_path / "p.json"
+    prof_file.write_text(json.dumps({**PROFILE, "numel_by_depth": numel}))
+    prof = P.load_profile(str(prof_file))
+    cand = {"optim.eps": 1e-6, "optim.b2": 0.95, "optim.lr": 1e-3, "optim.b1": 0.9,
+            "train.global_batch_size": 64}
+    f = P.candidate_features(prof, cand)["mid"]
+    rho = {int(d): v * 10 for d, v in PROFILE["rho_by_depth"].items()}   # eps_ref / eps = 10
+    sh, dp = [-1, 0], [1, 4, 8]
+    assert 10 ** f["log10_rho_shallow"] == pytest.approx(
+        group_rho([rho[d] for d in sh], [numel[str(d)] for d in sh]))
+    assert 10 ** f["log10_rho_deep"] == pytest.approx(
+        group_rho([rho[d] for d in dp], [numel[str(d)] for d in dp]))
+    # without numel_by_depth (and no preset of that name): equal numel per depth, said so
+    (tmp_path / "q.json").write_text(json.dumps(PROFILE))
+    prof_eq = P.load_profile(str(tmp_path / "q.json"))
+    assert prof_eq["numel_source"].startswith("none given")
+    assert 10 ** P.candidate_features(prof_eq, cand)["mid"]["log10_rho_shallow"] == \
+        pytest.approx(np.sqrt((5.0 ** 2 + 20.0 ** 2) / 2))
+    # a run: depth 0 holds two tensors of different numel; rho per depth = median over steps
+    # of their numel-weighted rms
+    run = tmp_path / "run"
+    cfg = {"model": {"preset": "tiny", "num_layers": 2}, "optim": {"eps": 1e-6, "lr": 1e-3, "b1": 0.9},
+           "train": {"global_batch_size": 8}}
+    tensors = (("embed", -1, 1e-7, 40), ("layers.0.w1", 0, 4e-6, 4), ("layers.0.wq", 0, 1e-6, 12),
+               ("layers.1.w1", 1, 1e-4, 4))
+    with RunWriter(run, backend="jax", config=cfg) as w:
+        for step in (1, 2, 3):
+            rows = []
+            for name, depth, g, n in tensors:
+                m = {k: 0.0 for k in METRIC_NAMES}
+                m.update(grad_rms=g * step, rho=g * step / 1e-6, grad_mom_cos=0.05)
+                rows.append({"name": name, "depth": depth, "kind": "w1", "numel": n, **m})
+            w.log_layers(step, rows=rows)
+    rp = P.load_profile(str(run))
+    assert rp["numel_by_depth"] == {-1: 40, 0: 16, 1: 4}
+    r0 = 2 * group_rho([4.0, 1.0], [4, 12])   # median step 2
+    assert rp["rho_by_depth"][0] == pytest.approx(r0)
+    fr = P.candidate_features(rp, {**cand, "train.global_batch_size": 8})["mid"]
+    assert 10 ** fr["log10_rho_shallow"] == pytest.approx(group_rho([0.2, r0], [40, 16]))
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--profile", "nope-70b"], "--profile"),
     (["--profile", "llama2-70b", "--sweep", "missing.parquet"], "--ladder"),
