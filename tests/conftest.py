@@ -15,3 +15,15 @@ from hypothesis import settings
 os.environ.setdefault("ADAMSPIKE_TELEMETRY_COMPILE", "off")
 settings.register_profile("adamspike", derandomize=True, database=None)
 settings.load_profile("adamspike")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest first: `make test` runs two xdist workers that take tests in collection order,
+    so the end-to-end quick study (~2.5 min) and the other `slow` tests start at once and
+    overlap the short ones, instead of running alone at the end (measured on 2 cores:
+    8 min 24 s in collection order)."""
+    def rank(item):
+        if item.nodeid.startswith("tests/study/"):
+            return 0
+        return 1 if item.get_closest_marker("slow") else 2
+    items.sort(key=rank)   # stable: collection order within each rank
