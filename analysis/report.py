@@ -85,8 +85,8 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     spikes, resolved = loss_spikes(st, spike_params, config=run.config)
     gst = valued_rows(st, "grad_norm")
     gn = gst["grad_norm"].to_numpy(float)
-    grad_spikes = (detect_spikes(gn, gst["step"].to_numpy(), window=spike_params.window,
-                                 k=spike_params.k, log=True)
+    grad_spikes = (detect_spikes(gn, gst["step"].to_numpy(), window=resolved.window,
+                                 k=resolved.k, min_history=resolved.min_history, log=True)
                    if np.isfinite(gn).any() else detect_spikes([]))
     scores = {}
     for col in ("loss", "grad_norm"):

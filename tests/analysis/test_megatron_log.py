@@ -266,3 +266,45 @@ def test_mindspeed_llm_test_only_trailer_is_a_flag_not_malformed():
     assert list(p.steps["loss_unreliable"]) == [False, False, True, True]
     assert p.stats["num_loss_unreliable"] == 2
     assert p.stats["num_malformed"] == 1 and "key: value" in p.stats["malformed"][0]["reason"]
+
+
+def _onsets(log, tmp_path):
+    from adamspike.spikes import SpikeParams, loss_spikes
+    import_megatron_log(log, tmp_path / "run")
+    run = load_run(tmp_path / "run")
+    spikes, rule = loss_spikes(run.steps, SpikeParams(), config=run.config)
+    return spikes["start"].tolist(), rule
+
+
+def test_a_log_excerpt_is_judged_from_its_second_line(tmp_path):
+    """A log that starts mid-run (an excerpt, a resume) has no earlier lines: the default
+    history (25 steps) would judge nothing in 8 lines; an imported log is judged from its
+    second valued line, and the rule says so."""
+    losses = [2.21, 2.23, 2.20, 5.10, 3.90, 2.60, 2.30, 2.25]
+    log = tmp_path / "excerpt.log"
+    log.write_text("".join(megatron_line(31215 + i, x) + "\n" for i, x in enumerate(losses)))
+    starts, rule = _onsets(log, tmp_path)
+    assert starts == [31218] and rule.history == 1
+    assert "judged once 1 earlier normal step(s) exist" in rule.describe()
+    calm = tmp_path / "calm.log"   # the same excerpt without the spike: nothing flagged
+    calm.write_text("".join(megatron_line(31215 + i, 2.2 + 0.02 * (i % 3)) + "\n"
+                            for i in range(8)))
+    assert _onsets(calm, tmp_path / "c")[0] == []
+
+
+REALLOGS = __import__("pathlib").Path(__file__).resolve().parents[3] / "shared" / "reallogs"
+# spike onsets of ../shared/reallogs (INDEX.md), and the no-spike control
+REAL_ONSETS = {"01_bigscience_tr11_bloom176b.log": 31219, "02_bigscience_tr1_13b.log": 29050,
+               "03_bigscience_tr8_104b_exp12.log": 8741,
+               "04_bigscience_tr8b_104b_embnorm.log": 17062,
+               "05_bigscience_megatronlm_gpt2_n4.log": 30,
+               "06_bigscience_megds3d_gpt2_dsoff.log": 3, "07_bigscience_megds3d_gpt2_dson.log": 3,
+               "08_msft_megds_random_ltd_gpt3_125m_nospike_control.log": None}
+
+
+@pytest.mark.skipif(not REALLOGS.is_dir(), reason="../shared/reallogs not present")
+@pytest.mark.parametrize("name", sorted(REAL_ONSETS))
+def test_real_log_onsets_are_found(name, tmp_path):
+    starts, _ = _onsets(REALLOGS / name, tmp_path)
+    want = REAL_ONSETS[name]
+    assert (starts[:1] == [want]) if want is not None else starts == []
