@@ -202,8 +202,6 @@ def train_seeds(cfg, spec: LadderSpec, tokens: np.ndarray, seeds: Sequence[int],
     log_steps (1-based, every LOG_EVERY); depths, depth_numel (num_depths,)."""
     # lazy: jax (simulate.program imports it), so that the fit and the 70B profile
     # (`adamspike predict --ladder`) work without it
-    import jax
-    import jax.numpy as jnp
     from simulate.program import program
 
     rc = run_config(cfg, spec, tokens.shape[2])
@@ -213,15 +211,8 @@ def train_seeds(cfg, spec: LadderSpec, tokens: np.ndarray, seeds: Sequence[int],
     numel = np.array([sum(s.numel for s in specs.values() if s.depth == d) for d in depths],
                      np.int64)
     member = np.array([[specs[n].depth == d for d in depths] for n in prog.names], np.float64)
-    keys = jnp.stack([jax.random.PRNGKey(int(k)) for k in seeds])
-    toks = jnp.asarray(np.swapaxes(tokens, 0, 1))  # (seeds, steps, B, T+1)
-    ctl = prog.controls(rc, range(1, spec.num_steps + 1))
-    if vmapped:
-        outs = prog.run(keys, toks, ctl)
-    else:
-        per = [prog.run(keys[i:i + 1], toks[i:i + 1], ctl) for i in range(len(seeds))]
-        outs = {k: jnp.concatenate([p[k] for p in per]) for k in per[0]}
-    outs = {k: np.asarray(v, np.float64) for k, v in jax.device_get(outs).items()}
+    outs = prog.run(seeds, np.swapaxes(tokens, 0, 1),   # (seeds, steps, B, T+1)
+                    prog.controls(rc, range(1, spec.num_steps + 1)), vmapped=vmapped)
     sumsq = outs["tensor_sumsq"][:, LOG_EVERY - 1::LOG_EVERY] @ member
     return {"loss": outs["loss"], "grad_norm": outs["grad_norm"], "depth_sumsq": sumsq,
             "depths": np.array(depths), "depth_numel": numel,

@@ -88,7 +88,6 @@ from adamspike.order import sample_indices
 from adamspike.rundir import RunFormatError, RunWriter, environment
 from adamspike.synthdata import SyntheticTokens
 from adamspike.train_config import RunConfig
-from simulate import llama as jllama
 from simulate import optim as jopt
 from simulate import telemetry as jtel
 from simulate.program import program, step_plan
@@ -117,14 +116,13 @@ def batch_at(data, cfg: RunConfig, step: int, offset: int = 0) -> np.ndarray:
     return data.batch(idx)
 
 
-def _curvature_fn(cfg: RunConfig, llama: LlamaConfig):
-    """simulate.curvature for this model: (fn, groups present), on loss_scale * loss."""
-    t = cfg.train
+def _curvature_fn(cfg: RunConfig, prog):
+    """simulate.curvature for this model: (fn, groups present), on the program's objective
+    loss_scale * loss."""
+    llama, scale = prog.llama, cfg.train.loss_scale
     groups = {s.name: depth_group(s.depth, llama.num_layers) for s in spec_by_name(llama).values()}
     present = [g for g in GROUPS if g in set(groups.values())]
-    options = step_plan(cfg).model_options   # the registry's forward options (GLM shrink)
-    loss = lambda p, b: jllama.loss_fn(p, b, llama, t.loss_scale, t.z_loss,  # noqa: E731
-                                        compute_dtype=t.dtype, **options)[0]
+    loss = lambda p, b: prog.loss(p, b, scale)[0]  # noqa: E731
     return make_curvature_fn(loss, groups, present, cfg.telemetry.curvature_iters), present
 
 
@@ -153,12 +151,12 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
     tel_spec = prog.telemetry_spec(cfg)
     params, opt_state = prog.init(t.seed)
     guard = SnapshotGuard(cfg.guard, cfg.checkpoint.every, params, opt_state)
-    curv_fn, curv_groups = _curvature_fn(cfg, llama) if tel.curvature_every > 0 else (None, [])
-    curv_eps = {n: float(e) for n, e in step_plan(cfg).tensor_eps.items()} or o.eps
+    curv_fn, curv_groups = _curvature_fn(cfg, prog) if tel.curvature_every > 0 else (None, [])
+    plan = step_plan(cfg)
+    curv_eps = {n: float(e) for n, e in plan.tensor_eps.items()} or o.eps
 
     specs = spec_by_name(llama)
-    names = jtel.tensor_names(params)  # telemetry row order
-    plan = step_plan(cfg)
+    names = prog.names  # telemetry row order
     tensor_eps = np.array([plan.tensor_eps[n] for n in names])
     depths = [specs[n].depth for n in names]
     kinds = [specs[n].kind for n in names]

@@ -114,9 +114,10 @@ class Program:
         self.names = jtel.tensor_names(shapes)
         self.treedef = jax.tree.structure(shapes)
         options = dict(plan.model_options)
-        self._value_and_grad = jax.value_and_grad(
-            lambda p, b, s: jllama.loss_fn(p, b, llama, s, t.z_loss, compute_dtype=t.dtype,
-                                           **options), has_aux=True)
+        # the objective: (s * loss, {"loss", "ce"}) with the registry's forward options
+        self.loss = lambda p, b, s: jllama.loss_fn(p, b, llama, s, t.z_loss,  # noqa: E731
+                                                   compute_dtype=t.dtype, **options)
+        self._value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
         self.step_fn = jax.jit(self.step, static_argnames=("tel", "hist", "native"))
         self._runs: dict[bool, Any] = {}
 
@@ -212,11 +213,29 @@ class Program:
         return (float(o.b1), float(o.b2), eps[0] if len(set(eps)) == 1 else eps)
 
     # ------------------------------------------------------------------ lanes
-    def run(self, keys, batches, controls: Controls, per_lane: bool = False):
-        """Lanes as one program: keys (lanes, 2) init keys, batches (lanes, steps, B, T+1),
-        controls with a step axis (shared by the lanes) or (per_lane) a lanes axis first.
-        Returns per lane and step: loss, grad_norm, update_norm, clip_scale (lanes, steps)
-        and tensor_sumsq (lanes, steps, n), as device arrays."""
+    def run(self, seeds: Sequence[int], batches, controls: Controls, *, vmapped: bool = True,
+            per_lane: bool = False) -> dict[str, np.ndarray]:
+        """Lanes as one program: one lane per seed (init key PRNGKey(seed)), batches
+        (lanes, steps, B, T+1), controls with a step axis (shared by the lanes) or
+        (per_lane) a lanes axis first; vmapped=False calls the program one lane at a time
+        (the same compiled scan at width 1). Returns per lane and step float64 arrays: loss,
+        grad_norm, update_norm, clip_scale (lanes, steps) and tensor_sumsq (lanes, steps, n)."""
+        keys = jnp.stack([jax.random.PRNGKey(int(k)) for k in seeds])
+        batches = jnp.asarray(batches)
+        ctl = tuple(jnp.asarray(x) for x in controls)
+        if vmapped:
+            outs = self._run(per_lane)(keys, batches, ctl)
+        else:
+            one = lambda i: self._run(per_lane)(  # noqa: E731
+                keys[i:i + 1], batches[i:i + 1],
+                tuple(x[i:i + 1] for x in ctl) if per_lane else ctl)
+            per = [one(i) for i in range(len(keys))]
+            outs = tuple(jnp.concatenate(parts) for parts in zip(*per))
+        return {k: np.asarray(v, np.float64)
+                for k, v in zip(RUN_OUTPUTS, jax.device_get(outs))}
+
+    def _run(self, per_lane: bool):
+        """jit(vmap(scan(step))), compiled once per lane layout of the controls."""
         if per_lane not in self._runs:
             def run_one(key, toks, ctl):
                 params, state = self.init(key)
@@ -230,8 +249,7 @@ class Program:
 
             self._runs[per_lane] = jax.jit(jax.vmap(run_one, in_axes=(0, 0, 0 if per_lane
                                                                           else None)))
-        outs = self._runs[per_lane](keys, batches, tuple(jnp.asarray(x) for x in controls))
-        return dict(zip(RUN_OUTPUTS, outs))
+        return self._runs[per_lane]
 
 
 RUN_OUTPUTS = ("loss", "grad_norm", "update_norm", "clip_scale", "tensor_sumsq")

@@ -30,8 +30,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from adamspike.config import ConfigError
@@ -100,15 +98,8 @@ def run_arm(cfg: RunConfig, seeds: Sequence[int], *, vmapped: bool = True,
     check_arm(cfg)
     groups, by_group, numel, eps = group_layout(cfg)
     prog = program(cfg)
-    toks = jnp.asarray(arm_tokens(cfg, seeds) if tokens is None else tokens)
-    keys = jnp.stack([jax.random.PRNGKey(int(k)) for k in seeds])
-    ctl = prog.controls(cfg, range(1, cfg.train.num_steps + 1))
-    if vmapped:
-        outs = prog.run(keys, toks, ctl)
-    else:
-        per = [prog.run(keys[i:i + 1], toks[i:i + 1], ctl) for i in range(len(seeds))]
-        outs = {k: jnp.concatenate([p[k] for p in per]) for k in per[0]}
-    outs = {k: np.asarray(v, np.float64) for k, v in jax.device_get(outs).items()}
+    outs = prog.run(seeds, arm_tokens(cfg, seeds) if tokens is None else tokens,
+                    prog.controls(cfg, range(1, cfg.train.num_steps + 1)), vmapped=vmapped)
     inv = 1.0 / cfg.train.loss_scale
     index = {n: i for i, n in enumerate(prog.names)}
     cols = [[index[n] for n in by_group[g]] for g in groups]

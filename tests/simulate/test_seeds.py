@@ -76,3 +76,20 @@ def test_every_control_matches_the_trainer(tmp_path):
 def test_the_guard_is_refused():
     with pytest.raises(ConfigError, match="guard"):
         run_arm(cfg(**{"guard.enabled": True, "checkpoint.every": 5}), [0])
+
+
+def test_per_lane_controls_run_each_arm_in_one_program():
+    """Arms as lanes (Program.run per_lane): lane j with arm j's controls equals run_arm of
+    arm j (another XLA program: PROGRAMS_RTOL)."""
+    from simulate.program import Controls, program
+    from simulate.seeds import arm_tokens
+    arms = [cfg(), cfg(**{"optim.eps": 1e-3, "optim.lr": 1e-3})]
+    prog = program(arms[0])
+    steps = range(1, 26)
+    ctl = Controls(*(np.stack(x) for x in zip(*(prog.controls(a, steps) for a in arms))))
+    toks = np.concatenate([arm_tokens(arms[0], [2])] * 2)
+    both = prog.run([2, 2], toks, ctl, per_lane=True)
+    for j, arm in enumerate(arms):
+        np.testing.assert_allclose(both["loss"][j], run_arm(arm, [2])["loss"][0],
+                                   rtol=PROGRAMS_RTOL)
+    assert not np.allclose(both["loss"][0], both["loss"][1])
