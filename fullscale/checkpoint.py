@@ -17,9 +17,12 @@ Write protocol (a checkpoint killed at any point is never picked up):
     writes COMPLETE atomically and renames the directory to `step-XXXXXXXX`;
  4. rank 0 then deletes the oldest complete checkpoints beyond `keep`.
 With async_save, step 2 runs in DCP's background thread and steps 3-4 in
-`CheckpointManager.finalize_pending()`. `complete()` only lists renamed directories holding
-COMPLETE. `load()` first verifies the manifest (files present, sizes, hashes: each rank
-hashes its share, results are gathered so every rank raises the same `CheckpointError`) and
+`CheckpointManager.finalize_pending()` (or, on the way out, `close()`: rank 0 hashes every
+file). Every manifest holds every file's sha256: a file listed without one is rejected, so a
+checkpoint is never complete without being verifiable. `complete()` only lists renamed
+directories holding COMPLETE. `load()` first verifies the manifest (files present and
+readable, sizes, hashes: each rank hashes its share, results are gathered so every rank
+raises the same `CheckpointError`; an I/O error reading a file rejects the checkpoint) and
 reads trainer.pt and this rank's RNG file, so a corrupt checkpoint is rejected before any
 state is touched; `CheckpointManager.load_latest_valid()` falls back to older ones.
 
@@ -35,6 +38,7 @@ Pruning renames a directory to `.deleting-*` before removing it; the next prune 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -247,6 +251,12 @@ def _fsync_dir(path: Path) -> None:
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception)\b.*:")
 
 
+def _errno_text(e: OSError) -> str:
+    """'EIO: Input/output error' (the symbolic name first: what a storage admin greps)."""
+    name = errno.errorcode.get(e.errno or 0, type(e).__name__)
+    return f"{name}: {e.strerror or e}"
+
+
 def _load_small(path: Path) -> Any:
     """torch.load(weights_only=True) of trainer.pt / rng-*.pt; torch's warnings about a
     damaged file are dropped (the failure itself is raised and reported in one line)."""
@@ -310,10 +320,15 @@ class CheckpointManager:
     first. Until then `complete()` does not list it.
     """
 
-    def __init__(self, root: str | Path, *, keep: int | None = None, async_save: bool = False):
+    def __init__(self, root: str | Path, *, keep: int | None = None, async_save: bool = False,
+                 on_complete: Any = None):
+        """on_complete(step, path): called when a checkpoint has become complete (a sync
+        save on return, an async one when finalized; on every rank, at close() on rank 0
+        only), e.g. to log its "checkpoint" event only once it is on disk."""
         self.root = Path(root)
         self.keep = keep
         self.async_save = bool(async_save)
+        self.on_complete = on_complete
         self._pending: dict[str, Any] | None = None   # an async save not yet complete
         self._async_group = None                      # (default group, gloo group)
 
@@ -380,7 +395,12 @@ class CheckpointManager:
                 return final
             dcp.save(state, checkpoint_id=str(partial), no_dist=not _initialized())
         _finish(partial, final, int(step), self.keep, self.root)
+        self._completed(int(step), final)
         return final
+
+    def _completed(self, step: int, path: Path) -> None:
+        if self.on_complete is not None:
+            self.on_complete(step, path)
 
     def _background_group(self):
         """A gloo group for async saves: their collectives must not interleave with
@@ -411,15 +431,17 @@ class CheckpointManager:
             raise CheckpointError(job["final"], f"async save failed ({type(e).__name__}: "
                                                 f"{str(e)[:300]})") from None
         _finish(job["partial"], job["final"], job["step"], self.keep, self.root)
+        self._completed(job["step"], job["final"])
         return job["final"]
 
     def close(self) -> None:
         """Complete an async save still pending on a path that skipped finalize_pending()
         (guard abort, user error). Not collective (a peer may be gone): each rank waits for
         its own writes; rank 0, whose DCP future resolves only after every rank's data and
-        .metadata are written, lists the files with their sizes (no hashes: hashing all
-        shards on one rank could take minutes) and renames; older checkpoints are not
-        pruned. Never raises; a failed save stays .partial."""
+        .metadata are written, hashes every file (on one rank: slow for a large model, but a
+        manifest without hashes could not reject a shard damaged later) and renames; older
+        checkpoints are not pruned. Never raises; a failed or interrupted save stays
+        .partial."""
         if self._pending is None:
             return
         job, self._pending = self._pending, None
@@ -428,15 +450,16 @@ class CheckpointManager:
             if job["rank"] != 0 or job["final"].exists():
                 return
             partial = job["partial"]
-            files = {p.name: {"size": p.stat().st_size, "sha256": None}
+            files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
                      for p in sorted(partial.iterdir()) if p.is_file() and p.name != MARKER}
             if len([f for f in files if f.startswith("rng-")]) != job["world"]:
                 return
             _write_marker(partial, {"format": FORMAT, "step": job["step"],
                                     "world_size": job["world"], "time": time.time(),
-                                    "files": files, "finalized": "at close, sizes only"})
+                                    "files": files, "finalized": "at close"})
             os.replace(partial, job["final"])
             _fsync_dir(job["final"].parent)
+            self._completed(job["step"], job["final"])
         except BaseException:  # noqa: BLE001 - best effort on the way out
             return
 
@@ -577,14 +600,18 @@ def verify(path: str | Path, *, hashes: bool = True) -> dict:
         for i, name in enumerate(names):
             want = manifest["files"][name]
             f = path / name
-            if not f.is_file():
-                problems.append(f"{name} is missing")
-            elif f.stat().st_size != want.get("size"):
-                problems.append(f"{name} has {f.stat().st_size} bytes, manifest says "
-                                f"{want.get('size')} (truncated?)")
-            elif (hashes and i % world == rank and want.get("sha256") is not None
-                  and _sha256(f) != want["sha256"]):
-                problems.append(f"{name} does not match its sha256 (corrupt)")
+            try:
+                if not f.is_file():
+                    problems.append(f"{name} is missing")
+                elif f.stat().st_size != want.get("size"):
+                    problems.append(f"{name} has {f.stat().st_size} bytes, manifest says "
+                                    f"{want.get('size')} (truncated?)")
+                elif not want.get("sha256"):    # written unverified (an older async close)
+                    problems.append(f"{name} has no sha256 in the manifest (unverifiable)")
+                elif hashes and i % world == rank and _sha256(f) != want["sha256"]:
+                    problems.append(f"{name} does not match its sha256 (corrupt)")
+            except OSError as e:   # EIO on a failing disk: this checkpoint is unusable
+                problems.append(f"{name} is unreadable ({_errno_text(e)})")
     except CheckpointError as e:
         manifest, problems = None, [e.problem]
     all_problems = sorted({p for ps in _gather(problems) for p in ps})

@@ -259,6 +259,10 @@ class Trainer:
         self.lock = _rank0_call(self.rank, own)
         self.writer = self.tb = None
         self._fired: set[tuple[str, int]] = set()     # injected faults already fired
+        # the checkpoint the last rollback of this incident restored (None once a newer one
+        # is saved) and the checkpoints the fault recurred from (see _rollback)
+        self._rollback_target: int | None = None
+        self._reproduced: set[int] = set()
         try:
             self._build()
         except BaseException:
@@ -305,7 +309,8 @@ class Trainer:
                           if cfg.telemetry.enabled else None)
         self.alarms = _rank0_call(rank, lambda: build_alarms(cfg.alarms))  # evaluated on rank 0
         self.ckpt = CheckpointManager(out / "checkpoints", keep=cfg.checkpoint.keep,
-                                      async_save=cfg.checkpoint.async_save)
+                                      async_save=cfg.checkpoint.async_save,
+                                      on_complete=self._checkpoint_complete)
         self.fpt = flops_per_token(arch, cfg.train.seq_len)
         self.tokens_per_step = self.plan.global_batch_size * cfg.train.seq_len
         self.group = shard_group(p for g in self.optimizer.param_groups for p in g["params"])
@@ -480,8 +485,11 @@ class Trainer:
             raise TrainingAborted(f"non-finite loss {loss} at step {step} (set "
                                   "guard.enabled = true to roll back instead)")
         if decision.action == "abort":
-            newest = complete(self.ckpt.root)
-            kept = f"; last good checkpoint: {newest[-1][1]}" if newest else ""
+            done = complete(self.ckpt.root)
+            good = [p for s, p in done if s not in self._reproduced]
+            kept = (f"; last good checkpoint: {good[-1]}" if good else
+                    f"; newest checkpoint: {done[-1][1]} (the fault recurred after rolling "
+                    "back to it)" if done else "")
             raise TrainingAborted(f"the spike guard gave up: {decision.reason}{kept}",
                                   logged=True)
         return decision
@@ -539,9 +547,9 @@ class Trainer:
         if self.rank == 0:
             self.writer.flush()
         try:
-            path = self.ckpt.save(step, self.model, self.optimizer, self.scheduler,
-                                  extra={"tokens": step * self.tokens_per_step},
-                                  position=self.position, guard=self.guard)
+            self.ckpt.save(step, self.model, self.optimizer, self.scheduler,
+                           extra={"tokens": step * self.tokens_per_step},
+                           position=self.position, guard=self.guard)
         except NonFiniteError as e:
             if self.rank == 0:
                 self.writer.event("checkpoint_refused", **e.payload)
@@ -549,28 +557,52 @@ class Trainer:
                 raise TrainingAborted(f"non-finite model/optimizer state at step {step}: "
                                       f"{e.problem}") from None
             if self.rank == 0:
-                print(f"adamspike train: warning: {e}; the guard rolls back on the next "
-                      "non-finite loss", file=sys.stderr)
+                _warn(f"{e}; the guard rolls back on the next non-finite loss")
             return
-        if self.rank == 0:
+
+    def _checkpoint_complete(self, step: int, path: Path) -> None:
+        """CheckpointManager's on_complete: the "checkpoint" event is logged only once the
+        checkpoint is on disk (an async save that fails later never claims one)."""
+        self._rollback_target = None
+        if self.rank == 0 and self.writer is not None:
             self.writer.event("checkpoint", step=step, path=str(path),
-                              async_save=cfg.checkpoint.async_save)
+                              async_save=self.cfg.checkpoint.async_save)
 
     def _rollback(self, step: int) -> int:
         """Drop the spike step's gradients, restore the newest checkpoint before `step`, skip
-        batches; returns the next step."""
+        batches; returns the next step.
+
+        A fault that recurs in the same incident before a newer checkpoint is saved came
+        back from the checkpoint restored last: it may hold damaged state that loads (e.g.
+        verified against hashes taken after the damage), so the retry steps back to the
+        checkpoint before it; with none older, it retries the same one."""
         self.optimizer.zero_grad(set_to_none=True)
-        found = self.ckpt.load_latest_valid(self.model, self.optimizer, self.scheduler,
-                                            before_step=step, restore_rng=False)
+        before, suspect = step, None
+        if self.guard.retries > 1 and self._rollback_target is not None:
+            suspect = self._rollback_target
+            self._reproduced.add(suspect)
+            before = suspect
+        load = lambda before_step: self.ckpt.load_latest_valid(   # noqa: E731
+            self.model, self.optimizer, self.scheduler, before_step=before_step,
+            restore_rng=False)
+        found = load(before)
+        if found is None and suspect is not None:
+            found = load(suspect + 1)
         if found is None:
             raise TrainingAborted(f"loss spike at step {step} but no checkpoint before it to "
                                   "roll back to (set checkpoint.every)")
-        _, path, extra, rejected = found
+        target, path, extra, rejected = found
+        if suspect is not None and target != suspect and self.rank == 0:
+            _warn(f"the fault at step {step} recurred after rolling back to checkpoint "
+                  f"{suspect}; stepping back to {path}")
+        self._rollback_target = target
         plan = self.guard.rollback(step, extra, offset_now=self.position.offset)
         self.position.load_state_dict(plan.position)
         if self.rank == 0:
             self._log_rejected(rejected, path)
             for kind, fields in plan.events:
+                if kind == "rollback" and suspect is not None:
+                    fields = {**fields, "reproduced_from": suspect}
                 self.writer.event(kind, **fields, checkpoint=str(path))
         return plan.resume_step
 
@@ -578,7 +610,7 @@ class Trainer:
         """Rank 0: one stderr line and one event (with the full detail) per checkpoint that
         did not load."""
         for e in rejected:
-            print(f"adamspike train: warning: {e}; falling back to {used}", file=sys.stderr)
+            _warn(f"{e}; falling back to {used}")
             self.writer.event("checkpoint_rejected", path=e.path, problem=e.problem,
                               detail=e.detail or None, used=str(used))
 
@@ -629,6 +661,11 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             keys.append(prefix + k)
     return keys
+
+
+def _warn(message: str) -> None:
+    """One stderr line, on a line of its own while the progress bar is drawn."""
+    tqdm.write(f"adamspike train: warning: {message}", file=sys.stderr)
 
 
 def _progress(rank: int, total: int, initial: int):

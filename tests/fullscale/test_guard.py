@@ -219,10 +219,10 @@ def test_guard_end_to_end_gives_up_after_max_retries(tmp_path):
     types = load_run(out, tables=()).events["type"].tolist()
     assert types.count("spike") == 1 and "rollback" not in types and types[-1] == "abort"
     # Nothing after the spike was checkpointed: the newest state is the good one of step 30,
-    # whose async save the abort left pending; it was completed on close (sizes-only manifest).
+    # whose async save the abort left pending; it was completed (and hashed) on close.
     assert checkpoint.complete(out / "checkpoints")[-1][0] == 30
     newest = checkpoint.step_dir(out / "checkpoints", 30)
-    assert checkpoint.read_manifest(newest)["finalized"] == "at close, sizes only"
+    assert checkpoint.read_manifest(newest)["finalized"] == "at close"   # with hashes
     checkpoint.verify(newest)
     assert types.count("abort") == 1                       # logged once
 
