@@ -6,7 +6,9 @@ name, fsynced and renamed, so a reader never sees half a part and a killed write
 most the rows since its last flush. `flush()` returns once every buffered row is durable:
 a trainer calls it before it writes a checkpoint, so a complete checkpoint at step s implies
 that every row <= s (steps, layers, hists; events are fsynced line by line) is on disk.
-A torn last event line is skipped (and counted) on read.
+A torn last event line is skipped (and counted) on read; a writer reopening the run first
+moves it to events.discarded.jsonl (event "events_repaired"), so the next event is not
+appended to it.
 
 Resume: `RunWriter(path, ..., resume_from_step=S)` drops every row with step > S (parts are
 rewritten atomically under their own names) and every per-step event with step > S (moved
@@ -90,7 +92,8 @@ LOCK_FILE = "writer.lock"
 DISCARDED_EVENTS = "events.discarded.jsonl"
 # Events that describe the run's life rather than a step's trace: kept on resume truncation.
 LIFECYCLE_EVENTS = frozenset({"start", "resume", "end", "fault", "abort", "config_changed",
-                              "checkpoint_rejected", "lock_taken_over", "guard_gave_up"})
+                              "checkpoint_rejected", "lock_taken_over", "guard_gave_up",
+                              "events_repaired"})
 
 
 class RunFormatError(ValueError):
@@ -373,6 +376,7 @@ class RunWriter:
         self._last_flush = time.monotonic()
         self._buffers = {t: _Buffer(t, s) for t, s in TABLES.items()}
         self._closed = False
+        self.repaired_events_tail = 0   # bytes of a torn last event line moved aside on open
         new_run = resume_from_step is None
         if new_run:
             check_new_run_dir(self.path)   # before anything is created in it
@@ -406,6 +410,7 @@ class RunWriter:
                 raise RunFormatError(f"{self.path}: run was written by backend "
                                      f"{self.meta['backend']!r}, cannot resume with {backend!r}")
             self._remove_temporaries()
+            self.repaired_events_tail = self._repair_events_tail()
             self._next_part = {t: self._truncate(t, int(resume_from_step)) for t in TABLES}
             dropped = self._truncate_events(int(resume_from_step))
             self.event("resume", step=int(resume_from_step), discarded_events=dropped)
@@ -555,6 +560,39 @@ class RunWriter:
             if d.is_dir():
                 for p in d.glob(".*.tmp-*"):
                     p.unlink(missing_ok=True)
+
+    def _repair_events_tail(self) -> int:
+        """A writer killed inside an event's write (or a damaged file) leaves a last line
+        without its newline; the next event would be appended to it and both be unreadable.
+        Move the fragment to events.discarded.jsonl (as a "torn_line" record keeping its
+        text), cut it off, and log "events_repaired". Returns the bytes moved (0: intact)."""
+        p = self.path / "events.jsonl"
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            return 0
+        if size == 0:
+            return 0
+        with open(p, "rb+") as fh:
+            fh.seek(size - 1)
+            if fh.read(1) == b"\n":
+                return 0
+            fh.seek(max(0, size - (1 << 20)))
+            tail = fh.read()
+            cut = size - len(tail) + tail.rfind(b"\n") + 1
+            fh.seek(cut)
+            fragment = fh.read()
+            rec = {"time": time.time(), "type": "torn_line",
+                   "text": fragment.decode("utf-8", errors="replace")}
+            with open(self.path / DISCARDED_EVENTS, "a", encoding="utf-8") as out:
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+            fh.truncate(cut)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.event("events_repaired", torn_bytes=len(fragment), moved_to=DISCARDED_EVENTS)
+        return len(fragment)
 
     def _truncate_events(self, step: int) -> int:
         """Move per-step events with step > `step` to events.discarded.jsonl (the rewrite

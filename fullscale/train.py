@@ -354,6 +354,9 @@ class Trainer:
                 writer.event("config_changed", step=self.start_step - 1, keys=changed,
                              config=to_dict(cfg))
             self._log_rejected(restored[3], restored[1])
+            if writer.repaired_events_tail:
+                _warn(f"{out / 'events.jsonl'}: its last line was torn "
+                      f"({writer.repaired_events_tail} bytes); moved to events.discarded.jsonl")
         if cfg.telemetry.tensorboard:
             self.tb = TensorBoardScalars(out / "tensorboard")
         if self.replay_from is not None:

@@ -179,3 +179,28 @@ def _damage_with_valid_hashes(run: Path, step: int) -> None:
     keep = {k: v for k, v in extra.items() if k not in ck.RESERVED_EXTRA}
     ck.CheckpointManager(root).save(step, model, opt, sched, keep, position=extra["position"],
                                     guard=extra["guard"])
+
+
+# ----------------------------------------------------------------------------- defect 2
+
+@pytest.mark.slow
+def test_torn_last_event_line_is_repaired_on_resume(tmp_path, ref12):
+    """Killed at step 6, then the end of events.jsonl is cut off (a torn last line): the
+    resume moves the fragment to events.discarded.jsonl (one line says so) instead of
+    appending its "resume" event to it; every event reads back, the run is the reference."""
+    out = tmp_path / "run"
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4",
+                 env={"ADAMSPIKE_KILL_AT": "step@6"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    ev = out / "events.jsonl"
+    os.truncate(ev, ev.stat().st_size - 20)
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = lines(proc.stderr)
+    assert "events.jsonl: its last line was torn" in line
+    run = load_run(out, tables=())
+    assert run.torn_event_lines == 0
+    assert run.events.query("type == 'resume'")["step"].tolist() == [4]
+    discarded = [json.loads(ln) for ln in (out / "events.discarded.jsonl").read_text().splitlines()]
+    assert any(d["type"] == "torn_line" and d["text"] for d in discarded)
+    assert_same_run(ref12, out, 12)
