@@ -18,6 +18,16 @@ Skipped iterations (an fp16 loss-scale overflow: the optimizer step is not appli
 flagged `skipped`; an interval whose iterations were all skipped has no loss value (NaN:
 Megatron-LM main prints it as `lm loss: 0.000000E+00`, MindSpeed-LLM and older Megatron
 omit it, and no grad norm is printed), which `analyze` does not count as a spike.
+Missing is missing: values a framework prints when it did not measure become NaN with a
+flag, never data: a line without the loss field (`loss_missing`), `grad norm: 0.000`
+(DeepSpeed's pipeline engine; below the print resolution at best), a grad norm equal to the
+previous line's on a step with overflow evidence (stale; `grad_norm_stale`), both flagged
+`grad_norm_missing`, and `loss scale: -1.0` (any loss scale <= 0); adamspike.spikes
+.valued_rows leaves the flagged rows out of the spike rule, and the counts are in the stats.
+DeepSpeed's fp16 `OVERFLOW! ... Skipping step` lines are counted on the iteration line that
+follows them (`overflow_lines`; the step is `skipped`).
+`iter_megatron_log` streams a log as LogChunks of bounded size (analysis.megatron_log
+imports them one parquet part at a time); `parse_megatron_log` collects them.
 MindSpeed-LLM's value-less field (`fix-router or fix-sub-seq-length is set, current loss
 is not reliable, only for test |`) becomes the boolean column `loss_unreliable`.
 Validation lines (`validation loss at iteration N | lm loss value: X | lm loss PPL: Y |`,
@@ -27,7 +37,8 @@ val data |`, AscendSpeed's `... at the end of training and after model cleaning 
 data |`) go to a separate frame (step, split, dataset, name, value, ppl). Any line that looks like an iteration or validation line but does
 not parse (truncated, a field without ': ', a non-numeric value of a known key) is counted
 and reported with its line number and reason, never silently dropped. A repeated iteration
-(a restarted job appending to the same log) keeps the last occurrence and is counted.
+(a restarted job appending to the same log: a step not above the largest so far) keeps the
+last occurrence and is counted.
 """
 
 from __future__ import annotations
@@ -37,7 +48,8 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from collections import Counter
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -54,6 +66,7 @@ KNOWN_KEYS = {
     "skipped samples": "skipped_samples",
     "consumed tokens": "consumed_tokens",
     "elapsed time per iteration (ms)": "elapsed_ms",
+    "elapsed time per iteration (s)": "elapsed_s",
     "throughput per gpu (tflop/s/gpu)": "tflops",
     "tflops": "tflops",
     "learning rate": "lr",
@@ -84,6 +97,8 @@ FLAG_FIELDS = {
     "fix-router or fix-sub-seq-length is set, current loss is not reliable, only for test":
         "loss_unreliable",
 }
+FLAG_COLUMNS = tuple(FLAG_FIELDS.values())
+NOT_LOSSES = {*KNOWN_KEYS.values(), *FLAG_COLUMNS}   # columns named loss_* that are no loss
 _TS_RE = re.compile(r"\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:\.\d+)?)\]")
 
 
@@ -200,111 +215,266 @@ def _parse_validation(line: str, m: re.Match) -> tuple[list[dict], str | None]:
             for k, v in rows.items()], None
 
 
-def parse_megatron_log(lines: Iterable[str], *, seq_len: int | None = None,
-                       clip: float | None = None, source: str = "<lines>") -> ParsedLog:
-    """Parse log lines into the steps table (STEP_COLUMNS first, then extras)."""
+# DeepSpeed's fp16 optimizers (ZeRO stage_1_and_2.py, fused / unfused fp16) on an overflow:
+#   [...] [deepscale] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1048576.0, reducing to 524288.0
+# printed while the step runs, before that iteration's line: it belongs to the next one.
+_OVERFLOW_RE = re.compile(r"OVERFLOW!.*?Skipping step(?:.*?Attempted loss scale:\s*([-+0-9.eE]+)"
+                          r"\s*,\s*reducing to\s*([-+0-9.eE]+))?")
+CHUNK_ROWS = 50_000           # iteration rows per chunk (bounded memory, one parquet part)
+MAX_KEPT_MALFORMED = 1000     # malformed-line examples kept in the stats (the count is exact)
+CHUNK_EXAMPLES = 5            # malformed-line examples per chunk (its one event)
+MAX_KEPT_STEPS = 100          # repeated-iteration steps listed in the stats
+
+
+@dataclass
+class LogChunk:
+    """A bounded slice of a log: its iteration rows (steps schema, as dicts), validation
+    rows, and its malformed lines (count, line numbers, the first CHUNK_EXAMPLES)."""
+    rows: list[dict]
+    validation: list[dict]
+    num_malformed: int
+    malformed_lines: list[int]
+    malformed_examples: list[dict]
+    first_line: int
+    last_line: int
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows)
+
+
+class _Rows:
+    """Per-line derivation of the steps columns, with the little state it needs across
+    lines (previous grad norm / loss scale, overflow lines waiting for their iteration,
+    the loss column, the log interval): memory does not grow with the log."""
+
+    def __init__(self, seq_len: int | None, clip: float | None, stats: dict):
+        self.seq_len, self.clip, self.stats = seq_len, clip, stats
+        self.loss_key: str | None = None
+        self.loss_cols: dict[str, None] = {}
+        self.prev_step: int | None = None
+        self.max_step: int | None = None
+        self.prev_gn = math.nan
+        self.prev_scale = math.nan
+        self.pending_overflow = 0
+        self.diffs: Counter = Counter()
+        self.saw_tokens = False
+
+    def overflow(self, m: re.Match) -> None:
+        self.pending_overflow += 1
+        self.stats["num_overflow_lines"] += 1
+
+    def log_interval(self) -> int:
+        return self.diffs.most_common(1)[0][0] if self.diffs else 1
+
+    def derive(self, row: dict) -> dict:
+        st = self.stats
+        step = row["step"]
+        if self.max_step is not None and step <= self.max_step:
+            st["num_duplicate_steps"] += 1
+            if len(st["duplicate_steps"]) < MAX_KEPT_STEPS:
+                st["duplicate_steps"].append(step)
+        if self.prev_step is not None and step > self.prev_step and len(self.diffs) < 64:
+            self.diffs[step - self.prev_step] += 1
+        self.prev_step = step
+        self.max_step = step if self.max_step is None else max(self.max_step, step)
+        for k in row:
+            if k.startswith("loss_") and k not in NOT_LOSSES and k not in self.loss_cols:
+                self.loss_cols[k] = None
+                if self.loss_key is None or k == "loss_lm":
+                    self.loss_key = k
+        skipped_n = row.get("num_skipped_iterations") or 0.0
+        skipped_n = 0.0 if skipped_n != skipped_n else skipped_n
+        nan_n = row.get("num_nan_iterations") or 0.0
+        nan_n = 0.0 if nan_n != nan_n else nan_n
+        overflow = self.pending_overflow
+        self.pending_overflow = 0
+        # the loss: an interval whose iterations were all skipped has none (Megatron-LM main
+        # prints 0 / max(1, 0) = 0.000000E+00, MindSpeed-LLM omits it); a line without the
+        # field has none either (a framework that did not measure it): missing, not NaN data
+        loss = row.get(self.loss_key, math.nan) if self.loss_key else math.nan
+        loss_missing = self.loss_key not in row
+        if skipped_n > 0:
+            for c in self.loss_cols:
+                if row.get(c) == 0.0:
+                    row[c] = math.nan
+            if loss == 0.0 or loss_missing:
+                loss, loss_missing = math.nan, True
+                st["num_skipped_without_loss"] += 1
+        if loss_missing and skipped_n == 0:
+            st["num_loss_missing"] += 1
+            if len(st["loss_missing_steps"]) < MAX_KEPT_STEPS:
+                st["loss_missing_steps"].append(step)
+        # the grad norm: absent (not computed on a skipped step), printed as 0.000 (DeepSpeed's
+        # pipeline engine does not compute it; or below the print resolution), or the
+        # previous line's value again on a step with overflow evidence (stale): missing
+        gn = row.get("grad_norm", math.nan)
+        gn_missing, gn_stale = "grad_norm" not in row, False
+        if gn == 0.0:
+            st["num_grad_norm_zero"] += 1
+            gn, gn_missing = math.nan, True
+        scale = row.get("loss_scale", math.nan)
+        if scale <= 0.0:                       # DeepSpeed pipeline engine: -1.0
+            st["num_loss_scale_unmeasured"] += 1
+            row["loss_scale"] = scale = math.nan
+        evidence = overflow > 0 or skipped_n > 0 or nan_n > 0 or scale < self.prev_scale
+        if gn == self.prev_gn and evidence:
+            st["num_grad_norm_stale"] += 1
+            gn_missing = gn_stale = True
+        elif gn == gn:
+            self.prev_gn = gn
+        if gn_stale:
+            gn = math.nan
+        if scale == scale:
+            self.prev_scale = scale
+        if gn_missing and not gn_stale and "grad_norm" not in row:
+            st["num_grad_norm_absent"] += 1
+        if self.seq_len is not None:
+            cs = row.get("consumed_samples")
+            tokens = None if cs is None or cs != cs else int(cs) * int(self.seq_len)
+        else:
+            ct = row.get("consumed_tokens")
+            self.saw_tokens = self.saw_tokens or ct is not None
+            tokens = None if ct is None or ct != ct else int(ct)
+        el = row.get("elapsed_ms", math.nan)
+        el = row.get("elapsed_s", math.nan) * 1000.0 if el != el else el
+        out = {"step": step, "tokens": tokens, "loss": float(loss), "lr": row.get("lr", math.nan),
+               "grad_norm": float(gn),
+               "clipped": bool(self.clip is not None and gn == gn and gn > self.clip),
+               "update_norm": math.nan, "step_time_s": el / 1000.0,
+               "skipped": bool(skipped_n + nan_n > 0 or overflow > 0)}
+        for k, v in row.items():
+            if k not in out and k not in ("lr", "grad_norm", "elapsed_ms", "elapsed_s"):
+                out[k] = v
+        for c in FLAG_COLUMNS:
+            out[c] = bool(row.get(c, False))
+            st["num_" + c] += out[c]
+        out["loss_missing"] = bool(loss_missing)
+        out["grad_norm_missing"] = bool(gn_missing)
+        out["grad_norm_stale"] = gn_stale
+        out["overflow_lines"] = overflow
+        return out
+
+    def chunk(self, rows, val_rows, bad_lines, examples, first, last) -> LogChunk:
+        interval_avg = self.log_interval() > 1     # from every row so far, this chunk's too
+        for r in rows:
+            r["interval_avg"] = interval_avg
+        self.stats["num_rows"] += len(rows)
+        return LogChunk(rows, val_rows, len(bad_lines), bad_lines, examples, first, last)
+
+
+def _new_stats(source: str) -> dict[str, Any]:
+    return {"source": source, "num_lines": 0, "num_iteration_lines": 0,
+            "num_validation_lines": 0, "num_rows": 0, "num_malformed": 0, "malformed": [],
+            "num_duplicate_steps": 0, "duplicate_steps": [], "num_skipped_without_loss": 0,
+            "num_loss_missing": 0, "loss_missing_steps": [], "num_grad_norm_zero": 0,
+            "num_grad_norm_absent": 0, "num_grad_norm_stale": 0,
+            "num_loss_scale_unmeasured": 0, "num_overflow_lines": 0,
+            "num_overflow_lines_after_last_iteration": 0,
+            **{"num_" + c: 0 for c in FLAG_COLUMNS}}
+
+
+def iter_megatron_log(lines: Iterable[str], *, seq_len: int | None = None,
+                      clip: float | None = None, source: str = "<lines>",
+                      chunk_rows: int = CHUNK_ROWS, stats: dict | None = None
+                      ) -> Iterator[LogChunk]:
+    """Parse log lines as a stream of LogChunks of at most `chunk_rows` iteration rows
+    (memory bounded by the chunk, not the log). `stats` (a dict, filled in place) holds the
+    parse statistics once the iterator is exhausted; MegatronLogError at the end if no
+    iteration line parsed (no chunk is yielded before the first iteration row)."""
+    st = _new_stats(source) if stats is None else stats
+    st.update(_new_stats(source))
+    rs = _Rows(seq_len, clip, st)
     rows: list[dict] = []
     val_rows: list[dict] = []
-    malformed: list[dict] = []
-    num_lines = num_iter = num_val = 0
+    bad_lines: list[int] = []
+    examples: list[dict] = []
+    first = 1
+    lineno = 0
+
+    def note_malformed(lineno: int, why: str, line: str) -> None:
+        rec = {"line": lineno, "reason": why, "text": line[:200]}
+        st["num_malformed"] += 1
+        if len(st["malformed"]) < MAX_KEPT_MALFORMED:
+            st["malformed"].append(rec)
+        bad_lines.append(lineno)
+        if len(examples) < CHUNK_EXAMPLES:
+            examples.append(rec)
+
     for lineno, line in enumerate(lines, start=1):
-        num_lines += 1
         line = line.rstrip("\r\n")
-        vm = _VALID_RE.search(line)
-        if vm:
-            num_val += 1
-            got, why = _parse_validation(line, vm)
-            if why:
-                malformed.append({"line": lineno, "reason": why, "text": line[:200]})
-            val_rows.extend(got)
+        if "alidation" in line:
+            vm = _VALID_RE.search(line)
+            if vm:
+                st["num_validation_lines"] += 1
+                got, why = _parse_validation(line, vm)
+                if why:
+                    note_malformed(lineno, why, line)
+                val_rows.extend(got)
+                continue
+            if _VALID_HINT.search(line):
+                st["num_validation_lines"] += 1
+                note_malformed(lineno, "unrecognised validation line", line)
+                continue
+        if "OVERFLOW!" in line:
+            om = _OVERFLOW_RE.search(line)
+            if om:
+                rs.overflow(om)
+                continue
+        if "iteration" not in line or not _ITER_HINT.search(line):
             continue
-        if _VALID_HINT.search(line):
-            num_val += 1
-            malformed.append({"line": lineno, "reason": "unrecognised validation line",
-                              "text": line[:200]})
-            continue
-        if not _ITER_HINT.search(line):
-            continue
-        num_iter += 1
+        st["num_iteration_lines"] += 1
         row, why = _parse_iteration(line, lineno)
         if why:
-            malformed.append({"line": lineno, "reason": why, "text": line[:200]})
+            note_malformed(lineno, why, line)
             continue
         row["line"] = lineno
-        rows.append(row)
-    stats: dict[str, Any] = {"source": source, "num_lines": num_lines,
-                             "num_iteration_lines": num_iter, "num_validation_lines": num_val,
-                             "num_malformed": len(malformed), "malformed": malformed}
-    if not rows:
+        rows.append(rs.derive(row))
+        if len(rows) >= chunk_rows or len(bad_lines) >= chunk_rows:
+            yield rs.chunk(rows, val_rows, bad_lines, examples, first, lineno)
+            rows, val_rows, bad_lines, examples, first = [], [], [], [], lineno + 1
+    st["num_lines"] = lineno
+    st["num_overflow_lines_after_last_iteration"] = rs.pending_overflow
+    st["loss_key"] = rs.loss_key
+    st["loss_columns"] = list(rs.loss_cols)
+    st["log_interval"] = rs.log_interval()
+    st["tokens_from"] = (f"consumed samples x seq_len {seq_len}" if seq_len is not None else
+                         "consumed tokens" if rs.saw_tokens else None)
+    if st["num_rows"] + len(rows) == 0:
         raise MegatronLogError(
-            f"{source}: no parseable iteration lines ({num_lines} lines read, {num_iter} "
-            f"looked like iteration lines, {len(malformed)} malformed); expected Megatron "
-            "'iteration N/ M | ... |' lines")
+            f"{source}: no parseable iteration lines ({lineno} lines read, "
+            f"{st['num_iteration_lines']} looked like iteration lines, {st['num_malformed']} "
+            "malformed); expected Megatron 'iteration N/ M | ... |' lines")
+    if rows or val_rows or bad_lines:
+        yield rs.chunk(rows, val_rows, bad_lines, examples, first, lineno)
+
+
+def parse_megatron_log(lines: Iterable[str], *, seq_len: int | None = None,
+                       clip: float | None = None, source: str = "<lines>") -> ParsedLog:
+    """Parse log lines into one steps table (STEP_COLUMNS first, then extras; a repeated
+    iteration keeps its last line) and the validation table: iter_megatron_log collected
+    (for logs that fit in memory; `analysis.megatron_log.import_megatron_log` streams)."""
+    stats: dict[str, Any] = {}
+    rows: list[dict] = []
+    val: list[dict] = []
+    for ch in iter_megatron_log(lines, seq_len=seq_len, clip=clip, source=source, stats=stats):
+        rows += ch.rows
+        val += ch.validation
+    steps = steps_frame(rows)
+    steps = steps.drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)
+    return ParsedLog(steps=steps, validation=pd.DataFrame(
+        val, columns=["step", "split", "dataset", "name", "value", "ppl"]), stats=stats)
+
+
+def steps_frame(rows: list[dict]) -> pd.DataFrame:
+    """Iteration rows (dicts) as a steps DataFrame with the table's dtypes."""
     df = pd.DataFrame(rows)
-    num_dupes = int(df.duplicated("step", keep="last").sum())
-    stats["num_duplicate_steps"] = num_dupes
-    stats["duplicate_steps"] = sorted(set(df.loc[df.duplicated("step", keep="last"), "step"]))
-    df = df.drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)
-    steps = _to_steps(df, seq_len=seq_len, clip=clip, stats=stats)
-    val = pd.DataFrame(val_rows, columns=["step", "split", "dataset", "name", "value", "ppl"])
-    return ParsedLog(steps=steps, validation=val, stats=stats)
-
-
-def _to_steps(df: pd.DataFrame, *, seq_len: int | None, clip: float | None,
-              stats: dict) -> pd.DataFrame:
-    def col(name: str) -> pd.Series:
-        return df[name] if name in df else pd.Series(np.nan, index=df.index)
-
-    loss_cols = [c for c in df.columns if c.startswith("loss_")]
-    loss_key = "loss_lm" if "loss_lm" in loss_cols else (loss_cols[0] if loss_cols else None)
-    stats["loss_key"] = loss_key
-    stats["loss_columns"] = loss_cols
-    diffs = np.diff(df["step"].to_numpy())
-    log_interval = int(pd.Series(diffs).mode().iloc[0]) if len(diffs) else 1
-    stats["log_interval"] = log_interval
-    if seq_len is not None:
-        tokens = col("consumed_samples") * int(seq_len)
-        stats["tokens_from"] = f"consumed samples x seq_len {seq_len}"
-    elif "consumed_tokens" in df:
-        tokens = df["consumed_tokens"]
-        stats["tokens_from"] = "consumed tokens"
-    else:
-        tokens = pd.Series(np.nan, index=df.index)
-        stats["tokens_from"] = None
-    grad_norm = col("grad_norm").astype(float)
-    # an interval whose iterations were all skipped: Megatron-LM main prints its loss as
-    # 0.000000E+00 (0 / max(1, advanced iterations = 0)), MindSpeed-LLM omits it: no value
-    skipped_n = col("num_skipped_iterations").fillna(0).to_numpy()
-    no_value = np.zeros(len(df), dtype=bool)
-    for c in loss_cols:
-        zero = (df[c].to_numpy(float) == 0.0) & (skipped_n > 0)
-        df.loc[zero, c] = np.nan
-        if c == loss_key:
-            no_value = zero | (np.isnan(df[c].to_numpy(float)) & (skipped_n > 0))
-    stats["num_skipped_without_loss"] = int(no_value.sum())
-    clipped = (grad_norm > clip).to_numpy() if clip is not None else np.zeros(len(df), bool)
-    num_skip = col("num_skipped_iterations").fillna(0) + col("num_nan_iterations").fillna(0)
-    out = pd.DataFrame({
-        "step": df["step"].astype("int64"),
-        "tokens": tokens.astype("Int64") if tokens.notna().any() else pd.array(
-            [pd.NA] * len(df), dtype="Int64"),
-        "loss": df[loss_key].astype(float) if loss_key else np.nan,
-        "lr": col("lr").astype(float),
-        "grad_norm": grad_norm,
-        "clipped": clipped,
-        "update_norm": np.nan,
-        "step_time_s": col("elapsed_ms").astype(float) / 1000.0,
-        "skipped": (num_skip > 0).to_numpy(),
-    })
-    extras = [c for c in df.columns if c not in ("step", "lr", "grad_norm", "elapsed_ms")]
-    for c in extras:
-        out[c] = df[c].to_numpy()
-    out["interval_avg"] = log_interval > 1
-    if "loss_unreliable" in out:
-        out["loss_unreliable"] = out["loss_unreliable"].fillna(False).astype(bool)
-        stats["num_loss_unreliable"] = int(out["loss_unreliable"].sum())
-    assert list(out.columns[:len(STEP_COLUMNS)]) == list(STEP_COLUMNS)
-    return out
+    df["step"] = df["step"].astype("int64")
+    df["tokens"] = pd.array([pd.NA if t is None else t for t in df["tokens"]], dtype="Int64")
+    for c in ("loss", "lr", "grad_norm", "update_norm", "step_time_s"):
+        df[c] = df[c].astype(float)
+    assert list(df.columns[:len(STEP_COLUMNS)]) == list(STEP_COLUMNS)
+    return df
 
 
 def read_megatron_log(path: str | Path, **kw) -> ParsedLog:

@@ -311,10 +311,18 @@ def detect_spikes(values: Sequence[float], steps: Sequence[int] | None = None,
 def valued_rows(steps: pd.DataFrame, column: str) -> pd.DataFrame:
     """The rows that carry a value of `column`: a skipped step (fp16 loss-scale overflow,
     where Megatron prints neither loss nor grad norm) with a NaN there has no value, and is
-    not a non-finite spike. A NaN on a step that was not skipped stays (a divergence)."""
-    if "skipped" not in steps or steps.empty:
+    not a non-finite spike; nor is a row whose `<column>_missing` flag is set (an imported
+    log's line without the field, or with a placeholder the framework prints when it did
+    not measure: adamspike.megatron_log). A NaN on a step that was not skipped stays (a
+    divergence)."""
+    if steps.empty or ("skipped" not in steps and f"{column}_missing" not in steps):
         return steps
-    missing = steps["skipped"].to_numpy(bool) & ~np.isfinite(steps[column].to_numpy(float))
+    missing = np.zeros(len(steps), dtype=bool)
+    if "skipped" in steps:
+        missing |= (steps["skipped"].to_numpy(bool)
+                    & ~np.isfinite(steps[column].to_numpy(float)))
+    if f"{column}_missing" in steps:
+        missing |= steps[f"{column}_missing"].eq(True).to_numpy()
     return steps.loc[~missing] if missing.any() else steps
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Optional   # Optional: runtime types on python 3.8
@@ -61,8 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--clip", type=float, help="grad-clip threshold the log's run used")
     for b in ("b1", "b2", "eps", "lr"):
         ap.add_argument(f"--{b}", type=float, help=f"optimizer {b} of the log's run")
-    ap.add_argument("--num-params", type=int,
-                    help="parameter count N of the log's model (regime card rho_bar)")
+    ap.add_argument("--num-params", type=count_arg, metavar="N",
+                    help="parameter count N of the log's model (regime card rho_bar); an "
+                         "integer, also as 176e9 or 1.76e11")
     ap.add_argument("--model", metavar="PRESET",
                     help="the log's model as an adamspike.llama preset (N for rho_bar)")
     ap.add_argument("--window", type=int, default=50, help="spike rule: past steps")
@@ -92,6 +94,22 @@ def log_run_names(logs: list[str]) -> list[str]:
     if len(set(names)) < len(names):
         names = [f"{i}_{n}" for i, n in enumerate(names)]
     return [n + ".run" for n in names]
+
+
+def count_arg(text: str) -> int:
+    """An integer count given as digits or in scientific notation (176e9): refused unless
+    the value is a whole number."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v) or v != int(v):
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(v)
 
 
 def _fail(msg: str) -> int:
@@ -174,12 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         optim = {k: getattr(args, k) for k in ("b1", "b2", "eps", "lr")
                  if getattr(args, k) is not None}
         try:
-            parsed = import_megatron_log(log, dest, seq_len=args.seq_len, clip=args.clip,
-                                         optim=optim)
+            st = import_megatron_log(log, dest, seq_len=args.seq_len, clip=args.clip,
+                                     optim=optim).stats
         except (MegatronLogError, RunFormatError) as e:
             return _fail(str(e))
-        st = parsed.stats
-        print(f"imported {log}: {len(parsed.steps)} steps, {st['num_malformed']} malformed "
+        print(f"imported {log}: {st['num_rows']} steps, {st['num_malformed']} malformed "
               f"line(s){' at ' + ', '.join(str(m['line']) for m in st['malformed'][:10]) if st['malformed'] else ''}"
               f" -> {dest}", file=sys.stderr)
         runs.append(dest)

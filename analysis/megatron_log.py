@@ -8,46 +8,89 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import itertools
+import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from adamspike.megatron_log import (MegatronLogError, ParsedLog, parse_megatron_log,  # noqa: F401
-                                    read_megatron_log)
+from adamspike.megatron_log import (CHUNK_ROWS, MegatronLogError, ParsedLog,  # noqa: F401
+                                    iter_megatron_log, parse_megatron_log, read_megatron_log)
 from adamspike.config import cli_main
-from adamspike.rundir import RunFormatError, RunWriter, environment, load_run
+from adamspike.rundir import (RunFormatError, RunWriter, atomic_write_bytes, environment,
+                              json_clean, load_run)
+
+MAX_EVENT_LINES = 100   # malformed line numbers listed in a chunk's event
+
+
+@dataclass
+class ImportedLog:
+    """What import_megatron_log wrote: the run directory and the parse statistics."""
+    run_dir: Path
+    stats: dict
 
 
 def import_megatron_log(path: str | Path, out_run_dir: str | Path, *,
                         seq_len: int | None = None, clip: float | None = None,
-                        optim: dict | None = None) -> ParsedLog:
-    """Write a run directory (backend "megatron") from a training log.
+                        optim: dict | None = None, chunk_rows: int = CHUNK_ROWS) -> ImportedLog:
+    """Write a run directory (backend "megatron") from a training log, streamed: the log
+    is parsed `chunk_rows` iteration lines at a time (adamspike.megatron_log
+    .iter_megatron_log), each chunk one steps part, so memory does not grow with the log.
 
     `optim` may carry what the log does not state (b1, b2, eps, ...) into run.json's
-    config; validation losses and malformed lines become events, the parse statistics go
-    into run.json under "import". RunWriter refuses a non-empty out_run_dir.
+    config; validation losses become events, malformed lines one `malformed_log_lines`
+    event per chunk (their count, line numbers, the first examples); the parse statistics
+    go into run.json under "import". RunWriter refuses a non-empty out_run_dir; a log
+    without iteration lines creates nothing.
     """
-    parsed = read_megatron_log(path, seq_len=seq_len, clip=clip)
-    stats = parsed.stats
-    config = {"optim": {**({"grad_clip": clip} if clip is not None else {}), **(optim or {})},
-              "train": {**({"seq_len": seq_len} if seq_len is not None else {}),
-                        "num_steps": int(parsed.steps["train_iters"].iloc[-1])},
-              "source": {"megatron_log": str(Path(path).resolve())}}
-    summary = {k: v for k, v in stats.items() if k != "malformed"}
-    summary["malformed_lines"] = [m["line"] for m in stats["malformed"]]
-    with RunWriter(out_run_dir, backend="megatron", config=config,
-                   env=environment(importer="analysis.megatron_log"),
-                   extra_meta={"import": summary}) as w:
-        for rec in parsed.steps.to_dict("records"):
-            rec["tokens"] = None if pd.isna(rec["tokens"]) else int(rec["tokens"])
-            w.log_step(**rec)
-        for m in stats["malformed"]:
-            w.event("malformed_log_line", line=m["line"], reason=m["reason"], text=m["text"])
-        for v in parsed.validation.to_dict("records"):
-            w.event("validation", **v)
-    return parsed
+    path, out = Path(path), Path(out_run_dir)
+    stats: dict = {}
+    with open_log(path) as fh:
+        chunks = iter_megatron_log(fh, seq_len=seq_len, clip=clip, source=str(path),
+                                   stats=stats, chunk_rows=chunk_rows)
+        first = next(chunks)             # MegatronLogError before anything is created
+        config = {"optim": {**({"grad_clip": clip} if clip is not None else {}),
+                            **(optim or {})},
+                  "train": {**({"seq_len": seq_len} if seq_len is not None else {})},
+                  "source": {"megatron_log": str(path.resolve())}}
+        with RunWriter(out, backend="megatron", config=config,
+                       env=environment(importer="analysis.megatron_log"),
+                       flush_every_rows=10 * chunk_rows, flush_every_s=math.inf) as w:
+            last_iters = None
+            for ch in itertools.chain([first], chunks):
+                for rec in ch.rows:
+                    w.log_step(**rec)
+                if ch.rows:
+                    last_iters = ch.rows[-1].get("train_iters", last_iters)
+                w.flush()
+                if ch.num_malformed:
+                    w.event("malformed_log_lines", count=ch.num_malformed,
+                            first_line=ch.first_line, last_line=ch.last_line,
+                            lines=ch.malformed_lines[:MAX_EVENT_LINES],
+                            examples=ch.malformed_examples)
+                for v in ch.validation:
+                    w.event("validation", **v)
+            summary = {k: v for k, v in stats.items() if k != "malformed"}
+            summary["malformed_lines"] = [m["line"] for m in stats["malformed"]]
+            if last_iters is not None:
+                config["train"]["num_steps"] = int(last_iters)
+            w.meta.update(config=config, **{"import": summary})
+            atomic_write_bytes(out / "run.json", json.dumps(json_clean(w.meta), indent=2,
+                                                            allow_nan=False).encode())
+    return ImportedLog(out, stats)
+
+
+def open_log(path: Path):
+    """The log as text lines (undecodable bytes replaced); MegatronLogError if missing."""
+    if not path.is_file():
+        raise MegatronLogError(f"{path}: log file not found")
+    try:
+        return open(path, encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise MegatronLogError(f"{path}: cannot read ({e})") from None
 
 
 # ----------------------------------------------------------------------------- export

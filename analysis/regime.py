@@ -425,6 +425,12 @@ def log_card(steps: pd.DataFrame, config: dict | None, *, num_params: int | None
             "grad_norm_median": float(np.median(gn[ok])) if ok.any() else math.nan,
             "frac_clipped": float(np.mean(gn[ok] > op["grad_clip"]))
             if ok.any() and op["grad_clip"] else math.nan}
+    if not ok.any():
+        card.notes.append("no measured grad norm in the log (none printed, or only the "
+                          "placeholders of a framework that did not measure it: 0.000, or "
+                          "stale repeats on overflowed steps): no rho_bar, no regime")
+        card.log = info
+        return card
     if num_params is None:
         card.notes.append("parameter count unknown: pass --num-params N or --model PRESET "
                           "(or a log that prints its model arguments)")

@@ -211,6 +211,35 @@ def linked_figures(name: str, out_dir: Path | None) -> list[str]:
     return []
 
 
+def not_measured_note(imp: dict) -> str:
+    """The import's values read as missing (NaN), never as data: what a framework prints
+    when it did not measure (adamspike.megatron_log)."""
+    parts = []
+    n = imp.get("num_loss_missing", 0)
+    if n:
+        steps = imp.get("loss_missing_steps", [])
+        parts.append(f"{n} line(s) without a loss value that no counter calls skipped (step"
+                     f"{'s' if n > 1 else ''} {', '.join(map(str, steps[:10]))}"
+                     f"{' ...' if n > 10 else ''})")
+    if imp.get("num_skipped_without_loss"):
+        parts.append(f"{imp['num_skipped_without_loss']} interval(s) whose iterations were all "
+                     "skipped, so without a loss")
+    if imp.get("num_grad_norm_zero"):
+        parts.append(f"grad norm printed as 0.000 on {imp['num_grad_norm_zero']} line(s) (not "
+                     "computed, e.g. by DeepSpeed's pipeline engine, or below the print "
+                     "resolution)")
+    if imp.get("num_grad_norm_stale"):
+        parts.append(f"{imp['num_grad_norm_stale']} stale grad norm(s) (the previous line's "
+                     "value again on a step with an overflow, a skip or a loss-scale cut)")
+    if imp.get("num_loss_scale_unmeasured"):
+        parts.append(f"loss scale <= 0 (-1.0: not measured) on "
+                     f"{imp['num_loss_scale_unmeasured']} line(s)")
+    if not parts:
+        return ""
+    return ("**Missing, not data**: " + "; ".join(parts) + ". These are NaN in the steps "
+            "table: never a spike, a frozen verdict or a regime.")
+
+
 def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
     sp, L = ra.spikes, []
     L += [f"# Run `{ra.name}`", "", f"`{ra.path}`", "", _config_line(ra.meta) + ".", "",
@@ -229,6 +258,9 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
               f"Log interval {imp.get('log_interval')}"
               f"{' (rows are interval averages)' if (imp.get('log_interval') or 1) > 1 else ''};"
               f" loss column `{imp.get('loss_key')}`; tokens from {imp.get('tokens_from')}."]
+        missing = not_measured_note(imp)
+        if missing:
+            L += ["", missing]
     p = ra.spike_params
     L += ["", "## Loss spikes", "",
           f"Rule: {p.describe()}; NaN/inf count as spikes; consecutive anomalous steps form "

@@ -156,9 +156,11 @@ def test_import_writes_a_megatron_run_directory(tmp_path):
     assert run.meta["import"]["num_malformed"] == 1
     assert run.meta["import"]["malformed_lines"] == [202]
     ev = run.events
-    assert set(ev["type"]) == {"validation", "malformed_log_line"}
+    assert set(ev["type"]) == {"validation", "malformed_log_lines"}   # one per chunk
+    bad = ev[ev["type"] == "malformed_log_lines"].iloc[0]
+    assert bad["count"] == 1 and bad["lines"] == [202] and bad["examples"][0]["line"] == 202
     assert ev.loc[ev["type"] == "validation", "split"].iloc[0] == "validation set"
-    assert parsed.stats["num_iteration_lines"] == 201
+    assert parsed.stats["num_iteration_lines"] == 201 and run.config["train"]["num_steps"] == 500000
     with pytest.raises(Exception, match="not empty"):  # nothing already written is replaced
         import_megatron_log(log, tmp_path / "run")
 
@@ -308,3 +310,114 @@ def test_real_log_onsets_are_found(name, tmp_path):
     starts, _ = _onsets(REALLOGS / name, tmp_path)
     want = REAL_ONSETS[name]
     assert (starts[:1] == [want]) if want is not None else starts == []
+
+
+# ---- missing is missing: what a framework prints when it did not measure ----------------
+
+def megds_line(it, loss, *, loss_key="lm loss", loss_scale=65536.0, grad_norm=0.5, skipped=0,
+               total=159576):
+    """BigScience Megatron-DeepSpeed training_log (no timestamp, {:.3E} lr, num zeros);
+    loss None: the line carries no loss field."""
+    s = (f" iteration {it:8d}/{total:8d} | consumed samples: {it * 176:12d} |"
+         f" elapsed time per iteration (ms): {61947.6:.1f} | learning rate: 6.000E-05 |"
+         f" global batch size: {176:5d} |")
+    if loss is not None:
+        s += f" {loss_key}: {loss:.6E} |"
+    s += f" loss scale: {loss_scale:.1f} | grad norm: {grad_norm:.3f} | num zeros: {0.0:.1f} |"
+    s += f" number of skipped iterations: {skipped:3d} | number of nan iterations: {0:3d} |"
+    return s
+
+
+def deepspeed_overflow(attempted, reduced):
+    return ("[2022-01-19 13:16:17,683] [INFO] [stage_1_and_2.py:1644:step] [deepscale] "
+            f"OVERFLOW! Rank 0 Skipping step. Attempted loss scale: {attempted:.1f}, reducing "
+            f"to {reduced:.1f}")
+
+
+def test_pipeline_engine_placeholders_are_missing_not_frozen(tmp_path):
+    """DeepSpeed's pipeline engine prints `loss scale: -1.0 | grad norm: 0.000` on every
+    line (07_bigscience_megds3d_gpt2_dson.log): NaN, no grad-norm series, no regime even
+    with N given (it was called frozen: rho_bar 0)."""
+    lines = [megds_line(i, 12.4 - i / 10, loss_key="lm-loss", loss_scale=-1.0, grad_norm=0.0)
+             for i in range(1, 31)]
+    p = parse_megatron_log(lines)
+    assert p.steps["grad_norm"].isna().all() and p.steps["loss_scale"].isna().all()
+    assert p.steps["grad_norm_missing"].all()
+    assert p.stats["num_grad_norm_zero"] == 30 and p.stats["num_loss_scale_unmeasured"] == 30
+    log = tmp_path / "dson.log"
+    log.write_text("\n".join(lines) + "\n")
+    import_megatron_log(log, tmp_path / "run", clip=1.0, optim={"eps": 1e-8})
+    from analysis.report import analyze_run, render_markdown
+
+    ra = analyze_run(tmp_path / "run", num_params=52_000_000_000, num_params_source="test")
+    assert ra.grad_spikes.empty and ra.regime_card.groups.empty
+    assert any("no measured grad norm" in n for n in ra.regime_card.notes)
+    md = render_markdown(ra)
+    assert "grad norm printed as 0.000 on 30 line(s)" in md and "-1.0: not measured" in md
+    assert "frozen" not in md.split("## Regime card")[1].replace("a frozen verdict", "")
+
+
+def test_line_without_loss_is_missing_and_stale_grad_norm_is_dropped(tmp_path):
+    """tr8-104B iteration 9027: no `lm loss` field, counters 0, the loss scale halved and
+    the previous grad norm printed again: no non-finite spike (it printed `+-% at step -`),
+    the stale grad norm NaN."""
+    lines = [megds_line(8700 + i, 3.3 + 0.01 * (i % 3), grad_norm=2e5 + 1e3 * i)
+             for i in range(30)]
+    lines.append(megds_line(8730, 3.31, loss_scale=16384.0, grad_norm=20609.780))
+    lines.append(megds_line(8731, None, loss_scale=8192.0, grad_norm=20609.780))
+    lines.append(megds_line(8732, 3.30, loss_scale=8192.0, grad_norm=21000.0))
+    p = parse_megatron_log(lines)
+    st = p.steps.set_index("step")
+    assert st.loc[8731, "loss_missing"] and math.isnan(st.loc[8731, "loss"])
+    assert st.loc[8731, "grad_norm_stale"] and math.isnan(st.loc[8731, "grad_norm"])
+    assert st.loc[8730, "grad_norm"] == pytest.approx(20609.78)
+    assert p.stats["num_loss_missing"] == 1 and p.stats["loss_missing_steps"] == [8731]
+    log = tmp_path / "104b.log"
+    log.write_text("\n".join(lines) + "\n")
+    import_megatron_log(log, tmp_path / "run")
+    from analysis.report import analyze_run, render_markdown
+
+    ra = analyze_run(tmp_path / "run")
+    assert ra.spikes.empty, ra.spikes
+    assert "without a loss value that no counter calls skipped (step 8731)" in \
+        render_markdown(ra)
+
+
+def test_deepspeed_overflow_lines_belong_to_the_next_iteration():
+    lines = [megds_line(17060, 2.665, loss_scale=1048576.0, grad_norm=453082.517),
+             megds_line(17061, 2.667, loss_scale=1048576.0, grad_norm=464441.887),
+             deepspeed_overflow(1048576.0, 1048576.0),
+             megds_line(17062, 4.374, loss_scale=1048576.0, grad_norm=464441.887),
+             deepspeed_overflow(1048576.0, 524288.0),
+             megds_line(17063, 4.366, loss_scale=524288.0, grad_norm=464441.887),
+             megds_line(17064, 4.391, loss_scale=524288.0, grad_norm=879946.622),
+             deepspeed_overflow(524288.0, 262144.0)]
+    p = parse_megatron_log(lines)
+    st = p.steps.set_index("step")
+    assert list(st["overflow_lines"]) == [0, 0, 1, 1, 0]
+    assert list(st["skipped"]) == [False, False, True, True, False]
+    assert list(st["grad_norm_stale"]) == [False, False, True, True, False]
+    assert st.loc[17064, "grad_norm"] == pytest.approx(879946.622)
+    assert p.stats["num_overflow_lines"] == 3
+    assert p.stats["num_overflow_lines_after_last_iteration"] == 1
+
+
+def test_trailer_on_every_line_and_num_params_in_scientific_notation(tmp_path):
+    """Tracebacks of issue 25: the MindSpeed-LLM test-only trailer on every line (its flag
+    column was taken for a loss column: TypeError under pandas 3); --num-params 176e9; a
+    log without grad norm with --num-params (IndexError in analysis/regime.py)."""
+    from analysis.cli import main
+
+    log = tmp_path / "mindspeed.log"
+    log.write_text("".join(mindspeed_llm_line(i, 2.0 + (i % 3) / 100, fix_router=True) + "\n"
+                           for i in range(1, 40)))
+    assert main(["--log", str(log), "--out", str(tmp_path / "a"), "--num-params", "176e9"]) == 0
+    summary = __import__("json").loads(
+        (tmp_path / "a" / "mindspeed.log.run" / "summary.json").read_text())
+    assert summary["regime_card"]["log"]["num_params"] == 176_000_000_000
+    nogn = tmp_path / "nogn.log"
+    nogn.write_text("".join(megatron_line(i, 3.0, grad_norm=None) + "\n" for i in range(1, 9)))
+    assert main(["--log", str(nogn), "--out", str(tmp_path / "b"), "--num-params",
+                 "1.76e11"]) == 0
+    with pytest.raises(SystemExit):
+        main(["--log", str(nogn), "--out", str(tmp_path / "c"), "--num-params", "1.5"])
