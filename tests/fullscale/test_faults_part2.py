@@ -204,3 +204,26 @@ def test_torn_last_event_line_is_repaired_on_resume(tmp_path, ref12):
     discarded = [json.loads(ln) for ln in (out / "events.discarded.jsonl").read_text().splitlines()]
     assert any(d["type"] == "torn_line" and d["text"] for d in discarded)
     assert_same_run(ref12, out, 12)
+
+
+# ----------------------------------------------------------------------------- defect 3
+
+@pytest.mark.slow
+@pytest.mark.skipif(STRACE is None, reason="needs strace")
+def test_io_error_reading_the_newest_checkpoint_falls_back(tmp_path, ref12):
+    """Every read of the step-8 shard fails with EIO (strace -e inject): the resume used to
+    end in a 33-line traceback (exit 1); now the checkpoint is rejected in one line naming
+    EIO and the step-4 one is used, as docs/faults.md promises."""
+    out = tmp_path / "run"
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4",
+                 env={"ADAMSPIKE_KILL_AT": "step@10"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    shard = ck.step_dir(out / "checkpoints", 8) / "__0_0.distcp"
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume",
+                 prefix=(STRACE, "-qq", "-f", "-P", str(shard), "-e", "trace=read,pread64",
+                         "-e", "inject=read,pread64:error=EIO"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = lines(proc.stderr)
+    assert "__0_0.distcp is unreadable (EIO: Input/output error)" in line, line
+    assert line.endswith("step-00000004")
+    assert_same_run(ref12, out, 12)
