@@ -27,6 +27,7 @@ from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, loa
 from adamspike.tables import fmt as _f, md_table
 from adamspike.spikes import SpikeParams, detect_spikes, loss_spikes, valued_rows
 from analysis.alarms import fire_steps, online_alarms, score_alarms
+from analysis.numerics import health_markdown, numerics_health
 from analysis.fits import (check_rms_t, failing_assumption, fit_update_rms, fit_update_rms_heterogeneous,
                            optim_params, spike_regimes)
 from analysis.precursors import precursors
@@ -63,6 +64,7 @@ class RunAnalysis:
     regimes: pd.DataFrame | None = None
     regime_card: Any = None          # analysis.regime.RegimeCard
     hetero_fit: Any = None           # analysis.fits.HeteroFit (runs with vhists)
+    numerics: Any = None             # analysis.numerics.NumericsHealth
     notes: dict[str, str] = field(default_factory=dict)
     run: Any = field(default=None, repr=False)
 
@@ -105,6 +107,8 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
                      grad_spikes=grad_spikes, scores=scores,
                      events={"counts": {str(k): int(v) for k, v in ev_counts.items()},
                              "torn_lines": run.torn_event_lines}, run=run)
+    ra.numerics = numerics_health(st, spikes,
+                                  log_interval=(run.meta.get("import") or {}).get("log_interval", 1))
     op = optim_params(run.config)
     no_layers = "no per-layer telemetry in this run (layers table is empty)"
     if lay.empty:
@@ -288,6 +292,8 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
         L += ["", "Events: " + ", ".join(f"{k} x{v}" for k, v in sorted(ra.events["counts"].items()))
               + (f"; {ra.events['torn_lines']} torn line(s)" if ra.events["torn_lines"] else "")
               + "."]
+    if ra.numerics is not None:
+        L += health_markdown(ra.numerics)
     L += ["", "## What preceded the spikes", ""]
     if ra.precursors is None:
         L.append(f"Not computed: {ra.notes.get('precursors')}.")
@@ -522,6 +528,11 @@ def summary_dict(ra: RunAnalysis) -> dict:
             "num_wakeups": len(ra.regime_card.wakeups)},
         "update_fit_bands": None if ra.hetero_fit is None else
         ra.hetero_fit.bands.to_dict("records"),
+        "numerics": None if ra.numerics is None else {
+            "signals": ra.numerics.signals, "loss_scale": ra.numerics.loss_scale,
+            "event_counts": {str(k): int(v) for k, v in
+                             ra.numerics.events["kind"].value_counts().items()},
+            "per_spike": ra.numerics.per_spike.to_dict("records")},
         "notes": ra.notes, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -542,6 +553,8 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path) -> list[Path]:
         _write_csv(ra.precursors.tensor_leads, out / "tensor_leads.csv", written)
         _write_csv(ra.precursors.trajectories, out / "precursor_trajectories.csv", written)
     _write_csv(ra.alarm_scores, out / "alarm_scores.csv", written)
+    if ra.numerics is not None:
+        _write_csv(ra.numerics.events, out / "numerics_events.csv", written)
     if ra.update_fit is not None:
         _write_csv(ra.update_fit.by_group, out / "update_rms_fit.csv", written)
         rows = ra.update_fit.rows
