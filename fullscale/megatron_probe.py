@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import importlib
 import importlib.util
 import json
@@ -460,6 +461,229 @@ def open_writer(path: str, *, config: dict, env: dict, extra_meta: dict,
                      resume_from_step=resume_from_step, flush_every_s=flush_every_s)
 
 
+# ----------------------------------------------------------------------------- actions
+
+RECIPE = "restart_recipe.sh"
+RULES = ("loss", "grad_norm")
+
+
+class ProbeActions:
+    """What the probe does at a spike (docs/mindspeed_probe.md, "At a spike"); every
+    action can be switched off.
+
+    rules: the online spike rules judged before each update, ("loss", "grad_norm") or a
+      subset: adamspike.spikes.RollingSpikeDetector (the rule `adamspike analyze` applies
+      offline) with SpikeParams(window, k, min_rel_jump), on the loss Megatron's loss
+      function returned and on the global grad norm before clipping.
+    skip: skip the optimizer update when a rule fires (every rank: the decision is
+      all-reduced), at most `skip_budget` times; after that the update is applied and an
+      "alarm" (rule probe.skip_budget) is raised once.
+    recipe: write RUN/restart_recipe.sh at a spike: the PaLM rollback + batch skip as
+      Megatron arguments (--load, --ckpt-step, --iterations-to-skip).
+    predictions: a predictions.json whose armed alarm rules are evaluated on every
+      telemetry step (fullscale.alarms.Alarms: adamspike.predictions.OnlineAlarms, the
+      trainer's and the offline analysis' rule); None: no alarms.
+    """
+
+    def __init__(self, rules=RULES, *, skip: bool = True, skip_budget: int = 10,
+                 recipe: bool = True, predictions: Optional[str] = None,
+                 window: int = 50, mad_k: float = 6.0, min_rel_jump: float = 0.2,
+                 rollback_steps: int = 100, skip_batches: int = 200):
+        rules = tuple(rules)
+        bad = [r for r in rules if r not in RULES]
+        if bad:
+            raise ProbeError(f"{ENV_PREFIX}RULES: unknown rule(s) {bad}; known: {', '.join(RULES)}")
+        if skip_budget < 0 or rollback_steps < 0 or skip_batches < 0:
+            raise ProbeError("skip budget, rollback steps and skip batches must be >= 0")
+        self.rules, self.skip, self.skip_budget = rules, bool(skip) and bool(rules), int(skip_budget)
+        self.recipe = bool(recipe) and bool(rules)
+        self.rollback_steps, self.skip_batches = int(rollback_steps), int(skip_batches)
+        self.spike_params = None
+        if rules:
+            try:
+                # lazy: adamspike.spikes needs pandas (the cluster extra), which a bare
+                # 910B node may lack; then the rules are off, telemetry stays
+                from adamspike.spikes import SpikeParams
+            except ImportError as e:
+                raise ProbeError(f"the loss / grad-norm rules need adamspike.spikes ({e}): "
+                                 f"pip install -e .[cluster], or {ENV_PREFIX}RULES=0") from None
+            self.spike_params = SpikeParams(window=int(window), k=float(mad_k),
+                                            min_rel_jump=float(min_rel_jump), log=False,
+                                            absorb=False)
+            self.spike_params.detector()   # validates
+        self.alarms = None
+        if predictions:
+            try:
+                # lazy: adamspike.predictions needs pandas (the cluster extra)
+                from fullscale.alarms import Alarms
+                self.alarms = Alarms(predictions)
+            except ImportError as e:
+                raise ProbeError(f"{ENV_PREFIX}PREDICTIONS needs adamspike.predictions ({e}): "
+                                 "pip install -e .[cluster]") from None
+            except (OSError, ValueError) as e:
+                raise ProbeError(f"{ENV_PREFIX}PREDICTIONS={predictions}: {e}") from None
+
+    @classmethod
+    def from_env(cls, env=None) -> "ProbeActions":
+        """From ADAMSPIKE_PROBE_RULES (comma list, 0 / none: off; default loss,grad_norm),
+        _SKIP (0/1, default 1), _SKIP_BUDGET (10), _RECIPE (0/1, 1), _PREDICTIONS (path;
+        _ALARMS=0 ignores it), _SPIKE_WINDOW (50), _SPIKE_MAD_K (6), _SPIKE_MIN_REL_JUMP
+        (0.2), _ROLLBACK_STEPS (100), _SKIP_BATCHES (200)."""
+        env = os.environ if env is None else env
+
+        def get(key, default, conv):
+            v = env.get(ENV_PREFIX + key)
+            if v is None or v == "":
+                return default
+            try:
+                return conv(v)
+            except ValueError:
+                raise ProbeError(f"{ENV_PREFIX}{key}: cannot read {v!r}") from None
+
+        def flag(v):
+            if v.lower() in ("1", "true", "yes", "on"):
+                return True
+            if v.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(v)
+
+        given = get("RULES", None, str)
+        rules = ",".join(RULES) if given is None else given
+        rules = () if rules.lower() in ("0", "none", "off", "false") else \
+            tuple(r.strip() for r in rules.split(",") if r.strip())
+        preds = get("PREDICTIONS", None, str) if get("ALARMS", True, flag) else None
+        kw = dict(skip=get("SKIP", True, flag), skip_budget=get("SKIP_BUDGET", 10, int),
+                  recipe=get("RECIPE", True, flag), predictions=preds,
+                  window=get("SPIKE_WINDOW", 50, int), mad_k=get("SPIKE_MAD_K", 6.0, float),
+                  min_rel_jump=get("SPIKE_MIN_REL_JUMP", 0.2, float),
+                  rollback_steps=get("ROLLBACK_STEPS", 100, int),
+                  skip_batches=get("SKIP_BATCHES", 200, int))
+        try:
+            return cls(rules, **kw)
+        except ProbeError as e:
+            if given is not None or "adamspike.spikes" not in str(e):
+                raise
+            out = cls((), **kw)     # default rules on a node without pandas: telemetry only
+            out.note = str(e)
+            return out
+
+    note = ""
+
+    def describe(self) -> str:
+        if not self.rules:
+            return "rules off (telemetry only" + (f": {self.note})" if self.note else ")")
+        s = f"rules {'+'.join(self.rules)}"
+        s += f", skip-step on (budget {self.skip_budget})" if self.skip else ", skip-step off"
+        s += ", restart recipe on" if self.recipe else ", restart recipe off"
+        return s + (f", alarms from {self.alarms.path}" if self.alarms is not None else ", no alarms")
+
+
+class _SpikeRules:
+    """One RollingSpikeDetector per rule (identical on every rank: same all-reduced
+    inputs in the same order)."""
+
+    def __init__(self, actions: ProbeActions):
+        self.det = {r: actions.spike_params.detector() for r in actions.rules}
+
+    def update(self, loss: Optional[float], grad_norm: Optional[float]) -> List[dict]:
+        fired = []
+        for metric, v in (("loss", loss), ("grad_norm", grad_norm)):
+            d = self.det.get(metric)
+            if d is None or v is None:
+                continue
+            if d.update(v):
+                fired.append({"metric": metric, "value": float(v), "baseline": d.baseline,
+                              "threshold": d.threshold})
+        return fired
+
+
+def _loss_scale(optimizer) -> float:
+    """Megatron's loss scale (fp16; 1 for bf16 / fp32 and plain torch optimizers)."""
+    for leaf in leaf_optimizers(optimizer):
+        if getattr(leaf, "grad_scaler", None) is not None:
+            try:
+                return float(leaf.get_loss_scale())
+            except Exception:  # noqa: BLE001 - no scaler API: unscaled
+                return 1.0
+    return 1.0
+
+
+def _op(alarms, rule_id: str) -> str:
+    for r in getattr(alarms, "rules", []):
+        if r.id == rule_id:
+            return r.op
+    return ">"
+
+
+def _checkpoints(save: Optional[str]) -> List[int]:
+    """Iterations of the Megatron checkpoints (iter_NNNNNNN folders) in `save`."""
+    if not save or not os.path.isdir(save):
+        return []
+    out = []
+    for f in os.listdir(save):
+        m = re.fullmatch(r"iter_(\d+)", f)
+        if m:
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def restart_recipe(step: int, margs, actions: ProbeActions) -> dict:
+    """PaLM's rollback + batch skip for a spike at `step`, as Megatron arguments: the
+    newest checkpoint at least `rollback_steps` before the spike (else the newest before
+    it), and the iterations to skip after it: max(skip_batches, step - checkpoint), so
+    every batch from the checkpoint through the spike is skipped (the same rule as
+    fullscale.guard)."""
+    save = getattr(margs, "save", None) or getattr(margs, "load", None)
+    ckpts = [c for c in _checkpoints(save) if c < step]
+    early = [c for c in ckpts if c <= step - actions.rollback_steps]
+    ckpt = (early or ckpts or [None])[-1]
+    base = ckpt or 0
+    last = base + max(actions.skip_batches, step - base)
+    has_skip = margs is None or hasattr(margs, "iterations_to_skip")
+    # core_v0.12's loop skips when `iteration` (iterations completed, 0-based) is in the
+    # list: logged iterations base+1..last are the values base..last-1 (Megatron-LM after
+    # core_v0.12 compares iteration + 1: the logged numbers themselves)
+    return {"step": int(step), "load": save, "ckpt_step": ckpt,
+            "skipped_iterations": [base + 1, last], "iterations_to_skip": [base, last - 1],
+            "num_skipped": last - base,
+            "stack_has_iterations_to_skip": bool(has_skip),
+            "stack_has_rerun_state_machine": bool(margs is not None and hasattr(margs, "rerun_mode"))}
+
+
+def write_restart_recipe(out: str, step: int, reason: str, margs, actions: ProbeActions) -> dict:
+    """RUN/restart_recipe.sh for the spike at `step` (replaced at every spike); returns
+    the restart_recipe event's fields."""
+    r = restart_recipe(step, margs, actions)
+    lo, hi = r["iterations_to_skip"]
+    load = r["load"] or "$CKPT_DIR"
+    first, last = r["skipped_iterations"]
+    lines = ["#!/bin/bash",
+             f"# adamspike probe: restart recipe for the spike at iteration {step} ({reason})",
+             f"# PaLM (Chowdhery et al. 2022, sec. 5.1): restart ~{actions.rollback_steps} steps "
+             f"before the spike and skip {actions.skip_batches}+ batches",
+             "# checkpoint: " + (f"iteration {r['ckpt_step']} in {load}" if r["ckpt_step"] is not None
+                                 else "none found before the spike (from scratch, or set --ckpt-step)"),
+             f"# batches skipped: logged iterations {first}..{last} ({last - first + 1}), every "
+             "batch from the checkpoint through the spike",
+             "# Add to the job's Megatron arguments (Megatron-LM core_v0.12, MindSpeed-LLM 2.2+; its",
+             "# loop skips logged iteration N+1 for a value N; Megatron-LM after core_v0.12 takes",
+             f"# the logged numbers: $(seq -s ' ' {first} {last})):",
+             f"RESTART_ARGS=\"--load {load}" + (f" --ckpt-step {r['ckpt_step']}" if r["ckpt_step"] is not None else "")
+             + f" --iterations-to-skip $(seq -s ' ' {lo} {hi})\""]
+    if not r["stack_has_iterations_to_skip"]:
+        lines += ["# THIS STACK HAS NO --iterations-to-skip (Megatron before core_v0.12): restart from",
+                  f"# --load {load} and advance the data by {hi - lo + 1} global batches yourself",
+                  "# (e.g. --override-opt_param-scheduler with a larger consumed-samples count is NOT",
+                  "# enough: the data iterator must skip them); or move to core_v0.12."]
+    lines += ["# Megatron's rerun state machine (core_v0.12: --rerun-mode validate_results with",
+              "# --check-for-spiky-loss / --check-for-large-grads) re-runs a suspicious iteration",
+              "# to tell a transient fault from a reproducible spike (a reproducible one stops the",
+              "# job; --result-rejected-tracker-filename records it)."]
+    path = os.path.join(out, RECIPE)
+    _atomic_write(path, ("\n".join(lines) + "\n").encode())
+    return {**r, "path": path, "reason": reason}
+
+
 # ----------------------------------------------------------------------------- probe
 
 class _Slot:
@@ -486,12 +710,22 @@ class MegatronProbe:
       writer_rank: the rank that writes (default: the last, where Megatron logs).
       config: extra run.json config (e.g. model / train sections).
       plain: force the plain JSON-lines writer.
+      actions: ProbeActions (online rules, skip-step, alarms, restart recipe); None: off
+        (telemetry only). install() builds them from the environment.
+      timeout_s: timeout of the probe's collectives (its own gloo group).
+      inject: test hook, called as inject(point, step) at the probe's failure points.
+
+    Fail-open: every probe error is caught, reported with the next collective (an error
+    flag all-reduced with the data, or a collective that times out after `timeout_s`),
+    and then the probe is off on every rank; `disabled_reason` says why, one line is
+    printed by the rank that failed, and train_step runs unwrapped from then on.
     """
 
     def __init__(self, out: str, *, every: int = 10, hist_every: int = 100,
                  precision: str = "float64", writer_rank: Optional[int] = None,
                  config: Optional[dict] = None, flush_every_s: float = 60.0,
-                 plain: bool = False):
+                 plain: bool = False, actions: Optional["ProbeActions"] = None,
+                 timeout_s: float = 120.0, inject=None):
         if every < 1 or hist_every < 0:
             raise ProbeError(f"every must be >= 1 and hist_every >= 0, got {every}, {hist_every}")
         if precision not in ("float32", "float64"):
@@ -507,14 +741,107 @@ class MegatronProbe:
         self.writer = None
         self._layout = None          # (names, depth, kind, slots) once built
         self._optimizer_id = None
-        self.overhead_s = 0.0        # time spent in collect (this rank)
+        self.overhead_s = 0.0        # time spent in the probe (this rank)
+        self.timeout_s = float(timeout_s)
+        self.inject = inject
+        self.actions = actions
+        self.disabled = False
+        self.disabled_reason = ""
+        self._error: Optional[str] = None     # a local error not yet agreed on
+        self._pg = None                       # the probe's gloo group (lazy)
+        self._pending: List[Tuple[str, dict]] = []   # events for the writer
+        self._spikes = None                   # _SpikeRules once the rules are on
+        self.skips = 0                        # updates skipped by the probe
+        self._budget_alarm = False
+
+    # -- fail-open -------------------------------------------------------------------
+    def _group(self):
+        """The probe's own gloo group with a short timeout: a failing or hung rank makes
+        the others' probe collectives raise after timeout_s (instead of the job's HCCL /
+        NCCL timeout), and the probe turns itself off."""
+        if self._pg is None:
+            import datetime
+            self._pg = torch.distributed.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        return self._pg
+
+    def _fail(self, e: BaseException, step: int) -> None:
+        """A local error: remembered, reported to the other ranks at the next collective."""
+        if self._error is None:
+            self._error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            self._error_step = int(step)
+
+    def _say(self, msg: str) -> None:
+        try:
+            print(f"adamspike probe: {msg}", flush=True)
+        except Exception:  # noqa: BLE001 - a closed stdout must not stop training
+            pass
+
+    def _disable(self, step: int, why: Optional[str] = None) -> None:
+        """Off on this rank (every rank reaches this at the same collective). The rank
+        with the error prints the one line."""
+        if self.disabled:
+            return
+        self.disabled = True
+        mine = why or self._error
+        self.disabled_reason = mine or "an error on another rank"
+        if mine:
+            self._say(f"disabled on every rank at step {step} (rank {self.rank}: {mine}); "
+                      "training continues without it")
+        try:
+            if self.writer is not None:
+                self.writer.event("probe_disabled", step=int(step), reason=self.disabled_reason,
+                                  rank=self.rank)
+                self.writer.close()
+        except Exception:  # noqa: BLE001 - the writer may be what failed
+            pass
+        self.writer = None
+
+    def _collective(self, fn, step: int) -> bool:
+        """Run one probe collective; a failure or timeout disables the probe here."""
+        try:
+            if self.inject is not None:
+                self.inject("collective", step)
+            fn()
+            return True
+        except Exception as e:  # noqa: BLE001 - fail open
+            self._fail(e, step)
+            self._disable(step, self._error)
+            return False
+
+    def _agree(self, step: int) -> bool:
+        """All ranks learn whether any has a pending error (one all-reduce); False when
+        the probe is now disabled."""
+        if self.world == 1:
+            if self._error is not None:
+                self._disable(step)
+                return False
+            return True
+        flag = torch.tensor([0.0 if self._error is None else 1.0], dtype=torch.float64)
+        if not self._collective(lambda: torch.distributed.all_reduce(flag, group=self._group()), step):
+            return False
+        if float(flag[0]) > 0:
+            self._disable(step)
+            return False
+        return True
+
+    def guarded(self, what: str, step: int, fn, *a, **k):
+        """fn(*a, **k) with any exception caught (a pending error); None on failure."""
+        if self.disabled or self._error is not None:
+            return None
+        try:
+            return fn(*a, **k)
+        except Exception as e:  # noqa: BLE001 - fail open
+            self._fail(e, step)
+            return None
 
     # -- layout ----------------------------------------------------------------------
-    def _build(self, chunks, optimizer) -> None:
+    def _local_layout(self, chunks, optimizer) -> list:
+        """This rank's owned slices (no collective)."""
         names = global_names(chunks)
         cfg = getattr(chunks[0], "config", None)
-        num_layers = int(getattr(cfg, "num_layers", 0) or 0)
-        gated = bool(getattr(cfg, "gated_linear_unit", True))
+        self._cfg_layers = int(getattr(cfg, "num_layers", 0) or 0)
+        self._gated = bool(getattr(cfg, "gated_linear_unit", True))
         ranks = _parallel_ranks()
         local: List[Tuple[str, Any, Any, int, int, Any, dict]] = []
         for leaf in leaf_optimizers(optimizer):
@@ -537,18 +864,36 @@ class MegatronProbe:
                     own = False   # the last stage's copy of a tied embedding
                 if own and stop > start:
                     local.append((name, p, main, start, stop, inner, _group_of(inner, main)))
+        return local
+
+    def _ensure_layout(self, chunks, optimizer, step: int) -> bool:
+        """Build the tensor layout (once per optimizer): local part, agreement, one
+        all_gather_object of the names. False when the probe got disabled."""
+        if self._layout is not None and self._optimizer_id == id(optimizer):
+            return True
+        local = None
+        if self._error is None:
+            try:
+                local = self._local_layout(chunks, optimizer)
+            except Exception as e:  # noqa: BLE001 - fail open: reported at the agreement
+                self._fail(e, step)
+        if not self._agree(step):
+            return False
         mine = sorted({x[0] for x in local})
         if self.world > 1:
             gathered: List[Any] = [None] * self.world
-            torch.distributed.all_gather_object(gathered, mine)
+            if not self._collective(lambda: torch.distributed.all_gather_object(
+                    gathered, mine, group=self._group()), step):
+                return False
             all_names = sorted({n for part in gathered for n in part})
         else:
             all_names = mine
+        num_layers = self._cfg_layers
         if num_layers == 0:
             num_layers = 1 + max([int(m.group(1)) for n in all_names
                                   for m in [re.search(r"layers\.(\d+)\.", n)] if m] or [-1])
         row = {n: i for i, n in enumerate(all_names)}
-        dk = [depth_kind(n, num_layers, gated) for n in all_names]
+        dk = [depth_kind(n, num_layers, self._gated) for n in all_names]
         slots = [_Slot(row[name], p, main, start, stop, inner, group)
                  for name, p, main, start, stop, inner, group in local]
         self.num_layers = num_layers
@@ -559,6 +904,7 @@ class MegatronProbe:
         self.dtype = torch.float32 if (self.device.type == "npu" or self.precision == "float32") \
             else torch.float64
         self.edges = rounded_edges(HIST_EDGES[1:-1], self.dtype).to(self.device)
+        return True
 
     # -- per step --------------------------------------------------------------------
     def active(self, step: int) -> bool:
@@ -568,41 +914,59 @@ class MegatronProbe:
         return self.hist_every > 0 and step % self.hist_every == 0
 
     @torch.no_grad()
-    def table(self, chunks, optimizer, step: int) -> np.ndarray:
+    def table(self, chunks, optimizer, step: int) -> Optional[np.ndarray]:
         """The all-reduced (num_tensors, NUM_SUMS [+ NUM_HIST_BINS]) float64 table of this
-        step (collective: every rank calls it)."""
-        if self._layout is None or self._optimizer_id != id(optimizer):
-            self._build(chunks, optimizer)
+        step (collective: every rank calls it). None when the probe got disabled: a local
+        error on any rank travels with the all-reduce (an extra row), so every rank
+        disables at the same point."""
+        if not self._ensure_layout(chunks, optimizer, step):
+            return None
         names, _, _, slots = self._layout
-        hp = hyper_params(optimizer)
-        b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
         with_hist = self.hist_active(step)
         n_int = 3 + (NUM_HIST_BINS if with_hist else 0)
         acc = torch.float64 if self.dtype == torch.float64 or self.device.type != "npu" else self.dtype
-        rows, fl, it = [], [], []
-        for s in slots:
-            st = s.inner.state.get(s.main)
-            if not st or "exp_avg" not in st or s.main.grad is None:
-                continue   # no update this step (skipped iteration): rows stay 0
-            t = _step_of(st, s.group)
-            f, i = shard_sums(s.main.grad, st["exp_avg"], st["exp_avg_sq"], s.main,
-                              1 - b1 ** t, 1 - b2 ** t, b1, eps, t == 1, self.dtype,
-                              self.edges if with_hist else None)
-            rows.append(s.row)
-            fl.append(f)
-            it.append(i)
-        # one table per kind on the device: float sums, exact int64 counts; one all-reduce
-        # each, then one copy to the host
-        tf = torch.zeros((len(names), len(_FLOAT_COLS)), dtype=acc, device=self.device)
+        tf = torch.zeros((len(names) + 1, len(_FLOAT_COLS)), dtype=acc, device=self.device)
         ti = torch.zeros((len(names), n_int), dtype=torch.int64, device=self.device)
-        if rows:
-            idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-            tf.index_add_(0, idx, torch.stack(fl))
-            ti.index_add_(0, idx, torch.stack(it))
+        if self._error is None:
+            try:
+                hp = hyper_params(optimizer)
+                b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
+                rows, fl, it = [], [], []
+                for s in slots:
+                    st = s.inner.state.get(s.main)
+                    if not st or "exp_avg" not in st or s.main.grad is None:
+                        continue   # no update this step (skipped iteration): rows stay 0
+                    t = _step_of(st, s.group)
+                    f, i = shard_sums(s.main.grad, st["exp_avg"], st["exp_avg_sq"], s.main,
+                                      1 - b1 ** t, 1 - b2 ** t, b1, eps, t == 1, self.dtype,
+                                      self.edges if with_hist else None)
+                    rows.append(s.row)
+                    fl.append(f)
+                    it.append(i)
+                if self.inject is not None:
+                    self.inject("table", step)
+                # one table per kind on the device: float sums, exact int64 counts
+                if rows:
+                    idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+                    tf.index_add_(0, idx, torch.stack(fl))
+                    ti.index_add_(0, idx, torch.stack(it))
+            except Exception as e:  # noqa: BLE001 - fail open
+                self._fail(e, step)
+        if self._error is not None:
+            tf.zero_()
+            ti.zero_()
+            tf[-1, 0] = 1.0
+        tf, ti = tf.cpu(), ti.cpu()      # the probe's collectives run on its gloo group
         if self.world > 1:
-            torch.distributed.all_reduce(tf)
-            torch.distributed.all_reduce(ti)
-        tf, ti = tf.cpu().to(torch.float64).numpy(), ti.cpu().numpy()
+            if not self._collective(lambda: torch.distributed.all_reduce(tf, group=self._group()), step):
+                return None
+        if float(tf[-1, 0]) > 0:
+            self._disable(step)
+            return None
+        if self.world > 1:
+            if not self._collective(lambda: torch.distributed.all_reduce(ti, group=self._group()), step):
+                return None
+        tf, ti = tf[:-1].to(torch.float64).numpy(), ti.numpy()
         tab = np.zeros((len(names), NUM_SUMS + n_int - 3), dtype=np.float64)
         tab[:, _FLOAT_COLS] = tf
         tab[:, _INT_COLS] = ti[:, :3]
@@ -611,29 +975,171 @@ class MegatronProbe:
 
     def collect(self, chunks, optimizer, step: int) -> Optional[np.ndarray]:
         """Telemetry of `step` if it is logged: the table (every rank), written on the
-        writer rank."""
-        if not self.active(step):
+        writer rank, and the predictions' alarm rules evaluated on it."""
+        if not self.active(step) or self.disabled:
             return None
         t0 = time.perf_counter()
         tab = self.table(chunks, optimizer, step)
-        names, depth, kind, _ = self._layout
-        if self.writer is not None:
-            eps = hyper_params(optimizer)["eps"]
-            sums = tab[:, :NUM_SUMS]
-            ok = sums[:, 0] > 0      # tensors that were updated this step
-            if ok.any():
-                metrics = finalize(sums[ok], eps)
-                sel = np.flatnonzero(ok)
-                self.writer.log_layers(step, columns={
-                    "name": [names[i] for i in sel], "depth": depth[sel],
-                    "kind": [kind[i] for i in sel], "numel": sums[ok, 0].astype(np.int64),
-                    **{k: np.asarray(metrics[k], dtype=np.float64) for k in METRIC_NAMES}})
-                if tab.shape[1] > NUM_SUMS:
-                    for i in sel:
-                        self.writer.log_hist(step, names[i], int(depth[i]), kind[i],
-                                             np.rint(tab[i, NUM_SUMS:]).astype(np.int64))
+        if tab is not None and self.writer is not None:
+            self.guarded("writer", step, self._write_table, optimizer, step, tab)
         self.overhead_s += time.perf_counter() - t0
         return tab
+
+    def _write_table(self, optimizer, step: int, tab: np.ndarray) -> None:
+        names, depth, kind, _ = self._layout
+        eps = hyper_params(optimizer)["eps"]
+        sums = tab[:, :NUM_SUMS]
+        ok = sums[:, 0] > 0      # tensors that were updated this step
+        if not ok.any():
+            return
+        metrics = finalize(sums[ok], eps)
+        sel = np.flatnonzero(ok)
+        columns = {"name": [names[i] for i in sel], "depth": depth[sel],
+                   "kind": [kind[i] for i in sel], "numel": sums[ok, 0].astype(np.int64),
+                   **{k: np.asarray(metrics[k], dtype=np.float64) for k in METRIC_NAMES}}
+        if self.inject is not None:
+            self.inject("writer", step)
+        self.writer.log_layers(step, columns=columns)
+        if tab.shape[1] > NUM_SUMS:
+            for i in sel:
+                self.writer.log_hist(step, names[i], int(depth[i]), kind[i],
+                                     np.rint(tab[i, NUM_SUMS:]).astype(np.int64))
+        alarms = self.actions.alarms if self.actions is not None else None
+        if alarms is not None:
+            for alarm in alarms.log(self.writer, step, columns):
+                self._say(f"step {step}: ALARM {alarm['rule']}: {alarm['metric']} = "
+                          f"{alarm['value']:.4g} {_op(alarms, alarm['rule'])} {alarm['threshold']:g} "
+                          f"({alarms.path})")
+
+    # -- actions: the loss / grad-norm rules and skip-step, before the update ----------
+    @property
+    def rules_on(self) -> bool:
+        return self.actions is not None and bool(self.actions.rules) and not self.disabled
+
+    @torch.no_grad()
+    def _local_loss_grad(self, optimizer, losses, step: int) -> List[float]:
+        """This rank's (sum of losses, count, owned sum of squared gradients) before the
+        update: the loss values its loss functions returned this step, and the gradient
+        Megatron's grad norm is computed from (param.main_grad, the reduced fp32 gradient
+        of Megatron's DDP, or .grad) over the elements this rank owns."""
+        ls = lc = 0.0
+        for v, c in losses:          # device tensors: one host sync per step, here
+            ls += float(v)
+            lc += float(c)
+        gsq = 0.0
+        if "grad_norm" in self.actions.rules:
+            acc = []
+            for s in self._layout[3]:
+                g = getattr(s.model, "main_grad", None)
+                if g is None:
+                    g = s.model.grad
+                if g is None:
+                    continue
+                g = g.detach().reshape(-1)[s.start:s.stop].to(self.dtype)
+                acc.append(torch.dot(g, g).reshape(1))
+            if acc:
+                gsq = float(torch.cat(acc).to(torch.float64).sum())
+        if self.inject is not None:
+            self.inject("pre_step", step)
+        return [ls, lc, gsq]
+
+    def pre_step(self, chunks, optimizer, losses, step: int) -> bool:
+        """Before the optimizer update, on every rank (two small collectives): this step's
+        loss and grad norm judged by the rules (adamspike.spikes, the offline rule);
+        True: skip the update on every rank (the decision is all-reduced)."""
+        if not self.rules_on:
+            return False
+        t0 = time.perf_counter()
+        try:
+            return self._pre_step(chunks, optimizer, losses, step)
+        finally:
+            self.overhead_s += time.perf_counter() - t0
+
+    def _pre_step(self, chunks, optimizer, losses, step: int) -> bool:
+        if not self._ensure_layout(chunks, optimizer, step):
+            return False
+        vals = [0.0, 0.0, 0.0]
+        if self._error is None:
+            try:
+                vals = self._local_loss_grad(optimizer, losses, step)
+            except Exception as e:  # noqa: BLE001 - fail open
+                self._fail(e, step)
+        vec = torch.tensor([0.0 if self._error is None else 1.0] + vals, dtype=torch.float64)
+        if self.world > 1 and not self._collective(
+                lambda: torch.distributed.all_reduce(vec, group=self._group()), step):
+            return False
+        if float(vec[0]) > 0:
+            self._disable(step)
+            return False
+        want = 0.0
+        if self._error is None:
+            try:
+                ls, lc, gsq = (float(x) for x in vec[1:])
+                want = 1.0 if self._judge(optimizer, step, ls / lc if lc > 0 else None, gsq) else 0.0
+            except Exception as e:  # noqa: BLE001 - fail open
+                self._fail(e, step)
+        dec = torch.tensor([0.0 if self._error is None else 1.0, want], dtype=torch.float64)
+        if self.world > 1 and not self._collective(lambda: torch.distributed.all_reduce(
+                dec, op=torch.distributed.ReduceOp.MAX, group=self._group()), step):
+            return False
+        if float(dec[0]) > 0:
+            self._disable(step)
+            return False
+        if float(dec[1]) > 0:
+            self.skips += 1
+            what = self._fired_text or "a rule fired on another rank"
+            self._skip_reason = f"probe: {what}"
+            if self.rank == self.writer_rank:
+                self._say(f"step {step}: {what}: optimizer update skipped on every rank "
+                          f"({self.skips} of budget {self.actions.skip_budget}; "
+                          f"{ENV_PREFIX}SKIP=0 turns skipping off)")
+            return True
+        return False
+
+    def _judge(self, optimizer, step: int, loss: Optional[float], gsq: float) -> bool:
+        """Feed the rules; events for the writer; True when the update should be skipped
+        (a rule fired, skip-step on, budget left). Same inputs and state on every rank."""
+        self._fired_text = ""
+        if self._spikes is None:
+            self._spikes = _SpikeRules(self.actions)
+        scale = _loss_scale(optimizer)
+        gn = None
+        if "grad_norm" in self.actions.rules:
+            gn = math.sqrt(gsq) / scale if gsq >= 0 else math.nan
+            if not math.isfinite(gn) and scale != 1.0:
+                gn = None    # fp16 overflow: Megatron's own skip handles it
+        fired = self._spikes.update(loss, gn)
+        if not fired:
+            return False
+        a = self.actions
+        text = "; ".join(f"{f['metric'].replace('_', ' ')} spike {f['value']:.6g} > "
+                         f"threshold {f['threshold']:.6g} (median {f['baseline']:.6g})"
+                         if math.isfinite(f["value"]) else f"non-finite {f['metric'].replace('_', ' ')}"
+                         for f in fired)
+        self._fired_text = text
+        skip = a.skip and self.skips < a.skip_budget
+        action = "skip" if skip else ("none: skip budget spent" if a.skip else "none: skip-step off")
+        for f in fired:
+            self._pending.append(("spike", {"step": int(step), "rule": f"probe.{f['metric']}",
+                                            "action": action, "reason": text, **f}))
+        if a.recipe:
+            self._pending.append(("_recipe", {"step": int(step), "reason": text}))
+        if not skip:
+            if a.skip and not self._budget_alarm:
+                self._budget_alarm = True
+                self._pending.append(("alarm", {"rule": "probe.skip_budget", "step": int(step),
+                                                "metric": fired[0]["metric"],
+                                                "value": fired[0]["value"],
+                                                "threshold": fired[0]["threshold"],
+                                                "skips": self.skips, "budget": a.skip_budget}))
+                if self.rank == self.writer_rank:
+                    self._say(f"step {step}: ALARM skip budget spent ({self.skips} of "
+                              f"{a.skip_budget} updates skipped): {text}; the update is applied"
+                              + ("; restart recipe: " + os.path.join(self.out, RECIPE)
+                                 if a.recipe else ""))
+            elif self.rank == self.writer_rank:
+                self._say(f"step {step}: {text} ({action})")
+        return skip
 
     # -- writer ----------------------------------------------------------------------
     def _open(self, optimizer, step: int, env_extra: dict) -> None:
@@ -659,26 +1165,51 @@ class MegatronProbe:
     def after_train_step(self, chunks, optimizer, step: int, *, loss: float = math.nan,
                          skipped: bool = False, grad_norm: float = math.nan,
                          step_time_s: float = math.nan, tokens: Optional[int] = None,
-                         env_extra: Optional[dict] = None) -> Optional[np.ndarray]:
-        """The steps row of `step` (writer rank) and, on logged steps, the telemetry
-        (returns collect's table, or None)."""
-        self._open(optimizer, step, env_extra or {})
-        if self.writer is not None:
-            clip = _clip_grad(optimizer)
-            gn = float(grad_norm) if grad_norm is not None else math.nan
-            self.writer.log_step(step=int(step), tokens=tokens, loss=float(loss),
-                                 lr=hyper_params(optimizer)["lr"], grad_norm=gn,
-                                 clipped=bool(clip and math.isfinite(gn) and gn > clip),
-                                 update_norm=math.nan, step_time_s=float(step_time_s),
-                                 skipped=bool(skipped))
-            if skipped:
-                self.writer.event("skip", step=int(step), reason="optimizer step not applied "
-                                  "(loss-scale overflow or nan)")
+                         env_extra: Optional[dict] = None, margs=None) -> Optional[np.ndarray]:
+        """The steps row of `step` (writer rank), the actions' events and, on logged steps,
+        the telemetry (returns collect's table, or None). Never raises."""
+        if self.disabled:
+            return None
+        t0 = time.perf_counter()
+        reason = getattr(self, "_skip_reason", None)
+        self._skip_reason = None
+        self.guarded("writer", step, self._write_step, optimizer, step, loss, skipped,
+                     grad_norm, step_time_s, tokens, env_extra or {}, reason, margs)
+        self.overhead_s += time.perf_counter() - t0
         return None if skipped else self.collect(chunks, optimizer, step)
+
+    def _write_step(self, optimizer, step, loss, skipped, grad_norm, step_time_s, tokens,
+                    env_extra, skip_reason, margs) -> None:
+        self._open(optimizer, step, env_extra)
+        pending, self._pending = self._pending, []
+        if self.writer is None:
+            return
+        clip = _clip_grad(optimizer)
+        gn = float(grad_norm) if grad_norm is not None else math.nan
+        self.writer.log_step(step=int(step), tokens=tokens, loss=float(loss),
+                             lr=hyper_params(optimizer)["lr"], grad_norm=gn,
+                             clipped=bool(clip and math.isfinite(gn) and gn > clip),
+                             update_norm=math.nan, step_time_s=float(step_time_s),
+                             skipped=bool(skipped))
+        for kind, fields in pending:
+            if kind == "_recipe":
+                info = write_restart_recipe(self.out, fields["step"], fields["reason"], margs,
+                                            self.actions)
+                self.writer.event("restart_recipe", **info)
+            else:
+                self.writer.event(kind, **fields)
+        if skipped:
+            self.writer.event("skip", step=int(step), reason=skip_reason or
+                              "optimizer step not applied (loss-scale overflow or nan)")
+        if self.inject is not None:
+            self.inject("writer", step)
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except Exception as e:  # noqa: BLE001 - at exit: one line, never a traceback
+                self._say(f"closing the run directory failed: {type(e).__name__}: {e}")
 
 
 def _clip_grad(optimizer) -> Optional[float]:
@@ -737,6 +1268,8 @@ def _loss_of(ret) -> float:
     if not d:
         return math.nan
     v = d.get("lm loss", next(iter(d.values())))
+    if isinstance(v, (tuple, list)) and len(v) == 2:    # (sum, num_tokens): core_v0.12
+        return float(v[0]) / max(float(v[1]), 1.0)
     if isinstance(v, torch.Tensor):
         v = v.float()
         v = (v[0] / v[1]) if v.numel() == 2 else v.mean()
@@ -760,19 +1293,102 @@ def _tokens(args) -> Optional[int]:
     return int((done + gbs) * seq)   # train() adds this step's samples after train_step
 
 
+def _loss_pair(ret) -> Optional[Tuple[Any, Any]]:
+    """(sum, count) of one loss-function return's 'lm loss' (or first) value, as device
+    tensors or numbers: Megatron's loss functions return (loss, {'lm loss': v}) or
+    (loss, num_tokens, {'lm loss': v}) with v a scalar (older: averaged over data parallel),
+    a (sum, num_tokens) pair or a 2-element tensor (core_v0.12 and newer)."""
+    d = ret[-1] if isinstance(ret, tuple) and ret and isinstance(ret[-1], dict) else None
+    if not d:
+        return None
+    v = d.get("lm loss", next(iter(d.values())))
+    if isinstance(v, (tuple, list)) and len(v) == 2:
+        return (v[0].detach() if isinstance(v[0], torch.Tensor) else v[0],
+                v[1].detach() if isinstance(v[1], torch.Tensor) else v[1])
+    if isinstance(v, torch.Tensor):
+        v = v.detach().float()
+        if v.numel() == 2:
+            return v[0], v[1]
+        return v.mean(), 1.0
+    return float(v), 1.0
+
+
+def _record_losses(forward_step_func, sink: list):
+    """forward_step_func whose loss function also appends its (sum, count) to `sink`
+    (no host sync: the values stay on the device until the optimizer step)."""
+
+    @functools.wraps(forward_step_func)
+    def forward_step(*a, **k):
+        out = forward_step_func(*a, **k)
+        if not (isinstance(out, tuple) and len(out) >= 2 and callable(out[1])):
+            return out
+        loss_func = out[1]
+
+        def recording_loss_func(*x, **y):
+            r = loss_func(*x, **y)
+            try:
+                pair = _loss_pair(r)
+                if pair is not None:
+                    sink.append(pair)
+            except Exception:  # noqa: BLE001 - never in Megatron's way; no loss recorded
+                pass
+            return r
+
+        return (out[0], recording_loss_func) + tuple(out[2:])
+
+    return forward_step
+
+
 def make_train_step_wrapper(probe_factory):
     """A wrapper for train_step (name ends in `_wrapper`, as MindSpeed's patch manager
-    requires for stacking): calls it, then the probe with its model and optimizer."""
+    requires for stacking): calls it, then the probe with its model and optimizer.
+
+    With the probe's rules on, train_step's forward_step_func records the loss values and
+    optimizer.step is replaced for the call: before the update the probe judges the loss
+    and grad norm (MegatronProbe.pre_step, collective) and, to skip, returns Megatron's
+    "update not successful" (False, None, None) without stepping: Megatron's train_step
+    then counts a skipped iteration and leaves the lr schedule, as at a loss-scale
+    overflow. Fail-open: an error inside the probe never reaches Megatron (the probe
+    disables itself on every rank and train_step runs unwrapped)."""
 
     def train_step_wrapper(fn):
-        state = {"step": None, "grad_norm": None}
+        state = {"step": None, "grad_norm": None, "ok": True}
 
         def wrapped(*args, **kwargs):
+            try:
+                probe = probe_factory()
+            except Exception as e:  # noqa: BLE001 - fail open: the probe cannot start
+                probe = None
+                if not state.get("said"):
+                    state["said"] = True
+                    print(f"adamspike probe: not started ({type(e).__name__}: {e}); "
+                          "training continues without it", flush=True)
+            if probe is None or probe.disabled:
+                return fn(*args, **kwargs)
             model = kwargs.get("model", args[2] if len(args) > 2 else None)
             optimizer = kwargs.get("optimizer", args[3] if len(args) > 3 else None)
             opt_step = getattr(optimizer, "step", None)
+            margs = _megatron_args()
+            if margs is not None and getattr(margs, "curr_iteration", None) is not None:
+                step = int(margs.curr_iteration) + 1
+            elif kwargs.get("iteration") is not None:
+                step = int(kwargs["iteration"]) + 1
+            else:
+                step = (state["step"] or 0) + 1
+            state["step"] = step
+            chunks = model if isinstance(model, (list, tuple)) else [model]
+            losses: list = []
+            rules = probe.rules_on
+            if rules:
+                if "forward_step_func" in kwargs:
+                    kwargs["forward_step_func"] = _record_losses(kwargs["forward_step_func"], losses)
+                elif args and callable(args[0]):
+                    args = (_record_losses(args[0], losses),) + tuple(args[1:])
 
             def step_capture(*a, **k):   # Megatron's step returns (ok, grad_norm, num_zeros)
+                if rules and probe.pre_step(chunks, optimizer, losses, step):
+                    state["ok"], state["grad_norm"] = False, None
+                    return False, None, None
                 out = opt_step(*a, **k)
                 state["grad_norm"] = out[1] if isinstance(out, tuple) and len(out) > 1 else None
                 state["ok"] = out[0] if isinstance(out, tuple) and out else True
@@ -792,27 +1408,23 @@ def make_train_step_wrapper(probe_factory):
                     else:
                         del optimizer.step   # back to the class method
             dt = time.perf_counter() - t0
-            margs = _megatron_args()
-            if margs is not None and getattr(margs, "curr_iteration", None) is not None:
-                step = int(margs.curr_iteration) + 1
-            elif kwargs.get("iteration") is not None:
-                step = int(kwargs["iteration"]) + 1
-            else:
-                step = (state["step"] or 0) + 1
-            state["step"] = step
-            skipped = not bool(state["ok"])
-            if isinstance(ret, tuple) and len(ret) > 1 and isinstance(ret[1], int):
-                skipped = skipped or ret[1] > 0
-            chunks = model if isinstance(model, (list, tuple)) else [model]
-            gn = state["grad_norm"]
-            if gn is None and isinstance(ret, tuple) and len(ret) == 4 and \
-                    isinstance(ret[2], (int, float)) and not isinstance(ret[2], bool):
-                gn = ret[2]   # (loss dict, skipped, grad_norm, num_zeros): Megatron < 2024.06
-            probe_factory().after_train_step(
-                chunks, optimizer, step, loss=_loss_of(ret), skipped=skipped,
-                grad_norm=math.nan if gn is None else float(gn), step_time_s=dt,
-                tokens=_tokens(margs),
-                env_extra={"megatron_args": _args_summary(margs)} if margs is not None else None)
+            try:
+                skipped = not bool(state["ok"])
+                if isinstance(ret, tuple) and len(ret) > 1 and isinstance(ret[1], int):
+                    skipped = skipped or ret[1] > 0
+                gn = state["grad_norm"]
+                if gn is None and isinstance(ret, tuple) and len(ret) == 4 and \
+                        isinstance(ret[2], (int, float)) and not isinstance(ret[2], bool):
+                    gn = ret[2]   # (loss dict, skipped, grad_norm, num_zeros): Megatron < 2024.06
+                gn = math.nan if gn is None else float(gn)
+                loss, tokens = _loss_of(ret), _tokens(margs)
+                extra = {"megatron_args": _args_summary(margs)} if margs is not None else None
+            except Exception as e:  # noqa: BLE001 - fail open
+                probe._fail(e, step)
+                skipped, gn, loss, tokens, extra = False, math.nan, math.nan, None, None
+            probe.after_train_step(chunks, optimizer, step, loss=loss, skipped=skipped,
+                                   grad_norm=gn, step_time_s=dt, tokens=tokens,
+                                   env_extra=extra, margs=margs)
             return ret
 
         wrapped.__wrapped__ = fn
@@ -831,27 +1443,39 @@ def _args_summary(args) -> dict:
 
 
 def install(out: Optional[str] = None, *, every: Optional[int] = None,
-            hist_every: Optional[int] = None, precision: str = "float32") -> None:
+            hist_every: Optional[int] = None, precision: str = "float32",
+            actions: Optional[ProbeActions] = None) -> None:
     """Wrap `megatron.training.training.train_step` with the probe.
 
     Under MindSpeed (mindspeed.patch_utils importable): registered with
     MindSpeedPatchesManager as a wrapper and applied (call it after MindSpeed-LLM's
     `megatron_adaptor` import, whose FeatureAdaptor.execute removes earlier patches).
     Otherwise: setattr on megatron.training.training, and every loaded module that
-    imported the original `train_step` by name is pointed at the wrapper too."""
+    imported the original `train_step` by name is pointed at the wrapper too.
+
+    `actions` default: ProbeActions.from_env() (rules, skip-step, recipe, alarms).
+    A bad setting raises ProbeError here, before training (the launcher then runs the
+    script without the probe); from the first train_step on the probe fails open."""
     out = out or os.environ.get(ENV_PREFIX + "OUT")
     if not out:
         raise ProbeError(f"no run directory: pass install(out=...) or set {ENV_PREFIX}OUT")
     every = _env_int("EVERY", 10) if every is None else int(every)
     hist_every = _env_int("HIST_EVERY", 100) if hist_every is None else int(hist_every)
     flush = float(os.environ.get(ENV_PREFIX + "FLUSH_S", "60"))
+    timeout = float(os.environ.get(ENV_PREFIX + "TIMEOUT_S", "120"))
+    if every < 1 or hist_every < 0:
+        raise ProbeError(f"every must be >= 1 and hist_every >= 0, got {every}, {hist_every}")
+    actions = ProbeActions.from_env() if actions is None else actions
 
     def factory():
         global _PROBE
         if _PROBE is None:
             _PROBE = MegatronProbe(out, every=every, hist_every=hist_every, precision=precision,
-                                   flush_every_s=flush)
+                                   flush_every_s=flush, actions=actions, timeout_s=timeout)
             atexit.register(_PROBE.close)
+            if _PROBE.rank == _PROBE.writer_rank:
+                _PROBE._say(f"on, run directory {out}: telemetry every {every} steps; "
+                            f"{actions.describe()} (docs/mindspeed_probe.md)")
         return _PROBE
 
     wrapper = make_train_step_wrapper(factory)
@@ -939,7 +1563,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         mod = importlib.import_module(pkg)        # `from pkg import attr`
         if attr and not hasattr(mod, attr):
             importlib.import_module(f"{pkg}.{attr}")
-    install(a.out, every=a.every, hist_every=a.hist_every, precision=a.precision)
+    try:
+        install(a.out, every=a.every, hist_every=a.hist_every, precision=a.precision)
+    except ProbeError as e:   # fail open: the job runs without the probe
+        print(f"adamspike probe: not installed ({e}); training runs without it", flush=True)
     runpy.run_path(script, run_name="__main__")
     return 0
 

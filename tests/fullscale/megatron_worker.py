@@ -238,6 +238,137 @@ def run_combo(a, bf16: bool, distopt: bool, out: str, tp: int = 1, pp: int = 1) 
     ps.destroy_model_parallel()
 
 
+# ----------------------------------------------------------------------------- actions
+
+# the probe's actions and fail-open (test_megatron_probe_actions.py): a Megatron-shaped
+# train_step (zero grad buffers, megatron's forward_backward schedule over 2 micro batches
+# with finalize_model_grads, optimizer.step(), Megatron's return value) wrapped exactly as
+# install() wraps Megatron's; bf16 + distributed optimizer, data parallel 2
+SPIKE_SCALE = 30.0
+
+
+def _scenario_cfg(name):
+    """(probe on, injected loss-spike steps, harness skip steps, probe kwargs, inject)."""
+    return {
+        "off": (False, (), (), {}),
+        "off_spike_skipped": (False, (10,), (10,), {}),      # what skip-step should equal
+        "on": (True, (), (), {}),
+        "skip": (True, (10,), (), {}),
+        "budget": (True, (8, 10, 12), (), {"skip_budget": 2}),
+        "error_rank0": (True, (), (), {"inject": ("pre_step", 0, 4, "probe")}),
+        "disk_full": (True, (), (), {"inject": ("writer", 1, 3, "disk")}),
+        "hang_rank0": (True, (), (), {"inject": ("collective", 0, 3, "hang"), "timeout_s": 2.0}),
+    }[name]
+
+
+def run_scenario(a, name: str, out: str) -> None:
+    import errno
+    import time
+
+    from fullscale.megatron_probe import MegatronProbe, ProbeActions, ProbeError, make_train_step_wrapper
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    probe_on, spikes, harness_skips, kw = _scenario_cfg(name)
+    os.makedirs(out, exist_ok=True)
+    torch.manual_seed(0)
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=64, use_cpu_initialization=True, normalization="RMSNorm",
+                            gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                            add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
+                            pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=64,
+                     max_sequence_length=16, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False).bfloat16()
+    ddp = DDP(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                 use_distributed_optimizer=True), model)
+    cfg.finalize_model_grads_func = finalize_model_grads
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
+                                                 use_distributed_optimizer=True, clip_grad=1.0,
+                                                 adam_eps=1e-8, adam_beta2=0.95), [ddp])
+    it = {"n": 0}
+    pos = torch.arange(16)[None].expand(2, 16)
+
+    def forward_step(data_iterator, model):
+        tok = next(data_iterator)
+        out_t = model(tok, pos, None, labels=tok)
+
+        def loss_func(o):
+            loss = o.float().mean()
+            if it["n"] in spikes:           # an injected loss spike (the batch is "bad")
+                loss = loss * SPIKE_SCALE
+            n = torch.tensor(float(o.numel()))
+            # core_v0.12's reporting form: (sum, num_tokens)
+            return loss, {"lm loss": torch.stack([loss.detach() * n, n])}
+        return out_t, loss_func
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
+        """Megatron's train_step contract (megatron/training/training.py)."""
+        for m in model:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=2, seq_length=16, micro_batch_size=2, forward_only=False)
+        if it["n"] in harness_skips:      # the reference: this update not applied
+            ok, gn, nz = False, None, None
+        else:
+            ok, gn, nz = optimizer.step()
+        v = torch.stack([x["lm loss"] for x in losses]).sum(0)
+        dist.all_reduce(v, group=ps.get_data_parallel_group())
+        return {"lm loss": v[0] / v[1]}, 0 if ok else 1, gn, nz
+
+    probe = None
+    step_fn = train_step
+    if probe_on:
+        inj = kw.pop("inject", None)
+        timeout_s = kw.pop("timeout_s", 30.0)
+
+        def inject(point, step):
+            if inj and point == inj[0] and dist.get_rank() == inj[1] and step == inj[2]:
+                if inj[3] == "probe":
+                    raise ProbeError("injected error on one rank")
+                if inj[3] == "disk":
+                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+                if inj[3] == "hang":
+                    time.sleep(2.5 * timeout_s)   # a hung rank
+
+        actions = ProbeActions(("loss", "grad_norm"), skip_budget=kw.pop("skip_budget", 10),
+                               window=6)
+        probe = MegatronProbe(os.path.join(out, "run"), every=2, hist_every=0, precision="float64",
+                              flush_every_s=0.0, actions=actions, inject=inject,
+                              timeout_s=timeout_s)
+        step_fn = make_train_step_wrapper(lambda: probe)(train_step)
+    gen = torch.Generator().manual_seed(100 + ps.get_data_parallel_rank())
+    res = {"loss": [], "skipped": [], "grad_norm": []}
+    t0 = time.perf_counter()
+    for step in range(1, a.steps + 1):
+        it["n"] = step
+        data = iter([torch.randint(0, 64, (2, 16), generator=gen) for _ in range(2)])
+        ld, skipped, gn, _ = step_fn(forward_step, data, [ddp], opt, None, cfg)
+        res["loss"].append(float(ld["lm loss"]))
+        res["skipped"].append(int(skipped))
+        res["grad_norm"].append(None if gn is None else float(gn))
+    res["seconds"] = time.perf_counter() - t0
+    if probe is not None:
+        probe.close()
+        res.update(disabled=probe.disabled, reason=probe.disabled_reason, skips=probe.skips)
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as fh:
+        json.dump(res, fh)
+    print(f"=== end {name} rank {dist.get_rank()}", flush=True)
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
@@ -246,13 +377,17 @@ def main():
     ap.add_argument("--combos", default="fp32,fp32-distopt,bf16,bf16-distopt,fp32-tp2,bf16-distopt-tp2,"
                                             "fp32-pp2,bf16-distopt-pp2")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--scenarios", default="", help="the actions / fail-open scenarios instead")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
     torch.manual_seed(0)
     dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
     with cpu_redirect():
-        for combo in a.combos.split(","):
+        for name in filter(None, a.scenarios.split(",")):
+            print(f"=== start {name} rank {a.rank}", flush=True)
+            run_scenario(a, name, os.path.join(a.out, name))
+        for combo in (a.combos.split(",") if not a.scenarios else []):
             run_combo(a, combo.startswith("bf16"), "distopt" in combo,
                       os.path.join(a.out, combo), tp=2 if combo.endswith("tp2") else 1,
                       pp=2 if combo.endswith("pp2") else 1)

@@ -218,3 +218,47 @@ def test_wrapper_leaves_the_optimizer_step_as_it_found_it(demo, tmp_path):
             assert vars(opt)["step"] is other_step and calls == [1]
         else:
             assert "step" not in vars(opt)
+
+
+def test_probe_actions_from_the_environment(tmp_path, monkeypatch):
+    a = mp.ProbeActions.from_env({})
+    assert a.rules == ("loss", "grad_norm") and a.skip and a.skip_budget == 10 and a.recipe
+    assert a.alarms is None and a.spike_params.window == 50 and a.spike_params.k == 6.0
+    a = mp.ProbeActions.from_env({"ADAMSPIKE_PROBE_RULES": "loss", "ADAMSPIKE_PROBE_SKIP": "0",
+                                  "ADAMSPIKE_PROBE_SKIP_BUDGET": "3", "ADAMSPIKE_PROBE_RECIPE": "off",
+                                  "ADAMSPIKE_PROBE_SPIKE_WINDOW": "8"})
+    assert a.rules == ("loss",) and not a.skip and a.skip_budget == 3 and not a.recipe
+    assert a.spike_params.window == 8 and "skip-step off" in a.describe()
+    assert mp.ProbeActions.from_env({"ADAMSPIKE_PROBE_RULES": "0"}).describe().startswith("rules off")
+    with pytest.raises(mp.ProbeError, match="unknown rule"):
+        mp.ProbeActions.from_env({"ADAMSPIKE_PROBE_RULES": "loss,bogus"})
+    with pytest.raises(mp.ProbeError, match="ADAMSPIKE_PROBE_SKIP_BUDGET"):
+        mp.ProbeActions.from_env({"ADAMSPIKE_PROBE_SKIP_BUDGET": "many"})
+    with pytest.raises(mp.ProbeError, match="ADAMSPIKE_PROBE_PREDICTIONS"):
+        mp.ProbeActions.from_env({"ADAMSPIKE_PROBE_PREDICTIONS": str(tmp_path / "none.json")})
+    # a node without pandas: the default rules turn off with a note, telemetry stays
+    monkeypatch.setitem(sys.modules, "adamspike.spikes", None)
+    a = mp.ProbeActions.from_env({})
+    assert a.rules == () and "pip install -e .[cluster]" in a.describe()
+    with pytest.raises(mp.ProbeError, match="RULES=0"):
+        mp.ProbeActions.from_env({"ADAMSPIKE_PROBE_RULES": "loss"})
+
+
+def test_restart_recipe_names_the_checkpoint_and_the_batches(tmp_path):
+    save = tmp_path / "ckpt"
+    for it in (500, 1000, 1400):
+        (save / f"iter_{it:07d}").mkdir(parents=True)
+    args = types.SimpleNamespace(save=str(save), load=None, iterations_to_skip=[], rerun_mode="disabled")
+    a = mp.ProbeActions(("loss",))
+    r = mp.restart_recipe(1450, args, a)      # 1400 is < 100 steps before: 1000
+    assert r["ckpt_step"] == 1000 and r["skipped_iterations"] == [1001, 1450]
+    assert r["iterations_to_skip"] == [1000, 1449] and r["stack_has_rerun_state_machine"]
+    r = mp.restart_recipe(1100, args, a)      # PaLM's 200 batches at least
+    assert r["ckpt_step"] == 1000 and r["skipped_iterations"] == [1001, 1200]
+    info = mp.write_restart_recipe(str(tmp_path), 1450, "loss spike", args, a)
+    text = Path(info["path"]).read_text()
+    assert f"--load {save} --ckpt-step 1000 --iterations-to-skip $(seq -s ' ' 1000 1449)" in text
+    assert "rerun-mode" in text and "THIS STACK HAS NO" not in text
+    old = types.SimpleNamespace(save=str(save))      # Megatron before core_v0.12
+    assert "THIS STACK HAS NO --iterations-to-skip" in Path(
+        mp.write_restart_recipe(str(tmp_path), 1450, "x", old, a)["path"]).read_text()
