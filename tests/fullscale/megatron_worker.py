@@ -245,6 +245,12 @@ def run_combo(a, bf16: bool, distopt: bool, out: str, tp: int = 1, pp: int = 1) 
 # with finalize_model_grads, optimizer.step(), Megatron's return value) wrapped exactly as
 # install() wraps Megatron's; bf16 + distributed optimizer, data parallel 2
 SPIKE_SCALE = 30.0
+PREDICTION_RULES = [
+    {"id": "sat", "metric": "sat_frac", "depths": [-1, 0], "op": ">", "threshold": 0.5,
+     "consecutive": 1},
+    {"id": "rms_t_2", "metric": "rms_t", "op": ">", "threshold": 0.0, "consecutive": 2},
+    {"id": "dead", "metric": "grad_rms", "op": ">", "threshold": 0.0, "consecutive": 1,
+     "informative": False, "informative_reason": "lift <= 1"}]
 
 
 def _scenario_cfg(name):
@@ -342,8 +348,14 @@ def run_scenario(a, name: str, out: str) -> None:
                 if inj[3] == "hang":
                     time.sleep(2.5 * timeout_s)   # a hung rank
 
+        preds = None
+        if name == "on":     # online alarms: two armed rules and one marked uninformative
+            preds = os.path.join(out, f"predictions{dist.get_rank()}.json")
+            with open(preds, "w") as fh:
+                json.dump({"schema": "adamspike.predictions", "schema_version": 3, "settings": [],
+                           "alarm_rules": PREDICTION_RULES}, fh)
         actions = ProbeActions(("loss", "grad_norm"), skip_budget=kw.pop("skip_budget", 10),
-                               window=6)
+                               window=6, predictions=preds)
         probe = MegatronProbe(os.path.join(out, "run"), every=2, hist_every=0, precision="float64",
                               flush_every_s=0.0, actions=actions, inject=inject,
                               timeout_s=timeout_s)

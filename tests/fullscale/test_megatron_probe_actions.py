@@ -84,7 +84,29 @@ def test_probe_on_leaves_the_loss_trace_bit_for_bit(runs):
     for r in range(2):
         np.testing.assert_array_equal(_trace(on[r]), _trace(off[r]))
         assert on[r]["skips"] == 0 and not on[r]["disabled"] and not any(on[r]["skipped"])
-    assert runs["lines"]("on") == [[], []]
+
+
+@pytest.mark.slow
+def test_online_alarms_are_the_offline_decision(runs):
+    """predictions.json's armed rules on the probe's telemetry (every 2 steps) fire where
+    analysis.alarms.fire_steps, the offline evaluation, fires them; the rule marked
+    uninformative stays unarmed; each alarm is an event and one printed line."""
+    from adamspike.predictions import AlarmRule
+    from adamspike.rundir import load_run
+    from analysis.alarms import fire_steps
+
+    sys.path.insert(0, str(WORKER.parent))
+    from megatron_worker import PREDICTION_RULES
+
+    run = load_run(runs["out"] / "on" / "run")
+    online = run.events[run.events["type"] == "alarm"][["rule", "step"]].astype({"step": int})
+    rules = [AlarmRule(**r) for r in PREDICTION_RULES if r.get("informative") is not False]
+    offline = fire_steps(rules, run.layers)[["rule", "step"]]
+    assert len(online) >= 2 and set(online["rule"]) == {"sat", "rms_t_2"}
+    assert sorted(map(tuple, online.values.tolist())) == sorted(map(tuple, offline.values.tolist()))
+    lines = runs["lines"]("on")
+    assert lines[0] == [] and len(lines[1]) == len(online)
+    assert all(" ALARM " in x for x in lines[1])
 
 
 @pytest.mark.slow
