@@ -212,9 +212,11 @@ def environment(**extra: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- ownership
 
-def check_new_run_dir(path: str | Path) -> Path:
+def check_new_run_dir(path: str | Path, *, hint: str = "resume it or choose a new directory"
+                      ) -> Path:
     """A path a new run may be written to: absent, or an empty directory (a lock file alone
-    counts as empty); RunFormatError naming the problem otherwise."""
+    counts as empty); RunFormatError naming the problem (and `hint`, what to do about a
+    non-empty one) otherwise."""
     path = Path(path)
     for parent in path.parents:
         if parent.exists():
@@ -227,9 +229,36 @@ def check_new_run_dir(path: str | Path) -> Path:
                                  "(nothing was overwritten)")
         if any(p.name != LOCK_FILE for p in path.iterdir()):
             raise RunFormatError(
-                f"{path}: run directory exists and is not empty; resume it or choose "
-                "a new directory (nothing was overwritten)")
+                f"{path}: run directory exists and is not empty; {hint} (nothing was "
+                "overwritten)")
     return path
+
+
+def move_aside(path: str | Path) -> Path | None:
+    """Rename a non-empty run directory to PATH.restart-<UTC time> so a new run can start
+    at PATH (a trainer's --restart), refused while a live writer holds it. Returns the new
+    name, or None when PATH is absent or empty (nothing to move). Nothing is deleted."""
+    path = Path(path)
+    try:
+        check_new_run_dir(path)
+        return None
+    except RunLockedError:
+        raise
+    except RunFormatError:
+        if not path.is_dir():
+            raise
+    lock = RunLock(path).acquire(new=False) if (path / "run.json").is_file() else None
+    try:
+        aside = path.with_name(f"{path.name}.restart-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+        n = 1
+        while aside.exists():
+            aside, n = aside.with_name(f"{aside.name.split('~')[0]}~{n}"), n + 1
+        os.replace(path, aside)
+        _fsync_dir(aside.parent)
+    finally:
+        if lock is not None:
+            lock.release()
+    return aside
 
 
 def _pid_alive(pid: int) -> bool:

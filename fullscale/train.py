@@ -69,8 +69,10 @@ event first). Every non-zero exit says why in one stderr line.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -89,12 +91,14 @@ from adamspike.llama import flops_per_token, num_params, spec_by_name
 from adamspike.predictions import PredictionsError
 from adamspike.faults import kill_point
 from adamspike.rundir import (RunFormatError, RunLock, RunLockedError, RunWriter,
-                              check_new_run_dir, environment, read_meta)
+                              check_new_run_dir, environment, move_aside, read_events,
+                              read_meta)
 from adamspike.train_config import RunConfig
 from fullscale import device as devices
 from fullscale.device import local_shard as _local
-from fullscale.checkpoint import (CheckpointError, CheckpointManager, NonFiniteError, complete,
-                                  load)
+from fullscale.checkpoint import (CheckpointError, CheckpointManager, NonFiniteError,
+                                  check_storage, complete, describe_storage_error,
+                                  estimated_size, load, storage_error)
 from fullscale.alarms import build_alarms
 from fullscale.data import DataFormatError, build_source
 from fullscale.guard import SpikeGuard
@@ -126,7 +130,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="run config TOML (defaults: adamspike.train_config)")
     p.add_argument("--out", required=True, help="run directory (new, or the one to --resume)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the newest valid checkpoint in OUT/checkpoints")
+                   help="continue from the newest valid checkpoint in OUT/checkpoints (from "
+                        "step 0 when none was ever completed)")
+    p.add_argument("--restart", action="store_true",
+                   help="a new run in OUT: its old contents are first moved to "
+                        "OUT.restart-<time> (nothing is deleted)")
     p.add_argument("--replay-from", metavar="CKPT",
                    help="a new run OUT that starts from checkpoint CKPT of another run "
                         "(RUN/checkpoints/step-N) under this config (replay_from_checkpoint)")
@@ -194,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         own_group = _setup_distributed(cfg)
         if args.replay_from and args.resume:
             raise ConfigError("--replay-from: a replay is a new run; it cannot --resume")
-        rc = train(cfg, Path(args.out), resume=args.resume,
+        if args.restart and args.resume:
+            raise ConfigError("--restart starts a new run; it cannot --resume")
+        rc = train(cfg, Path(args.out), resume=args.resume, restart=args.restart,
                    replay_from=Path(args.replay_from) if args.replay_from else None)
         finished = True
         return rc
@@ -204,9 +214,37 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingAborted as e:
         print(f"adamspike train: aborted: {e}", file=sys.stderr)
         return 3
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        err = storage_error(e) or _disk_full(Path(args.out))
+        if err is None:
+            raise
+        if not err.filename:
+            err.filename = args.out
+        print(f"adamspike train: error: storage: {describe_storage_error(err)}; the run is "
+              "intact up to its newest complete checkpoint (fix the file system, then "
+              "--resume)", file=sys.stderr)
+        return 1
     finally:
         if own_group or dist.is_initialized():
             devices.destroy_distributed(synchronize=finished)
+
+
+def _disk_full(out: Path) -> OSError | None:
+    """ENOSPC when the run's file system is (nearly) full: some writers report a full disk
+    only as their own inconsistency (torch's zip writer: "unexpected pos 704 vs 598")."""
+    d = out
+    while not d.is_dir() and d != d.parent:
+        d = d.parent
+    try:
+        free = shutil.disk_usage(d).free
+    except OSError:
+        return None
+    if free >= 64 * 2**20:
+        return None
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}, {free / 2**20:.1f} MiB free",
+                   str(d))
 
 
 def _setup_distributed(cfg: RunConfig) -> bool:
@@ -220,18 +258,18 @@ def _setup_distributed(cfg: RunConfig) -> bool:
     return True
 
 
-def train(cfg: RunConfig, out: Path, *, resume: bool = False,
+def train(cfg: RunConfig, out: Path, *, resume: bool = False, restart: bool = False,
           replay_from: Path | None = None) -> int:
     """Train cfg into run directory `out` (collective); returns the exit status (0).
-    replay_from: see `Trainer`."""
-    return Trainer(cfg, Path(out), resume=resume, replay_from=replay_from).run()
+    restart, replay_from: see `Trainer`."""
+    return Trainer(cfg, Path(out), resume=resume, restart=restart, replay_from=replay_from).run()
 
 
 class Trainer:
     """One training run: the model, its optimizer, data position, guard, checkpoints and the
     run directory (rank 0), built in __init__; `run()` is the loop."""
 
-    def __init__(self, cfg: RunConfig, out: Path, *, resume: bool,
+    def __init__(self, cfg: RunConfig, out: Path, *, resume: bool, restart: bool = False,
                  replay_from: Path | None = None):
         """replay_from (replay from checkpoint): a *new* run directory `out` whose state at
         the start is checkpoint `replay_from` (RUN/checkpoints/step-N) of another run, under
@@ -242,7 +280,9 @@ class Trainer:
         groups), the scheduler is rebuilt from this cfg at the checkpoint's step (so
         optim.lr / schedule changes apply), and the data position and RNG are restored.
         The run starts at step N + 1; its run.json records `replay_of` and an event
-        "replay_from" names the checkpoint."""
+        "replay_from" names the checkpoint.
+        restart: a new run in `out` after moving its old contents to OUT.restart-<time>
+        (the way out when every checkpoint of a run is damaged)."""
         self.cfg, self.out, self.resume = cfg, out, resume
         self.replay_from = None if replay_from is None else Path(replay_from)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -253,7 +293,12 @@ class Trainer:
         def own() -> RunLock | None:
             if resume:
                 return RunLock(out).acquire(new=False)
-            check_new_run_dir(out)
+            if restart:
+                aside = move_aside(out)
+                if aside is not None:
+                    _warn(f"--restart: moved the previous contents of {out} to {aside}")
+            check_new_run_dir(out, hint="resume it (--resume), move it aside (--restart) "
+                                        "or choose a new directory")
             return None
 
         self.lock = _rank0_call(self.rank, own)
@@ -280,6 +325,9 @@ class Trainer:
         if cfg.train.dtype == "bf16" and not info.supports_bf16:
             raise ConfigError(f"train.dtype: bf16 is not supported by {info.name}")
         arch = resolve_model(cfg.model)
+        # a read-only or full file system is refused now, not a checkpoint interval later
+        _rank0_call(rank, lambda: check_storage(out / "checkpoints",
+                                                estimated_size(num_params(arch))))
         if cfg.train.seq_len > arch.max_seq_len:
             raise ConfigError(f"train.seq_len: {cfg.train.seq_len} exceeds model "
                               f"max_seq_len={arch.max_seq_len}")
@@ -318,11 +366,19 @@ class Trainer:
         # --- resume: the newest checkpoint that loads (older ones if newer are corrupt)
         self.start_step, restored = 1, None
         if self.resume:
-            restored = self.ckpt.load_latest_valid(model, self.optimizer, self.scheduler,
-                                                   position=self.position, guard=self.guard)
-            if restored is None:
-                raise CheckpointError(self.ckpt.root, "no complete checkpoint to resume from")
-            self.start_step = restored[0] + 1
+            try:
+                restored = self.ckpt.load_latest_valid(model, self.optimizer, self.scheduler,
+                                                       position=self.position, guard=self.guard)
+            except CheckpointError as e:
+                raise CheckpointError(e.path, f"{e.problem}; --restart moves the run aside "
+                                              "and starts again", e.detail) from None
+            if restored is None:   # killed before its first checkpoint completed?
+                _rank0_call(rank, lambda: _never_checkpointed(out, self.ckpt.root))
+                if rank == 0:
+                    _warn(f"{self.ckpt.root}: no complete checkpoint (killed before the first "
+                          "one completed?); --resume starts again from step 0")
+            else:
+                self.start_step = restored[0] + 1
         elif self.replay_from is not None:
             restored = self._load_replay_source(cfg, model, specs, arch.num_layers)
             self.start_step = restored[0] + 1
@@ -336,7 +392,8 @@ class Trainer:
 
         def open_writer():
             if self.resume:
-                return RunWriter(out, backend="torch", resume_from_step=restored[0],
+                return RunWriter(out, backend="torch",
+                                 resume_from_step=0 if restored is None else restored[0],
                                  flush_every_s=cfg.telemetry.flush_every_s, lock=self.lock)
             return RunWriter(out, backend="torch", config=to_dict(cfg), extra_meta=meta,
                              env=environment(**devices.environment_info(info, world)),
@@ -353,7 +410,8 @@ class Trainer:
                               stacklevel=1)
                 writer.event("config_changed", step=self.start_step - 1, keys=changed,
                              config=to_dict(cfg))
-            self._log_rejected(restored[3], restored[1])
+            if restored is not None:
+                self._log_rejected(restored[3], restored[1])
             if writer.repaired_events_tail:
                 _warn(f"{out / 'events.jsonl'}: its last line was torn "
                       f"({writer.repaired_events_tail} bytes); moved to events.discarded.jsonl")
@@ -436,14 +494,18 @@ class Trainer:
             raise
         except BaseException as e:
             if rank == 0:
-                self.writer.event("fault", step=step, error=f"{type(e).__name__}: {e}")
+                self._log_fault(step, e)
             raise
         finally:
             progress.close()
             if not ok:
                 self.ckpt.close()       # completes an async save still in flight
             if rank == 0:
-                self.writer.close()     # flushes, releases the run directory
+                try:
+                    self.writer.close()     # flushes, releases the run directory
+                except Exception:  # noqa: BLE001 - a full disk: the failure that got here counts
+                    if ok:
+                        raise
                 if self.tb is not None:
                     self.tb.close()
         return 0
@@ -609,6 +671,16 @@ class Trainer:
                 self.writer.event(kind, **fields, checkpoint=str(path))
         return plan.resume_step
 
+    def _log_fault(self, step: int, e: BaseException) -> None:
+        """The "fault" event of a failure (best effort: on a full disk it may not fit)."""
+        err = storage_error(e) or _disk_full(self.out)
+        text = (f"storage: {describe_storage_error(err)}" if err is not None
+                else f"{type(e).__name__}: {e}")
+        try:
+            self.writer.event("fault", step=step, error=text[:2000])
+        except OSError:
+            pass
+
     def _log_rejected(self, rejected: list, used: Path) -> None:
         """Rank 0: one stderr line and one event (with the full detail) per checkpoint that
         did not load."""
@@ -653,6 +725,17 @@ class Trainer:
         else:   # another rank: say so where the user looks
             print(f"adamspike train: rank {self.rank}: injected fault {kind!r} at step {step}",
                   file=sys.stderr)
+
+
+def _never_checkpointed(out: Path, ckpt_root: Path) -> None:
+    """--resume without a complete checkpoint starts again from step 0 only if the run
+    never completed one (no "checkpoint" or "end" event): rows of a run whose checkpoints
+    were deleted are not thrown away."""
+    events, _ = read_events(out)
+    if events["type"].isin(["checkpoint", "end"]).any():
+        raise CheckpointError(ckpt_root, "no complete checkpoint to resume from (the run "
+                                         "completed some: were they deleted?); --restart "
+                                         "moves the run aside and starts again")
 
 
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -227,3 +227,101 @@ def test_io_error_reading_the_newest_checkpoint_falls_back(tmp_path, ref12):
     assert "__0_0.distcp is unreadable (EIO: Input/output error)" in line, line
     assert line.endswith("step-00000004")
     assert_same_run(ref12, out, 12)
+
+
+# ----------------------------------------------------------------------------- defect 5
+
+@pytest.mark.slow
+def test_dead_ends_have_a_way_out(tmp_path, ref12):
+    """Killed inside its first checkpoint save, a run had no way on ("no complete
+    checkpoint" on --resume, "not empty" on a new start): --resume now starts again from
+    step 0, saying so. When every checkpoint is damaged, --resume says --restart is the
+    way out, and --restart moves the old contents aside (nothing deleted) and starts anew;
+    both end bitwise equal to the uninterrupted run."""
+    out = tmp_path / "run"
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4",
+                 env={"ADAMSPIKE_KILL_AT": "checkpoint.write@4"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert ck.complete(out / "checkpoints") == []
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = lines(proc.stderr)
+    assert "no complete checkpoint" in line and "starts again from step 0" in line
+    assert [e["step"] for e in events(out) if e["type"] == "resume"] == [0]
+    assert_same_run(ref12, out, 12)
+
+    for shard in out.glob("checkpoints/step-*/__0_0.distcp"):
+        flip(shard)
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    assert proc.returncode == 2
+    (line,) = lines(proc.stderr)
+    assert "no loadable checkpoint" in line and "--restart" in line
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--restart")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = lines(proc.stderr)
+    (aside,) = tmp_path.glob("run.restart-*")
+    assert line.endswith(f"--restart: moved the previous contents of {out} to {aside}")
+    assert sorted(str(p.relative_to(aside)) for p in aside.rglob("*")) == before
+    assert_same_run(ref12, out, 12)
+
+
+# ----------------------------------------------------------------------------- defect 6
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(STRACE is None, reason="needs strace")
+def test_storage_errors_are_one_line_and_lose_nothing(tmp_path, ref12):
+    """The disk fills while checkpoint 8 is written (strace: ENOSPC on its shard): one
+    line naming ENOSPC, exit 1, a "fault" event (it used to be a DCP traceback). A read-only
+    checkpoints/ on --resume is refused at the start in one line naming EROFS, nothing
+    changed (it used to train a whole interval first). Then --resume ends bitwise equal to
+    the uninterrupted run."""
+    out = tmp_path / "run"
+    shard = out / "checkpoints" / "step-00000008.partial" / "__0_0.distcp"
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4",
+                 prefix=(STRACE, "-qq", "-f", "-P", str(shard), "-e", "trace=write",
+                         "-e", "inject=write:error=ENOSPC"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (line,) = lines(proc.stderr)
+    assert line.startswith("adamspike train: error: storage: ENOSPC: No space left on device")
+    fault = [e for e in events(out) if e["type"] == "fault"]
+    assert len(fault) == 1 and fault[0]["error"].startswith("storage: ENOSPC")
+    assert [s for s, _ in ck.complete(out / "checkpoints")] == [4]
+
+    before = _snapshot(out)
+    probe = out / "checkpoints" / ".adamspike-write-probe"
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume",
+                 prefix=(STRACE, "-qq", "-f", "-P", str(probe), "-e", "trace=openat",
+                         "-e", "inject=openat:error=EROFS"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = lines(proc.stderr)
+    assert "is not writable (EROFS: Read-only file system)" in line, line
+    after = _snapshot(out)
+    assert after.pop("writer.lock") == b"" and before.pop("writer.lock") == b""
+    assert after == before
+
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(ref12, out, 12)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+def test_too_little_free_space_is_refused_at_the_start(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                      capture_output=True).returncode:
+        pytest.skip("mount not permitted here")
+    try:
+        proc = train(small / "run", "--train.num_steps", "4")
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        (line,) = lines(proc.stderr)
+        assert "ENOSPC expected" in line and "MiB free" in line, line
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
