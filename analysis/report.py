@@ -1,7 +1,7 @@
 """One run's analysis (spikes, precursors, alarms, theory fits) and its Markdown report.
 
 `analyze_run(path, ...)` computes everything into a RunAnalysis; `write_run_report` writes
-OUT/report.md, the tables behind it (CSV: everything the run figures draw, so `adamspike
+OUT/report.md and report.html (the same, self-contained: adamspike.report_html), the tables behind it (CSV: everything the run figures draw, so `adamspike
 figures` reads them instead of recomputing) and summary.json; the report links the run
 figures where they already lie at their conventional path (FIGURE_DIRS);
 `write_index` writes the top-level report over several runs. Each section states what it
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from adamspike.report_html import markdown_to_html
 from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, load_run
 from adamspike.tables import fmt as _f, md_table
 from adamspike.spikes import SpikeParams, detect_spikes, loss_spikes, valued_rows
@@ -361,6 +362,10 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
     links = linked_figures(ra.name, out_dir)
     if links:
         L += ["", "## Figures", ""] + [f"![{posixpath.basename(f)[:-4]}]({f})" for f in links]
+    else:
+        L += ["", "## Figures", "", f"Not drawn yet: `adamspike figures {ra.path} --analysis "
+              f"{Path(out_dir).parent if out_dir is not None else 'OUT'} --out FIGURES` draws "
+              "them and rewrites this report's report.html with them inline."]
     return "\n".join(L) + "\n"
 
 
@@ -577,9 +582,10 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path) -> list[Path]:
         _write_csv(ra.hetero_fit.diagnostics, out / "update_rms_fit_diagnostics.csv", written)
     md = render_markdown(ra, out)
     atomic_write_bytes(out / "report.md", md.encode())
+    atomic_write_bytes(out / "report.html", markdown_to_html(md, out, f"Run {ra.name}").encode())
     atomic_write_bytes(out / "summary.json",
                        json.dumps(json_clean(summary_dict(ra)), indent=2, allow_nan=False).encode())
-    return written + [out / "report.md", out / "summary.json"]
+    return written + [out / "report.md", out / "report.html", out / "summary.json"]
 
 
 _LINK = re.compile(r"\]\((?![a-z]+:|/|#)([^)\s]+)\)")
@@ -605,7 +611,9 @@ def write_index(analyses: list[RunAnalysis], out_dir: str | Path,
         body = rebase_links((out / d / "report.md").read_text(), d)
         L += [""] + [("#" + ln) if ln.startswith("#") else ln for ln in body.splitlines()]
     path = out / "report.md"
-    atomic_write_bytes(path, ("\n".join(L) + "\n").encode())
+    md = "\n".join(L) + "\n"
+    atomic_write_bytes(path, md.encode())
+    atomic_write_bytes(out / "report.html", markdown_to_html(md, out, "Loss-spike analysis").encode())
     return path
 
 

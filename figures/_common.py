@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pandas as pd
 
 from adamspike.rundir import RunFormatError, load_run, run_names
@@ -109,3 +110,23 @@ def run_figure_main(argv, doc: str, prepare: Callable, plot: Callable, *, tables
         for f in files:
             print(f)
     return rc
+
+
+def break_gaps(step, *series, factor: float = 2.0):
+    """(step, *series) with a NaN point inserted in every gap of the step axis (a jump of
+    more than `factor` x the median step difference: the log's excerpt boundaries, a
+    restart, missing lines), so a line plot is broken there instead of drawn across it.
+    NaN values already break a line; this covers the steps that have no row at all."""
+    x = np.asarray(step, dtype=float)
+    ys = [np.asarray(y, dtype=float) for y in series]
+    if len(x) < 3:
+        return (x, *ys)
+    d = np.diff(x)
+    pos = d[d > 0]
+    if not len(pos):
+        return (x, *ys)
+    gaps = np.flatnonzero(d > factor * np.median(pos)) + 1
+    if not len(gaps):
+        return (x, *ys)
+    xs = np.insert(x, gaps, (x[gaps - 1] + x[gaps]) / 2)
+    return (xs, *(np.insert(y, gaps, np.nan) for y in ys))

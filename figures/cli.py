@@ -7,7 +7,10 @@ Run figures (one set per run directory, in OUT/<run name>/), theory figures (OUT
 and sweep figures (OUT/sweep/, when a sweep table is given or found in the study folder).
 Spikes, precursors, fits and regime cards are not computed here: the figures read the
 tables `adamspike analyze --out DIR` wrote (--analysis DIR; a study's analysis/), and a
-figure drawn from them is skipped for a run without an analysis.
+figure drawn from them is skipped for a run without an analysis. With --analysis, each
+run's DIR/<run>/report.html is rewritten with its run figures inline (one self-contained
+file, adamspike.report_html). Library warnings of a figure are counted in its outcome line,
+not printed.
 The figure scripts are listed in REGISTRY and called through their `main(argv)`; a script
 that is not there is reported as missing, one whose input is absent as skipped, one that
 fails as failed with its error; nothing is faked. `generate` returns the files written.
@@ -21,12 +24,14 @@ import importlib
 import io
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 from adamspike.parallel import process_map
-from adamspike.rundir import RunFormatError, find_runs, load_run, run_names
+from adamspike.report_html import markdown_to_html
+from adamspike.rundir import RunFormatError, atomic_write_bytes, find_runs, load_run, run_names
 from figures import style
 from figures._common import run_analysis
 
@@ -129,17 +134,42 @@ def _run_figures(item: tuple) -> list[Outcome]:
     with style.only_formats(*formats):
         for m in mods:
             before = _snapshot(d)
-            try:
-                m.plot(m.prepare(run, tables), d)
-                o = Outcome(m.__name__, str(path), "ok", "", _written(d, before))
-            except ValueError as e:  # the run lacks this figure's input
-                o = Outcome(m.__name__, str(path), "skipped", str(e))
-            except Exception as e:  # noqa: BLE001
-                o = Outcome(m.__name__, str(path), "failed", f"{type(e).__name__}: {e}")
+            # library warnings (matplotlib, numpy on empty data) are the figure's outcome,
+            # not console noise: counted in its detail line
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    m.plot(m.prepare(run, tables), d)
+                    o = Outcome(m.__name__, str(path), "ok", "", _written(d, before))
+                except ValueError as e:  # the run lacks this figure's input
+                    o = Outcome(m.__name__, str(path), "skipped", str(e))
+                except Exception as e:  # noqa: BLE001
+                    o = Outcome(m.__name__, str(path), "failed", f"{type(e).__name__}: {e}")
+            if caught:
+                first = str(caught[0].message).splitlines()[0][:120]
+                o.detail = "; ".join(x for x in (o.detail, f"{len(caught)} library warning(s), "
+                                                 f"first: {first}") if x)
             now = time.perf_counter()
             o.seconds, t0 = now - t0, now
             res.append(o)
+    if tables is not None and (tables.path / "report.md").is_file():
+        failed = _report_html(tables.path, run, sorted(
+            f for o in res for f in o.files if f.suffix == ".png"))
+        res += [failed] if failed else []
     return res
+
+
+def _report_html(analysis_dir: Path, run, pngs: list[Path]) -> Outcome | None:
+    """The run's report.html in its analysis folder (analysis.report wrote it without
+    figures), rewritten with the figures just drawn inline (adamspike.report_html: one
+    self-contained file); an Outcome only when that fails."""
+    try:
+        md = (analysis_dir / "report.md").read_text(encoding="utf-8")
+        atomic_write_bytes(analysis_dir / "report.html", markdown_to_html(
+            md, analysis_dir, f"Run {Path(run.path).name}", figures=pngs).encode())
+    except OSError as e:
+        return Outcome("report.html", str(run.path), "failed", str(e))
+    return None
 
 
 def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *,

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from figures import style
-from figures._common import need_tables, run_figure_main
+from figures._common import break_gaps, need_tables, run_figure_main
 
 
 def prepare(run, tables=None) -> dict:
@@ -26,6 +26,9 @@ def prepare(run, tables=None) -> dict:
     a = need_tables(tables, run.path)
     st = run.steps
     gn = st["grad_norm"].to_numpy(float)
+    if not np.isfinite(gn).any():
+        raise ValueError(f"{run.path}: no measured grad norm (none printed, or only "
+                         "placeholders read as missing)")
     steps = st["step"].to_numpy()
     clip = (run.config.get("optim") or {}).get("grad_clip")
     return {"name": Path(run.path).name, "step": steps, "grad_norm": gn,
@@ -38,7 +41,7 @@ def plot(data: dict, out_dir) -> list[Path]:
     style.apply()
 
     fig, ax = plt.subplots()
-    ax.plot(data["step"], data["grad_norm"], color=style.COLORS["deep"], lw=0.8,
+    ax.plot(*break_gaps(data["step"], data["grad_norm"]), color=style.COLORS["deep"], lw=0.8,
             label="grad norm (before clipping)")
     if data["clip"]:
         ax.axhline(data["clip"], ls="--", color="#555555", lw=1, label=f"clip {data['clip']:g}")
@@ -53,7 +56,8 @@ def plot(data: dict, out_dir) -> list[Path]:
                 label=f"grad-norm spikes ({len(gs)})")
     for s in data["loss_spikes"]["start"]:
         ax.axvline(s, color=style.COLORS["spike"], lw=0.8, alpha=0.7)
-    if np.nanmin(np.where(data["grad_norm"] > 0, data["grad_norm"], np.nan)) > 0:
+    gn = data["grad_norm"]
+    if (np.isfinite(gn) & (gn > 0)).any():
         ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("global grad norm")

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from figures import style
-from figures._common import need_tables, run_figure_main
+from figures._common import break_gaps, need_tables, run_figure_main
 
 
 def prepare(run, tables=None) -> dict:
@@ -42,7 +42,9 @@ def plot(data: dict, out_dir) -> list[Path]:
     style.apply()
 
     fig, ax = plt.subplots()
-    ax.plot(data["step"], data["loss"], color="#333333", lw=0.9, label="loss")
+    # markers on short traces: a point isolated between gaps is still seen
+    ax.plot(*break_gaps(data["step"], data["loss"]), color="#333333", lw=0.9, label="loss",
+            marker="." if len(data["step"]) <= 300 else None, ms=3)
     if data["log"]:
         ax.set_yscale("log")
     sp = data["spikes"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -44,11 +45,28 @@ def only_formats(*formats: str):
         FORMATS = old
 
 
+def wrap_titles(fig) -> None:
+    """Break every axes title (and the suptitle) wider than the room it has (its axes plus
+    a margin; the figure for a suptitle) into lines, so no title is cut at the figure's
+    edge (long run names)."""
+    width_in = fig.get_size_inches()[0]
+    texts = [(ax.title, min(width_in, 1.2 * ax.get_position().width * width_in))
+             for ax in fig.axes]
+    if getattr(fig, "_suptitle", None) is not None:
+        texts.append((fig._suptitle, width_in))
+    for t, room_in in texts:
+        s = t.get_text()
+        chars = max(20, int(room_in * 72 / (0.55 * t.get_fontsize())))
+        if s and "\n" not in s and len(s) > chars:
+            t.set_text(textwrap.fill(s, chars, break_long_words=True))
+
+
 def save(fig, out_dir: str | Path, name: str) -> list[Path]:
     """Write `name`.png and `name`.pdf (FORMATS) into out_dir; return the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.{ext}" for ext in FORMATS]
+    wrap_titles(fig)
     fig.tight_layout()
     for p in paths:
         fig.savefig(p)

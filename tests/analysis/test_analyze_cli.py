@@ -117,12 +117,14 @@ def test_jobs_give_the_same_reports_and_reports_link_drawn_figures(synthetic_run
         s2 = json.loads((two / name / "summary.json").read_text())
         s1.pop("created", None), s2.pop("created", None)
         assert s1 == s2
-        assert "## Figures" not in (two / name / "report.md").read_text()   # none drawn yet
+        assert "Not drawn yet: `adamspike figures" in (two / name / "report.md").read_text()
+        assert "<img" not in (two / name / "report.html").read_text()
     files, outcomes = generate([runs / "a", runs / "b"], tmp_path / "figures", theory=False,
                                analysis=two, jobs=2)
     assert {o.status for o in outcomes if "fig_" in o.module and o.target} <= {"ok", "skipped"}
     assert (tmp_path / "figures" / "a" / "loss_spikes.png").is_file()
     assert (tmp_path / "figures" / "b" / "loss_spikes.pdf").is_file()
+    assert 'alt="loss_spikes" src="data:image/png;base64,' in (two / "a" / "report.html").read_text()
     assert main([str(runs / "a"), str(runs / "b"), "--out", str(three)]) == 0
     for name in ("a", "b"):
         report = (three / name / "report.md").read_text()
