@@ -30,8 +30,15 @@ Mapping to Megatron arguments: loss scale s is folded into eps and the clip thre
 (Adam on s L with eps equals Adam on L with eps/s, the clip threshold on the scaled
 gradient c equals c/s on the unscaled one); the mitigations' flags come from the registry
 (adamspike.mitigations: megatron_args), and features Megatron does not have (every active
-mitigation the registry calls not expressible, z-loss, spike guard, batch skipping, online
-alarms) are listed in the script header and a warning, not silently dropped.
+mitigation the registry calls not expressible, z-loss, the in-job rollback of the spike
+guard) are listed in the script header and a warning, not silently dropped. Spike actions
+under Megatron: the probe (online rules, skip-step, alarms from predictions.json, the
+restart recipe; docs/mindspeed_probe.md) and, where the stack has them, Megatron's rerun
+state machine (--check-for-spiky-loss / --check-for-large-grads / --rerun-mode) and
+--ckpt-step / --iterations-to-skip (CKPT_STEP / ITERATIONS_TO_SKIP).
+
+No machine-local path of the clone that ran `launch` is written into the scripts: the
+adamspike checkout on the nodes is $ADAMSPIKE_HOME (required; a clear error when unset).
 """
 
 from __future__ import annotations
@@ -237,14 +244,15 @@ def _megatron_gaps(run) -> list[str]:
     if run.train.z_loss:
         gaps.append(f"train.z_loss = {run.train.z_loss}: no Megatron flag; not applied")
     if run.guard.enabled:
-        gaps.append("guard (rollback + batch skip): not available; restart from --load by hand")
+        gaps.append("guard: no automatic in-job rollback under Megatron; instead the probe skips "
+                    "spiking updates (within ADAMSPIKE_PROBE_SKIP_BUDGET) and writes the restart "
+                    "recipe (RUN_megatron/telemetry/restart_recipe.sh: rerun with CKPT_STEP and "
+                    "ITERATIONS_TO_SKIP), and Megatron's rerun state machine checks spiky losses "
+                    "and large grads (MEGATRON_RERUN_MODE)")
     if run.data.skip_batches or run.data.poison_steps:
         gaps.append("data.skip_batches / data.poison_steps: not applied by Megatron")
     if to_dict(run.faults) != to_dict(type(run.faults)()):
         gaps.append("faults (docs/faults.md): not injected by Megatron; rehearse with train_torchrun.sh")
-    if run.alarms.predictions:
-        gaps.append("alarms.predictions: not evaluated online; run `adamspike analyze --predictions` "
-                    "on the imported Megatron log")
     if run.optim.implementation != "foreach":
         gaps.append("optim.implementation: Megatron uses its own (fused) Adam")
     if run.data.source != "indexed":
@@ -308,7 +316,7 @@ def torchrun_script(launch: Launch, run_toml: Path) -> str:
     log_dir = run_toml.parent / "logs"
     lines = _header("fullscale.train (FSDP2) under torchrun", launch, "train_torchrun.sh")
     lines += _device_env(launch, megatron=False)
-    lines += [f'ADAMSPIKE_HOME="${{ADAMSPIKE_HOME:-{REPO_ROOT}}}"   # the adamspike checkout',
+    lines += ['ADAMSPIKE_HOME="${ADAMSPIKE_HOME:?set ADAMSPIKE_HOME to the adamspike checkout on this node}"',
               'TORCHRUN="${TORCHRUN:-torchrun}"',
               "# After a fault (a hung collective, a dead node) rerun with RESUME=1 on every node:",
               "# training continues from the newest valid checkpoint in the run directory.",
@@ -373,9 +381,7 @@ def megatron_args(launch: Launch) -> list[str]:
         args += ["--use-flash-attn", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"]
     if run.data.source == "indexed":
         args += [f"--data-path {_q(run.data.path)}", "--split 100,0,0"]
-        if cfg.vocab_size == 32000:
-            args.append('--tokenizer-type Llama2Tokenizer --tokenizer-model "$TOKENIZER_MODEL"')
-        else:
+        if not _llama_tokenizer(launch):   # LLaMA2's tokenizer: stack-gated (_stack_case)
             args.append(f"--tokenizer-type NullTokenizer --vocab-size {cfg.vocab_size}")
     else:
         args += ["--mock-data", f"--tokenizer-type NullTokenizer --vocab-size {cfg.vocab_size}"]
@@ -385,14 +391,32 @@ def megatron_args(launch: Launch) -> list[str]:
     return args
 
 
-# Version-dependent flags of the Megatron stacks users run (checked in their sources):
-#   --rotary-base: Megatron-LM since core_r0.8; ModelLink of early 2024 (CANN 7.0) and
-#     older Megatron-LM reject it ("unrecognized arguments"); 10000 is every version's
-#     default, so it is passed only for another rope_theta.
-#   --use-fused-rmsnorm / --use-fused-rotary-pos-emb: MindSpeed and ModelLink (since
-#     2023-11 / 2023-09); --use-fused-swiglu: MindSpeed, ModelLink since 2024-03-17.
+# Version-dependent flags of the Megatron stacks users run. Every flag the script can pass
+# is checked against the option names of that stack's argument parsers, vendored with
+# their source repository and commit in fullscale/megatron_options.json
+# (tests/fullscale/test_launch_mindspeed.py):
+#   mindspeed-llm   MindSpeed-LLM 2.2+ on Megatron core_v0.12.1 (its examples/mcore/llama2
+#                   scripts: --use-mcore-models, --transformer-impl local (core_v0.12
+#                   defaults to transformer_engine), --tokenizer-type PretrainedFromHF
+#                   --tokenizer-name-or-path, MindSpeed's fused kernels)
+#   modellink-2024  ModelLink of early 2024 (CANN 7.0; legacy models, its own Megatron copy,
+#                   AscendSpeed kernels): no --rotary-base, --mock-data, rerun state machine,
+#                   --iterations-to-skip or --ckpt-step
+#   megatron-lm     Megatron-LM core_v0.12 or newer (mcore models, Llama2Tokenizer)
+#   --rotary-base: 10000 is every version's default, so it is passed only for another
+#     rope_theta.
+# Megatron's own spike tools (core_v0.12): --check-for-spiky-loss (a loss > 10x the largest
+# seen), --check-for-large-grads, with --rerun-mode validate_results: the rerun state machine
+# re-runs a suspicious iteration to tell a transient fault from a reproducible result;
+# --iterations-to-skip and --ckpt-step apply the probe's restart recipe.
 STACKS = ("mindspeed-llm", "modellink-2024", "megatron-lm")
 ROPE_DEFAULT = 10000.0
+OPTIONS_FILE = Path(__file__).with_name("megatron_options.json")
+MEGATRON_GUARD = ("--check-for-spiky-loss", "--check-for-large-grads", "--rerun-mode")
+
+
+def _llama_tokenizer(launch: Launch) -> bool:
+    return launch.run.data.source == "indexed" and resolve_model(launch.run.model).vocab_size == 32000
 
 
 def setting_tag(launch: Launch) -> str:
@@ -407,21 +431,81 @@ def _stack_case(launch: Launch) -> list[str]:
     rot = [] if float(theta) == ROPE_DEFAULT else [f"--rotary-base {_num(theta)}"]
     npu = launch.cluster.cluster.device == "npu"
     fused = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
+    tok = _llama_tokenizer(launch)
+    hf_tok = ['--tokenizer-type PretrainedFromHF --tokenizer-name-or-path "$TOKENIZER_PATH"'] if tok else []
+    sp_tok = ['--tokenizer-type Llama2Tokenizer --tokenizer-model "$TOKENIZER_MODEL"'] if tok else []
+    need_hf = (['    : "${TOKENIZER_PATH:?set TOKENIZER_PATH to the LLaMA2 tokenizer directory '
+                '(Hugging Face format: tokenizer.model, tokenizer_config.json)}"'] if tok else [])
+    need_sp = (['    : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the LLaMA2 tokenizer.model}"']
+               if tok else [])
+    guard = '${GUARD_ARGS[@]+"${GUARD_ARGS[@]}"} ${RESTART_ARGS[@]+"${RESTART_ARGS[@]}"}'
     default = "mindspeed-llm" if npu else "megatron-lm"
     lines = [f'MEGATRON_STACK="${{MEGATRON_STACK:-{default}}}"   # {" | ".join(STACKS)}: '
              "gates version-specific flags",
+             "# Megatron's own spike tools (core_v0.12; not in modellink-2024): the rerun state",
+             "# machine re-runs an iteration with a spiky loss (> 10x the largest seen) or large",
+             "# grads to tell a transient fault from a reproducible result. disabled: off.",
+             'MEGATRON_RERUN_MODE="${MEGATRON_RERUN_MODE:-validate_results}"   # validate_results | report_stats | disabled',
+             "# The probe's restart recipe (RUN_megatron/telemetry/restart_recipe.sh): PaLM's",
+             "# rollback + batch skip. CKPT_STEP: the checkpoint iteration to load; ITERATIONS_TO_SKIP:",
+             "# the iterations Megatron skips (space separated).",
+             'CKPT_STEP="${CKPT_STEP:-}" ITERATIONS_TO_SKIP="${ITERATIONS_TO_SKIP:-}"',
+             "GUARD_ARGS=() RESTART_ARGS=()",
+             'if [[ "$MEGATRON_RERUN_MODE" != disabled ]]; then',
+             '  GUARD_ARGS=(--check-for-spiky-loss --check-for-large-grads --rerun-mode "$MEGATRON_RERUN_MODE")',
+             "fi",
+             'if [[ -n "$CKPT_STEP" ]]; then RESTART_ARGS+=(--ckpt-step "$CKPT_STEP"); fi',
+             '# shellcheck disable=SC2206',
+             'if [[ -n "$ITERATIONS_TO_SKIP" ]]; then RESTART_ARGS+=(--iterations-to-skip $ITERATIONS_TO_SKIP); fi',
              'case "$MEGATRON_STACK" in',
-             f"  mindspeed-llm) STACK_ARGS=({' '.join(rot + (fused if npu else []))}) ;;"]
+             "  mindspeed-llm)"] + need_hf + [
+             f"    STACK_ARGS=(--use-mcore-models --transformer-impl local "
+             f"{' '.join(rot + (fused if npu else []) + hf_tok + [guard])}) ;;"]
+    ml = ["  modellink-2024)",
+          '    if [[ -n "$CKPT_STEP$ITERATIONS_TO_SKIP" ]]; then echo "MEGATRON_STACK=modellink-2024 '
+          '(CANN 7.0) has no --ckpt-step / --iterations-to-skip (Megatron before core_v0.12): '
+          'restart from --load and skip the batches by hand" >&2; exit 2; fi']
     if rot:
-        lines.append(f'  modellink-2024) echo "MEGATRON_STACK=modellink-2024 (CANN 7.0) has no '
-                     f'--rotary-base; rope_theta {_num(theta)} cannot be set" >&2; exit 2 ;;')
+        ml.append(f'    echo "MEGATRON_STACK=modellink-2024 (CANN 7.0) has no --rotary-base; rope_theta '
+                  f'{_num(theta)} cannot be set" >&2; exit 2 ;;')
+    elif launch.run.data.source != "indexed":
+        ml.append('    echo "MEGATRON_STACK=modellink-2024 (CANN 7.0) has no --mock-data; use '
+                  'data.source = indexed" >&2; exit 2 ;;')
     else:
-        lines.append(f"  modellink-2024) STACK_ARGS=({' '.join([f for f in fused if 'swiglu' not in f] if npu else [])}) ;;")
-    lines += [f"  megatron-lm) STACK_ARGS=({' '.join(rot)}) ;;"
+        ml += need_sp + [f"    STACK_ARGS=({' '.join(([f for f in fused if 'swiglu' not in f] if npu else []) + sp_tok)}) ;;"]
+    lines += ml
+    lines += ["  megatron-lm)"] + need_sp + [
+              f"    STACK_ARGS=(--use-mcore-models {' '.join(rot + sp_tok + [guard])}) ;;"
               + ("   # --rotary-base needs Megatron-LM core_r0.8 or newer" if rot else ""),
               "  *) echo \"MEGATRON_STACK must be one of " + ", ".join(STACKS)
               + ", got '$MEGATRON_STACK'\" >&2; exit 2 ;;",
               "esac"]
+    return lines
+
+
+def _probe_lines(launch: Launch, probe_dir: Path) -> list[str]:
+    tel = launch.run.telemetry
+    lines = ["# Per-tensor Adam telemetry and spike actions (fullscale.megatron_probe wraps",
+             "# train_step; docs/mindspeed_probe.md): at a loss / grad-norm spike it skips the",
+             "# update on every rank (at most ADAMSPIKE_PROBE_SKIP_BUDGET times, then an alarm),",
+             "# writes restart_recipe.sh and prints one line here; any probe error turns it off",
+             "# on every rank and training continues. ADAMSPIKE_PROBE=0 runs without it;",
+             "# ADAMSPIKE_PROBE_SKIP=0 / _RULES=0 / _RECIPE=0 / _ALARMS=0 turn single actions off.",
+             f"export ADAMSPIKE_PROBE_OUT={_q(probe_dir)}",
+             f"export ADAMSPIKE_PROBE_EVERY={tel.every} ADAMSPIKE_PROBE_HIST_EVERY={tel.hist_every}"]
+    if launch.run.alarms.predictions:
+        lines.append(f'export ADAMSPIKE_PROBE_PREDICTIONS="${{ADAMSPIKE_PROBE_PREDICTIONS:-'
+                     f'{launch.run.alarms.predictions}}}"   # online alarm rules')
+    lines += ["ENTRY=(pretrain_gpt.py)",
+              'if [[ "${ADAMSPIKE_PROBE:-1}" == 1 ]]; then',
+              '  ADAMSPIKE_HOME="${ADAMSPIKE_HOME:?set ADAMSPIKE_HOME to the adamspike checkout on '
+              'this node (its fullscale/megatron_probe.py goes on PYTHONPATH), or ADAMSPIKE_PROBE=0}"',
+              '  if [[ ! -f "$ADAMSPIKE_HOME/fullscale/megatron_probe.py" ]]; then',
+              '    echo "ADAMSPIKE_HOME=$ADAMSPIKE_HOME has no fullscale/megatron_probe.py" >&2; exit 2',
+              "  fi",
+              '  export PYTHONPATH="$ADAMSPIKE_HOME${PYTHONPATH:+:$PYTHONPATH}"',
+              "  ENTRY=(-m fullscale.megatron_probe --adaptor auto -- pretrain_gpt.py)",
+              "fi"]
     return lines
 
 
@@ -431,7 +515,6 @@ def mindspeed_script(launch: Launch) -> str:
     log = megatron_dir(launch) / "logs"
     tag = setting_tag(launch)
     probe_dir = megatron_dir(launch) / "telemetry"
-    tel = run.telemetry
     lines = _header("MindSpeed-LLM / Megatron pretrain_gpt.py, same optimizer and schedule", launch,
                     "train_mindspeed.sh")
     if run.train.loss_scale != 1.0:
@@ -439,23 +522,23 @@ def mindspeed_script(launch: Launch) -> str:
                         "--clip-grad = grad_clip / s")
     for i, gap in enumerate(launch.notes):
         lines.insert(5 + i, f"# NOTE: {gap}")
+    at = 5 + len(launch.notes)
+    lines[at:at] = [
+        "# At a loss spike (docs/mindspeed_probe.md):",
+        "#   the probe (ADAMSPIKE_PROBE=1): online loss / grad-norm rules, skip-step on every rank",
+        "#     within a budget, alarms from predictions.json, restart_recipe.sh (PaLM rollback +",
+        "#     batch skip); fails open (any probe error: off on every rank, training continues)",
+        "#   Megatron itself (core_v0.12: MEGATRON_STACK mindspeed-llm / megatron-lm, not",
+        "#     modellink-2024): --check-for-spiky-loss, --check-for-large-grads, --rerun-mode",
+        "#     (its rerun state machine re-runs a suspicious iteration: transient fault or",
+        "#     reproducible spike), --ckpt-step and --iterations-to-skip (CKPT_STEP,",
+        "#     ITERATIONS_TO_SKIP below) to restart before a spike and skip its batches"]
     lines += _device_env(launch, megatron=True)
     lines += ['MINDSPEED_LLM_DIR="${MINDSPEED_LLM_DIR:?set MINDSPEED_LLM_DIR to the MindSpeed-LLM '
               '(ModelLink) or Megatron-LM checkout holding pretrain_gpt.py}"']
-    if run.data.source == "indexed" and "$TOKENIZER_MODEL" in " ".join(megatron_args(launch)):
-        lines.append('TOKENIZER_MODEL="${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the LLaMA2 tokenizer.model}"')
     lines += _stack_case(launch)
-    lines += [f'ADAMSPIKE_HOME="${{ADAMSPIKE_HOME:-{REPO_ROOT}}}"   # the adamspike checkout',
-              "# Per-tensor Adam telemetry (fullscale.megatron_probe wraps train_step; its run",
-              "# directory is read by `adamspike analyze`). ADAMSPIKE_PROBE=0 runs without it.",
-              f"export ADAMSPIKE_PROBE_OUT={_q(probe_dir)}",
-              f"export ADAMSPIKE_PROBE_EVERY={tel.every} ADAMSPIKE_PROBE_HIST_EVERY={tel.hist_every}",
-              'export PYTHONPATH="$ADAMSPIKE_HOME${PYTHONPATH:+:$PYTHONPATH}"',
-              "ENTRY=(pretrain_gpt.py)",
-              'if [[ "${ADAMSPIKE_PROBE:-1}" == 1 ]]; then',
-              "  ENTRY=(-m fullscale.megatron_probe --adaptor auto -- pretrain_gpt.py)",
-              "fi",
-              'cd "$MINDSPEED_LLM_DIR"', f"mkdir -p {_q(log)}",
+    lines += _probe_lines(launch, probe_dir)
+    lines += ['cd "$MINDSPEED_LLM_DIR"', f"mkdir -p {_q(log)}",
               # underscore spellings: accepted by every torchrun, including torch 2.1's
               f"DISTRIBUTED_ARGS=(--nnodes {c.nodes} --nproc_per_node {c.devices_per_node} "
               '--node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")',
@@ -473,10 +556,13 @@ def analyze_hint(launch: Launch) -> list[str]:
     o, t, s = launch.run.optim, launch.run.train, launch.run.train.loss_scale
     log = megatron_dir(launch) / "logs" / f"{setting_tag(launch)}.node{launch.cluster.cluster.nodes - 1}.log"
     out = megatron_dir(launch) / "analysis"
+    pred = launch.run.alarms.predictions
+    p = f" --predictions {_q(pred)}" if pred else ""
     return ["Analyse (with adamspike installed, after copying the last node's files):",
-            f"  adamspike analyze {_q(megatron_dir(launch) / 'telemetry')} --out {_q(out)}"
+            f"  adamspike analyze {_q(megatron_dir(launch) / 'telemetry')}{p} --out {_q(out)}"
             "      # per-tensor telemetry (the probe)",
-            f"  adamspike analyze --log {_q(log)} --seq-len {t.seq_len} --clip {o.grad_clip / s:g} "
+            f"  adamspike analyze --log {_q(log)}{p} --model {launch.run.model.preset} "
+            f"--seq-len {t.seq_len} --clip {o.grad_clip / s:g} "
             f"--b1 {o.b1:g} --b2 {o.b2:g} --eps {o.eps / s:g} --lr {o.lr:g} --out {_q(out)}_log",
             "  (several settings into one report: one --log per setting's log, one --out)"]
 
@@ -593,7 +679,7 @@ def _launch(argv: list[str]) -> int:
     _memory_warnings("adamspike launch", launch)
     print(f"wrote {out}: " + ", ".join(Path(s).name for s in info["scripts"].values())
           + f" for {info['nodes']} x {info['devices_per_node']} {info['device']}; on node k run: "
-          f"bash {next(iter(info['scripts'].values()))} k")
+          + " or ".join(f"bash {s} k" for s in info["scripts"].values()))
     return 0
 
 

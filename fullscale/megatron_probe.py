@@ -670,6 +670,9 @@ def write_restart_recipe(out: str, step: int, reason: str, margs, actions: Probe
              f"# the logged numbers: $(seq -s ' ' {first} {last})):",
              f"RESTART_ARGS=\"--load {load}" + (f" --ckpt-step {r['ckpt_step']}" if r["ckpt_step"] is not None else "")
              + f" --iterations-to-skip $(seq -s ' ' {lo} {hi})\""]
+    lines += ["# With adamspike's train_mindspeed.sh, on every node:",
+              f"#   CKPT_STEP={r['ckpt_step'] if r['ckpt_step'] is not None else ''} "
+              f"ITERATIONS_TO_SKIP=\"$(seq -s ' ' {lo} {hi})\" bash train_mindspeed.sh NODE_RANK"]
     if not r["stack_has_iterations_to_skip"]:
         lines += ["# THIS STACK HAS NO --iterations-to-skip (Megatron before core_v0.12): restart from",
                   f"# --load {load} and advance the data by {hi - lo + 1} global batches yourself",

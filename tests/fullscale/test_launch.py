@@ -165,8 +165,13 @@ def test_plan_from_predictions(tmp_path, capsys):
             bash_n(d / script)
         tr = (d / "train_torchrun.sh").read_text()
         assert f"--config {d / 'run.toml'} --out {d / 'run'}" in tr      # final paths, not temp
-        f = _flags((d / "train_mindspeed.sh").read_text())
+        ms = (d / "train_mindspeed.sh").read_text()
+        f = _flags(ms)
         assert (float(f["--adam-beta2"]), float(f["--adam-eps"]), float(f["--lr"])) == (b2, eps, lr)
+        # the probe evaluates the alarm rules online; the analyze hints score them
+        assert f'ADAMSPIKE_PROBE_PREDICTIONS="${{ADAMSPIKE_PROBE_PREDICTIONS:-{out / "predictions.json"}}}"' in ms
+        hints = [l for l in ms.splitlines() if l.startswith("#   adamspike analyze")]
+        assert len(hints) == 2 and all(f"--predictions {out / 'predictions.json'}" in h for h in hints)
         assert int(f["--global-batch-size"]) == gbs
     assert not (out / "eps1e-05-b2_0.95").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]    # no temp dirs left

@@ -1,15 +1,23 @@
-"""train_mindspeed.sh for the stacks users run: --rotary-base and MindSpeed's fused-kernel
-flags gated by MEGATRON_STACK, the probe enabled, per-setting log names and an analyze
-hint that works (also for two settings into one report)."""
+"""train_mindspeed.sh for the stacks users run: the flags of the current MindSpeed-LLM
+LLaMA2 examples (mcore models, local transformer, PretrainedFromHF tokenizer), --rotary-base
+and MindSpeed's fused-kernel flags gated by MEGATRON_STACK, Megatron's spiky-loss / large-grad
+/ rerun / skip flags where the stack has them, every generated flag checked against the
+vendored option names of that stack's parsers (fullscale/megatron_options.json), the probe
+enabled, no machine-local path, per-setting log names and an analyze hint that works (also
+for two settings into one report)."""
 
+import json
+import os
 import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
+
 
 from analysis.cli import log_run_names
 from analysis.cli import main as analyze_main
-from fullscale.launch import launch_main
+from fullscale.launch import OPTIONS_FILE, REPO_ROOT, STACKS, launch_main
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "configs" / "llama2-70b.toml"
@@ -23,25 +31,35 @@ def _script(tmp_path, name, *extra):
     return (out / "train_mindspeed.sh").read_text(), out
 
 
-def _stack_args(script: str, stack: str):
+def _stack_args(script: str, stack: str, env=None):
     """Run the script's MEGATRON_STACK case block in bash; (exit code, STACK_ARGS, stderr)."""
     lines = script.splitlines()
     i = next(k for k, l in enumerate(lines) if l.startswith("MEGATRON_STACK="))
     j = next(k for k in range(i, len(lines)) if lines[k] == "esac")
     block = "\n".join(lines[i:j + 1]) + '\nprintf "%s\\n" ${STACK_ARGS[@]+"${STACK_ARGS[@]}"}\n'
     r = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], capture_output=True,
-                       text=True, env={"MEGATRON_STACK": stack, "PATH": "/usr/bin:/bin"})
+                       text=True, env={"MEGATRON_STACK": stack, "PATH": "/usr/bin:/bin",
+                                       "TOKENIZER_PATH": "/tok", "TOKENIZER_MODEL": "/tok.model",
+                                       **(env or {})})
     return r.returncode, r.stdout.split(), r.stderr
+
+
+MCORE = ["--use-mcore-models", "--transformer-impl", "local"]
+FUSED = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
+HF_TOK = ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", "/tok"]
+SP_TOK = ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "/tok.model"]
+GUARD = ["--check-for-spiky-loss", "--check-for-large-grads", "--rerun-mode", "validate_results"]
 
 
 def test_rope_default_omits_rotary_base_and_fused_flags_follow_the_stack(tmp_path):
     ms, _ = _script(tmp_path, "a")
     assert "--rotary-base" not in ms             # rope_theta 10000: every version's default
-    assert _stack_args(ms, "mindspeed-llm")[:2] == (0, ["--use-fused-rmsnorm", "--use-fused-swiglu",
-                                                        "--use-fused-rotary-pos-emb"])
-    # ModelLink of early 2024 (CANN 7.0): no --use-fused-swiglu yet
-    assert _stack_args(ms, "modellink-2024")[:2] == (0, ["--use-fused-rmsnorm", "--use-fused-rotary-pos-emb"])
-    assert _stack_args(ms, "megatron-lm")[:2] == (0, [])
+    # MindSpeed-LLM's examples/mcore/llama2 scripts (core_v0.12.1)
+    assert _stack_args(ms, "mindspeed-llm")[:2] == (0, MCORE + FUSED + HF_TOK + GUARD)
+    # ModelLink of early 2024 (CANN 7.0): no --use-fused-swiglu yet, legacy models
+    assert _stack_args(ms, "modellink-2024")[:2] == (0, ["--use-fused-rmsnorm",
+                                                         "--use-fused-rotary-pos-emb"] + SP_TOK)
+    assert _stack_args(ms, "megatron-lm")[:2] == (0, ["--use-mcore-models"] + SP_TOK + GUARD)
     code, _, err = _stack_args(ms, "megatron-2019")
     assert code == 2 and "MEGATRON_STACK must be one of" in err
     assert 'MEGATRON_STACK="${MEGATRON_STACK:-mindspeed-llm}"' in ms   # npu default
@@ -49,13 +67,109 @@ def test_rope_default_omits_rotary_base_and_fused_flags_follow_the_stack(tmp_pat
 
 def test_other_rope_theta_is_passed_where_the_stack_knows_it(tmp_path):
     ms, _ = _script(tmp_path, "b", "--model.rope_theta", "500000")
-    assert _stack_args(ms, "mindspeed-llm")[1][:2] == ["--rotary-base", "500000"]
-    assert _stack_args(ms, "megatron-lm")[:2] == (0, ["--rotary-base", "500000"])
+    assert _stack_args(ms, "mindspeed-llm")[1][3:5] == ["--rotary-base", "500000"]
+    assert _stack_args(ms, "megatron-lm")[1][:3] == ["--use-mcore-models", "--rotary-base", "500000"]
     code, _, err = _stack_args(ms, "modellink-2024")
     assert code == 2 and "has no --rotary-base" in err
     ms_cuda, _ = _script(tmp_path, "c", "--device", "cuda")
     assert 'MEGATRON_STACK="${MEGATRON_STACK:-megatron-lm}"' in ms_cuda
-    assert _stack_args(ms_cuda, "mindspeed-llm")[1] == []          # no MindSpeed kernels on cuda
+    assert _stack_args(ms_cuda, "mindspeed-llm")[1] == MCORE + HF_TOK + GUARD   # no MindSpeed kernels
+
+
+def test_megatron_spike_tools_and_the_restart_recipe_variables(tmp_path):
+    ms, _ = _script(tmp_path, "g")
+    restart = {"CKPT_STEP": "1000", "ITERATIONS_TO_SKIP": "1000 1001 1002"}
+    for stack in ("mindspeed-llm", "megatron-lm"):
+        code, args, _ = _stack_args(ms, stack, {**restart, "MEGATRON_RERUN_MODE": "disabled"})
+        assert code == 0 and not set(GUARD) & set(args)
+        assert args[-6:] == ["--ckpt-step", "1000", "--iterations-to-skip", "1000", "1001", "1002"]
+    code, _, err = _stack_args(ms, "modellink-2024", restart)
+    assert code == 2 and "no --ckpt-step / --iterations-to-skip" in err
+    code, _, err = _stack_args(ms, "mindspeed-llm", {"TOKENIZER_PATH": ""})
+    assert code != 0 and "set TOKENIZER_PATH" in err
+    head = ms.split("set -euo pipefail")[0]
+    assert "--check-for-spiky-loss" in head and "--iterations-to-skip" in head and "rerun" in head
+
+
+def _run_script(script: Path, tmp_path: Path, **env):
+    """Execute train_mindspeed.sh with stand-ins for torchrun (prints its argv) and the
+    CANN set_env.sh; returns (exit code, torchrun argv after pretrain_gpt.py, stderr)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    ms_dir = tmp_path / "MindSpeed-LLM"
+    ms_dir.mkdir(exist_ok=True)
+    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "MINDSPEED_LLM_DIR": str(ms_dir),
+            "ADAMSPIKE_HOME": str(REPO_ROOT), "TOKENIZER_PATH": "/tok",
+            "TOKENIZER_MODEL": "/tok.model"}
+    r = subprocess.run(["bash", str(script), "0"], capture_output=True, text=True,
+                       env={k: v for k, v in {**base, **env}.items() if v is not None})
+    argv = r.stdout.split("\n")[:-1]
+    return r.returncode, argv[argv.index("pretrain_gpt.py") + 1:] if "pretrain_gpt.py" in argv else argv, r.stderr
+
+
+def _cluster(tmp_path, device="npu"):
+    set_env = tmp_path / "set_env.sh"
+    set_env.write_text("true\n")
+    c = tmp_path / f"cluster-{device}.toml"
+    c.write_text(CLUSTER.read_text().replace("/usr/local/Ascend/ascend-toolkit/set_env.sh",
+                                             str(set_env)).replace('device = "npu"', f'device = "{device}"'))
+    return c
+
+
+@pytest.mark.parametrize("device, extra", [
+    ("npu", []), ("npu", ["--model.rope_theta", "500000"]), ("cuda", []),
+    ("npu", ["--data.source", "synthetic"]), ("npu", ["--model.vocab_size", "32256"]),
+])
+def test_every_generated_flag_is_in_its_stack_parser(tmp_path, device, extra):
+    """The script is executed for every stack (restart variables set, rerun on) and each
+    --flag torchrun receives must be an option name of that stack's parsers, vendored with
+    their source repository and commit."""
+    vendored = json.loads(OPTIONS_FILE.read_text())
+    assert set(vendored["stacks"]) == set(STACKS)
+    for v in vendored["stacks"].values():
+        assert all(len(src["commit"]) == 40 and src["repo"] for src in v["sources"])
+    out = tmp_path / "l"
+    assert launch_main(["--config", str(BASE), "--cluster", str(_cluster(tmp_path, device)),
+                        "--master-addr", "n0", "--out", str(out), *extra]) == 0
+    checked = 0
+    for stack in STACKS:
+        code, argv, err = _run_script(out / "train_mindspeed.sh", tmp_path, MEGATRON_STACK=stack,
+                                      CKPT_STEP=None if stack == "modellink-2024" else "1000",
+                                      ITERATIONS_TO_SKIP=None if stack == "modellink-2024" else "1000 1001")
+        if code == 2 and stack == "modellink-2024":     # refused with a message, not run
+            assert "has no --rotary-base" in err or "has no --mock-data" in err
+            continue
+        assert code == 0, err
+        flags = [a for a in argv if a.startswith("--")]
+        assert len(flags) > 40
+        unknown = sorted(set(flags) - set(vendored["stacks"][stack]["options"]))
+        assert not unknown, (stack, unknown)
+        checked += 1
+        if stack == "mindspeed-llm":
+            for f in ("--use-mcore-models", "--check-for-spiky-loss", "--iterations-to-skip"):
+                assert f in flags
+            assert argv[argv.index("--transformer-impl") + 1] == "local"
+    assert checked >= 2
+
+
+def test_no_machine_local_path_and_a_clear_error_without_adamspike_home(tmp_path):
+    out = tmp_path / "h"
+    assert launch_main(["--config", str(BASE), "--cluster", str(_cluster(tmp_path)),
+                        "--master-addr", "n0", "--out", str(out)]) == 0
+    for name in ("train_mindspeed.sh", "train_torchrun.sh"):
+        assert str(REPO_ROOT) not in (out / name).read_text()
+    code, _, err = _run_script(out / "train_mindspeed.sh", tmp_path, ADAMSPIKE_HOME=None)
+    assert code != 0 and "set ADAMSPIKE_HOME to the adamspike checkout" in err
+    code, _, err = _run_script(out / "train_mindspeed.sh", tmp_path, ADAMSPIKE_HOME=str(tmp_path))
+    assert code == 2 and "has no fullscale/megatron_probe.py" in err
+    code, argv, _ = _run_script(out / "train_mindspeed.sh", tmp_path, ADAMSPIKE_HOME=None,
+                                ADAMSPIKE_PROBE="0")       # without the probe it is not needed
+    assert code == 0 and "--use-mcore-models" in argv
+    r = subprocess.run(["bash", str(out / "train_torchrun.sh"), "0"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode != 0 and "set ADAMSPIKE_HOME" in r.stderr
 
 
 def test_probe_is_enabled_and_logs_are_named_per_setting(tmp_path):
@@ -93,6 +207,7 @@ def test_two_settings_logs_into_one_report(tmp_path, capsys):
         argv = log_hint[2:]
         f = dict(zip(argv[::2], argv[1::2]))
         assert (f["--seq-len"], f["--clip"], f["--b2"], f["--eps"]) == ("4096", "1", "0.95", "1e-05")
+        assert f["--model"] == "llama2-70b"
         log = Path(f["--log"])
         assert log.name == f"{name}.node127.log"
         log.parent.mkdir(parents=True)
