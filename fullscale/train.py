@@ -62,8 +62,10 @@ weights, and the discarded losses survive in the "spike"/"rollback" events.
 Exit status: 0 done; 2 bad input (config, data, predictions, run directory, another live
 writer on it, checkpoint to resume); 3 training aborted (guard gave up, non-finite loss with
 the guard disabled, non-finite state at the last checkpoint or at a checkpoint with the
-guard disabled, no checkpoint to roll back to); 1 unexpected failure (logged as a "fault"
-event first). Every non-zero exit says why in one stderr line.
+guard disabled, no checkpoint to roll back to); 1 a storage error (ENOSPC, EROFS, EIO: one
+line naming it) or an unexpected failure (both logged as a "fault" event first); 130 / 143
+SIGINT / SIGTERM (a "fault" event, one line). Every non-zero exit says why in one stderr
+line.
 """
 
 from __future__ import annotations
@@ -121,6 +123,20 @@ class TrainingAborted(RuntimeError):
     def __init__(self, message: str, *, logged: bool = False):
         super().__init__(message)
         self.logged = logged
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM (Ctrl-C, a scheduler's preemption, torchrun stopping its
+    workers): raised in the main thread, logged as a "fault" event, one stderr line,
+    exit 128 + the signal number (130, 143). `step`: where the loop was, when known."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.step = signum, None
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -196,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = parser().parse_known_args(argv)
     own_group = finished = False
+    previous = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, _raise_interrupted)
+    except ValueError:   # not the main thread (an embedding caller): leave signals alone
+        pass
     try:
         cfg = load_config(RunConfig, args.config, overrides)
         cfg.check()
@@ -214,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingAborted as e:
         print(f"adamspike train: aborted: {e}", file=sys.stderr)
         return 3
+    except Interrupted as e:
+        where = f" at step {e.step}" if e.step is not None else ""
+        print(f"adamspike train: interrupted by {e}{where}; the run is intact up to its "
+              "newest complete checkpoint (--resume continues)", file=sys.stderr)
+        return 128 + e.signum
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -229,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if own_group or dist.is_initialized():
             devices.destroy_distributed(synchronize=finished)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _disk_full(out: Path) -> OSError | None:
@@ -493,6 +522,8 @@ class Trainer:
                 self.writer.event("abort", step=step, reason=str(e))
             raise
         except BaseException as e:
+            if isinstance(e, Interrupted):
+                e.step = step
             if rank == 0:
                 self._log_fault(step, e)
             raise
@@ -673,11 +704,14 @@ class Trainer:
 
     def _log_fault(self, step: int, e: BaseException) -> None:
         """The "fault" event of a failure (best effort: on a full disk it may not fit)."""
-        err = storage_error(e) or _disk_full(self.out)
-        text = (f"storage: {describe_storage_error(err)}" if err is not None
-                else f"{type(e).__name__}: {e}")
+        if isinstance(e, Interrupted):
+            fields = {"error": f"interrupted by {e}", "signal": str(e)}
+        else:
+            err = storage_error(e) or _disk_full(self.out)
+            fields = {"error": (f"storage: {describe_storage_error(err)}" if err is not None
+                                else f"{type(e).__name__}: {e}")[:2000]}
         try:
-            self.writer.event("fault", step=step, error=text[:2000])
+            self.writer.event("fault", step=step, **fields)
         except OSError:
             pass
 

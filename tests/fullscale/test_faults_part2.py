@@ -325,3 +325,46 @@ def test_too_little_free_space_is_refused_at_the_start(tmp_path):
         assert list(small.iterdir()) == []
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+# ----------------------------------------------------------------------------- defect 8
+
+def _signal_while_hung(out: Path, sig: int, hang_step: int, *args: str
+                       ) -> subprocess.CompletedProcess:
+    """Start a run that sleeps before step `hang_step` (faults.hang_rank_at_step), send it
+    `sig` while it sleeps, and return the finished process."""
+    argv = [sys.executable, "-m", "fullscale.train", "--out", str(out), *TINY,
+            "--train.num_steps", "12", "--checkpoint.every", "4",
+            "--faults.hang_rank_at_step", f"0,{hang_step}", "--faults.hang_s", "120", *args]
+    proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "events.jsonl").is_file() or not any(
+                e["type"] == "fault_injected" and e["step"] == hang_step for e in events(out)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_sigint_and_sigterm_are_one_line_a_fault_event_and_130_143(tmp_path, ref12):
+    """Ctrl-C (SIGINT) at step 6 and SIGTERM at step 10 of the resumed run: each exits
+    128 + signal with one line naming it (Ctrl-C was a 20-line traceback; a SIGTERMed
+    process left no fault event); the final --resume is bitwise the uninterrupted run."""
+    out = tmp_path / "run"
+    for sig, step, extra in ((signal.SIGINT, 6, ()), (signal.SIGTERM, 10, ("--resume",))):
+        proc = _signal_while_hung(out, sig, step, *extra)
+        assert proc.returncode == 128 + sig, proc.stderr[-3000:]
+        (line,) = lines(proc.stderr)
+        assert line.startswith(f"adamspike train: interrupted by {sig.name} at step {step};")
+        fault = [e for e in events(out) if e["type"] == "fault"][-1]
+        assert fault["signal"] == sig.name and fault["step"] == step
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(ref12, out, 12)
