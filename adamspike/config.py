@@ -385,6 +385,11 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:   # TOML is UTF-8 text
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: 0x{e.object[e.start]:02x}); "
+                          "a TOML config must be UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None,

@@ -12,7 +12,9 @@ Each entry is `point@step[:rank]`. The points:
 - "checkpoint.write": inside the save of checkpoint `step`, after the RNG and trainer files
   and before DCP writes model and optimizer (the checkpoint stays `.partial`);
 - "checkpoint.marked": after checkpoint `step` is complete (COMPLETE written, directory
-  renamed), before the trainer logs it and continues.
+  renamed), before the trainer logs it and continues;
+- "checkpoint.load": before checkpoint `step` is verified and loaded (a resume or rollback
+  that dies early).
 The rank is the torch.distributed rank from the environment (RANK, default 0). Unset, a
 `kill_point` costs one environment lookup.
 """
@@ -23,7 +25,7 @@ import os
 import signal
 
 ENV = "ADAMSPIKE_KILL_AT"
-POINTS = ("step", "rundir.flush", "checkpoint.write", "checkpoint.marked")
+POINTS = ("step", "rundir.flush", "checkpoint.write", "checkpoint.marked", "checkpoint.load")
 
 
 def _parse(spec: str) -> dict[tuple[str, int], int | None]:

@@ -21,7 +21,10 @@ One writer per run: `RunLock` takes an exclusive, non-blocking `fcntl.flock` on
 RUN/writer.lock and records host, pid and start time in it; a second writer (trainer,
 resume, sweep) is refused with `RunLockedError` naming the holder. The kernel drops the lock
 when its process dies, so a lock file left by a killed writer (a non-empty record whose
-flock is free) is stale and is taken over (`RunLock.stale` holds the old record). On a file
+flock is free) is stale and is taken over (`RunLock.stale` holds the old record). Records
+of dead writers not yet logged as "lock_taken_over" events (`RunLock.unlogged`) are carried
+in the new record until a RunWriter logs them, so a resume that dies before it opens the
+run directory does not erase the record of the crash before it. On a file
 system without flock the record is the lock: it is honoured while its pid is alive on this
 host. RunWriter takes the lock itself unless it is handed one already held.
 
@@ -282,6 +285,7 @@ class RunLock:
         self.path = Path(path)
         self.file = self.path / LOCK_FILE
         self.stale: dict | None = None      # record of a dead writer taken over
+        self.unlogged: list[dict] = []      # dead writers' records not yet logged as events
         self._fd: int | None = None
 
     @property
@@ -325,27 +329,42 @@ class RunLock:
             os.close(fd)
             raise RunLockedError(f"{self.path}: in use by another writer ({_describe(previous)}); "
                                  "refusing to write it too (nothing was changed)")
-        self.stale = previous or None
-        record = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "flock": flock_ok}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-        os.fsync(fd)
+        holder = {k: v for k, v in (previous or {}).items() if k != "unlogged"}
+        self.stale = holder or None
+        self.unlogged = [r for r in (previous or {}).get("unlogged", []) if isinstance(r, dict)]
+        if holder:      # its writer died holding the lock
+            self.unlogged.append(holder)
         self._fd = fd
+        self._write_record({"host": socket.gethostname(), "pid": os.getpid(),
+                            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "flock": flock_ok})
         return self
+
+    def _write_record(self, record: dict) -> None:
+        if self.unlogged:
+            record = {**record, "unlogged": self.unlogged}
+        os.ftruncate(self._fd, 0)
+        if record:
+            os.pwrite(self._fd, (json.dumps(record) + "\n").encode(), 0)
+        os.fsync(self._fd)
+
+    def logged(self) -> None:
+        """The unlogged records are now events: drop them from the record."""
+        if self._fd is not None and self.unlogged:
+            rec = {k: v for k, v in _read_record(self._fd).items() if k != "unlogged"}
+            self.unlogged = []
+            self._write_record(rec)
 
     def release(self) -> None:
         """Clear the record and drop the lock (the file stays: unlinking a locked file
         would let two later writers lock two different files)."""
         if self._fd is None:
             return
-        fd, self._fd = self._fd, None
         try:
-            os.ftruncate(fd, 0)
-            os.fsync(fd)
+            self._write_record({})      # keeps the unlogged records of dead writers, if any
         except OSError:
             pass
         finally:
+            fd, self._fd = self._fd, None
             os.close(fd)    # closing the descriptor releases the flock
 
 
@@ -443,8 +462,9 @@ class RunWriter:
             self._next_part = {t: self._truncate(t, int(resume_from_step)) for t in TABLES}
             dropped = self._truncate_events(int(resume_from_step))
             self.event("resume", step=int(resume_from_step), discarded_events=dropped)
-        if self.lock.stale:
-            self.event("lock_taken_over", previous=self.lock.stale)
+        for record in self.lock.unlogged:
+            self.event("lock_taken_over", previous=record)
+        self.lock.logged()
 
     # -- public API ------------------------------------------------------------------
     def log_step(self, **row: Any) -> None:

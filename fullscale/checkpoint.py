@@ -496,8 +496,12 @@ class CheckpointManager:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001
-            raise CheckpointError(job["final"], f"async save failed ({type(e).__name__}: "
-                                                f"{str(e)[:300]})") from None
+            err = storage_error(e)
+            if err is not None:   # the trainer reports it as the storage error it is
+                err.filename = err.filename or str(job["partial"])
+                raise err from None
+            raise CheckpointError(job["final"], f"async save failed ({_one_line(e)})",
+                                  detail=str(e)) from None
         _finish(job["partial"], job["final"], job["step"], self.keep, self.root)
         self._completed(job["step"], job["final"])
         return job["final"]
@@ -545,6 +549,7 @@ class CheckpointManager:
         candidates = [c for c in complete(self.root) if before_step is None or c[0] < before_step]
         rejected: list[CheckpointError] = []
         for step, path in reversed(candidates):
+            kill_point("checkpoint.load", step)
             try:
                 extra = load(path, model, optimizer, scheduler, position=position, guard=guard,
                              restore_rng=restore_rng)

@@ -205,6 +205,43 @@ def memory_stats(info: DeviceInfo) -> dict[str, int] | None:
             "total_bytes": int(acc.get_device_properties(info.index).total_memory)}
 
 
+def available_memory(info: DeviceInfo) -> tuple[int, str] | None:
+    """(bytes, where) a process may still allocate for the model: the accelerator's free
+    memory, or on cpu the host's MemAvailable, lowered by a cgroup memory.max and by an
+    address-space rlimit (ulimit -v); None when unknown."""
+    if info.type != "cpu":
+        try:
+            free, _ = _accelerator(info.type).mem_get_info(info.index)
+            return int(free), f"{info.name} free memory"
+        except Exception:  # noqa: BLE001 - a backend without mem_get_info
+            return None
+    limits = []
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    limits.append((int(line.split()[1]) * 1024, "host MemAvailable"))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        raw = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if raw != "max":
+            limits.append((int(raw) - used, "cgroup memory.max"))
+    except (OSError, ValueError):
+        pass
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as fh:
+                vm = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            limits.append((soft - vm, "address-space limit (ulimit -v)"))
+    except (ImportError, OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+
+
 def mfu(tokens_per_s: float, flops_per_token: float, info: DeviceInfo) -> float | None:
     """Model FLOPs utilisation of one device: tokens_per_s (this device's share) x
     flops_per_token / peak; None when the peak is unknown."""

@@ -260,6 +260,28 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
+# Bytes per parameter a process holds at least: fp32 weights, gradients and AdamW's two
+# moments (FSDP2 shards all four over the world); activations come on top.
+MIN_BYTES_PER_PARAM = 16
+
+
+def _check_memory(cfg: RunConfig, params: int, info, world: int) -> None:
+    """Refuse, before building it, a model that cannot fit: its least memory per process
+    against what this process may allocate (the processes of a node share a cpu host)."""
+    avail = devices.available_memory(info)
+    if avail is None:
+        return
+    per_process = MIN_BYTES_PER_PARAM * params / world
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if info.type == "cpu" else 1
+    if per_process * sharing > avail[0]:
+        raise ConfigError(f"model: {params / 1e9:.3g}B parameters need at least "
+                          f"{per_process / 2**30:.1f} GiB per process ({MIN_BYTES_PER_PARAM} "
+                          f"B/param: weights, gradients, Adam state; world size {world}"
+                          + (f", {sharing} processes on this host" if sharing > 1 else "")
+                          + f"), only {avail[0] / 2**30:.1f} GiB available ({avail[1]}); use "
+                          "more processes or a smaller model")
+
+
 def _disk_full(out: Path) -> OSError | None:
     """ENOSPC when the run's file system is (nearly) full: some writers report a full disk
     only as their own inconsistency (torch's zip writer: "unexpected pos 704 vs 598")."""
@@ -354,6 +376,7 @@ class Trainer:
         if cfg.train.dtype == "bf16" and not info.supports_bf16:
             raise ConfigError(f"train.dtype: bf16 is not supported by {info.name}")
         arch = resolve_model(cfg.model)
+        _check_memory(cfg, num_params(arch), info, world)
         # a read-only or full file system is refused now, not a checkpoint interval later
         _rank0_call(rank, lambda: check_storage(out / "checkpoints",
                                                 estimated_size(num_params(arch))))
@@ -408,6 +431,11 @@ class Trainer:
                           "one completed?); --resume starts again from step 0")
             else:
                 self.start_step = restored[0] + 1
+                if cfg.train.num_steps < restored[0]:
+                    raise ConfigError(f"train.num_steps: {cfg.train.num_steps} is below step "
+                                      f"{restored[0]} of the checkpoint resumed from "
+                                      f"({restored[1]}): nothing to train; raise "
+                                      "train.num_steps (nothing was changed)")
         elif self.replay_from is not None:
             restored = self._load_replay_source(cfg, model, specs, arch.num_layers)
             self.start_step = restored[0] + 1

@@ -368,3 +368,89 @@ def test_sigint_and_sigterm_are_one_line_a_fault_event_and_130_143(tmp_path, ref
     proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(ref12, out, 12)
+
+
+# ----------------------------------------------------------------------------- defect 9
+
+def test_bad_config_bytes_and_a_model_too_large_are_refused_in_one_line(tmp_path):
+    """A config that is not UTF-8 was a traceback; a model that cannot fit was built until
+    a 71-line MemoryError: both exit 2 in one line before anything is created (the model's
+    least memory is estimated; under `ulimit -v` the address-space limit counts)."""
+    import resource
+
+    bad = tmp_path / "b.toml"
+    bad.write_bytes(b"\xff\xfe[model]\n")
+    proc = train(tmp_path / "x", "--config", str(bad))
+    assert proc.returncode == 2
+    (line,) = lines(proc.stderr)
+    assert line == f"adamspike train: error: {bad}: not UTF-8 text (byte 0: 0xff); a TOML config must be UTF-8"
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    proc = subprocess.run([sys.executable, "-m", "fullscale.train", "--out", str(tmp_path / "y"),
+                           "--model.preset", "llama2-7b"], capture_output=True, text=True,
+                          env=ENV, timeout=120, preexec_fn=cap)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = lines(proc.stderr)
+    assert "6.74B parameters need at least 100.4 GiB per process" in line, line
+    assert "GiB available" in line
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.slow
+def test_resume_below_the_checkpoint_says_so(tmp_path, ref12):
+    """--resume --train.num_steps 6 of a run checkpointed at 12 exited 0 having trained
+    nothing; now exit 2, one line naming both steps, the run unchanged."""
+    out = tmp_path / "run"
+    shutil.copytree(ref12, out)
+    before = _snapshot(out)
+    proc = train(out, "--train.num_steps", "6", "--checkpoint.every", "4", "--resume")
+    assert proc.returncode == 2
+    (line,) = lines(proc.stderr)
+    assert "train.num_steps: 6 is below step 12 of the checkpoint resumed from" in line
+    after = _snapshot(out)
+    assert after.pop("writer.lock") == b"" and before.pop("writer.lock") == b""
+    assert after == before
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(STRACE is None, reason="needs strace")
+def test_failed_async_save_never_logs_a_checkpoint_event(tmp_path, ref12):
+    """The background write of the async step-8 save fails (ENOSPC): no "checkpoint" event
+    for step 8 (it used to be logged when the save was queued), one line naming ENOSPC;
+    --resume from step 4 ends bitwise equal to the uninterrupted run."""
+    out = tmp_path / "run"
+    shard = out / "checkpoints" / "step-00000008.partial" / "__0_0.distcp"
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4",
+                 "--checkpoint.async_save", "true",
+                 prefix=(STRACE, "-qq", "-f", "-P", str(shard), "-e", "trace=write",
+                         "-e", "inject=write:error=ENOSPC"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (line,) = lines(proc.stderr)
+    assert line.startswith("adamspike train: error: storage: ENOSPC"), line
+    assert [e["step"] for e in events(out) if e["type"] == "checkpoint"] == [4]
+    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(ref12, out, 12)
+
+
+@pytest.mark.slow
+def test_a_resume_that_dies_early_keeps_the_crash_record(tmp_path, ref12):
+    """A run is killed at step 6, then two resumes are killed while loading the checkpoint
+    (before they open the run directory): the next resume logs three lock_taken_over
+    events, one per dead writer (it logged one: each early death erased the record
+    before it)."""
+    out = tmp_path / "run"
+    common = ("--train.num_steps", "12", "--checkpoint.every", "4")
+    proc = train(out, *common, env={"ADAMSPIKE_KILL_AT": "step@6"})
+    assert proc.returncode == -signal.SIGKILL
+    for _ in range(2):
+        proc = train(out, *common, "--resume", env={"ADAMSPIKE_KILL_AT": "checkpoint.load@4"})
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    proc = train(out, *common, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    taken = [e["previous"] for e in events(out) if e["type"] == "lock_taken_over"]
+    assert len(taken) == 3 and len({t["pid"] for t in taken}) == 3, taken
+    assert (out / "writer.lock").read_text() == ""
+    assert_same_run(ref12, out, 12)
