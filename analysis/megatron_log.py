@@ -61,10 +61,11 @@ def import_megatron_log(path: str | Path, out_run_dir: str | Path, *,
                        flush_every_rows=10 * chunk_rows, flush_every_s=math.inf) as w:
             last_iters = None
             for ch in itertools.chain([first], chunks):
-                for rec in ch.rows:
-                    w.log_step(**rec)
                 if ch.rows:
                     last_iters = ch.rows[-1].get("train_iters", last_iters)
+                for i, rec in enumerate(ch.rows):
+                    w.log_step(**rec)
+                    ch.rows[i] = None        # the writer holds its copy: one copy at a time
                 w.flush()
                 if ch.num_malformed:
                     w.event("malformed_log_lines", count=ch.num_malformed,

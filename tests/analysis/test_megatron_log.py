@@ -421,3 +421,31 @@ def test_trailer_on_every_line_and_num_params_in_scientific_notation(tmp_path):
                  "1.76e11"]) == 0
     with pytest.raises(SystemExit):
         main(["--log", str(nogn), "--out", str(tmp_path / "c"), "--num-params", "1.5"])
+
+
+def test_import_streams_in_chunks_with_one_malformed_event_per_chunk(tmp_path):
+    """Bounded memory (issue 27, defect 10): the import parses `chunk_rows` iteration lines
+    at a time, writes each chunk as one steps part and its malformed lines as one event
+    (count, line numbers, the first examples), not one fsynced event per line; the run
+    reads back the same table as the in-memory parse, a restart's repeated iterations
+    (across chunks) keeping their last line."""
+    lines = []
+    for i in range(1, 261):
+        lines.append(megatron_line(i, 3.0 - i / 1000))
+        if i % 20 == 0:
+            lines.append(megatron_line(i + 1, 2.0)[:90])          # cut off
+    lines += [megatron_line(i, 2.5) for i in range(151, 161)]       # restart from 150
+    log = tmp_path / "big.log"
+    log.write_text("\n".join(lines) + "\n")
+    res = import_megatron_log(log, tmp_path / "run", chunk_rows=100)
+    run = load_run(tmp_path / "run")
+    parts = sorted((tmp_path / "run" / "steps").glob("part-*"))
+    assert len(parts) == 3 and res.stats["num_rows"] == 270
+    ev = run.events[run.events["type"] == "malformed_log_lines"]
+    assert list(ev["count"]) == [4, 5, 4] and ev["count"].sum() == res.stats["num_malformed"]
+    assert all(len(x) <= 5 for x in ev["examples"]) and ev["lines"].iloc[0][0] == 21
+    whole = parse_megatron_log(lines)
+    assert list(run.steps["step"]) == list(range(1, 261))
+    np.testing.assert_allclose(run.steps["loss"], whole.steps["loss"])
+    assert (run.steps.set_index("step").loc[151:160, "loss"] == 2.5).all()
+    assert res.stats["num_duplicate_steps"] == 10 == whole.stats["num_duplicate_steps"]
