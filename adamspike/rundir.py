@@ -17,6 +17,15 @@ before new rows arrive, so a run killed anywhere and resumed from its checkpoint
 every step exactly once. As a second line of defence the reader keeps the last-written row
 for a duplicated key.
 
+Readers see a consistent snapshot of a live or resuming run: while a writer is open,
+RUN/flushed.json records its host and pid and the last step whose rows are all on disk,
+after every flush (a flush the writer triggers itself, by time or rows, may fall inside a
+step: it records the step before); a resume records its checkpoint step there before it
+truncates. While that writer lives, `load_run` reads only rows up to that step, skips a
+part deleted under it, and reads again if the record moved meanwhile, so its tables
+describe one moment (events, fsynced line by line, are read whole). A closed or killed
+writer's run is read whole (a kill loses at most the last flush interval).
+
 One writer per run: `RunLock` takes an exclusive, non-blocking `fcntl.flock` on
 RUN/writer.lock and records host, pid and start time in it; a second writer (trainer,
 resume, sweep) is refused with `RunLockedError` naming the holder. The kernel drops the lock
@@ -51,6 +60,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from adamspike.faults import kill_point
@@ -92,6 +102,7 @@ KINDS = ("embed", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "norm", "output", "p
 
 
 LOCK_FILE = "writer.lock"
+FLUSHED_FILE = "flushed.json"     # {"step": last step whose rows are all on disk}
 DISCARDED_EVENTS = "events.discarded.jsonl"
 # Events that describe the run's life rather than a step's trace: kept on resume truncation.
 LIFECYCLE_EVENTS = frozenset({"start", "resume", "end", "fault", "abort", "config_changed",
@@ -265,6 +276,8 @@ def move_aside(path: str | Path) -> Path | None:
 
 
 def _pid_alive(pid: int) -> bool:
+    if pid <= 0:        # os.kill(0 or -1, 0) would ask about a whole process group
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -452,6 +465,8 @@ class RunWriter:
             atomic_write_bytes(meta_path, json.dumps(json_clean(self.meta), indent=2,
                                                      default=_json_default).encode())
             self._next_part = {t: 0 for t in TABLES}
+            self._flushed_step = self._written_step = 0
+            self._record_flushed()
         else:
             self.meta = read_meta(self.path)
             if self.meta["backend"] != backend:
@@ -459,6 +474,8 @@ class RunWriter:
                                      f"{self.meta['backend']!r}, cannot resume with {backend!r}")
             self._remove_temporaries()
             self.repaired_events_tail = self._repair_events_tail()
+            self._flushed_step = self._written_step = int(resume_from_step)
+            self._record_flushed()      # before truncating: readers stop at the checkpoint
             self._next_part = {t: self._truncate(t, int(resume_from_step)) for t in TABLES}
             dropped = self._truncate_events(int(resume_from_step))
             self.event("resume", step=int(resume_from_step), discarded_events=dropped)
@@ -531,21 +548,33 @@ class RunWriter:
             fh.flush()
             os.fsync(fh.fileno())
 
-    def flush(self) -> None:
-        """Write every buffered row as new parts; durable (fsynced, renamed) on return."""
+    def flush(self, *, step_complete: bool = True) -> None:
+        """Write every buffered row as new parts; durable (fsynced, renamed) on return.
+        step_complete=False: the newest step may still be logging (a flush triggered by
+        time or rows), so flushed.json records the step before it."""
         last_step = max((int(r["step"]) for r in self._buffers["steps"].rows), default=-1)
         for t, buf in self._buffers.items():
             if buf.num_rows:
                 self._write_part(t, buf)
             if t == "steps" and last_step >= 0:
                 kill_point("rundir.flush", last_step)
+        complete = self._written_step - (0 if step_complete else 1)
+        if complete > self._flushed_step:
+            self._flushed_step = complete
+            self._record_flushed()
         self._last_flush = time.monotonic()
+
+    def _record_flushed(self, closed: bool = False) -> None:
+        rec = {"step": self._flushed_step, "host": socket.gethostname(), "pid": os.getpid()}
+        atomic_write_bytes(self.path / FLUSHED_FILE,
+                           json.dumps({**rec, "closed": True} if closed else rec).encode())
 
     def close(self) -> None:
         """Flush and release the run directory's lock."""
         if not self._closed:
             try:
                 self.flush()
+                self._record_flushed(closed=True)
             finally:
                 self._closed = True
                 self.lock.release()
@@ -568,7 +597,7 @@ class RunWriter:
     def _maybe_flush(self) -> None:
         total = sum(b.num_rows for b in self._buffers.values())
         if total >= self.flush_every_rows or time.monotonic() - self._last_flush >= self.flush_every_s:
-            self.flush()
+            self.flush(step_complete=False)
 
     def _to_table(self, table: str, buf: _Buffer) -> pa.Table:
         schema = TABLES[table]
@@ -600,6 +629,7 @@ class RunWriter:
         tbl = self._to_table(table, buf)
         idx = self._next_part[table]
         _atomic_write_table(self.path / table / f"part-{idx:06d}.parquet", tbl)
+        self._written_step = max(self._written_step, _max_step(buf))
         self._next_part[table] = idx + 1
         buf.rows, buf.columns, buf.num_rows = [], {}, 0
 
@@ -685,6 +715,11 @@ class RunWriter:
         return (int(parts[-1].stem.split("-")[1]) + 1) if parts else 0
 
 
+def _max_step(buf: _Buffer) -> int:
+    steps = [int(r["step"]) for r in buf.rows] + [int(x) for x in buf.columns.get("step", ())]
+    return max(steps, default=-1)
+
+
 # ----------------------------------------------------------------------------- reader
 
 @dataclass
@@ -698,6 +733,7 @@ class Run:
     torn_event_lines: int = 0
     vhists: pd.DataFrame = field(default_factory=pd.DataFrame)
     curvature: pd.DataFrame = field(default_factory=pd.DataFrame)
+    snapshot_step: int | None = None    # rows read up to this step (flushed.json)
 
     @property
     def hist_edges(self) -> np.ndarray:
@@ -730,7 +766,23 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
-def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.DataFrame:
+def flushed_step(path: str | Path) -> int | None:
+    """The last step whose rows are all on disk (RUN/flushed.json) while its writer is
+    open and alive; None otherwise (closed, killed, an older writer, plain parts)."""
+    try:
+        rec = json.loads((Path(path) / FLUSHED_FILE).read_text())
+        step = int(rec["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if rec.get("closed"):
+        return None
+    if rec.get("host") == socket.gethostname() and not _pid_alive(int(rec.get("pid", -1))):
+        return None
+    return step
+
+
+def _read_table(path: Path, table: str, columns: list[str] | None = None,
+                upto: int | None = None) -> pd.DataFrame:
     schema = TABLES[table]
     d = path / table
     parts = sorted(d.glob("part-*.parquet")) if d.is_dir() else []
@@ -744,7 +796,13 @@ def _read_table(path: Path, table: str, columns: list[str] | None = None) -> pd.
     try:
         tbls = []
         for i, p in enumerate(parts):
-            tbls.append(pq.read_table(p, columns=columns, read_dictionary=dict_cols))
+            try:
+                t = pq.read_table(p, columns=columns, read_dictionary=dict_cols)
+            except FileNotFoundError:   # deleted by a resume's truncation meanwhile
+                continue
+            if upto is not None and "step" in t.column_names:
+                t = t.filter(pc.less_equal(t.column("step"), upto))
+            tbls.append(t)
             if i % 32 == 31:
                 _release_arrow_memory()  # decode buffers
         tbls += [read_plain_part(p, table, columns, dict_cols) for p in plain]
@@ -861,8 +919,20 @@ def load_run(path: str | Path, *, tables: Iterable[str] = ("steps", "layers", "h
     """Read a run directory into DataFrames (steps, layers, hists, events).
 
     `tables` limits what is read (unread tables come back empty); `layer_columns` reads
-    a subset of the layers columns (the key columns are always included).
+    a subset of the layers columns (the key columns are always included). A live or
+    resuming run is read as of its flushed.json step (`Run.snapshot_step`; see the
+    module doc), retried while a writer moves it.
     """
+    for _ in range(5):
+        upto = flushed_step(path)
+        run = _load_run(path, tables=tables, layer_columns=layer_columns, upto=upto)
+        if flushed_step(path) == upto:
+            break
+    return run
+
+
+def _load_run(path: str | Path, *, tables: Iterable[str], layer_columns: list[str] | None,
+              upto: int | None) -> Run:
     path = Path(path)
     meta = read_meta(path)
     tables = set(tables)
@@ -878,12 +948,13 @@ def load_run(path: str | Path, *, tables: Iterable[str] = ("steps", "layers", "h
     frames = {}
     for t in TABLES:
         if t in tables:
-            frames[t] = _read_table(path, t, cols if t == "layers" else None)
+            frames[t] = _read_table(path, t, cols if t == "layers" else None, upto)
         else:
             frames[t] = pd.DataFrame({c: pd.Series(dtype=TABLES[t][c].to_pandas_dtype())
                                       for c in TABLES[t]})
     events, torn = read_events(path)
-    return Run(path=path, meta=meta, events=events, torn_event_lines=torn, **frames)
+    return Run(path=path, meta=meta, events=events, torn_event_lines=torn,
+               snapshot_step=upto, **frames)
 
 
 # ----------------------------------------------------------------------------- finding runs

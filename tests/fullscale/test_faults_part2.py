@@ -454,3 +454,55 @@ def test_a_resume_that_dies_early_keeps_the_crash_record(tmp_path, ref12):
     assert len(taken) == 3 and len({t["pid"] for t in taken}) == 3, taken
     assert (out / "writer.lock").read_text() == ""
     assert_same_run(ref12, out, 12)
+
+
+# ----------------------------------------------------------------------------- defect 7
+
+LIVE_WRITER = """
+import sys, time
+from adamspike.rundir import RunWriter
+run, start, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+kw = dict(backend="torch", flush_every_rows=7, flush_every_s=1e9)
+w = (RunWriter(run, config={}, **kw) if start == 1 else
+     RunWriter(run, resume_from_step=start - 1, **kw))
+for s in range(start, stop + 1):
+    w.log_step(step=s, tokens=s, loss=float(s), lr=1.0, grad_norm=1.0, clipped=False,
+               update_norm=1.0, step_time_s=0.0, skipped=False)
+    w.log_layers(s, [{"name": f"t{i}", "depth": i, "kind": "param", "numel": 1,
+                      "rho": float(s)} for i in range(3)])
+    time.sleep(0.002)
+w.close()
+"""
+
+
+def _consistent_reads_while(proc: subprocess.Popen, run: Path) -> int:
+    """Read the run while `proc` writes it: every read is one moment (steps and layers
+    end at the same step, each step once with its 3 layer rows); returns the reads."""
+    reads = 0
+    while proc.poll() is None:
+        r = load_run(run, tables=("steps", "layers"))
+        steps = r.steps["step"].tolist()
+        assert steps == list(range(1, len(steps) + 1)), steps
+        assert r.layers["step"].tolist() == [s for s in steps for _ in range(3)]
+        reads += 1
+    assert proc.returncode == 0
+    return reads
+
+
+@pytest.mark.slow
+def test_reads_of_a_live_and_a_resuming_run_are_one_moment(tmp_path):
+    """A writer flushes inside steps (every 7 rows: a step row, then its layer rows) and a
+    resume deletes and rewrites parts: reads meanwhile used to mix moments (steps to 126,
+    layers to 135) or fail ("unreadable parquet parts" on a part deleted under them)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-c", LIVE_WRITER, str(run)]
+    proc = subprocess.Popen([*cmd, "1", "200"], env=ENV)
+    while not (run / "run.json").is_file():
+        assert proc.poll() is None
+        time.sleep(0.01)
+    assert _consistent_reads_while(proc, run) > 3
+    proc = subprocess.Popen([*cmd, "51", "150"], env=ENV)    # resume from step 50
+    _consistent_reads_while(proc, run)
+    r = load_run(run, tables=("steps", "layers"))
+    assert r.steps["step"].tolist() == list(range(1, 151)) and len(r.layers) == 450
+    assert r.snapshot_step is None                            # closed: read whole
