@@ -5,8 +5,12 @@
 #          plain run-directory writer), the config loader, `model info`, `launch` and
 #          `analyze --log` (with that python's pandas / pyarrow / scipy), then `adamspike
 #          analyze` of the probe's run directory in the main environment.
+#          Then `pip install -e .[cluster]` (torch 2.1.0 pinned) into a clean python 3.8
+#          environment: `model info` (the config's world size), `launch`, the probe's actions
+#          on, and the one-line missing-extra messages (`train` on torch 2.1 -> [trainer],
+#          `sweep` without jax -> [study]).
 #   py310  python 3.10 (the declared minimum for the rest): import and CLI smoke tests
-#          without torch / jax.
+#          without torch / jax, and their missing-extra messages.
 # Wheels and environments are cached under $ADAMSPIKE_CACHE (default ~/.cache/adamspike):
 # the first run downloads ~2.7 GB (torch 2.1.0 from PyPI with its CUDA dependencies; the
 # CPU-only index is not reachable from the CI machines), later runs reuse the environment.
@@ -108,7 +112,51 @@ PY
   else
     skip "py38 analyze" "no main environment at $MAIN_PY (make venv)"
   fi
+  job_py38_cluster
   echo "py38: OK"
+}
+
+# expect_extra EXTRA CMD...: CMD exits 2 with one stderr line naming `.[EXTRA]`
+expect_extra() {
+  local extra="$1" rc=0; shift
+  "$@" >/dev/null 2>"$TMP/extra.err" || rc=$?
+  if [[ $rc != 2 || "$(wc -l < "$TMP/extra.err")" != 1 ]] || ! grep -qF "pip install -e '.[$extra]'" "$TMP/extra.err"; then
+    echo "expected one line naming .[$extra] and exit 2 from: $* (exit $rc)"; cat "$TMP/extra.err"; return 1
+  fi
+}
+
+# `pip install -e .[cluster]` into a clean python 3.8 environment (cached; rebuilt when
+# pyproject.toml changes), from cached wheels
+job_py38_cluster() {
+  local env="$CACHE/venv-py38-cluster" wheels="$CACHE/wheels-py38-cluster"
+  local want="torch==2.1.0 .[cluster] $(sha256sum pyproject.toml | cut -c1-16)"
+  if [[ ! -f "$env/.stamp" || "$(cat "$env/.stamp")" != "$want" ]]; then
+    mkdir -p "$wheels"
+    if ! "$PY38" -m pip download -q -d "$wheels" --find-links "$CACHE/wheels-py38" \
+        --find-links "$CACHE/wheels-py38-extra" "setuptools>=64" wheel "torch==2.1.0" \
+        "$ROOT[cluster]" >"$TMP/dl3.log" 2>&1; then
+      tail -n 5 "$TMP/dl3.log"; skip "py38 .[cluster]" "wheels could not be downloaded"; return 0
+    fi
+    rm -rf "$env"
+    "$PY38" -m venv "$env"
+    local t0=$SECONDS
+    "$env/bin/python" -m pip install -q --no-index --find-links "$wheels" \
+      --find-links "$CACHE/wheels-py38" --find-links "$CACHE/wheels-py38-extra" \
+      -e "$ROOT[cluster]" "torch==2.1.0"
+    echo "installed .[cluster] (python 3.8, torch 2.1.0) into $env in $((SECONDS - t0)) s"
+    echo "$want" > "$env/.stamp"
+  fi
+  local a="$env/bin/adamspike"
+  echo "== py38 .[cluster]: $("$env/bin/python" -c 'import sys, torch, pandas; print("python", sys.version.split()[0], "torch", torch.__version__, "pandas", pandas.__version__)')"
+  (cd "$TMP" && "$a" model info --config "$ROOT/configs/llama2-70b.toml" --no-meta-check) \
+    | grep -q "world 1024"                      # the config's world size, not 1 card
+  "$a" launch --config configs/llama2-70b.toml --cluster configs/cluster-128x8.toml \
+    --master-addr node-000 --out "$TMP/launch38c" >/dev/null
+  bash -n "$TMP/launch38c/train_mindspeed.sh"
+  "$env/bin/python" -c "from fullscale.megatron_probe import ProbeActions as A; d = A.from_env({}).describe(); assert d.startswith('rules loss+grad_norm, skip-step on'), d"
+  expect_extra trainer "$a" train --help        # torch 2.1 < the trainer's 2.6
+  expect_extra study "$a" sweep run --help      # no jax on this stack
+  echo "py38 .[cluster]: OK"
 }
 
 job_py310() {
@@ -139,6 +187,10 @@ PY
   if [[ -d "$TMP/py38/run" ]]; then
     PYTHONPATH="$ROOT" "$env/bin/python" -m study analyze "$TMP/py38/run" --out "$TMP/r310" >/dev/null
   fi
+  # no torch / jax here: the commands that need them name their extra
+  expect_extra cluster env PYTHONPATH="$ROOT" "$env/bin/python" -m study model info --config llama2-70b
+  expect_extra trainer env PYTHONPATH="$ROOT" "$env/bin/python" -m study train --help
+  expect_extra study env PYTHONPATH="$ROOT" "$env/bin/python" -m study sweep run --help
   echo "py310: OK"
 }
 

@@ -59,6 +59,10 @@ class ProbeError(RuntimeError):
     """The probe cannot read this optimizer / model (named in the message)."""
 
 
+class _NeedsCluster(ProbeError):
+    """An action needs the cluster extra's pandas (adamspike.spikes / .predictions)."""
+
+
 # ----------------------------------------------------------------------------- names
 
 _LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)$")
@@ -505,7 +509,7 @@ class ProbeActions:
                 # 910B node may lack; then the rules are off, telemetry stays
                 from adamspike.spikes import SpikeParams
             except ImportError as e:
-                raise ProbeError(f"the loss / grad-norm rules need adamspike.spikes ({e}): "
+                raise _NeedsCluster(f"the loss / grad-norm rules need adamspike.spikes ({e}): "
                                  f"pip install -e .[cluster], or {ENV_PREFIX}RULES=0") from None
             self.spike_params = SpikeParams(window=int(window), k=float(mad_k),
                                             min_rel_jump=float(min_rel_jump), log=False,
@@ -518,7 +522,7 @@ class ProbeActions:
                 from fullscale.alarms import Alarms
                 self.alarms = Alarms(predictions)
             except ImportError as e:
-                raise ProbeError(f"{ENV_PREFIX}PREDICTIONS needs adamspike.predictions ({e}): "
+                raise _NeedsCluster(f"{ENV_PREFIX}PREDICTIONS needs adamspike.predictions ({e}): "
                                  "pip install -e .[cluster]") from None
             except (OSError, ValueError) as e:
                 raise ProbeError(f"{ENV_PREFIX}PREDICTIONS={predictions}: {e}") from None
@@ -560,10 +564,11 @@ class ProbeActions:
                   skip_batches=get("SKIP_BATCHES", 200, int))
         try:
             return cls(rules, **kw)
-        except ProbeError as e:
-            if given is not None or "adamspike.spikes" not in str(e):
-                raise
-            out = cls((), **kw)     # default rules on a node without pandas: telemetry only
+        except _NeedsCluster as e:
+            if given is not None and "adamspike.spikes" in str(e):
+                raise               # rules asked for explicitly
+            # a node without pandas: rules and alarms off, telemetry stays
+            out = cls((), **{**kw, "predictions": None})
             out.note = str(e)
             return out
 

@@ -300,6 +300,29 @@ def resolve_config(arg: str):
                       "config nor a HF config.json")
 
 
+def default_world_size(argv: list[str]) -> int | None:
+    """The world size `model info --config X` assumes without --world-size: for a run config,
+    the cards its batch implies with no gradient accumulation, train.global_batch_size /
+    train.micro_batch_size (configs/llama2-70b.toml: 1024 / 1 = the report's 1024 cards);
+    None (the CLI's default of 1) for a preset, a HF config, a run config without a micro
+    batch, or a --config that does not load (the CLI then names the error)."""
+    try:
+        i = argv.index("--config")
+        arg = argv[i + 1]
+    except (ValueError, IndexError):
+        arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if not arg or not arg.endswith(".toml"):
+        return None
+    try:
+        run = load_config(RunConfig, Path(arg))
+    except Exception:  # noqa: BLE001 - the CLI reports a bad config itself
+        return None
+    t = run.train
+    if not t.micro_batch_size or t.global_batch_size % t.micro_batch_size:
+        return None
+    return t.global_batch_size // t.micro_batch_size
+
+
 def model_info(cfg: LlamaConfig, *, world_size: int = 1, seq_len: int | None = None,
                micro_batch: int = 1, global_batch: int | None = None, sharding: str = "fsdp",
                layout: str = "fsdp2", grad_dtype: str | None = None, dtype: str = "bf16",

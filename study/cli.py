@@ -125,6 +125,56 @@ def replay_main(argv: list[str]) -> int:
     return replay.main(argv, torch_replay=torch_replay)
 
 
+# The install extra (pyproject.toml, README "Install") each command's heavy imports come
+# from: a command whose extra is missing says which to install, in one line, exit 2.
+EXTRA_OF_MODULE = {"torch": "cluster", "jax": "study", "jaxlib": "study", "optax": "study"}
+TRAINER_TORCH = (2, 6)
+
+
+def missing_extra(name: str, module: str | None) -> str | None:
+    """The one-line message for subcommand `name` when `module` cannot be imported, or None
+    when `module` is not one an install extra provides."""
+    top = (module or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(top)
+    if extra is None:
+        return None
+    if name == "train" and top == "torch":
+        extra = "trainer"
+    return (f"adamspike {name}: needs {top}, which is not installed here: "
+            f"pip install -e '.[{extra}]' (README, Install)")
+
+
+def _old_torch_for_trainer() -> str | None:
+    """`adamspike train` on a torch older than the trainer extra's (e.g. the cluster's 2.1)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        v = version("torch")
+    except PackageNotFoundError:
+        return None        # not installed: the import error names the extra
+    except Exception:  # noqa: BLE001 - no metadata: let the command decide
+        return None
+    try:
+        major, minor = (int(x) for x in v.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None
+    if (major, minor) >= TRAINER_TORCH:
+        return None
+    return (f"adamspike train: needs torch >= {TRAINER_TORCH[0]}.{TRAINER_TORCH[1]} (found {v}): "
+            "pip install -e '.[trainer]' (README, Install); on the torch 2.1 stack use "
+            "train_mindspeed.sh (the Megatron probe)")
+
+
+def _model_info_world_size(rest: list[str]) -> list[str]:
+    """`model info --config RUN.toml` without --world-size: the world size the run config's
+    batch implies (fullscale.model_info.default_world_size), not 1."""
+    if not rest or rest[0] != "info" or any(a == "--world-size" or a.startswith("--world-size=")
+                                            for a in rest):
+        return rest
+    from fullscale.model_info import default_world_size   # lazy: only for `model info`
+    n = default_world_size(rest[1:])
+    return rest if n is None else rest + ["--world-size", str(n)]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -137,7 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"adamspike: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return int(resolve(name)(rest) or 0)
+    if name == "train":
+        msg = _old_torch_for_trainer()
+        if msg:
+            print(msg, file=sys.stderr)
+            return 2
+    try:
+        if name == "model":
+            rest = _model_info_world_size(rest)
+        return int(resolve(name)(rest) or 0)
+    except ModuleNotFoundError as e:
+        msg = missing_extra(name, e.name)
+        if msg is None:
+            raise
+        print(msg, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -262,3 +262,10 @@ def test_restart_recipe_names_the_checkpoint_and_the_batches(tmp_path):
     old = types.SimpleNamespace(save=str(save))      # Megatron before core_v0.12
     assert "THIS STACK HAS NO --iterations-to-skip" in Path(
         mp.write_restart_recipe(str(tmp_path), 1450, "x", old, a)["path"]).read_text()
+
+
+def test_without_pandas_alarms_turn_off_but_the_probe_stays(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "adamspike.spikes", None)
+    monkeypatch.setitem(sys.modules, "fullscale.alarms", None)
+    a = mp.ProbeActions.from_env({"ADAMSPIKE_PROBE_PREDICTIONS": str(tmp_path / "p.json")})
+    assert a.rules == () and a.alarms is None and "rules off" in a.describe()

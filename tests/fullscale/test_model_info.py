@@ -144,3 +144,56 @@ def test_megatron_tp8_pp8_layout_matches_the_notes():
         megatron_cost(C70, **{**kw, "global_batch": 1000})
     with pytest.raises(ConfigError, match="expected megatron:tpTppP"):
         megatron_memory(C70, **{**kw, "sharding": "megatron:8x8"})
+
+
+def test_model_info_defaults_to_the_world_size_the_run_config_implies(capsys):
+    from fullscale.model_info import default_world_size
+    from study.cli import main
+
+    cfg = str(ROOT / "configs" / "llama2-70b.toml")
+    assert default_world_size(["--config", cfg]) == 1024          # 1024 sequences / micro batch 1
+    assert default_world_size(["--config", "llama2-70b"]) is None   # a preset: the CLI's 1
+    assert default_world_size(["--config", "/no/such.toml"]) is None
+    assert main(["model", "info", "--config", cfg, "--json", "--no-meta-check"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["world_size"] == 1024 and info["memory_bytes"]["fits"]
+    assert main(["model", "info", "--config", cfg, "--json", "--no-meta-check",
+                 "--world-size", "64"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 64
+
+
+BLOCK = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):   # an install without the extras
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("torch", "jax", "jaxlib", "optax"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+from study.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv, extra", [
+    (["train", "--help"], "trainer"),
+    (["model", "info", "--config", "llama2-70b"], "cluster"),
+    (["sweep", "run", "--help"], "study"),
+])
+def test_a_missing_extra_is_named_in_one_line(argv, extra):
+    r = subprocess.run([sys.executable, "-c", BLOCK, *argv], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"pip install -e '.[{extra}]'" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_trainer_on_the_cluster_torch_names_the_trainer_extra(monkeypatch, capsys):
+    import importlib.metadata
+
+    from study import cli
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.1.0")
+    assert cli.main(["train", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert "needs torch >= 2.6 (found 2.1.0)" in err and ".[trainer]" in err
+    assert cli.missing_extra("analyze", "pandas") is None       # not an extra's module
