@@ -26,7 +26,8 @@ import pandas as pd
 from adamspike.report_html import markdown_to_html
 from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, load_run
 from adamspike.tables import fmt as _f, md_table
-from adamspike.spikes import SpikeParams, detect_spikes, loss_spikes, valued_rows
+from adamspike.spikes import (SpikeParams, anomaly_flags, detect_spikes, loss_spikes,
+                              valued_rows)
 from analysis.alarms import fire_steps, online_alarms, score_alarms
 from analysis.numerics import health_markdown, numerics_health
 from analysis.fits import (check_rms_t, failing_assumption, fit_update_rms, fit_update_rms_heterogeneous,
@@ -66,6 +67,8 @@ class RunAnalysis:
     regime_card: Any = None          # analysis.regime.RegimeCard
     hetero_fit: Any = None           # analysis.fits.HeteroFit (runs with vhists)
     numerics: Any = None             # analysis.numerics.NumericsHealth
+    coverage: dict = field(default_factory=dict)    # series -> judged_steps(...)
+    grad_lead: pd.DataFrame | None = None           # grad_norm_leads(...)
     notes: dict[str, str] = field(default_factory=dict)
     run: Any = field(default=None, repr=False)
 
@@ -88,8 +91,8 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     spikes, resolved = loss_spikes(st, spike_params, config=run.config)
     gst = valued_rows(st, "grad_norm")
     gn = gst["grad_norm"].to_numpy(float)
-    grad_spikes = (detect_spikes(gn, gst["step"].to_numpy(), window=resolved.window,
-                                 k=resolved.k, min_history=resolved.min_history, log=True)
+    grad_rule = grad_norm_rule(resolved)
+    grad_spikes = (detect_spikes(gn, gst["step"].to_numpy(), grad_rule)
                    if np.isfinite(gn).any() else detect_spikes([]))
     scores = {}
     for col in ("loss", "grad_norm"):
@@ -108,8 +111,12 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
                      grad_spikes=grad_spikes, scores=scores,
                      events={"counts": {str(k): int(v) for k, v in ev_counts.items()},
                              "torn_lines": run.torn_event_lines}, run=run)
-    ra.numerics = numerics_health(st, spikes,
-                                  log_interval=(run.meta.get("import") or {}).get("log_interval", 1))
+    log_interval = (run.meta.get("import") or {}).get("log_interval", 1) or 1
+    ra.numerics = numerics_health(st, spikes, log_interval=log_interval)
+    ra.coverage = {"loss": judged_steps(st, "loss", resolved)}
+    if "grad_norm" in st:
+        ra.coverage["grad_norm"] = judged_steps(st, "grad_norm", grad_rule)
+    ra.grad_lead = grad_norm_leads(spikes, grad_spikes, log_interval)
     op = optim_params(run.config)
     no_layers = "no per-layer telemetry in this run (layers table is empty)"
     if lay.empty:
@@ -146,6 +153,79 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     else:
         ra.notes.setdefault("alarms", "no --predictions given")
     return ra
+
+
+LEAD_LINES = 10   # logged lines before a loss spike in which a grad-norm spike leads it
+
+
+def grad_norm_rule(loss_rule: SpikeParams) -> SpikeParams:
+    """The grad norm's rule: the loss rule's window, k and history, on log grad norm
+    (norms span decades), every point judged as it comes (online = offline)."""
+    return SpikeParams(window=loss_rule.window, k=loss_rule.k, min_history=loss_rule.min_history,
+                       log=True, absorb=False, envelope=0)
+
+
+def judged_steps(steps: pd.DataFrame, column: str, rule: SpikeParams) -> dict:
+    """Which steps the rule judged on `column`, and for the others why not: no value
+    (skipped, or not measured: adamspike.spikes.valued_rows), or too little history
+    (before `rule.history` earlier normal values existed)."""
+    vr = valued_rows(steps, column)
+    left = steps.loc[~steps.index.isin(vr.index)]
+    reasons = []
+
+    def add(why: str, sel: pd.DataFrame) -> None:
+        if len(sel):
+            reasons.append({"reason": why, "count": int(len(sel)),
+                            "steps": [int(x) for x in sel["step"].head(10)]})
+
+    if len(left):
+        none = pd.Series(False, index=left.index)
+        stale = left[f"{column}_stale"].eq(True) if f"{column}_stale" in left else none
+        flagged = left[f"{column}_missing"].eq(True) if f"{column}_missing" in left else none
+        skipped = (left["skipped"].eq(True) if "skipped" in left else none) & ~stale
+        add("stale (the previous line's value on an overflowed step)", left[stale])
+        add("skipped step without a value", left[skipped])
+        add("not measured (field absent, or a placeholder such as 0.000)",
+            left[~stale & ~skipped])
+    x = vr[column].to_numpy(float)
+    _, base = anomaly_flags(x, rule)
+    early = np.isfinite(x) & np.isnan(base)
+    if rule.log:
+        early &= x > 0
+    add(f"too little history (the rule needs {rule.history} earlier normal value(s))",
+        vr[early])
+    return {"num_rows": int(len(steps)), "num_judged": int(len(vr) - early.sum()),
+            "reasons": reasons}
+
+
+def grad_norm_leads(spikes: pd.DataFrame, grad_spikes: pd.DataFrame,
+                    log_interval: int = 1) -> pd.DataFrame:
+    """Per loss spike, the grad-norm spike that led it: the latest grad-norm spike starting
+    at most LEAD_LINES logged lines before the loss spike (or at it); lead = loss start -
+    grad start in steps (NaN: none)."""
+    reach = LEAD_LINES * max(int(log_interval), 1)
+    rows = []
+    gstarts = grad_spikes["start"].to_numpy() if len(grad_spikes) else np.array([], int)
+    for s in spikes["start"].to_numpy():
+        cand = gstarts[(gstarts <= s) & (gstarts >= s - reach)]
+        g = int(cand.max()) if len(cand) else None
+        rows.append({"start": int(s), "grad_start": g,
+                     "lead": math.nan if g is None else float(s - g)})
+    return pd.DataFrame(rows, columns=["start", "grad_start", "lead"])
+
+
+def _coverage_lines(ra: "RunAnalysis") -> list[str]:
+    L = []
+    for col, cov in ra.coverage.items():
+        if not cov["reasons"]:
+            L.append(f"- {col}: every one of {cov['num_rows']} logged steps judged.")
+            continue
+        L.append(f"- {col}: {cov['num_judged']} of {cov['num_rows']} logged steps judged; not "
+                 "judged: " + "; ".join(
+                     f"{r['count']} {r['reason']} (step{'s' if r['count'] > 1 else ''} "
+                     f"{', '.join(map(str, r['steps']))}{' ...' if r['count'] > 10 else ''})"
+                     for r in cov["reasons"]) + ".")
+    return L
 
 
 def _regime_and_hetero(ra: RunAnalysis, run, op: dict, num_params, num_params_source) -> None:
@@ -282,7 +362,19 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
                             "recovered", "nonfinite"],
                            ["start", "peak step", "peak", "baseline", "height %",
                             "duration (steps)", "recovered", "non-finite"])]
-    L += ["", f"Gradient-norm spikes (same rule on log grad norm): {len(ra.grad_spikes)}."]
+    L += ["", f"Gradient-norm spikes (same rule on log grad norm, the second series): "
+              f"{len(ra.grad_spikes)}" + (", starting at step " + ", ".join(
+                  map(str, ra.grad_spikes["start"].head(10))) if len(ra.grad_spikes) else "")
+          + "."]
+    gl = ra.grad_lead
+    if gl is not None and len(gl) and "grad_norm" in ra.coverage:
+        L += [""] + [f"- loss spike at step {r.start}: " + (
+            f"the grad norm left its band at step {int(r.grad_start)}, {int(r.lead)} step(s) "
+            "before" if r.lead > 0 else "the grad norm left its band at the same step"
+            if r.lead == 0 else f"no grad-norm spike in the {LEAD_LINES} logged lines before")
+            + "." for r in gl.itertuples()]
+    if ra.coverage:
+        L += ["", "Steps the rule judged:", ""] + _coverage_lines(ra)
     if ra.scores:
         L += ["", "Published detectors on the same traces, for comparison:", "",
               md_table(([col, s["olmo2_spike_score_pct"], s["olmo_core_flags"], s["levanter_flags"]]
@@ -511,6 +603,9 @@ def summary_dict(ra: RunAnalysis) -> dict:
         else None,
         "spike_starts": [int(s) for s in ra.spikes["start"]],
         "num_grad_norm_spikes": len(ra.grad_spikes), "scores": ra.scores,
+        "grad_norm_spike_starts": [int(s) for s in ra.grad_spikes["start"]],
+        "grad_norm_leads": None if ra.grad_lead is None else ra.grad_lead.to_dict("records"),
+        "judged": ra.coverage,
         "precursor_window": None if ra.precursors is None else ra.precursors.window,
         "spike_rule": {"window": ra.spike_params.window, "k": ra.spike_params.k,
                        "min_rel_jump": ra.spike_params.min_rel_jump, "log": ra.loss_log,
