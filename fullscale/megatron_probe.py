@@ -25,7 +25,16 @@ not dependable); counts are integer sums.
 Settings come from install()'s arguments or the environment: ADAMSPIKE_PROBE_OUT (the run
 directory; required), ADAMSPIKE_PROBE_EVERY (telemetry every K steps, default 10),
 ADAMSPIKE_PROBE_HIST_EVERY (histograms every H steps, 0 = never, default 100),
-ADAMSPIKE_PROBE_FLUSH_S (seconds between flushes, default 60).
+ADAMSPIKE_PROBE_FLUSH_S (seconds between flushes, default 60), ADAMSPIKE_PROBE_TIMEOUT_S
+(the probe's collectives, default 120), and the actions' variables (ProbeActions.from_env).
+
+Actions (docs/mindspeed_probe.md, "At a spike"): before each update the loss and grad-norm
+rules (adamspike.spikes) judge all-reduced values, and skip-step returns Megatron's "update
+not successful" on every rank; alarms of predictions.json on telemetry steps; the restart
+recipe. Fail-open (same doc): every probe error is caught, travels with the next probe
+collective (on the probe's own gloo group, with a timeout), and turns the probe off on every
+rank at the same point; invariant: the sequence of probe collectives depends only on
+agreed state (step, settings, agreed flags), never on a local error.
 """
 
 from __future__ import annotations
