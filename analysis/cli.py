@@ -4,8 +4,13 @@
                       [--log megatron.log [--seq-len 4096] [--clip 1.0] [--b1 .. --b2 .. --eps ..]
                        [--num-params N | --model PRESET]]
 
-Writes DIR/<run>/report.md (+ CSV tables, summary.json) per run and DIR/report.md over
-all runs. The tables are what the figures read: `adamspike figures RUN... --analysis DIR`
+Writes DIR/<run>/report.md and report.html (the same page, self-contained: figures inline,
+readable offline; `adamspike figures RUN --analysis DIR` rewrites it with the run figures)
+(+ CSV tables, summary.json) per run and DIR/report.md / report.html over all runs.
+Every report has a numerics-health section (loss-scale changes, overflowed / skipped / NaN
+iterations, stale grad norms, placed against the spikes: analysis.numerics); values a log
+printed without measuring them (grad norm 0.000, loss scale -1, a line without a loss) are
+missing, never data. The tables are what the figures read: `adamspike figures RUN... --analysis DIR`
 draws the run figures from them afterwards (spike detection and fits run once, here). `--log` first imports a Megatron / MindSpeed / AscendSpeed training log into
 DIR/<log name>.run (a run directory, backend "megatron") and analyses it with the rest;
 repeat it for several settings' logs (`--log A --log B --out R`: one report over both;

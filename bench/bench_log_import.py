@@ -5,11 +5,13 @@ format of tests/analysis/test_megatron_log.py, with a DeepSpeed OVERFLOW line, a
 line and a malformed, cut-off iteration line every --every iterations), then imports it
 (analysis.megatron_log.import_megatron_log: streamed in chunks, one parquet part and at most
 one malformed-lines event per chunk) in a fresh child process per size, so the peak RSS
-is the import's own. Target: memory flat in the line count (<= 500 MB at 20 M lines).
+is the import's own; CPU seconds beside the wall time (on a shared machine the wall time
+varies with the load). Target: memory flat in the line count (<= 500 MB at 20 M lines).
 
     python bench/bench_log_import.py                 # 0.2 M and 2 M iteration lines
     python bench/bench_log_import.py --with-20m      # and 20 M (minutes; off by default)
     python bench/bench_log_import.py --sizes 50000 --malformed-every 1   # all malformed
+    python bench/bench_log_import.py --same-line     # one line repeated (a restart loop)
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ from pathlib import Path
 TARGET_MB = 500.0
 
 
-def write_log(path: Path, n: int, every: int, malformed_every: int) -> int:
-    """n iteration lines (+ chatter); returns the number of lines written."""
+def write_log(path: Path, n: int, every: int, malformed_every: int, same_line: bool = False
+              ) -> int:
+    """n iteration lines (+ chatter; same_line: one iteration line n times, as a job
+    restarted in a loop); returns the number of lines written."""
     lines = 0
     with open(path, "w") as fh:
         buf = []
         for it in range(1, n + 1):
+            it = 1 if same_line else it
             loss = 2.0 + 0.5 / (1 + it / 1000) + 0.01 * ((it * 7919) % 13) / 13
             line = (f" [2024-06-01 12:00:01.123456] iteration {it:8d}/{n:8d} | consumed "
                     f"samples: {it * 1024:12d} | elapsed time per iteration (ms): 15234.5 | "
@@ -58,13 +63,14 @@ def write_log(path: Path, n: int, every: int, malformed_every: int) -> int:
 def child(log: str, out: str) -> None:
     from analysis.megatron_log import import_megatron_log
 
-    t = time.perf_counter()
+    t, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     res = import_megatron_log(log, out)
-    dt = time.perf_counter() - t
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    dt, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    peak_mb = r1.ru_maxrss / 1024
     num_events = sum(1 for _ in open(Path(out) / "events.jsonl")) \
         if (Path(out) / "events.jsonl").exists() else 0
-    print(json.dumps({"seconds": dt, "peak_rss_mb": peak_mb, "rows": res.stats["num_rows"],
+    print(json.dumps({"seconds": dt, "cpu_seconds": cpu, "peak_rss_mb": peak_mb, "rows": res.stats["num_rows"],
                       "lines": res.stats["num_lines"], "malformed": res.stats["num_malformed"],
                       "events": num_events,
                       "parts": len(list((Path(out) / "steps").glob("part-*")))}))
@@ -79,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="an OVERFLOW and a warning line every N iterations (0: none)")
     ap.add_argument("--malformed-every", type=int, default=1000,
                     help="a cut-off iteration line every N iterations (0: none)")
+    ap.add_argument("--same-line", action="store_true",
+                    help="one iteration line repeated (every row a repeated iteration)")
     ap.add_argument("--child", nargs=2, metavar=("LOG", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -86,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = list(args.sizes) + ([20_000_000] if args.with_20m else [])
     print(f"{'iterations':>11} {'lines':>11} {'MB':>7} {'seconds':>8} {'lines/s':>10} "
+          f"{'CPU s':>7} {'lines/CPU s':>11} "
           f"{'peak RSS MB':>12} {'parts':>6} {'malformed':>9} {'events':>7}")
     worst = 0.0
     for n in sizes:
         with tempfile.TemporaryDirectory(prefix="bench_log_import_") as tmp:
             log = Path(tmp) / "train.log"
-            nlines = write_log(log, n, args.every, args.malformed_every)
+            nlines = write_log(log, n, args.every, args.malformed_every, args.same_line)
             r = subprocess.run([sys.executable, __file__, "--child", str(log),
                                 str(Path(tmp) / "run")], capture_output=True, text=True)
             if r.returncode:
@@ -101,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(worst, m["peak_rss_mb"])
             print(f"{n:11d} {nlines:11d} {log.stat().st_size / 2**20:7.0f} "
                   f"{m['seconds']:8.1f} {nlines / m['seconds']:10.0f} "
+                  f"{m['cpu_seconds']:7.1f} {nlines / m['cpu_seconds']:11.0f} "
                   f"{m['peak_rss_mb']:12.0f} {m['parts']:6d} {m['malformed']:9d} "
                   f"{m['events']:7d}", flush=True)
     print(f"peak RSS {worst:.0f} MB (target <= {TARGET_MB:.0f} MB, flat in the line count)")
