@@ -770,6 +770,9 @@ class MegatronProbe:
         self._spikes = None                   # _SpikeRules once the rules are on
         self.skips = 0                        # updates skipped by the probe
         self._budget_alarm = False
+        self._fired_text = ""
+        self._skip_reason: Optional[str] = None
+        self.last_rule_inputs: Tuple[Optional[float], Optional[float]] = (None, None)
 
     # -- fail-open -------------------------------------------------------------------
     def _group(self):
@@ -1040,9 +1043,14 @@ class MegatronProbe:
         Megatron's grad norm is computed from (param.main_grad, the reduced fp32 gradient
         of Megatron's DDP, or .grad) over the elements this rank owns."""
         ls = lc = 0.0
-        for v, c in losses:          # device tensors: one host sync per step, here
-            ls += float(v)
-            lc += float(c)
+        if losses:                   # device tensors: one copy to the host per step, here
+            pairs = torch.stack([torch.stack([torch.as_tensor(v).float().reshape(()).cpu()
+                                              if not isinstance(v, torch.Tensor) else
+                                              v.float().reshape(()), torch.as_tensor(c).float()
+                                              .reshape(()).to(v.device if isinstance(v, torch.Tensor)
+                                                              else "cpu")])
+                                 for v, c in losses]).sum(0).tolist()
+            ls, lc = pairs
         gsq = 0.0
         if "grad_norm" in self.actions.rules:
             acc = []
@@ -1125,6 +1133,7 @@ class MegatronProbe:
             gn = math.sqrt(gsq) / scale if gsq >= 0 else math.nan
             if not math.isfinite(gn) and scale != 1.0:
                 gn = None    # fp16 overflow: Megatron's own skip handles it
+        self.last_rule_inputs = (loss, gn)
         fired = self._spikes.update(loss, gn)
         if not fired:
             return False
@@ -1188,8 +1197,7 @@ class MegatronProbe:
         if self.disabled:
             return None
         t0 = time.perf_counter()
-        reason = getattr(self, "_skip_reason", None)
-        self._skip_reason = None
+        reason, self._skip_reason = self._skip_reason, None
         self.guarded("writer", step, self._write_step, optimizer, step, loss, skipped,
                      grad_norm, step_time_s, tokens, env_extra or {}, reason, margs)
         self.overhead_s += time.perf_counter() - t0

@@ -370,6 +370,9 @@ def run_scenario(a, name: str, out: str) -> None:
         res["loss"].append(float(ld["lm loss"]))
         res["skipped"].append(int(skipped))
         res["grad_norm"].append(None if gn is None else float(gn))
+        if probe is not None:     # what the rules judged before the update
+            res.setdefault("rule_inputs", []).append(list(probe.last_rule_inputs))
+            probe.last_rule_inputs = (None, None)
     res["seconds"] = time.perf_counter() - t0
     if probe is not None:
         probe.close()

@@ -3,7 +3,7 @@
 tests/fullscale/megatron_worker.py --scenarios runs a Megatron-shaped train_step (zero
 grad buffers, megatron's forward/backward schedule over 2 micro batches, finalize_model_grads,
 optimizer.step(), Megatron's return value; bf16, distributed optimizer, data parallel 2)
-wrapped exactly as install() wraps Megatron's, 14 steps per scenario, rules with window 6:
+wrapped exactly as install() wraps Megatron's, 12 steps per scenario, rules with window 6:
 
 - off / on: the probe (rules, skip-step and telemetry on) leaves the loss trace bit for bit;
 - skip: a loss spike injected at step 10 (the loss function's value x30, so the gradient
@@ -50,7 +50,7 @@ def runs(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     port = _port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--port", str(port),
-                               "--out", str(out), "--steps", "14", "--scenarios", ",".join(SCENARIOS)],
+                               "--out", str(out), "--steps", "12", "--scenarios", ",".join(SCENARIOS)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
@@ -84,6 +84,11 @@ def test_probe_on_leaves_the_loss_trace_bit_for_bit(runs):
     for r in range(2):
         np.testing.assert_array_equal(_trace(on[r]), _trace(off[r]))
         assert on[r]["skips"] == 0 and not on[r]["disabled"] and not any(on[r]["skipped"])
+        # the rules judge Megatron's numbers: the loss train_step reports and the grad norm
+        # optimizer.step() computes (before clipping), both known before the update
+        loss_in, gn_in = np.array(on[r]["rule_inputs"], dtype=float).T
+        np.testing.assert_allclose(loss_in, _trace(on[r]), rtol=1e-6)
+        np.testing.assert_allclose(gn_in, np.array(on[r]["grad_norm"], dtype=float), rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -113,7 +118,7 @@ def test_online_alarms_are_the_offline_decision(runs):
 def test_injected_loss_spike_is_skipped_on_both_ranks_and_logged(runs):
     on, ref = runs["res"]("skip"), runs["res"]("off_spike_skipped")
     for r in range(2):
-        assert on[r]["skipped"] == [int(s == 10) for s in range(1, 15)]
+        assert on[r]["skipped"] == [int(s == 10) for s in range(1, 13)]
         assert on[r]["skips"] == 1 and not on[r]["disabled"]
         # the trace equals the probe-off run that does not apply step 10's update
         np.testing.assert_array_equal(_trace(on[r]), _trace(ref[r]))
@@ -161,7 +166,7 @@ def test_probe_error_on_one_rank_disables_it_everywhere_and_training_runs_on(run
                                                                              step, what):
     res, off = runs["res"](name), runs["res"]("off")
     for r in range(2):
-        assert res[r]["disabled"] and len(res[r]["loss"]) == 14
+        assert res[r]["disabled"] and len(res[r]["loss"]) == 12
         np.testing.assert_array_equal(_trace(res[r]), _trace(off[r]))
     assert what in res[rank]["reason"] and res[1 - rank]["reason"] == "an error on another rank"
     lines = runs["lines"](name)
@@ -173,7 +178,7 @@ def test_probe_error_on_one_rank_disables_it_everywhere_and_training_runs_on(run
 def test_hung_rank_times_out_the_probe_not_the_job(runs):
     res, off = runs["res"]("hang_rank0"), runs["res"]("off")
     for r in range(2):
-        assert res[r]["disabled"] and len(res[r]["loss"]) == 14
+        assert res[r]["disabled"] and len(res[r]["loss"]) == 12
         np.testing.assert_array_equal(_trace(res[r]), _trace(off[r]))
     assert "Timed out" in res[1]["reason"]
     assert res[1]["seconds"] < 60                       # 2 s probe timeout, not the job's
