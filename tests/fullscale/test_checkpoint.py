@@ -101,7 +101,9 @@ def test_async_save_stages_the_state_and_completes_on_finalize(tmp_path):
     with other:
         other.save(7, lin, torch.optim.AdamW(lin.parameters()), None)
     assert ck.complete(tmp_path)[-1][0] == 7
-    assert ck.read_manifest(ck.step_dir(tmp_path, 7))["finalized"] == "at close, sizes only"
+    closed = ck.read_manifest(ck.step_dir(tmp_path, 7))
+    assert closed["finalized"] == "at close" and all(f["sha256"] for f in closed["files"].values())
+    ck.verify(ck.step_dir(tmp_path, 7))
     m2, opt2, sched2 = _model(seed=5)
     ck.load(path, m2, opt2, sched2)
     for a, b in zip(expect, m2.parameters()):
