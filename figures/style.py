@@ -58,7 +58,7 @@ def wrap_titles(fig) -> None:
         s = t.get_text()
         chars = max(20, int(room_in * 72 / (0.55 * t.get_fontsize())))
         if s and "\n" not in s and len(s) > chars:
-            t.set_text(textwrap.fill(s, chars, break_long_words=True))
+            t.set_text(textwrap.fill(s, chars, break_long_words=True, break_on_hyphens=False))
 
 
 def save(fig, out_dir: str | Path, name: str) -> list[Path]:
