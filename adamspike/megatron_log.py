@@ -236,8 +236,7 @@ def _parse_validation(line: str, m: re.Match) -> tuple[list[dict], str | None]:
 # DeepSpeed's fp16 optimizers (ZeRO stage_1_and_2.py, fused / unfused fp16) on an overflow:
 #   [...] [deepscale] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1048576.0, reducing to 524288.0
 # printed while the step runs, before that iteration's line: it belongs to the next one.
-_OVERFLOW_RE = re.compile(r"OVERFLOW!.*?Skipping step(?:.*?Attempted loss scale:\s*([-+0-9.eE]+)"
-                          r"\s*,\s*reducing to\s*([-+0-9.eE]+))?")
+_OVERFLOW_RE = re.compile(r"OVERFLOW!.*Skipping step")
 CHUNK_ROWS = 50_000           # iteration rows per chunk (bounded memory, one parquet part)
 MAX_KEPT_MALFORMED = 1000     # malformed-line examples kept in the stats (the count is exact)
 CHUNK_EXAMPLES = 5            # malformed-line examples per chunk (its one event)
@@ -255,10 +254,6 @@ class LogChunk:
     malformed_examples: list[dict]
     first_line: int
     last_line: int
-
-    @property
-    def steps(self) -> pd.DataFrame:
-        return pd.DataFrame(self.rows)
 
 
 class _Rows:
@@ -278,7 +273,7 @@ class _Rows:
         self.diffs: Counter = Counter()
         self.saw_tokens = False
 
-    def overflow(self, m: re.Match) -> None:
+    def overflow(self) -> None:
         self.pending_overflow += 1
         self.stats["num_overflow_lines"] += 1
 
@@ -292,8 +287,10 @@ class _Rows:
             st["num_duplicate_steps"] += 1
             if len(st["duplicate_steps"]) < MAX_KEPT_STEPS:
                 st["duplicate_steps"].append(step)
-        if self.prev_step is not None and step > self.prev_step and len(self.diffs) < 64:
-            self.diffs[step - self.prev_step] += 1
+        if self.prev_step is not None and step > self.prev_step:
+            d = step - self.prev_step
+            if d in self.diffs or len(self.diffs) < 64:     # bounded: a few intervals
+                self.diffs[d] += 1
         self.prev_step = step
         self.max_step = step if self.max_step is None else max(self.max_step, step)
         for k in row:
@@ -435,9 +432,8 @@ def iter_megatron_log(lines: Iterable[str], *, seq_len: int | None = None,
                 note_malformed(lineno, "unrecognised validation line", line)
                 continue
         if "OVERFLOW!" in line:
-            om = _OVERFLOW_RE.search(line)
-            if om:
-                rs.overflow(om)
+            if _OVERFLOW_RE.search(line):
+                rs.overflow()
                 continue
         if "iteration" not in line or not _ITER_HINT.search(line):
             continue
