@@ -149,7 +149,8 @@ job_py38_cluster() {
   local a="$env/bin/adamspike"
   echo "== py38 .[cluster]: $("$env/bin/python" -c 'import sys, torch, pandas; print("python", sys.version.split()[0], "torch", torch.__version__, "pandas", pandas.__version__)')"
   (cd "$TMP" && "$a" model info --config "$ROOT/configs/llama2-70b.toml" --no-meta-check) \
-    | grep -q "world 1024"                      # the config's world size, not 1 card
+    > "$TMP/info38.txt"
+  grep -q "world 1024" "$TMP/info38.txt"        # the config's world size, not 1 card
   "$a" launch --config configs/llama2-70b.toml --cluster configs/cluster-128x8.toml \
     --master-addr node-000 --out "$TMP/launch38c" >/dev/null
   bash -n "$TMP/launch38c/train_mindspeed.sh"
