@@ -147,7 +147,7 @@ def unsharded_state(model, optimizer, names):
 def run_combo(a, bf16: bool, distopt: bool, out: str, tp: int = 1, pp: int = 1) -> None:
     """One optimizer combination: build, train a.steps steps, probe + reference."""
     from adamspike.metrics import histogram, shard_sums, update_direction
-    from fullscale.megatron_probe import MegatronProbe, global_names
+    from fullscale.megatron_probe import MegatronProbe, ProbeActions, global_names
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -183,7 +183,8 @@ def run_combo(a, bf16: bool, distopt: bool, out: str, tp: int = 1, pp: int = 1) 
                                                  clip_grad=0.5, adam_eps=1e-8, adam_beta2=0.95,
                                                  weight_decay=0.1), [ddp])
     probe = MegatronProbe(os.path.join(out, "run"), every=1, hist_every=2, precision="float64",
-                          config={"model": {"preset": "tiny-gpt"}}, flush_every_s=0.0)
+                          config={"model": {"preset": "tiny-gpt"}}, flush_every_s=0.0,
+                          actions=ProbeActions(("grad_norm",), skip=False, recipe=False))
     names = global_names([ddp])
     gen = torch.Generator().manual_seed(100 + ps.get_data_parallel_rank())  # TP ranks: same data
     result = {"leaf": [type(o).__name__ for o in opt.chained_optimizers], "grad_norm": []}
@@ -209,6 +210,12 @@ def run_combo(a, bf16: bool, distopt: bool, out: str, tp: int = 1, pp: int = 1) 
                 forward_step_func=forward_step, data_iterator=iter([tok]), model=[ddp],
                 num_microbatches=1, seq_length=16, micro_batch_size=2, forward_only=False)
             loss = losses[0]["lm loss"] if losses else torch.tensor(float("nan"))
+        # the skip rule's grad norm, before the update: the probe's owned main_grad slices,
+        # all-reduced (what MegatronProbe.pre_step judges), against Megatron's own
+        assert probe._ensure_layout([ddp], opt, step)
+        gsq = torch.tensor(probe._local_loss_grad(opt, [], step)[2], dtype=torch.float64)
+        dist.all_reduce(gsq)
+        result.setdefault("pre_grad_norm", []).append(float(gsq.sqrt()))
         ok, grad_norm, _ = opt.step()
         result["grad_norm"].append(float(grad_norm))
         tab = probe.after_train_step([ddp], opt, step, loss=float(loss), skipped=not ok,

@@ -74,6 +74,9 @@ def test_probe_equals_unsharded_reference(megatron_runs, combo):
     assert dk["decoder.final_layernorm.weight"] == (2, "norm")
     assert dk["output_layer.weight"] == (2, "output")
     assert max(res["grad_norm"]) > 0.5          # clipping was active
+    # the skip rule's grad norm (owned main_grad, all-reduced, before the update) is
+    # Megatron's grad norm (before clipping) for every parallel layout
+    np.testing.assert_allclose(res["pre_grad_norm"], res["grad_norm"], rtol=1e-5)
     run = load_run(d / "run")                   # written by the last rank
     assert np.isfinite(run.steps["loss"]).all() and len(run.layers) == 3 * 15
     for step in (1, 2, 3):
