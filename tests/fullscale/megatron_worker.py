@@ -271,6 +271,10 @@ def _scenario_cfg(name):
         "error_rank0": (True, (), (), {"inject": ("pre_step", 0, 4, "probe")}),
         "disk_full": (True, (), (), {"inject": ("writer", 1, 3, "disk")}),
         "hang_rank0": (True, (), (), {"inject": ("collective", 0, 3, "hang"), "timeout_s": 2.0}),
+        # pipeline parallel 2: the loss exists on the last stage only, rank 0 skips by the
+        # all-reduced decision
+        "off_spike_skipped_pp2": (False, (10,), (10,), {}),
+        "skip_pp2": (True, (10,), (), {}),
     }[name]
 
 
@@ -292,16 +296,19 @@ def run_scenario(a, name: str, out: str) -> None:
     probe_on, spikes, harness_skips, kw = _scenario_cfg(name)
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(0)
-    ps.initialize_model_parallel(1, 1)
+    pp = 2 if name.endswith("_pp2") else 1
+    ps.initialize_model_parallel(1, pp)
     model_parallel_cuda_manual_seed(1234)
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+    cfg = TransformerConfig(pipeline_model_parallel_size=pp, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=64, use_cpu_initialization=True, normalization="RMSNorm",
                             gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                             add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
                             pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0)
     model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=64,
                      max_sequence_length=16, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False).bfloat16()
+                     share_embeddings_and_output_weights=False,
+                     pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage()).bfloat16()
     ddp = DDP(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                  use_distributed_optimizer=True), model)
     cfg.finalize_model_grads_func = finalize_model_grads
@@ -336,6 +343,8 @@ def run_scenario(a, name: str, out: str) -> None:
             ok, gn, nz = False, None, None
         else:
             ok, gn, nz = optimizer.step()
+        if not losses:            # not the last pipeline stage: no loss here
+            return {"lm loss": torch.tensor(float("nan"))}, 0 if ok else 1, gn, nz
         v = torch.stack([x["lm loss"] for x in losses]).sum(0)
         dist.all_reduce(v, group=ps.get_data_parallel_group())
         return {"lm loss": v[0] / v[1]}, 0 if ok else 1, gn, nz

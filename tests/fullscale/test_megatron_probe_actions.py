@@ -15,6 +15,7 @@ wrapped exactly as install() wraps Megatron's, 12 steps per scenario, rules with
 - error_rank0: a ProbeError on rank 0 only (step 4): the probe is off on both ranks, one
   line printed, training runs on with the probe-off trace;
 - disk_full: OSError ENOSPC on the writer rank (step 3): same;
+- skip_pp2: the same spike with pipeline parallel 2: both stages skip step 10;
 - hang_rank0: rank 0 hangs 5 s inside the probe (step 3); the probe's collectives time out
   after 2 s (its own gloo group), the probe is off on both ranks and training runs on.
 """
@@ -34,7 +35,7 @@ pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("megatron_worker.py")
 SCENARIOS = ("off", "off_spike_skipped", "on", "skip", "budget", "error_rank0", "disk_full",
-             "hang_rank0")
+             "off_spike_skipped_pp2", "skip_pp2", "hang_rank0")
 LINE = "adamspike probe:"
 
 
@@ -139,6 +140,19 @@ def test_injected_loss_spike_is_skipped_on_both_ranks_and_logged(runs):
     from adamspike.rundir import load_run
     run = load_run(runs["out"] / "skip" / "run")
     assert list(run.steps.loc[run.steps["skipped"], "step"]) == [10]
+
+
+@pytest.mark.slow
+def test_pipeline_stages_skip_together(runs):
+    """Pipeline parallel 2: the loss exists on the last stage only; the first stage skips the
+    same update by the all-reduced decision."""
+    on, ref = runs["res"]("skip_pp2"), runs["res"]("off_spike_skipped_pp2")
+    for r in range(2):
+        assert on[r]["skipped"] == [int(s == 10) for s in range(1, 13)] and on[r]["skips"] == 1
+    assert np.isnan(_trace(on[0])).all()                    # stage 0 has no loss
+    assert np.isfinite(_trace(on[1])).all() and _trace(on[1])[9] > 50   # the spike, on stage 1
+    np.testing.assert_array_equal(_trace(on[1]), _trace(ref[1]))
+    assert [e["step"] for e in runs["events"]("skip_pp2") if e["type"] == "skip"] == [10]
 
 
 @pytest.mark.slow
