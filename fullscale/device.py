@@ -17,6 +17,7 @@ import importlib
 
 import os
 import platform
+import resource
 import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -231,13 +232,12 @@ def available_memory(info: DeviceInfo) -> tuple[int, str] | None:
     except (OSError, ValueError):
         pass
     try:
-        import resource
         soft, _ = resource.getrlimit(resource.RLIMIT_AS)
         if soft != resource.RLIM_INFINITY:
             with open("/proc/self/statm") as fh:
                 vm = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
             limits.append((soft - vm, "address-space limit (ulimit -v)"))
-    except (ImportError, OSError, ValueError):
+    except (OSError, ValueError):
         pass
     return min(limits) if limits else None
 
