@@ -46,6 +46,8 @@ TP8 x PP8 x DP16, distributed optimizer, probe every step, with the assumptions 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import importlib.util
 import math
 import os
@@ -59,7 +61,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from adamspike.llama import PRESETS, param_specs  # noqa: E402
-from fullscale.megatron_probe import NUM_HIST_BINS, MegatronProbe, make_train_step_wrapper  # noqa: E402
+from fullscale.megatron_probe import (NUM_HIST_BINS, MegatronProbe, ProbeActions,  # noqa: E402
+                                      make_train_step_wrapper)
 from fullscale.model_info import DEFAULTS, megatron_cost  # noqa: E402
 
 BYTES_PER_ELEMENT = 22 * 12 + 13 * 4     # shard_sums, float32 operands
@@ -139,10 +142,7 @@ def cost_70b(hbm_tbs: float, dispatch_us: float, gloo_hop_us: float, gloo_gbs: f
 
 def smoke(a) -> dict:
     """Probe on vs off on one device, a real megatron-core step (module doc, --smoke)."""
-    import contextlib
-    import datetime
-
-    import torch.distributed as dist
+    import torch.distributed as dist   # noqa: E402  (only --smoke uses a process group)
 
     redirect = contextlib.nullcontext()
     if a.device == "npu":
@@ -162,8 +162,6 @@ def smoke(a) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from fullscale.megatron_probe import ProbeActions
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))

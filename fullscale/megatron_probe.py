@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import datetime
 import functools
 import importlib
 import importlib.util
@@ -780,7 +781,6 @@ class MegatronProbe:
         the others' probe collectives raise after timeout_s (instead of the job's HCCL /
         NCCL timeout), and the probe turns itself off."""
         if self._pg is None:
-            import datetime
             self._pg = torch.distributed.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         return self._pg
