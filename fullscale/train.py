@@ -706,12 +706,13 @@ class Trainer:
             suspect = self._rollback_target
             self._reproduced.add(suspect)
             before = suspect
-        load = lambda before_step: self.ckpt.load_latest_valid(   # noqa: E731
-            self.model, self.optimizer, self.scheduler, before_step=before_step,
-            restore_rng=False)
-        found = load(before)
+        def restore(before_step: int):
+            return self.ckpt.load_latest_valid(self.model, self.optimizer, self.scheduler,
+                                               before_step=before_step, restore_rng=False)
+
+        found = restore(before)
         if found is None and suspect is not None:
-            found = load(suspect + 1)
+            found = restore(suspect + 1)
         if found is None:
             raise TrainingAborted(f"loss spike at step {step} but no checkpoint before it to "
                                   "roll back to (set checkpoint.every)")
