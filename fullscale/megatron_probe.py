@@ -908,6 +908,16 @@ class MegatronProbe:
             all_names = sorted({n for part in gathered for n in part})
         else:
             all_names = mine
+        try:
+            if self.inject is not None:
+                self.inject("layout", step)
+            self._finish_layout(optimizer, local, all_names)
+        except Exception as e:  # noqa: BLE001 - fail open: agreed on just below
+            self._layout = None
+            self._fail(e, step)
+        return self._agree(step)      # every rank has a layout, or the probe is off
+
+    def _finish_layout(self, optimizer, local, all_names) -> None:
         num_layers = self._cfg_layers
         if num_layers == 0:
             num_layers = 1 + max([int(m.group(1)) for n in all_names
@@ -917,14 +927,13 @@ class MegatronProbe:
         slots = [_Slot(row[name], p, main, start, stop, inner, group)
                  for name, p, main, start, stop, inner, group in local]
         self.num_layers = num_layers
-        self._layout = (all_names, np.array([d for d, _ in dk], dtype=np.int32),
-                        [k for _, k in dk], slots)
-        self._optimizer_id = id(optimizer)
         self.device = slots[0].main.device if slots else torch.device("cpu")
         self.dtype = torch.float32 if (self.device.type == "npu" or self.precision == "float32") \
             else torch.float64
         self.edges = rounded_edges(HIST_EDGES[1:-1], self.dtype).to(self.device)
-        return True
+        self._layout = (all_names, np.array([d for d, _ in dk], dtype=np.int32),
+                        [k for _, k in dk], slots)
+        self._optimizer_id = id(optimizer)
 
     # -- per step --------------------------------------------------------------------
     def active(self, step: int) -> bool:
@@ -1411,7 +1420,12 @@ def make_train_step_wrapper(probe_factory):
                     args = (_record_losses(args[0], losses),) + tuple(args[1:])
 
             def step_capture(*a, **k):   # Megatron's step returns (ok, grad_norm, num_zeros)
-                if rules and probe.pre_step(chunks, optimizer, losses, step):
+                try:
+                    skip = rules and probe.pre_step(chunks, optimizer, losses, step)
+                except Exception as e:  # noqa: BLE001 - last resort: never into Megatron
+                    probe._fail(e, step)
+                    skip = False
+                if skip:
                     state["ok"], state["grad_norm"] = False, None
                     return False, None, None
                 out = opt_step(*a, **k)
@@ -1422,7 +1436,11 @@ def make_train_step_wrapper(probe_factory):
             state["ok"], state["grad_norm"] = True, None
             own = "step" in getattr(optimizer, "__dict__", {})   # someone's instance patch
             if opt_step is not None:
-                optimizer.step = step_capture
+                try:
+                    optimizer.step = step_capture
+                except Exception as e:  # noqa: BLE001 - cannot patch: no capture, no skip
+                    probe._fail(e, step)
+                    opt_step = None
             t0 = time.perf_counter()
             try:
                 ret = fn(*args, **kwargs)
@@ -1447,9 +1465,12 @@ def make_train_step_wrapper(probe_factory):
             except Exception as e:  # noqa: BLE001 - fail open
                 probe._fail(e, step)
                 skipped, gn, loss, tokens, extra = False, math.nan, math.nan, None, None
-            probe.after_train_step(chunks, optimizer, step, loss=loss, skipped=skipped,
-                                   grad_norm=gn, step_time_s=dt, tokens=tokens,
-                                   env_extra=extra, margs=margs)
+            try:
+                probe.after_train_step(chunks, optimizer, step, loss=loss, skipped=skipped,
+                                       grad_norm=gn, step_time_s=dt, tokens=tokens,
+                                       env_extra=extra, margs=margs)
+            except Exception as e:  # noqa: BLE001 - last resort: never into Megatron
+                probe._fail(e, step)
             return ret
 
         wrapped.__wrapped__ = fn

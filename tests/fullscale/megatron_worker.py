@@ -270,6 +270,7 @@ def _scenario_cfg(name):
         "budget": (True, (8, 10, 12), (), {"skip_budget": 2}),
         "error_rank0": (True, (), (), {"inject": ("pre_step", 0, 4, "probe")}),
         "disk_full": (True, (), (), {"inject": ("writer", 1, 3, "disk")}),
+        "error_layout_rank1": (True, (), (), {"inject": ("layout", 1, 1, "probe")}),
         "hang_rank0": (True, (), (), {"inject": ("collective", 0, 3, "hang"), "timeout_s": 2.0}),
         # pipeline parallel 2: the loss exists on the last stage only, rank 0 skips by the
         # all-reduced decision

@@ -15,6 +15,8 @@ wrapped exactly as install() wraps Megatron's, 12 steps per scenario, rules with
 - error_rank0: a ProbeError on rank 0 only (step 4): the probe is off on both ranks, one
   line printed, training runs on with the probe-off trace;
 - disk_full: OSError ENOSPC on the writer rank (step 3): same;
+- error_layout_rank1: a ProbeError on rank 1 while the tensor layout is built (step 1, after
+  the names were gathered): same;
 - skip_pp2: the same spike with pipeline parallel 2: both stages skip step 10;
 - hang_rank0: rank 0 hangs 5 s inside the probe (step 3); the probe's collectives time out
   after 2 s (its own gloo group), the probe is off on both ranks and training runs on.
@@ -35,6 +37,7 @@ pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("megatron_worker.py")
 SCENARIOS = ("off", "off_spike_skipped", "on", "skip", "budget", "error_rank0", "disk_full",
+             "error_layout_rank1",
              "off_spike_skipped_pp2", "skip_pp2", "hang_rank0")
 LINE = "adamspike probe:"
 
@@ -175,6 +178,7 @@ def test_skip_budget_runs_out_and_the_alarm_fires(runs):
 @pytest.mark.parametrize("name,rank,step,what", [
     ("error_rank0", 0, 4, "ProbeError: injected error on one rank"),
     ("disk_full", 1, 4, "No space left on device"),
+    ("error_layout_rank1", 1, 1, "ProbeError: injected error on one rank"),   # after the gather
 ])
 def test_probe_error_on_one_rank_disables_it_everywhere_and_training_runs_on(runs, name, rank,
                                                                              step, what):
