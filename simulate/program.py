@@ -167,6 +167,49 @@ class Program:
             lambda a, b: jnp.where(c.skip, a, b), old, new)
         return keep(params, new_params), keep(state, new_state), out
 
+    def stability(self, params, state, batch, c: Controls, u, num_iters: int = 3):
+        """Adam's stability number at (params, state) on `batch`, by `num_iters` steps of
+        power iteration warm-started from the previous call's unit vector `u` (a params
+        tree; the top eigenvector moves slowly, so a few products track it):
+
+            S = lr * lambda_max(P H_s) / 2,   P = c_t diag(1 / (sqrt(v_hat) + eps)),
+            c_t = (1-b1) / ((1+b1) (1-b1^t))
+
+        (H_s: the Hessian of s * loss; Bai et al.'s preconditioner, simulate.curvature; the
+        operator iterated is the symmetric P^(1/2) H_s P^(1/2)). S > 1 is past Adam's edge of
+        stability (Cohen et al. 2022: lr lambda_max(diag(sqrt(v_hat)+eps)^-1 H) = 2 (1+b1) /
+        (1-b1)); in the eps band (sqrt(v_hat) << eps) it is Pi_eps / 38 at b1 0.9 with
+        Pi_eps = (lr / eps) lambda_max(H). lambda is the Rayleigh quotient (signed: a dominant
+        negative eigenvalue gives S < 0). Returns (S, u)."""
+        c = Controls(*(jnp.asarray(x) for x in c))
+        grad = jax.grad(lambda p: self.loss(p, batch, c.loss_scale)[0])
+        adam = jopt.adam_state(state)
+        t = adam.count.astype(jnp.float32)
+        ct = (1 - c.b1) / (1 + c.b1) / (1 - c.b1 ** jnp.maximum(t, 1.0))
+        bc2 = 1 - c.b2 ** jnp.maximum(t, 1.0)
+        eps = self.tree(list(c.eps[i] for i in range(len(self.names))))
+        root = jax.tree.map(lambda v, e: jnp.sqrt(ct / (jnp.sqrt(v / bc2) + e)), adam.nu, eps)
+
+        def dot(a, b):
+            return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+        def normalize(a):
+            n = jnp.sqrt(dot(a, a))
+            return jax.tree.map(lambda x: x / jnp.where(n > 0, n, 1.0), a)
+
+        def apply(u):   # P^(1/2) H P^(1/2) u
+            w = jax.tree.map(jnp.multiply, root, u)
+            hw = jax.jvp(grad, (params,), (w,))[1]
+            return jax.tree.map(jnp.multiply, root, hw)
+
+        def body(_, carry):
+            u, _ = carry
+            w = apply(u)
+            return normalize(w), dot(u, w)
+
+        u, lam = jax.lax.fori_loop(0, num_iters, body, (normalize(u), jnp.zeros([], jnp.float32)))
+        return c.lr * lam / 2, u
+
     # ------------------------------------------------------------------ inputs
     def init(self, seed: int | jax.Array):
         """(params, optimizer state) of train.seed `seed` (a key when traced)."""
@@ -214,45 +257,72 @@ class Program:
 
     # ------------------------------------------------------------------ lanes
     def run(self, seeds: Sequence[int], batches, controls: Controls, *, vmapped: bool = True,
-            per_lane: bool = False) -> dict[str, np.ndarray]:
+            per_lane: bool = False, curvature_every: int = 0) -> dict[str, np.ndarray]:
         """Lanes as one program: one lane per seed (init key PRNGKey(seed)), batches
         (lanes, steps, B, T+1), controls with a step axis (shared by the lanes) or
         (per_lane) a lanes axis first; vmapped=False calls the program one lane at a time
         (the same compiled scan at width 1). Returns per lane and step float64 arrays: loss,
-        grad_norm, update_norm, clip_scale (lanes, steps) and tensor_sumsq (lanes, steps, n)."""
+        grad_norm, update_norm, clip_scale (lanes, steps) and tensor_sumsq (lanes, steps, n);
+        with curvature_every = K > 0 (steps a multiple of K) also `stability` (lanes,
+        steps // K): `stability` after every K-th step (K, 2K, ...), its vector carried from
+        one to the next."""
+        K = int(curvature_every)
+        num_steps = np.shape(controls.lr)[1 if per_lane else 0]
+        if K and num_steps % K:
+            raise ValueError(f"curvature_every {K}: the number of steps {num_steps} is not "
+                             "a multiple")
         keys = jnp.stack([jax.random.PRNGKey(int(k)) for k in seeds])
         batches = jnp.asarray(batches)
         ctl = tuple(jnp.asarray(x) for x in controls)
         if vmapped:
-            outs = self._run(per_lane)(keys, batches, ctl)
+            outs = self._run(per_lane, K)(keys, batches, ctl)
         else:
-            one = lambda i: self._run(per_lane)(  # noqa: E731
+            one = lambda i: self._run(per_lane, K)(  # noqa: E731
                 keys[i:i + 1], batches[i:i + 1],
                 tuple(x[i:i + 1] for x in ctl) if per_lane else ctl)
             per = [one(i) for i in range(len(keys))]
             outs = tuple(jnp.concatenate(parts) for parts in zip(*per))
-        return {k: np.asarray(v, np.float64)
-                for k, v in zip(RUN_OUTPUTS, jax.device_get(outs))}
+        names = RUN_OUTPUTS + (CURVATURE_OUTPUTS if K else ())
+        return {k: np.asarray(v, np.float64) for k, v in zip(names, jax.device_get(outs))}
 
-    def _run(self, per_lane: bool):
-        """jit(vmap(scan(step))), compiled once per lane layout of the controls."""
-        if per_lane not in self._runs:
+    def _run(self, per_lane: bool, curvature_every: int = 0):
+        """jit(vmap(scan(step))), compiled once per lane layout of the controls (and K:
+        then a scan over blocks of K steps, the block's last step followed by
+        `stability`)."""
+        K = curvature_every
+        if (per_lane, K) not in self._runs:
+            def body(carry, x):
+                params, state = carry
+                params, state, out = self.step(params, state, x[0], Controls(*x[1]))
+                return (params, state), tuple(out[k] for k in RUN_OUTPUTS)
+
+            def block(carry, x):   # K steps, then the stability number at the last one
+                carry, u = carry
+                carry, outs = jax.lax.scan(body, carry, x)
+                toks, ctl = jax.tree.map(lambda a: a[-1], x)
+                S, u = self.stability(*carry, toks, Controls(*ctl), u)
+                return (carry, u), (outs, S)
+
             def run_one(key, toks, ctl):
-                params, state = self.init(key)
+                carry = self.init(key)
+                xs = (toks, tuple(ctl))
+                if not K:
+                    return jax.lax.scan(body, carry, xs)[1]
+                blocks = jax.tree.map(lambda a: a.reshape((-1, K) + a.shape[1:]), xs)
+                leaves = jax.tree.leaves(carry[0])
+                u = self.tree([jax.random.normal(k, x.shape, jnp.float32) for k, x in
+                               zip(jax.random.split(jax.random.fold_in(key, 1), len(leaves)),
+                                   leaves)])
+                outs, S = jax.lax.scan(block, (carry, u), blocks)[1]
+                return tuple(a.reshape((-1,) + a.shape[2:]) for a in outs) + (S,)
 
-                def body(carry, x):
-                    params, state = carry
-                    params, state, out = self.step(params, state, x[0], Controls(*x[1]))
-                    return (params, state), tuple(out[k] for k in RUN_OUTPUTS)
-
-                return jax.lax.scan(body, (params, state), (toks, tuple(ctl)))[1]
-
-            self._runs[per_lane] = jax.jit(jax.vmap(run_one, in_axes=(0, 0, 0 if per_lane
-                                                                          else None)))
-        return self._runs[per_lane]
+            self._runs[per_lane, K] = jax.jit(jax.vmap(run_one, in_axes=(0, 0, 0 if per_lane
+                                                                             else None)))
+        return self._runs[per_lane, K]
 
 
 RUN_OUTPUTS = ("loss", "grad_norm", "update_norm", "clip_scale", "tensor_sumsq")
+CURVATURE_OUTPUTS = ("stability",)
 
 _PROGRAMS: dict[str, Program] = {}
 

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("study.cli:sweep_main", "grids over dotted config keys (resumable, --shard k/n)"),
     "replicate": ("study.cli:replicate_main", "test the literature's claims (toy problems; `replicate matched`: the 70B's regime)"),
     "replay": ("study.cli:replay_main", "causal replay of spikes with one intervention each (resumable)"),
+    "phase-map": ("study.cli:phase_map_main", "spikes in the 70B's rho band: Pi x b2 x batch cells (resumable)"),
     "spike-rate": ("analysis.spike_rate:main", "fit + validate the spike-rate GLM on sweeps and runs"),
     "predict": ("simulate.predict:main", "pre-registered predictions.json: GLM spike rate per setting"),
     "train": ("fullscale.train:main", "fullscale LLaMA2 training (run under torchrun)"),
@@ -100,6 +101,44 @@ def replicate_main(argv: list[str]) -> int:
     atomic_write_bytes(out / "replication.csv", table.to_csv(index=False).encode())
     atomic_write_bytes(out / "replication.md", md.encode())
     print(table[["id", "effect", "ci_low", "ci_high", "p_holm", "verdict"]].to_string(index=False))
+    return 0
+
+
+def phase_map_main(argv: list[str]) -> int:
+    """`adamspike phase-map --out DIR [--config FILE] [--ladder L] [--quick]`: the cells
+    (simulate.phase_map, cached per cell), the stability tracker's check, then the tables and
+    report (analysis.phase_map, from the files)."""
+    ap = argparse.ArgumentParser(prog="adamspike phase-map",
+                                 description="phase map of spikes in the 70B's rho band")
+    ap.add_argument("--out", required=True, help="map directory (resumes at the first missing cell)")
+    ap.add_argument("--config", default="configs/phase_map.toml", help="map TOML")
+    ap.add_argument("--ladder", help="ladder directory (fit.json: the 70B's rho per group); "
+                                     "default: the file's [targets]")
+    ap.add_argument("--quick", action="store_true", help="the file's [quick] reductions (CI)")
+    ap.add_argument("--no-check", action="store_true",
+                    help="skip the tracker-vs-power-iteration check (the file's [map] check)")
+    ap.add_argument("--no-progress", action="store_true")
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit as e:
+        return 0 if e.code == 0 else 2
+    # lazy: jax (cells) and scipy / pandas (report), only for this subcommand
+    from pathlib import Path
+    from adamspike.claims import REPO
+    from adamspike.config import ConfigError
+    from analysis.phase_map import write_report
+    from simulate import phase_map
+    try:
+        path = Path(a.config) if Path(a.config).exists() else REPO / a.config
+        spec = phase_map.read_map(path, quick=a.quick)
+        out = phase_map.run_map(spec, a.out, ladder=a.ladder, progress=not a.no_progress)
+        if not a.no_check and not (out / "stability_check.csv").exists():
+            phase_map.check_stability(spec, out, progress=not a.no_progress)
+        write_report(out)
+    except (ConfigError, ValueError) as e:
+        print(f"adamspike phase-map: {e}", file=sys.stderr)
+        return 2
+    print((out / "phase_map.md").read_text())
     return 0
 
 

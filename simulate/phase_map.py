@@ -1,0 +1,262 @@
+"""Phase map of loss spikes in the 70B's rho band: run the cells (JAX; analysis/phase_map.py
+reads what this writes).
+
+    adamspike phase-map --config configs/phase_map.toml --out DIR [--ladder L] [--quick]
+
+A cell is (lr_mult, b2, batch_mult) of the map's toy (configs/phase_map.toml): `seeds` lanes
+of simulate.program's one step, `Program.run` with the stability number every
+`curvature_every` steps:
+
+    S_t = lr_t lambda_max(P_t H_t) / 2,   P = (1-b1)/((1+b1)(1-b1^t)) diag(1/(sqrt(v_hat)+eps))
+
+(`Program.stability`: power iteration warm-started from the previous evaluation's vector;
+S = 1 is Adam's edge of stability, Pi_eps = 2 (1+b1)/(1-b1) S in the eps band). Per (lr_mult,
+batch_mult) the per-group eps are calibrated so that each depth group's rho sits at the 70B's
+estimate (simulate.claims.calibrate; the pilots run at the first b2), so the cells differ
+in Pi, b2 and batch, not in where each group sits against its eps.
+
+Storage (DIR, resumable: a killed map restarts at the first missing cell):
+  map.json               the resolved map: grid, spike settings, targets, calibration per
+                         (lr_mult, batch_mult), every cell's settings and full config
+  cells/<id>.parquet     one row per seed x step: loss, grad_norm, update_norm, rho_<group>
+                         (the consumed gradient's rms / the group's eps), S (NaN off the
+                         evaluation steps); <id> hashes the cell's config, seeds and K
+  stability_check.csv    the warm-started tracker against cold power iteration (30 products,
+                         simulate.curvature) at the same parameters: the proxy's check
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import sys
+import time
+from itertools import product
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from adamspike.claims import REPO
+from adamspike.config import ConfigError, flatten, read_toml, to_dict
+from adamspike.rundir import atomic_write_bytes
+from adamspike.train_config import RunConfig
+from simulate.claims import calibrate, ladder_targets, with_group_eps
+
+MAP_FIELDS = {"title", "base", "overrides", "seeds", "lr_mult", "b2", "batch_mult",
+              "curvature_every", "calibrate", "check"}
+QUICK_FIELDS = MAP_FIELDS - {"title", "base", "curvature_every"}
+POWER_ITERS = 30     # the cold power iteration the tracker is checked against
+
+
+def read_map(path: str | Path, quick: bool = False) -> dict:
+    """The map file with [quick] applied, checked (ConfigError names the field)."""
+    data = read_toml(path)
+    bad = sorted(set(data) - {"map", "quick", "targets", "spikes"})
+    if bad or "map" not in data:
+        raise ConfigError(f"{path}: expected [map], [quick], [targets], [spikes]"
+                          + (f" (unknown {bad[0]!r})" if bad else ""))
+    m, q = dict(data["map"]), data.get("quick", {})
+    for table, fields, allowed in (("map", m, MAP_FIELDS), ("quick", q, QUICK_FIELDS)):
+        extra = sorted(set(fields) - allowed)
+        if extra:
+            raise ConfigError(f"{path}: [{table}] unknown field {extra[0]!r}")
+    if quick:
+        m.update(q)
+    for key in ("lr_mult", "b2", "batch_mult"):
+        if not isinstance(m.get(key), list) or not m[key]:
+            raise ConfigError(f"{path}: [map] {key}: a non-empty list")
+    if int(m.get("seeds", 0)) < 2:
+        raise ConfigError(f"{path}: [map] seeds: >= 2")
+    return {"path": str(path), "quick": quick, "map": m, "targets": data.get("targets", {}),
+            "spikes": data.get("spikes", {})}
+
+
+def _config(flat: Mapping[str, Any]) -> RunConfig:
+    return RunConfig.from_dict(dict(flat))
+
+
+def base_flat(spec: dict) -> dict:
+    m = spec["map"]
+    base = flatten(to_dict(RunConfig.from_dict(read_toml(REPO / m["base"]))))
+    flat = {**base, **flatten(m.get("overrides", {}))}
+    _config(flat)
+    return flat
+
+
+def scaled(flat: Mapping[str, Any], lr_mult: float, batch_mult: int, b2: float | None = None) -> dict:
+    out = {**flat, "optim.lr": flat["optim.lr"] * lr_mult,
+           "optim.min_lr": flat["optim.min_lr"] * lr_mult,
+           "train.global_batch_size": int(flat["train.global_batch_size"] * batch_mult)}
+    if b2 is not None:
+        out["optim.b2"] = float(b2)
+    return out
+
+
+def cell_id(cfg: Mapping[str, Any], seeds: list[int], every: int) -> str:
+    blob = json.dumps({"config": cfg, "seeds": seeds, "K": every}, sort_keys=True, default=repr)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def run_cell(cfg: RunConfig, seeds: list[int], every: int, tokens: np.ndarray) -> pd.DataFrame:
+    """One cell: the lanes as one program, the table of the module docstring."""
+    from simulate.program import program   # jax: only when cells run
+    from simulate.seeds import group_layout
+    groups, by_group, numel, eps = group_layout(cfg)
+    prog = program(cfg)
+    T = cfg.train.num_steps
+    out = prog.run(seeds, tokens, prog.controls(cfg, range(1, T + 1)), curvature_every=every)
+    index = {n: i for i, n in enumerate(prog.names)}
+    inv = 1.0 / cfg.train.loss_scale
+    n = len(seeds)
+    df = pd.DataFrame({"seed": np.repeat(seeds, T), "step": np.tile(np.arange(1, T + 1), n),
+                       "loss": out["loss"].ravel(), "grad_norm": out["grad_norm"].ravel() * inv,
+                       "update_norm": out["update_norm"].ravel()})
+    for j, g in enumerate(groups):
+        sumsq = out["tensor_sumsq"][..., [index[x] for x in by_group[g]]].sum(-1)
+        sumsq = sumsq * np.square(out["clip_scale"] * inv)     # consumed, unscaled frame
+        df[f"rho_{g}"] = (np.sqrt(sumsq / numel[j]) / eps[j]).ravel()
+    S = np.full((n, T), np.nan)
+    S[:, every - 1::every] = out["stability"]
+    df["S"] = S.ravel()
+    return df
+
+
+def _write(path: Path, df: pd.DataFrame) -> None:
+    buf = io.BytesIO()
+    df.to_parquet(buf, index=False)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
+            progress: bool = True) -> Path:
+    """Calibrate, then run every cell not yet under out/cells (module docstring)."""
+    from simulate.seeds import arm_tokens   # jax: only when cells run
+    out = Path(out)
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    m = spec["map"]
+    meta_path = out / "map.json"
+    old = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    targets = ladder_targets(ladder) if ladder else {g: float(v) for g, v in spec["targets"].items()}
+    if not targets:
+        raise ConfigError(f"{spec['path']}: no [targets] and no --ladder: the 70B's rho per group is needed")
+    seeds = list(range(int(m["seeds"])))
+    every = int(m.get("curvature_every", 10))
+    flat = base_flat(spec)
+    if flat["train.num_steps"] % every:
+        raise ConfigError(f"train.num_steps {flat['train.num_steps']}: not a multiple of "
+                          f"curvature_every {every}")
+    cal_spec = dict(m.get("calibrate", {"rounds": 2, "seeds": 2, "steps": 300}))
+    meta = {"title": m.get("title", ""), "config_file": spec["path"], "quick": spec["quick"],
+            "seeds": seeds, "curvature_every": every, "targets": targets,
+            "spikes": spec["spikes"], "grid": {k: m[k] for k in ("lr_mult", "b2", "batch_mult")},
+            "calibration": old.get("calibration", {}), "cells": [],
+            "cell_seconds": old.get("cell_seconds", {})}
+
+    def save():
+        atomic_write_bytes(meta_path, json.dumps(meta, indent=2, default=repr).encode())
+
+    # pair by pair, the smaller batch first: calibrate, then run the pair's missing cells,
+    # so an interrupted map has whole pairs done and map.json lists what exists
+    pairs = sorted(product(m["lr_mult"], m["batch_mult"]), key=lambda p: (p[1], p[0]))
+    bar = tqdm(total=len(pairs) * len(m["b2"]), desc="phase-map cells", unit="cell",
+               disable=not progress, file=sys.stderr)
+    tokens: dict[int, np.ndarray] = {}
+    for lr_mult, batch_mult in pairs:
+        key = f"lr_mult={lr_mult:g},batch_mult={batch_mult:g}"
+        pilot = {**scaled(flat, lr_mult, batch_mult, m["b2"][0]),
+                 "train.num_steps": int(cal_spec["steps"]),
+                 "optim.warmup_steps": int(cal_spec["steps"]) // 3}
+        want = {"pilot": pilot, "targets": targets, "rounds": int(cal_spec["rounds"]),
+                "seeds": int(cal_spec["seeds"])}
+        have = meta["calibration"].get(key, {})
+        if {k: have.get(k) for k in want} != json.loads(json.dumps(want)):
+            t0 = time.perf_counter()
+            res = calibrate(pilot, targets, want["rounds"], want["seeds"], progress=False)
+            have = {**want, "eps": res["eps"], "rounds_done": res["rounds"],
+                    "seconds": time.perf_counter() - t0}
+            meta["calibration"][key] = have
+            save()
+        for b2 in m["b2"]:
+            flat_cell = with_group_eps(scaled(flat, lr_mult, batch_mult, b2), have["eps"])
+            cfg = _config(flat_cell)
+            cell = {"id": cell_id(flat_cell, seeds, every), "lr_mult": lr_mult, "b2": b2,
+                    "batch_mult": batch_mult, "lr": flat_cell["optim.lr"],
+                    "global_batch_size": cfg.train.global_batch_size, "eps": have["eps"],
+                    "config": flat_cell}
+            meta["cells"].append(cell)
+            path = out / "cells" / f"{cell['id']}.parquet"
+            if not path.exists():
+                B = cfg.train.global_batch_size
+                if B not in tokens:     # seed k reads the same batches in every cell of B
+                    tokens = {B: arm_tokens(cfg, seeds)}
+                t0 = time.perf_counter()
+                _write(path, run_cell(cfg, seeds, every, tokens[B]))
+                meta["cell_seconds"][cell["id"]] = time.perf_counter() - t0
+            save()
+            bar.update(1)
+    bar.close()
+    return out
+
+
+def check_stability(spec: dict, out: str | Path, progress: bool = True) -> pd.DataFrame:
+    """The tracker (Program.stability, 3 warm-started products every curvature_every steps,
+    as in the cells) against a cold POWER_ITERS-product power iteration of the same operator
+    (simulate.curvature, all parameters as one group) at every `every`-th step, on the
+    trainer's step (Program.step_fn) for a few seeds at the calibrated eps of batch_mult 1:
+    the map's `check` table (steps, every, lr_mult, seeds). Writes and returns
+    out/stability_check.csv (lr_mult, seed, step, S_tracker, S_power)."""
+    import jax   # jax: only when the check runs
+    import jax.numpy as jnp
+    from simulate import optim as jopt
+    from simulate.curvature import make_curvature_fn
+    from simulate.program import program
+    from simulate.seeds import arm_tokens
+    out = Path(out)
+    path = out / "stability_check.csv"
+    meta = json.loads((out / "map.json").read_text())
+    K = int(meta["curvature_every"])
+    chk = {"steps": 300, "every": 30, "lr_mult": None, "seeds": 2, **spec["map"].get("check", {})}
+    num_steps, every, lr_mults = int(chk["steps"]), int(chk["every"]), chk["lr_mult"]
+    seeds = list(range(int(chk["seeds"])))
+    if every % K:
+        raise ConfigError(f"check.every {every}: not a multiple of curvature_every {K}")
+    rows = []
+    cells = [c for c in meta["cells"] if c["batch_mult"] == meta["grid"]["batch_mult"][0]
+             and c["b2"] == meta["grid"]["b2"][0]]
+    for c in tqdm(cells, desc="stability check", disable=not progress, file=sys.stderr):
+        if lr_mults is not None and c["lr_mult"] not in lr_mults:
+            continue
+        flat = {**c["config"], "train.num_steps": num_steps,
+                "optim.warmup_steps": num_steps // 3}
+        cfg = _config(flat)
+        prog = program(cfg)
+        ctl = prog.controls(cfg, range(1, num_steps + 1))
+        loss = lambda p, b: prog.loss(p, b, cfg.train.loss_scale)[0]  # noqa: E731
+        power = make_curvature_fn(loss, {n: "all" for n in prog.names}, ["all"], POWER_ITERS)
+        stab = jax.jit(prog.stability)
+        eps = {n: float(ctl.eps[0][i]) for i, n in enumerate(prog.names)}
+        tokens = arm_tokens(cfg, seeds)
+        for j, seed in enumerate(seeds):
+            params, state = prog.init(seed)
+            leaves = jax.tree.leaves(params)
+            keys = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(seed), 1), len(leaves))
+            u = prog.tree([jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, leaves)])
+            for s in range(1, num_steps + 1):
+                batch = jnp.asarray(tokens[j, s - 1])
+                params, state, _ = prog.step_fn(params, state, batch, ctl.at(s - 1))
+                if s % K == 0:
+                    S, u = stab(params, state, batch, ctl.at(s - 1), u)
+                if s % every == 0:
+                    adam = jopt.adam_state(state)
+                    _, pre = power(params, batch, adam.nu, adam.count, cfg.optim.b1, cfg.optim.b2,
+                                   eps, jax.random.PRNGKey(10_000 + s))
+                    rows.append({"lr_mult": c["lr_mult"], "seed": seed, "step": s,
+                                 "S_tracker": float(S),
+                                 "S_power": float(ctl.lr[s - 1]) * float(pre[0]) / 2})
+    df = pd.DataFrame(rows)
+    atomic_write_bytes(path, df.to_csv(index=False).encode())
+    return df
