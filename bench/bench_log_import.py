@@ -8,6 +8,12 @@ one malformed-lines event per chunk) in a fresh child process per size, so the p
 is the import's own; CPU seconds beside the wall time (on a shared machine the wall time
 varies with the load). Target: memory flat in the line count (<= 500 MB at 20 M lines).
 
+Measured (2 shared cores, load ~4; a 70B-style line, 1 malformed line per 1000): 0.2 M
+lines 5.0 s / 287 MB; 2 M 62.8 s (45 CPU s) / 288 MB; 20 M (6.3 GB) 752 s (497 CPU s) /
+287 MB: ~45k lines per CPU second, 400 parts, 400 malformed-line events. Before streaming:
+2 M lines 121 s and 2.66 GB, one fsynced event per malformed line. 170 MB of the peak is
+the import of pandas / pyarrow.
+
     python bench/bench_log_import.py                 # 0.2 M and 2 M iteration lines
     python bench/bench_log_import.py --with-20m      # and 20 M (minutes; off by default)
     python bench/bench_log_import.py --sizes 50000 --malformed-every 1   # all malformed
