@@ -16,7 +16,7 @@ the import of pandas / pyarrow.
 
     python bench/bench_log_import.py                 # 0.2 M and 2 M iteration lines
     python bench/bench_log_import.py --with-20m      # and 20 M (minutes; off by default)
-    python bench/bench_log_import.py --sizes 50000 --malformed-every 1   # all malformed
+    python bench/bench_log_import.py --sizes 200000 --malformed-every 2  # half malformed
     python bench/bench_log_import.py --same-line     # one line repeated (a restart loop)
 """
 
