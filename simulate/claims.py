@@ -19,7 +19,9 @@ eps 1e-5 (LADDER_DIR/fit.json, `llama2_70b.rho`). The gradient scale moves with 
 (rho_embed ~ eps^-2 near the target), so eps is found by root finding in log-log: pilots
 (`seeds` seeds, the arms' schedule and length) measure rho_g = median over the second half;
 the first update is eps_g <- eps_g rho_g / target_g, later ones secant steps through the
-last two pilots (slope clipped to [-4, -0.25], steps to 1.5 decades), `rounds` pilots in all.
+last two pilots (slope clipped to [-4, -0.25], steps to 1.5 decades), `rounds` pilots in all;
+a pilot whose rho is not finite and positive (it diverged) ends the calibration (the round
+is marked "diverged").
 An arm's "*k" value then scales the calibrated eps.
 
 Storage (DIR): replication.json (the resolved study: claims, every arm's full config,
@@ -106,6 +108,9 @@ def calibrate(flat: Mapping[str, Any], targets: Mapping[str, float], rounds: int
         half = res["rho"].shape[1] // 2
         rho = {str(g): float(np.median(res["rho"][:, half:, i])) for i, g in enumerate(res["groups"])}
         history.append({"eps": dict(eps), "rho": rho})
+        if not all(math.isfinite(r) and r > 0 for r in rho.values()):
+            history[-1]["diverged"] = True   # no gradient scale to aim at: stop here
+            break
         eps = {g: next_eps(g, history, targets[g]) if g in targets else eps[g] for g in rho}
     return {"targets": dict(targets), "rounds": history, "eps": eps}
 

@@ -12,8 +12,10 @@ of simulate.program's one step, `Program.run` with the stability number every
 (`Program.stability`: power iteration warm-started from the previous evaluation's vector;
 S = 1 is Adam's edge of stability, Pi_eps = 2 (1+b1)/(1-b1) S in the eps band). Per (lr_mult,
 batch_mult) the per-group eps are calibrated so that each depth group's rho sits at the 70B's
-estimate (simulate.claims.calibrate; the pilots run at the first b2), so the cells differ
-in Pi, b2 and batch, not in where each group sits against its eps.
+estimate (simulate.claims.calibrate; the pilots run at the first b2 and the map's length;
+each group keeps the eps of the pilot that came closest, `verified`; when every pilot
+diverges, the previous lr_mult's eps), so the cells differ in Pi, b2 and batch, not in where
+each group sits against its eps.
 
 Storage (DIR, resumable: a killed map restarts at the first missing cell):
   map.json               the resolved map: grid, spike settings, targets, calibration per
@@ -44,7 +46,7 @@ from adamspike.claims import REPO
 from adamspike.config import ConfigError, flatten, read_toml, to_dict
 from adamspike.rundir import atomic_write_bytes
 from adamspike.train_config import RunConfig
-from simulate.claims import calibrate, ladder_targets, with_group_eps
+from simulate.claims import EPS_KEYS, calibrate, ladder_targets, with_group_eps
 
 MAP_FIELDS = {"title", "base", "overrides", "seeds", "lr_mult", "b2", "batch_mult",
               "curvature_every", "calibrate", "check"}
@@ -94,6 +96,23 @@ def scaled(flat: Mapping[str, Any], lr_mult: float, batch_mult: int, b2: float |
     if b2 is not None:
         out["optim.b2"] = float(b2)
     return out
+
+
+def verified(rounds: list[dict], targets: Mapping[str, float]) -> tuple[dict, dict]:
+    """Per group the eps of the pilot whose measured rho came closest to the target (in
+    log): calibrate's last secant step is an extrapolation no pilot has checked, and one
+    that overshoots leaves a group decades away from its band."""
+    rounds = [r for r in rounds if not r.get("diverged")]
+    if not rounds:
+        return {}, {}
+    eps, rho = {}, {}
+    for g in rounds[0]["eps"]:
+        if g not in targets:
+            eps[g], rho[g] = rounds[-1]["eps"][g], rounds[-1]["rho"][g]
+            continue
+        best = min(rounds, key=lambda r: abs(np.log(r["rho"][g] / targets[g])))
+        eps[g], rho[g] = best["eps"][g], best["rho"][g]
+    return eps, rho
 
 
 def cell_id(cfg: Mapping[str, Any], seeds: list[int], every: int) -> str:
@@ -159,27 +178,35 @@ def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
     def save():
         atomic_write_bytes(meta_path, json.dumps(meta, indent=2, default=repr).encode())
 
-    # pair by pair, the smaller batch first: calibrate, then run the pair's missing cells,
+    # pair by pair, the smaller batch and lr first (a diverging pilot falls back to the
+    # previous lr's eps): calibrate, then run the pair's missing cells,
     # so an interrupted map has whole pairs done and map.json lists what exists
     pairs = sorted(product(m["lr_mult"], m["batch_mult"]), key=lambda p: (p[1], p[0]))
     bar = tqdm(total=len(pairs) * len(m["b2"]), desc="phase-map cells", unit="cell",
                disable=not progress, file=sys.stderr)
     tokens: dict[int, np.ndarray] = {}
+    last_eps = {g: float(flat[k]) for g, k in EPS_KEYS.items() if flat.get(k) is not None}
     for lr_mult, batch_mult in pairs:
         key = f"lr_mult={lr_mult:g},batch_mult={batch_mult:g}"
-        pilot = {**scaled(flat, lr_mult, batch_mult, m["b2"][0]),
-                 "train.num_steps": int(cal_spec["steps"]),
-                 "optim.warmup_steps": int(cal_spec["steps"]) // 3}
+        pilot = scaled(flat, lr_mult, batch_mult, m["b2"][0])   # the cells' own length
+        if cal_spec.get("steps"):
+            pilot.update({"train.num_steps": int(cal_spec["steps"]),
+                          "optim.warmup_steps": int(cal_spec["steps"]) // 3})
         want = {"pilot": pilot, "targets": targets, "rounds": int(cal_spec["rounds"]),
                 "seeds": int(cal_spec["seeds"])}
         have = meta["calibration"].get(key, {})
         if {k: have.get(k) for k in want} != json.loads(json.dumps(want)):
             t0 = time.perf_counter()
             res = calibrate(pilot, targets, want["rounds"], want["seeds"], progress=False)
-            have = {**want, "eps": res["eps"], "rounds_done": res["rounds"],
-                    "seconds": time.perf_counter() - t0}
+            eps, rho = verified(res["rounds"], targets)
+            note = ""
+            if not eps:     # every pilot diverged: the previous (smaller) lr's eps
+                eps, note = last_eps, "every pilot diverged; eps of the previous lr_mult"
+            have = {**want, "eps": eps, "pilot_rho": rho, "note": note,
+                    "rounds_done": res["rounds"], "seconds": time.perf_counter() - t0}
             meta["calibration"][key] = have
             save()
+        last_eps = have["eps"]
         for b2 in m["b2"]:
             flat_cell = with_group_eps(scaled(flat, lr_mult, batch_mult, b2), have["eps"])
             cfg = _config(flat_cell)

@@ -226,16 +226,20 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
         lines += ["", "## Regime map", "", f"![regime map]({regime_map.relative_to(out)})",
                   "", "Per-run regime cards and the update_rms fit per regime band: the "
                   "analysis report below (Regime overview, Regime card)."]
-    for name, title in (("replication_matched", "Replication table, matched regime"),
+    pm_fig = out / "figures" / "phase_map" / "phase_map.png"
+    for name, title in (("phase_map", "Phase map: spikes in the 70B's rho band"),
+                        ("replication_matched", "Replication table, matched regime"),
                         ("replication", "Replication table, toy regime (b2 0.999, eps 1e-8: "
                                         "2.5-3.5 decades of rho above the 70B; its own section)"),
                         ("analysis", "Analysis report"),
                         ("ladder", "Width/depth ladder and the LLaMA2-70B profile"),
                         ("matched", "Rho-matched toy"), ("replay", "Causal replay of spikes")):
         for cand in (out / name / "replication.md", out / name / "report.md",
-                     out / name / "replay.md"):
+                     out / name / "replay.md", out / name / "phase_map.md"):
             if cand.exists():
                 lines += ["", f"## {title}", "", rebase_links(cand.read_text().strip(), name)]
+                if name == "phase_map" and pm_fig.exists():
+                    lines += ["", f"![phase map]({pm_fig.relative_to(out)})"]
                 break
     lines += spike_rate_section(out)
     figs = sorted((out / "figures").rglob("*.png")) if (out / "figures").exists() else []
