@@ -197,7 +197,9 @@ def attribution(pairs: list[tuple], num_onsets: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     boot = np.array([lift(a[rng.integers(0, len(a), len(a))]) for _ in range(NUM_BOOT)])
     boot = boot[~np.isnan(boot)]
-    lo, hi = (np.percentile(boot, [2.5, 97.5]) if boot.size else (math.nan, math.nan))
+    # inverted_cdf: no interpolation between an infinite lift (control rate 0) and the rest
+    lo, hi = (np.percentile(boot, [2.5, 97.5], method="inverted_cdf") if boot.size
+              else (math.nan, math.nan))
     fc_on, fc_ctl = a[:, 2].mean(), a[:, 3].mean()
     is_a = fc_on >= 0.5 and fc_on > fc_ctl
     is_b = bool(lo > 1)
@@ -229,9 +231,11 @@ def boundary(lanes: pd.DataFrame) -> list[dict]:
             return float(np.sum(np.logaddexp(0, z) - y * z) + 1e-3 * w[1] ** 2)
 
         w = optimize.minimize(nll, [0.0, 1.0], method="Nelder-Mead").x
-        s50 = 10 ** (-w[0] / w[1]) if w[1] > 0 else None
-        rows.append({**base, "slope": float(w[1]), "S_50": s50,
-                     "note": "" if s50 is not None else "no increase of spiking with S"})
+        x50 = -w[0] / w[1] if w[1] > 0 else math.nan
+        inside = bool(np.isfinite(x50) and x.min() - 1 <= x50 <= x.max() + 1)
+        rows.append({**base, "slope": float(w[1]), "S_50": float(10 ** x50) if inside else None,
+                     "note": "" if inside else ("no increase of spiking with S" if not w[1] > 0
+                                                else "S_50 beyond a decade outside the measured S")})
     return rows
 
 

@@ -67,7 +67,7 @@ def write_log(path: Path, n: int, every: int, malformed_every: int, same_line: b
 
 
 def child(log: str, out: str) -> None:
-    from analysis.megatron_log import import_megatron_log
+    from analysis.megatron_log import import_megatron_log   # in the measured child process only
 
     t, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     res = import_megatron_log(log, out)
