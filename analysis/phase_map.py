@@ -4,7 +4,10 @@ only).
 Per lane (seed of a cell): spikes by adamspike.spikes.detect_spikes on the loss with the
 map's [spikes] rule (window, k, min_rel_jump); height = peak / running median - 1; a
 non-finite loss is a spike of every class. Exposure: the lane's steps after the rule's
-history (min_history) in thousands. Per cell and height class h (>= 10 %, >= 50 %, >= 2x):
+history (min_history) in thousands. The cell's detection floor: the median over lanes of max(k 1.4826 MAD(loss - the running
+median of the previous `window` steps) / median loss, min_rel_jump), the smallest relative
+jump the rule can call a spike on that lane's noise. Per cell and height class h (>= 10 %,
+>= 50 %, >= 2x):
 
     rate_h = spikes of height >= h / exposure   (per 1k steps; exact Poisson 95 % interval,
                                                  Garwood: chi2 quantiles)
@@ -118,7 +121,12 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             wake = wakeups(d[rho_cols].to_numpy(), dormant)
             tail = S[int(len(S) * 0.1):]
             tail = tail[np.isfinite(tail)]
+            loss = pd.Series(d["loss"].to_numpy())
+            med = loss.rolling(p.window, min_periods=p.history).median().shift(1)
+            mad = (loss - med).abs().median()
             per[int(seed)] = {"steps": steps, "spikes": sp, "S": S, "wake": wake,
+                              "floor": max(p.k * 1.4826 * mad / float(med.median()), p.min_rel_jump)
+                              if np.isfinite(mad) and float(med.median()) > 0 else math.nan,
                               "S_lane": float(np.percentile(tail, 90)) if tail.size else math.nan,
                               "diverged": bool(~np.isfinite(d["loss"].to_numpy()).all()),
                               "rho": d[rho_cols].median().to_dict()}
@@ -135,6 +143,7 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             row.update({f"spikes_{tag}": k, f"rate_{tag}": k / exposure,
                         f"rate_{tag}_lo": lo, f"rate_{tag}_hi": hi})
         row["diverged_lanes"] = int(sum(per[s]["diverged"] for s in seeds))
+        row["detect_floor"] = float(np.nanmedian([per[s]["floor"] for s in seeds]))
         s_all = np.concatenate([per[s]["S"] for s in seeds])
         s_all = s_all[np.isfinite(s_all)]
         row["S_median"] = float(np.median(s_all)) if s_all.size else math.nan
@@ -277,7 +286,7 @@ def report_md(table: pd.DataFrame, onsets: pd.DataFrame, summary: dict) -> str:
     lines += [f"**{total} spike(s) of height >= {tags[0]} % in {int(table['num_seeds'].sum())} lanes "
               f"x {int(table['num_steps'].max())} steps** "
               f"(S above 1 in {100 * np.nanmean(table['frac_S_above_1']):.0f} % of the evaluations).", ""]
-    cols = ["lr_mult", "b2", "batch_mult", "S_median", "S_p90", "frac_S_above_1"]
+    cols = ["lr_mult", "b2", "batch_mult", "S_median", "S_p90", "frac_S_above_1", "detect_floor"]
     cols += [c for c in table.columns if c.startswith("rho_")]
     show = table[cols].copy()
     for t in tags:

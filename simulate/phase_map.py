@@ -98,23 +98,6 @@ def scaled(flat: Mapping[str, Any], lr_mult: float, batch_mult: int, b2: float |
     return out
 
 
-def verified(rounds: list[dict], targets: Mapping[str, float]) -> tuple[dict, dict]:
-    """Per group the eps of the pilot whose measured rho came closest to the target (in
-    log): calibrate's last secant step is an extrapolation no pilot has checked, and one
-    that overshoots leaves a group decades away from its band."""
-    rounds = [r for r in rounds if not r.get("diverged")]
-    if not rounds:
-        return {}, {}
-    eps, rho = {}, {}
-    for g in rounds[0]["eps"]:
-        if g not in targets:
-            eps[g], rho[g] = rounds[-1]["eps"][g], rounds[-1]["rho"][g]
-            continue
-        best = min(rounds, key=lambda r: abs(np.log(r["rho"][g] / targets[g])))
-        eps[g], rho[g] = best["eps"][g], best["rho"][g]
-    return eps, rho
-
-
 def cell_id(cfg: Mapping[str, Any], seeds: list[int], every: int) -> str:
     blob = json.dumps({"config": cfg, "seeds": seeds, "K": every}, sort_keys=True, default=repr)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
@@ -198,7 +181,7 @@ def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
         if {k: have.get(k) for k in want} != json.loads(json.dumps(want)):
             t0 = time.perf_counter()
             res = calibrate(pilot, targets, want["rounds"], want["seeds"], progress=False)
-            eps, rho = verified(res["rounds"], targets)
+            eps, rho = res["eps"], res["rho"]
             note = ""
             if not eps:     # every pilot diverged: the previous (smaller) lr's eps
                 eps, note = last_eps, "every pilot diverged; eps of the previous lr_mult"
