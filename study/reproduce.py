@@ -38,6 +38,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 from tqdm import tqdm
 
 from adamspike.config import ConfigError, read_toml
@@ -221,6 +222,9 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
              f"{' --quick' if quick else ''}`.", "", "## Stages", "",
              md_table(([r["title"], r["status"], str(r["seconds"]), f"`{r['log']}`"] for r in results),
                       headers=["stage", "status", "seconds", "output"], max_rows=None)]
+    answer = answer_section(out)
+    if answer:   # the answer first, then the stages that made it
+        lines[4:4] = answer + [""]
     regime_map = out / "figures" / "study" / "regime_map.png"
     if regime_map.exists():   # every run and the 70B estimate in Adam's eps regimes
         lines += ["", "## Regime map", "", f"![regime map]({regime_map.relative_to(out)})",
@@ -228,6 +232,7 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
                   "analysis report below (Regime overview, Regime card)."]
     pm_fig = out / "figures" / "phase_map" / "phase_map.png"
     for name, title in (("phase_map", "Phase map: spikes in the 70B's rho band"),
+                        ("replication_phase", "Replication at the edge of stability in the 70B's rho band"),
                         ("replication_matched", "Replication table, matched regime"),
                         ("replication", "Replication table, toy regime (b2 0.999, eps 1e-8: "
                                         "2.5-3.5 decades of rho above the 70B; its own section)"),
@@ -253,6 +258,69 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
     path = out / "STUDY.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+SEED_SETTING = "eps1e-05-b2_0.95-lr0.00015"   # the seed report's 70B (predictions_70b ids)
+
+
+def answer_section(out: Path) -> list[str]:
+    """STUDY.md's opening: the seed's 70B question answered from this study's files (the
+    phase map, the claims at the edge of stability, the 70B predictions), each line with a
+    link to its evidence; what a file does not hold is said, not guessed."""
+    L = ["## The answer, in one minute", "",
+         "The seed's LLaMA2-70B: AdamW eps 1e-5, b2 0.95, lr 1.5e-4, clip 1, 4M tokens per "
+         "step; it spiked inside its first 1543 steps."]
+    fit = out / "ladder" / "fit.json"
+    if fit.exists():
+        rho = json.loads(fit.read_text()).get("llama2_70b", {}).get("rho", {})
+        if rho:
+            L.append("- **Where it sits** ([ladder](#width-depth-ladder-and-the-llama2-70b-profile)): "
+                     "rho = rms(g) / eps per depth group " + ", ".join(
+                         f"{g} {v:.2g}" for g, v in rho.items())
+                     + " - every group but the head in the eps band (rho < 1), where Adam is "
+                       "momentum SGD with step lr / eps.")
+    pm = out / "phase_map" / "phase_map.csv"
+    if pm.exists():
+        t = pd.read_csv(pm)
+        tags = sorted(int(c.split("_")[1]) for c in t.columns if c.startswith("spikes_"))
+        n = int(t[f"spikes_{tags[0]}"].sum()) if tags and len(t) else 0
+        lanes = int(t["num_seeds"].sum()) if len(t) else 0
+        L.append(f"- **Toys held in that band** ([phase map](#phase-map-spikes-in-the-70bs-rho-band)): "
+                 f"{n} loss spike(s) >= {tags[0] if tags else '?'} % in {lanes} runs of "
+                 f"{int(t['num_steps'].max()) if len(t) else 0} steps over {len(t)} cells "
+                 f"(lr x{t['lr_mult'].min():g} to x{t['lr_mult'].max():g}, b2 "
+                 f"{', '.join(f'{b:g}' for b in sorted(t['b2'].unique()))}, batch x"
+                 f"{', x'.join(f'{b:g}' for b in sorted(t['batch_mult'].unique()))}); Adam's "
+                 f"stability number S reached p90 {t['S_p90'].max():.2g} (S = 1 is the edge), "
+                 f"the rule's detection floor was a {100 * t['detect_floor'].median():.0f} % jump. "
+                 + ("Mechanism per cell: " + ", ".join(
+                     f"x{r.lr_mult:g}/b2 {r.b2:g}/batch x{r.batch_mult:g}: {r.mechanism}"
+                     for r in t.itertuples() if r.mechanism != "no spikes") + "."
+                    if n else "No cell spiked: neither mechanism is exercised in this band at "
+                              "toy scale; the 70B's spikes are not reproduced by Pi_eps alone."))
+    rep = out / "replication_phase" / "replication.csv"
+    if rep.exists():
+        r = pd.read_csv(rep)
+        rows = [f"`{x.id}` {x.verdict} ({x.control_mean:.3g} -> {x.treatment_mean:.3g} spikes/run)"
+                for x in r.itertuples() if x.id in ("seed.lower_eps", "seed.lower_eps_1e6",
+                                                      "seed.eps_lower_b2")]
+        if rows:
+            L.append("- **Lowering eps / b2 at the edge of stability** ([claims]"
+                     "(#replication-at-the-edge-of-stability-in-the-70bs-rho-band)): "
+                     + "; ".join(rows) + ".")
+    p70 = out / "predictions_70b.json"
+    if p70.exists():
+        sets = [x for x in json.loads(p70.read_text()).get("settings", [])
+                if x["id"].startswith(SEED_SETTING)]
+        if sets:
+            x = sets[0]
+            lo, hi = x.get("rate_ci", [None, None])
+            L.append(f"- **Predicted rate** ([spike-rate model](#spike-rate-model-and-the-pre-"
+                     f"registered-70b-predictions)): {x['rate_per_1k']:.3g} spikes per 1k steps "
+                     f"[{fmt(lo)}, {fmt(hi)}] for the seed's setting, rank {x.get('rank')} of "
+                     f"{len(json.loads(p70.read_text())['settings'])} (one rate for warmup and after: "
+                     "the model has no schedule feature; see its held-out scores).")
+    return L if len(L) > 3 else []
 
 
 def _setting_row(s: dict) -> list:
