@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("fullscale.cli:data_main", "inspect / convert Megatron indexed data"),
     "analyze": ("analysis.cli:main", "spikes, precursors, alarm scores, theory fits, report"),
     "megatron-log": ("analysis.megatron_log:export_main", "a run directory's steps as a Megatron training log"),
+    "assess": ("analysis.assess:main", "one screen on a run or log: regime, spikes, numerics, predicted rate, what to change"),
     "watch": ("analysis.watch:main", "follow a live log or run directory: one line (and --on-event hook) per spike / numerics event"),
     "figures": ("figures.cli:main", "regenerate every figure"),
     "reproduce": ("study.reproduce:main", "the whole study at CPU scale (--quick for CI)"),

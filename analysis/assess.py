@@ -1,0 +1,467 @@
+"""`adamspike assess RUN_OR_LOG`: one screen a training engineer reads in a minute (reads
+files only).
+
+    adamspike assess megatron.log [--predictions p.json | --rate-model model.json]
+                     [--num-params N | --model PRESET] [--eps E --b2 B --clip C ...]
+                     [--out DIR]
+    adamspike assess RUN_DIR ...
+
+What it prints, each from the analysis `adamspike analyze` runs (analysis.report
+.analyze_run: the one spike rule, the regime card of analysis.regime, the numerics health
+of analysis.numerics; a log is imported by analysis.megatron_log first, into --out or a
+temporary folder):
+
+1. the run: what was read, iterations, the optimizer settings it states;
+2. regime: the regime card in a line or two (a log: rho_bar = min(gn, clip) / (sqrt(N) eps)
+   at the run's eps and its eps regime; a run with telemetry: group rho per depth group,
+   wake-ups);
+3. spikes so far: each onset with its height, whether the grad norm led it, and the
+   numerics verdict (fp16 overflow cascade or optimizer spike); the observed rate; steps
+   the rule could not judge;
+4. numerics health: loss scale, overflow / skipped / NaN iterations, missing values;
+5. predicted rate for this setting: from a pre-registered predictions.json (the setting
+   matched as `analyze --predictions` matches it: analysis.scoring), or from a spike-rate
+   model (adamspike.spike_rate) where the run carries the model's features; it says
+   plainly when neither is available;
+6. settings that would lower it: the predictions file's settings with a lower predicted
+   rate, grouped where the model cannot tell them apart (the same model features: a key the
+   model does not use, such as the batch size, changes nothing in its prediction), each
+   with its predicted rate and interval, whether that interval clears the current
+   setting's, whether it is an extrapolation, and the model coefficient behind the change.
+
+`--out DIR` also writes the full report there (analysis.report.write_run_report: report.md,
+report.html, tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any, Mapping
+
+from adamspike import spike_rate as SR
+from adamspike.config import ConfigError, cli_main
+from adamspike.llama import PRESETS
+from adamspike.llama import num_params as llama_num_params
+from adamspike.megatron_log import MegatronLogError
+from adamspike.predictions import PredictionsError, load_predictions
+from adamspike.rundir import RunFormatError
+from adamspike.spikes import SpikeParams
+from analysis.cli import count_arg
+from analysis.megatron_log import import_megatron_log
+from analysis.report import AnalysisError, analyze_run, not_measured_note, write_run_report
+from analysis.scoring import run_setting, score_rate
+from analysis.spike_rate import run_row
+
+WIDTH = 92
+
+
+def _f(x: Any, d: int = 3) -> str:
+    if x is None:
+        return "-"
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    return f"{v:.{d}g}" if math.isfinite(v) else "-"
+
+
+def _wrap(text: str, indent: str = "  ") -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ")
+
+
+# ------------------------------------------------------------------ sections
+
+def regime_lines(ra) -> list[str]:
+    c = ra.regime_card
+    if c is None:
+        return _wrap(f"not computed: {ra.notes.get('regime_card')}")
+    L = []
+    if c.kind == "log":
+        g = c.groups
+        if g.empty:
+            L += _wrap("no rho_bar: " + "; ".join(c.notes or ["unknown"]))
+        else:
+            run = g[g["is_run_eps"]] if g["is_run_eps"].any() else g.head(0)
+            for r in (run if len(run) else g).itertuples():
+                L += _wrap(f"rho_bar = min(gn, clip) / (sqrt(N) eps) at eps {_f(r.eps)}: median "
+                           f"{_f(r.rho_bar_median)} (q10 {_f(r.rho_bar_q10)}, q90 "
+                           f"{_f(r.rho_bar_q90)}), {_f(100 * r.frac_time_below_1, 2)}% of "
+                           f"steps below 1: {r.regime}"
+                           + ("" if r.is_run_eps else " (the run's eps is unknown: --eps)"))
+            others = g[~g["is_run_eps"]] if len(run) else g.iloc[0:0]
+            if len(others):
+                L += _wrap("at other eps: " + ", ".join(
+                    f"eps {_f(r.eps)}: rho_bar {_f(r.rho_bar_median)} ({r.regime})"
+                    for r in others.itertuples()))
+            info = c.log or {}
+            L += _wrap(f"N = {info.get('num_params')} ({info.get('num_params_source')}); a log "
+                       "has the global grad norm only: no per-layer (shallow vs deep) rho")
+    else:
+        for r in c.groups.itertuples():
+            L += _wrap(f"{r.group:<8} rho median {_f(r.rho_median)} (q10 {_f(r.rho_q10)}, "
+                       f"q90 {_f(r.rho_q90)}), {_f(100 * r.frac_time_below_1, 2)}% of steps "
+                       f"below 1, {int(r.num_wakeups)} wake-up(s): {r.regime}")
+    L += _wrap(f"eps {_f(c.eps)}, b1 {_f(c.b1)}, b2 {_f(c.b2)}, median lr {_f(c.lr)}, "
+               f"lr/eps {_f(c.lr_over_eps)}")
+    return L
+
+
+def _span(ra) -> tuple[int, int, int]:
+    st = ra.run.steps
+    imp = ra.meta.get("import") or {}
+    interval = int(imp.get("log_interval") or 1)
+    first, last = int(st["step"].min()), int(st["step"].max())
+    return first, last, last - first + interval
+
+
+def spike_lines(ra) -> list[str]:
+    sp = ra.spikes
+    first, last, span = _span(ra)
+    L = _wrap(f"{len(sp)} loss spike(s) in iterations {first}-{last} ({span} iterations): "
+              f"{_f(1000 * len(sp) / span)} per 1000 iterations; {len(ra.grad_spikes)} "
+              "grad-norm spike(s)")
+    verdicts = {int(r.start): r.verdict for r in ra.numerics.per_spike.itertuples()} \
+        if ra.numerics is not None else {}
+    leads = {int(r.start): r for r in ra.grad_lead.itertuples()} \
+        if ra.grad_lead is not None else {}
+    for r in sp.head(8).itertuples():
+        lead = leads.get(int(r.start))
+        gl = ("" if lead is None or "grad_norm" not in ra.coverage else
+              "; grad norm led by " + _f(lead.lead) + " iteration(s)" if lead.lead > 0 else
+              "; grad norm rose at the same line" if lead.lead == 0 else
+              "; no grad-norm spike before it")
+        L += _wrap(f"- iteration {r.start}: loss {_f(r.peak, 4)} vs {_f(r.baseline, 4)} "
+                   f"(+{_f(100 * r.height, 3)}%), "
+                   + (f"recovered after {r.duration}" if r.recovered else
+                      f"not recovered ({r.duration} iteration(s) to the end)") + gl
+                   + (f"; {verdicts[int(r.start)]}" if int(r.start) in verdicts else ""))
+    if len(sp) > 8:
+        L += _wrap(f"... {len(sp) - 8} more (the full table: --out DIR)")
+    for col, cov in ra.coverage.items():
+        if cov["reasons"]:
+            L += _wrap(f"{col}: {cov['num_judged']} of {cov['num_rows']} lines judged; not "
+                       "judged: " + "; ".join(f"{x['count']} {x['reason']}"
+                                             for x in cov["reasons"]))
+    return L
+
+
+def numerics_lines(ra) -> list[str]:
+    h = ra.numerics
+    if h is None:
+        return _wrap("not computed")
+    L = _wrap("signals: " + (", ".join(h.signals) if h.signals else
+                             "none (no loss scale, overflow lines, skip counters)"))
+    ls = h.loss_scale
+    if ls:
+        L += _wrap(f"loss scale {_f(ls['first'], 8)} -> {_f(ls['last'], 8)} (min "
+                   f"{_f(ls['min'], 8)} at iteration {ls['min_step']}): {ls['cuts']} cut(s), "
+                   f"{ls['raises']} raise(s)")
+    if not h.events.empty:
+        counts = h.events["kind"].value_counts()
+        near = int((h.events["position"] != "away from spikes").sum())
+        L += _wrap("events: " + ", ".join(f"{k.replace('_', ' ')} x{int(n)}"
+                                         for k, n in counts.items())
+                   + f"; {near} of them next to a spike")
+    else:
+        L += _wrap("no numerics event")
+    note = not_measured_note(ra.meta.get("import") or {})
+    if note:
+        L += _wrap(note.replace("**", ""))
+    return L
+
+
+def _model_feats(s: Mapping, names: list[str]) -> dict:
+    """The setting's values of the model's features (predictions schema 3: `features` holds
+    every FEATURE, `model_features` names those the model uses)."""
+    names = list(s.get("model_features") or names)
+    f = s.get("features") or {}
+    return {k: float(f[k]) for k in names if k in f and f[k] is not None}
+
+
+def _same_model_features(a: Mapping, b: Mapping, names: list[str]) -> bool:
+    fa, fb = _model_feats(a, names), _model_feats(b, names)
+    if not fa or set(fa) != set(fb):
+        return False
+    return all(math.isclose(fa[k], fb[k], rel_tol=1e-9, abs_tol=1e-12) for k in fa)
+
+
+def _diff(s: Mapping, ref: Mapping, vals: Mapping[str, float]) -> str:
+    """The overrides of setting `s` that differ from the matched setting `ref`, with the
+    run's own value where it states one."""
+    parts = []
+    for k, v in s["overrides"].items():
+        r = ref["overrides"].get(k)
+        if isinstance(v, (int, float)) and isinstance(r, (int, float)) and \
+                math.isclose(float(v), float(r), rel_tol=1e-9):
+            continue
+        now = vals.get(k, r)
+        parts.append(f"{k}={v:g}" + (f" (now {now:g})" if isinstance(now, (int, float)) else "")
+                     if isinstance(v, (int, float)) else f"{k}={v}")
+    return ", ".join(parts) or "(the same overrides)"
+
+
+def _coef_evidence(pred, cur: Mapping, s: Mapping, names: list[str]) -> str:
+    """The model coefficients behind a change of setting: per model feature that moves,
+    its value before and after and the rate factor per decade exp(coef) with its interval."""
+    coefs = (pred.rate_model or {}).get("coefficients") or {}
+    fa, fb = _model_feats(cur, names), _model_feats(s, names)
+    parts = []
+    for k in fb:
+        if k in fa and k in coefs and not math.isclose(fa[k], fb[k], rel_tol=1e-9,
+                                                       abs_tol=1e-12):
+            c = coefs[k]
+            ci = c.get("ci") or [math.nan, math.nan]
+            parts.append(f"{k} {_f(fa[k])} -> {_f(fb[k])}: rate x{_f(math.exp(c['coef']))} "
+                         f"per decade (90% CI x{_f(math.exp(ci[0]))}-x{_f(math.exp(ci[1]))}), "
+                         f"x{_f(math.exp(c['coef'] * (fb[k] - fa[k])))} here")
+    return "; ".join(parts)
+
+
+def prediction_lines(ra, pred, pred_path: str | None, model, model_path: str | None
+                     ) -> tuple[list[str], list[str]]:
+    """(predicted-rate lines, lower-rate settings lines)."""
+    if pred is not None:
+        return _from_predictions(ra, pred, pred_path)
+    if model is not None:
+        return _from_model(ra, model, model_path)
+    none = _wrap("NONE AVAILABLE: no predictions.json (--predictions) and no spike-rate "
+                 "model (--rate-model). `adamspike predict` writes one from a ladder fit and "
+                 "the spike-rate GLM (`make reproduce` produces both).")
+    return none, _wrap("no model available, so no ranked alternatives (see above)")
+
+
+def _from_predictions(ra, pred, path) -> tuple[list[str], list[str]]:
+    row = score_rate(ra, pred)
+    prof = (pred.profile or {}).get("name", "?")
+    L = _wrap(f"from {path} (profile {prof}, created {pred.created or '?'}, content hash "
+              f"{(pred.integrity or {}).get('status', 'missing')})")
+    if row.get("setting") is None:
+        L += _wrap(row["verdict"])
+        return L, _wrap("no setting matched, so no comparison")
+    s = pred.setting(row["setting"])
+    vals, notes = run_setting(ra)
+    L += _wrap(f"this setting: {row['setting']} ({row['match']}"
+               + (f"; {'; '.join(notes)}" if notes else "") + ")")
+    L += _wrap(f"predicted {_f(s['rate_per_1k'])} spikes per 1000 steps, 90% interval "
+               f"[{_f(s['rate_ci'][0])}, {_f(s['rate_ci'][1])}]; P(>= 1 spike in "
+               f"{s.get('horizon_steps', '?')} steps) {_f(s.get('p_spike'))}"
+               + ("; EXTRAPOLATED: " + "; ".join(s.get("extrapolation_reasons") or [])
+                  if s.get("extrapolated") else ""))
+    L += _wrap(f"observed {_f(row['observed_rate_per_1k'])} per 1000 logged steps "
+               f"({row['num_spikes']} in {row['num_steps']}"
+               + (", logged lines counted as steps as `analyze --predictions` scores"
+                  if int((ra.meta.get("import") or {}).get("log_interval") or 1) > 1 else "")
+               + f"): {row['verdict']} the interval; the count is "
+               + ("consistent" if row.get("count_consistent") else "NOT consistent")
+               + f" with it (Poisson p_above {_f(row.get('p_above'))}, p_below "
+               f"{_f(row.get('p_below'))})")
+    if prof and ra.regime_card is not None and ra.regime_card.kind == "log":
+        L += _wrap(f"the predictions are for the {prof} profile; this run's own model size "
+                   "and grad norms do not enter them")
+    names = list((pred.rate_model or {}).get("features") or [])
+    lower = [x for x in pred.settings if float(x["rate_per_1k"]) < float(s["rate_per_1k"])
+             and x["id"] != s["id"]]
+    same = [x for x in pred.settings if x["id"] != s["id"] and _same_model_features(x, s, names)]
+    A: list[str] = []
+    if same:
+        A += _wrap(f"{len(same)} setting(s) the model cannot tell apart from this one (same "
+                   "model features): " + "; ".join(_diff(x, s, vals) for x in same[:4]))
+    if not lower:
+        A += _wrap("none of the file's settings has a lower predicted rate")
+        return L, A
+    groups: list[list[Mapping]] = []
+    for x in sorted(lower, key=lambda x: float(x["rate_per_1k"])):
+        for g in groups:
+            if _same_model_features(g[0], x, names):
+                g.append(x)
+                break
+        else:
+            groups.append([x])
+    lo_cur = float(s["rate_ci"][0])
+    for g in groups[:5]:
+        g.sort(key=lambda y: _diff(y, s, vals).count("="))   # the smallest change first
+        x = g[0]
+        clears = float(x["rate_ci"][1]) < lo_cur
+        A += _wrap(f"- {_diff(x, s, vals)}: {_f(x['rate_per_1k'])} /1k [{_f(x['rate_ci'][0])}, "
+                   f"{_f(x['rate_ci'][1])}] "
+                   + ("(interval below this setting's)" if clears else
+                      "(its interval overlaps this setting's)")
+                   + ("; extrapolated" if x.get("extrapolated") else ""), "  ")
+        ev = _coef_evidence(pred, s, x, names)
+        if ev:
+            A += _wrap("evidence: " + ev, "      ")
+        if len(g) > 1:
+            A += _wrap("the model predicts the same with: "
+                       + "; ".join(_diff(y, x, {}) for y in g[1:4])
+                       + (" ..." if len(g) > 4 else "") + " (not a model feature)", "      ")
+    if len(groups) > 5:
+        A += _wrap(f"... {len(groups) - 5} more group(s) in {path}")
+    return L, A
+
+
+# one-knob changes (label, eps factor, lr factor, 1 - b2 factor), judged with the gradient
+# held fixed: rho = rms(g) / eps moves as 1 / eps, lr / eps with both
+KNOBS = (("eps x10", 10.0, 1.0, 1.0), ("eps / 10", 0.1, 1.0, 1.0),
+         ("b2 with 1 - b2 x2 (e.g. 0.95 -> 0.90)", 1.0, 1.0, 2.0),
+         ("b2 with 1 - b2 / 2 (e.g. 0.95 -> 0.975)", 1.0, 1.0, 0.5),
+         ("lr / 2", 1.0, 0.5, 1.0), ("lr x2", 1.0, 2.0, 1.0))
+
+
+def _from_model(ra, model, path) -> tuple[list[str], list[str]]:
+    L = _wrap(f"from the spike-rate model {path} (features {', '.join(model.features)})")
+    if ra.regime_card is not None and ra.regime_card.kind == "log":
+        need = [f for f in model.features if f in ("log10_rho_shallow", "log10_rho_deep")]
+        if need:
+            return (L + _wrap(f"NOT AVAILABLE for a log: the model needs {', '.join(need)}, "
+                              "per-layer rho a log does not carry (global grad norm only); a "
+                              "predictions.json with a profile of this model answers instead"),
+                    _wrap("no prediction for this run, so no ranked alternatives"))
+    try:
+        row = run_row(ra.path)
+        X = model.matrix([row])
+    except (SR.SpikeRateError, ValueError) as e:
+        return L + _wrap(f"NOT AVAILABLE: {e}"), _wrap("no prediction, so no alternatives")
+    ri = model.rate_interval(X)
+    feats = {f: float(row[f]) for f in SR.FEATURES if f in row}
+    ext = model.extrapolation(feats)
+    out = [k for k, v in ext.items() if v != "inside"]
+    L += _wrap(f"predicted {_f(ri['rate'][0])} spikes per 1000 steps, interval "
+               f"[{_f(ri['lo'][0])}, {_f(ri['hi'][0])}]"
+               + (f"; EXTRAPOLATED in {', '.join(out)}" if out else ""))
+    coefs = model.coefficients()
+    alts = []
+    for label, fe, fl, fb in KNOBS:
+        f2 = dict(feats)
+        for k in ("log10_rho_shallow", "log10_rho_deep"):
+            if k in f2:
+                f2[k] -= math.log10(fe)
+        if "log10_lr_over_eps" in f2:
+            f2["log10_lr_over_eps"] += math.log10(fl) - math.log10(fe)
+        if "log10_one_minus_b2" in f2:
+            f2["log10_one_minus_b2"] += math.log10(fb)
+        r2 = model.rate_interval(model.matrix([f2]))
+        if r2["rate"][0] >= ri["rate"][0]:
+            continue
+        ev = "; ".join(f"{k} {_f(feats[k])} -> {_f(f2[k])} (rate x{_f(math.exp(coefs[k]['coef']))}"
+                       f" per decade, 90% CI x{_f(math.exp(coefs[k]['ci'][0]))}-"
+                       f"x{_f(math.exp(coefs[k]['ci'][1]))})" for k in model.features
+                       if not math.isclose(feats[k], f2[k]))
+        ex = [k for k, v in model.extrapolation(f2).items() if v != "inside"]
+        alts.append((float(r2["rate"][0]), label, float(r2["lo"][0]), float(r2["hi"][0]), ev, ex))
+    A = _wrap("no predictions file: one knob at a time, the model's own estimate with the "
+              "gradient held fixed (rho = rms(g)/eps moves as 1/eps); `adamspike predict` "
+              "ranks full settings with the profile's measured rho")
+    if not alts:
+        A += _wrap("no single knob lowers the model's rate")
+    for rate, label, lo, hi, ev, ex in sorted(alts):
+        A += _wrap(f"- {label}: {_f(rate)} /1k [{_f(lo)}, {_f(hi)}] "
+                   + ("(interval below the current one)" if hi < ri["lo"][0] else
+                      "(its interval overlaps the current one)")
+                   + (f"; extrapolated in {', '.join(ex)}" if ex else ""), "  ")
+        if ev:
+            A += _wrap("evidence: " + ev, "      ")
+    return L, A
+
+
+# ------------------------------------------------------------------ the command
+
+def assess(path: str | Path, *, predictions: str | None = None, rate_model: str | None = None,
+           optim: dict | None = None, seq_len: int | None = None, clip: float | None = None,
+           num_params: int | None = None, num_params_source: str = "",
+           spike_params: SpikeParams = SpikeParams(), out: str | Path | None = None) -> str:
+    """The assessment text of a run directory or a training log."""
+    path = Path(path)
+    pred = load_predictions(predictions) if predictions else None
+    model = SR.load_model(rate_model) if rate_model else None
+    with tempfile.TemporaryDirectory(prefix="adamspike-assess-") as tmp:
+        if path.is_dir():
+            run_dir = path
+        else:
+            run_dir = Path(out) / (path.name + ".run") if out else Path(tmp) / "run"
+            import_megatron_log(path, run_dir, seq_len=seq_len, clip=clip, optim=optim or {})
+        ra = analyze_run(run_dir, spike_params=spike_params, num_params=num_params,
+                         num_params_source=num_params_source, name=path.name)
+        if out:
+            write_run_report(ra, Path(out) / "report")
+        return render(ra, path, pred, predictions, model, rate_model, out)
+
+
+def render(ra, path: Path, pred, pred_path, model, model_path, out) -> str:
+    cfg = ra.run.config or {}
+    o = cfg.get("optim") or {}
+    stated = ", ".join(f"{k} {_f(o[k])}" for k in ("lr", "b1", "b2", "eps", "grad_clip")
+                       if o.get(k) is not None) or "none (pass --eps, --b2, --clip ...)"
+    rate_l, lower_l = prediction_lines(ra, pred, pred_path, model, model_path)
+    L = [f"ASSESSMENT of {path}", "=" * min(WIDTH, 14 + len(str(path))),
+         *_wrap(f"{ra.num_steps} logged iterations ({ra.meta.get('backend')}); optimizer "
+                f"settings stated: {stated}", ""),
+         "", "REGIME", *regime_lines(ra),
+         "", "SPIKES SO FAR", *spike_lines(ra),
+         "", "NUMERICS HEALTH", *numerics_lines(ra),
+         "", "PREDICTED SPIKE RATE FOR THIS SETTING", *rate_l,
+         "", "SETTINGS THAT WOULD LOWER IT", *lower_l]
+    if out:
+        L += ["", f"Full report: {Path(out) / 'report' / 'report.md'} (and report.html)"]
+    return "\n".join(L) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="adamspike assess", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("path", metavar="RUN_OR_LOG", help="a run directory or a training log")
+    ap.add_argument("--predictions", help="a pre-registered predictions.json")
+    ap.add_argument("--rate-model", help="a spike-rate model (adamspike spike-rate's model.json)")
+    ap.add_argument("--out", help="also write the full report here (a new directory)")
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--clip", type=float, help="grad-clip threshold of the log's run")
+    for b in ("b1", "b2", "eps", "lr"):
+        ap.add_argument(f"--{b}", type=float, help=f"optimizer {b} of the log's run")
+    ap.add_argument("--num-params", type=count_arg, metavar="N")
+    ap.add_argument("--model", metavar="PRESET")
+    ap.add_argument("--window", type=int, default=50)
+    ap.add_argument("--k", type=float, default=6.0)
+    ap.add_argument("--min-rel-jump", type=float, default=0.2)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`adamspike assess`."""
+    return cli_main(_parser(), argv, _main, "adamspike assess",
+                    (ConfigError, MegatronLogError, RunFormatError, AnalysisError,
+                     PredictionsError, SR.SpikeRateError))
+
+
+def _main(args) -> int:
+    path = Path(args.path)
+    if not path.exists():
+        raise RunFormatError(f"{path}: no such run directory or log")
+    if path.is_dir() and not (path / "run.json").is_file():
+        raise RunFormatError(f"{path}: not a run directory (no run.json)")
+    if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
+        raise ConfigError(f"--out: {args.out} exists and is not empty (nothing was overwritten)")
+    n, src = args.num_params, "--num-params" if args.num_params else ""
+    if args.model:
+        if args.model not in PRESETS:
+            raise ConfigError(f"--model: unknown preset {args.model!r}; known: "
+                              f"{', '.join(PRESETS)}")
+        if n is None:
+            n, src = llama_num_params(PRESETS[args.model]), f"preset {args.model}"
+    optim = {k: getattr(args, k) for k in ("b1", "b2", "eps", "lr") if getattr(args, k) is not None}
+    if args.window < 2 or args.k < 0 or args.min_rel_jump < 0:
+        raise ConfigError("--window >= 2, --k >= 0, --min-rel-jump >= 0")
+    text = assess(path, predictions=args.predictions, rate_model=args.rate_model, optim=optim,
+                  seq_len=args.seq_len, clip=args.clip, num_params=n, num_params_source=src,
+                  spike_params=SpikeParams(args.window, args.k, args.min_rel_jump),
+                  out=args.out)
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
