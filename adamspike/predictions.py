@@ -233,6 +233,29 @@ class Predictions:
                 "validate": self.validate}
 
 
+def model_key(setting: Mapping[str, Any]) -> tuple | None:
+    """What the spike-rate model sees of a setting: its `model_features` values (9
+    significant digits); None when the setting does not name them. Two settings with the
+    same key get the same predicted rate and interval: the model cannot tell them apart
+    (they differ only in keys it does not use, e.g. the batch size when tokens per step is
+    not a model feature)."""
+    names, feats = setting.get("model_features"), setting.get("features") or {}
+    if not names or any(feats.get(k) is None for k in names):
+        return None
+    return tuple((k, float(f"{float(feats[k]):.9g}")) for k in names)
+
+
+def indistinguishable(settings: Iterable[Mapping[str, Any]]) -> list[list[str]]:
+    """Groups (of two or more setting ids, in the given order) that the model cannot tell
+    apart (model_key)."""
+    groups: dict[tuple, list[str]] = {}
+    for s in settings:
+        key = model_key(s)
+        if key is not None:
+            groups.setdefault(key, []).append(str(s["id"]))
+    return [ids for ids in groups.values() if len(ids) > 1]
+
+
 def content_hash(data: Mapping[str, Any]) -> str:
     """sha256 (hex) of the canonical JSON of `data` without its HASH_KEY: keys sorted,
     separators ',' and ':', no NaN / infinity."""

@@ -21,8 +21,10 @@ temporary folder):
 4. numerics health: loss scale, overflow / skipped / NaN iterations, missing values;
 5. predicted rate for this setting: from a pre-registered predictions.json (the setting
    matched as `analyze --predictions` matches it: analysis.scoring), or from a spike-rate
-   model (adamspike.spike_rate) where the run carries the model's features; it says
-   plainly when neither is available;
+   model (adamspike.spike_rate) where the run carries the model's features; given neither,
+   from the fit shipped with the package (adamspike.package_data: its model for a run with
+   per-layer telemetry, its llama2-70b predictions otherwise; --no-shipped: none); it
+   says plainly which one, and when none is available;
 6. settings that would lower it: the predictions file's settings with a lower predicted
    rate, grouped where the model cannot tell them apart (the same model features: a key the
    model does not use, such as the batch size, changes nothing in its prediction), each
@@ -43,12 +45,13 @@ import textwrap
 from pathlib import Path
 from typing import Any, Mapping
 
+from adamspike import package_data
 from adamspike import spike_rate as SR
 from adamspike.config import ConfigError, cli_main
 from adamspike.llama import PRESETS
 from adamspike.llama import num_params as llama_num_params
 from adamspike.megatron_log import MegatronLogError
-from adamspike.predictions import PredictionsError, load_predictions
+from adamspike.predictions import PredictionsError, load_predictions, model_key
 from adamspike.rundir import RunFormatError
 from adamspike.spikes import SpikeParams
 from analysis.cli import count_arg
@@ -184,10 +187,10 @@ def _model_feats(s: Mapping, names: list[str]) -> dict:
 
 
 def _same_model_features(a: Mapping, b: Mapping, names: list[str]) -> bool:
-    fa, fb = _model_feats(a, names), _model_feats(b, names)
-    if not fa or set(fa) != set(fb):
-        return False
-    return all(math.isclose(fa[k], fb[k], rel_tol=1e-9, abs_tol=1e-12) for k in fa)
+    """The model cannot tell the two apart (adamspike.predictions.model_key)."""
+    ka = model_key({**a, "model_features": a.get("model_features") or names})
+    return ka is not None and ka == model_key({**b, "model_features":
+                                                b.get("model_features") or names})
 
 
 def _diff(s: Mapping, ref: Mapping, vals: Mapping[str, float]) -> str:
@@ -371,13 +374,14 @@ def _from_model(ra, model, path) -> tuple[list[str], list[str]]:
 # ------------------------------------------------------------------ the command
 
 def assess(path: str | Path, *, predictions: str | None = None, rate_model: str | None = None,
-           optim: dict | None = None, seq_len: int | None = None, clip: float | None = None,
+           shipped: bool = True, optim: dict | None = None, seq_len: int | None = None, clip: float | None = None,
            num_params: int | None = None, num_params_source: str = "",
            spike_params: SpikeParams = SpikeParams(), out: str | Path | None = None) -> str:
     """The assessment text of a run directory or a training log."""
     path = Path(path)
     pred = load_predictions(predictions) if predictions else None
     model = SR.load_model(rate_model) if rate_model else None
+    shipped_note = ""
     with tempfile.TemporaryDirectory(prefix="adamspike-assess-") as tmp:
         if path.is_dir():
             run_dir = path
@@ -388,10 +392,29 @@ def assess(path: str | Path, *, predictions: str | None = None, rate_model: str 
                          num_params_source=num_params_source, name=path.name)
         if out:
             write_run_report(ra, Path(out) / "report")
-        return render(ra, path, pred, predictions, model, rate_model, out)
+        if pred is None and model is None and shipped:
+            pred, predictions, model, rate_model, shipped_note = _shipped(ra)
+        return render(ra, path, pred, predictions, model, rate_model, out, shipped_note)
 
 
-def render(ra, path: Path, pred, pred_path, model, model_path, out) -> str:
+def _shipped(ra) -> tuple:
+    """(pred, pred_path, model, model_path, note): the fit shipped with the package
+    (adamspike.package_data): its spike-rate model for a run with per-layer telemetry (the
+    run's own features), else its llama2-70b predictions; nothing (and why) when absent."""
+    try:
+        m = package_data.manifest("llama2-70b")
+        if ra.regime_card is not None and ra.regime_card.kind == "run":
+            p = package_data.rate_model_path("llama2-70b")
+            return None, None, SR.load_model(p), str(p), f"the {package_data.describe(m)}"
+        p = package_data.predictions_path("llama2-70b")
+        if p is None:
+            return None, None, None, None, "the shipped fit has no predictions.json"
+        return load_predictions(p), str(p), None, None, f"the {package_data.describe(m)}"
+    except (package_data.PackageDataError, PredictionsError, SR.SpikeRateError) as e:
+        return None, None, None, None, f"no shipped fit ({e})"
+
+
+def render(ra, path: Path, pred, pred_path, model, model_path, out, shipped_note: str = "") -> str:
     cfg = ra.run.config or {}
     o = cfg.get("optim") or {}
     stated = ", ".join(f"{k} {_f(o[k])}" for k in ("lr", "b1", "b2", "eps", "grad_clip")
@@ -403,7 +426,10 @@ def render(ra, path: Path, pred, pred_path, model, model_path, out) -> str:
          "", "REGIME", *regime_lines(ra),
          "", "SPIKES SO FAR", *spike_lines(ra),
          "", "NUMERICS HEALTH", *numerics_lines(ra),
-         "", "PREDICTED SPIKE RATE FOR THIS SETTING", *rate_l,
+         "", "PREDICTED SPIKE RATE FOR THIS SETTING",
+         *(_wrap(f"none given (--predictions, --rate-model): using {shipped_note}")
+           if shipped_note and (pred is not None or model is not None) else
+           _wrap(f"none given; {shipped_note}") if shipped_note else []), *rate_l,
          "", "SETTINGS THAT WOULD LOWER IT", *lower_l]
     if out:
         L += ["", f"Full report: {Path(out) / 'report' / 'report.md'} (and report.html)"]
@@ -417,6 +443,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("path", metavar="RUN_OR_LOG", help="a run directory or a training log")
     ap.add_argument("--predictions", help="a pre-registered predictions.json")
     ap.add_argument("--rate-model", help="a spike-rate model (adamspike spike-rate's model.json)")
+    ap.add_argument("--no-shipped", action="store_true",
+                    help="without --predictions / --rate-model, do not fall back to the fit "
+                         "shipped with the package")
     ap.add_argument("--out", help="also write the full report here (a new directory)")
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--clip", type=float, help="grad-clip threshold of the log's run")
@@ -455,7 +484,8 @@ def _main(args) -> int:
     optim = {k: getattr(args, k) for k in ("b1", "b2", "eps", "lr") if getattr(args, k) is not None}
     if args.window < 2 or args.k < 0 or args.min_rel_jump < 0:
         raise ConfigError("--window >= 2, --k >= 0, --min-rel-jump >= 0")
-    text = assess(path, predictions=args.predictions, rate_model=args.rate_model, optim=optim,
+    text = assess(path, predictions=args.predictions, rate_model=args.rate_model,
+                  shipped=not args.no_shipped, optim=optim,
                   seq_len=args.seq_len, clip=args.clip, num_params=n, num_params_source=src,
                   spike_params=SpikeParams(args.window, args.k, args.min_rel_jump),
                   out=args.out)

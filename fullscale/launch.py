@@ -61,7 +61,8 @@ from typing import Any
 from adamspike import mitigations
 from adamspike.config import ConfigError, load_config, param, replace, to_dict
 from adamspike.llama import num_params
-from adamspike.predictions import PredictionsError, load_predictions, setting_config
+from adamspike.predictions import (PredictionsError, indistinguishable, load_predictions,
+                                   setting_config)
 from adamspike.train_config import RunConfig
 from fullscale.cli import _Parser, exit_status
 from fullscale.hf import resolve_model
@@ -755,8 +756,18 @@ def _plan(argv: list[str]) -> int:
                          "risk_label": s.get("risk_label"), "overrides": dict(s["overrides"]),
                          "scripts": [Path(x).name for x in info["scripts"].values()],
                          "megatron_notes": launch.notes})
+        # planned settings the spike-rate model cannot tell apart (the same model features,
+        # so the same predicted rate): running both tests nothing the model predicts
+        twins = indistinguishable(preds.setting(i) for i in ids)
+        for g in twins:
+            print(f"{prog}: warning: settings {', '.join(g)} have the same model features: "
+                  "the spike-rate model predicts the same rate for them (they differ only in "
+                  "keys it does not use), so running all of them tests no prediction; keep "
+                  "one, or plan them as a test of that key", file=sys.stderr)
         (tmp / "plan.json").write_text(json.dumps(
-            {"predictions": str(out / "predictions.json"), "base": _abs(args.base), "settings": rows},
-            indent=2) + "\n")
-    print(f"wrote {out}: {len(rows)} setting(s): " + ", ".join(r["id"] for r in rows))
+            {"predictions": str(out / "predictions.json"), "base": _abs(args.base), "settings": rows,
+             "indistinguishable": twins}, indent=2) + "\n")
+    print(f"wrote {out}: {len(rows)} setting(s): " + ", ".join(r["id"] for r in rows)
+          + (f"; {sum(len(g) for g in twins)} of them indistinguishable for the model "
+             f"({'; '.join(' = '.join(g) for g in twins)})" if twins else ""))
     return 0

@@ -11,14 +11,15 @@ the sha256 of its canonical JSON); an existing --out is never overwritten (exit 
 
 Profile: per-depth gradient scale of the model the predictions are for, as
 rho_ref(depth) = rms(g) / eps_ref of the gradient Adam consumes, at the eps it refers to.
-  - llama2-70b (needs --ladder DIR, a finished `adamspike simulate ladder` directory): the
+  - llama2-70b (--ladder DIR, a finished `adamspike simulate ladder` directory; without it
+    the ladder shipped with the package, adamspike.package_data, named in `source`): the
     ladder fit (simulate.ladder) extrapolated to dim 8192, 80 layers, 1024 x 4096 tokens per
     step under the clip constraint sum_g N_g rms_g^2 = min(gn, 1)^2, at eps_ref = 1e-5; each
     depth takes its group's rho with the bootstrap prediction interval (rho_lo, rho_hi);
     phi = 0; lr 1.5e-4, batch 1024 (configs/llama2-70b.toml). `source` names the ladder, its
     R^2 (log) per group and the interval.
-  - --profile-from-log LOG (Megatron / ModelLink / MindSpeed training log; needs --ladder for
-    the depth shape): rho_bar(t) = min(grad_norm_t, clip) / (sqrt(N) eps) (N of the
+  - --profile-from-log LOG (Megatron / ModelLink / MindSpeed training log; --ladder for the
+    depth shape, else the shipped ladder): rho_bar(t) = min(grad_norm_t, clip) / (sqrt(N) eps) (N of the
     llama2-70b preset, --clip, --eps-ref), its median over the second half of the log,
     spread over depth by the ladder's shape rho_g / mean_rho (the N-weighted rms of the
     result is rho_bar); the interval combines the log's 10-90 % range of rho_bar with the
@@ -47,9 +48,10 @@ setting of predictions.json carries them as its `overrides`.
 
 Spike rate of a candidate (the GLM of adamspike.spike_rate, which replaced the heuristic
 risk): the model comes from --rate-model (model.json of `adamspike spike-rate`: sweeps and
-run directories, held-out validated) or, without it, is fitted here on the --sweep tables'
+run directories, held-out validated), or, without it, is fitted here on the --sweep tables'
 runs (neutral mitigations only; validation by adamspike.spike_rate.validate where the table
-allows a split). The candidate's features (adamspike.spike_rate.FEATURES): the shallow side's
+allows a split), or, with neither, is the model shipped with the package
+(adamspike.package_data: what the study's spike_rate stage wrote; rate_model.shipped). The candidate's features (adamspike.spike_rate.FEATURES): the shallow side's
 rho = group_rho (adamspike.depth_groups: sqrt(sum numel rho^2 / sum numel), the GLM's
 training statistic) over the profile's embed + shallow depths of rho_ref * eps_ref / eps
 weighted by numel_by_depth, the deep side's over the other depths (deep + head), log10 (1 - b2), log10 (lr / eps), tokens per step = global
@@ -63,7 +65,10 @@ at 70B scale every setting is an extrapolation and the file says so.
   rate     spikes per 1000 steps with rate_ci (level of the model, 90 %)
   p_spike  P(>= 1 spike in --horizon-steps steps) = 1 - exp(-rate N / 1000), with p_spike_ci
   risk     = p_spike; label low (< 1/3), medium (< 2/3), high
-Settings are ranked by rate (rank 1 = lowest); `validate` lists the three lowest-rate ids.
+Settings are ranked by rate (rank 1 = lowest); settings with the same model features (the
+model cannot tell them apart: adamspike.predictions.model_key, e.g. two batch sizes when
+tokens per step is not a model feature) name each other in `same_prediction_as`;
+`validate` lists the three lowest-rate ids with distinct model features.
 The per-depth theory (theory.risk.layer_risk: regime, update_rms, rms_t bound, on a
 1/20-decade rho grid and a 0.05 phi grid, cached) stays in `per_depth` and the rationale as
 context; it no longer sets the risk.
@@ -93,13 +98,15 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from adamspike import package_data
 from adamspike import spike_rate as SR
 from adamspike.config import ConfigError, cli_main, flatten, read_toml, to_dict
 from adamspike.depth_groups import depth_group, group_rho
 from adamspike.depth_groups import shallow_depths as group_shallow_depths
 from adamspike.llama import PRESETS, num_params, param_specs, preset
 from adamspike.megatron_log import MegatronLogError, read_megatron_log
-from adamspike.predictions import AlarmRule, Predictions, PredictionsError, save_predictions
+from adamspike.predictions import (AlarmRule, Predictions, PredictionsError, indistinguishable,
+                                   model_key, save_predictions)
 from adamspike.rundir import RunFormatError, json_clean, load_run, read_json
 from adamspike.train_config import RunConfig
 from simulate import ladder as LD
@@ -311,9 +318,13 @@ def profile_from_json(path: Path) -> dict:
 
 def load_profile(spec: str, ladder: str | None = None) -> dict:
     if spec == "llama2-70b":
-        if not ladder:
-            raise ConfigError("--profile llama2-70b: needs --ladder DIR (a directory written by "
-                              "`adamspike simulate ladder`); the hand-written profile is gone")
+        if not ladder:            # a fresh install: the ladder shipped with the package
+            lad = package_data.ladder_dir("llama2-70b")
+            prof = ladder_profile(lad)
+            rel = str(lad.relative_to(package_data.DATA.parent.parent))   # not this machine's
+            prof["source"] = (package_data.describe(package_data.manifest("llama2-70b"))
+                              + "; " + prof["source"].replace(str(lad), rel))
+            return prof
         if not Path(ladder).is_dir():
             raise ConfigError(f"--ladder {ladder}: not a directory")
         return ladder_profile(ladder)
@@ -409,9 +420,13 @@ def rate_model(model_path: str | None, sweeps: Sequence[str],
         m = SR.load_model(model_path)
         return m, {"model_file": str(model_path),
                    "model_sha256": hashlib.sha256(Path(model_path).read_bytes()).hexdigest()}
-    if not sweeps:
-        raise ConfigError("no spike-rate model: give --rate-model MODEL.json (adamspike "
-                          "spike-rate) or --sweep TABLE to fit one")
+    if not sweeps:                # a fresh install: the model shipped with the package
+        path = package_data.rate_model_path("llama2-70b")
+        m = SR.load_model(path)
+        rel = path.relative_to(package_data.DATA.parent.parent)
+        return m, {"model_file": f"package data {rel}",
+                   "model_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                   "shipped": package_data.describe(package_data.manifest("llama2-70b"))}
     rows, _ = SR.training_table(sweeps)
     m = SR.fit(rows, n_boot=n_boot)
     prov = {"fitted_on": [Path(sw).name for sw in sweeps]}
@@ -656,6 +671,20 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
     settings.sort(key=lambda s: (s["rate_per_1k"], -s["overrides"]["optim.lr"], s["id"]))
     for i, s in enumerate(settings, 1):
         s["rank"] = i
+    # settings the model cannot tell apart (same model features: the same rate): each names
+    # the others, and `validate` takes one of each (the lowest rate first)
+    for ids in indistinguishable(settings):
+        for s in settings:
+            if s["id"] in ids:
+                s["same_prediction_as"] = [i for i in ids if i != s["id"]]
+    validate, seen = [], set()
+    for s in settings:
+        key = model_key(s)
+        if key is None or key not in seen:
+            validate.append(s["id"])
+            seen.add(key)
+        if len(validate) == NUM_VALIDATE:
+            break
     base = candidates[0]
     rules = alarm_rules(profile, table, table_name, base["optim.b1"], base["optim.b2"])
     prof = {"name": profile["name"], "num_layers": int(profile["num_layers"]),
@@ -676,7 +705,7 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
                      "(rate_model); risk = P(>= 1 spike in horizon_steps); see "
                      "simulate/predict.py"}
     return Predictions(settings=settings, alarm_rules=rules,
-                       validate=[s["id"] for s in settings[:NUM_VALIDATE]], profile=prof,
+                       validate=validate, profile=prof,
                        source=src, rate_model=_model_summary(model, provenance or {}, horizon,
                                                              settings))
 
@@ -684,7 +713,8 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike predict", description=__doc__.split("\n\n")[0])
     which = ap.add_mutually_exclusive_group(required=True)
-    which.add_argument("--profile", help="llama2-70b (with --ladder) | PROFILE.json | RUN_DIR")
+    which.add_argument("--profile", help="llama2-70b (--ladder, else the shipped ladder) | "
+                                         "PROFILE.json | RUN_DIR")
     which.add_argument("--profile-from-log", metavar="LOG",
                        help="Megatron training log of the 70B (rho_bar from its grad norms; "
                             "depth shape from --ladder)")
@@ -715,9 +745,9 @@ def _main(args) -> int:
     if args.horizon_steps < 1:
         raise ConfigError(f"--horizon-steps: must be >= 1, got {args.horizon_steps}")
     if args.profile_from_log:
-        if not args.ladder:
-            raise ConfigError("--profile-from-log: needs --ladder DIR for the depth shape")
-        profile = profile_from_log(args.profile_from_log, args.ladder, args.clip, args.eps_ref)
+        profile = profile_from_log(args.profile_from_log,
+                                   args.ladder or package_data.ladder_dir("llama2-70b"),
+                                   args.clip, args.eps_ref)
     elif args.profile_from_run:
         if not Path(args.profile_from_run).is_dir():
             raise ConfigError(f"--profile-from-run {args.profile_from_run}: not a directory")

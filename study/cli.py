@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "phase-map": ("study.cli:phase_map_main", "spikes in the 70B's rho band: Pi x b2 x batch cells (resumable)"),
     "spike-rate": ("analysis.spike_rate:main", "fit + validate the spike-rate GLM on sweeps and runs"),
     "predict": ("simulate.predict:main", "pre-registered predictions.json: GLM spike rate per setting"),
+    "package-data": ("adamspike.package_data:main", "the shipped ladder fit + spike-rate model (check; --from STUDY_DIR refreshes)"),
     "train": ("fullscale.train:main", "fullscale LLaMA2 training (run under torchrun)"),
     "launch": ("fullscale.launch:launch_main", "write per-node torchrun / MindSpeed scripts"),
     "plan": ("fullscale.launch:plan_main", "one run config + launch script per predicted setting"),

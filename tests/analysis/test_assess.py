@@ -81,7 +81,7 @@ def test_assess_a_log_with_predictions(log, tmp_path):
 
 
 def test_assess_says_when_no_prediction_is_available(log, tmp_path, capsys):
-    assert cli(["assess", str(log)]) == 0
+    assert cli(["assess", str(log), "--no-shipped"]) == 0
     text = capsys.readouterr().out
     assert "NONE AVAILABLE: no predictions.json" in text
     assert "no model available, so no ranked alternatives" in text
@@ -90,21 +90,39 @@ def test_assess_says_when_no_prediction_is_available(log, tmp_path, capsys):
 
 
 def test_assess_a_run_directory(synthetic_run):
+    """A run with per-layer telemetry: its group rhos, and, given no predictions, the
+    shipped spike-rate model on the run's own features."""
     text = assess(synthetic_run)
     assert "embed" in text and "shallow" in text and "deep" in text
     assert "2 loss spike(s)" in text and "- iteration 300:" in text
+    body = " ".join(text.split())
+    assert "using the shipped fit v" in body and "from the spike-rate model" in body
+    assert "spikes per 1000 steps, interval [" in body and "one knob at a time" in body
+
+
+def test_assess_on_a_fresh_install_uses_the_shipped_predictions(log):
+    """A log and no predictions: the llama2-70b predictions shipped with the package, the
+    log's setting matched among them, and it says whose predictions they are."""
+    body = " ".join(assess(log, optim={"eps": 1e-8, "b2": 0.95}).split())
+    assert "using the shipped fit v" in body and "(profile llama2-70b" in body
+    assert "this setting: eps1e-08-b2_0.95-lr0.00015-b1_0.9-bs1024 (exact match" in body
+    assert "the predictions are for the llama2-70b profile" in body
+    assert "cannot tell apart from this one (same model features): " \
+        "train.global_batch_size=2048 (now 1024)" in body
 
 
 @pytest.mark.skipif(not REALLOGS.is_dir(), reason="../shared/reallogs not present")
 @pytest.mark.parametrize("name", sorted(REAL_ONSETS))
 def test_assess_the_real_logs(name, tmp_path):
-    text = assess(REALLOGS / name, clip=1.0, optim={"eps": 1e-8})
+    text = assess(REALLOGS / name, clip=1.0, optim={"eps": 1e-8, "b2": 0.95})
     want = REAL_ONSETS[name]
     if want is None:
         assert "0 loss spike(s)" in text
     else:
         assert f"- iteration {want}:" in text
-    assert "NONE AVAILABLE" in text
+    body = " ".join(text.split())
+    assert "none given (--predictions, --rate-model): using the shipped fit v" in body
+    assert "predicted " in body and "SETTINGS THAT WOULD LOWER IT" in body
     if name.startswith("02_"):
         assert "next to fp16 overflow activity" in " ".join(text.split())
 

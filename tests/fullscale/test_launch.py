@@ -235,3 +235,28 @@ def test_launch_warns_when_the_memory_estimate_does_not_fit(tmp_path, capsys):
                         "--train.global_batch_size", "8"]) == 0
     err = capsys.readouterr().err
     assert "fsdp: estimated 158 GB per card exceeds the 910B's 64 GB" in err
+
+
+def test_plan_says_when_the_model_cannot_tell_settings_apart(tmp_path, capsys):
+    """Two planned settings with the same model features (batch only differs, not a model
+    feature): plan warns and records them in plan.json (adamspike.predictions
+    .indistinguishable)."""
+    feats = {"log10_rho_shallow": 0.0, "log10_one_minus_b2": -1.3, "log10_lr_over_eps": 1.2}
+    names = list(feats)
+
+    def s(sid, gbs, rho=0.0):
+        return {"id": sid, "overrides": {"optim.b1": 0.9, "optim.b2": 0.95, "optim.eps": 1e-5,
+                                         "optim.lr": 1.5e-4, "train.global_batch_size": gbs},
+                "features": {**feats, "log10_rho_shallow": rho}, "model_features": names,
+                "rate_per_1k": 0.1, "rate_ci": [0.05, 0.2]}
+
+    path = tmp_path / "p.json"
+    save_predictions(Predictions(settings=[s("a", 1024), s("b", 2048), s("c", 1024, 1.0)],
+                                 validate=["a", "b", "c"]), path)
+    out = tmp_path / "plan"
+    assert plan_main(["--predictions", str(path), "--base", str(BASE), "--cluster",
+                      str(CLUSTER), "--master-addr", "h", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "settings a, b have the same model features" in cap.err
+    assert "2 of them indistinguishable for the model (a = b)" in cap.out
+    assert json.loads((out / "plan.json").read_text())["indistinguishable"] == [["a", "b"]]

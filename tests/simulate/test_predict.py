@@ -4,6 +4,7 @@ pre-registered (hash, never overwritten), thresholds come from data."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -99,11 +100,15 @@ def test_predictions_validate_and_rank_by_rate(tmp_path, profile_file, cands):
     assert pred.profile["rho_by_depth"]["-1"] == 0.5 and pred.profile["shallow_depths"] == [-1, 0]
 
 
-def test_without_sweep_needs_a_rate_model_and_alarms_fall_back_to_theory(
+def test_without_sweep_uses_a_rate_model_and_alarms_fall_back_to_theory(
         tmp_path, profile_file, cands, capsys):
     out = tmp_path / "pred.json"
-    assert P.main(["--profile", str(profile_file), "--candidates", cands, "--out", str(out)]) == 2
-    assert "--rate-model" in capsys.readouterr().err and not out.exists()
+    # neither --rate-model nor --sweep: the spike-rate model shipped with the package
+    assert P.main(["--profile", str(profile_file), "--candidates", cands, "--out", str(out)]) == 0
+    shipped = load_predictions(out).rate_model
+    assert shipped["model_file"].startswith("package data adamspike/data/llama2_70b/")
+    assert shipped["shipped"].startswith("shipped fit v")
+    out.unlink()
     model = tmp_path / "model.json"
     model.write_text(json.dumps(_rate_model(tmp_path).to_json()))
     assert P.main(["--profile", str(profile_file), "--candidates", cands, "--rate-model",
@@ -223,7 +228,7 @@ def test_features_are_the_glms_group_rho(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--profile", "nope-70b"], "--profile"),
-    (["--profile", "llama2-70b", "--sweep", "missing.parquet"], "--ladder"),
+    (["--profile", "llama2-70b", "--sweep", "missing.parquet"], "sweep table not found"),
     (["--profile", "llama2-70b", "--ladder", "no-such-dir"], "not a directory"),
 ])
 def test_bad_inputs_exit_2(tmp_path, capsys, args, needle):
@@ -242,3 +247,72 @@ def test_bad_candidates_and_existing_out(tmp_path, profile_file, capsys):
     existing.write_text("keep me")
     assert P.main(["--profile", str(profile_file), "--out", str(existing)]) == 2
     assert existing.read_text() == "keep me"
+
+
+# ---- a fresh install: the shipped ladder + spike-rate model (adamspike.package_data) ----
+
+def test_fresh_install_predicts_llama2_70b_from_the_shipped_fit(tmp_path):
+    """`predict --profile llama2-70b` without --ladder / --rate-model / --sweep answers from
+    the package data, as it does from the same files given explicitly; `validate` holds
+    three settings the model can tell apart, and twins (batch only) name each other."""
+    from adamspike import package_data
+    from adamspike.predictions import model_key
+
+    out = tmp_path / "p.json"
+    assert P.main(["--profile", "llama2-70b", "--out", str(out)]) == 0
+    pred = load_predictions(out)
+    assert len(pred.settings) == 24 and pred.profile["source"].startswith("shipped fit v")
+    assert pred.rate_model["model_file"].startswith("package data adamspike/data/llama2_70b/")
+    keys = [model_key(pred.setting(i)) for i in pred.validate]
+    assert len(pred.validate) == 3 and len(set(keys)) == 3
+    twin = {s["id"]: s.get("same_prediction_as") for s in pred.settings}
+    assert twin["eps1e-05-b2_0.95-lr0.0003-b1_0.9-bs1024"] == \
+        ["eps1e-05-b2_0.95-lr0.0003-b1_0.9-bs2048"]
+    explicit = tmp_path / "e.json"
+    assert P.main(["--profile", "llama2-70b", "--ladder", str(package_data.ladder_dir()),
+                   "--rate-model", str(package_data.rate_model_path()), "--out",
+                   str(explicit)]) == 0
+    e = load_predictions(explicit)
+    assert [(s["id"], s["rate_per_1k"], s["rate_ci"]) for s in e.settings] == \
+        [(s["id"], s["rate_per_1k"], s["rate_ci"]) for s in pred.settings]
+
+
+def test_package_data_round_trip_and_tamper_check(tmp_path):
+    """Writing the package data from a study folder that holds the shipped files gives the
+    same files (the manifest's hashes); a changed byte is refused."""
+    import shutil
+
+    from adamspike import package_data as PD
+
+    study = tmp_path / "study"
+    shutil.copytree(PD.ladder_dir(), study / "ladder")
+    (study / "spike_rate").mkdir()
+    shutil.copyfile(PD.rate_model_path(), study / "spike_rate" / "model.json")
+    root = tmp_path / "data"
+    m = PD.write(study, root=root, predictions=False)
+    shipped = {k: v for k, v in PD.manifest()["files"].items() if k != "predictions.json"}
+    assert m["files"] == shipped and m["version"] == 1
+    assert PD.manifest(root=root)["files"] == m["files"]
+    cell = next((PD.profile_dir(root=root) / "ladder" / "cells").glob("*.parquet"))
+    cell.write_bytes(cell.read_bytes() + b"\0")
+    with pytest.raises(PD.PackageDataError, match="sha256 differs"):
+        PD.ladder_dir(root=root)
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("ADAMSPIKE_STUDY_DIR"),
+                    reason="set ADAMSPIKE_STUDY_DIR to a finished `adamspike reproduce` folder")
+def test_shipped_fit_matches_a_study_run(tmp_path):
+    """The shipped prediction against a fresh study's (ADAMSPIKE_STUDY_DIR): every setting's
+    rate inside the other's interval (the fits' reproducibility: the ladder and the GLM are
+    refitted on other toy runs)."""
+    import os
+
+    study = Path(os.environ["ADAMSPIKE_STUDY_DIR"])
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert P.main(["--profile", "llama2-70b", "--out", str(a)]) == 0
+    assert P.main(["--profile", "llama2-70b", "--ladder", str(study / "ladder"), "--rate-model",
+                   str(study / "spike_rate" / "model.json"), "--out", str(b)]) == 0
+    sa = {s["id"]: s for s in load_predictions(a).settings}
+    for s in load_predictions(b).settings:
+        lo, hi = sa[s["id"]]["rate_ci"]
+        assert lo <= s["rate_per_1k"] <= hi, s["id"]

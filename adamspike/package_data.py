@@ -1,0 +1,186 @@
+"""Fits shipped with the package, so `adamspike predict --profile llama2-70b` answers on a
+fresh install without a study run (no jax needed to read them).
+
+    adamspike/data/llama2_70b/
+      MANIFEST.json           schema, version, where each file came from (the study folder
+                              and the `adamspike reproduce` stage that writes it), its
+                              sha256; checked on every load
+      ladder/ladder.json      the width/depth ladder's spec   } stage `ladder`
+      ladder/cells/*.parquet  its finished cells (per rung x  } (`adamspike simulate ladder`):
+                              seed gradient RMS rows)         } simulate.ladder refits them
+      spike_rate_model.json   the spike-rate GLM              stage `spike_rate`
+                                                              (`adamspike spike-rate`)
+      predictions.json        `adamspike predict --profile llama2-70b` on the two above
+                              (pre-registered when written; `adamspike assess` reads it
+                              when given no predictions of its own)
+
+The ladder is shipped as its cells (a few hundred kB), not as a fitted summary: simulate
+.ladder.ladder_70b refits them (deterministic: fixed bootstrap seeds), so the shipped fit is
+the one a study folder with the same cells gives, bit for bit.
+
+`adamspike package-data --from STUDY_DIR` (a finished `make reproduce` / `adamspike
+reproduce --out STUDY_DIR` folder: STUDY_DIR/ladder and STUDY_DIR/spike_rate/model.json)
+replaces the shipped files and writes a new manifest (version + 1); `adamspike
+package-data` alone prints the manifest and checks the hashes. The package must carry
+adamspike/data/** as package data (an editable install reads the source tree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from adamspike.config import ConfigError, cli_main
+
+DATA = Path(__file__).resolve().parent / "data"
+PROFILES = ("llama2-70b",)
+SCHEMA = "adamspike.package_data"
+MODEL_FILE = "spike_rate_model.json"
+PREDICTIONS_FILE = "predictions.json"
+STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate ladder`)",
+          MODEL_FILE: "stage `spike_rate` of configs/study.toml (`adamspike spike-rate`)",
+          PREDICTIONS_FILE: "`adamspike predict --profile llama2-70b` on the shipped ladder "
+                            "and model (adamspike package-data)"}
+
+
+class PackageDataError(ConfigError):
+    """Shipped data missing or not what its manifest says."""
+
+
+def profile_dir(profile: str = "llama2-70b", root: Path = DATA) -> Path:
+    return Path(root) / profile.replace("-", "_")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _files(d: Path) -> list[Path]:
+    return sorted([d / "ladder" / "ladder.json", *sorted((d / "ladder" / "cells").glob("*.parquet")),
+                   d / MODEL_FILE, *([d / PREDICTIONS_FILE] if (d / PREDICTIONS_FILE).is_file()
+                                     else [])], key=lambda p: p.relative_to(d).as_posix())
+
+
+def manifest(profile: str = "llama2-70b", root: Path = DATA) -> dict:
+    """The manifest of the shipped data of `profile`, after checking every file's sha256
+    (PackageDataError when one is missing or differs)."""
+    d = profile_dir(profile, root)
+    mpath = d / "MANIFEST.json"
+    if not mpath.is_file():
+        raise PackageDataError(f"no shipped fit for profile {profile!r} ({mpath} missing); "
+                               "pass --ladder DIR and --rate-model MODEL.json")
+    m = json.loads(mpath.read_text())
+    if m.get("schema") != SCHEMA:
+        raise PackageDataError(f"{mpath}: not a package-data manifest")
+    for rel, sha in m["files"].items():
+        p = d / rel
+        if not p.is_file():
+            raise PackageDataError(f"{p}: listed in {mpath} but missing")
+        if _sha(p) != sha:
+            raise PackageDataError(f"{p}: sha256 differs from {mpath} (edited or damaged; "
+                                   "regenerate with `adamspike package-data --from STUDY_DIR`)")
+    return m
+
+
+def ladder_dir(profile: str = "llama2-70b", root: Path = DATA) -> Path:
+    manifest(profile, root)
+    return profile_dir(profile, root) / "ladder"
+
+
+def rate_model_path(profile: str = "llama2-70b", root: Path = DATA) -> Path:
+    manifest(profile, root)
+    return profile_dir(profile, root) / MODEL_FILE
+
+
+def predictions_path(profile: str = "llama2-70b", root: Path = DATA) -> Path | None:
+    """The shipped predictions.json of `profile` (None when the manifest has none)."""
+    m = manifest(profile, root)
+    return profile_dir(profile, root) / PREDICTIONS_FILE if PREDICTIONS_FILE in m["files"] \
+        else None
+
+
+def describe(m: dict) -> str:
+    """One line naming the shipped data and where it came from."""
+    return (f"shipped fit v{m['version']} ({m['profile']}, from {m['source']}, "
+            f"{m['created']})")
+
+
+def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
+          source: str | None = None, predictions: bool = True) -> dict:
+    """Replace the shipped files of `profile` by those of a study folder (module doc);
+    returns the new manifest. The cells are those of the study's ladder spec."""
+    study = Path(study)
+    lad, model = study / "ladder", study / "spike_rate" / "model.json"
+    for p in (lad / "ladder.json", model):
+        if not p.is_file():
+            raise PackageDataError(f"{p}: missing (a finished `adamspike reproduce` folder has "
+                                   "ladder/ and spike_rate/model.json)")
+    cells = sorted((lad / "cells").glob("*.parquet"))
+    if not cells:
+        raise PackageDataError(f"{lad}/cells: no finished ladder cells")
+    d = profile_dir(profile, root)
+    old = None
+    if (d / "MANIFEST.json").is_file():
+        old = json.loads((d / "MANIFEST.json").read_text())
+    tmp = d.with_name(d.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "ladder" / "cells").mkdir(parents=True)
+    shutil.copyfile(lad / "ladder.json", tmp / "ladder" / "ladder.json")
+    for c in cells:
+        shutil.copyfile(c, tmp / "ladder" / "cells" / c.name)
+    shutil.copyfile(model, tmp / MODEL_FILE)
+    m: dict[str, Any] = {
+        "schema": SCHEMA, "version": int(old["version"]) + 1 if old else 1,
+        "profile": profile, "source": source or str(study.resolve()),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "produced_by": {"ladder/": STAGES["ladder"], MODEL_FILE: STAGES[MODEL_FILE],
+                        **({PREDICTIONS_FILE: STAGES[PREDICTIONS_FILE]} if predictions else {})},
+        "files": {p.relative_to(tmp).as_posix(): _sha(p) for p in _files(tmp)}}
+    (tmp / "MANIFEST.json").write_text(json.dumps(m, indent=2) + "\n")
+    shutil.rmtree(d, ignore_errors=True)
+    tmp.rename(d)
+    if predictions and profile == "llama2-70b":
+        # simulate sits above adamspike (jax): only this writer runs the predictor, on the
+        # files just written (by default the shipped paths, so the file names no temp dir)
+        from simulate.predict import main as predict_main
+        argv = ["--profile", "llama2-70b", "--out", str(d / PREDICTIONS_FILE)]
+        if Path(root).resolve() != DATA:
+            argv += ["--ladder", str(d / "ladder"), "--rate-model", str(d / MODEL_FILE)]
+        rc = predict_main(argv)
+        if rc:
+            raise PackageDataError(f"adamspike predict failed (exit {rc}) on {d}")
+        m["files"] = {p.relative_to(d).as_posix(): _sha(p) for p in _files(d)}
+        (d / "MANIFEST.json").write_text(json.dumps(m, indent=2) + "\n")
+    return m
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`adamspike package-data [--from STUDY_DIR]`."""
+    ap = argparse.ArgumentParser(prog="adamspike package-data",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--from", dest="study", metavar="STUDY_DIR",
+                    help="replace the shipped fit by a finished study folder's")
+    ap.add_argument("--profile", default="llama2-70b", choices=PROFILES)
+    ap.add_argument("--source", help="provenance text for the manifest (default: the path)")
+    return cli_main(ap, argv, _main, "adamspike package-data", (ConfigError, OSError))
+
+
+def _main(args) -> int:
+    if args.study:
+        m = write(args.study, args.profile, source=args.source)
+        print(f"wrote {describe(m)}: {len(m['files'])} files -> {profile_dir(args.profile)}")
+        return 0
+    m = manifest(args.profile)
+    print(json.dumps(m, indent=2))
+    print(f"{describe(m)}: {len(m['files'])} files, sha256 ok", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
