@@ -232,3 +232,54 @@ def test_watch_a_run_directory(synthetic_run):
     alarms = [e for e in evs if e["category"] == "alarm"]
     assert [(a["step"], a["record"]["rule"]) for a in alarms] == [(290, "rms_t_shallow")]
     assert not any(e["kind"] == "checkpoint" for e in evs)
+
+
+def test_watch_a_live_run_directory_and_new_only(tmp_path):
+    """A trainer writing its run directory while watch follows it: the spike and the alarm
+    event are reported as they are flushed; --new-only judges the rows already there
+    silently (the earlier spike is not reported, the new one is)."""
+    from adamspike.rundir import RunWriter
+
+    def row(s, loss):
+        return dict(step=s, tokens=s * 1000, loss=loss, lr=1e-3, grad_norm=0.5, clipped=False,
+                    update_norm=0.1, step_time_s=0.1, skipped=False)
+
+    w = RunWriter(tmp_path / "run", backend="jax", config={"optim": {"eps": 1e-8}})
+    for s in range(1, 60):
+        w.log_step(**row(s, 3.0 + 0.001 * (s % 3)))
+    w.flush()
+    stop, evs = _Stop(), []
+    th = threading.Thread(target=lambda: evs.extend(
+        watch(tmp_path / "run", poll=0.02, stop=stop, quiet=True)))
+    th.start()
+    try:
+        time.sleep(0.5)
+        w.log_step(**row(60, 9.0))
+        w.flush()
+        w.event("alarm", step=60, rule="rms_t_shallow")
+        for s in range(61, 64):
+            w.log_step(**row(s, 3.0))
+        w.flush()
+        w.close()
+        time.sleep(0.5)
+    finally:
+        stop.flag = True
+        th.join(10)
+    assert [(e["kind"], e["step"]) for e in evs] == \
+        [("loss_spike", 60), ("alarm", 60), ("loss_spike_end", 61)]
+    log = tmp_path / "old.log"
+    log.write_text("\n".join(core_line(i, 3.0 + (4.0 if i == 30 else 0.001 * (i % 3)))
+                             for i in range(1, 41)) + "\n")
+    stop, evs = _Stop(), []
+    th = threading.Thread(target=lambda: evs.extend(
+        watch(log, poll=0.02, stop=stop, quiet=True, new_only=True)))
+    th.start()
+    try:
+        time.sleep(0.5)
+        with open(log, "a") as fh:
+            fh.write(core_line(41, 9.0) + "\n")
+        time.sleep(0.5)
+    finally:
+        stop.flag = True
+        th.join(10)
+    assert [(e["kind"], e["step"]) for e in evs] == [("loss_spike", 41)]
