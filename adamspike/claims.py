@@ -74,6 +74,7 @@ class Study:
     seeds: int
     bases: dict[str, dict]
     claims: list[Claim] = field(default_factory=list)
+    spike_k: float | None = None     # the spike rule's MAD multiple (None: the project's)
 
 
 def arm_label(overrides: Mapping[str, Any], name: str = "") -> str:
@@ -142,5 +143,12 @@ def read_study(path: str | Path) -> Study:
             row["arg"] = tuple(row["arg"])
         claims.append(Claim(**{**row, **names, "also": tuple(row.get("also", ()))}))
     seeds = int(st.get("seeds", MIN_SEEDS))
+    bad = sorted(set(st) - {"title", "description", "seeds", "spike_k"})
+    if bad:
+        raise ConfigError(f"{path}: study.{bad[0]}: unknown field")
+    k = st.get("spike_k")
+    if k is not None and not (isinstance(k, (int, float)) and k > 0):
+        raise ConfigError(f"{path}: study.spike_k: a positive number, got {k!r}")
     return Study(str(path), st.get("title", "Replication of the literature's claims"),
-                 st.get("description", ""), seeds, bases, claims)
+                 st.get("description", ""), seeds, bases, claims,
+                 None if k is None else float(k))

@@ -77,18 +77,20 @@ def seed_steps(table: pd.DataFrame) -> dict[int, pd.DataFrame]:
             for k, g in table.sort_values(["seed", "step"]).groupby("seed")}
 
 
-def seed_metrics(table: pd.DataFrame) -> pd.DataFrame:
+def seed_metrics(table: pd.DataFrame, spike_k: float | None = None) -> pd.DataFrame:
     """One row per seed, indexed by seed: the sweep rows as they are, or from a per-step
-    arm num_spikes, num_spikes_10, final_loss, rho_<group> (module doc)."""
+    arm num_spikes, num_spikes_10, final_loss, rho_<group> (module doc; spike_k: the
+    study's MAD multiple, `[study] spike_k`, else the project's)."""
     if "step" not in table:
         return table.set_index("seed")
+    rule = SpikeParams() if spike_k is None else SpikeParams(k=float(spike_k))
     rows = []
     rho_cols = [c for c in table.columns if c.startswith("rho_")]
     for k, st in seed_steps(table).items():
         full = table[table["seed"] == k]
         late = full[full["step"] > full["step"].max() // 2]
-        rows.append({"seed": k, "num_spikes": len(loss_spikes(st, SpikeParams())[0]),
-                     "num_spikes_10": len(loss_spikes(st, SpikeParams(min_rel_jump=0.1))[0]),
+        rows.append({"seed": k, "num_spikes": len(loss_spikes(st, rule)[0]),
+                     "num_spikes_10": len(loss_spikes(st, rule.replace(min_rel_jump=0.1))[0]),
                      "final_loss": float(np.median(st["loss"].to_numpy()[-FINAL_WINDOW:])),
                      **{c: float(np.median(late[c])) for c in rho_cols}})
     return pd.DataFrame(rows).set_index("seed")
@@ -171,7 +173,7 @@ def _row(c: Mapping[str, Any], meta: Mapping[str, Any], metrics: Mapping[str, pd
 
 def claims_table(meta: Mapping[str, Any], arms: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
     """One row per claim (COLUMNS), Holm over the tested rows, the verdicts."""
-    metrics = {a: seed_metrics(t) for a, t in arms.items()}
+    metrics = {a: seed_metrics(t, meta.get("spike_k")) for a, t in arms.items()}
     steps = {a: seed_steps(t) for a, t in arms.items() if "step" in t}
     table = pd.DataFrame([_row(c, meta, metrics, steps) for c in meta["claims"]])
     for col in COLUMNS + ["_t", "_c", "treatment_ci_low"]:
@@ -189,7 +191,7 @@ def arms_table(meta: Mapping[str, Any], arms: Mapping[str, pd.DataFrame]) -> pd.
     used = {m for c in meta["claims"] for m in (c["metric"], *c["also"])}
     rows = []
     for a, t in arms.items():
-        m = seed_metrics(t)
+        m = seed_metrics(t, meta.get("spike_k"))
         cols = [c for c in m.columns if c in used or c.startswith("rho_") or c == "num_spikes_10"]
         rows.append({"arm": meta["arms"][a]["label"], "base": meta["arms"][a]["base"], "seeds": len(m),
                      **{c: float(pd.to_numeric(m[c], errors="coerce").mean()) for c in cols}})
@@ -204,9 +206,13 @@ def report_md(study: str | Path) -> tuple[str, pd.DataFrame]:
     for name, cal in meta.get("calibration", {}).items():
         lines += [f"Base {name}: per-group eps calibrated so each group's rho = rms(consumed "
                   "gradient) / eps sits at the LLaMA2-70B's ladder estimate at eps 1e-5: " + ", ".join(
-                      f"{g} target {cal['targets'].get(g, math.nan):.3g}, eps {e:.3g}, last pilot "
-                      f"{cal['rounds'][-1]['rho'].get(g, math.nan):.3g}" for g, e in cal["eps"].items())
+                      f"{g} target {cal['targets'].get(g, math.nan):.3g}, eps {e:.3g}, pilot "
+                      f"{cal.get('rho', cal['rounds'][-1]['rho']).get(g, math.nan):.3g}"
+                      for g, e in cal["eps"].items())
                   + " (reached by the arms: the arms table).", ""]
+    rule = SpikeParams() if meta.get("spike_k") is None else SpikeParams(k=float(meta["spike_k"]))
+    lines += [f"Spike rule (num_spikes; num_spikes_10 at a 10 % jump): {rule.describe()}"
+              + (" (the study's spike_k)" if meta.get("spike_k") is not None else "") + ".", ""]
     lines += [f"{len(meta['seeds'])} paired seeds per arm. Per claim: treatment - control per "
               "seed (one-cell claims: the value against the rule's reference); BCa bootstrap 95 % "
               "interval of the mean difference, exact paired permutation p, exact sign p, "

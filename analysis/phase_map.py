@@ -4,7 +4,8 @@ only).
 Per lane (seed of a cell): spikes by adamspike.spikes.detect_spikes on the loss with the
 map's [spikes] rule (window, k, min_rel_jump); height = peak / running median - 1; a
 non-finite loss is a spike of every class. Exposure: the lane's steps after the rule's
-history (min_history) in thousands. The cell's detection floor: the median over lanes of max(k 1.4826 MAD(loss - the running
+history (min_history) in thousands. Each cell also counts the spikes of the project's default rule (k = 6), beside the map's.
+The cell's detection floor: the median over lanes of max(k 1.4826 MAD(loss - the running
 median of the previous `window` steps) / median loss, min_rel_jump), the smallest relative
 jump the rule can call a spike on that lane's noise. Per cell and height class h (>= 10 %,
 >= 50 %, >= 2x):
@@ -117,6 +118,7 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             d = d.sort_values("step")
             steps = d["step"].to_numpy()
             sp = lane_spikes(d["loss"].to_numpy(), steps, p)
+            strict = lane_spikes(d["loss"].to_numpy(), steps, p.replace(k=SpikeParams().k))
             S = d["S"].to_numpy()
             wake = wakeups(d[rho_cols].to_numpy(), dormant)
             tail = S[int(len(S) * 0.1):]
@@ -125,6 +127,7 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             med = loss.rolling(p.window, min_periods=p.history).median().shift(1)
             mad = (loss - med).abs().median()
             per[int(seed)] = {"steps": steps, "spikes": sp, "S": S, "wake": wake,
+                              "num_strict": len(strict),
                               "floor": max(p.k * 1.4826 * mad / float(med.median()), p.min_rel_jump)
                               if np.isfinite(mad) and float(med.median()) > 0 else math.nan,
                               "S_lane": float(np.percentile(tail, 90)) if tail.size else math.nan,
@@ -143,6 +146,7 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             row.update({f"spikes_{tag}": k, f"rate_{tag}": k / exposure,
                         f"rate_{tag}_lo": lo, f"rate_{tag}_hi": hi})
         row["diverged_lanes"] = int(sum(per[s]["diverged"] for s in seeds))
+        row["spikes_default_k"] = int(sum(per[s]["num_strict"] for s in seeds))
         row["detect_floor"] = float(np.nanmedian([per[s]["floor"] for s in seeds]))
         s_all = np.concatenate([per[s]["S"] for s in seeds])
         s_all = s_all[np.isfinite(s_all)]
@@ -292,6 +296,7 @@ def report_md(table: pd.DataFrame, onsets: pd.DataFrame, summary: dict) -> str:
     for t in tags:
         show[f"rate >= {t} % /1k [95 %]"] = [_fmt_rate(r, t) for r in table.to_dict("records")]
     show["diverged"] = table["diverged_lanes"]
+    show[f"spikes at k {SpikeParams().k:g}"] = table["spikes_default_k"]
     show["mechanism"] = table["mechanism"]
     lines += ["## Cells", "", md_table(show), ""]
     att = table[table["num_onsets"] > 0]

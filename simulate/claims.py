@@ -214,7 +214,8 @@ def run_study(study: Study, out: str | Path, quick: bool = False, num_seeds: int
     meta_path = out / "replication.json"
     old = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     meta = {"claims_file": study.path, "title": study.title, "description": study.description,
-            "quick": quick, "seeds": seeds, "calibration": old.get("calibration", {}),
+            "quick": quick, "seeds": seeds, "spike_k": study.spike_k,
+            "calibration": old.get("calibration", {}),
             "claims": [], "arms": {}, "arm_configs": {}, "arm_seconds": old.get("arm_seconds", {})}
     bases = {}
     for c in study.claims:
