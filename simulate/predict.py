@@ -4,7 +4,8 @@ rate per candidate setting, alarm rules from sweep results.
     adamspike predict (--profile (llama2-70b | PROFILE.json | RUN_DIR) | --profile-from-log LOG
                        | --profile-from-run RUN) [--ladder DIR] [--sweep TABLE ...]
                       [--rate-model MODEL.json] [--horizon-steps 2000]
-                      [--candidates candidates.toml] --out predictions.json
+                      [--candidates candidates.toml | --setting KEY=V,...] --out predictions.json
+    adamspike predict --profile llama2-70b --setting optim.eps=1e-6,optim.b2=0.95   (prints)
 
 The file is pre-registered (adamspike.predictions.save_predictions: UTC creation time and
 the sha256 of its canonical JSON); an existing --out is never overwritten (exit 2).
@@ -387,22 +388,42 @@ def load_candidates(path: str, profile: Mapping[str, Any]) -> list[dict]:
     for i, c in enumerate(cands):
         c = dict(c)
         cid = c.pop("id", None)
-        flat = flatten(c)
-        bad = sorted(set(flat) - set(CANDIDATE_KEYS))
-        if bad:
-            raise ConfigError(f"candidate[{i}].{bad[0]}: unknown key (known: id, {', '.join(CANDIDATE_KEYS)})")
-        for k in ("optim.b2", "optim.eps"):
-            if k not in flat:
-                raise ConfigError(f"candidate[{i}].{k}: missing")
-        flat = {**_profile_defaults(profile), **flat}
-        try:
-            cfg = flatten(to_dict(RunConfig.from_dict(flat)))
-        except ConfigError as e:
-            raise ConfigError(f"candidate[{i}].{e}") from None
-        if not cfg["optim.eps"] > 0:
-            raise ConfigError(f"candidate[{i}].optim.eps: must be > 0 (rho = rms(g) / eps)")
-        out.append({**({"id": cid} if cid else {}), **{k: cfg[k] for k in CANDIDATE_KEYS}})
+        out.append(_candidate(flatten(c), f"candidate[{i}]", profile, cid))
     return out
+
+
+def _candidate(flat: Mapping[str, Any], where: str, profile: Mapping[str, Any],
+               cid: str | None = None) -> dict:
+    """One candidate: CANDIDATE_KEYS only, optim.b2 and optim.eps required, the rest from
+    the profile, validated by RunConfig.from_dict (ConfigError names `where` and the key)."""
+    bad = sorted(set(flat) - set(CANDIDATE_KEYS))
+    if bad:
+        raise ConfigError(f"{where}.{bad[0]}: unknown key (known: id, {', '.join(CANDIDATE_KEYS)})")
+    for k in ("optim.b2", "optim.eps"):
+        if k not in flat:
+            raise ConfigError(f"{where}.{k}: missing")
+    flat = {**_profile_defaults(profile), **flat}
+    try:
+        cfg = flatten(to_dict(RunConfig.from_dict(flat)))
+    except ConfigError as e:
+        raise ConfigError(f"{where}.{e}") from None
+    if not cfg["optim.eps"] > 0:
+        raise ConfigError(f"{where}.optim.eps: must be > 0 (rho = rms(g) / eps)")
+    return {**({"id": cid} if cid else {}), **{k: cfg[k] for k in CANDIDATE_KEYS}}
+
+
+def parse_setting(text: str, profile: Mapping[str, Any]) -> dict:
+    """`--setting optim.eps=1e-6,optim.b2=0.95` as a candidate (dotted keys, numbers)."""
+    flat: dict[str, Any] = {}
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        key, sep, val = part.partition("=")
+        if not sep:
+            raise ConfigError(f"--setting {text!r}: {part!r} is not KEY=VALUE")
+        try:
+            flat[key.strip()] = int(val) if val.strip().lstrip("-").isdigit() else float(val)
+        except ValueError:
+            raise ConfigError(f"--setting {text!r}: {key.strip()}: not a number: {val!r}") from None
+    return _candidate(flat, f"--setting {text!r}", profile)
 
 
 def setting_id(c: Mapping[str, Any]) -> str:
@@ -710,6 +731,22 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
                                                              settings))
 
 
+def settings_text(pred: Predictions) -> str:
+    """The settings' rates as text (`--setting` without --out: not pre-registered)."""
+    L = [f"profile {pred.profile['name']} ({pred.profile['source'][:160]}...)",
+         f"spike-rate model: {pred.rate_model.get('model_file') or pred.rate_model.get('fitted_on')}"]
+    for s in pred.settings:
+        L.append(f"{s['id']}: {s['rate_per_1k']:.3g} spikes / 1k steps "
+                 f"[{s['rate_ci'][0]:.3g}, {s['rate_ci'][1]:.3g}], P(>= 1 in "
+                 f"{s['horizon_steps']} steps) {s['p_spike']:.3g}"
+                 + ("; extrapolated: " + "; ".join(s.get("extrapolation_reasons") or [])
+                    if s["extrapolated"] else "")
+                 + (f"; the model predicts the same for {', '.join(s['same_prediction_as'])}"
+                    if s.get("same_prediction_as") else ""))
+    L.append("(not pre-registered: give --out FILE to write predictions.json)")
+    return "\n".join(L)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike predict", description=__doc__.split("\n\n")[0])
     which = ap.add_mutually_exclusive_group(required=True)
@@ -732,14 +769,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="N of P(>= 1 spike in N steps)")
     ap.add_argument("--candidates", help="TOML with [[candidate]] tables of dotted keys "
                     "(optim.b1, optim.b2, optim.eps, optim.lr, train.global_batch_size)")
-    ap.add_argument("--out", required=True, help="predictions.json to write (must not exist: "
-                    "a pre-registered file is never overwritten)")
+    ap.add_argument("--setting", action="append", default=[], metavar="KEY=V,...",
+                    help="a candidate as dotted keys, e.g. optim.eps=1e-6,optim.b2=0.95 "
+                         "(repeatable; replaces the default candidates; without --out the "
+                         "rates are printed, nothing is written)")
+    ap.add_argument("--out", help="predictions.json to write (must not exist: a pre-registered "
+                    "file is never overwritten); required unless --setting is given")
     return cli_main(ap, argv, _main, "adamspike predict",
                     (ConfigError, PredictionsError, SR.SpikeRateError, ValueError))
 
 
 def _main(args) -> int:
-    if Path(args.out).exists():
+    if not args.out and not args.setting:
+        raise ConfigError("--out: required (or --setting KEY=V,... to print the rates)")
+    if args.setting and args.candidates:
+        raise ConfigError("--setting and --candidates: give one of them")
+    if args.out and Path(args.out).exists():
         raise ConfigError(f"{args.out}: exists (a pre-registered predictions file is never "
                           "overwritten); choose a new --out")
     if args.horizon_steps < 1:
@@ -761,10 +806,14 @@ def _main(args) -> int:
             raise ConfigError(f"{sw}: not a sweep table (missing {sorted(need - set(t.columns))})")
     table = pd.concat(tables, ignore_index=True) if tables else None
     cands = (load_candidates(args.candidates, profile) if args.candidates
+             else [parse_setting(t, profile) for t in args.setting] if args.setting
              else default_candidates(profile))
     model, prov = rate_model(args.rate_model, args.sweep)
     pred = predict(profile, cands, table, ", ".join(args.sweep), model=model,
                    provenance=prov, horizon=args.horizon_steps)
+    if not args.out:
+        print(settings_text(pred))
+        return 0
     data = save_predictions(pred, args.out)
     best, worst = pred.settings[0], pred.settings[-1]
     print(f"{len(pred.settings)} settings, {len(pred.alarm_rules)} alarm rules -> {args.out} "

@@ -316,3 +316,20 @@ def test_shipped_fit_matches_a_study_run(tmp_path):
     for s in load_predictions(b).settings:
         lo, hi = sa[s["id"]]["rate_ci"]
         assert lo <= s["rate_per_1k"] <= hi, s["id"]
+
+
+def test_setting_answers_in_seconds_without_writing(tmp_path, capsys, monkeypatch):
+    """`predict --profile llama2-70b --setting ...` (the shipped fit) prints each setting's
+    rate and says which ones the model cannot tell apart; nothing is written; a bad value
+    names the key."""
+    monkeypatch.chdir(tmp_path)
+    assert P.main(["--profile", "llama2-70b", "--setting", "optim.eps=1e-6,optim.b2=0.95",
+                   "--setting", "optim.eps=1e-6,optim.b2=0.95,train.global_batch_size=2048"]) == 0
+    out = capsys.readouterr().out
+    assert "eps1e-06-b2_0.95-lr0.00015-b1_0.9-bs1024: " in out
+    assert "the model predicts the same for eps1e-06-b2_0.95-lr0.00015-b1_0.9-bs2048" in out
+    assert "not pre-registered" in out and not list(tmp_path.iterdir())
+    assert P.main(["--profile", "llama2-70b", "--setting", "optim.b2=2"]) == 2
+    assert "optim.eps: missing" in capsys.readouterr().err
+    assert P.main(["--profile", "llama2-70b"]) == 2
+    assert "--out: required" in capsys.readouterr().err
