@@ -17,7 +17,8 @@ At each onset t (spikes of the lowest class) and at its control (the same step o
 seed of the cell, in order, whose loss has no spike start within `lead` steps of t; the
 schedule, hence lr and the sharpness's phase, is matched), over the window [t - lead, t - 1]:
 
-    S_before   max of the stability number S (Program.stability; S >= 1: past Adam's edge)
+    S_before   max of the stability number S (Program.stability; S >= 1: past Adam's edge);
+               per cell its median at onsets and at controls
     crossed    S_before >= 1
     wake       a wake-up of any depth group: rho_g >= 1 at a step whose `dormant_steps`
                preceding steps all had rho_g < 1 (mechanism B: a dormant group whose
@@ -26,8 +27,10 @@ schedule, hence lr and the sharpness's phase, is matched), over the window [t - 
 Per cell: the fraction crossed at onsets and at controls, the wake-up lift
 P(wake | onset) / P(wake | control) with a paired bootstrap 95 % interval (2000 resamples of
 the onset-control pairs), and the attribution: "A" (eps-band / adaptive edge of stability)
-when at least half the onsets crossed and more onsets than controls did; "B" (dormancy and
-wake-up) when the lift's interval lies above 1; both, "neither", or "no spikes".
+when at least half the onsets crossed and more onsets than controls did ("A, not specific"
+when at least half crossed but the controls crossed as often: the cell lives at the edge);
+"B" (dormancy and wake-up) when the lift's interval lies above 1; both, "neither", or "no
+spikes".
 
 Boundary: per (b2, batch_mult), a logistic fit of "the lane spiked (>= the lowest class)"
 on log10 S_lane (the lane's 90th percentile of S after the first tenth of its steps) gives
@@ -175,7 +178,8 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
                 if ctrl is not None:
                     cs = _window_stats(per[ctrl]["S"], per[ctrl]["wake"], per[ctrl]["steps"], t, lead)
                     rec.update({f"control_{k}": v for k, v in cs.items()})
-                    pairs.append((on["wake"], cs["wake"], on["crossed"], cs["crossed"]))
+                    pairs.append((on["wake"], cs["wake"], on["crossed"], cs["crossed"],
+                                  on["S_before"], cs["S_before"]))
                 onsets.append(rec)
         row["num_onsets"] = sum(len(per[s]["spikes"]) for s in seeds)
         row["num_pairs"] = len(pairs)
@@ -196,7 +200,7 @@ def attribution(pairs: list[tuple], num_onsets: int, seed: int = 0) -> dict:
         return {"frac_crossed_onset": math.nan, "frac_crossed_control": math.nan,
                 "wake_onset": math.nan, "wake_control": math.nan, "wake_lift": math.nan,
                 "wake_lift_lo": math.nan, "wake_lift_hi": math.nan, "mechanism": "no spikes"}
-    a = np.array(pairs, float).reshape(-1, 4)
+    a = np.array(pairs, float).reshape(-1, 6)
     if not len(a):
         return {"frac_crossed_onset": math.nan, "frac_crossed_control": math.nan,
                 "wake_onset": math.nan, "wake_control": math.nan, "wake_lift": math.nan,
@@ -217,7 +221,10 @@ def attribution(pairs: list[tuple], num_onsets: int, seed: int = 0) -> dict:
     is_a = fc_on >= 0.5 and fc_on > fc_ctl
     is_b = bool(lo > 1)
     mech = "A+B" if is_a and is_b else "A" if is_a else "B" if is_b else "neither"
+    if mech == "neither" and fc_on >= 0.5:   # at the edge before the onsets, and elsewhere too
+        mech = "A, not specific (the controls were at the edge as often)"
     return {"frac_crossed_onset": fc_on, "frac_crossed_control": fc_ctl,
+            "S_before_onset": float(np.nanmedian(a[:, 4])), "S_before_control": float(np.nanmedian(a[:, 5])),
             "wake_onset": a[:, 0].mean(), "wake_control": a[:, 1].mean(), "wake_lift": lift(a),
             "wake_lift_lo": float(lo), "wake_lift_hi": float(hi), "mechanism": mech}
 
@@ -302,7 +309,7 @@ def report_md(table: pd.DataFrame, onsets: pd.DataFrame, summary: dict) -> str:
     att = table[table["num_onsets"] > 0]
     if len(att):
         a = att[["lr_mult", "b2", "batch_mult", "num_onsets", "num_pairs", "frac_crossed_onset",
-                 "frac_crossed_control", "wake_onset", "wake_control", "wake_lift",
+                 "frac_crossed_control", "S_before_onset", "S_before_control", "wake_onset", "wake_control", "wake_lift",
                  "wake_lift_lo", "wake_lift_hi", "mechanism"]]
         lines += ["## Attribution (onsets against time-matched controls)", "",
                   md_table(a), ""]

@@ -23,11 +23,11 @@ def test_wakeups_need_a_dormant_run():
 
 
 def test_attribution_reads_the_pairs():
-    # (wake at onset, wake at control, crossed at onset, crossed at control)
-    b = attribution([(1, 0, 0, 0)] * 8 + [(1, 1, 0, 0)] * 2 + [(0, 0, 0, 0)] * 2, 12)
+    # (wake at onset, wake at control, crossed at onset, crossed at control, S before both)
+    b = attribution([(1, 0, 0, 0, .5, .5)] * 8 + [(1, 1, 0, 0, .5, .5)] * 2 + [(0, 0, 0, 0, .5, .5)] * 2, 12)
     assert b["mechanism"] == "B" and b["wake_lift"] == pytest.approx(10 / 12 / (2 / 12))
-    a = attribution([(0, 0, 1, 0)] * 6 + [(0, 0, 0, 0)] * 2, 8)
-    assert a["mechanism"] == "A" and a["frac_crossed_onset"] == 0.75
+    a = attribution([(0, 0, 1, 0, 2, .5)] * 6 + [(0, 0, 0, 0, .5, .5)] * 2, 8)
+    assert a["mechanism"] == "A" and a["frac_crossed_onset"] == 0.75 and a["S_before_onset"] == 2
     assert attribution([], 0)["mechanism"] == "no spikes"
 
 
