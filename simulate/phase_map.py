@@ -161,10 +161,10 @@ def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
     def save():
         atomic_write_bytes(meta_path, json.dumps(meta, indent=2, default=repr).encode())
 
-    # pair by pair, the smaller batch and lr first (a diverging pilot falls back to the
-    # previous lr's eps): calibrate, then run the pair's missing cells,
+    # pair by pair, the smaller batch first, lr in the file's order (a diverging pilot falls
+    # back to the previous lr's eps): calibrate, then run the pair's missing cells,
     # so an interrupted map has whole pairs done and map.json lists what exists
-    pairs = sorted(product(m["lr_mult"], m["batch_mult"]), key=lambda p: (p[1], p[0]))
+    pairs = sorted(product(m["lr_mult"], m["batch_mult"]), key=lambda p: p[1])   # lr as listed
     bar = tqdm(total=len(pairs) * len(m["b2"]), desc="phase-map cells", unit="cell",
                disable=not progress, file=sys.stderr)
     tokens: dict[int, np.ndarray] = {}
