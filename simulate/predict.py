@@ -20,8 +20,10 @@ rho_ref(depth) = rms(g) / eps_ref of the gradient Adam consumes, at the eps it r
     phi = 0; lr 1.5e-4, batch 1024 (configs/llama2-70b.toml). `source` names the ladder, its
     R^2 (log) per group and the interval.
   - --profile-from-log LOG (Megatron / ModelLink / MindSpeed training log; --ladder for the
-    depth shape, else the shipped ladder): rho_bar(t) = min(grad_norm_t, clip) / (sqrt(N) eps) (N of the
-    llama2-70b preset, --clip, --eps-ref), its median over the second half of the log,
+    depth shape, else the shipped ladder): rho_bar(t) = min(grad_norm_t, clip) / (sqrt(N) eps)
+    (N: --num-params, the logged model's, else the llama2-70b preset's; --clip, --eps-ref;
+    the depth shape, numel per depth and candidates stay the llama2-70b's), its median over
+    the second half of the log,
     spread over depth by the ladder's shape rho_g / mean_rho (the N-weighted rms of the
     result is rho_bar); the interval combines the log's 10-90 % range of rho_bar with the
     shape's bootstrap interval. This replaces the ladder's absolute level by a measurement.
@@ -186,7 +188,7 @@ def ladder_profile(ladder_dir: str | Path) -> dict:
 
 
 def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
-                     eps_ref: float = 1e-5) -> dict:
+                     eps_ref: float = 1e-5, num_params_log: int | None = None) -> dict:
     """LLaMA2-70B profile from a training log's grad norms, shaped by the ladder (module
     docstring)."""
     if not clip > 0:
@@ -202,7 +204,11 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
     if len(gn) == 0:
         raise ConfigError(f"{log}: no finite 'grad norm' values in the log")
     late = gn[len(gn) // 2:]
-    N = num_params(preset("llama2-70b"))
+    # N of the logged model (--num-params): the clip bound clip / (sqrt(N) eps) and the
+    # mean rho both depend on it; without it, the llama2-70b preset's
+    N = int(num_params_log) if num_params_log else num_params(preset("llama2-70b"))
+    if N < 1:
+        raise ConfigError(f"--num-params: must be >= 1, got {num_params_log}")
     rho_bar_t = np.minimum(late, clip) / (math.sqrt(N) * eps_ref)
     rho_bar = float(np.median(rho_bar_t))
     q10, q90 = (float(np.quantile(rho_bar_t, q)) for q in (0.1, 0.9))
@@ -224,7 +230,10 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
         L, eps_ref, clip, rho, lo, hi, rho_bar=rho_bar, rho_bar_q10_q90=[q10, q90],
         source=(f"measured log {log}: rho_bar = median of min(grad_norm, {clip:g}) / "
                 f"(sqrt(N) eps) over its last {len(late)} logged iterations = "
-                f"{rho_bar:.3g} (10-90 %: {q10:.3g}-{q90:.3g}), N {N}, eps {eps_ref:g}; "
+                f"{rho_bar:.3g} (10-90 %: {q10:.3g}-{q90:.3g}), N {N} ("
+                + ("--num-params, the logged model" if num_params_log else
+                   "the llama2-70b preset: give --num-params for another model") +
+                f"), eps {eps_ref:g}; "
                 f"depth shape from the " + _ladder_source(ladder_dir, fit, ext)))
 
 
@@ -731,6 +740,17 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
                                                              settings))
 
 
+def _count(text: str) -> int:
+    """A whole number given as digits or in scientific notation (176e9)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v) or v != int(v) or v < 1:
+        raise argparse.ArgumentTypeError(f"not a whole number >= 1: {text!r}")
+    return int(v)
+
+
 def settings_text(pred: Predictions) -> str:
     """The settings' rates as text (`--setting` without --out: not pre-registered)."""
     L = [f"profile {pred.profile['name']} ({pred.profile['source'][:160]}...)",
@@ -760,6 +780,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ladder", help="ladder directory (adamspike simulate ladder)")
     ap.add_argument("--clip", type=float, default=1.0, help="--profile-from-log: grad clip")
     ap.add_argument("--eps-ref", type=float, default=1e-5, help="--profile-from-log: the run's eps")
+    ap.add_argument("--num-params", type=_count, metavar="N",
+                    help="--profile-from-log: parameters of the logged model (176e9 accepted; "
+                         "default: the llama2-70b preset's)")
     ap.add_argument("--sweep", action="append", default=[],
                     help="sweep table (runs.parquet / .csv or a sweep directory; repeatable): "
                          "the alarm thresholds, and the GLM's data without --rate-model")
@@ -792,7 +815,7 @@ def _main(args) -> int:
     if args.profile_from_log:
         profile = profile_from_log(args.profile_from_log,
                                    args.ladder or package_data.ladder_dir("llama2-70b"),
-                                   args.clip, args.eps_ref)
+                                   args.clip, args.eps_ref, args.num_params)
     elif args.profile_from_run:
         if not Path(args.profile_from_run).is_dir():
             raise ConfigError(f"--profile-from-run {args.profile_from_run}: not a directory")

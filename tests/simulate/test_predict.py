@@ -333,3 +333,26 @@ def test_setting_answers_in_seconds_without_writing(tmp_path, capsys, monkeypatc
     assert "optim.eps: missing" in capsys.readouterr().err
     assert P.main(["--profile", "llama2-70b"]) == 2
     assert "--out: required" in capsys.readouterr().err
+
+
+def test_profile_from_log_uses_the_logged_models_size(tmp_path, capsys):
+    """--profile-from-log with --num-params: rho_bar = min(gn, clip) / (sqrt(N) eps) with the
+    logged model's N (a clipped log sits at the bound, which N sets), named in the source."""
+    log = tmp_path / "m.log"
+    log.write_text("".join(
+        f" iteration {i:8d}/   10000 | consumed samples: {i * 1024:12d} | elapsed time per "
+        f"iteration (ms): 1000.0 | learning rate: 1.500E-04 | global batch size:  1024 | "
+        f"lm loss: 2.300000E+00 | loss scale: 1.0 | grad norm: 5.000 | number of skipped "
+        f"iterations:   0 | number of nan iterations:   0 |\n" for i in range(1, 21)))
+    got = {}
+    for n in (None, "176e9"):
+        out = tmp_path / f"p{n}.json"
+        argv = ["--profile-from-log", str(log), "--out", str(out)]
+        assert P.main(argv + (["--num-params", n] if n else [])) == 0
+        got[n] = load_predictions(out).profile
+    n70 = P.num_params(P.preset("llama2-70b"))
+    assert got[None]["rho_bar"] == pytest.approx(1 / (n70 ** 0.5 * 1e-5))
+    assert got["176e9"]["rho_bar"] == pytest.approx(1 / (176e9 ** 0.5 * 1e-5))
+    assert "N 176000000000 (--num-params, the logged model)" in got["176e9"]["source"]
+    assert P.main(["--profile-from-log", str(log), "--num-params", "1.5", "--out",
+                   str(tmp_path / "x.json")]) == 2
