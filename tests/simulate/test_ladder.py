@@ -198,9 +198,11 @@ def test_predict_profile_from_ladder(synthetic_ladder, tmp_path, capsys):
         ds = [r["depth"] for r in rows if keep(r["depth"])]
         want = group_rho([10 * r["rho"] for r in rows if keep(r["depth"])], [numel[d] for d in ds])
         assert 10 ** s["features"][f"log10_rho_{side}"] == pytest.approx(want, rel=1e-9)
-    # without a ladder: a clear error, nothing written
-    assert P.main(["--profile", "llama2-70b", "--out", str(tmp_path / "x.json")]) == 2
-    assert "--ladder" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    # without a ladder: the one shipped with the package (adamspike.package_data), said so
+    assert P.main(["--profile", "llama2-70b", "--rate-model", _rate_model_file(tmp_path),
+                   "--out", str(tmp_path / "x.json")]) == 0
+    shipped = json.loads((tmp_path / "x.json").read_text())["profile"]["source"]
+    assert shipped.startswith("shipped fit v") and "adamspike/data/llama2_70b/ladder" in shipped
 
 
 def test_predict_profile_from_log(synthetic_ladder, tmp_path):
