@@ -546,7 +546,7 @@ def watch(path: str | Path, *, params: SpikeParams = SpikeParams(), once: bool =
     rep = Reporter(str(path), judge, as_json=as_json, on_event=on_event,
                    hook_timeout=hook_timeout, quiet=quiet)
     history_lines = _count_lines(path) if new_only and path.is_file() else 0
-    if not as_json and not quiet:
+    if not quiet:                         # stderr: stdout stays one line (or JSON) per event
         print(f"adamspike watch: following {path} (rule: {judge.rule.describe()}; grad norm: "
               "the same on log grad norm); Ctrl-C to stop", file=sys.stderr, flush=True)
     if ready:
@@ -556,11 +556,17 @@ def watch(path: str | Path, *, params: SpikeParams = SpikeParams(), once: bool =
         fol = RunFollower(path)
         while True:
             rows, recs = fol.poll()
-            for row in rows:
-                for ev in judge.feed(row):
-                    rep.emit(ev)
-            for rec in recs:
-                rep.emit(run_event(rec))
+            # one order for what one look found: by step, a step's row before its events
+            # (an alarm logged at step s is evaluated after step s); events without a step last
+            items = sorted([(int(r["step"]), 0, i) for i, r in enumerate(rows)]
+                           + [(int(e["step"]) if isinstance(e.get("step"), int) else
+                               math.inf, 1, j) for j, e in enumerate(recs)])
+            for _, kind, k in items:
+                if kind == 0:
+                    for ev in judge.feed(rows[k]):
+                        rep.emit(ev)
+                else:
+                    rep.emit(run_event(recs[k]))
             if once or stop:
                 break
             time.sleep(poll)
@@ -645,9 +651,8 @@ def _main(args) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    if not args.json:
-        print(f"adamspike watch: stopped; {len(evs)} event(s) reported", file=sys.stderr,
-              flush=True)
+    print(f"adamspike watch: stopped; {len(evs)} event(s) reported", file=sys.stderr,
+          flush=True)
     return 0
 
 

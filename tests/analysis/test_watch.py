@@ -135,15 +135,15 @@ def test_rotation_truncation_and_a_file_that_appears_later(tmp_path):
         with open(log, "a") as fh:
             fh.write("\n".join(core_line(i, 3.0 + 0.001 * (i % 3)) for i in range(1, 31))
                      + "\n" + core_line(31, 7.0) + "\n")
-        time.sleep(0.5)
+        time.sleep(1.0)
         os.rename(log, tmp_path / "live.log.1")               # rotation
         with open(log, "w") as fh:
             fh.write("\n".join(core_line(i, 3.0 + 0.001 * (i % 3)) for i in range(32, 41))
                      + "\n" + core_line(41, 8.0) + "\n")
-        time.sleep(0.5)
+        time.sleep(1.0)
         with open(log, "w") as fh:                            # truncation (a restart)
             fh.write(core_line(10, 3.0) + "\n" + core_line(11, 9.0) + "\n")
-        time.sleep(0.5)
+        time.sleep(1.0)
     finally:
         stop.flag = True
         th.join(10)
@@ -179,7 +179,8 @@ def test_live_spike_from_another_process_within_2s_and_sigterm_exits_0(tmp_path)
               "    fh.write(core_line(31, 9.0) + '\\n'); fh.flush()\n"
               "print(repr(t))\n") % (str(Path(__file__).parent), str(log))
     try:
-        time.sleep(3.0)           # watch has started and read the first 20 lines
+        assert "adamspike watch: following" in proc.stderr.readline()   # it has started
+        time.sleep(0.5)           # and read the first 20 lines
         assert proc.poll() is None
         w = subprocess.run([sys.executable, "-c", writer], capture_output=True, text=True,
                            timeout=60, cwd=ROOT)
@@ -205,6 +206,7 @@ def test_live_spike_from_another_process_within_2s_and_sigterm_exits_0(tmp_path)
             proc.kill()
             raise
     assert rc == 0, proc.stderr.read()
+    assert "stopped; 1 event(s) reported" in proc.stderr.read()
 
 
 def test_watch_a_run_directory(synthetic_run):
@@ -253,7 +255,7 @@ def test_watch_a_live_run_directory_and_new_only(tmp_path):
         watch(tmp_path / "run", poll=0.02, stop=stop, quiet=True)))
     th.start()
     try:
-        time.sleep(0.5)
+        time.sleep(1.0)
         w.log_step(**row(60, 9.0))
         w.flush()
         w.event("alarm", step=60, rule="rms_t_shallow")
@@ -261,7 +263,7 @@ def test_watch_a_live_run_directory_and_new_only(tmp_path):
             w.log_step(**row(s, 3.0))
         w.flush()
         w.close()
-        time.sleep(0.5)
+        time.sleep(1.0)
     finally:
         stop.flag = True
         th.join(10)
@@ -275,10 +277,10 @@ def test_watch_a_live_run_directory_and_new_only(tmp_path):
         watch(log, poll=0.02, stop=stop, quiet=True, new_only=True)))
     th.start()
     try:
-        time.sleep(0.5)
+        time.sleep(1.0)
         with open(log, "a") as fh:
             fh.write(core_line(41, 9.0) + "\n")
-        time.sleep(0.5)
+        time.sleep(1.0)
     finally:
         stop.flag = True
         th.join(10)
