@@ -554,8 +554,14 @@ def watch(path: str | Path, *, params: SpikeParams = SpikeParams(), once: bool =
     note = (lambda s: print(f"adamspike watch: {s}", file=sys.stderr, flush=True))
     if path.is_dir():
         fol = RunFollower(path)
+        first = True
         while True:
             rows, recs = fol.poll()
+            if first and new_only:        # what is there at start: judged, not reported
+                for r in rows:
+                    judge.feed(r)
+                rows, recs = [], []
+            first = False
             # one order for what one look found: by step, a step's row before its events
             # (an alarm logged at step s is evaluated after step s); events without a step last
             items = sorted([(int(r["step"]), 0, i) for i, r in enumerate(rows)]

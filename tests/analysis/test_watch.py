@@ -234,6 +234,7 @@ def test_watch_a_run_directory(synthetic_run):
     alarms = [e for e in evs if e["category"] == "alarm"]
     assert [(a["step"], a["record"]["rule"]) for a in alarms] == [(290, "rms_t_shallow")]
     assert not any(e["kind"] == "checkpoint" for e in evs)
+    assert watch(synthetic_run, once=True, quiet=True, new_only=True) == []
 
 
 def test_watch_a_live_run_directory_and_new_only(tmp_path):
