@@ -55,7 +55,7 @@ def test_reproduce_quick(tmp_path):
     assert "seed.lower_eps" in rep and ",10," in rep
     # issue 24: the phase map in the 70B's rho band, its figure and section
     assert "phase_map" in names and "## Phase map: spikes in the 70B's rho band" in report
-    assert len((out / "phase_map" / "phase_map.csv").read_text().splitlines()) == 1 + 6
+    assert len((out / "phase_map" / "phase_map.csv").read_text().splitlines()) == 1 + 4
 
 
 def test_reproduce_refuses_nonempty_out(tmp_path):
