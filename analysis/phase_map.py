@@ -29,8 +29,8 @@ P(wake | onset) / P(wake | control) with a paired bootstrap 95 % interval (2000 
 the onset-control pairs), and the attribution: "A" (eps-band / adaptive edge of stability)
 when at least half the onsets crossed and more onsets than controls did ("A, not specific"
 when at least half crossed but the controls crossed as often: the cell lives at the edge);
-"B" (dormancy and wake-up) when the lift's interval lies above 1; both, "neither", or "no
-spikes".
+"B" (dormancy and wake-up) when the lift's interval lies above 1; both, "neither", "no
+spikes", or too few onsets (fewer than MIN_PAIRS pairs) to attribute.
 
 Boundary: per (b2, batch_mult), a logistic fit of "the lane spiked (>= the lowest class)"
 on log10 S_lane (the lane's 90th percentile of S after the first tenth of its steps) gives
@@ -61,6 +61,7 @@ from adamspike.tables import md_table
 DEFAULTS = {"window": 50, "k": 6.0, "min_rel_jump": 0.1, "heights": [0.1, 0.5, 1.0],
             "lead": 50, "dormant_steps": 20}
 NUM_BOOT = 2000
+MIN_PAIRS = 5          # onset-control pairs below which no cell is attributed
 
 
 def poisson_interval(k: int, exposure: float, level: float = 0.95) -> tuple[float, float]:
@@ -223,6 +224,8 @@ def attribution(pairs: list[tuple], num_onsets: int, seed: int = 0) -> dict:
     mech = "A+B" if is_a and is_b else "A" if is_a else "B" if is_b else "neither"
     if mech == "neither" and fc_on >= 0.5:   # at the edge before the onsets, and elsewhere too
         mech = "A, not specific (the controls were at the edge as often)"
+    if len(a) < MIN_PAIRS:
+        mech = f"too few onsets to attribute ({len(a)} < {MIN_PAIRS})"
     return {"frac_crossed_onset": fc_on, "frac_crossed_control": fc_ctl,
             "S_before_onset": float(np.nanmedian(a[:, 4])), "S_before_control": float(np.nanmedian(a[:, 5])),
             "wake_onset": a[:, 0].mean(), "wake_control": a[:, 1].mean(), "wake_lift": lift(a),

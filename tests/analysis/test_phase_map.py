@@ -51,31 +51,33 @@ def _lane(seed, T, spike_at=None, cross_before=False, wake_before=False):
 def test_a_map_directory_read_back(tmp_path):
     T = 300
     cells = []
-    # cell a: 4 of 6 lanes spike at different steps after S crossed 1; cell b: quiet
-    a = pd.concat([_lane(s, T, spike_at=100 + 30 * s, cross_before=True) if s < 4 else _lane(s, T)
-                   for s in range(6)])
-    b = pd.concat([_lane(s, T) for s in range(6)])
+    # cell a: 5 of 7 lanes spike at different steps after S crossed 1; cell b: quiet
+    a = pd.concat([_lane(s, T, spike_at=100 + 30 * s, cross_before=True) if s < 5 else _lane(s, T)
+                   for s in range(7)])
+    b = pd.concat([_lane(s, T) for s in range(7)])
     (tmp_path / "cells").mkdir()
     for cid, df, lr in (("a", a, 64), ("b", b, 1)):
         df.to_parquet(tmp_path / "cells" / f"{cid}.parquet")
         cells.append({"id": cid, "lr_mult": lr, "b2": 0.95, "batch_mult": 1, "lr": 1e-3 * lr,
                       "global_batch_size": 8})
     (tmp_path / "map.json").write_text(json.dumps({
-        "title": "t", "config_file": "x.toml", "quick": False, "seeds": list(range(6)),
+        "title": "t", "config_file": "x.toml", "quick": False, "seeds": list(range(7)),
         "curvature_every": 10, "targets": {"shallow": 0.9}, "grid": {"lr_mult": [1, 64],
         "b2": [0.95], "batch_mult": [1]}, "spikes": {"window": 20, "lead": 20}, "cells": cells}))
     table, onsets, summary = analyze(tmp_path)
     t = table.set_index("id")
-    assert t.loc["a", "spikes_10"] == 4 and t.loc["a", "spikes_50"] == 4 and t.loc["a", "spikes_100"] == 0
+    assert t.loc["a", "spikes_10"] == 5 and t.loc["a", "spikes_50"] == 5 and t.loc["a", "spikes_100"] == 0
     assert t.loc["b", "spikes_10"] == 0
-    expo = 6 * (T - 10) / 1000     # the rule judges from min_history = 10 (window 20)
-    assert t.loc["a", "rate_10"] == pytest.approx(4 / expo)
+    expo = 7 * (T - 10) / 1000     # the rule judges from min_history = 10 (window 20)
+    assert t.loc["a", "rate_10"] == pytest.approx(5 / expo)
     assert t.loc["a", "rate_10_lo"] < t.loc["a", "rate_10"] < t.loc["a", "rate_10_hi"]
     assert t.loc["a", "mechanism"] == "A" and t.loc["b", "mechanism"] == "no spikes"
-    assert sorted(onsets["start"]) == [100, 130, 160, 190]
+    assert sorted(onsets["start"]) == [100, 130, 160, 190, 220]
     assert onsets["crossed"].all() and not onsets["control_crossed"].any()
     assert onsets["control_seed"].notna().all()
     summary = write_report(tmp_path)
     md = (tmp_path / "phase_map.md").read_text()
-    assert "4 spike(s)" in md and "| 64 |" in md
-    assert summary["boundary"][0]["num_spiked"] == 4
+    assert "5 spike(s)" in md and "| 64 |" in md
+    assert summary["boundary"][0]["num_spiked"] == 5
+    few = attribution([(1, 0, 0, 0, .5, .5)], 1)          # one pair: an infinite lift, no verdict
+    assert few["mechanism"].startswith("too few onsets")
