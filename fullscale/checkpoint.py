@@ -487,7 +487,9 @@ class CheckpointManager:
     def finalize_pending(self) -> Path | None:
         """Complete an async save (collective): wait for its writes, then write the marker
         and rename. Returns the completed checkpoint's path, or None if nothing was pending.
-        A failed background write raises CheckpointError (the checkpoint stays incomplete)."""
+        A failed background write raises CheckpointError (the checkpoint stays incomplete);
+        a failed collective of it (RuntimeError, TimeoutError: a peer died or hung) its own
+        error, which the trainer logs as a fault."""
         if self._pending is None:
             return None
         job, self._pending = self._pending, None
@@ -500,6 +502,10 @@ class CheckpointManager:
             if err is not None:   # the trainer reports it as the storage error it is
                 err.filename = err.filename or str(job["partial"])
                 raise err from None
+            if isinstance(e, (RuntimeError, TimeoutError)):
+                # a collective of the save failed (a peer rank died or hung: gloo's timeout):
+                # the job's fault, logged as one by the trainer, not a checkpoint problem
+                raise
             raise CheckpointError(job["final"], f"async save failed ({_one_line(e)})",
                                   detail=str(e)) from None
         _finish(job["partial"], job["final"], job["step"], self.keep, self.root)
