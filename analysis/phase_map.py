@@ -150,7 +150,7 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             row.update({f"spikes_{tag}": k, f"rate_{tag}": k / exposure,
                         f"rate_{tag}_lo": lo, f"rate_{tag}_hi": hi})
         row["diverged_lanes"] = int(sum(per[s]["diverged"] for s in seeds))
-        row["spikes_default_k"] = int(sum(per[s]["num_strict"] for s in seeds))
+        row["default_k_spikes"] = int(sum(per[s]["num_strict"] for s in seeds))
         row["detect_floor"] = float(np.nanmedian([per[s]["floor"] for s in seeds]))
         s_all = np.concatenate([per[s]["S"] for s in seeds])
         s_all = s_all[np.isfinite(s_all)]
@@ -306,7 +306,7 @@ def report_md(table: pd.DataFrame, onsets: pd.DataFrame, summary: dict) -> str:
     for t in tags:
         show[f"rate >= {t} % /1k [95 %]"] = [_fmt_rate(r, t) for r in table.to_dict("records")]
     show["diverged"] = table["diverged_lanes"]
-    show[f"spikes at k {SpikeParams().k:g}"] = table["spikes_default_k"]
+    show[f"spikes at k {SpikeParams().k:g}"] = table["default_k_spikes"]
     show["mechanism"] = table["mechanism"]
     lines += ["## Cells", "", md_table(show), ""]
     att = table[table["num_onsets"] > 0]

@@ -282,7 +282,8 @@ def answer_section(out: Path) -> list[str]:
     pm = out / "phase_map" / "phase_map.csv"
     if pm.exists():
         t = pd.read_csv(pm)
-        tags = sorted(int(c.split("_")[1]) for c in t.columns if c.startswith("spikes_"))
+        tags = sorted(int(c.split("_")[1]) for c in t.columns
+                      if c.startswith("spikes_") and c.split("_")[1].isdigit())
         n = int(t[f"spikes_{tags[0]}"].sum()) if tags and len(t) else 0
         lanes = int(t["num_seeds"].sum()) if len(t) else 0
         L.append(f"- **Toys held in that band** ([phase map](#phase-map-spikes-in-the-70bs-rho-band)): "
