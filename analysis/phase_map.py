@@ -32,8 +32,11 @@ when at least half crossed but the controls crossed as often: the cell lives at 
 "B" (dormancy and wake-up) when the lift's interval lies above 1; both, "neither", "no
 spikes", or too few onsets (fewer than MIN_PAIRS pairs) to attribute.
 
-Boundary: per (b2, batch_mult), a logistic fit of "the lane spiked (>= the lowest class)"
-on log10 S_lane (the lane's 90th percentile of S after the first tenth of its steps) gives
+In band: every depth group's cell-median rho within a factor 3 of its 70B target (a cell
+whose calibration failed, e.g. where every pilot diverged, is reported but marked out).
+
+Boundary: per (b2, batch_mult), over the in-band cells' lanes, a logistic fit of "the lane
+spiked (>= the lowest class)" on log10 S_lane (the lane's 90th percentile of S after the first tenth of its steps) gives
 S_50, the S at which half the lanes spike; "not reached" when no lane spiked (or every one).
 
 The tracker check: stability_check.csv's S_tracker against S_power (Spearman rank
@@ -62,6 +65,7 @@ DEFAULTS = {"window": 50, "k": 6.0, "min_rel_jump": 0.1, "heights": [0.1, 0.5, 1
             "lead": 50, "dormant_steps": 20}
 NUM_BOOT = 2000
 MIN_PAIRS = 5          # onset-control pairs below which no cell is attributed
+IN_BAND_DECADES = math.log10(3)   # a cell is in the 70B's band: every group within 3x
 
 
 def poisson_interval(k: int, exposure: float, level: float = 0.95) -> tuple[float, float]:
@@ -159,6 +163,10 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         row["frac_S_above_1"] = float(np.mean(s_all >= 1.0)) if s_all.size else math.nan
         for col in rho_cols:
             row[col] = float(np.median([per[s]["rho"][col] for s in seeds]))
+        off = [abs(math.log10(max(row[f"rho_{g}"], 1e-300) / t)) for g, t in meta["targets"].items()
+               if f"rho_{g}" in row and t > 0]
+        row["band_off_decades"] = max(off) if off else math.nan
+        row["in_band"] = bool(off) and max(off) <= IN_BAND_DECADES
         # onsets and their time-matched controls
         pairs = []
         for i, s in enumerate(seeds):
@@ -187,6 +195,7 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         row.update(attribution(pairs, row["num_onsets"]))
         cells.append(row)
         lanes += [{"b2": c["b2"], "batch_mult": c["batch_mult"], "lr_mult": c["lr_mult"],
+                   "in_band": row["in_band"],
                    "S_lane": per[s]["S_lane"], "spiked": bool(len(per[s]["spikes"]))}
                   for s in seeds]
     table = pd.DataFrame(cells)
@@ -238,7 +247,7 @@ def boundary(lanes: pd.DataFrame) -> list[dict]:
     if lanes.empty:
         return rows
     for (b2, bm), d in lanes.groupby(["b2", "batch_mult"], sort=True):
-        d = d[np.isfinite(d["S_lane"]) & (d["S_lane"] > 0)]
+        d = d[np.isfinite(d["S_lane"]) & (d["S_lane"] > 0) & d["in_band"]]
         y = d["spiked"].to_numpy(float)
         x = np.log10(d["S_lane"].to_numpy(float))
         base = {"b2": float(b2), "batch_mult": float(bm), "num_lanes": int(len(d)),
@@ -296,11 +305,15 @@ def report_md(table: pd.DataFrame, onsets: pd.DataFrame, summary: dict) -> str:
              + ", ".join(f"{g} {v:.3g}" for g, v in meta["targets"].items()) + ".", ""]
     if table.empty:
         return "\n".join(lines + ["No cell has run yet."]) + "\n"
-    total = int(table[f"spikes_{tags[0]}"].sum())
-    lines += [f"**{total} spike(s) of height >= {tags[0]} % in {int(table['num_seeds'].sum())} lanes "
-              f"x {int(table['num_steps'].max())} steps** "
-              f"(S above 1 in {100 * np.nanmean(table['frac_S_above_1']):.0f} % of the evaluations).", ""]
-    cols = ["lr_mult", "b2", "batch_mult", "S_median", "S_p90", "frac_S_above_1", "detect_floor"]
+    band = table[table["in_band"]]
+    total = int(band[f"spikes_{tags[0]}"].sum())
+    lines += [f"**In the 70B's band: {total} spike(s) of height >= {tags[0]} % in "
+              f"{int(band['num_seeds'].sum())} lanes x {int(table['num_steps'].max())} steps** "
+              f"({len(band)} of {len(table)} cells in band; S above 1 in "
+              f"{100 * np.nanmean(band['frac_S_above_1']):.0f} % of their evaluations); out of "
+              f"band: {int(table[f'spikes_{tags[0]}'].sum()) - total} spike(s).", ""]
+    cols = ["lr_mult", "b2", "batch_mult", "in_band", "S_median", "S_p90", "frac_S_above_1",
+            "detect_floor"]
     cols += [c for c in table.columns if c.startswith("rho_")]
     show = table[cols].copy()
     for t in tags:

@@ -281,7 +281,9 @@ def answer_section(out: Path) -> list[str]:
                        "momentum SGD with step lr / eps.")
     pm = out / "phase_map" / "phase_map.csv"
     if pm.exists():
-        t = pd.read_csv(pm)
+        full = pd.read_csv(pm)
+        t = full[full["in_band"]] if "in_band" in full else full
+        out_band = full[~full["in_band"]] if "in_band" in full else full.iloc[:0]
         tags = sorted(int(c.split("_")[1]) for c in t.columns
                       if c.startswith("spikes_") and c.split("_")[1].isdigit())
         n = int(t[f"spikes_{tags[0]}"].sum()) if tags and len(t) else 0
@@ -298,7 +300,10 @@ def answer_section(out: Path) -> list[str]:
                      f"x{r.lr_mult:g}/b2 {r.b2:g}/batch x{r.batch_mult:g}: {r.mechanism}"
                      for r in t.itertuples() if r.mechanism != "no spikes") + "."
                     if n else "No cell spiked: neither mechanism is exercised in this band at "
-                              "toy scale; the 70B's spikes are not reproduced by Pi_eps alone."))
+                              "toy scale; the 70B's spikes are not reproduced by Pi_eps alone.")
+                 + (f" Out of the band ({len(out_band)} cell(s) whose groups left it, e.g. "
+                    f"lr x{out_band['lr_mult'].max():g}): {int(out_band[f'spikes_{tags[0]}'].sum())} "
+                    "spike(s)." if len(out_band) and tags else ""))
     rep = out / "replication_phase" / "replication.csv"
     if rep.exists():
         r = pd.read_csv(rep)
