@@ -8,8 +8,9 @@ cell's spike rate per 1k steps (height >= the lowest class) with its exact 95 % 
 interval against the cell's median stability number S = lr lambda_max(P H) / 2 (the
 horizontal bar spans the median to the 90th percentile of S; S = 1, dotted, is Adam's edge of
 stability, Pi_eps = 38 at b1 0.9); colour b2, marker the batch multiple. A cell without
-spikes sits at 0 with its upper limit drawn. Right: the rho each depth group reached per
-cell against the 70B's target (the band the map holds). Writes phase_map.png / .pdf.
+spikes sits at 0 with its upper limit drawn; a cell out of the 70B's band is faded. Right:
+the rho each depth group reached per cell against the 70B's target (the band the map holds;
+a group below 1e-3, collapsed, is a triangle at 1e-3). Writes phase_map.png / .pdf.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ def plot(d: dict, out_dir: str | Path) -> list[Path]:
         mk = BATCH_MARKERS.get(int(r["batch_mult"]), "^")
         x = max(float(r["S_median"]), 1e-4)
         y, lo, hi = float(r[rate]), float(r[f"{rate}_lo"]), float(r[f"{rate}_hi"])
-        ax.plot([x, max(float(r["S_p90"]), x)], [y, y], color=col, lw=1, alpha=0.5)
+        a = 1.0 if bool(r.get("in_band", True)) else 0.3   # out of the 70B's band: faded
+        ax.plot([x, max(float(r["S_p90"]), x)], [y, y], color=col, lw=1, alpha=0.5 * a)
         ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt=mk, color=col, ms=5, capsize=2,
-                    mfc=col if y > 0 else "white")
+                    mfc=col if y > 0 else "white", alpha=a)
     ax.axvline(1.0, color="black", ls=":", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("stability number S (median; bar to p90)")
@@ -71,11 +73,18 @@ def plot(d: dict, out_dir: str | Path) -> list[Path]:
                if np.isclose(t["b2"], b).any()]
     handles += [plt.Line2D([], [], color="black", marker=m, ls="", mfc="white", label=f"batch x{b}")
                 for b, m in BATCH_MARKERS.items() if (t["batch_mult"] == b).any()]
+    if "in_band" in t and not t["in_band"].all():
+        handles.append(plt.Line2D([], [], color="#7f7f7f", marker="o", ls="", alpha=0.3,
+                                  label="out of the 70B's band"))
     ax.legend(handles=handles, fontsize=7, loc="upper left")
     groups = [c.removeprefix("rho_") for c in d["rho_cols"]]
     xs = np.arange(len(groups))
+    floor = 1e-3    # a collapsed group (rho ~ 0) is drawn at the floor, as a down triangle
     for i, (_, r) in enumerate(t.iterrows()):
-        ax2.plot(xs + (i - len(t) / 2) * 0.02, [r[f"rho_{g}"] for g in groups], ".", color="#7f7f7f", ms=3)
+        for j, g in enumerate(groups):
+            v = float(r[f"rho_{g}"])
+            ax2.plot(xs[j] + (i - len(t) / 2) * 0.02, max(v, floor), "v" if v < floor else ".",
+                     color="#7f7f7f", ms=3)
     tg = [d["targets"].get(g, np.nan) for g in groups]
     ax2.plot(xs, tg, "_", color="#c0392b", ms=18, mew=2, label="70B target (eps 1e-5)")
     ax2.axhline(1.0, color="black", ls=":", lw=0.8)
