@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from adamspike.rundir import load_run
-from adamspike.train_config import RunConfig
 from fullscale import checkpoint as ck
+from tests.fullscale.test_faults_part2 import state as checkpoint_state
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_STEPS, EVERY = 32, 4
@@ -136,18 +136,7 @@ def _raw(run: Path, table: str, keys: list[str]) -> list[tuple]:
 
 def _state(run: Path) -> dict[str, torch.Tensor]:
     """Parameters and Adam state of the run's step-N checkpoint, as plain tensors."""
-    from fullscale.model import Transformer
-    from fullscale.optim import build_optimizer
-
-    cfg = RunConfig()
-    model = Transformer(cfg.model.llama())
-    opt = build_optimizer(model, cfg.optim)
-    ck.load(ck.step_dir(run / "checkpoints", NUM_STEPS), model, opt, None, restore_rng=False)
-    names = {id(p): n for n, p in model.named_parameters()}
-    state = {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
-        state.update({f"{k}:{names[id(p)]}": v.clone() for k, v in st.items() if torch.is_tensor(v)})
-    return state
+    return checkpoint_state(run, NUM_STEPS)
 
 
 def _crash_and_resume(tmp_path: Path, world: int, seed: int) -> None:
