@@ -34,7 +34,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from adamspike.config import ConfigError, cli_main
 
@@ -112,9 +112,12 @@ def describe(m: dict) -> str:
 
 
 def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
-          source: str | None = None, predictions: bool = True) -> dict:
+          source: str | None = None, predict: Callable[[list[str]], int] | None = None) -> dict:
     """Replace the shipped files of `profile` by those of a study folder (module doc);
-    returns the new manifest. The cells are those of the study's ladder spec."""
+    returns the new manifest. The cells are those of the study's ladder spec. `predict`:
+    the `adamspike predict` entry point (simulate sits above this floor, so the caller
+    passes it); with it, predictions.json is written from the new files too."""
+    predictions = predict is not None
     study = Path(study)
     lad, model = study / "ladder", study / "spike_rate" / "model.json"
     for p in (lad / "ladder.json", model):
@@ -145,14 +148,13 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
     (tmp / "MANIFEST.json").write_text(json.dumps(m, indent=2) + "\n")
     shutil.rmtree(d, ignore_errors=True)
     tmp.rename(d)
-    if predictions and profile == "llama2-70b":
-        # simulate sits above adamspike (jax): only this writer runs the predictor, on the
-        # files just written (by default the shipped paths, so the file names no temp dir)
-        from simulate.predict import main as predict_main
+    if predict is not None and profile == "llama2-70b":
+        # the predictor on the files just written (by default the shipped paths, so the
+        # file names no temp dir)
         argv = ["--profile", "llama2-70b", "--out", str(d / PREDICTIONS_FILE)]
         if Path(root).resolve() != DATA:
             argv += ["--ladder", str(d / "ladder"), "--rate-model", str(d / MODEL_FILE)]
-        rc = predict_main(argv)
+        rc = predict(argv)
         if rc:
             raise PackageDataError(f"adamspike predict failed (exit {rc}) on {d}")
         m["files"] = {p.relative_to(d).as_posix(): _sha(p) for p in _files(d)}
@@ -160,20 +162,23 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
     return m
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`adamspike package-data [--from STUDY_DIR]`."""
+def main(argv: list[str] | None = None,
+         predict: Callable[[list[str]], int] | None = None) -> int:
+    """`adamspike package-data [--from STUDY_DIR]` (predict: as in `write`; study/cli.py
+    passes simulate.predict's)."""
     ap = argparse.ArgumentParser(prog="adamspike package-data",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--from", dest="study", metavar="STUDY_DIR",
                     help="replace the shipped fit by a finished study folder's")
     ap.add_argument("--profile", default="llama2-70b", choices=PROFILES)
     ap.add_argument("--source", help="provenance text for the manifest (default: the path)")
-    return cli_main(ap, argv, _main, "adamspike package-data", (ConfigError, OSError))
+    return cli_main(ap, argv, lambda args: _main(args, predict), "adamspike package-data",
+                    (ConfigError, OSError))
 
 
-def _main(args) -> int:
+def _main(args, predict: Callable[[list[str]], int] | None) -> int:
     if args.study:
-        m = write(args.study, args.profile, source=args.source)
+        m = write(args.study, args.profile, source=args.source, predict=predict)
         print(f"wrote {describe(m)}: {len(m['files'])} files -> {profile_dir(args.profile)}")
         return 0
     m = manifest(args.profile)

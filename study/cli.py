@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "phase-map": ("study.cli:phase_map_main", "spikes in the 70B's rho band: Pi x b2 x batch cells (resumable)"),
     "spike-rate": ("analysis.spike_rate:main", "fit + validate the spike-rate GLM on sweeps and runs"),
     "predict": ("simulate.predict:main", "pre-registered predictions.json: GLM spike rate per setting"),
-    "package-data": ("adamspike.package_data:main", "the shipped ladder fit + spike-rate model (check; --from STUDY_DIR refreshes)"),
+    "package-data": ("study.cli:package_data_main", "the shipped ladder fit + spike-rate model (check; --from STUDY_DIR refreshes)"),
     "train": ("fullscale.train:main", "fullscale LLaMA2 training (run under torchrun)"),
     "launch": ("fullscale.launch:launch_main", "write per-node torchrun / MindSpeed scripts"),
     "plan": ("fullscale.launch:plan_main", "one run config + launch script per predicted setting"),
@@ -105,6 +105,18 @@ def replicate_main(argv: list[str]) -> int:
     atomic_write_bytes(out / "replication.md", md.encode())
     print(table[["id", "effect", "ci_low", "ci_high", "p_holm", "verdict"]].to_string(index=False))
     return 0
+
+
+def package_data_main(argv: list[str]) -> int:
+    """`adamspike package-data`: adamspike.package_data with simulate.predict as its
+    predictor (the floor cannot import simulate; a refresh rewrites predictions.json)."""
+    from adamspike import package_data   # lazy like every subcommand (hashlib, shutil)
+
+    def predict(args: list[str]) -> int:
+        from simulate.predict import main   # jax: only when --from refreshes the fit
+        return main(args)
+
+    return package_data.main(argv, predict=predict)
 
 
 def phase_map_main(argv: list[str]) -> int:

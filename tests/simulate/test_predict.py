@@ -289,7 +289,7 @@ def test_package_data_round_trip_and_tamper_check(tmp_path):
     (study / "spike_rate").mkdir()
     shutil.copyfile(PD.rate_model_path(), study / "spike_rate" / "model.json")
     root = tmp_path / "data"
-    m = PD.write(study, root=root, predictions=False)
+    m = PD.write(study, root=root)   # no predictor given: no predictions.json
     shipped = {k: v for k, v in PD.manifest()["files"].items() if k != "predictions.json"}
     assert m["files"] == shipped and m["version"] == 1
     assert PD.manifest(root=root)["files"] == m["files"]
