@@ -93,10 +93,6 @@ def wakeups(rho: np.ndarray, dormant_steps: int) -> np.ndarray:
     return out
 
 
-def lane_spikes(loss: np.ndarray, steps: np.ndarray, p: SpikeParams) -> pd.DataFrame:
-    return detect_spikes(loss, steps, p)
-
-
 def _window_stats(S: np.ndarray, wake: np.ndarray, steps: np.ndarray, t: int, lead: int) -> dict:
     sel = (steps >= t - lead) & (steps <= t - 1)
     s = S[sel]
@@ -125,8 +121,8 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         for seed, d in df.groupby("seed", sort=True):
             d = d.sort_values("step")
             steps = d["step"].to_numpy()
-            sp = lane_spikes(d["loss"].to_numpy(), steps, p)
-            strict = lane_spikes(d["loss"].to_numpy(), steps, p.replace(k=SpikeParams().k))
+            sp = detect_spikes(d["loss"].to_numpy(), steps, p)
+            strict = detect_spikes(d["loss"].to_numpy(), steps, p.replace(k=SpikeParams().k))
             S = d["S"].to_numpy()
             wake = wakeups(d[rho_cols].to_numpy(), dormant)
             tail = S[int(len(S) * 0.1):]

@@ -36,6 +36,15 @@ import jax
 import jax.numpy as jnp
 
 
+def precond_root(nu, count, b1, b2, eps):
+    """Per coordinate sqrt(P) of Bai et al.'s preconditioner (module docstring):
+    sqrt(c_t / (sqrt(v_t / (1-b2^t)) + eps)), c_t = (1-b1) / ((1+b1) (1-b1^t)), t = Adam's
+    step count (at least 1). Shared by the power iteration here and Program.stability."""
+    t = jnp.maximum(count.astype(jnp.float32), 1.0)
+    c = (1 - b1) / (1 + b1) / (1 - b1 ** t)
+    return jnp.sqrt(c / (jnp.sqrt(nu / (1 - b2 ** t)) + eps))
+
+
 def make_curvature_fn(loss: Callable, groups: Mapping[str, str], group_names: Sequence[str],
                       num_iters: int = 20):
     """A jitted fn(params, batch, nu, count, b1, b2, eps, key) -> (raw (G,), precond (G,));
@@ -56,14 +65,12 @@ def make_curvature_fn(loss: Callable, groups: Mapping[str, str], group_names: Se
         def hvp(t):
             return jax.jvp(grad, (params,), (t,))[1]
 
-        t = count.astype(jnp.float32)
-        c = (1 - b1) / (1 + b1) / (1 - b1 ** t)
         scale = {}
         for n, p in params.items():
             mask = jnp.array([1.0 if member[n] == k % G else 0.0 for k in range(2 * G)],
                              p.dtype).reshape((2 * G,) + (1,) * p.ndim)
             e = eps[n] if isinstance(eps, dict) else eps   # per-tensor eps (per-group eps)
-            pre = jnp.sqrt(c / (jnp.sqrt(nu[n] / (1 - b2 ** t)) + e)).astype(p.dtype)
+            pre = precond_root(nu[n], count, b1, b2, e).astype(p.dtype)
             is_pre = (jnp.arange(2 * G) >= G).reshape((2 * G,) + (1,) * p.ndim)
             scale[n] = mask * jnp.where(is_pre, pre[None], jnp.ones_like(p)[None])
         keys = jax.random.split(key, len(params))

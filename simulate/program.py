@@ -62,6 +62,7 @@ from adamspike.train_config import RunConfig
 from simulate import llama as jllama
 from simulate import optim as jopt
 from simulate import telemetry as jtel
+from simulate.curvature import precond_root
 
 POISON_TOKEN = 0
 
@@ -184,11 +185,8 @@ class Program:
         c = Controls(*(jnp.asarray(x) for x in c))
         grad = jax.grad(lambda p: self.loss(p, batch, c.loss_scale)[0])
         adam = jopt.adam_state(state)
-        t = adam.count.astype(jnp.float32)
-        ct = (1 - c.b1) / (1 + c.b1) / (1 - c.b1 ** jnp.maximum(t, 1.0))
-        bc2 = 1 - c.b2 ** jnp.maximum(t, 1.0)
         eps = self.tree(list(c.eps[i] for i in range(len(self.names))))
-        root = jax.tree.map(lambda v, e: jnp.sqrt(ct / (jnp.sqrt(v / bc2) + e)), adam.nu, eps)
+        root = jax.tree.map(lambda v, e: precond_root(v, adam.count, c.b1, c.b2, e), adam.nu, eps)
 
         def dot(a, b):
             return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
