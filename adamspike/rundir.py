@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import io
 import json
 import math
 import os
@@ -143,6 +144,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def atomic_write_frame(path: Path, df: pd.DataFrame) -> None:
+    """A DataFrame as parquet (pandas' default writer, no index), written atomically
+    (`atomic_write_bytes`): the study's cell and arm files."""
+    buf = io.BytesIO()
+    df.to_parquet(buf, index=False)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _atomic_write_table(path: Path, table: pa.Table) -> None:

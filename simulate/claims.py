@@ -35,7 +35,6 @@ reruns only its own arms. Verdicts and the report: analysis.claims (reads these 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import sys
@@ -50,7 +49,7 @@ from tqdm.auto import tqdm
 
 from adamspike.claims import REPO, Study, arm_label, resolve
 from adamspike.config import ConfigError, flatten, read_toml, to_dict
-from adamspike.rundir import atomic_write_bytes
+from adamspike.rundir import atomic_write_bytes, atomic_write_frame
 from adamspike.train_config import RunConfig
 from simulate.sweep import cell_id, cell_settings, run_cells
 from simulate.sweep_problems import PROBLEMS
@@ -199,12 +198,6 @@ def arm_table(res: Mapping[str, np.ndarray], seeds: Sequence[int]) -> pd.DataFra
     return df
 
 
-def _write(path: Path, df: pd.DataFrame) -> None:
-    buf = io.BytesIO()
-    df.to_parquet(buf, index=False)
-    atomic_write_bytes(path, buf.getvalue())
-
-
 def run_study(study: Study, out: str | Path, quick: bool = False, num_seeds: int | None = None,
               ladder: str | Path | None = None, skip_llama: bool = False,
               progress: bool = True) -> Path:
@@ -254,7 +247,7 @@ def run_study(study: Study, out: str | Path, quick: bool = False, num_seeds: int
             by_problem.setdefault(b["problem"], []).append((aid, m["config"]))
             continue
         t0 = time.perf_counter()
-        _write(out / "arms" / f"{aid}.parquet", arm_table(run_arm(_config(m["config"]), seeds), seeds))
+        atomic_write_frame(out / "arms" / f"{aid}.parquet", arm_table(run_arm(_config(m["config"]), seeds), seeds))
         meta["arm_seconds"][aid] = time.perf_counter() - t0
         atomic_write_bytes(meta_path, json.dumps(meta, indent=2, default=repr).encode())
         bar.update(1)
@@ -262,7 +255,7 @@ def run_study(study: Study, out: str | Path, quick: bool = False, num_seeds: int
         uniq = list({cell_id(name, c): c for _, c in arms}.values())
         table = run_cells(PROBLEMS[name], uniq, seeds, out, progress=progress, desc=f"replicate {name}")
         for aid, cfg in arms:
-            _write(out / "arms" / f"{aid}.parquet",
+            atomic_write_frame(out / "arms" / f"{aid}.parquet",
                    table[table["cell_id"] == cell_id(name, cfg)].reset_index(drop=True))
             bar.update(1)
     bar.close()

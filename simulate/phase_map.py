@@ -30,7 +30,6 @@ Storage (DIR, resumable: a killed map restarts at the first missing cell):
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import sys
 import time
@@ -44,9 +43,9 @@ from tqdm.auto import tqdm
 
 from adamspike.claims import REPO
 from adamspike.config import ConfigError, flatten, read_toml, to_dict
-from adamspike.rundir import atomic_write_bytes
+from adamspike.rundir import atomic_write_bytes, atomic_write_frame
 from adamspike.train_config import RunConfig
-from simulate.claims import EPS_KEYS, calibrate, ladder_targets, with_group_eps
+from simulate.claims import EPS_KEYS, arm_table, calibrate, ladder_targets, with_group_eps
 
 MAP_FIELDS = {"title", "base", "overrides", "seeds", "lr_mult", "b2", "batch_mult",
               "curvature_every", "calibrate", "check"}
@@ -104,33 +103,15 @@ def cell_id(cfg: Mapping[str, Any], seeds: list[int], every: int) -> str:
 
 
 def run_cell(cfg: RunConfig, seeds: list[int], every: int, tokens: np.ndarray) -> pd.DataFrame:
-    """One cell: the lanes as one program, the table of the module docstring."""
-    from simulate.program import program   # jax: only when cells run
-    from simulate.seeds import group_layout
-    groups, by_group, numel, eps = group_layout(cfg)
-    prog = program(cfg)
-    T = cfg.train.num_steps
-    out = prog.run(seeds, tokens, prog.controls(cfg, range(1, T + 1)), curvature_every=every)
-    index = {n: i for i, n in enumerate(prog.names)}
-    inv = 1.0 / cfg.train.loss_scale
-    n = len(seeds)
-    df = pd.DataFrame({"seed": np.repeat(seeds, T), "step": np.tile(np.arange(1, T + 1), n),
-                       "loss": out["loss"].ravel(), "grad_norm": out["grad_norm"].ravel() * inv,
-                       "update_norm": out["update_norm"].ravel()})
-    for j, g in enumerate(groups):
-        sumsq = out["tensor_sumsq"][..., [index[x] for x in by_group[g]]].sum(-1)
-        sumsq = sumsq * np.square(out["clip_scale"] * inv)     # consumed, unscaled frame
-        df[f"rho_{g}"] = (np.sqrt(sumsq / numel[j]) / eps[j]).ravel()
-    S = np.full((n, T), np.nan)
-    S[:, every - 1::every] = out["stability"]
+    """One cell: the lanes as one program (simulate.seeds.run_arm with the stability number
+    every `every` steps), the claims' arm table plus S (module docstring)."""
+    from simulate.seeds import run_arm   # jax: only when cells run
+    res = run_arm(cfg, seeds, tokens=tokens, curvature_every=every)
+    df = arm_table(res, seeds)
+    S = np.full(res["loss"].shape, np.nan)
+    S[:, every - 1::every] = res["stability"]
     df["S"] = S.ravel()
     return df
-
-
-def _write(path: Path, df: pd.DataFrame) -> None:
-    buf = io.BytesIO()
-    df.to_parquet(buf, index=False)
-    atomic_write_bytes(path, buf.getvalue())
 
 
 def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
@@ -204,7 +185,7 @@ def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
                 if B not in tokens:     # seed k reads the same batches in every cell of B
                     tokens = {B: arm_tokens(cfg, seeds)}
                 t0 = time.perf_counter()
-                _write(path, run_cell(cfg, seeds, every, tokens[B]))
+                atomic_write_frame(path, run_cell(cfg, seeds, every, tokens[B]))
                 meta["cell_seconds"][cell["id"]] = time.perf_counter() - t0
             save()
             bar.update(1)

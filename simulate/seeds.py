@@ -90,16 +90,19 @@ def group_layout(cfg: RunConfig) -> tuple[list[str], dict[str, list[str]], np.nd
 
 
 def run_arm(cfg: RunConfig, seeds: Sequence[int], *, vmapped: bool = True,
-            tokens: np.ndarray | None = None) -> dict[str, np.ndarray]:
+            tokens: np.ndarray | None = None, curvature_every: int = 0) -> dict[str, np.ndarray]:
     """Train len(seeds) copies of cfg (train.seed = each seed); vmapped=True as one
     program, False one seed per call of the same program (the bench compares the two).
     Returns float64 arrays loss, grad_norm, update_norm (num_seeds, num_steps),
-    rho (num_seeds, num_steps, num_groups) and groups, group_eps, group_numel."""
+    rho (num_seeds, num_steps, num_groups) and groups, group_eps, group_numel; with
+    curvature_every = K, also stability (num_seeds, num_steps // K): Program.stability
+    after every K-th step."""
     check_arm(cfg)
     groups, by_group, numel, eps = group_layout(cfg)
     prog = program(cfg)
     outs = prog.run(seeds, arm_tokens(cfg, seeds) if tokens is None else tokens,
-                    prog.controls(cfg, range(1, cfg.train.num_steps + 1)), vmapped=vmapped)
+                    prog.controls(cfg, range(1, cfg.train.num_steps + 1)), vmapped=vmapped,
+                    curvature_every=curvature_every)
     inv = 1.0 / cfg.train.loss_scale
     index = {n: i for i, n in enumerate(prog.names)}
     cols = [[index[n] for n in by_group[g]] for g in groups]
@@ -108,4 +111,5 @@ def run_arm(cfg: RunConfig, seeds: Sequence[int], *, vmapped: bool = True,
     rho = np.sqrt(sumsq / numel) / eps
     return {"loss": outs["loss"], "grad_norm": outs["grad_norm"] * inv,
             "update_norm": outs["update_norm"], "rho": rho,
-            "groups": np.array(groups), "group_eps": eps, "group_numel": numel}
+            "groups": np.array(groups), "group_eps": eps, "group_numel": numel,
+            **({"stability": outs["stability"]} if curvature_every else {})}

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import itertools
 import json
 import math
@@ -72,7 +71,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from adamspike.config import ConfigError, cli_main, flatten, from_dict, merge, nest, read_toml, to_dict
-from adamspike.rundir import atomic_write_bytes
+from adamspike.rundir import atomic_write_bytes, atomic_write_frame
 from adamspike.spikes import SpikeParams, detect_spikes
 
 PRE_WINDOW = 8            # Wortsman 2023a: rms_t leads loss spikes by 1-8 steps
@@ -362,12 +361,6 @@ def run_group(problem: Problem, cells: list[tuple[str, dict]], seeds: list[int],
     return {cid: pd.DataFrame(r) for cid, r in rows.items()}
 
 
-def _write_parquet_atomic(path: Path, df: pd.DataFrame) -> None:
-    buf = io.BytesIO()
-    df.to_parquet(buf, index=False)
-    atomic_write_bytes(path, buf.getvalue())
-
-
 def _sort_table(df: pd.DataFrame, grid_json: Mapping[str, Any]) -> pd.DataFrame:
     keys = [k for k in grid_json["axes"] if k in df.columns] + ["seed", "cell_id"]
     return df.sort_values(keys, kind="stable").reset_index(drop=True)
@@ -375,7 +368,7 @@ def _sort_table(df: pd.DataFrame, grid_json: Mapping[str, Any]) -> pd.DataFrame:
 
 def _write_table(df: pd.DataFrame, out_dir: Path, stem: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_parquet_atomic(out_dir / f"{stem}.parquet", df)
+    atomic_write_frame(out_dir / f"{stem}.parquet", df)
     atomic_write_bytes(out_dir / f"{stem}.csv", df.to_csv(index=False).encode())
 
 
@@ -414,7 +407,7 @@ def run_cells(problem: Problem, cells: Sequence[Mapping[str, Any]], seeds: Seque
         for lo in range(0, len(members), per_call):
             part = members[lo:lo + per_call]
             for c, df in run_group(problem, part, list(seeds), spikes).items():
-                _write_parquet_atomic(cells_dir / f"{c}.parquet", df)
+                atomic_write_frame(cells_dir / f"{c}.parquet", df)
             bar.update(len(part) * len(seeds))
     bar.close()
     return read_cells(Path(out), [c for c, _ in ids])
