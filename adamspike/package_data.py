@@ -8,8 +8,9 @@ fresh install without a study run (no jax needed to read them).
       ladder/ladder.json      the width/depth ladder's spec   } stage `ladder`
       ladder/cells/*.parquet  its finished cells (per rung x  } (`adamspike simulate ladder`):
                               seed gradient RMS rows)         } simulate.ladder refits them
-      spike_rate_model.json   the spike-rate GLM              stage `spike_rate`
-                                                              (`adamspike spike-rate`)
+      spike_rate_model.json   the spike-rate GLM              stage `spike_rate_mechanism`
+                                                              (`adamspike spike-rate --map`;
+                                                              `spike_rate` in older folders)
       predictions.json        `adamspike predict --profile llama2-70b` on the two above
                               (pre-registered when written; `adamspike assess` reads it
                               when given no predictions of its own)
@@ -19,7 +20,9 @@ The ladder is shipped as its cells (a few hundred kB), not as a fitted summary: 
 the one a study folder with the same cells gives, bit for bit.
 
 `adamspike package-data --from STUDY_DIR` (a finished `make reproduce` / `adamspike
-reproduce --out STUDY_DIR` folder: STUDY_DIR/ladder and STUDY_DIR/spike_rate/model.json)
+reproduce --out STUDY_DIR` folder: STUDY_DIR/ladder and STUDY_DIR/spike_rate_mechanism/
+model.json, the model predictions_70b.json uses; STUDY_DIR/spike_rate/model.json when the
+folder has no mechanism model)
 replaces the shipped files and writes a new manifest (version + 1); `adamspike
 package-data` alone prints the manifest and checks the hashes. The package must carry
 adamspike/data/** as package data (an editable install reads the source tree).
@@ -44,7 +47,8 @@ SCHEMA = "adamspike.package_data"
 MODEL_FILE = "spike_rate_model.json"
 PREDICTIONS_FILE = "predictions.json"
 STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate ladder`)",
-          MODEL_FILE: "stage `spike_rate` of configs/study.toml (`adamspike spike-rate`)",
+          MODEL_FILE: "stage `spike_rate_mechanism` of configs/study.toml (`adamspike "
+                      "spike-rate --map`; `spike_rate` in older study folders)",
           PREDICTIONS_FILE: "`adamspike predict --profile llama2-70b` on the shipped ladder "
                             "and model (adamspike package-data)"}
 
@@ -119,11 +123,14 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
     passes it); with it, predictions.json is written from the new files too."""
     predictions = predict is not None
     study = Path(study)
-    lad, model = study / "ladder", study / "spike_rate" / "model.json"
+    lad = study / "ladder"
+    model = study / "spike_rate_mechanism" / "model.json"
+    if not model.is_file():
+        model = study / "spike_rate" / "model.json"
     for p in (lad / "ladder.json", model):
         if not p.is_file():
             raise PackageDataError(f"{p}: missing (a finished `adamspike reproduce` folder has "
-                                   "ladder/ and spike_rate/model.json)")
+                                   "ladder/ and spike_rate_mechanism/model.json)")
     cells = sorted((lad / "cells").glob("*.parquet"))
     if not cells:
         raise PackageDataError(f"{lad}/cells: no finished ladder cells")

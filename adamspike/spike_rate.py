@@ -25,6 +25,15 @@ Features (FEATURES; each one dimensionless):
                         quadratic it is the curvature ratio eps* / eps up to lam (1-b1) /
                         (2 (1+b1))
     log10_tokens_per_step  log10 of tokens (LLaMA) or samples (MLP) per optimizer step
+  the mechanism groups (issue "Science 3"; finite on the phase map's rows only, so a model
+  fitted on sweeps never selects them):
+    log10_stability     log10 of Adam's stability number S = lr lambda_max(P H) / 2 (median
+                        over the row's evaluations; S = 1 is the edge; in the eps band S =
+                        Pi_eps / 38 with Pi_eps = (lr / eps) lambda_max(H): mechanism A)
+    log10_rho_min       log10 of the smallest depth group's median rho: how deep the most
+                        dormant group sits in its eps band (mechanism B)
+    warmup              1 for the warmup part of a run, 0 for the rest (the lr ramp: the
+                        70B's spikes came inside LLaMA2's 2000-step warmup)
 A fit uses the features that are finite on every training run and not constant there
 (`select_features`); which ones it used is stored with the model.
 
@@ -71,7 +80,7 @@ from adamspike.mitigations import neutral_mask
 from adamspike.rundir import read_json
 
 FEATURES = ("log10_rho_shallow", "log10_rho_deep", "log10_one_minus_b2", "log10_lr_over_eps",
-            "log10_tokens_per_step")
+            "log10_tokens_per_step", "log10_stability", "log10_rho_min", "warmup")
 RIDGE = 0.1
 N_BOOT = 200
 CI = 0.9
@@ -91,14 +100,18 @@ class SpikeRateError(ValueError):
 
 def setting_features(*, rho_shallow: float | None = None, rho_deep: float | None = None,
                      b2: float | None = None, lr: float | None = None,
-                     eps: float | None = None, tokens_per_step: float | None = None) -> dict:
+                     eps: float | None = None, tokens_per_step: float | None = None,
+                     stability: float | None = None, rho_min: float | None = None,
+                     warmup: float | None = None) -> dict:
     """The feature dict (FEATURES) of one setting; missing inputs give NaN."""
     def lg(v):
         return math.log10(v) if v is not None and np.isfinite(v) and v > 0 else math.nan
     return {"log10_rho_shallow": lg(rho_shallow), "log10_rho_deep": lg(rho_deep),
             "log10_one_minus_b2": lg(None if b2 is None else 1.0 - b2),
             "log10_lr_over_eps": lg(None if lr is None or not eps else lr / eps),
-            "log10_tokens_per_step": lg(tokens_per_step)}
+            "log10_tokens_per_step": lg(tokens_per_step), "log10_stability": lg(stability),
+            "log10_rho_min": lg(rho_min),
+            "warmup": math.nan if warmup is None else float(warmup)}
 
 
 def _first(flat: Mapping[str, Any], keys: Sequence[str]) -> float:
@@ -111,13 +124,15 @@ def _first(flat: Mapping[str, Any], keys: Sequence[str]) -> float:
 
 
 def config_features(flat: Mapping[str, Any], rho_shallow: float | None = None,
-                    rho_deep: float | None = None, tokens_per_step: float | None = None) -> dict:
+                    rho_deep: float | None = None, tokens_per_step: float | None = None,
+                    **mechanism) -> dict:
     """The one row builder of every training table (sweep rows, run directories, matched
     arms): FEATURES plus `width` of a run from its flat (dotted) config or sweep-table row.
     b2, lr, eps: optim.* (problem.* in simulate's quadratic / mlp run directories); tokens
     per step, unless given: train.global_batch_size x train.seq_len (llama), mlp.batch or
     mlp.num_points for a full batch (mlp), none (quadratic); width: the first of
-    WIDTH_COLUMNS, else the dim of model.preset."""
+    WIDTH_COLUMNS, else the dim of model.preset; `mechanism`: stability, rho_min, warmup of
+    `setting_features` (the phase map's rows)."""
     b2, lr, eps = (_first(flat, (f"optim.{k}", f"problem.{k}")) for k in ("b2", "lr", "eps"))
     if tokens_per_step is None or not np.isfinite(tokens_per_step):
         tokens_per_step = (_first(flat, ("train.global_batch_size",))
@@ -129,7 +144,8 @@ def config_features(flat: Mapping[str, Any], rho_shallow: float | None = None,
     if not np.isfinite(width) and str(flat.get("model.preset")) in PRESETS:
         width = float(PRESETS[str(flat["model.preset"])].dim)
     return {"width": width, **setting_features(rho_shallow=rho_shallow, rho_deep=rho_deep, b2=b2,
-                                               lr=lr, eps=eps, tokens_per_step=tokens_per_step)}
+                                               lr=lr, eps=eps, tokens_per_step=tokens_per_step,
+                                               **mechanism)}
 
 
 def sweep_rows(table: pd.DataFrame, source: str = "sweep") -> pd.DataFrame:
@@ -197,6 +213,20 @@ def training_table(parts: Sequence[str | Path | pd.DataFrame],
                          + ", ".join(table.loc[bad, "run"].astype(str).head(5))
                          + (" ..." if bad.sum() > 5 else ""))
         table = table.loc[~bad].reset_index(drop=True)
+    # the mechanism groups: a source that measures them (the phase map) loses the rows where
+    # they have no log (S median <= 0: a dominant negative eigenvalue; a group's gradient
+    # exactly 0), rather than every row losing the feature
+    for f in ("log10_stability", "log10_rho_min"):
+        v = np.isfinite(table[f].to_numpy(float))
+        src = table["source"].astype(str)
+        measured = src.isin(set(src[v])).to_numpy()
+        bad = measured & ~v
+        if bad.any():
+            out_notes.append(f"{int(bad.sum())} runs without a finite {f} (a median S <= 0 or "
+                             "a depth group's gradient exactly 0): "
+                             + ", ".join(table.loc[bad, "run"].astype(str).head(5))
+                             + (" ..." if bad.sum() > 5 else ""))
+            table = table.loc[~bad].reset_index(drop=True)
     return table, out_notes
 
 
@@ -553,17 +583,18 @@ def calibration_table(p: np.ndarray, y: np.ndarray, k: np.ndarray | None = None,
 
 
 def validate(table: pd.DataFrame, *, ridge: float = RIDGE, n_boot: int = N_BOOT,
-             seed: int = 0) -> dict:
+             seed: int = 0, candidates: Sequence[str] = FEATURES) -> dict:
     """Held-out validation (heldout_split): fit on the rest, score P(>= 1 spike in the
     run's steps) of the held-out runs against the constant-rate baseline. Returns the
-    scores, the calibration table, per-run predictions and the split's description."""
-    feats = select_features(table)
+    scores, the calibration table, per-run predictions and the split's description.
+    candidates: the features the model may use (`select_features` keeps the usable ones)."""
+    feats = select_features(table, candidates)
     t = usable(table, feats)
     mask, desc = heldout_split(t)
     train, test = t.loc[~mask].reset_index(drop=True), t.loc[mask].reset_index(drop=True)
     if test.empty or train.empty:
         raise SpikeRateError(f"held-out split left an empty side ({desc})")
-    feats_train = [f for f in feats if f in select_features(train)]
+    feats_train = [f for f in feats if f in select_features(train, candidates)]
     m = fit(train, feats_train, ridge=ridge, n_boot=n_boot, seed=seed)
     n = test["num_steps"].to_numpy(float)
     k = test["num_spikes"].to_numpy(float)

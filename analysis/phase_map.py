@@ -80,6 +80,12 @@ def settings(meta: Mapping[str, Any]) -> dict:
     return {**DEFAULTS, **meta.get("spikes", {})}
 
 
+def spike_params(st: Mapping[str, Any]) -> SpikeParams:
+    """The map's spike rule from its settings (`settings`)."""
+    return SpikeParams(window=int(st["window"]), k=float(st["k"]),
+                       min_rel_jump=float(st["min_rel_jump"]))
+
+
 def wakeups(rho: np.ndarray, dormant_steps: int) -> np.ndarray:
     """(steps, groups) rho -> (steps,) bool: some group wakes up at this step (module
     docstring)."""
@@ -107,8 +113,7 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     out = Path(out)
     meta = json.loads((out / "map.json").read_text())
     st = settings(meta)
-    p = SpikeParams(window=int(st["window"]), k=float(st["k"]),
-                    min_rel_jump=float(st["min_rel_jump"]))
+    p = spike_params(st)
     heights, lead, dormant = [float(h) for h in st["heights"]], int(st["lead"]), int(st["dormant_steps"])
     cells, onsets, lanes = [], [], []
     for c in meta["cells"]:

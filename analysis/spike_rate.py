@@ -2,7 +2,7 @@
 sweep tables and run directories.
 
     adamspike spike-rate [--sweep TABLE_OR_DIR ...] [--runs RUN ...] [--matched DIR ...]
-                         --out DIR [--n-boot 200]
+                         [--map DIR ...] --out DIR [--n-boot 200]
 
 Training table (DIR/table.csv, one row per run, adamspike.spike_rate.TABLE_COLUMNS):
   - sweep tables (simulate.sweep; the quadratic / mlp / llama sweeps, replication cells):
@@ -19,7 +19,9 @@ Training table (DIR/table.csv, one row per run, adamspike.spike_rate.TABLE_COLUM
     builder of every row type. A run without per-tensor telemetry has no rho and is left
     out of the fit (listed in the report);
   - matched-regime replications (`adamspike replicate matched`): one row per arm and seed
-    (`matched_rows`), the regime the 70B predictions are about.
+    (`matched_rows`), the regime the 70B predictions are about;
+  - phase maps (`adamspike phase-map`): one row per lane and phase (warmup / after) with
+    the mechanism features (`map_rows`): the model predictions_70b.json uses.
 Every row type has the same rho: the median over steps of the per-step group rho of the
 side (adamspike.depth_groups.group_rho, sqrt(sum numel rho^2 / sum numel)); sweep tables
 carry it as `median_rho` (simulate.sweep_problems: the shallow side's group_rho per step),
@@ -151,10 +153,67 @@ def matched_rows(study: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(SR.TABLE_COLUMNS))
 
 
+def map_rows(out: str | Path) -> pd.DataFrame:
+    """Rows of a phase map (`adamspike phase-map`; analysis.phase_map reads it): one per lane
+    (cell x seed) and phase (warmup: steps <= optim.warmup_steps; after: the rest), source
+    "map" (the maps of different widths are one source, so the held-out split takes the
+    widest). Spikes: the map's rule (its onsets, analysis.phase_map.analyze) starting in the
+    phase; num_steps: the phase's steps the rule judged (after its min_history); the sides'
+    rho: the median over the phase's steps of group_rho of the side's groups (`group_numel`
+    of the cell's config), the statistic of every row type; rho_min: the smallest group's
+    median rho over the phase; stability: the median of the phase's S evaluations."""
+    from analysis import phase_map as PM     # the map's rule and onsets, one place
+    out = Path(out)
+    try:
+        _, onsets, summary = PM.analyze(out)
+    except (OSError, ValueError, KeyError) as e:
+        raise SR.SpikeRateError(f"{out}: not a phase map ({e})") from None
+    history = PM.spike_params(summary["settings"]).history
+    starts = ({} if onsets.empty else
+              {k: g["start"].to_numpy() for k, g in onsets.groupby(["cell", "seed"])})
+    rows = []
+    for c in summary["meta"]["cells"]:
+        path = out / "cells" / f"{c['id']}.parquet"
+        if not path.exists():
+            continue
+        numel = group_numel(c["config"])
+        W = int(c["config"]["optim.warmup_steps"])
+        t = pd.read_parquet(path)
+        groups = [g for g in GROUPS if f"rho_{g}" in t]
+        for seed, d in t.groupby("seed", sort=True):
+            steps = d["step"].to_numpy()
+            st = starts.get((c["id"], int(seed)), np.array([]))
+            for phase, inside in (("warmup", lambda x: x <= W), ("after", lambda x: x > W)):
+                m = inside(steps)
+                judged = int((m & (steps > history)).sum())
+                if not judged:
+                    continue
+                dd = d.loc[m]
+                side = {k: _median_over_steps(group_rho(dd[[f"rho_{x}" for x in gs]].to_numpy(float),
+                                                        [numel[x] for x in gs]))
+                        for k, gs in (("sh", [x for x in groups if x in ("embed", "shallow")]),
+                                      ("dp", [x for x in groups if x in ("deep", "head")]))}
+                S = dd["S"].to_numpy(float)
+                S = S[np.isfinite(S)]
+                rows.append({"source": "map", "run": f"{out.name}/{c['id']}/s{seed}/{phase}",
+                             "seed": float(seed), "num_spikes": float(inside(st).sum()),
+                             "num_steps": float(judged),
+                             **SR.config_features(
+                                 c["config"], side["sh"], side["dp"],
+                                 stability=float(np.median(S)) if S.size else None,
+                                 rho_min=float(dd[[f"rho_{x}" for x in groups]].median().min()),
+                                 warmup=float(phase == "warmup"))})
+    if not rows:
+        raise SR.SpikeRateError(f"{out}: no finished phase-map cells")
+    return pd.DataFrame(rows, columns=list(SR.TABLE_COLUMNS))
+
+
 def training_table(sweeps: Sequence[str | Path] = (), runs: Sequence[str | Path] = (),
-                   matched: Sequence[str | Path] = ()) -> tuple[pd.DataFrame, list[str]]:
+                   matched: Sequence[str | Path] = (),
+                   maps: Sequence[str | Path] = ()) -> tuple[pd.DataFrame, list[str]]:
     """(table, notes): adamspike.spike_rate.training_table of the matched-regime
-    replications (`matched_rows`), the sweep tables and the run directories (`run_row`);
+    replications (`matched_rows`), the phase maps (`map_rows`), the sweep tables and the run
+    directories (`run_row`);
     notes say what was left out and why."""
     rows, notes = [], []
     for r in runs:
@@ -162,7 +221,7 @@ def training_table(sweeps: Sequence[str | Path] = (), runs: Sequence[str | Path]
             rows.append(run_row(r))
         except (RunFormatError, SR.SpikeRateError) as e:
             notes.append(f"{r}: left out ({e})")
-    parts = [*map(matched_rows, matched), *sweeps]
+    parts = [*(matched_rows(m) for m in matched), *(map_rows(m) for m in maps), *sweeps]
     if rows:
         parts.append(pd.DataFrame(rows, columns=list(SR.TABLE_COLUMNS)))
     return SR.training_table(parts, notes)
@@ -222,7 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", nargs="*", default=[], help="run directories")
     ap.add_argument("--matched", action="append", default=[],
                     help="matched-regime replication directory (adamspike replicate matched)")
+    ap.add_argument("--map", action="append", default=[], dest="maps",
+                    help="phase-map directory (adamspike phase-map): one row per lane and phase "
+                         "with the mechanism features")
     ap.add_argument("--out", required=True, help="output directory (model.json must not exist)")
+    ap.add_argument("--features", nargs="+", choices=SR.FEATURES, default=list(SR.FEATURES),
+                    metavar="FEATURE", help="the features the model may use (default: every "
+                    "one finite and not constant on the training runs): "
+                    + ", ".join(SR.FEATURES))
     ap.add_argument("--n-boot", type=int, default=SR.N_BOOT)
     ap.add_argument("--ridge", type=float, default=SR.RIDGE)
     return cli_main(ap, argv, _main, "adamspike spike-rate", (ConfigError, SR.SpikeRateError))
@@ -235,9 +301,10 @@ def _main(args) -> int:
                           "overwritten)")
     if args.n_boot < 0 or not args.ridge >= 0:
         raise ConfigError("--n-boot must be >= 0 and --ridge >= 0")
-    table, notes = training_table(args.sweep, args.runs, args.matched)
-    val = SR.validate(table, ridge=args.ridge, n_boot=args.n_boot)
-    model = SR.fit(table, ridge=args.ridge, n_boot=args.n_boot)
+    table, notes = training_table(args.sweep, args.runs, args.matched, args.maps)
+    val = SR.validate(table, ridge=args.ridge, n_boot=args.n_boot, candidates=args.features)
+    model = SR.fit(table, SR.select_features(table, args.features), ridge=args.ridge,
+                   n_boot=args.n_boot)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / "table.csv", table.to_csv(index=False).encode())
     atomic_write_bytes(out / "calibration.csv", val["calibration"].to_csv(index=False).encode())

@@ -91,6 +91,9 @@ DATA_SEED = 0
 VOCAB = 256
 LR_BASE_DIM = 64
 TARGET_70B = {"dim": 8192, "num_layers": 80, "tokens_per_step": 1024 * 4096}
+LR_70B = 1.5e-4            # LLaMA2-70B's peak lr (Touvron et al. 2023; configs/llama2-70b.toml)
+B1 = 0.9
+PI_THRESHOLD = 2 * (1 + B1) / (1 - B1)   # 38: the eps band's edge (Cohen et al. 2022)
 
 
 @dataclass
@@ -110,6 +113,10 @@ class LadderSpec:
     # "constant": every rung at lr; "inverse_width": lr * LR_BASE_DIM / dim (the muP rule
     # for Adam's hidden-layer lr: the update size per unit of width stays put)
     lr_scaling: str = "constant"
+    # the sharpness ladder: lambda_max(H) and Adam's stability number S every K steps
+    # (Program.run's curvature, `curvature_iters` warm-started products each); 0 = off
+    curvature_every: int = 0
+    curvature_iters: int = 5
 
     def lr_for(self, dim: int) -> float:
         if self.lr_scaling == "constant":
@@ -127,12 +134,13 @@ class LadderSpec:
 def full_spec(lr_scaling: str = "inverse_width") -> LadderSpec:
     rungs = [(d, L, 16) for d in (32, 64, 128, 256) for L in (2, 4, 8) if (d, L) != (256, 8)]
     rungs += [(64, 4, 4), (64, 4, 64) if lr_scaling == "constant" else (64, 4, 32)]
-    return LadderSpec(rungs=rungs, num_steps=150, lr_scaling=lr_scaling)
+    return LadderSpec(rungs=rungs, num_steps=150, lr_scaling=lr_scaling, curvature_every=15)
 
 
 def quick_spec(lr_scaling: str = "inverse_width") -> LadderSpec:
     rungs = [(32, 2, 16), (64, 2, 16), (32, 4, 16), (32, 2, 4)]
-    return LadderSpec(rungs=rungs, seeds=2, num_steps=60, warmup_steps=6, lr_scaling=lr_scaling)
+    return LadderSpec(rungs=rungs, seeds=2, num_steps=60, warmup_steps=6, lr_scaling=lr_scaling,
+                      curvature_every=10)
 
 
 SPECS = {"full": full_spec, "quick": quick_spec}
@@ -155,6 +163,9 @@ def cell_id(spec: LadderSpec, rung: Sequence[int]) -> str:
     shared = {k: v for k, v in spec.to_json().items() if k not in ("rungs", "seeds")}
     if shared.get("lr_scaling") == "constant":   # ids of ladders from before the knob
         del shared["lr_scaling"]
+    if not shared.get("curvature_every"):         # ... and from before the sharpness ladder
+        shared.pop("curvature_every", None)
+        shared.pop("curvature_iters", None)
     blob = json.dumps({"rung": list(rung), **shared}, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
@@ -199,7 +210,9 @@ def train_seeds(cfg, spec: LadderSpec, tokens: np.ndarray, seeds: Sequence[int],
 
     Returns numpy arrays: loss, grad_norm (num_seeds, num_steps); depth_sumsq
     (num_seeds, num_logged, num_depths) of the raw (pre-clip) gradient on steps
-    log_steps (1-based, every LOG_EVERY); depths, depth_numel (num_depths,)."""
+    log_steps (1-based, every LOG_EVERY); depths, depth_numel (num_depths,); with
+    spec.curvature_every = K also sharpness and stability (num_seeds, num_steps // K) after
+    steps K, 2K, ... (Program.run)."""
     # lazy: jax (simulate.program imports it), so that the fit and the 70B profile
     # (`adamspike predict --ladder`) work without it
     from simulate.program import program
@@ -211,30 +224,37 @@ def train_seeds(cfg, spec: LadderSpec, tokens: np.ndarray, seeds: Sequence[int],
     numel = np.array([sum(s.numel for s in specs.values() if s.depth == d) for d in depths],
                      np.int64)
     member = np.array([[specs[n].depth == d for d in depths] for n in prog.names], np.float64)
+    K = spec.curvature_every
     outs = prog.run(seeds, np.swapaxes(tokens, 0, 1),   # (seeds, steps, B, T+1)
-                    prog.controls(rc, range(1, spec.num_steps + 1)), vmapped=vmapped)
+                    prog.controls(rc, range(1, spec.num_steps + 1)), vmapped=vmapped,
+                    curvature_every=K, sharpness=bool(K), curvature_iters=spec.curvature_iters)
     sumsq = outs["tensor_sumsq"][:, LOG_EVERY - 1::LOG_EVERY] @ member
     return {"loss": outs["loss"], "grad_norm": outs["grad_norm"], "depth_sumsq": sumsq,
             "depths": np.array(depths), "depth_numel": numel,
-            "log_steps": np.arange(LOG_EVERY, spec.num_steps + 1, LOG_EVERY)}
+            "log_steps": np.arange(LOG_EVERY, spec.num_steps + 1, LOG_EVERY),
+            **({k: outs[k] for k in ("sharpness", "stability")} if K else {})}
 
 
 def cell_table(rung: Sequence[int], spec: LadderSpec, seeds: Sequence[int],
                res: Mapping[str, np.ndarray], cid: str, seconds: float) -> pd.DataFrame:
-    """Long table: one row per seed x logged step x depth."""
+    """Long table: one row per seed x logged step x depth; with curvature, `sharpness` and
+    `stability` on the rows of the steps where they were taken (NaN elsewhere)."""
     dim, L, B = (int(x) for x in rung)
+    K = spec.curvature_every
     rows = []
     steps = res["log_steps"]
     for j, seed in enumerate(seeds):
         for i, s in enumerate(steps):
+            curv = ((float(res["sharpness"][j, s // K - 1]), float(res["stability"][j, s // K - 1]))
+                    if K and s % K == 0 else (math.nan, math.nan))
             for k, d in enumerate(res["depths"]):
                 rows.append((cid, dim, L, B, B * spec.seq_len, int(seed), int(s), int(d),
                              depth_group(int(d), L), int(res["depth_numel"][k]),
                              float(res["depth_sumsq"][j, i, k]), float(res["loss"][j, s - 1]),
-                             float(res["grad_norm"][j, s - 1])))
+                             float(res["grad_norm"][j, s - 1]), *curv))
     df = pd.DataFrame(rows, columns=["cell_id", "dim", "num_layers", "batch", "tokens_per_step",
                                      "seed", "step", "depth", "group", "numel", "grad_sumsq",
-                                     "loss", "grad_norm"])
+                                     "loss", "grad_norm", "sharpness", "stability"])
     df["seconds"] = seconds
     return df
 
@@ -248,10 +268,14 @@ def run_ladder(spec: LadderSpec, out: str | Path, progress: bool = True) -> pd.D
     want = {"ladder": spec.to_json()}
     if meta.exists():
         have = json.loads(meta.read_text())
-        if have != want:
+        if spec_from_json(have.get("ladder", {})).to_json() != want["ladder"]:
             raise ConfigError(f"{out}: holds another ladder (ladder.json differs); use a new --out")
     else:
         atomic_write_bytes(meta, json.dumps(want, indent=2).encode())
+    if spec.curvature_every and (spec.curvature_every % LOG_EVERY
+                                 or spec.num_steps % spec.curvature_every):
+        raise ConfigError(f"curvature_every {spec.curvature_every}: must be a multiple of "
+                          f"{LOG_EVERY} that divides num_steps {spec.num_steps}")
     seeds = list(range(spec.seeds))
     todo = [r for r in spec.rungs if not (cells / f"{cell_id(spec, r)}.parquet").exists()]
     data: dict[int, np.ndarray] = {}
@@ -315,6 +339,14 @@ def responses(df: pd.DataFrame) -> pd.DataFrame:
     wide = r.pivot_table(index=["cell_id", "seed", *FEATURES], columns="group",
                          values="log10_rms").reset_index()
     wide.columns.name = None
+    if "sharpness" in late and late["sharpness"].notna().any():
+        # the sharpness ladder: per (cell, seed) the median over the late evaluations of
+        # lambda_max(H) (log10; a median <= 0 has no log: NaN, left out of the fit) and of S
+        c = late.dropna(subset=["sharpness"]).drop_duplicates(["cell_id", "seed", "step"])
+        c = c.groupby(["cell_id", "seed"], as_index=False).agg(
+            sharpness=("sharpness", "median"), stability=("stability", "median"))
+        c["log10_sharpness"] = np.log10(c["sharpness"].where(c["sharpness"] > 0))
+        wide = wide.merge(c, on=["cell_id", "seed"], how="left")
     return wide
 
 
@@ -400,7 +432,9 @@ def fit_ladder(df: pd.DataFrame, n_boot: int = 1000, ci: float = 0.9) -> dict:
             err = Y[~train, k] - X[~train] @ c
             held[g] = {"mean_log10_error": float(np.mean(err)),
                        "rms_log10_error": float(np.sqrt(np.mean(err ** 2)))}
+    sharp = _fit_sharpness(wide, X, train, n_boot, ci) if "log10_sharpness" in wide else None
     return {
+        **({"sharpness": public(sharp), "_sharp_fit": sharp["_fit"]} if sharp else {}),
         "form": "log10 rms_group = c0 + c_d log10 dim + c_L log10 layers + c_B log10 tokens_per_step",
         "response": "log10 gradient RMS of the group (raw, pre-clip), median over the logged "
                     "steps of the second half of training, one row per (rung, seed)",
@@ -415,6 +449,34 @@ def fit_ladder(df: pd.DataFrame, n_boot: int = 1000, ci: float = 0.9) -> dict:
         "_fits": dict(zip(groups, fits)),
         "_responses": wide,
     }
+
+
+def _fit_sharpness(wide: pd.DataFrame, X: np.ndarray, train: np.ndarray, n_boot: int,
+                   ci: float) -> dict:
+    """The sharpness ladder's fit: log10 lambda_max(H) on the same design and bootstrap as
+    the groups' RMS, its held-out check on the widest rung, and per rung the median S."""
+    y = wide[["log10_sharpness"]].to_numpy(float)
+    f = fit_power_law(X, y, n_boot=n_boot, ci=ci)[0]
+    ok = np.isfinite(y[:, 0])
+    held = None
+    if (train & ok).sum() > X.shape[1] and (~train & ok).any():
+        c = _lstsq(X[train & ok], y[train & ok, 0])
+        err = y[~train & ok, 0] - X[~train & ok] @ c
+        held = {"mean_log10_error": float(np.mean(err)),
+                "rms_log10_error": float(np.sqrt(np.mean(err ** 2)))}
+    by_rung = wide.groupby(list(FEATURES), as_index=False).agg(
+        sharpness=("sharpness", "median"), stability=("stability", "median"),
+        stability_min=("stability", "min"), stability_max=("stability", "max"))
+    return {"form": "log10 lambda_max(H) = c0 + c_d log10 dim + c_L log10 layers "
+                    "+ c_B log10 tokens_per_step",
+            "response": "lambda_max of the Hessian of the unscaled minibatch loss (power "
+                        "iteration, warm-started), median over the evaluations of the second "
+                        "half of training, one row per (rung, seed); S = lr lambda_max(P H) / 2 "
+                        "beside it",
+            "coef": f.coef.tolist(), "coef_lo": f.coef_lo.tolist(), "coef_hi": f.coef_hi.tolist(),
+            "r2_log": f.r2_log, "resid_sd_log10": f.resid_sd, "n": f.n,
+            "num_nonpositive": int((~ok).sum()), "heldout_widest": held,
+            "by_rung": by_rung.to_dict("records"), "_fit": f}
 
 
 # ----------------------------------------------------------------------------- 70B
@@ -472,8 +534,27 @@ def extrapolate(fit: Mapping[str, Any], cfg, tokens_per_step: int, eps: float,
         "rho_hi": {g: float(v) for g, v in zip(groups, hi)},
         "mean_rho": mean_rho, "mean_rho_hi": float(np.quantile(mean_rho_draws, 1 - a)),
         "mean_rho_bound": clip / (math.sqrt(ntot) * eps),
+        **({"sharpness": sharpness_70b(fit["_sharp_fit"], x, eps, fit["ci"])}
+           if "_sharp_fit" in fit else {}),
         "_draws_rho": d_cons / eps, "_groups": groups,
     }
+
+
+def sharpness_70b(f: GroupFit, x: np.ndarray, eps: float, ci: float, lr: float = LR_70B) -> dict:
+    """lambda_max(H) at design row x (point, bootstrap prediction interval) and the eps
+    band's stability number there, Pi_eps = (lr / eps) lambda_max(H) against its threshold
+    2 (1+b1) / (1-b1) = 38, at the peak lr and at half of it (step 1000 of LLaMA2's
+    2000-step linear warmup). Pi_eps / 38 is Adam's S for a coordinate deep in the band
+    (sqrt(v_hat) << eps); a group with rho ~ 1 has its P halved, so S is at most this."""
+    a = (1 - ci) / 2
+    draws = 10 ** predict_interval(f, x, seed=99)
+    lam, lo, hi = 10 ** float(f.coef @ x), float(np.quantile(draws, a)), float(np.quantile(draws, 1 - a))
+    pi = {name: {"lr": l, "pi_eps": l / eps * lam, "pi_eps_lo": l / eps * lo,
+                 "pi_eps_hi": l / eps * hi, "over_threshold": l / eps * lam / PI_THRESHOLD}
+          for name, l in (("peak", lr), ("warmup_step_1000", lr / 2))}
+    return {"lambda_max": lam, "lambda_max_lo": lo, "lambda_max_hi": hi, "eps": eps,
+            "threshold": PI_THRESHOLD, "pi": pi,
+            "lambda_crossing_at_peak": PI_THRESHOLD * eps / lr}
 
 
 def profile_by_depth(ext: Mapping[str, Any]) -> list[dict]:
@@ -572,6 +653,9 @@ def report_md(summary: Mapping[str, Any], out: Path) -> str:
                         for g in ext["rho"]),
                        headers=["group", "N", "raw rms", f"rho at eps {ext['eps']:g} [{pct} % PI]",
                                 "rho at eps 1e-8"], max_rows=None)]
+    if "sharpness" in fit and "sharpness" in ext:
+        lines += [""] + sharpness_md(fit["sharpness"], ext["sharpness"], pct,
+                                     fit.get("ladder_spec", {}))
     lines += ["", "Limits: the ladder's vocab (256) is fixed, so embed and head extrapolate "
               "without a vocab term (the 70B has 32000); the response is early training (the "
               "late half of a short run); the tokens-per-step exponent comes from one (dim, "
@@ -579,6 +663,41 @@ def report_md(summary: Mapping[str, Any], out: Path) -> str:
               "1/sqrt(B)-like fall); width 1.5 decades, depth 1 decade beyond the ladder. The "
               "interval is statistical (rows and residuals resampled), not a model-form error."]
     return "\n".join(lines) + "\n"
+
+
+def sharpness_md(sf: Mapping[str, Any], s70: Mapping[str, Any], pct: int,
+                 spec: Mapping[str, Any]) -> list[str]:
+    """The sharpness ladder's lines of the report: the fit, S per rung, the 70B's Pi_eps."""
+    c, lo, hi = sf["coef"], sf["coef_lo"], sf["coef_hi"]
+    held = sf.get("heldout_widest")
+    out = [f"Sharpness ladder: {sf['response']}; every {spec.get('curvature_every', '?')} steps, "
+           f"{spec.get('curvature_iters', '?')} products per evaluation. Fit `{sf['form']}`: "
+           f"c_d {c[1]:+.3f} [{lo[1]:+.3f}, {hi[1]:+.3f}], c_L {c[2]:+.3f} [{lo[2]:+.3f}, "
+           f"{hi[2]:+.3f}], c_B {c[3]:+.3f} [{lo[3]:+.3f}, {hi[3]:+.3f}]; R^2 (log) "
+           f"{sf['r2_log']:.3f}, resid sd {sf['resid_sd_log10']:.3f} (log10); held-out widest "
+           + (f"mean log10 error {held['mean_log10_error']:+.3f}" if held else "n/a")
+           + (f"; {sf['num_nonpositive']} row(s) with a non-positive median left out"
+              if sf.get("num_nonpositive") else "") + ".", "",
+           md_table(([int(r["dim"]), int(r["num_layers"]), int(r["tokens_per_step"]),
+                      f"{r['sharpness']:.3g}", f"{r['stability']:.3g}",
+                      f"[{r['stability_min']:.3g}, {r['stability_max']:.3g}]"]
+                     for r in sf["by_rung"]),
+                    headers=["dim", "layers", "tokens/step", "lambda_max(H) (median)",
+                             "S (median over seeds)", "S range over seeds"], max_rows=None), ""]
+    pk, wu = s70["pi"]["peak"], s70["pi"]["warmup_step_1000"]
+    out.append(
+        f"LLaMA2-70B: lambda_max(H) {s70['lambda_max']:.3g} [{s70['lambda_max_lo']:.3g}, "
+        f"{s70['lambda_max_hi']:.3g}] ({pct} % PI); at eps {s70['eps']:g} the eps band's "
+        f"stability number Pi_eps = (lr/eps) lambda_max(H) is {pk['pi_eps']:.3g} "
+        f"[{pk['pi_eps_lo']:.3g}, {pk['pi_eps_hi']:.3g}] at the peak lr {pk['lr']:g} "
+        f"({pk['over_threshold']:.3g}x the threshold {s70['threshold']:g}) and "
+        f"{wu['pi_eps']:.3g} [{wu['pi_eps_lo']:.3g}, {wu['pi_eps_hi']:.3g}] at step 1000 of "
+        f"the warmup; it crosses 38 at the peak lr once lambda_max(H) > "
+        f"{s70['lambda_crossing_at_peak']:.3g}. The ladder trains at its own lr per rung "
+        f"(lr_scaling {spec.get('lr_scaling', '?')}), not the 70B's: where sharpness "
+        f"self-stabilises at an edge, lambda_max scales with 1/lr, and this extrapolation "
+        f"carries the ladder's lr, not LLaMA2's.")
+    return out
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -610,6 +729,11 @@ def _main(args) -> int:
           + ", ".join(f"{k} {v['r2_log']:.2f}" for k, v in g.items())
           + f"; 70B mean rho {ext['mean_rho']:.3g} (bound {ext['mean_rho_bound']:.3g}) "
           f"-> {args.out / 'fit.json'}")
+    if "sharpness" in ext:
+        sh = ext["sharpness"]
+        print(f"ladder: 70B lambda_max(H) {sh['lambda_max']:.3g} [{sh['lambda_max_lo']:.3g}, "
+              f"{sh['lambda_max_hi']:.3g}]; Pi_eps at the peak lr {sh['pi']['peak']['pi_eps']:.3g} "
+              f"(threshold {sh['threshold']:g})")
     return 0
 
 

@@ -476,9 +476,61 @@ def profile_numel(profile: Mapping[str, Any]) -> dict[int, float]:
     return {d: float(n.get(d, n.get(str(d), 1.0)) if n else 1.0) for d in profile["rho_by_depth"]}
 
 
-def candidate_features(profile: Mapping[str, Any], cand: Mapping[str, Any]) -> dict:
+# the mechanism features' phases: the median lr of each, as a fraction of the peak (linear
+# warmup from 0: 1/2; cosine from the peak to peak/10 afterwards: 0.55), the medians the
+# phase map's rows take over their own warmup and cosine (analysis.spike_rate.map_rows)
+PHASE_LR = {"warmup": 0.5, "after": 0.55}
+MECHANISM_FEATURES = {"log10_stability", "log10_rho_min", "warmup"}
+PI_THRESHOLD = 38.0   # 2 (1+b1) / (1-b1) at b1 0.9: S = 1 (Cohen et al. 2022)
+
+
+def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase: str,
+                     which: str = "mid") -> dict:
+    """The mechanism features' inputs of a candidate in a phase (PHASE_LR): rho_min, the
+    smallest depth's rho at the candidate's eps, and Adam's stability number there,
+
+        S = lr_phase lambda_max(H) c / (2 (sqrt(v_hat) + eps)),  sqrt(v_hat) ~ rho_min eps,
+          = (lr_phase / eps) lambda_max(H) / (38 (1 + rho_min))     (c = (1-b1)/(1+b1))
+
+    (the largest preconditioner entry: the group furthest into its eps band; in the band it
+    is Pi_eps / 38, out of it Adam's own edge lr lambda / (38 rms), independent of eps), with
+    lambda_max(H) from the ladder's sharpness fit (its point, lo or hi for `which`). Without a
+    sharpness fit in the profile S is None (the mechanism model then refuses the profile)."""
+    eps = float(cand["optim.eps"])
+    scale = profile["eps_ref"] / eps
+    bd = {int(r["depth"]): r for r in profile.get("by_depth", [])}
+    key = {"mid": "rho", "lo": "rho_lo", "hi": "rho_hi"}[which]
+    rho_min = min((bd[d][key] if d in bd and key in bd[d] else v) * scale
+                  for d, v in profile["rho_by_depth"].items())
+    sh = ((profile.get("ladder") or {}).get("llama2_70b") or {}).get("sharpness")
+    S = None
+    if sh:
+        lam = sh[{"mid": "lambda_max", "lo": "lambda_max_lo", "hi": "lambda_max_hi"}[which]]
+        lr = float(cand["optim.lr"]) * PHASE_LR[phase]
+        S = lr / eps * lam / (PI_THRESHOLD * (1 + rho_min))
+    return {"rho_min": rho_min, "stability": S, "warmup": float(phase == "warmup")}
+
+
+def mechanism(S: float | None, rho_min: float) -> str:
+    """Which mechanism a setting is exposed to, from the map's reading: A (the edge of
+    stability: S >= 1; in the eps band when the furthest group has rho_min < 1) or B
+    (dormancy: a group deep in its band, rho_min < RHO_FROZEN), both, or neither."""
+    a = S is not None and S >= 1
+    b = rho_min < RHO_FROZEN
+    if a and b:
+        return "A and B"
+    if a:
+        return "A (eps-band edge of stability)" if rho_min < 1 else "A (Adam's edge, out of the eps band)"
+    if b:
+        return "B (dormant group: rho_min < 0.1)"
+    return "neither (below the edge, no dormant group)" if S is not None else "B not indicated; A unknown (no sharpness fit)"
+
+
+def candidate_features(profile: Mapping[str, Any], cand: Mapping[str, Any],
+                       phase: str | None = None) -> dict:
     """Features (adamspike.spike_rate) of a candidate at the profile's central rho and at
-    its per-depth interval: {"mid", "lo", "hi"} plus the rho_bar check."""
+    its per-depth interval: {"mid", "lo", "hi"} plus the rho_bar check; with a phase
+    ("warmup", "after") also the mechanism features (`mechanism_inputs`)."""
     eps = float(cand["optim.eps"])
     scale = profile["eps_ref"] / eps
     sh = set(shallow_depths(profile))
@@ -497,7 +549,8 @@ def candidate_features(profile: Mapping[str, Any], cand: Mapping[str, Any]) -> d
         out[which] = SR.setting_features(
             rho_shallow=side["s"], rho_deep=side["d"],
             b2=float(cand["optim.b2"]), lr=float(cand["optim.lr"]), eps=eps,
-            tokens_per_step=tokens)
+            tokens_per_step=tokens,
+            **(mechanism_inputs(profile, cand, phase, which) if phase else {}))
     ext = (profile.get("ladder") or {}).get("llama2_70b") or {}
     if ext.get("mean_rho") is not None and profile.get("num_params"):
         rho_bar = float(ext["mean_rho"]) * scale
@@ -535,25 +588,40 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
     rhos = [profile["rho_by_depth"][d] * scale for d in depths]
     phis = [profile["phi_by_depth"].get(d, 0.0) for d in depths]
     rows = [_layer_risk(r, p, b1, b2, eps) for r, p in zip(rhos, phis)]
-    feats = candidate_features(profile, cand)
-    try:
-        X = model.matrix([feats["mid"], feats["lo"], feats["hi"]])
-    except SR.SpikeRateError as e:
-        raise ConfigError(f"candidate {setting_id(cand)}: {e} (profile {profile['name']})") from None
-    iv = model.rate_interval(X)
-    rate = float(iv["rate"][0])
-    lo, hi = float(np.min(iv["lo"])), float(np.max(iv["hi"]))
+    # a model with the mechanism features predicts each phase (warmup, after) on its own;
+    # the setting's rate (its rank) is the after-warmup one
+    phased = bool(MECHANISM_FEATURES & set(model.features))
+    per: dict = {}
+    for phase in (("warmup", "after") if phased else (None,)):
+        feats = candidate_features(profile, cand, phase)
+        try:
+            X = model.matrix([feats["mid"], feats["lo"], feats["hi"]])
+        except SR.SpikeRateError as e:
+            raise ConfigError(f"candidate {setting_id(cand)}: {e} (profile {profile['name']})"
+                              + ("; the mechanism features need the ladder's sharpness fit"
+                                 if phased else "")) from None
+        iv = model.rate_interval(X)
+        extrap = model.extrapolation(feats["mid"])
+        sup = model.support(feats["mid"])
+        outside = [f"{f} {v}" for f, v in extrap.items() if v != "inside"]
+        if sup.get("outside_joint_support"):
+            outside.append(f"the joint feature point (distance {sup['nearest_run_distance']:.2f} "
+                           f"to the nearest training run > {sup['nn_distance_max']:.2f}, the "
+                           "data's largest gap)")
+        # a group the model ignores but that differs from its training data: the prediction
+        # assumes it has no effect, which the data cannot check
+        outside += [f"{k} {v}" for k, v in sup["unmodelled"].items() if not v.startswith("inside")]
+        per[phase] = {"feats": feats, "iv": iv, "extrap": extrap, "sup": sup, "outside": outside,
+                      "rate": float(iv["rate"][0]), "lo": float(np.min(iv["lo"])),
+                      "hi": float(np.max(iv["hi"]))}
+    last = per[list(per)[-1]]
+    feats, iv, extrap, sup = last["feats"], last["iv"], last["extrap"], last["sup"]
+    # the phases' reasons, once each (the joint-support line: the last phase's distance)
+    outside = list(dict.fromkeys(o for v in per.values() for o in v["outside"]
+                                 if not o.startswith("the joint") or v is last))
+    rate, lo, hi = last["rate"], last["lo"], last["hi"]
     p = float(SR.p_spike(rate, horizon))
     p_lo, p_hi = float(SR.p_spike(lo, horizon)), float(SR.p_spike(hi, horizon))
-    extrap = model.extrapolation(feats["mid"])
-    sup = model.support(feats["mid"])
-    outside = [f"{f} {v}" for f, v in extrap.items() if v != "inside"]
-    if sup.get("outside_joint_support"):
-        outside.append(f"the joint feature point (distance {sup['nearest_run_distance']:.2f} to "
-                       f"the nearest training run > {sup['nn_distance_max']:.2f}, the data's largest gap)")
-    # a group the model ignores but that differs from its training data: the prediction
-    # assumes it has no effect, which the data cannot check
-    outside += [f"{k} {v}" for k, v in sup["unmodelled"].items() if not v.startswith("inside")]
     label = "low" if p < 1 / 3 else "medium" if p < 2 / 3 else "high"
     sh = set(shallow_depths(profile))
     sh_rows = [r for d, r in zip(depths, rows) if d in sh]
@@ -584,6 +652,24 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
            "risk": p, "risk_label": label, "rationale": rationale, "per_depth": per_depth}
     if "rho_bar" in feats:
         out["rho_bar"], out["rho_bar_bound"] = feats["rho_bar"], feats["rho_bar_bound"]
+    if phased:
+        out["phases"] = {}
+        for phase, v in per.items():
+            m = mechanism_inputs(profile, cand, phase)
+            out["phases"][phase] = {
+                "lr_median": float(cand["optim.lr"]) * PHASE_LR[phase],
+                "rate_per_1k": v["rate"], "rate_ci": [v["lo"], v["hi"]],
+                "stability": m["stability"],
+                "stability_range": [mechanism_inputs(profile, cand, phase, w)["stability"]
+                                    for w in ("lo", "hi")],
+                "rho_min": m["rho_min"], "mechanism": mechanism(m["stability"], m["rho_min"]),
+                "extrapolation_reasons": v["outside"], "features": json_clean(v["feats"]["mid"])}
+        S_max = max((v["stability"] for v in out["phases"].values() if v["stability"] is not None),
+                    default=None)
+        out["mechanism"] = mechanism(S_max, out["phases"]["after"]["rho_min"])
+        out["rationale"] = (f"mechanism {out['mechanism']}; warmup {per['warmup']['rate']:.3g} "
+                            f"[{per['warmup']['lo']:.3g}, {per['warmup']['hi']:.3g}], after "
+                            f"{rate:.3g} [{lo:.3g}, {hi:.3g}] spikes / 1k steps; " + rationale)
     return out
 
 

@@ -168,7 +168,8 @@ class Program:
             lambda a, b: jnp.where(c.skip, a, b), old, new)
         return keep(params, new_params), keep(state, new_state), out
 
-    def stability(self, params, state, batch, c: Controls, u, num_iters: int = 3):
+    def stability(self, params, state, batch, c: Controls, u, num_iters: int = 3,
+                  precondition: bool = True):
         """Adam's stability number at (params, state) on `batch`, by `num_iters` steps of
         power iteration warm-started from the previous call's unit vector `u` (a params
         tree; the top eigenvector moves slowly, so a few products track it):
@@ -181,12 +182,17 @@ class Program:
         stability (Cohen et al. 2022: lr lambda_max(diag(sqrt(v_hat)+eps)^-1 H) = 2 (1+b1) /
         (1-b1)); in the eps band (sqrt(v_hat) << eps) it is Pi_eps / 38 at b1 0.9 with
         Pi_eps = (lr / eps) lambda_max(H). lambda is the Rayleigh quotient (signed: a dominant
-        negative eigenvalue gives S < 0). Returns (S, u)."""
+        negative eigenvalue gives S < 0). Returns (S, u).
+
+        precondition=False iterates the raw Hessian of the unscaled loss instead and returns
+        its top eigenvalue lambda_max(H) (the sharpness: Pi_eps = (lr / eps) lambda_max(H)
+        is the eps band's stability number, threshold 2 (1+b1) / (1-b1))."""
         c = Controls(*(jnp.asarray(x) for x in c))
         grad = jax.grad(lambda p: self.loss(p, batch, c.loss_scale)[0])
         adam = jopt.adam_state(state)
         eps = self.tree(list(c.eps[i] for i in range(len(self.names))))
-        root = jax.tree.map(lambda v, e: precond_root(v, adam.count, c.b1, c.b2, e), adam.nu, eps)
+        root = jax.tree.map(lambda v, e: precond_root(v, adam.count, c.b1, c.b2, e)
+                            if precondition else jnp.ones_like(v), adam.nu, eps)
 
         def dot(a, b):
             return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -206,7 +212,7 @@ class Program:
             return normalize(w), dot(u, w)
 
         u, lam = jax.lax.fori_loop(0, num_iters, body, (normalize(u), jnp.zeros([], jnp.float32)))
-        return c.lr * lam / 2, u
+        return (c.lr * lam / 2 if precondition else lam / c.loss_scale), u
 
     # ------------------------------------------------------------------ inputs
     def init(self, seed: int | jax.Array):
@@ -255,7 +261,8 @@ class Program:
 
     # ------------------------------------------------------------------ lanes
     def run(self, seeds: Sequence[int], batches, controls: Controls, *, vmapped: bool = True,
-            per_lane: bool = False, curvature_every: int = 0) -> dict[str, np.ndarray]:
+            per_lane: bool = False, curvature_every: int = 0, sharpness: bool = False,
+            curvature_iters: int = 3) -> dict[str, np.ndarray]:
         """Lanes as one program: one lane per seed (init key PRNGKey(seed)), batches
         (lanes, steps, B, T+1), controls with a step axis (shared by the lanes) or
         (per_lane) a lanes axis first; vmapped=False calls the program one lane at a time
@@ -263,7 +270,9 @@ class Program:
         grad_norm, update_norm, clip_scale (lanes, steps) and tensor_sumsq (lanes, steps, n);
         with curvature_every = K > 0 (steps a multiple of K) also `stability` (lanes,
         steps // K): `stability` after every K-th step (K, 2K, ...), its vector carried from
-        one to the next."""
+        one to the next; sharpness=True adds `sharpness` (lanes, steps // K): lambda_max(H)
+        of the unscaled loss at the same points, by its own warm-started vector;
+        curvature_iters: Hessian-vector products per evaluation and vector."""
         K = int(curvature_every)
         num_steps = np.shape(controls.lr)[1 if per_lane else 0]
         if K and num_steps % K:
@@ -273,33 +282,38 @@ class Program:
         batches = jnp.asarray(batches)
         ctl = tuple(jnp.asarray(x) for x in controls)
         if vmapped:
-            outs = self._run(per_lane, K)(keys, batches, ctl)
+            outs = self._run(per_lane, K, sharpness, curvature_iters)(keys, batches, ctl)
         else:
-            one = lambda i: self._run(per_lane, K)(  # noqa: E731
+            one = lambda i: self._run(per_lane, K, sharpness, curvature_iters)(  # noqa: E731
                 keys[i:i + 1], batches[i:i + 1],
                 tuple(x[i:i + 1] for x in ctl) if per_lane else ctl)
             per = [one(i) for i in range(len(keys))]
             outs = tuple(jnp.concatenate(parts) for parts in zip(*per))
-        names = RUN_OUTPUTS + (CURVATURE_OUTPUTS if K else ())
+        names = RUN_OUTPUTS + (CURVATURE_OUTPUTS[:1 + bool(sharpness)] if K else ())
         return {k: np.asarray(v, np.float64) for k, v in zip(names, jax.device_get(outs))}
 
-    def _run(self, per_lane: bool, curvature_every: int = 0):
+    def _run(self, per_lane: bool, curvature_every: int = 0, sharpness: bool = False,
+             num_iters: int = 3):
         """jit(vmap(scan(step))), compiled once per lane layout of the controls (and K:
         then a scan over blocks of K steps, the block's last step followed by
-        `stability`)."""
+        `stability`, and `sharpness` when asked)."""
         K = curvature_every
-        if (per_lane, K) not in self._runs:
+        if (per_lane, K, sharpness, num_iters) not in self._runs:
             def body(carry, x):
                 params, state = carry
                 params, state, out = self.step(params, state, x[0], Controls(*x[1]))
                 return (params, state), tuple(out[k] for k in RUN_OUTPUTS)
 
             def block(carry, x):   # K steps, then the stability number at the last one
-                carry, u = carry
+                carry, us = carry
                 carry, outs = jax.lax.scan(body, carry, x)
                 toks, ctl = jax.tree.map(lambda a: a[-1], x)
-                S, u = self.stability(*carry, toks, Controls(*ctl), u)
-                return (carry, u), (outs, S)
+                S, u = self.stability(*carry, toks, Controls(*ctl), us[0], num_iters)
+                if not sharpness:
+                    return (carry, (u,)), (outs, S)
+                lam, w = self.stability(*carry, toks, Controls(*ctl), us[1], num_iters,
+                                        precondition=False)
+                return (carry, (u, w)), (outs, S, lam)
 
             def run_one(key, toks, ctl):
                 carry = self.init(key)
@@ -308,19 +322,20 @@ class Program:
                     return jax.lax.scan(body, carry, xs)[1]
                 blocks = jax.tree.map(lambda a: a.reshape((-1, K) + a.shape[1:]), xs)
                 leaves = jax.tree.leaves(carry[0])
-                u = self.tree([jax.random.normal(k, x.shape, jnp.float32) for k, x in
-                               zip(jax.random.split(jax.random.fold_in(key, 1), len(leaves)),
-                                   leaves)])
-                outs, S = jax.lax.scan(block, (carry, u), blocks)[1]
-                return tuple(a.reshape((-1,) + a.shape[2:]) for a in outs) + (S,)
+                us = tuple(self.tree([jax.random.normal(k, x.shape, jnp.float32) for k, x in
+                                      zip(jax.random.split(jax.random.fold_in(key, 1 + i),
+                                                           len(leaves)), leaves)])
+                           for i in range(1 + bool(sharpness)))
+                outs, *curv = jax.lax.scan(block, (carry, us), blocks)[1]
+                return tuple(a.reshape((-1,) + a.shape[2:]) for a in outs) + tuple(curv)
 
-            self._runs[per_lane, K] = jax.jit(jax.vmap(run_one, in_axes=(0, 0, 0 if per_lane
-                                                                             else None)))
-        return self._runs[per_lane, K]
+            self._runs[per_lane, K, sharpness, num_iters] = jax.jit(
+                jax.vmap(run_one, in_axes=(0, 0, 0 if per_lane else None)))
+        return self._runs[per_lane, K, sharpness, num_iters]
 
 
 RUN_OUTPUTS = ("loss", "grad_norm", "update_norm", "clip_scale", "tensor_sumsq")
-CURVATURE_OUTPUTS = ("stability",)
+CURVATURE_OUTPUTS = ("stability", "sharpness")
 
 _PROGRAMS: dict[str, Program] = {}
 

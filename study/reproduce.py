@@ -279,6 +279,16 @@ def answer_section(out: Path) -> list[str]:
                          f"{g} {v:.2g}" for g, v in rho.items())
                      + " - every group but the head in the eps band (rho < 1), where Adam is "
                        "momentum SGD with step lr / eps.")
+        sh = json.loads(fit.read_text()).get("llama2_70b", {}).get("sharpness")
+        if sh:
+            pk, wu = sh["pi"]["peak"], sh["pi"]["warmup_step_1000"]
+            L.append(f"- **How close to the eps band's edge** ([sharpness ladder](#width-depth-"
+                     f"ladder-and-the-llama2-70b-profile)): lambda_max(H) extrapolated to "
+                     f"{sh['lambda_max']:.3g} [{sh['lambda_max_lo']:.3g}, {sh['lambda_max_hi']:.3g}], "
+                     f"so Pi_eps = (lr/eps) lambda_max(H) = {pk['pi_eps']:.3g} [{pk['pi_eps_lo']:.3g}, "
+                     f"{pk['pi_eps_hi']:.3g}] at the peak lr and {wu['pi_eps']:.3g} at step 1000 of "
+                     f"the warmup, against the threshold {sh['threshold']:g} (it would need "
+                     f"lambda_max(H) > {sh['lambda_crossing_at_peak']:.3g}).")
     pm = out / "phase_map" / "phase_map.csv"
     if pm.exists():
         full = pd.read_csv(pm)
@@ -318,14 +328,42 @@ def answer_section(out: Path) -> list[str]:
     if p70.exists():
         sets = [x for x in json.loads(p70.read_text()).get("settings", [])
                 if x["id"].startswith(SEED_SETTING)]
+        d70 = json.loads(p70.read_text())
         if sets:
             x = sets[0]
             lo, hi = x.get("rate_ci", [None, None])
-            L.append(f"- **Predicted rate** ([spike-rate model](#spike-rate-model-and-the-pre-"
-                     f"registered-70b-predictions)): {x['rate_per_1k']:.3g} spikes per 1k steps "
-                     f"[{fmt(lo)}, {fmt(hi)}] for the seed's setting, rank {x.get('rank')} of "
-                     f"{len(json.loads(p70.read_text())['settings'])} (one rate for warmup and after: "
-                     "the model has no schedule feature; see its held-out scores).")
+            val = d70.get("rate_model", {}).get("validation", {})
+            score = (f" Held-out ({val.get('split', '?').split(';')[0]}): log-loss "
+                     f"{val['model']['log_loss']:.3f} vs {val['baseline']['log_loss']:.3f} for a "
+                     f"constant rate, Brier {val['model']['brier']:.3f} vs "
+                     f"{val['baseline']['brier']:.3f}." if val.get("model") else "")
+            if "phases" in x:
+                ph = x["phases"]
+                L.append(f"- **Predicted** ([mechanism model](#spike-rate-model-and-the-pre-"
+                         f"registered-70b-predictions)): mechanism {x['mechanism']}; during the "
+                         f"warmup {ph['warmup']['rate_per_1k']:.3g} [{fmt(ph['warmup']['rate_ci'][0])}, "
+                         f"{fmt(ph['warmup']['rate_ci'][1])}] spikes per 1k steps (S = "
+                         f"{fmt(ph['warmup']['stability'])}), after it {x['rate_per_1k']:.3g} "
+                         f"[{fmt(lo)}, {fmt(hi)}] (S = {fmt(ph['after']['stability'])}); rank "
+                         f"{x.get('rank')} of {len(d70['settings'])}"
+                         + (" (an extrapolation: " + "; ".join(x["extrapolation_reasons"][:3]) + ")"
+                            if x.get("extrapolated") else "") + "." + score)
+                L.append("- **What changing eps or b2 does** (the same lr and batch, after the "
+                         "warmup): " + "; ".join(
+                             f"{o['id'].split('-b1')[0]}: {o['rate_per_1k']:.3g} [{fmt(o['rate_ci'][0])}, "
+                             f"{fmt(o['rate_ci'][1])}], {o.get('mechanism', '?')}"
+                             for o in sorted(d70["settings"], key=lambda o: o["id"])
+                             if o["id"].split("-lr")[-1] == x["id"].split("-lr")[-1]) + ".")
+                top = sorted(d70["settings"], key=lambda o: o.get("rank", 0))[:3]
+                L.append("- **Candidates ranked** (lowest predicted rate first; "
+                         "[all](#predictions_70bjson)): " + "; ".join(
+                             f"{o['rank']}. {o['id']} ({o['rate_per_1k']:.3g})" for o in top) + ".")
+            else:
+                L.append(f"- **Predicted rate** ([spike-rate model](#spike-rate-model-and-the-pre-"
+                         f"registered-70b-predictions)): {x['rate_per_1k']:.3g} spikes per 1k steps "
+                         f"[{fmt(lo)}, {fmt(hi)}] for the seed's setting, rank {x.get('rank')} of "
+                         f"{len(d70['settings'])} (one rate for warmup and after: the model has "
+                         "no schedule feature)." + score)
     return L if len(L) > 3 else []
 
 
@@ -333,7 +371,11 @@ def _setting_row(s: dict) -> list:
     """A predictions_70b.json setting as a row of STUDY.md's 70B table."""
     f, (lo, hi) = s.get("features", {}), s.get("rate_ci", [None, None])
     rho = [10 ** f[k] if f.get(k) is not None else None for k in ("log10_rho_shallow", "log10_rho_deep")]
-    return [s.get("rank"), s["id"], s.get("rate_per_1k"), f"[{fmt(lo)}, {fmt(hi)}]", s.get("p_spike"),
+    wu = s.get("phases", {}).get("warmup", {})
+    return [s.get("rank"), s["id"], s.get("mechanism", "-"),
+            f"{fmt(wu.get('rate_per_1k'))} [{fmt((wu.get('rate_ci') or [None])[0])}, "
+            f"{fmt((wu.get('rate_ci') or [None, None])[1])}]" if wu else "-",
+            s.get("rate_per_1k"), f"[{fmt(lo)}, {fmt(hi)}]", s.get("p_spike"),
             *rho, "; ".join(s.get("extrapolation_reasons", [])) or "-"]
 
 
@@ -341,9 +383,16 @@ def spike_rate_section(out: Path) -> list[str]:
     """STUDY.md: the GLM's held-out scores and calibration (spike_rate/report.md), the
     calibration figure, the pre-registered 70B table and its scores on the matched toys."""
     rep, p70 = out / "spike_rate" / "report.md", out / "predictions_70b.json"
+    mech = out / "spike_rate_mechanism" / "report.md"
     if not rep.exists() and not p70.exists():
         return []
     L = ["", "## Spike-rate model and the pre-registered 70B predictions", ""]
+    if mech.exists():
+        L += ["The 70B predictions use the model with the mechanism groups (S, rho_min, "
+              "warmup) trained on the phase maps' lanes; the sweep-trained model below it "
+              "predicts the toy profile (predictions.json).", "",
+              mech.read_text().strip().replace("### Spike-rate model (Poisson GLM on regime groups)",
+                                               "### Mechanism model (Poisson GLM on the phase maps)"), ""]
     if rep.exists():
         L += [rep.read_text().strip(), ""]
     fig = out / "figures" / "spike_rate" / "calibration.png"
@@ -357,7 +406,8 @@ def spike_rate_section(out: Path) -> list[str]:
               f"`{d.get('content_sha256', 'missing')}`. P(>= 1 spike) over "
               f"{rm.get('horizon_steps', '?')} steps. {rm.get('extrapolation_note', '')}.", "",
               md_table(map(_setting_row, sorted(d.get("settings", []), key=lambda s: s.get("rank", 0))),
-                       headers=["rank", "setting", "rate / 1k steps", "interval", "P(>= 1 spike)",
+                       headers=["rank", "setting", "mechanism", "warmup rate / 1k [interval]",
+                                "rate / 1k steps (after warmup)", "interval", "P(>= 1 spike)",
                                 "shallow rho", "deep rho", "extrapolation"], max_rows=None)]
     sc = out / "scores_70b" / "prediction_scores.md"
     if sc.exists():

@@ -254,3 +254,56 @@ def test_outputs_report_and_figure(synthetic_ladder, tmp_path):
     assert fig_ladder.main(["--ladder", str(out), "--out", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "ladder.png").stat().st_size > 0
     assert fig_ladder.main(["--ladder", str(tmp_path / "nope"), "--out", str(tmp_path / "f2")]) == 2
+
+
+# log10 lambda_max(H) = c0 + c_d log d + c_L log L + c_B log tokens (invented ground truth)
+TRUE_SHARP = [0.5, 0.4, 0.2, -0.3]
+
+
+def test_sharpness_ladder_fit_and_the_70b_pi(tmp_path, monkeypatch):
+    """With curvature on, the cells carry sharpness and S; the fit recovers the sharpness
+    power law and the 70B's Pi_eps is (lr / eps) lambda at the extrapolated lambda."""
+    rng = np.random.default_rng(3)
+    spec = LD.LadderSpec(rungs=[(32, 2, 16), (64, 2, 16), (128, 4, 16), (64, 8, 16),
+                                (32, 4, 4), (64, 2, 64)], seeds=3, num_steps=20,
+                         curvature_every=10)
+
+    def fake(cfg, spec_, tokens, seeds, vmapped=True):
+        rung = (cfg.dim, cfg.num_layers, tokens.shape[2])
+        res = _synthetic_res(rung, spec_, seeds, rng)
+        x = np.array([1.0, math.log10(rung[0]), math.log10(rung[1]),
+                      math.log10(rung[2] * spec_.seq_len)])
+        n = spec_.num_steps // spec_.curvature_every
+        res["sharpness"] = 10 ** (np.dot(TRUE_SHARP, x) + 0.01 * rng.standard_normal((len(seeds), n)))
+        res["stability"] = np.full((len(seeds), n), 0.5)
+        return res
+
+    monkeypatch.setattr(LD, "train_seeds", fake)
+    monkeypatch.setattr(LD, "batches", lambda spec_, b, seeds: np.zeros(
+        (spec_.num_steps, len(seeds), b, spec_.seq_len + 1), np.int32))
+    out = tmp_path / "ladder"
+    df = LD.run_ladder(spec, out, progress=False)
+    assert df["sharpness"].notna().any() and df.loc[df["step"] % 10 != 0, "sharpness"].isna().all()
+    fit, ext = LD.ladder_70b(out, eps=1e-5, n_boot=200)
+    sf = fit["sharpness"]
+    np.testing.assert_allclose(sf["coef"][1:], TRUE_SHARP[1:], atol=0.05)
+    assert all(r["stability"] == 0.5 for r in sf["by_rung"])
+    sh = ext["sharpness"]
+    x = LD.design(LD.TARGET_70B)[0]
+    assert sh["lambda_max"] == pytest.approx(10 ** (np.dot(sf["coef"], x)))
+    assert sh["lambda_max_lo"] <= sh["lambda_max"] <= sh["lambda_max_hi"]
+    pk = sh["pi"]["peak"]
+    assert pk["pi_eps"] == pytest.approx(LD.LR_70B / 1e-5 * sh["lambda_max"])
+    assert pk["over_threshold"] == pytest.approx(pk["pi_eps"] / 38.0)
+    assert sh["pi"]["warmup_step_1000"]["pi_eps"] == pytest.approx(pk["pi_eps"] / 2)
+    LD.write_outputs(out, df, fit, ext, seconds=1.0)
+    assert "Sharpness ladder" in (out / "report.md").read_text()
+    # a ladder from before the sharpness ladder (no curvature fields in its ladder.json)
+    # keeps its cell ids: the shipped one still loads, every cell found
+    from adamspike import package_data
+    shipped = package_data.ladder_dir("llama2-70b")
+    old = json.loads((shipped / "ladder.json").read_text())["ladder"]
+    assert len(LD.read_ladder(shipped)["cell_id"].unique()) == len(old["rungs"])
+    with pytest.raises(Exception, match="curvature_every"):
+        LD.run_ladder(LD.LadderSpec(rungs=[(32, 2, 16)], num_steps=20, curvature_every=7),
+                      tmp_path / "bad", progress=False)

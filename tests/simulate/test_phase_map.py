@@ -55,6 +55,27 @@ def test_stability_is_the_top_eigenvalue_of_the_preconditioned_hessian():
     np.testing.assert_allclose(float(S), float(c.lr) * top / 2, rtol=1e-3)
 
 
+def test_sharpness_is_the_top_eigenvalue_of_the_hessian():
+    cfg = RunConfig.from_dict({**DENSE, "train.loss_scale": 4.0})
+    prog = Program(cfg)
+    ctl = prog.controls(cfg, range(1, 21))
+    tokens = arm_tokens(cfg, [0])[0]
+    params, state = prog.init(0)
+    for s in range(20):
+        params, state, _ = prog.step_fn(params, state, jnp.asarray(tokens[s]), ctl.at(s))
+    batch, c = jnp.asarray(tokens[19]), ctl.at(19)
+    u0 = jax.tree.map(lambda p: jnp.ones_like(p), params)
+    lam, _ = prog.stability(params, state, batch, c, u0, num_iters=400, precondition=False)
+    flat, unravel = jax.flatten_util.ravel_pytree(params)
+    # the unscaled loss: sharpness does not move with the loss scale (H_s = s H)
+    hess = jax.hessian(lambda x: prog.loss(unravel(x), batch, 1.0)[0])(flat)
+    ev = np.linalg.eigvalsh(np.asarray(hess, np.float64))
+    top = ev[np.argmax(np.abs(ev))]
+    gap = np.sort(np.abs(ev))[-2] / abs(top)
+    assert abs(top) > 1.0 and gap < 0.95    # converged well within 400 products (gap^400)
+    np.testing.assert_allclose(float(lam), top, rtol=1e-3)
+
+
 def test_the_curvature_run_trains_the_same_lanes():
     cfg = RunConfig.from_dict(DENSE)
     prog = Program(cfg)
@@ -67,6 +88,11 @@ def test_the_curvature_run_trains_the_same_lanes():
     np.testing.assert_allclose(curv["loss"], plain["loss"], rtol=1e-5)
     assert curv["stability"].shape == (2, 4)
     assert np.isfinite(curv["stability"]).all()
+    both = prog.run([0, 1], tokens, ctl, curvature_every=5, sharpness=True)
+    assert both["sharpness"].shape == (2, 4) and (both["sharpness"] > 0).all()
+    # the same stability iteration beside a second one: another compiled program again
+    np.testing.assert_allclose(both["stability"], curv["stability"], rtol=1e-4)
+    np.testing.assert_allclose(both["loss"], plain["loss"], rtol=1e-5)
 
 
 def test_a_tiny_map_end_to_end_and_resumed(tmp_path):
