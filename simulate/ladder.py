@@ -534,27 +534,48 @@ def extrapolate(fit: Mapping[str, Any], cfg, tokens_per_step: int, eps: float,
         "rho_hi": {g: float(v) for g, v in zip(groups, hi)},
         "mean_rho": mean_rho, "mean_rho_hi": float(np.quantile(mean_rho_draws, 1 - a)),
         "mean_rho_bound": clip / (math.sqrt(ntot) * eps),
-        **({"sharpness": sharpness_70b(fit["_sharp_fit"], x, eps, fit["ci"])}
+        **({"sharpness": sharpness_70b(
+            fit["_sharp_fit"], x, eps, fit["ci"],
+            x_floor=design({"dim": cfg.dim, "num_layers": cfg.num_layers,
+                            "tokens_per_step": max(r[2] for r in fit["rungs"])})[0])}
            if "_sharp_fit" in fit else {}),
         "_draws_rho": d_cons / eps, "_groups": groups,
     }
 
 
-def sharpness_70b(f: GroupFit, x: np.ndarray, eps: float, ci: float, lr: float = LR_70B) -> dict:
+def sharpness_70b(f: GroupFit, x: np.ndarray, eps: float, ci: float, lr: float = LR_70B,
+                  x_floor: np.ndarray | None = None) -> dict:
     """lambda_max(H) at design row x (point, bootstrap prediction interval) and the eps
     band's stability number there, Pi_eps = (lr / eps) lambda_max(H) against its threshold
     2 (1+b1) / (1-b1) = 38, at the peak lr and at half of it (step 1000 of LLaMA2's
     2000-step linear warmup). Pi_eps / 38 is Adam's S for a coordinate deep in the band
-    (sqrt(v_hat) << eps); a group with rho ~ 1 has its P halved, so S is at most this."""
+    (sqrt(v_hat) << eps); a group with rho ~ 1 has its P halved, so S is at most this.
+
+    The minibatch Hessian's top eigenvalue falls with the batch while its noise part
+    dominates and stops at the full-batch value, which the ladder's batches may not reach:
+    x_floor (the 70B's width and depth at the ladder's largest tokens per step) gives the
+    other end, `at_ladder_tokens`: no further fall beyond the ladder's batches."""
     a = (1 - ci) / 2
-    draws = 10 ** predict_interval(f, x, seed=99)
-    lam, lo, hi = 10 ** float(f.coef @ x), float(np.quantile(draws, a)), float(np.quantile(draws, 1 - a))
-    pi = {name: {"lr": l, "pi_eps": l / eps * lam, "pi_eps_lo": l / eps * lo,
-                 "pi_eps_hi": l / eps * hi, "over_threshold": l / eps * lam / PI_THRESHOLD}
-          for name, l in (("peak", lr), ("warmup_step_1000", lr / 2))}
-    return {"lambda_max": lam, "lambda_max_lo": lo, "lambda_max_hi": hi, "eps": eps,
-            "threshold": PI_THRESHOLD, "pi": pi,
-            "lambda_crossing_at_peak": PI_THRESHOLD * eps / lr}
+
+    def at(row, seed):
+        draws = 10 ** predict_interval(f, row, seed=seed)
+        return 10 ** float(f.coef @ row), float(np.quantile(draws, a)), float(np.quantile(draws, 1 - a))
+
+    def pis(lam, lo, hi):
+        return {name: {"lr": l, "pi_eps": l / eps * lam, "pi_eps_lo": l / eps * lo,
+                       "pi_eps_hi": l / eps * hi, "over_threshold": l / eps * lam / PI_THRESHOLD}
+                for name, l in (("peak", lr), ("warmup_step_1000", lr / 2))}
+
+    lam, lo, hi = at(x, 99)
+    out = {"lambda_max": lam, "lambda_max_lo": lo, "lambda_max_hi": hi, "eps": eps,
+           "threshold": PI_THRESHOLD, "pi": pis(lam, lo, hi),
+           "lambda_crossing_at_peak": PI_THRESHOLD * eps / lr}
+    if x_floor is not None:
+        fl = at(x_floor, 98)
+        out["at_ladder_tokens"] = {"tokens_per_step": float(10 ** x_floor[3]),
+                                   "lambda_max": fl[0], "lambda_max_lo": fl[1],
+                                   "lambda_max_hi": fl[2], "pi": pis(*fl)}
+    return out
 
 
 def profile_by_depth(ext: Mapping[str, Any]) -> list[dict]:
@@ -693,7 +714,14 @@ def sharpness_md(sf: Mapping[str, Any], s70: Mapping[str, Any], pct: int,
         f"({pk['over_threshold']:.3g}x the threshold {s70['threshold']:g}) and "
         f"{wu['pi_eps']:.3g} [{wu['pi_eps_lo']:.3g}, {wu['pi_eps_hi']:.3g}] at step 1000 of "
         f"the warmup; it crosses 38 at the peak lr once lambda_max(H) > "
-        f"{s70['lambda_crossing_at_peak']:.3g}. The ladder trains at its own lr per rung "
+        f"{s70['lambda_crossing_at_peak']:.3g}. "
+        + (lambda fl: f"Without the fall with the batch beyond the ladder's "
+           f"{fl['tokens_per_step']:,.0f} tokens per step (a minibatch Hessian stops at its "
+           f"full-batch value): lambda_max(H) {fl['lambda_max']:.3g} [{fl['lambda_max_lo']:.3g}, "
+           f"{fl['lambda_max_hi']:.3g}], Pi_eps {fl['pi']['peak']['pi_eps']:.3g} at the peak lr "
+           f"({fl['pi']['peak']['over_threshold']:.3g}x the threshold). The two readings "
+           f"bracket the 70B. ")(s70["at_ladder_tokens"]) * ("at_ladder_tokens" in s70)
+        + f"The ladder trains at its own lr per rung "
         f"(lr_scaling {spec.get('lr_scaling', '?')}), not the 70B's: where sharpness "
         f"self-stabilises at an edge, lambda_max scales with 1/lr, and this extrapolation "
         f"carries the ladder's lr, not LLaMA2's.")

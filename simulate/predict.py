@@ -494,8 +494,11 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
 
     (the largest preconditioner entry: the group furthest into its eps band; in the band it
     is Pi_eps / 38, out of it Adam's own edge lr lambda / (38 rms), independent of eps), with
-    lambda_max(H) from the ladder's sharpness fit (its point, lo or hi for `which`). Without a
-    sharpness fit in the profile S is None (the mechanism model then refuses the profile)."""
+    lambda_max(H) from the ladder's sharpness fit: its point, its lo, and for hi the upper end
+    of the reading without the minibatch sharpness' fall beyond the ladder's batches
+    (`at_ladder_tokens`, simulate.ladder.sharpness_70b), so the rate interval spans both
+    readings of the batch extrapolation. Without a sharpness fit in the profile S is None
+    (the mechanism model then refuses the profile)."""
     eps = float(cand["optim.eps"])
     scale = profile["eps_ref"] / eps
     bd = {int(r["depth"]): r for r in profile.get("by_depth", [])}
@@ -505,7 +508,8 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
     sh = ((profile.get("ladder") or {}).get("llama2_70b") or {}).get("sharpness")
     S = None
     if sh:
-        lam = sh[{"mid": "lambda_max", "lo": "lambda_max_lo", "hi": "lambda_max_hi"}[which]]
+        lam = (sh["at_ladder_tokens"]["lambda_max_hi"] if which == "hi" and "at_ladder_tokens" in sh
+               else sh[{"mid": "lambda_max", "lo": "lambda_max_lo", "hi": "lambda_max_hi"}[which]])
         lr = float(cand["optim.lr"]) * PHASE_LR[phase]
         S = lr / eps * lam / (PI_THRESHOLD * (1 + rho_min))
     return {"rho_min": rho_min, "stability": S, "warmup": float(phase == "warmup")}

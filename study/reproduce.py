@@ -288,7 +288,15 @@ def answer_section(out: Path) -> list[str]:
                      f"so Pi_eps = (lr/eps) lambda_max(H) = {pk['pi_eps']:.3g} [{pk['pi_eps_lo']:.3g}, "
                      f"{pk['pi_eps_hi']:.3g}] at the peak lr and {wu['pi_eps']:.3g} at step 1000 of "
                      f"the warmup, against the threshold {sh['threshold']:g} (it would need "
-                     f"lambda_max(H) > {sh['lambda_crossing_at_peak']:.3g}).")
+                     f"lambda_max(H) > {sh['lambda_crossing_at_peak']:.3g})"
+                     + (f"; that reading lets the minibatch sharpness keep falling with the batch "
+                        f"up to 4M tokens; if it stops at the ladder's "
+                        f"{sh['at_ladder_tokens']['tokens_per_step']:,.0f} tokens, lambda_max(H) is "
+                        f"{sh['at_ladder_tokens']['lambda_max']:.3g} and Pi_eps "
+                        f"{sh['at_ladder_tokens']['pi']['peak']['pi_eps']:.3g}: the ladder brackets "
+                        f"the 70B between {pk['over_threshold']:.2g}x and "
+                        f"{sh['at_ladder_tokens']['pi']['peak']['over_threshold']:.2g}x the threshold"
+                        if "at_ladder_tokens" in sh else "") + ".")
     pm = out / "phase_map" / "phase_map.csv"
     if pm.exists():
         full = pd.read_csv(pm)

@@ -296,6 +296,12 @@ def test_sharpness_ladder_fit_and_the_70b_pi(tmp_path, monkeypatch):
     assert pk["pi_eps"] == pytest.approx(LD.LR_70B / 1e-5 * sh["lambda_max"])
     assert pk["over_threshold"] == pytest.approx(pk["pi_eps"] / 38.0)
     assert sh["pi"]["warmup_step_1000"]["pi_eps"] == pytest.approx(pk["pi_eps"] / 2)
+    # the other reading: no fall of the minibatch sharpness beyond the ladder's batches
+    fl = sh["at_ladder_tokens"]
+    assert fl["tokens_per_step"] == pytest.approx(64 * 32)      # the largest rung's batch
+    x_fl = LD.design({**LD.TARGET_70B, "tokens_per_step": 64 * 32})[0]
+    assert fl["lambda_max"] == pytest.approx(10 ** np.dot(sf["coef"], x_fl))
+    assert fl["lambda_max"] > sh["lambda_max"]                  # TRUE_SHARP falls with tokens
     LD.write_outputs(out, df, fit, ext, seconds=1.0)
     assert "Sharpness ladder" in (out / "report.md").read_text()
     # a ladder from before the sharpness ladder (no curvature fields in its ladder.json)
