@@ -14,6 +14,14 @@ interval), depth_rms.csv (per-depth RMS per rung). Four panels:
       the clip), with eps = 1e-5 and 1e-8 as horizontal lines;
   (d) the 70B profile Adam would consume at eps 1e-5 (after the clip) per depth, with its
       interval, against the bound on the mean rho, clip / (sqrt(N) eps).
+With the sharpness ladder (fit.json `sharpness`; responses.csv `sharpness`, `stability`) two
+more panels:
+  (e) lambda_max(H) vs width at the base batch, one marker per layer count, with the fit,
+      and Adam's stability number S per rung (right axis: how far below its edge the
+      ladder trains);
+  (f) the 70B's Pi_eps = (lr / eps) lambda_max(H) at the peak lr and at step 1000 of the
+      warmup, in both readings of the batch extrapolation (the fitted fall carried to 4M
+      tokens; stopped at the ladder's largest batch), with intervals, against 38.
 Writes ladder.png / .pdf.
 """
 
@@ -57,13 +65,15 @@ def prepare(data: dict) -> dict:
     return {"resp": resp, "groups": groups, "coef": {g: fit["fit"]["groups"][g]["coef"] for g in groups},
             "r2": {g: fit["fit"]["groups"][g]["r2_log"] for g in groups},
             "base_tokens": int(base_tokens), "band": data["band"], "ext": fit["llama2_70b"],
-            "profile": pd.DataFrame(fit["profile_by_depth"])}
+            "profile": pd.DataFrame(fit["profile_by_depth"]),
+            "sharp": fit["fit"].get("sharpness") if "sharpness" in resp else None}
 
 
 def plot(p: dict, out_dir: str | Path) -> list[Path]:
 
     style.apply()
-    fig, axes = plt.subplots(2, 2, figsize=(10.5, 7.6))
+    sharp = p["sharp"] is not None and "sharpness" in p["ext"]
+    fig, axes = plt.subplots(3 if sharp else 2, 2, figsize=(10.5, 11.4 if sharp else 7.6))
     resp, groups = p["resp"], p["groups"]
 
     ax = axes[0, 0]
@@ -130,7 +140,49 @@ def plot(p: dict, out_dir: str | Path) -> list[Path]:
            title=f"(d) 70B at eps {ext['eps']:g}: raw norm {ext['raw_grad_norm']:.3g}, clip "
                  f"{ext['clip']:g}, mean rho {ext['mean_rho']:.3f}")
     ax.legend()
+    if sharp:
+        _sharpness_panels(axes[2], p)
     return style.save(fig, out_dir, "ladder")
+
+
+def _sharpness_panels(axes, p: dict) -> None:
+    resp, sf, s70 = p["resp"], p["sharp"], p["ext"]["sharpness"]
+    ax = axes[0]
+    base = resp[resp["tokens_per_step"] == p["base_tokens"]]
+    dims = np.geomspace(base["dim"].min(), base["dim"].max(), 20)
+    ax2 = ax.twinx()
+    for L, sub in base.groupby("num_layers"):
+        m = sub.groupby("dim")["sharpness"].agg(["median", "min", "max"])
+        ax.errorbar(m.index, m["median"], yerr=[m["median"] - m["min"], m["max"] - m["median"]],
+                    fmt=MARKERS.get(int(L), "x"), color="k", ms=4, lw=0.8, label=f"{L} layers")
+        ax.plot(dims, _line(sf["coef"], dims, L, p["base_tokens"]), color="k", lw=0.8, alpha=0.5)
+        st = sub.groupby("dim")["stability"].median()
+        ax2.plot(st.index, st.values, MARKERS.get(int(L), "x"), color="#d35400", ms=4, mfc="none")
+    ax2.set(yscale="log", ylabel="S = lr lambda_max(PH)/2 (open, orange)")
+    ax.set(xscale="log", yscale="log", xlabel="width (dim)", ylabel="lambda_max(H) (late median)",
+           title=f"(e) sharpness at {p['base_tokens']} tokens/step; exponents d "
+                 f"{sf['coef'][1]:+.2f}, L {sf['coef'][2]:+.2f}, B {sf['coef'][3]:+.2f}")
+    ax.legend(loc="upper left")
+    ax = axes[1]
+    readings = [("batch fall to 4M tokens", s70["pi"])]
+    if "at_ladder_tokens" in s70:
+        fl = s70["at_ladder_tokens"]
+        readings.append((f"stopped at {fl['tokens_per_step']:,.0f} tokens", fl["pi"]))
+    for i, (name, pi) in enumerate(readings):
+        for j, (phase, label) in enumerate((("warmup_step_1000", "warmup step 1000"), ("peak", "peak lr"))):
+            v = pi[phase]
+            x = i * 3 + j
+            ax.errorbar([x], [v["pi_eps"]], yerr=[[v["pi_eps"] - v["pi_eps_lo"]],
+                                                  [v["pi_eps_hi"] - v["pi_eps"]]],
+                        fmt="o", color=["#2471a3", "#c0392b"][j], ms=6, capsize=3,
+                        label=label if i == 0 else None)
+        ax.text(i * 3 + 0.5, 1.2 * max(v["pi_eps_hi"] for v in pi.values()), name, ha="center",
+                fontsize=8)
+    ax.axhline(s70["threshold"], color="k", ls="--", lw=0.8, label=f"threshold {s70['threshold']:.0f}")
+    ax.set(yscale="log", xticks=[], xlim=(-1, 3 * len(readings) - 1),
+           ylabel="Pi_eps = (lr / eps) lambda_max(H)",
+           title=f"(f) LLaMA2-70B at eps {s70['eps']:g}: two batch readings")
+    ax.legend(loc="lower right")
 
 
 def main(argv: list[str] | None = None) -> int:
