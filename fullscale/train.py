@@ -80,6 +80,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -128,15 +129,104 @@ class TrainingAborted(RuntimeError):
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM (Ctrl-C, a scheduler's preemption, torchrun stopping its
     workers): raised in the main thread, logged as a "fault" event, one stderr line,
-    exit 128 + the signal number (130, 143). `step`: where the loop was, when known."""
+    exit 128 + the signal number (130, 143). `step`: where the loop was, when known;
+    `rank`: the peer rank that received it, when this process learned of it from that
+    rank (see _stop_reason), else None."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, rank: int | None = None):
         super().__init__(signal.Signals(signum).name)
-        self.signum, self.step = signum, None
+        self.signum, self.rank, self.step = signum, rank, None
 
 
-def _raise_interrupted(signum, frame):
-    raise Interrupted(signum)
+# Signals. The first SIGINT / SIGTERM raises Interrupted in the main thread; once the process
+# is stopping (that signal, or any failure being handled: _stop_reason) a signal is only
+# recorded, so a late one (torchrun forwards its own to every worker, one rank may be
+# stopping already) cannot interrupt the fault event, the flush or the teardown.
+_received: list[int] = []       # SIGINT / SIGTERM received by this process, in order
+_stopping = False
+# The torchrun job's store key where the first rank to be interrupted says so (rank:SIGNAL)
+# before it leaves its collectives: a peer whose collective then fails ("Connection closed
+# by peer") reads it and stops as interrupted, not as an unexplained failure, even when its
+# own copy of the signal comes a moment later (or never: one rank signalled).
+_INTERRUPT_KEY = "adamspike/interrupted"
+
+
+def _on_signal(signum, frame):
+    global _stopping
+    _received.append(signum)
+    if not _stopping:
+        _stopping = True
+        raise Interrupted(signum)
+
+
+def _stop_reason(e: BaseException) -> BaseException:
+    """Why this process stops, given the exception that stops it: an Interrupted (this
+    process's signal, announced to the job's other ranks) or, when this process was
+    signalled meanwhile or a peer rank announced a signal, an Interrupted for it; else `e`.
+
+    Call it first thing in an except clause, inside a `try` that retries it with the
+    Interrupted a pending signal handler may raise on entry:
+
+        except BaseException as e:
+            try:
+                reason = _stop_reason(e)
+            except Interrupted as i:
+                reason = _stop_reason(i)
+    """
+    global _stopping
+    _stopping = True        # from here on a signal is recorded, never raised
+    if isinstance(e, Interrupted):
+        if e.rank is None:
+            _announce_interrupt(e.signum)
+        return e
+    if _received:           # the handler ran while stopping (a library caught Interrupted)
+        return _caused(Interrupted(_received[0]), e)
+    peer = _peer_interrupt()
+    if peer is not None:
+        return _caused(Interrupted(peer[1], rank=peer[0]), e)
+    return e
+
+
+def _caused(i: Interrupted, e: BaseException) -> Interrupted:
+    i.__cause__ = e
+    return i
+
+
+def _default_store():
+    """The default process group's store (torchrun's agent store), None without one; its
+    requests time out after 5 s (a stopped store host must not hold a stopping rank)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        return store
+    except Exception:  # noqa: BLE001 - a torch without it: no announcement
+        return None
+
+
+def _announce_interrupt(signum: int) -> None:
+    store = _default_store()
+    if store is None:
+        return
+    try:
+        store.set(_INTERRUPT_KEY, f"{dist.get_rank()}:{signal.Signals(signum).name}")
+    except Exception:  # noqa: BLE001 - the store's host is gone: the peers see a failure
+        pass
+
+
+def _peer_interrupt() -> tuple[int, int] | None:
+    """(rank, signal number) a peer announced, or None."""
+    store = _default_store()
+    if store is None:
+        return None
+    try:
+        if not store.check([_INTERRUPT_KEY]):
+            return None
+        rank, name = store.get(_INTERRUPT_KEY).decode().split(":")
+        return int(rank), int(signal.Signals[name])
+    except Exception:  # noqa: BLE001 - no store to ask: the failure stands as it is
+        return None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -211,11 +301,14 @@ def _init_generator(seed: int, device: torch.device) -> torch.Generator:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = parser().parse_known_args(argv)
+    global _stopping
     own_group = finished = False
-    previous = {}
+    previous, exit_now = {}, None
+    _received.clear()
+    _stopping = False
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, _raise_interrupted)
+            previous[sig] = signal.signal(sig, _on_signal)
     except ValueError:   # not the main thread (an embedding caller): leave signals alone
         pass
     try:
@@ -236,14 +329,27 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingAborted as e:
         print(f"adamspike train: aborted: {e}", file=sys.stderr)
         return 3
-    except Interrupted as e:
-        where = f" at step {e.step}" if e.step is not None else ""
-        print(f"adamspike train: interrupted by {e}{where}; the run is intact up to its "
-              "newest complete checkpoint (--resume continues)", file=sys.stderr)
-        return 128 + e.signum
-    except (KeyboardInterrupt, SystemExit):
-        raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        try:
+            reason = _stop_reason(e)
+        except Interrupted as i:        # a signal handled on the way in
+            reason = _stop_reason(i)
+        if isinstance(reason, Interrupted):
+            where = f" at step {reason.step}" if reason.step is not None else ""
+            by = (f" (on rank {reason.rank})"
+                  if reason.rank is not None and reason.signum not in _received else "")
+            print(f"adamspike train: interrupted by {reason}{by}{where}; the run is intact up "
+                  "to its newest complete checkpoint (--resume continues)", file=sys.stderr)
+            if not own_group and dist.is_initialized() and dist.get_world_size() > 1:
+                # a torchrun worker ends here (os._exit in `finally`, no teardown): gloo's
+                # threads sometimes abort the interpreter's exit after an interrupted
+                # collective ("terminate called without an active exception": SIGABRT, not
+                # 143, in 2 of 32 interrupted 2-rank jobs). The run directory is closed
+                # and the lock released by now; the peers see this rank's sockets close.
+                exit_now = 128 + reason.signum
+            return 128 + reason.signum
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
         err = storage_error(e) or _disk_full(Path(args.out))
         if err is None:
             raise
@@ -254,10 +360,16 @@ def main(argv: list[str] | None = None) -> int:
               "--resume)", file=sys.stderr)
         return 1
     finally:
-        if own_group or dist.is_initialized():
+        _stopping = True        # a signal now (a peer stopping late) must not break teardown
+        if (own_group or dist.is_initialized()) and exit_now is None:
             devices.destroy_distributed(synchronize=finished)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if not _received:       # else keep recording: a late copy must not kill the exit
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if exit_now is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_now)
 
 
 # Bytes per parameter a process holds at least: fp32 weights, gradients and AdamW's two
@@ -550,10 +662,16 @@ class Trainer:
                 self.writer.event("abort", step=step, reason=str(e))
             raise
         except BaseException as e:
-            if isinstance(e, Interrupted):
-                e.step = step
+            try:
+                reason = _stop_reason(e)
+            except Interrupted as i:    # a signal handled on the way in
+                reason = _stop_reason(i)
+            if isinstance(reason, Interrupted):
+                reason.step = step
             if rank == 0:
-                self._log_fault(step, e)
+                self._log_fault(step, reason)
+            if reason is not e:
+                raise reason
             raise
         finally:
             progress.close()
@@ -735,6 +853,8 @@ class Trainer:
         """The "fault" event of a failure (best effort: on a full disk it may not fit)."""
         if isinstance(e, Interrupted):
             fields = {"error": f"interrupted by {e}", "signal": str(e)}
+            if e.rank is not None:      # learned from the peer rank that received it
+                fields.update(error=f"interrupted by {e} (on rank {e.rank})", rank=e.rank)
         else:
             err = storage_error(e) or _disk_full(self.out)
             fields = {"error": (f"storage: {describe_storage_error(err)}" if err is not None

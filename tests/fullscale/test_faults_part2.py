@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -368,6 +369,124 @@ def test_sigint_and_sigterm_are_one_line_a_fault_event_and_130_143(tmp_path, ref
     proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(ref12, out, 12)
+
+
+def _torchrun(out: Path, logs: Path, *args: str) -> subprocess.Popen:
+    """A 2-rank gloo job: torchrun (its own process group, as a shell job is) starting
+    tests/fullscale/signal_worker.py, which runs fullscale.train and records each trainer
+    process's stderr and exit status in `logs`."""
+    logs.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(ROOT / "tests" / "fullscale" / "signal_worker.py"), str(logs),
+           "--out", str(out), *TINY, "--train.num_steps", "24", "--checkpoint.every", "4", *args]
+    return subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _signal_job(out: Path, logs: Path, ready, send, *args: str
+                ) -> tuple[str, list[int], list[list[str]]]:
+    """Start a 2-rank job, wait until `ready()`, then `send(job, logs)` its signal. Returns
+    torchrun's stderr, then each trainer process's exit status and stderr lines (without
+    the hung rank's "injected fault")."""
+    job = _torchrun(out, logs, *args)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.02)
+        assert job.poll() is None, job.communicate()
+        send(job, logs)
+        _, launcher = job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    rcs = [int((logs / f"rank{r}.rc").read_text()) for r in range(2)]
+    said = [[ln for ln in lines((logs / f"rank{r}.stderr").read_text())
+             if "injected fault 'hang'" not in ln] for r in range(2)]
+    return launcher, rcs, said
+
+
+def _newest(out: Path) -> int:
+    done = ck.complete(out / "checkpoints")
+    return done[-1][0] if done else 0
+
+
+@pytest.mark.slow
+def test_a_signalled_torchrun_job_stops_in_one_line_per_process_and_resumes(tmp_path):
+    """2 gloo ranks under torchrun, signalled three times, then resumed to the end:
+    1. Ctrl-C (SIGINT to torchrun's process group; torchrun forwards it to each worker,
+       they run in sessions of their own) while rank 1 sleeps before step 6
+       (faults.hang), so rank 0 waits inside a gloo collective, where no Python signal
+       handler runs;
+    2. SIGTERM to rank 1's trainer process alone, at a random moment after the resumed
+       job's first checkpoint (a multi-node job whose nodes are signalled apart): rank 0's
+       collective fails ("Connection closed by peer") before torchrun stops it; that was a
+       gloo traceback and exit 1, now rank 1's signal, which rank 1 announced in the job's
+       store;
+    3. SIGTERM to torchrun's process group at a random moment after the first checkpoint:
+       a rank whose peer stopped first printed a gloo traceback, or aborted at exit
+       ("terminate called without an active exception").
+    Each time each trainer process prints one line naming the signal and exits 130 / 143,
+    rank 0 logs one fault event, and the last --resume finishes every step once, bitwise
+    the uninterrupted 2-rank job."""
+    ref = tmp_path / "ref"
+    job = _torchrun(ref, tmp_path / "ref-logs")
+    assert job.wait(timeout=180) == 0, job.communicate()[1][-3000:]
+    out, logs, rng = tmp_path / "run", tmp_path / "logs", random.Random(278)
+
+    def hung_rank1():
+        f = logs / "0" / "rank1.stderr"
+        return f.is_file() and "injected fault 'hang' at step 6" in f.read_text()
+
+    def checkpointed(resumed_from: int, delay: float):
+        if _newest(out) <= resumed_from:
+            return False
+        time.sleep(delay)
+        return True
+
+    def to_group(sig):         # Ctrl-C in torchrun's terminal; `kill -TERM -PGID`
+        return lambda job, logs: os.killpg(job.pid, sig)
+
+    def to_rank1(sig):
+        return lambda job, logs: os.kill(int((logs / "rank1.pid").read_text()), sig)
+
+    # (signal, to whom, args, delay after the job's first checkpoint; None: rank 1 hung).
+    # A hang bounds when the signal comes; only the signalled rank may hang (a rank waits
+    # in a collective for a hung peer until dist.timeout_s, whatever signal it got).
+    jobs = [(signal.SIGINT, to_group, ("--faults.hang_rank_at_step", "1,6"), None),
+            (signal.SIGTERM, to_rank1, ("--resume", "--faults.hang_rank_at_step", "1,14"),
+             rng.uniform(0, 0.5)),
+            (signal.SIGTERM, to_group, ("--resume", "--faults.hang_rank_at_step", "0,22"),
+             rng.uniform(0, 0.5))]
+    for n, (sig, send, args, delay) in enumerate(jobs):
+        start = _newest(out)
+        launcher, rcs, said = _signal_job(
+            out, logs / str(n), hung_rank1 if delay is None else
+            (lambda: checkpointed(start, delay)), send(sig), *args, "--faults.hang_s", "120")
+        # torchrun adds its own lines, not counted: "Received <n> death signal, shutting
+        # down workers", "Sending process <pid> closing signal SIG...", and a traceback
+        # ending in its SignalException (torchrun itself exits 1); or, when one worker was
+        # signalled, its report of the failed worker (exit code 143)
+        assert "closing signal" in launcher or "exitcode" in launcher, launcher[-3000:]
+        assert rcs == [128 + sig] * 2, (rcs, said, launcher[-3000:])
+        for rank_said in said:
+            (line,) = rank_said
+            assert line.startswith(f"adamspike train: interrupted by {sig.name}"), line
+            assert line.endswith("(--resume continues)"), line
+        faults = [e for e in events(out) if e["type"] == "fault"]
+        assert len(faults) == n + 1 and faults[-1]["signal"] == sig.name, faults
+        assert said[0][0].startswith(f"adamspike train: interrupted by {sig.name}"), said
+        assert f"at step {faults[-1]['step']};" in said[0][0], (said, faults)
+        if n == 0:
+            assert faults[-1]["step"] == 6 and _newest(out) == 4
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "fullscale.train", "--out", str(out), *TINY, "--train.num_steps", "24",
+         "--checkpoint.every", "4", "--resume"],
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(ref, out, 24)
 
 
 # ----------------------------------------------------------------------------- defect 9
