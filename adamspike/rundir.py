@@ -21,10 +21,12 @@ Readers see a consistent snapshot of a live or resuming run: while a writer is o
 RUN/flushed.json records its host and pid and the last step whose rows are all on disk,
 after every flush (a flush the writer triggers itself, by time or rows, may fall inside a
 step: it records the step before); a resume records its checkpoint step there before it
-truncates. While that writer lives, `load_run` reads only rows up to that step, skips a
-part deleted under it, and reads again if the record moved meanwhile, so its tables
-describe one moment (events, fsynced line by line, are read whole). A closed or killed
-writer's run is read whole (a kill loses at most the last flush interval).
+truncates, and a guard's rollback (`RunWriter.rewind`) records its checkpoint step until
+the re-run's rows are on disk. While that writer lives, `load_run` reads only rows and
+per-step events up to that step (lifecycle events whole), skips a part deleted under it,
+and reads again if the record moved meanwhile, so its tables describe one moment. A
+closed or killed writer's run is read whole (a kill loses at most the last flush
+interval).
 
 One writer per run: `RunLock` takes an exclusive, non-blocking `fcntl.flock` on
 RUN/writer.lock and records host, pid and start time in it; a second writer (trainer,
@@ -573,6 +575,16 @@ class RunWriter:
             self._record_flushed()
         self._last_flush = time.monotonic()
 
+    def rewind(self, step: int) -> None:
+        """The run went back to `step` (the guard rolled back to its checkpoint): the rows
+        logged beyond it stay on disk (readers keep the last row per step, so the re-run's
+        rows replace them), but flushed.json says `step` until the re-run's rows are on
+        disk, so that a reader of the live run never splices the re-run's rows with the
+        abandoned ones."""
+        self.flush()                    # the abandoned rows' parts precede the re-run's
+        self._flushed_step = self._written_step = int(step)
+        self._record_flushed()
+
     def _record_flushed(self, closed: bool = False) -> None:
         rec = {"step": self._flushed_step, "host": socket.gethostname(), "pid": os.getpid()}
         atomic_write_bytes(self.path / FLUSHED_FILE,
@@ -962,6 +974,13 @@ def _load_run(path: str | Path, *, tables: Iterable[str], layer_columns: list[st
             frames[t] = pd.DataFrame({c: pd.Series(dtype=TABLES[t][c].to_pandas_dtype())
                                       for c in TABLES[t]})
     events, torn = read_events(path)
+    if upto is not None and len(events) and "step" in events.columns:
+        # per-step events as of the same moment (a resume moves those beyond its checkpoint
+        # aside only after flushed.json says it; a live writer logs a step's events before
+        # its rows are flushed); lifecycle events are read whole
+        late = (~events["type"].isin(LIFECYCLE_EVENTS)
+                & (pd.to_numeric(events["step"], errors="coerce") > upto))
+        events = events[~late.to_numpy()].reset_index(drop=True)
     return Run(path=path, meta=meta, events=events, torn_event_lines=torn,
                snapshot_step=upto, **frames)
 

@@ -842,6 +842,7 @@ class Trainer:
         plan = self.guard.rollback(step, extra, offset_now=self.position.offset)
         self.position.load_state_dict(plan.position)
         if self.rank == 0:
+            self.writer.rewind(target)      # live readers: the run as of the checkpoint
             self._log_rejected(rejected, path)
             for kind, fields in plan.events:
                 if kind == "rollback" and suspect is not None:

@@ -581,28 +581,46 @@ LIVE_WRITER = """
 import sys, time
 from adamspike.rundir import RunWriter
 run, start, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+spike, back = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (None, None)
 kw = dict(backend="torch", flush_every_rows=7, flush_every_s=1e9)
 w = (RunWriter(run, config={}, **kw) if start == 1 else
      RunWriter(run, resume_from_step=start - 1, **kw))
-for s in range(start, stop + 1):
-    w.log_step(step=s, tokens=s, loss=float(s), lr=1.0, grad_norm=1.0, clipped=False,
+s, gen = start, 0       # gen: the trajectory (1 after the rollback), in every row's values
+while s <= stop:
+    if s == spike and gen == 0:     # the guard's rollback, as fullscale.train logs it
+        w.event("spike", step=s)
+        w.event("rollback", step=s, from_step=s, to_step=back)
+        w.rewind(back)
+        s, gen = back + 1, 1
+        continue
+    v = float(s + 1000 * gen)
+    w.log_step(step=s, tokens=s, loss=v, lr=1.0, grad_norm=1.0, clipped=False,
                update_norm=1.0, step_time_s=0.0, skipped=False)
-    w.log_layers(s, [{"name": f"t{i}", "depth": i, "kind": "param", "numel": 1,
-                      "rho": float(s)} for i in range(3)])
-    time.sleep(0.002)
+    w.log_layers(s, [{"name": f"t{i}", "depth": i, "kind": "param", "numel": 1, "rho": v}
+                     for i in range(3)])
+    w.event("alarm", step=s)        # a step's events are on disk before its rows
+    time.sleep(0.002 if gen == 0 else 0.01)   # reads surely fall in the re-run
+    s += 1
 w.close()
 """
 
 
 def _consistent_reads_while(proc: subprocess.Popen, run: Path) -> int:
-    """Read the run while `proc` writes it: every read is one moment (steps and layers
-    end at the same step, each step once with its 3 layer rows); returns the reads."""
+    """Read the run while `proc` writes it: every read is one moment (steps, layers and
+    per-step events end at the same step, each step once with its 3 layer rows, all of
+    one trajectory: no re-run row followed by an abandoned one); returns the reads."""
     reads = 0
     while proc.poll() is None:
         r = load_run(run, tables=("steps", "layers"))
         steps = r.steps["step"].tolist()
         assert steps == list(range(1, len(steps) + 1)), steps
         assert r.layers["step"].tolist() == [s for s in steps for _ in range(3)]
+        gen = (r.steps["loss"].to_numpy() // 1000).tolist()
+        assert gen == sorted(gen), gen                       # not spliced
+        assert (r.layers["rho"].to_numpy() == r.steps["loss"].repeat(3).to_numpy()).all()
+        ev = r.events
+        assert sorted(set(ev.loc[ev["type"] == "alarm", "step"])) == steps
+        assert all(ev.loc[ev["type"].isin(["spike", "rollback"]), "step"] <= len(steps))
         reads += 1
     assert proc.returncode == 0
     return reads
@@ -610,18 +628,24 @@ def _consistent_reads_while(proc: subprocess.Popen, run: Path) -> int:
 
 @pytest.mark.slow
 def test_reads_of_a_live_and_a_resuming_run_are_one_moment(tmp_path):
-    """A writer flushes inside steps (every 7 rows: a step row, then its layer rows) and a
+    """A writer flushes inside steps (every 7 rows: a step row, then its layer rows), logs
+    a step's events before its rows, rolls back from step 160 to 100 and re-runs, and a
     resume deletes and rewrites parts: reads meanwhile used to mix moments (steps to 126,
-    layers to 135) or fail ("unreadable parquet parts" on a part deleted under them)."""
+    layers to 135; events beyond the rows, also those a resume was about to move aside;
+    the re-run's rows spliced with the abandoned ones) or fail ("unreadable parquet parts"
+    on a part deleted under them)."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-c", LIVE_WRITER, str(run)]
-    proc = subprocess.Popen([*cmd, "1", "200"], env=ENV)
+    proc = subprocess.Popen([*cmd, "1", "200", "160", "100"], env=ENV)
     while not (run / "run.json").is_file():
         assert proc.poll() is None
         time.sleep(0.01)
     assert _consistent_reads_while(proc, run) > 3
+    r = load_run(run, tables=("steps",))
+    assert r.steps["loss"].tolist() == [float(s + 1000 * (s > 100)) for s in range(1, 201)]
     proc = subprocess.Popen([*cmd, "51", "150"], env=ENV)    # resume from step 50
     _consistent_reads_while(proc, run)
     r = load_run(run, tables=("steps", "layers"))
     assert r.steps["step"].tolist() == list(range(1, 151)) and len(r.layers) == 450
+    assert r.steps["loss"].tolist() == [float(s) for s in range(1, 151)]
     assert r.snapshot_step is None                            # closed: read whole
