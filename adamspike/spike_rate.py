@@ -6,8 +6,9 @@ features x_i (the regime groups below) the counts are modelled as
 
     k_i ~ Poisson(mu_i),   log mu_i = log(n_i / 1000) + beta_0 + sum_j beta_j z_ij
 
-so exp(beta_0 + z beta) is the spike rate per 1000 steps, and the probability of at least
-one spike in N steps is P(>= 1 | N) = 1 - exp(-rate N / 1000). z_ij = (x_ij - mean_j) /
+so exp(beta_0 + z beta) is the spike rate per 1000 steps (capped at MAX_RATE_PER_1K = 1000,
+one spike start per step, when a prediction far outside the data would exceed it), and the
+probability of at least one spike in N steps is P(>= 1 | N) = 1 - exp(-rate N / 1000). z_ij = (x_ij - mean_j) /
 sd_j are the features standardised over the training runs (the coefficients are reported
 back in the original units).
 
@@ -354,8 +355,8 @@ class RateModel:
         return self.design(X) @ self.beta
 
     def rate(self, X: np.ndarray) -> np.ndarray:
-        """Spikes per 1000 steps."""
-        return np.exp(self.eta(X))
+        """Spikes per 1000 steps (at most MAX_RATE_PER_1K)."""
+        return _rate(self.eta(X))
 
     def rate_interval(self, X: np.ndarray) -> dict:
         """Per row: rate, the Fisher (quasi-Poisson) and bootstrap intervals and their
@@ -371,9 +372,9 @@ class RateModel:
             b_lo, b_hi = np.quantile(e, a, axis=1), np.quantile(e, 1 - a, axis=1)
         else:
             b_lo, b_hi = f_lo, f_hi
-        return {"rate": np.exp(eta), "fisher": (np.exp(f_lo), np.exp(f_hi)),
-                "boot": (np.exp(b_lo), np.exp(b_hi)),
-                "lo": np.exp(np.minimum(f_lo, b_lo)), "hi": np.exp(np.maximum(f_hi, b_hi))}
+        return {"rate": _rate(eta), "fisher": (_rate(f_lo), _rate(f_hi)),
+                "boot": (_rate(b_lo), _rate(b_hi)),
+                "lo": _rate(np.minimum(f_lo, b_lo)), "hi": _rate(np.maximum(f_hi, b_hi))}
 
     def extrapolation(self, feats: Mapping[str, float]) -> dict:
         """Per model feature: 'inside', 'below' or 'above' the training range."""
@@ -429,6 +430,15 @@ class RateModel:
                 "train_range": self.train_range, "data_range": self.data_range,
                 "train_x": self.train_x.tolist(), "sources": self.sources,
                 "coefficients": self.coefficients(), **self.extra}
+
+
+MAX_RATE_PER_1K = 1000.0   # the detector counts at most one spike start per step
+
+
+def _rate(eta) -> np.ndarray:
+    """exp(eta) spikes per 1000 steps, capped at one per step: a log-linear model carried
+    far outside its data (a 70B candidate) can reach any number, the detector cannot."""
+    return np.exp(np.minimum(np.asarray(eta, float), math.log(MAX_RATE_PER_1K)))
 
 
 def model_from_json(d: Mapping[str, Any], where: str = "model") -> RateModel:
