@@ -515,19 +515,22 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
     return {"rho_min": rho_min, "stability": S, "warmup": float(phase == "warmup")}
 
 
-def mechanism(S: float | None, rho_min: float) -> str:
+def mechanism(S: float | None, rho_min: float, S_hi: float | None = None) -> str:
     """Which mechanism a setting is exposed to, from the map's reading: A (the edge of
     stability: S >= 1; in the eps band when the furthest group has rho_min < 1) or B
-    (dormancy: a group deep in its band, rho_min < RHO_FROZEN), both, or neither."""
+    (dormancy: a group deep in its band, rho_min < RHO_FROZEN), both, or neither; "A
+    possible" when S is below 1 but the upper end of its range, S_hi, is not."""
     a = S is not None and S >= 1
+    maybe = not a and S_hi is not None and S_hi >= 1
     b = rho_min < RHO_FROZEN
-    if a and b:
-        return "A and B"
-    if a:
-        return "A (eps-band edge of stability)" if rho_min < 1 else "A (Adam's edge, out of the eps band)"
+    where = "eps-band edge of stability" if rho_min < 1 else "Adam's edge, out of the eps band"
+    if a or maybe:
+        tag = f"A ({where})" if a else f"A possible (S {S:.2g}, up to {S_hi:.2g}: {where})"
+        return tag + (" and B" if b else "")
     if b:
         return "B (dormant group: rho_min < 0.1)"
-    return "neither (below the edge, no dormant group)" if S is not None else "B not indicated; A unknown (no sharpness fit)"
+    return ("neither (below the edge, no dormant group)" if S is not None
+            else "B not indicated; A unknown (no sharpness fit)")
 
 
 def candidate_features(profile: Mapping[str, Any], cand: Mapping[str, Any],
@@ -666,11 +669,15 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
                 "stability": m["stability"],
                 "stability_range": [mechanism_inputs(profile, cand, phase, w)["stability"]
                                     for w in ("lo", "hi")],
-                "rho_min": m["rho_min"], "mechanism": mechanism(m["stability"], m["rho_min"]),
+                "rho_min": m["rho_min"],
+                "mechanism": mechanism(m["stability"], m["rho_min"],
+                                       mechanism_inputs(profile, cand, phase, "hi")["stability"]),
                 "extrapolation_reasons": v["outside"], "features": json_clean(v["feats"]["mid"])}
         S_max = max((v["stability"] for v in out["phases"].values() if v["stability"] is not None),
                     default=None)
-        out["mechanism"] = mechanism(S_max, out["phases"]["after"]["rho_min"])
+        S_hi = max((v["stability_range"][1] for v in out["phases"].values()
+                    if v["stability_range"][1] is not None), default=None)
+        out["mechanism"] = mechanism(S_max, out["phases"]["after"]["rho_min"], S_hi)
         out["rationale"] = (f"mechanism {out['mechanism']}; warmup {per['warmup']['rate']:.3g} "
                             f"[{per['warmup']['lo']:.3g}, {per['warmup']['hi']:.3g}], after "
                             f"{rate:.3g} [{lo:.3g}, {hi:.3g}] spikes / 1k steps; " + rationale)

@@ -131,8 +131,11 @@ def test_70b_candidates_get_phases_and_a_mechanism(maps):
     assert s["rate_per_1k"] == ph["after"]["rate_per_1k"]
     assert ph["warmup"]["rate_ci"][0] <= ph["warmup"]["rate_per_1k"] <= ph["warmup"]["rate_ci"][1]
     assert s["mechanism"] == P.mechanism(max(ph["warmup"]["stability"], ph["after"]["stability"]),
-                                         ph["after"]["rho_min"])
+                                         ph["after"]["rho_min"],
+                                         max(ph["warmup"]["stability_range"][1], hi))
     # out of the eps band S no longer grows as eps falls (Adam's own edge: lr lambda / 38 rms)
     s8 = next(x for x in pred.settings if x["id"].startswith("eps1e-08-b2_0.95-lr0.00015-b1_0.9-bs1024"))
     assert s8["phases"]["after"]["stability"] < ph["after"]["stability"] * 1000 / 100
     assert P.mechanism(2.0, 0.5).startswith("A (eps-band") and P.mechanism(0.1, 0.05).startswith("B")
+    assert P.mechanism(0.1, 0.5, 3.0).startswith("A possible")
+    assert P.mechanism(0.1, 0.5, 0.5).startswith("neither")
