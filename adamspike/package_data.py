@@ -11,6 +11,10 @@ fresh install without a study run (no jax needed to read them).
       spike_rate_model.json   the spike-rate GLM              stage `spike_rate_mechanism`
                                                               (`adamspike spike-rate --map`;
                                                               `spike_rate` in older folders)
+      spike_rate_regime_model.json  the sweep-trained GLM     stage `spike_rate`: what a
+                              (rho, b2, lr / eps, tokens)     profile without the ladder's
+                                                              sharpness (a log, a run, a
+                                                              JSON profile) is predicted with
       predictions.json        `adamspike predict --profile llama2-70b` on the two above
                               (pre-registered when written; `adamspike assess` reads it
                               when given no predictions of its own)
@@ -45,10 +49,12 @@ DATA = Path(__file__).resolve().parent / "data"
 PROFILES = ("llama2-70b",)
 SCHEMA = "adamspike.package_data"
 MODEL_FILE = "spike_rate_model.json"
+REGIME_MODEL_FILE = "spike_rate_regime_model.json"
 PREDICTIONS_FILE = "predictions.json"
 STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate ladder`)",
           MODEL_FILE: "stage `spike_rate_mechanism` of configs/study.toml (`adamspike "
                       "spike-rate --map`; `spike_rate` in older study folders)",
+          REGIME_MODEL_FILE: "stage `spike_rate` of configs/study.toml (`adamspike spike-rate`)",
           PREDICTIONS_FILE: "`adamspike predict --profile llama2-70b` on the shipped ladder "
                             "and model (adamspike package-data)"}
 
@@ -67,8 +73,9 @@ def _sha(path: Path) -> str:
 
 def _files(d: Path) -> list[Path]:
     return sorted([d / "ladder" / "ladder.json", *sorted((d / "ladder" / "cells").glob("*.parquet")),
-                   d / MODEL_FILE, *([d / PREDICTIONS_FILE] if (d / PREDICTIONS_FILE).is_file()
-                                     else [])], key=lambda p: p.relative_to(d).as_posix())
+                   d / MODEL_FILE, *(d / f for f in (REGIME_MODEL_FILE, PREDICTIONS_FILE)
+                                     if (d / f).is_file())],
+                  key=lambda p: p.relative_to(d).as_posix())
 
 
 def manifest(profile: str = "llama2-70b", root: Path = DATA) -> dict:
@@ -97,8 +104,13 @@ def ladder_dir(profile: str = "llama2-70b", root: Path = DATA) -> Path:
     return profile_dir(profile, root) / "ladder"
 
 
-def rate_model_path(profile: str = "llama2-70b", root: Path = DATA) -> Path:
-    manifest(profile, root)
+def rate_model_path(profile: str = "llama2-70b", root: Path = DATA,
+                    mechanism: bool = True) -> Path:
+    """The shipped model: the mechanism model, or (mechanism=False) the sweep-trained regime
+    model when one is shipped (a profile without the ladder's sharpness needs it)."""
+    m = manifest(profile, root)
+    if not mechanism and REGIME_MODEL_FILE in m["files"]:
+        return profile_dir(profile, root) / REGIME_MODEL_FILE
     return profile_dir(profile, root) / MODEL_FILE
 
 
@@ -125,8 +137,11 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
     study = Path(study)
     lad = study / "ladder"
     model = study / "spike_rate_mechanism" / "model.json"
+    regime = study / "spike_rate" / "model.json"
     if not model.is_file():
-        model = study / "spike_rate" / "model.json"
+        model, regime = regime, None
+    elif not regime.is_file():
+        regime = None
     for p in (lad / "ladder.json", model):
         if not p.is_file():
             raise PackageDataError(f"{p}: missing (a finished `adamspike reproduce` folder has "
@@ -145,11 +160,14 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
     for c in cells:
         shutil.copyfile(c, tmp / "ladder" / "cells" / c.name)
     shutil.copyfile(model, tmp / MODEL_FILE)
+    if regime is not None:
+        shutil.copyfile(regime, tmp / REGIME_MODEL_FILE)
     m: dict[str, Any] = {
         "schema": SCHEMA, "version": int(old["version"]) + 1 if old else 1,
         "profile": profile, "source": source or str(study.resolve()),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "produced_by": {"ladder/": STAGES["ladder"], MODEL_FILE: STAGES[MODEL_FILE],
+                        **({REGIME_MODEL_FILE: STAGES[REGIME_MODEL_FILE]} if regime else {}),
                         **({PREDICTIONS_FILE: STAGES[PREDICTIONS_FILE]} if predictions else {})},
         "files": {p.relative_to(tmp).as_posix(): _sha(p) for p in _files(tmp)}}
     (tmp / "MANIFEST.json").write_text(json.dumps(m, indent=2) + "\n")

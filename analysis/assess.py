@@ -404,7 +404,9 @@ def _shipped(ra) -> tuple:
     try:
         m = package_data.manifest("llama2-70b")
         if ra.regime_card is not None and ra.regime_card.kind == "run":
-            p = package_data.rate_model_path("llama2-70b")
+            # the run's own regime features: the sweep-trained model (the mechanism model
+            # needs Adam's stability number, which a run's telemetry does not give)
+            p = package_data.rate_model_path("llama2-70b", mechanism=False)
             return None, None, SR.load_model(p), str(p), f"the {package_data.describe(m)}"
         p = package_data.predictions_path("llama2-70b")
         if p is None:

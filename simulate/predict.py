@@ -442,16 +442,18 @@ def setting_id(c: Mapping[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- risk
 
-def rate_model(model_path: str | None, sweeps: Sequence[str],
-               n_boot: int = SR.N_BOOT) -> tuple[SR.RateModel, dict]:
+def rate_model(model_path: str | None, sweeps: Sequence[str], n_boot: int = SR.N_BOOT,
+               mechanism: bool = True) -> tuple[SR.RateModel, dict]:
     """(model, provenance): the GLM from a model.json, or fitted on the sweep tables
-    (adamspike.spike_rate.training_table, as `adamspike spike-rate` builds it)."""
+    (adamspike.spike_rate.training_table, as `adamspike spike-rate` builds it), or the one
+    shipped with the package: the mechanism model, or (mechanism=False: a profile without
+    the ladder's sharpness) the shipped sweep-trained regime model."""
     if model_path:
         m = SR.load_model(model_path)
         return m, {"model_file": str(model_path),
                    "model_sha256": hashlib.sha256(Path(model_path).read_bytes()).hexdigest()}
     if not sweeps:                # a fresh install: the model shipped with the package
-        path = package_data.rate_model_path("llama2-70b")
+        path = package_data.rate_model_path("llama2-70b", mechanism=mechanism)
         m = SR.load_model(path)
         rel = path.relative_to(package_data.DATA.parent.parent)
         return m, {"model_file": f"package data {rel}",
@@ -928,7 +930,8 @@ def _main(args) -> int:
     cands = (load_candidates(args.candidates, profile) if args.candidates
              else [parse_setting(t, profile) for t in args.setting] if args.setting
              else default_candidates(profile))
-    model, prov = rate_model(args.rate_model, args.sweep)
+    has_sharpness = bool(((profile.get("ladder") or {}).get("llama2_70b") or {}).get("sharpness"))
+    model, prov = rate_model(args.rate_model, args.sweep, mechanism=has_sharpness)
     pred = predict(profile, cands, table, ", ".join(args.sweep), model=model,
                    provenance=prov, horizon=args.horizon_steps)
     if not args.out:

@@ -3,13 +3,15 @@ batches with exactly one intervention, and count how often the spike comes back.
 
     adamspike replay --config configs/toy_spike.toml --out DIR [--seeds N]
                      [--min-incidents K] [--max-spikes M] [--train.num_steps S] [--quick]
+                     [--spike-k K]
 
 1. Base runs. Seeds 0, 1, ... of the config (default configs/toy_spike.toml; with
    --min-incidents K, in order until K incidents are found, at most N) train through
    simulate.program's one jitted step (the trainer's: the registry's StepPlan, skips and
    the lr as per-step controls), in chunks of CHUNK steps. Snapshots (params + Adam state, step s) are kept in memory every
    SNAPSHOT_EVERY steps for the last MAX_LEAD steps. After each chunk the loss trace so far
-   goes through the project's detector (adamspike.spikes.detect_spikes: window 50, 6 MAD,
+   goes through the project's detector (adamspike.spikes.detect_spikes: window 50, 6 MAD
+   (--spike-k: another k),
    and the 10 % relative-jump rule of the toy reports); the detector is causal, so a spike
    found online is the one an offline pass finds. Each spike start t gets the newest
    snapshot s0 with MIN_LEAD <= t - s0 (so 50 <= t - s0 < 50 + SNAPSHOT_EVERY = 75 <= 150).
@@ -564,6 +566,9 @@ def main(argv: list[str] | None = None, torch_replay=None) -> int:
     ap.add_argument("--torch-spikes", type=int, default=0,
                     help="also replay this many spikes through the torch trainer (its DCP "
                          "checkpoints; adamspike replay only)")
+    ap.add_argument("--spike-k", type=float, default=ReplaySpec.det_k,
+                    help="the detector's MAD multiple k (default %(default)g; the phase map's "
+                         "toys use 4: their loss noise hides every jump below ~45 %% at 6)")
     ap.add_argument("--no-progress", action="store_true")
     args, overrides = ap.parse_known_args(argv)
     try:
@@ -579,7 +584,7 @@ def main(argv: list[str] | None = None, torch_replay=None) -> int:
         steps = ["--train.num_steps", str(size["train.num_steps"])] if "train.num_steps" in size else []
         spec = ReplaySpec(config=to_dict(load_config(RunConfig, args.config, steps + overrides)),
                           seeds=list(range(size["seeds"])), max_spikes=size["max_spikes"],
-                          min_incidents=size["min_incidents"])
+                          min_incidents=size["min_incidents"], det_k=args.spike_k)
         t0 = time.perf_counter()
         table = run_study(spec, args.out, progress=not args.no_progress)
         extra = None

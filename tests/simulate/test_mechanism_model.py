@@ -114,6 +114,7 @@ def test_70b_candidates_get_phases_and_a_mechanism(maps):
     table, _ = SR.training_table([map_rows(root / "map16"), map_rows(root / "map32")])
     model = SR.fit(table, SR.select_features(table, MECH), n_boot=10)
     profile = P.load_profile("llama2-70b")
+    profile["ladder"]["llama2_70b"].pop("sharpness", None)     # a ladder without it
     with pytest.raises(ConfigError, match="sharpness"):
         P.predict(profile, P.default_candidates(profile), None, model=model)
     profile["ladder"]["llama2_70b"]["sharpness"] = {"lambda_max": 20.0, "lambda_max_lo": 10.0,
