@@ -135,6 +135,27 @@ def check_storage(ckpt_root: str | Path, need_bytes: int) -> None:
                                          "was written")
 
 
+def interruption(e: BaseException) -> tuple[int | None, KeyboardInterrupt] | None:
+    """The KeyboardInterrupt (SIGINT / SIGTERM: fullscale.train.Interrupted) behind a
+    failure, wherever it is: the exception, its causes, or DCP's per-rank failures (DCP
+    catches a rank's exception and hands it to every rank in a CheckpointException).
+    Returns (the rank whose failure it was, None: this process's; the exception)."""
+    stack, seen = [(None, e)], set()
+    while stack:
+        rank, x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, KeyboardInterrupt):
+            return rank, x
+        stack += [(rank, x.__cause__), (rank, x.__context__)]
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            stack += [(r, f[0] if isinstance(f, tuple) else f) for r, f in failures.items()
+                      if isinstance(r, int)]
+    return None
+
+
 def storage_error(e: BaseException) -> OSError | None:
     """The OSError with a storage errno (ENOSPC, EDQUOT, EROFS, EIO, EACCES) behind a
     failure, wherever it is: the exception, its causes, DCP's per-rank failures, or only
@@ -745,6 +766,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if interruption(e) is not None:     # a signal on some rank, not a damaged checkpoint
+            raise
         raise CheckpointError(path, "model/optimizer state does not load into this model "
                                     f"({_one_line(e)})", detail=str(e)) from None
     if scheduler is not None and trainer.get("scheduler") is not None:

@@ -101,7 +101,7 @@ from fullscale import device as devices
 from fullscale.device import local_shard as _local
 from fullscale.checkpoint import (CheckpointError, CheckpointManager, NonFiniteError,
                                   check_storage, complete, describe_storage_error,
-                                  estimated_size, load, storage_error)
+                                  estimated_size, interruption, load, storage_error)
 from fullscale.alarms import build_alarms
 from fullscale.data import DataFormatError, build_source
 from fullscale.guard import SpikeGuard
@@ -136,6 +136,9 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int, rank: int | None = None):
         super().__init__(signal.Signals(signum).name)
         self.signum, self.rank, self.step = signum, rank, None
+
+    def __reduce__(self):   # DCP pickles a rank's exception to hand it to the others
+        return type(self), (self.signum, self.rank)
 
 
 # Signals. The first SIGINT / SIGTERM raises Interrupted in the main thread; once the process
@@ -179,7 +182,16 @@ def _stop_reason(e: BaseException) -> BaseException:
         if e.rank is None:
             _announce_interrupt(e.signum)
         return e
-    if _received:           # the handler ran while stopping (a library caught Interrupted)
+    found = interruption(e)     # inside DCP's CheckpointException: this rank's or a peer's
+    if found is not None:
+        rank, i = found
+        signum = getattr(i, "signum", signal.SIGINT)
+        if rank is None or rank == (dist.get_rank() if dist.is_initialized() else 0):
+            _announce_interrupt(signum)
+            return _caused(Interrupted(signum), e)
+        return _caused(Interrupted(signum, rank=rank), e)
+    if _received:           # the handler ran and a library turned its Interrupted into
+        _announce_interrupt(_received[0])       # something else
         return _caused(Interrupted(_received[0]), e)
     peer = _peer_interrupt()
     if peer is not None:

@@ -371,16 +371,43 @@ def test_sigint_and_sigterm_are_one_line_a_fault_event_and_130_143(tmp_path, ref
     assert_same_run(ref12, out, 12)
 
 
-def _torchrun(out: Path, logs: Path, *args: str) -> subprocess.Popen:
-    """A 2-rank gloo job: torchrun (its own process group, as a shell job is) starting
-    tests/fullscale/signal_worker.py, which runs fullscale.train and records each trainer
-    process's stderr and exit status in `logs`."""
+def _torchrun(out: Path, logs: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    """A 2-rank gloo job of 24 steps: torchrun (its own process group, as a shell job is)
+    starting tests/fullscale/signal_worker.py, which runs fullscale.train and records each
+    trainer process's stderr and exit status in `logs`."""
     logs.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(ROOT / "tests" / "fullscale" / "signal_worker.py"), str(logs),
            "--out", str(out), *TINY, "--train.num_steps", "24", "--checkpoint.every", "4", *args]
-    return subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, env={**ENV, **(env or {})}, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _outcome(logs: Path) -> tuple[list[int], list[list[str]]]:
+    """Each trainer process's exit status and stderr lines (without the hung rank's
+    "injected fault") of a job run by _torchrun."""
+    rcs = [int((logs / f"rank{r}.rc").read_text()) for r in range(2)]
+    said = [[ln for ln in lines((logs / f"rank{r}.stderr").read_text())
+             if "injected fault 'hang'" not in ln] for r in range(2)]
+    return rcs, said
+
+
+def _resume_to_the_end(out: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "fullscale.train", "--out", str(out), *TINY, "--train.num_steps", "24",
+         "--checkpoint.every", "4", "--resume"],
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def ref24x2(tmp_path_factory) -> Path:
+    """An uninterrupted 24-step 2-rank job, checkpoints every 4 steps."""
+    out = tmp_path_factory.mktemp("ref") / "ref24x2"
+    job = _torchrun(out, out.parent / "logs")
+    assert job.wait(timeout=180) == 0, job.communicate()[1][-3000:]
+    return out
 
 
 def _signal_job(out: Path, logs: Path, ready, send, *args: str
@@ -401,10 +428,7 @@ def _signal_job(out: Path, logs: Path, ready, send, *args: str
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    rcs = [int((logs / f"rank{r}.rc").read_text()) for r in range(2)]
-    said = [[ln for ln in lines((logs / f"rank{r}.stderr").read_text())
-             if "injected fault 'hang'" not in ln] for r in range(2)]
-    return launcher, rcs, said
+    return (launcher, *_outcome(logs))
 
 
 def _newest(out: Path) -> int:
@@ -413,7 +437,7 @@ def _newest(out: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_signalled_torchrun_job_stops_in_one_line_per_process_and_resumes(tmp_path):
+def test_a_signalled_torchrun_job_stops_in_one_line_per_process_and_resumes(tmp_path, ref24x2):
     """2 gloo ranks under torchrun, signalled three times, then resumed to the end:
     1. Ctrl-C (SIGINT to torchrun's process group; torchrun forwards it to each worker,
        they run in sessions of their own) while rank 1 sleeps before step 6
@@ -430,9 +454,6 @@ def test_a_signalled_torchrun_job_stops_in_one_line_per_process_and_resumes(tmp_
     Each time each trainer process prints one line naming the signal and exits 130 / 143,
     rank 0 logs one fault event, and the last --resume finishes every step once, bitwise
     the uninterrupted 2-rank job."""
-    ref = tmp_path / "ref"
-    job = _torchrun(ref, tmp_path / "ref-logs")
-    assert job.wait(timeout=180) == 0, job.communicate()[1][-3000:]
     out, logs, rng = tmp_path / "run", tmp_path / "logs", random.Random(278)
 
     def hung_rank1():
@@ -480,13 +501,41 @@ def test_a_signalled_torchrun_job_stops_in_one_line_per_process_and_resumes(tmp_
         assert f"at step {faults[-1]['step']};" in said[0][0], (said, faults)
         if n == 0:
             assert faults[-1]["step"] == 6 and _newest(out) == 4
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "fullscale.train", "--out", str(out), *TINY, "--train.num_steps", "24",
-         "--checkpoint.every", "4", "--resume"],
-        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_same_run(ref, out, 24)
+    _resume_to_the_end(out)
+    assert_same_run(ref24x2, out, 24)
+
+
+@pytest.mark.slow
+def test_a_signal_inside_a_checkpoint_save_or_load_of_a_torchrun_job(tmp_path, ref24x2):
+    """SIGTERM to rank 1 as DCP writes checkpoint 8, then SIGINT to rank 0 as DCP reads
+    checkpoint 4 for --resume (tests/fullscale/signal_worker.py, SIGNAL_IN_DCP). DCP catches
+    a rank's exception and hands it to every rank inside its CheckpointException: a rank
+    then printed a traceback ending in "ValueError: 'SIGTERM' is not a valid Signals"
+    (Interrupted did not unpickle; seen under load in the test above), and a signal during
+    a load rejected a good checkpoint ("does not load into this model"), the signal lost.
+    Now each process prints one line naming the signal and exits 143 / 130, the save's
+    fault event names it, checkpoint 4 is never rejected, and the final --resume is
+    bitwise the uninterrupted 2-rank job."""
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    for what, sig, code in (("write@8:1:SIGTERM", signal.SIGTERM, 143),
+                            ("read@4:0:SIGINT", signal.SIGINT, 130)):
+        d = logs / what.split("@")[0]
+        job = _torchrun(out, d, *(("--resume",) if what.startswith("read") else ()),
+                        env={"SIGNAL_IN_DCP": what})
+        launcher = job.communicate(timeout=180)[1]
+        rcs, said = _outcome(d)
+        assert rcs == [code] * 2, (rcs, said, launcher[-3000:])
+        for rank_said in said:
+            (line,) = rank_said
+            assert line.startswith(f"adamspike train: interrupted by {sig.name}"), line
+        assert _newest(out) == 4
+    # the save's: rank 1 got it; rank 0 learned it from DCP (or from torchrun's SIGTERM
+    # after rank 1 exited); the load's comes before the run directory is reopened: no event
+    saved = [e for e in events(out) if e["type"] == "fault"]
+    assert len(saved) == 1 and saved[0]["signal"] == "SIGTERM" and saved[0]["step"] == 8
+    assert not [e for e in events(out) if e["type"] == "checkpoint_rejected"]
+    _resume_to_the_end(out)
+    assert_same_run(ref24x2, out, 24)
 
 
 # ----------------------------------------------------------------------------- defect 9
