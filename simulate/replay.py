@@ -507,11 +507,20 @@ def report_md(table: pd.DataFrame, spec: Mapping[str, Any], seconds: float | Non
     return "\n".join(lines) + "\n"
 
 
-REGIME_NOTE = ("Spikes come from the spiking toy regime ({config}: tiny LLaMA, copy task, "
-               "constant lr {lr:g}, b2 {b2:g}, eps {eps:g}, no clipping, batch {batch} x "
-               "{seq} tokens; {seeds} seeds x {steps} steps{why_seeds}). The rho-matched "
-               "toys (configs/matched_70b*.toml, b2 0.95) are not the source: they produced no spikes in the study's runs "
-               "(their spike counts: the matched report), so there was nothing to replay.")
+def regime_note(config_name: str, cfg: RunConfig, seeds: int, why_seeds: str) -> str:
+    """Where the replayed spikes come from, read off the config (not assumed)."""
+    o, t, m = cfg.optim, cfg.train, cfg.model
+    sched = (f"constant lr {o.lr:g}" if o.schedule == "constant" else
+             f"lr {o.lr:g} ({o.schedule}, warmup {o.warmup_steps})")
+    eps = cfg.mitigation
+    group_eps = [f"{g} {getattr(eps, f'eps_{g}'):.3g}" for g in ("embed", "shallow", "deep", "head")
+                 if getattr(eps, f"eps_{g}", None) is not None]
+    return (f"Spikes come from {config_name} (tiny LLaMA dim {m.dim}, {m.num_layers} layers, "
+            f"{cfg.data.task} task, {sched}, b2 {o.b2:g}, eps {o.eps:g}"
+            + (f" (per group: {', '.join(group_eps)})" if group_eps else "")
+            + (f", clip {o.grad_clip:g}" if o.grad_clip else ", no clipping")
+            + f", batch {t.global_batch_size} x {t.seq_len} tokens; {seeds} seeds x "
+            f"{t.num_steps} steps{why_seeds}).")
 
 
 def write_outputs(out: Path, table: pd.DataFrame, spec: ReplaySpec, seconds: float,
@@ -523,10 +532,7 @@ def write_outputs(out: Path, table: pd.DataFrame, spec: ReplaySpec, seconds: flo
     ran = [k for k in spec.seeds if (out / "cache" / f"base-s{k}.npz").exists()]
     why = (f": seeds run in order until {spec.min_incidents} incidents were found, at most "
            f"{len(spec.seeds)}" if spec.min_incidents else "")
-    regime = REGIME_NOTE.format(config=config_name, lr=cfg.optim.lr, b2=cfg.optim.b2,
-                                eps=cfg.optim.eps, seeds=len(ran), why_seeds=why,
-                                batch=cfg.train.global_batch_size, seq=cfg.train.seq_len,
-                                steps=cfg.train.num_steps)
+    regime = regime_note(config_name, cfg, len(ran), why)
     md = report_md(table, spec.to_json(), seconds, regime)
     atomic_write_bytes(out / "replay.csv", table.to_csv(index=False).encode())
     atomic_write_bytes(out / "replay.md", md.encode())
