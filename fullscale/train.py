@@ -314,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = parser().parse_known_args(argv)
     global _stopping
-    own_group = finished = False
-    previous, exit_now = {}, None
+    own_group = finished = interrupted = False
+    previous, rc = {}, None
     _received.clear()
     _stopping = False
     try:
@@ -337,10 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     except USER_ERRORS as e:
         print(f"adamspike train: error: {e}", file=sys.stderr)
-        return 2
+        rc = 2
+        return rc
     except TrainingAborted as e:
         print(f"adamspike train: aborted: {e}", file=sys.stderr)
-        return 3
+        rc = 3
+        return rc
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         try:
             reason = _stop_reason(e)
@@ -352,14 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                   if reason.rank is not None and reason.signum not in _received else "")
             print(f"adamspike train: interrupted by {reason}{by}{where}; the run is intact up "
                   "to its newest complete checkpoint (--resume continues)", file=sys.stderr)
-            if not own_group and dist.is_initialized() and dist.get_world_size() > 1:
-                # a torchrun worker ends here (os._exit in `finally`, no teardown): gloo's
-                # threads sometimes abort the interpreter's exit after an interrupted
-                # collective ("terminate called without an active exception": SIGABRT, not
-                # 143, in 2 of 32 interrupted 2-rank jobs). The run directory is closed
-                # and the lock released by now; the peers see this rank's sockets close.
-                exit_now = 128 + reason.signum
-            return 128 + reason.signum
+            interrupted, rc = True, 128 + reason.signum
+            return rc
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         err = storage_error(e) or _disk_full(Path(args.out))
@@ -370,18 +366,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"adamspike train: error: storage: {describe_storage_error(err)}; the run is "
               "intact up to its newest complete checkpoint (fix the file system, then "
               "--resume)", file=sys.stderr)
-        return 1
+        rc = 1
+        return rc
     finally:
         _stopping = True        # a signal now (a peer stopping late) must not break teardown
-        if (own_group or dist.is_initialized()) and exit_now is None:
+        worker = (not own_group and dist.is_available() and dist.is_initialized()
+                  and dist.get_world_size() > 1)
+        # an interrupted worker leaves its group as it is: a peer may still be inside a
+        # collective (it sees this rank's sockets close)
+        if (own_group or dist.is_initialized()) and not (worker and interrupted):
             devices.destroy_distributed(synchronize=finished)
         if not _received:       # else keep recording: a late copy must not kill the exit
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        if exit_now is not None:
+        if worker and rc is not None:
+            # A torchrun worker that said why it stops ends here, its run directory closed
+            # and its lock released: after a gloo job the interpreter's exit sometimes
+            # aborts ("terminate called without an active exception" with no Python frame
+            # left: SIGABRT instead of the status; 2 of 32 interrupted 2-rank jobs, and a
+            # finished one in about 30, despite the barrier before destroy_process_group)
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(exit_now)
+            os._exit(rc)
 
 
 # Bytes per parameter a process holds at least: fp32 weights, gradients and AdamW's two
