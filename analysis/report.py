@@ -81,7 +81,10 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     """Analyse one run directory (RunFormatError / AnalysisError on bad input).
     num_params: the model's parameter count for a log's regime card (rho_bar)."""
     path = Path(path)
-    tables = ("steps", "layers", "hists") if with_hists else ("steps", "layers")
+    # every table this analysis reads, in one load_run call: a live or resuming run is then
+    # one moment (its flushed.json step) in all of them
+    tables = ("steps", "layers", *(("hists",) if with_hists else ()),
+              *(t for t in ("vhists", "curvature") if (path / t).is_dir()))
     run = _load(path, tables)
     st = run.steps
     if st.empty:
@@ -245,7 +248,6 @@ def _regime_and_hetero(ra: RunAnalysis, run, op: dict, num_params, num_params_so
     if op["b1"] is None or op["b2"] is None:
         ra.notes["hetero_fit"] = "run.json config has no optim.b1 / optim.b2"
         return
-    run.vhists = load_run(run.path, tables=("vhists",)).vhists
     try:
         ra.hetero_fit = fit_update_rms_heterogeneous(run.layers, run.vhists, op["b1"],
                                                      op["b2"])

@@ -14,6 +14,8 @@ synthetic data set (adamspike.synthdata Markov task, data seed 0) at every rung:
     quick  (dim, layers, batch) = (32, 2, 16), (64, 2, 16), (32, 4, 16), (32, 2, 4): two
            values per axis around one corner (4 cells, each axis identified); 2 seeds,
            60 steps
+    and, both, the sharpness ladder: lambda_max(H) and Adam's S every 15 steps with 5
+    warm-started Hessian-vector products each (quick: every 20 with 3)
 
 Learning rate per rung (`lr_scaling`): "inverse_width" (default) lr = 3e-3 * 64 / dim, the
 muP rule for Adam's hidden layers (LLaMA's own lrs fall with width: 3e-4 at 7B, 1.5e-4 at
@@ -140,7 +142,7 @@ def full_spec(lr_scaling: str = "inverse_width") -> LadderSpec:
 def quick_spec(lr_scaling: str = "inverse_width") -> LadderSpec:
     rungs = [(32, 2, 16), (64, 2, 16), (32, 4, 16), (32, 2, 4)]
     return LadderSpec(rungs=rungs, seeds=2, num_steps=60, warmup_steps=6, lr_scaling=lr_scaling,
-                      curvature_every=10)
+                      curvature_every=20, curvature_iters=3)
 
 
 SPECS = {"full": full_spec, "quick": quick_spec}
