@@ -184,7 +184,6 @@ def judged_steps(steps: pd.DataFrame, column: str, rule: SpikeParams) -> dict:
     if len(left):
         none = pd.Series(False, index=left.index)
         stale = left[f"{column}_stale"].eq(True) if f"{column}_stale" in left else none
-        flagged = left[f"{column}_missing"].eq(True) if f"{column}_missing" in left else none
         skipped = (left["skipped"].eq(True) if "skipped" in left else none) & ~stale
         add("stale (the previous line's value on an overflowed step)", left[stale])
         add("skipped step without a value", left[skipped])
