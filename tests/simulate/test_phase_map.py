@@ -25,15 +25,19 @@ DENSE = {"model.preset": "tiny", "model.vocab_size": 16, "model.dim": 8, "model.
          "train.dtype": "fp32"}
 
 
-def test_stability_is_the_top_eigenvalue_of_the_preconditioned_hessian():
-    cfg = RunConfig.from_dict(DENSE)
+def _trained(cfg):
+    """(prog, params, state, last batch, controls) after 20 trainer steps of seed 0."""
     prog = Program(cfg)
     ctl = prog.controls(cfg, range(1, 21))
     tokens = arm_tokens(cfg, [0])[0]
     params, state = prog.init(0)
     for s in range(20):
         params, state, _ = prog.step_fn(params, state, jnp.asarray(tokens[s]), ctl.at(s))
-    batch = jnp.asarray(tokens[19])
+    return prog, params, state, jnp.asarray(tokens[19]), ctl
+
+
+def test_stability_is_the_top_eigenvalue_of_the_preconditioned_hessian():
+    prog, params, state, batch, ctl = _trained(RunConfig.from_dict(DENSE))
     c = ctl.at(19)._replace(lr=np.float32(1e-2))   # the schedule's last lr is 0: S would be 0
     u0 = jax.tree.map(lambda p: jnp.ones_like(p), params)
     S, _ = prog.stability(params, state, batch, c, u0, num_iters=400)
@@ -56,14 +60,8 @@ def test_stability_is_the_top_eigenvalue_of_the_preconditioned_hessian():
 
 
 def test_sharpness_is_the_top_eigenvalue_of_the_hessian():
-    cfg = RunConfig.from_dict({**DENSE, "train.loss_scale": 4.0})
-    prog = Program(cfg)
-    ctl = prog.controls(cfg, range(1, 21))
-    tokens = arm_tokens(cfg, [0])[0]
-    params, state = prog.init(0)
-    for s in range(20):
-        params, state, _ = prog.step_fn(params, state, jnp.asarray(tokens[s]), ctl.at(s))
-    batch, c = jnp.asarray(tokens[19]), ctl.at(19)
+    prog, params, state, batch, ctl = _trained(RunConfig.from_dict({**DENSE, "train.loss_scale": 4.0}))
+    c = ctl.at(19)
     u0 = jax.tree.map(lambda p: jnp.ones_like(p), params)
     lam, _ = prog.stability(params, state, batch, c, u0, num_iters=400, precondition=False)
     flat, unravel = jax.flatten_util.ravel_pytree(params)
