@@ -672,10 +672,12 @@ class Trainer:
                 self.writer.event("end", step=num_steps)
             ok = True
         except TrainingAborted as e:
+            self.ckpt.close()       # an async save in flight: its "checkpoint" event first
             if rank == 0 and not e.logged:
                 self.writer.event("abort", step=step, reason=str(e))
             raise
         except USER_ERRORS as e:
+            self.ckpt.close()
             if rank == 0:
                 self.writer.event("abort", step=step, reason=str(e))
             raise
@@ -686,6 +688,11 @@ class Trainer:
                 reason = _stop_reason(i)
             if isinstance(reason, Interrupted):
                 reason.step = step
+            # An async save still in flight completes (its "checkpoint" event) or fails
+            # before the fault is logged: a stopping rank's last event is why it stopped
+            # (a save completed at close() used to log its event after the fault). It
+            # waits at most dist.timeout_s for a dead peer (the save's gloo group).
+            self.ckpt.close()
             if rank == 0:
                 self._log_fault(step, reason)
             if reason is not e:
@@ -738,6 +745,8 @@ class Trainer:
     def _judge(self, step: int, loss: float):
         """The spike guard's decision on this loss; raises TrainingAborted to stop."""
         decision = self.guard.observe(step, loss)
+        if decision.action == "abort":
+            self.ckpt.close()   # an async save in flight: its "checkpoint" event first
         if self.rank == 0:
             for kind, fields in decision.events:
                 self.writer.event(kind, **fields)

@@ -79,3 +79,37 @@ def test_corrupt_rng_file_with_a_matching_hash_falls_back(tmp_path, capsys):
     rej = run.events.query("type == 'checkpoint_rejected'").iloc[0]
     assert "rng-00000.pt" in rej["problem"]
     assert run.steps["loss"].tolist() == ref["loss"].tolist()   # steps 3-4 re-run, bitwise
+
+
+@pytest.mark.parametrize("stop", ["fault", "abort"])
+def test_a_stopping_run_logs_its_pending_async_save_before_why_it_stops(tmp_path, capsys,
+                                                                       monkeypatch, stop):
+    """The run fails (a collective's error: 'fault') or aborts at step 3 while the step-2
+    async save is still pending: the save completes on the way out and its "checkpoint"
+    event comes before the fault / abort, which stays the last event (it used to come
+    after: the 2-rank hung-async-save rank-failure test under load)."""
+    from fullscale.train import Trainer, TrainingAborted
+
+    inject = Trainer._inject_before
+
+    def fail_at_3(self, step):
+        if step == 3:
+            assert self.ckpt._pending is not None       # the step-2 save is in flight
+            if stop == "fault":
+                raise RuntimeError("Timed out waiting 10000ms for recv operation to complete")
+            raise TrainingAborted("stopped by the test")
+        inject(self, step)
+
+    monkeypatch.setattr(Trainer, "_inject_before", fail_at_3)
+    out = tmp_path / "run"
+    args = ["--out", str(out), *TINY, "--train.num_steps", "4", "--checkpoint.every", "2",
+            "--checkpoint.async_save", "true"]
+    if stop == "fault":
+        with pytest.raises(RuntimeError, match="Timed out waiting"):
+            main(args)
+    else:
+        assert main(args) == 3, capsys.readouterr().err
+    ev = load_run(out, tables=()).events
+    assert ev["type"].iloc[-1] == stop, ev.tail()
+    assert ev.query("type == 'checkpoint'")["step"].tolist() == [2]
+    assert [s for s, _ in ck.complete(out / "checkpoints")] == [2]

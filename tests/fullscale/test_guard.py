@@ -219,9 +219,10 @@ def test_guard_end_to_end_gives_up_after_max_retries(tmp_path):
     types = load_run(out, tables=()).events["type"].tolist()
     assert types.count("spike") == 1 and "rollback" not in types
     # Nothing after the spike was checkpointed: the newest state is the good one of step 30,
-    # whose async save the abort left pending; it was completed (and hashed) on close, and
-    # its checkpoint event logged then, after the abort.
-    assert types[-2:] == ["abort", "checkpoint"]
+    # whose async save the abort found pending; it was completed (and hashed) on close, and
+    # its checkpoint event logged then, before the spike's events and the abort (the
+    # stopping run's last event).
+    assert types[-3:] == ["checkpoint", "spike", "abort"]
     assert checkpoint.complete(out / "checkpoints")[-1][0] == 30
     newest = checkpoint.step_dir(out / "checkpoints", 30)
     assert checkpoint.read_manifest(newest)["finalized"] == "at close"   # with hashes
