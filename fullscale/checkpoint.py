@@ -483,13 +483,22 @@ class CheckpointManager:
                                  "step": int(step), "rank": rank, "world": world}
                 return final
             dcp.save(state, checkpoint_id=str(partial), no_dist=not _initialized())
-        _finish(partial, final, int(step), self.keep, self.root)
-        self._completed(int(step), final)
+        self._finish(partial, final, int(step))
         return final
 
     def _completed(self, step: int, path: Path) -> None:
         if self.on_complete is not None:
             self.on_complete(step, path)
+
+    def _finish(self, partial: Path, final: Path, step: int) -> None:
+        """_finish, then on_complete: on rank 0 as soon as the checkpoint is renamed complete,
+        before the closing barrier (a peer that dies or hangs there fails the barrier: the
+        checkpoint on disk still gets its "checkpoint" event, before the fault), on the
+        other ranks after it."""
+        _finish(partial, final, step, self.keep, self.root,
+                on_marked=lambda: self._completed(step, final))
+        if _rank_world()[0] != 0:
+            self._completed(step, final)
 
     def _background_group(self):
         """A gloo group for async saves: their collectives must not interleave with
@@ -529,8 +538,7 @@ class CheckpointManager:
                 raise
             raise CheckpointError(job["final"], f"async save failed ({_one_line(e)})",
                                   detail=str(e)) from None
-        _finish(job["partial"], job["final"], job["step"], self.keep, self.root)
-        self._completed(job["step"], job["final"])
+        self._finish(job["partial"], job["final"], job["step"])
         return job["final"]
 
     def close(self) -> None:
@@ -606,9 +614,10 @@ def _wait(future: Any) -> None:
     (future.upload_completion if hasattr(future, "upload_completion") else future).result()
 
 
-def _finish(partial: Path, final: Path, step: int, keep: int | None, root: Path) -> None:
+def _finish(partial: Path, final: Path, step: int, keep: int | None, root: Path,
+            on_marked: Any = None) -> None:
     """All files are written: hash them (each rank a share), then rank 0 writes COMPLETE,
-    renames partial -> final and prunes."""
+    renames partial -> final, prunes and calls on_marked()."""
     rank, world = _rank_world()
     _barrier()
     files = sorted(p.name for p in partial.iterdir() if p.is_file() and p.name != MARKER)
@@ -630,6 +639,8 @@ def _finish(partial: Path, final: Path, step: int, keep: int | None, root: Path)
             shutil.rmtree(trash, ignore_errors=True)
         if keep is not None:
             prune(root, keep)
+        if on_marked is not None:   # before the barrier a dead or hung peer fails
+            on_marked()
     _barrier()
 
 

@@ -113,3 +113,26 @@ def test_a_stopping_run_logs_its_pending_async_save_before_why_it_stops(tmp_path
     assert ev["type"].iloc[-1] == stop, ev.tail()
     assert ev.query("type == 'checkpoint'")["step"].tolist() == [2]
     assert [s for s, _ in ck.complete(out / "checkpoints")] == [2]
+
+
+def test_a_peer_lost_after_a_checkpoint_is_marked_still_logs_it(tmp_path, capsys, monkeypatch):
+    """The closing barrier of the step-2 save fails (a peer hung or died after rank 0 marked
+    it complete): step 2 is complete on disk and its "checkpoint" event comes before the
+    fault (it was never logged: the 2-rank hung test left a complete checkpoint without
+    one)."""
+    out = tmp_path / "run"
+    marked = out / "checkpoints" / "step-00000002" / ck.MARKER
+    barrier = ck._barrier
+
+    def lost_peer():
+        if marked.exists():
+            raise RuntimeError("Timed out waiting 10000ms for recv operation to complete")
+        barrier()
+
+    monkeypatch.setattr(ck, "_barrier", lost_peer)
+    with pytest.raises(RuntimeError, match="Timed out waiting"):
+        main(["--out", str(out), *TINY, "--train.num_steps", "4", "--checkpoint.every", "1"])
+    ev = load_run(out, tables=()).events
+    assert ev["type"].iloc[-1] == "fault", ev.tail()
+    assert ev.query("type == 'checkpoint'")["step"].tolist() == [1, 2]
+    assert [s for s, _ in ck.complete(out / "checkpoints")] == [1, 2]
