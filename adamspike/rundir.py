@@ -552,12 +552,7 @@ class RunWriter:
 
     def event(self, type: str, **fields: Any) -> None:
         """Append one event line (fsynced at once: events are rare and precious)."""
-        rec = {"time": time.time(), "type": type, **fields}
-        line = json.dumps(json_clean(rec), default=_json_default, allow_nan=False)
-        with open(self.path / "events.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        append_event(self.path, type, **fields)
 
     def flush(self, *, step_complete: bool = True) -> None:
         """Write every buffered row as new parts; durable (fsynced, renamed) on return.
@@ -767,6 +762,24 @@ class Run:
     @property
     def backend(self) -> str:
         return self.meta["backend"]
+
+
+def append_event(run_dir: str | Path, type: str, /, **fields: Any) -> None:
+    """Append one event line to RUN/events.jsonl, fsynced at once. The RunWriter's events
+    and those of a process that stops before its writer is open (a signal during a
+    resume's checkpoint load) go through here; after a torn last line (a writer killed
+    mid-line, not yet repaired by a reopening writer) the new event starts on a line of
+    its own, so it is never swallowed."""
+    rec = {"time": time.time(), "type": type, **fields}
+    line = json.dumps(json_clean(rec), default=_json_default, allow_nan=False)
+    with open(Path(run_dir) / "events.jsonl", "a+b") as fh:
+        torn = False
+        if fh.seek(0, os.SEEK_END) > 0:
+            fh.seek(-1, os.SEEK_END)
+            torn = fh.read(1) != b"\n"
+        fh.write((b"\n" if torn else b"") + line.encode() + b"\n")
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def read_meta(path: str | Path) -> dict:

@@ -94,8 +94,8 @@ from adamspike.llama import flops_per_token, num_params, spec_by_name
 from adamspike.predictions import PredictionsError
 from adamspike.faults import kill_point
 from adamspike.rundir import (RunFormatError, RunLock, RunLockedError, RunWriter,
-                              check_new_run_dir, environment, move_aside, read_events,
-                              read_meta)
+                              append_event, check_new_run_dir, environment, move_aside,
+                              read_events, read_meta)
 from adamspike.train_config import RunConfig
 from fullscale import device as devices
 from fullscale.device import local_shard as _local
@@ -554,6 +554,9 @@ class Trainer:
             except CheckpointError as e:
                 raise CheckpointError(e.path, f"{e.problem}; --restart moves the run aside "
                                               "and starts again", e.detail) from None
+            except BaseException as e:     # noqa: BLE001 - a signal inside the load
+                self._log_early_fault(e)
+                raise
             if restored is None:   # killed before its first checkpoint completed?
                 _rank0_call(rank, lambda: _never_checkpointed(out, self.ckpt.root))
                 if rank == 0:
@@ -876,6 +879,25 @@ class Trainer:
                     fields = {**fields, "reproduced_from": suspect}
                 self.writer.event(kind, **fields, checkpoint=str(path))
         return plan.resume_step
+
+    def _log_early_fault(self, e: BaseException) -> None:
+        """Rank 0: the "fault" event of a signal that stops the process before its run
+        writer is open (inside the resume's checkpoint load), appended straight to the
+        run's events (adamspike.rundir.append_event; the lock is this process's)."""
+        try:
+            reason = _stop_reason(e)
+        except Interrupted as i:        # a signal handled on the way in
+            reason = _stop_reason(i)
+        if self.rank != 0 or not isinstance(reason, Interrupted):
+            return
+        fields = {"error": f"interrupted by {reason} during the resume's checkpoint load",
+                  "signal": str(reason)}
+        if reason.rank is not None:
+            fields.update(rank=reason.rank)
+        try:
+            append_event(self.out, "fault", step=None, **fields)
+        except OSError:
+            pass
 
     def _log_fault(self, step: int, e: BaseException) -> None:
         """The "fault" event of a failure (best effort: on a full disk it may not fit)."""

@@ -245,3 +245,21 @@ def test_new_run_paths_and_resume_truncation_of_events(tmp_path):
     assert ev.query("type == 'resume'")["discarded_events"].tolist() == [2]
     assert len((run / "events.discarded.jsonl").read_text().splitlines()) == 2
     assert not list((run / "steps").glob(".*.tmp-*"))
+
+
+def test_append_event_starts_its_own_line_after_a_torn_one(tmp_path):
+    """An event appended without a writer (a signal inside a resume's checkpoint load)
+    after a torn last line: the fragment stays a line of its own (skipped and counted on
+    read) and the new event is read whole; an intact file gets no blank line."""
+    from adamspike.rundir import append_event, read_events
+
+    append_event(tmp_path, "start", step=0)
+    append_event(tmp_path, "checkpoint", step=4, path="x")     # a field named path
+    with open(tmp_path / "events.jsonl", "ab") as fh:
+        fh.write(b'{"time": 1, "type": "spi')                  # killed mid-line
+    append_event(tmp_path, "fault", step=None, signal="SIGINT")
+    lines = (tmp_path / "events.jsonl").read_bytes().split(b"\n")
+    assert lines[-1] == b"" and b"" not in lines[:-1]
+    ev, torn = read_events(tmp_path)
+    assert list(ev["type"]) == ["start", "checkpoint", "fault"] and torn == 1
+    assert ev["path"].iloc[1] == "x" and ev["signal"].iloc[2] == "SIGINT"

@@ -530,9 +530,14 @@ def test_a_signal_inside_a_checkpoint_save_or_load_of_a_torchrun_job(tmp_path, r
             assert line.startswith(f"adamspike train: interrupted by {sig.name}"), line
         assert _newest(out) == 4
     # the save's: rank 1 got it; rank 0 learned it from DCP (or from torchrun's SIGTERM
-    # after rank 1 exited); the load's comes before the run directory is reopened: no event
-    saved = [e for e in events(out) if e["type"] == "fault"]
-    assert len(saved) == 1 and saved[0]["signal"] == "SIGTERM" and saved[0]["step"] == 8
+    # after rank 1 exited); the load's comes before the run writer is reopened: rank 0
+    # appends its event straight to the run's events (no step: none was trained)
+    faults = [e for e in events(out) if e["type"] == "fault"]
+    assert len(faults) == 2, faults
+    saved, loaded = faults
+    assert saved["signal"] == "SIGTERM" and saved["step"] == 8
+    assert loaded["signal"] == "SIGINT" and loaded.get("step") is None
+    assert "resume's checkpoint load" in loaded["error"]
     assert not [e for e in events(out) if e["type"] == "checkpoint_rejected"]
     _resume_to_the_end(out)
     assert_same_run(ref24x2, out, 24)
