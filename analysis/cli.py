@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("runs", nargs="*", metavar="RUN", help="run directories")
     ap.add_argument("--from-study", metavar="DIR", help="analyse the runs of a reproduce folder")
     ap.add_argument("--predictions", help="predictions.json whose alarm rules are scored")
-    ap.add_argument("--out", default="analysis_out", help="output directory")
+    ap.add_argument("--out", help="output directory (must be new or empty; default: the "
+                                  "first of analysis_out, analysis_out-2, ... that is free)")
     ap.add_argument("--log", action="append", default=[], metavar="LOG",
                     help="a Megatron-style training log to import and analyse (repeatable)")
     ap.add_argument("--seq-len", type=int, help="tokens per sample, for a log's token counts")
@@ -152,6 +153,16 @@ def _analyze_one(item: tuple):
     return ra
 
 
+def _free_default_out(base: str = "analysis_out") -> Path:
+    """The default output folder: `base`, or base-2, base-3, ... when an earlier analyze
+    left it (a second run without --out must not fail; an explicit --out that exists is
+    still refused, nothing is overwritten)."""
+    out, k = Path(base), 2
+    while out.exists() and (not out.is_dir() or any(out.iterdir())):
+        out, k = Path(f"{base}-{k}"), k + 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """`adamspike analyze`."""
     args = _parser().parse_args(argv)
@@ -159,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_args(args)
     except ConfigError as e:
         return _fail(str(e))
-    out = Path(args.out)
+    out = Path(args.out) if args.out else _free_default_out()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         return _fail(f"--out: {out} exists and is not an empty directory; choose a new one "
                      "(nothing was overwritten)")

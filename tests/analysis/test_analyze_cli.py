@@ -69,6 +69,22 @@ def test_analyze_megatron_log(tmp_path, capsys):
     assert "no per-layer telemetry" in report
 
 
+def test_a_second_analyze_without_out_takes_the_next_free_folder(tmp_path, monkeypatch, capsys):
+    """Without --out the report goes to analysis_out, then analysis_out-2 (a repeated
+    `adamspike analyze --log LOG` failed on its own earlier output); the first is left as
+    it was, and an explicit --out that exists is still refused."""
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(_megatron_line(i, 3.0) for i in range(1, 61)) + "\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--log", str(log)]) == 0
+    first = {p: p.stat().st_mtime_ns for p in (tmp_path / "analysis_out").rglob("*")}
+    assert main(["--log", str(log)]) == 0
+    assert (tmp_path / "analysis_out-2" / "train.log.run" / "report.md").is_file()
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "analysis_out").rglob("*")} == first
+    capsys.readouterr()
+    _bad(["--log", str(log), "--out", "analysis_out"], capsys, "nothing was overwritten")
+
+
 def _bad(argv, capsys, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err
