@@ -94,8 +94,7 @@ VOCAB = 256
 LR_BASE_DIM = 64
 TARGET_70B = {"dim": 8192, "num_layers": 80, "tokens_per_step": 1024 * 4096}
 LR_70B = 1.5e-4            # LLaMA2-70B's peak lr (Touvron et al. 2023; configs/llama2-70b.toml)
-B1 = 0.9
-PI_THRESHOLD = 2 * (1 + B1) / (1 - B1)   # 38: the eps band's edge (Cohen et al. 2022)
+PI_THRESHOLD = 38.0   # 2 (1+b1) / (1-b1) at b1 0.9: the eps band's edge, S = 1 (Cohen et al. 2022)
 
 
 @dataclass
@@ -426,15 +425,13 @@ def fit_ladder(df: pd.DataFrame, n_boot: int = 1000, ci: float = 0.9) -> dict:
     fits = fit_power_law(X, Y, n_boot=n_boot, ci=ci)
     widest = wide["dim"].max()
     train = (wide["dim"] < widest).to_numpy()
-    held = {}
-    if train.sum() > X.shape[1] and len(np.unique(wide.loc[train, "dim"])) >= 2 \
-            and len(np.unique(wide.loc[train, "num_layers"])) >= 2:
-        for k, g in enumerate(groups):
-            c = _lstsq(X[train], Y[train, k])
-            err = Y[~train, k] - X[~train] @ c
-            held[g] = {"mean_log10_error": float(np.mean(err)),
-                       "rms_log10_error": float(np.sqrt(np.mean(err ** 2)))}
-    sharp = _fit_sharpness(wide, X, train, n_boot, ci) if "log10_sharpness" in wide else None
+    # the narrower rungs must still identify the width and depth exponents
+    identifiable = (len(np.unique(wide.loc[train, "dim"])) >= 2
+                    and len(np.unique(wide.loc[train, "num_layers"])) >= 2)
+    held = ({g: _heldout_error(X, Y[:, k], train) for k, g in enumerate(groups)}
+            if identifiable else {})
+    sharp = (_fit_sharpness(wide, X, train if identifiable else None, n_boot, ci)
+             if "log10_sharpness" in wide else None)
     return {
         **({"sharpness": public(sharp), "_sharp_fit": sharp["_fit"]} if sharp else {}),
         "form": "log10 rms_group = c0 + c_d log10 dim + c_L log10 layers + c_B log10 tokens_per_step",
@@ -453,19 +450,27 @@ def fit_ladder(df: pd.DataFrame, n_boot: int = 1000, ci: float = 0.9) -> dict:
     }
 
 
-def _fit_sharpness(wide: pd.DataFrame, X: np.ndarray, train: np.ndarray, n_boot: int,
+def _heldout_error(X: np.ndarray, y: np.ndarray, train: np.ndarray) -> dict | None:
+    """Fit on the `train` rows, predict the others: their mean and rms log10 error (rows
+    with a non-finite y left out; None when too few rows remain on either side)."""
+    ok = np.isfinite(y)
+    fit_rows, test = train & ok, ~train & ok
+    if fit_rows.sum() <= X.shape[1] or not test.any():
+        return None
+    err = y[test] - X[test] @ _lstsq(X[fit_rows], y[fit_rows])
+    return {"mean_log10_error": float(np.mean(err)),
+            "rms_log10_error": float(np.sqrt(np.mean(err ** 2)))}
+
+
+def _fit_sharpness(wide: pd.DataFrame, X: np.ndarray, train: np.ndarray | None, n_boot: int,
                    ci: float) -> dict:
     """The sharpness ladder's fit: log10 lambda_max(H) on the same design and bootstrap as
-    the groups' RMS, its held-out check on the widest rung, and per rung the median S."""
+    the groups' RMS, its held-out check on the widest rung (train: the other rows; None
+    when they do not identify the exponents), and per rung the median S."""
     y = wide[["log10_sharpness"]].to_numpy(float)
     f = fit_power_law(X, y, n_boot=n_boot, ci=ci)[0]
     ok = np.isfinite(y[:, 0])
-    held = None
-    if (train & ok).sum() > X.shape[1] and (~train & ok).any():
-        c = _lstsq(X[train & ok], y[train & ok, 0])
-        err = y[~train & ok, 0] - X[~train & ok] @ c
-        held = {"mean_log10_error": float(np.mean(err)),
-                "rms_log10_error": float(np.sqrt(np.mean(err ** 2)))}
+    held = None if train is None else _heldout_error(X, y[:, 0], train)
     by_rung = wide.groupby(list(FEATURES), as_index=False).agg(
         sharpness=("sharpness", "median"), stability=("stability", "median"),
         stability_min=("stability", "min"), stability_max=("stability", "max"))

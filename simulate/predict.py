@@ -483,7 +483,6 @@ def profile_numel(profile: Mapping[str, Any]) -> dict[int, float]:
 # phase map's rows take over their own warmup and cosine (analysis.spike_rate.map_rows)
 PHASE_LR = {"warmup": 0.5, "after": 0.55}
 MECHANISM_FEATURES = {"log10_stability", "log10_rho_min", "warmup"}
-PI_THRESHOLD = 38.0   # 2 (1+b1) / (1-b1) at b1 0.9: S = 1 (Cohen et al. 2022)
 
 
 def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase: str,
@@ -513,7 +512,7 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
         lam = (sh["at_ladder_tokens"]["lambda_max_hi"] if which == "hi" and "at_ladder_tokens" in sh
                else sh[{"mid": "lambda_max", "lo": "lambda_max_lo", "hi": "lambda_max_hi"}[which]])
         lr = float(cand["optim.lr"]) * PHASE_LR[phase]
-        S = lr / eps * lam / (PI_THRESHOLD * (1 + rho_min))
+        S = lr / eps * lam / (LD.PI_THRESHOLD * (1 + rho_min))
     return {"rho_min": rho_min, "stability": S, "warmup": float(phase == "warmup")}
 
 
@@ -664,16 +663,14 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
     if phased:
         out["phases"] = {}
         for phase, v in per.items():
-            m = mechanism_inputs(profile, cand, phase)
+            m, lo_, hi_ = (mechanism_inputs(profile, cand, phase, w) for w in ("mid", "lo", "hi"))
             out["phases"][phase] = {
                 "lr_median": float(cand["optim.lr"]) * PHASE_LR[phase],
                 "rate_per_1k": v["rate"], "rate_ci": [v["lo"], v["hi"]],
                 "stability": m["stability"],
-                "stability_range": [mechanism_inputs(profile, cand, phase, w)["stability"]
-                                    for w in ("lo", "hi")],
+                "stability_range": [lo_["stability"], hi_["stability"]],
                 "rho_min": m["rho_min"],
-                "mechanism": mechanism(m["stability"], m["rho_min"],
-                                       mechanism_inputs(profile, cand, phase, "hi")["stability"]),
+                "mechanism": mechanism(m["stability"], m["rho_min"], hi_["stability"]),
                 "extrapolation_reasons": v["outside"], "features": json_clean(v["feats"]["mid"])}
         S_max = max((v["stability"] for v in out["phases"].values() if v["stability"] is not None),
                     default=None)

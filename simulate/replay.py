@@ -512,9 +512,9 @@ def regime_note(config_name: str, cfg: RunConfig, seeds: int, why_seeds: str) ->
     o, t, m = cfg.optim, cfg.train, cfg.model
     sched = (f"constant lr {o.lr:g}" if o.schedule == "constant" else
              f"lr {o.lr:g} ({o.schedule}, warmup {o.warmup_steps})")
-    eps = cfg.mitigation
-    group_eps = [f"{g} {getattr(eps, f'eps_{g}'):.3g}" for g in ("embed", "shallow", "deep", "head")
-                 if getattr(eps, f"eps_{g}", None) is not None]
+    group_eps = [f"{g} {getattr(cfg.mitigation, f'eps_{g}'):.3g}"
+                 for g in ("embed", "shallow", "deep", "head")
+                 if getattr(cfg.mitigation, f"eps_{g}") is not None]
     return (f"Spikes come from {config_name} (tiny LLaMA dim {m.dim}, {m.num_layers} layers, "
             f"{cfg.data.task} task, {sched}, b2 {o.b2:g}, eps {o.eps:g}"
             + (f" (per group: {', '.join(group_eps)})" if group_eps else "")
