@@ -8,9 +8,9 @@ features x_i (the regime groups below) the counts are modelled as
 
 so exp(beta_0 + z beta) is the spike rate per 1000 steps (capped at MAX_RATE_PER_1K = 1000,
 one spike start per step, when a prediction far outside the data would exceed it), and the
-probability of at least one spike in N steps is P(>= 1 | N) = 1 - exp(-rate N / 1000). z_ij = (x_ij - mean_j) /
-sd_j are the features standardised over the training runs (the coefficients are reported
-back in the original units).
+probability of at least one spike in N steps is P(>= 1 | N) = 1 - exp(-rate N / 1000).
+z_ij = (x_ij - mean_j) / sd_j are the features standardised over the training runs (the
+coefficients are reported back in the original units).
 
 Features (FEATURES; each one dimensionless):
     log10_rho_shallow   log10 of rho = rms(g) / eps of the gradient Adam consumes, shallow
@@ -217,14 +217,14 @@ def training_table(parts: Sequence[str | Path | pd.DataFrame],
     # the mechanism groups: a source that measures them (the phase map) loses the rows where
     # they have no log (S median <= 0: a dominant negative eigenvalue; a group's gradient
     # exactly 0), rather than every row losing the feature
-    for f in ("log10_stability", "log10_rho_min"):
+    for f, why in (("log10_stability", "a median S <= 0: a dominant negative eigenvalue"),
+                   ("log10_rho_min", "a depth group's gradient exactly 0")):
         v = np.isfinite(table[f].to_numpy(float))
         src = table["source"].astype(str)
         measured = src.isin(set(src[v])).to_numpy()
         bad = measured & ~v
         if bad.any():
-            out_notes.append(f"{int(bad.sum())} runs without a finite {f} (a median S <= 0 or "
-                             "a depth group's gradient exactly 0): "
+            out_notes.append(f"{int(bad.sum())} runs without a finite {f} ({why}): "
                              + ", ".join(table.loc[bad, "run"].astype(str).head(5))
                              + (" ..." if bad.sum() > 5 else ""))
             table = table.loc[~bad].reset_index(drop=True)

@@ -882,35 +882,31 @@ class Trainer:
 
     def _log_early_fault(self, e: BaseException) -> None:
         """Rank 0: the "fault" event of a signal that stops the process before its run
-        writer is open (inside the resume's checkpoint load), appended straight to the
-        run's events (adamspike.rundir.append_event; the lock is this process's)."""
+        writer is open (inside the resume's checkpoint load)."""
         try:
             reason = _stop_reason(e)
         except Interrupted as i:        # a signal handled on the way in
             reason = _stop_reason(i)
-        if self.rank != 0 or not isinstance(reason, Interrupted):
-            return
-        fields = {"error": f"interrupted by {reason} during the resume's checkpoint load",
-                  "signal": str(reason)}
-        if reason.rank is not None:
-            fields.update(rank=reason.rank)
-        try:
-            append_event(self.out, "fault", step=None, **fields)
-        except OSError:
-            pass
+        if self.rank == 0 and isinstance(reason, Interrupted):
+            self._log_fault(None, reason, during=" during the resume's checkpoint load")
 
-    def _log_fault(self, step: int, e: BaseException) -> None:
-        """The "fault" event of a failure (best effort: on a full disk it may not fit)."""
+    def _log_fault(self, step: int | None, e: BaseException, during: str = "") -> None:
+        """The "fault" event of a failure (best effort: on a full disk it may not fit);
+        before the run writer is open, appended straight to the run's events
+        (adamspike.rundir.append_event; the lock is this process's)."""
         if isinstance(e, Interrupted):
-            fields = {"error": f"interrupted by {e}", "signal": str(e)}
+            fields = {"error": f"interrupted by {e}{during}", "signal": str(e)}
             if e.rank is not None:      # learned from the peer rank that received it
-                fields.update(error=f"interrupted by {e} (on rank {e.rank})", rank=e.rank)
+                fields.update(error=f"interrupted by {e} (on rank {e.rank}){during}", rank=e.rank)
         else:
             err = storage_error(e) or _disk_full(self.out)
             fields = {"error": (f"storage: {describe_storage_error(err)}" if err is not None
                                 else f"{type(e).__name__}: {e}")[:2000]}
         try:
-            self.writer.event("fault", step=step, **fields)
+            if self.writer is not None:
+                self.writer.event("fault", step=step, **fields)
+            else:
+                append_event(self.out, "fault", step=step, **fields)
         except OSError:
             pass
 

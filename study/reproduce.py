@@ -334,9 +334,8 @@ def answer_section(out: Path) -> list[str]:
                      + "; ".join(rows) + ".")
     p70 = out / "predictions_70b.json"
     if p70.exists():
-        sets = [x for x in json.loads(p70.read_text()).get("settings", [])
-                if x["id"].startswith(SEED_SETTING)]
         d70 = json.loads(p70.read_text())
+        sets = [x for x in d70.get("settings", []) if x["id"].startswith(SEED_SETTING)]
         if sets:
             x = sets[0]
             lo, hi = x.get("rate_ci", [None, None])
