@@ -11,9 +11,14 @@
 #          `sweep` without jax -> [study]).
 #   py310  python 3.10 (the declared minimum for the rest): import and CLI smoke tests
 #          without torch / jax, and their missing-extra messages.
+#   py311  `pip install -e .[study]` into a clean python 3.11 environment: no torch is pulled
+#          in, `sweep run --quick` of the quadratic grid (jax + optax) finds spikes below eps*
+#          and none above it, and the one-line missing-extra messages (`train` -> [trainer],
+#          `model info` -> [cluster]).
 # Wheels and environments are cached under $ADAMSPIKE_CACHE (default ~/.cache/adamspike):
 # the first run downloads ~2.7 GB (torch 2.1.0 from PyPI with its CUDA dependencies; the
-# CPU-only index is not reachable from the CI machines), later runs reuse the environment.
+# CPU-only index is not reachable from the CI machines) plus ~225 MB for py311 (jax,
+# jaxlib CPU and the rest of .[study]), later runs reuse the environment.
 # A python that is missing, or wheels that cannot be fetched, skip that job with a message
 # (exit 0); a failing check fails the job.
 set -euo pipefail
@@ -22,8 +27,9 @@ ROOT="$PWD"
 CACHE="${ADAMSPIKE_CACHE:-$HOME/.cache/adamspike}"
 PY38="${PY38:-/root/.pyenv/versions/3.8.18/bin/python}"
 PY310="${PY310:-/root/.pyenv/versions/3.10.13/bin/python}"
+PY311="${PY311:-/root/.pyenv/versions/3.11.7/bin/python}"
 MAIN_PY="${MAIN_PY:-$ROOT/.venv/bin/python}"
-JOBS="${*:-py38 py310}"
+JOBS="${*:-py38 py310 py311}"
 mkdir -p "$CACHE"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
@@ -193,6 +199,51 @@ PY
   expect_extra trainer env PYTHONPATH="$ROOT" "$env/bin/python" -m study train --help
   expect_extra study env PYTHONPATH="$ROOT" "$env/bin/python" -m study sweep run --help
   echo "py310: OK"
+}
+
+# `pip install -e .[study]` into a clean python 3.11 environment (cached; rebuilt when
+# pyproject.toml changes), from cached wheels, the build backend included (as py38 .[cluster])
+job_py311() {
+  if [[ ! -x "$PY311" ]]; then skip py311 "no python 3.11 at $PY311 (set PY311)"; return 0; fi
+  local env="$CACHE/venv-py311-study" wheels="$CACHE/wheels-py311-study"
+  local want=".[study] $(sha256sum pyproject.toml | cut -c1-16)"
+  if [[ ! -f "$env/.stamp" || "$(cat "$env/.stamp")" != "$want" ]]; then
+    mkdir -p "$wheels"
+    if ! "$PY311" -m pip download -q -d "$wheels" "setuptools>=64" wheel "$ROOT[study]" \
+        >"$TMP/dl4.log" 2>&1; then
+      tail -n 5 "$TMP/dl4.log"; skip "py311 .[study]" "wheels could not be downloaded"; return 0
+    fi
+    rm -rf "$env"
+    "$PY311" -m venv "$env"
+    local t0=$SECONDS
+    "$env/bin/python" -m pip install -q --no-index --find-links "$wheels" -e "$ROOT[study]"
+    echo "installed .[study] (python 3.11) into $env in $((SECONDS - t0)) s"
+    echo "$want" > "$env/.stamp"
+  fi
+  local a="$env/bin/adamspike"
+  echo "== py311 .[study]: $("$env/bin/python" -c 'import sys, jax, optax, numpy; print("python", sys.version.split()[0], "jax", jax.__version__, "optax", optax.__version__, "numpy", numpy.__version__)')"
+  "$env/bin/python" - <<'PY'
+import importlib.util
+assert importlib.util.find_spec("torch") is None, ".[study] must not pull torch"
+PY
+  # the quadratic grid's CI size (jax + optax, vmapped): eps* = 2.63e-4 at lr 1e-2
+  "$a" sweep run --grid configs/sweep_quadratic.toml --quick --out "$TMP/sweep311" \
+    --no-progress >/dev/null
+  "$env/bin/python" - "$TMP/sweep311/runs.csv" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+assert len(rows) == 30, len(rows)
+spikes = {}
+for r in rows:
+    spikes.setdefault(float(r["optim.eps"]), []).append(int(r["num_spikes"]))
+assert min(spikes[1e-8]) > 0 and max(spikes[1e-3]) == 0, spikes
+print("py311 sweep: %d runs, spikes at eps 1e-8: %s, at eps 1e-3: %s"
+      % (len(rows), spikes[1e-8], spikes[1e-3]))
+PY
+  # no torch here: the commands that need it name their extra
+  expect_extra trainer "$a" train --help
+  expect_extra cluster "$a" model info --config llama2-70b
+  echo "py311 .[study]: OK"
 }
 
 for j in $JOBS; do "job_$j"; done
