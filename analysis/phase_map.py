@@ -39,8 +39,10 @@ Boundary: per (b2, batch_mult), over the in-band cells' lanes, a logistic fit of
 spiked (>= the lowest class)" on log10 S_lane (the lane's 90th percentile of S after the first tenth of its steps) gives
 S_50, the S at which half the lanes spike; "not reached" when no lane spiked (or every one).
 
-The tracker check: stability_check.csv's S_tracker against S_power (Spearman rank
-correlation, median ratio).
+The curvature checks (`agreement`: Spearman rank correlation, median ratio with IQR):
+stability_check.csv's tracker S_tracker and online proxy S_secant against cold power
+iteration S_power, and the cells' S_secant against their tracker S. The proxy's median
+ratio is what scales a run's S_secant (fullscale.megatron_probe) to S.
 
     adamspike phase-map ... (study/cli.py) calls `write_report(DIR)`: DIR/phase_map.csv,
     DIR/onsets.csv, DIR/phase_map.md.
@@ -115,12 +117,13 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     st = settings(meta)
     p = spike_params(st)
     heights, lead, dormant = [float(h) for h in st["heights"]], int(st["lead"]), int(st["dormant_steps"])
-    cells, onsets, lanes = [], [], []
+    cells, onsets, lanes, frames = [], [], [], []
     for c in meta["cells"]:
         path = out / "cells" / f"{c['id']}.parquet"
         if not path.exists():
             continue
         df = pd.read_parquet(path)
+        frames.append(df.filter(["S", "S_secant"]))
         rho_cols = [k for k in df.columns if k.startswith("rho_")]
         per = {}
         for seed, d in df.groupby("seed", sort=True):
@@ -201,7 +204,7 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
                   for s in seeds]
     table = pd.DataFrame(cells)
     summary = {"boundary": boundary(pd.DataFrame(lanes)), "meta": meta, "settings": st,
-               "tracker": tracker_check(out)}
+               "curvature_checks": tracker_check(out, frames)}
     return table, pd.DataFrame(onsets), summary
 
 
@@ -272,20 +275,36 @@ def boundary(lanes: pd.DataFrame) -> list[dict]:
     return rows
 
 
-def tracker_check(out: Path) -> dict:
-    path = out / "stability_check.csv"
-    if not path.exists():
-        return {}
-    d = pd.read_csv(path)
-    d = d[np.isfinite(d["S_tracker"]) & np.isfinite(d["S_power"])]
-    if len(d) < 3:
-        return {"num_points": int(len(d))}
-    pos = d[(d["S_power"] > 0) & (d["S_tracker"] > 0)]
-    ratio = (pos["S_tracker"] / pos["S_power"]).to_numpy()
-    return {"num_points": int(len(d)),
-            "spearman": float(stats.spearmanr(d["S_tracker"], d["S_power"]).statistic),
+def agreement(x: np.ndarray, ref: np.ndarray) -> dict:
+    """How a reading x follows a reference: points (both finite), Spearman rank correlation,
+    and the ratio x / ref over the points where both are positive (median, IQR)."""
+    x, ref = np.asarray(x, float), np.asarray(ref, float)
+    ok = np.isfinite(x) & np.isfinite(ref)
+    x, ref = x[ok], ref[ok]
+    if x.size < 3:
+        return {"num_points": int(x.size)}
+    ratio = x[(x > 0) & (ref > 0)] / ref[(x > 0) & (ref > 0)]
+    return {"num_points": int(x.size), "spearman": float(stats.spearmanr(x, ref).statistic),
             "median_ratio": float(np.median(ratio)) if ratio.size else math.nan,
             "ratio_iqr": [float(q) for q in np.percentile(ratio, [25, 75])] if ratio.size else None}
+
+
+def tracker_check(out: Path, cells: list[pd.DataFrame]) -> dict:
+    """The curvature readings against their references: stability_check.csv's tracker and
+    online proxy against cold power iteration ("tracker", "secant"), and over every cell's
+    evaluation rows the proxy against the tracker ("secant_cells")."""
+    res = {}
+    path = out / "stability_check.csv"
+    if path.exists():
+        d = pd.read_csv(path)
+        res["tracker"] = agreement(d["S_tracker"], d["S_power"])
+        if "S_secant" in d:
+            res["secant"] = agreement(d["S_secant"], d["S_power"])
+    pairs = [df[["S_secant", "S"]].dropna() for df in cells if "S_secant" in df]
+    if pairs:
+        both = pd.concat(pairs)
+        res["secant_cells"] = agreement(both["S_secant"], both["S"])
+    return res
 
 
 def _fmt_rate(r: Mapping[str, Any], tag: str) -> str:
@@ -339,13 +358,23 @@ def report_md(table: pd.DataFrame, onsets: pd.DataFrame, summary: dict) -> str:
         else:
             lines.append(f"- {where}: S_50 = {b['S_50']:.3g} ({b['num_spiked']} of "
                          f"{b['num_lanes']} lanes spiked)")
-    tr = summary["tracker"]
-    if tr:
-        lines += ["", "## The stability tracker against power iteration", "",
-                  f"{tr['num_points']} evaluations (3 warm-started products vs 30 cold ones, the "
-                  "same operator and parameters): Spearman "
-                  f"{tr.get('spearman', math.nan):.2f}, median ratio tracker / power "
-                  f"{tr.get('median_ratio', math.nan):.2f} (IQR {tr.get('ratio_iqr')})."]
+    checks = summary["curvature_checks"]
+    what = {"tracker": "the tracker (3 warm-started products) against cold power iteration "
+                       "(30 products), the same operator and parameters",
+            "secant": "the online proxy S_secant (consecutive gradients and updates, no "
+                      "Hessian product) against the same cold power iteration",
+            "secant_cells": "the online proxy against the tracker over every cell's "
+                            "evaluations"}
+    if checks:
+        lines += ["", "## Curvature readings against power iteration", ""]
+        for key, text in what.items():
+            c = checks.get(key)
+            if c:
+                iqr = c.get("ratio_iqr")
+                lines.append(f"- {text}: {c['num_points']} evaluations, Spearman "
+                             f"{c.get('spearman', math.nan):.2f}, median ratio "
+                             f"{c.get('median_ratio', math.nan):.3g}"
+                             + (f" (IQR {iqr[0]:.3g}-{iqr[1]:.3g})" if iqr else "") + ".")
     return "\n".join(lines) + "\n"
 
 

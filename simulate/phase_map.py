@@ -21,10 +21,11 @@ Storage (DIR, resumable: a killed map restarts at the first missing cell):
   map.json               the resolved map: grid, spike settings, targets, calibration per
                          (lr_mult, batch_mult), every cell's settings and full config
   cells/<id>.parquet     one row per seed x step: loss, grad_norm, update_norm, rho_<group>
-                         (the consumed gradient's rms / the group's eps), S (NaN off the
+                         (the consumed gradient's rms / the group's eps), S and S_secant
+                         (the online proxy of the K steps before; both NaN off the
                          evaluation steps); <id> hashes the cell's config, seeds and K
-  stability_check.csv    the warm-started tracker against cold power iteration (30 products,
-                         simulate.curvature) at the same parameters: the proxy's check
+  stability_check.csv    the warm-started tracker and the online proxy against cold power
+                         iteration (30 products, simulate.curvature) at the same parameters
 """
 
 from __future__ import annotations
@@ -104,13 +105,15 @@ def cell_id(cfg: Mapping[str, Any], seeds: list[int], every: int) -> str:
 
 def run_cell(cfg: RunConfig, seeds: list[int], every: int, tokens: np.ndarray) -> pd.DataFrame:
     """One cell: the lanes as one program (simulate.seeds.run_arm with the stability number
-    every `every` steps), the claims' arm table plus S (module docstring)."""
+    every `every` steps), the claims' arm table plus S and the online proxy S_secant of the
+    `every` steps before it (module docstring)."""
     from simulate.seeds import run_arm   # jax: only when cells run
-    res = run_arm(cfg, seeds, tokens=tokens, curvature_every=every)
+    res = run_arm(cfg, seeds, tokens=tokens, curvature_every=every, secant=True)
     df = arm_table(res, seeds)
-    S = np.full(res["loss"].shape, np.nan)
-    S[:, every - 1::every] = res["stability"]
-    df["S"] = S.ravel()
+    for col, key in (("S", "stability"), ("S_secant", "S_secant")):
+        S = np.full(res["loss"].shape, np.nan)
+        S[:, every - 1::every] = res[key]
+        df[col] = S.ravel()
     return df
 
 
@@ -199,12 +202,13 @@ def check_stability(spec: dict, out: str | Path, progress: bool = True) -> pd.Da
     (simulate.curvature, all parameters as one group) at every `every`-th step, on the
     trainer's step (Program.step_fn) for a few seeds at the calibrated eps of batch_mult 1:
     the map's `check` table (steps, every, lr_mult, seeds). Writes and returns
-    out/stability_check.csv (lr_mult, seed, step, S_tracker, S_power)."""
+    out/stability_check.csv (lr_mult, seed, step, S_tracker, S_power, S_secant: the online
+    proxy over the K steps before the row's, simulate.program.secant_update)."""
     import jax   # jax: only when the check runs
     import jax.numpy as jnp
     from simulate import optim as jopt
     from simulate.curvature import make_curvature_fn
-    from simulate.program import program
+    from simulate.program import secant_init, secant_readings, secant_update, program
     from simulate.seeds import arm_tokens
     out = Path(out)
     path = out / "stability_check.csv"
@@ -229,6 +233,8 @@ def check_stability(spec: dict, out: str | Path, progress: bool = True) -> pd.Da
         loss = lambda p, b: prog.loss(p, b, cfg.train.loss_scale)[0]  # noqa: E731
         power = make_curvature_fn(loss, {n: "all" for n in prog.names}, ["all"], POWER_ITERS)
         stab = jax.jit(prog.stability)
+        secant = jax.jit(lambda sec, g, new, old, st, c: secant_update(sec, g, new, old,
+                                                                        prog._pinv(st, c)))
         eps = {n: float(ctl.eps[0][i]) for i, n in enumerate(prog.names)}
         tokens = arm_tokens(cfg, seeds)
         for j, seed in enumerate(seeds):
@@ -236,18 +242,27 @@ def check_stability(spec: dict, out: str | Path, progress: bool = True) -> pd.Da
             leaves = jax.tree.leaves(params)
             keys = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(seed), 1), len(leaves))
             u = prog.tree([jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, leaves)])
+            sec, sums = secant_init(params), np.zeros(3)
             for s in range(1, num_steps + 1):
                 batch = jnp.asarray(tokens[j, s - 1])
-                params, state, _ = prog.step_fn(params, state, batch, ctl.at(s - 1))
+                new_params, state, out_s = prog.step_fn(params, state, batch, ctl.at(s - 1),
+                                                        with_grads=True)
+                sec, terms = secant(sec, out_s["grads"], new_params, params, state, ctl.at(s - 1))
+                params, sums = new_params, sums + np.asarray(terms, np.float64)
                 if s % K == 0:
                     S, u = stab(params, state, batch, ctl.at(s - 1), u)
                 if s % every == 0:
                     adam = jopt.adam_state(state)
                     _, pre = power(params, batch, adam.nu, adam.count, cfg.optim.b1, cfg.optim.b2,
                                    eps, jax.random.PRNGKey(10_000 + s))
+                    S_secant = secant_readings(jnp.asarray(sums), ctl.lr[s - 1],
+                                               ctl.loss_scale[s - 1])[0]
                     rows.append({"lr_mult": c["lr_mult"], "seed": seed, "step": s,
                                  "S_tracker": float(S),
-                                 "S_power": float(ctl.lr[s - 1]) * float(pre[0]) / 2})
+                                 "S_power": float(ctl.lr[s - 1]) * float(pre[0]) / 2,
+                                 "S_secant": float(S_secant)})
+                if s % K == 0:
+                    sums = np.zeros(3)
     df = pd.DataFrame(rows)
     atomic_write_bytes(path, df.to_csv(index=False).encode())
     return df

@@ -119,7 +119,7 @@ class Program:
         self.loss = lambda p, b, s: jllama.loss_fn(p, b, llama, s, t.z_loss,  # noqa: E731
                                                    compute_dtype=t.dtype, **options)
         self._value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
-        self.step_fn = jax.jit(self.step, static_argnames=("tel", "hist", "native"))
+        self.step_fn = jax.jit(self.step, static_argnames=("tel", "hist", "native", "with_grads"))
         self._runs: dict[bool, Any] = {}
 
     # ------------------------------------------------------------------ the step
@@ -133,12 +133,13 @@ class Program:
         return jax.tree.unflatten(self.treedef, list(leaves))
 
     def step(self, params, state, batch, c: Controls, tel: tuple | None = None,
-             hist: bool = False, native: bool = True):
+             hist: bool = False, native: bool = True, with_grads: bool = False):
         """One optimizer step (module docstring). out: loss (unscaled), grad_norm (pre-clip,
         of s * loss), clipped, update_norm, tensor_sumsq (n,) of the pre-clip gradient of
         s * loss, clip_scale; with tel = (b1, b2, eps) static floats (eps: a float, or one
         per tensor; the native kernel needs them static, so they are the config's, which
-        the controls must equal) the telemetry sums, and with hist its histograms."""
+        the controls must equal) the telemetry sums, and with hist its histograms; with
+        with_grads the gradient tree itself (`grads`, of s * loss, pre-clip)."""
         c = Controls(*(jnp.asarray(x) for x in c))
         edited = jopt.reset_second_moment(state, [c.reset[i] for i in range(len(self.names))])
         batch = jnp.where(c.poison, batch.at[:, 1:].set(POISON_TOKEN), batch)
@@ -153,6 +154,8 @@ class Program:
                "tensor_sumsq": jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32)))
                                           for g in jax.tree.leaves(grads)]),
                "clip_scale": scale}
+        if with_grads:
+            out["grads"] = grads
         if tel is not None:
             b1, b2, eps = tel
             eps = list(eps) if isinstance(eps, tuple) else eps
@@ -262,7 +265,7 @@ class Program:
     # ------------------------------------------------------------------ lanes
     def run(self, seeds: Sequence[int], batches, controls: Controls, *, vmapped: bool = True,
             per_lane: bool = False, curvature_every: int = 0, sharpness: bool = False,
-            curvature_iters: int = 3) -> dict[str, np.ndarray]:
+            curvature_iters: int = 3, secant: bool = False) -> dict[str, np.ndarray]:
         """Lanes as one program: one lane per seed (init key PRNGKey(seed)), batches
         (lanes, steps, B, T+1), controls with a step axis (shared by the lanes) or
         (per_lane) a lanes axis first; vmapped=False calls the program one lane at a time
@@ -272,7 +275,9 @@ class Program:
         steps // K): `stability` after every K-th step (K, 2K, ...), its vector carried from
         one to the next; sharpness=True adds `sharpness` (lanes, steps // K): lambda_max(H)
         of the unscaled loss at the same points, by its own warm-started vector;
-        curvature_iters: Hessian-vector products per evaluation and vector."""
+        curvature_iters: Hessian-vector products per evaluation and vector; secant=True adds
+        the online proxy of each block of K steps (`secant_readings`: S_secant and
+        sharpness_secant, lanes x steps // K), from consecutive gradients and updates only."""
         K = int(curvature_every)
         num_steps = np.shape(controls.lr)[1 if per_lane else 0]
         if K and num_steps % K:
@@ -282,23 +287,27 @@ class Program:
         batches = jnp.asarray(batches)
         ctl = tuple(jnp.asarray(x) for x in controls)
         if vmapped:
-            outs = self._run(per_lane, K, sharpness, curvature_iters)(keys, batches, ctl)
+            outs = self._run(per_lane, K, sharpness, curvature_iters, secant)(keys, batches, ctl)
         else:
-            one = lambda i: self._run(per_lane, K, sharpness, curvature_iters)(  # noqa: E731
+            one = lambda i: self._run(per_lane, K, sharpness, curvature_iters, secant)(  # noqa: E731
                 keys[i:i + 1], batches[i:i + 1],
                 tuple(x[i:i + 1] for x in ctl) if per_lane else ctl)
             per = [one(i) for i in range(len(keys))]
             outs = tuple(jnp.concatenate(parts) for parts in zip(*per))
-        names = RUN_OUTPUTS + (CURVATURE_OUTPUTS[:1 + bool(sharpness)] if K else ())
+        if secant and not K:
+            raise ValueError("secant: needs curvature_every > 0 (one reading per block)")
+        names = (RUN_OUTPUTS + (CURVATURE_OUTPUTS[:1 + bool(sharpness)] if K else ())
+                 + (SECANT_OUTPUTS if secant else ()))
         return {k: np.asarray(v, np.float64) for k, v in zip(names, jax.device_get(outs))}
 
     def _run(self, per_lane: bool, curvature_every: int = 0, sharpness: bool = False,
-             num_iters: int = 3):
+             num_iters: int = 3, secant: bool = False):
         """jit(vmap(scan(step))), compiled once per lane layout of the controls (and K:
         then a scan over blocks of K steps, the block's last step followed by
-        `stability`, and `sharpness` when asked)."""
+        `stability`, and `sharpness` and the secant proxy when asked)."""
         K = curvature_every
-        if (per_lane, K, sharpness, num_iters) not in self._runs:
+        key = (per_lane, K, sharpness, num_iters, secant)
+        if key not in self._runs:
             def body(carry, x):
                 params, state = carry
                 params, state, out = self.step(params, state, x[0], Controls(*x[1]))
@@ -306,14 +315,30 @@ class Program:
 
             def block(carry, x):   # K steps, then the stability number at the last one
                 carry, us = carry
-                carry, outs = jax.lax.scan(body, carry, x)
+                if secant:
+                    (carry, sec), (outs, sums) = jax.lax.scan(secant_body, (carry, us[-1]), x)
+                else:
+                    carry, outs = jax.lax.scan(body, carry, x)
                 toks, ctl = jax.tree.map(lambda a: a[-1], x)
                 S, u = self.stability(*carry, toks, Controls(*ctl), us[0], num_iters)
-                if not sharpness:
-                    return (carry, (u,)), (outs, S)
-                lam, w = self.stability(*carry, toks, Controls(*ctl), us[1], num_iters,
-                                        precondition=False)
-                return (carry, (u, w)), (outs, S, lam)
+                new_us, curv = (u,), (S,)
+                if sharpness:
+                    lam, w = self.stability(*carry, toks, Controls(*ctl), us[1], num_iters,
+                                            precondition=False)
+                    new_us, curv = new_us + (w,), curv + (lam,)
+                if secant:
+                    new_us += (sec,)
+                    curv += secant_readings(jnp.sum(sums, axis=0), ctl[0], ctl[5])
+                return (carry, new_us), (outs,) + curv
+
+            def secant_body(carry, x):
+                (params, state), sec = carry
+                c = Controls(*x[1])
+                new_params, new_state, out = self.step(params, state, x[0], c, with_grads=True)
+                sec, sums = secant_update(sec, out.pop("grads"), new_params, params,
+                                          self._pinv(new_state, c))
+                return ((new_params, new_state), sec), (tuple(out[k] for k in RUN_OUTPUTS),
+                                                        sums)
 
             def run_one(key, toks, ctl):
                 carry = self.init(key)
@@ -326,16 +351,80 @@ class Program:
                                       zip(jax.random.split(jax.random.fold_in(key, 1 + i),
                                                            len(leaves)), leaves)])
                            for i in range(1 + bool(sharpness)))
+                if secant:
+                    us += (secant_init(carry[0]),)
                 outs, *curv = jax.lax.scan(block, (carry, us), blocks)[1]
                 return tuple(a.reshape((-1,) + a.shape[2:]) for a in outs) + tuple(curv)
 
-            self._runs[per_lane, K, sharpness, num_iters] = jax.jit(
-                jax.vmap(run_one, in_axes=(0, 0, 0 if per_lane else None)))
-        return self._runs[per_lane, K, sharpness, num_iters]
+            self._runs[key] = jax.jit(jax.vmap(run_one, in_axes=(0, 0, 0 if per_lane else None)))
+        return self._runs[key]
+
+    def _pinv(self, state, c: Controls):
+        """P^-1 per coordinate of Bai et al.'s preconditioner at `state` (`stability`)."""
+        adam = jopt.adam_state(state)
+        eps = self.tree(list(c.eps[i] for i in range(len(self.names))))
+        return jax.tree.map(lambda v, e: 1.0 / jnp.square(precond_root(v, adam.count, c.b1,
+                                                                          c.b2, e)),
+                            adam.nu, eps)
 
 
 RUN_OUTPUTS = ("loss", "grad_norm", "update_norm", "clip_scale", "tensor_sumsq")
 CURVATURE_OUTPUTS = ("stability", "sharpness")
+SECANT_OUTPUTS = ("S_secant", "sharpness_secant")
+
+
+# ---------------------------------------------------------------- the online curvature proxy
+class Secant(NamedTuple):
+    """What the proxy keeps from step t-1: g_{t-1}, u_{t-1} = p_t - p_{t-1} and the products
+    g_{t-1}.u_{t-1}, u_{t-1}' P_{t-1}^-1 u_{t-1}, |u_{t-1}|^2 (one parameter-sized buffer
+    besides the gradient, so a 70B run can afford it: fullscale.megatron_probe)."""
+    g: Any
+    u: Any
+    gu: jax.Array
+    upu: jax.Array
+    uu: jax.Array
+
+
+def _dot(a, b, w=None) -> jax.Array:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    lw = jax.tree.leaves(w) if w is not None else [1.0] * len(la)
+    return sum(jnp.sum(x.astype(jnp.float32) * y.astype(jnp.float32) * z)
+               for x, y, z in zip(la, lb, lw))
+
+
+def secant_init(params) -> Secant:
+    zero = jnp.zeros([], jnp.float32)
+    return Secant(jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params),
+                  zero, zero, zero)
+
+
+def secant_update(sec: Secant, g, new_params, params, pinv) -> tuple[Secant, jax.Array]:
+    """One step t of the proxy: g = g_t (the gradient of s * loss at p_t, pre-clip),
+    u_t = new_params - params, pinv = P_t^-1. Returns the new state and the step's terms
+
+        [(g_t - g_{t-1}) . u_{t-1},   u_{t-1}' P_{t-1}^-1 u_{t-1},   |u_{t-1}|^2]
+
+    g_t - g_{t-1} = H u_{t-1} + (noise of batch t) - (noise of batch t-1), so the first
+    term is u' H u plus a positive bias (u_{t-1} was made from g_{t-1}'s own noise). The
+    unbiased lag, (g_t - g_{t-1}) . u_{t-2}, was tried and tracked the power iteration
+    worse (docs/results/science3_2026-12-05.md): at the edge consecutive updates' top
+    components alternate in sign and cancel in u_{t-2}' H u_{t-1}."""
+    u = jax.tree.map(jnp.subtract, new_params, params)
+    terms = jnp.stack([_dot(g, sec.u) - sec.gu, sec.upu, sec.uu])
+    return Secant(g, u, _dot(g, u), _dot(u, u, pinv), _dot(u, u)), terms
+
+
+def secant_readings(sums: jax.Array, lr, loss_scale) -> tuple[jax.Array, jax.Array]:
+    """The proxy over a block of steps from the sums of `secant_update`'s terms: the
+    Rayleigh quotient of P^(1/2) H_s P^(1/2) along the block's updates (a ratio of sums, so
+    the noisy single-step terms average out) as a stability number S_secant = lr q / 2, and
+    that of the unscaled H (sharpness_secant). Along the update, not the top eigenvector,
+    so both sit below `Program.stability`'s readings, by a factor the phase map measures
+    (analysis.phase_map: rank correlation and median ratio)."""
+    num, den, uu = sums[0], sums[1], sums[2]
+    ratio = lambda a, b: jnp.where(b > 0, a / jnp.where(b > 0, b, 1.0), jnp.nan)  # noqa: E731
+    return lr * ratio(num, den) / 2, ratio(num, uu) / loss_scale
+
 
 _PROGRAMS: dict[str, Program] = {}
 

@@ -37,7 +37,7 @@ from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.llama import spec_by_name
 from adamspike.train_config import RunConfig
 from simulate.llama_train import batch_at, dataset
-from simulate.program import program, step_plan
+from simulate.program import SECANT_OUTPUTS, program, step_plan
 
 
 def with_seed(cfg: RunConfig, seed: int) -> RunConfig:
@@ -90,19 +90,21 @@ def group_layout(cfg: RunConfig) -> tuple[list[str], dict[str, list[str]], np.nd
 
 
 def run_arm(cfg: RunConfig, seeds: Sequence[int], *, vmapped: bool = True,
-            tokens: np.ndarray | None = None, curvature_every: int = 0) -> dict[str, np.ndarray]:
+            tokens: np.ndarray | None = None, curvature_every: int = 0,
+            secant: bool = False) -> dict[str, np.ndarray]:
     """Train len(seeds) copies of cfg (train.seed = each seed); vmapped=True as one
     program, False one seed per call of the same program (the bench compares the two).
     Returns float64 arrays loss, grad_norm, update_norm (num_seeds, num_steps),
     rho (num_seeds, num_steps, num_groups) and groups, group_eps, group_numel; with
     curvature_every = K, also stability (num_seeds, num_steps // K): Program.stability
-    after every K-th step."""
+    after every K-th step, and with secant the online proxy's readings of each K-step block
+    (simulate.program.SECANT_OUTPUTS)."""
     check_arm(cfg)
     groups, by_group, numel, eps = group_layout(cfg)
     prog = program(cfg)
     outs = prog.run(seeds, arm_tokens(cfg, seeds) if tokens is None else tokens,
                     prog.controls(cfg, range(1, cfg.train.num_steps + 1)), vmapped=vmapped,
-                    curvature_every=curvature_every)
+                    curvature_every=curvature_every, secant=secant)
     inv = 1.0 / cfg.train.loss_scale
     index = {n: i for i, n in enumerate(prog.names)}
     cols = [[index[n] for n in by_group[g]] for g in groups]
@@ -112,4 +114,4 @@ def run_arm(cfg: RunConfig, seeds: Sequence[int], *, vmapped: bool = True,
     return {"loss": outs["loss"], "grad_norm": outs["grad_norm"] * inv,
             "update_norm": outs["update_norm"], "rho": rho,
             "groups": np.array(groups), "group_eps": eps, "group_numel": numel,
-            **({"stability": outs["stability"]} if curvature_every else {})}
+            **{k: outs[k] for k in ("stability",) + SECANT_OUTPUTS if k in outs}}

@@ -11,7 +11,7 @@ import pandas as pd
 
 from adamspike.train_config import RunConfig
 from simulate import optim as jopt
-from simulate.program import Program
+from simulate.program import Program, secant_init, secant_readings, secant_update
 from simulate.seeds import arm_tokens
 from study.cli import main as cli
 
@@ -93,6 +93,53 @@ def test_the_curvature_run_trains_the_same_lanes():
     np.testing.assert_allclose(both["loss"], plain["loss"], rtol=1e-5)
 
 
+def test_the_secant_proxy_is_the_curvature_along_the_update():
+    """On one fixed batch (no minibatch noise) the proxy's first term (g_t - g_{t-1}) . u_{t-1}
+    is u' H u at the segment's midpoint (a secant), and its reading is a Rayleigh quotient,
+    so it cannot exceed the top eigenvalue's."""
+    cfg = RunConfig.from_dict({**DENSE, "train.loss_scale": 4.0})
+    prog = Program(cfg)
+    ctl = prog.controls(cfg, range(1, 21))
+    batch = jnp.asarray(arm_tokens(cfg, [0])[0][0])
+    params, state = prog.init(0)
+    sec = secant_init(params)
+    for s in range(12):
+        c = ctl.at(s)._replace(lr=np.float32(1e-3))
+        new, state, out = prog.step_fn(params, state, batch, c, with_grads=True)
+        sec, terms = secant_update(sec, out["grads"], new, params, prog._pinv(state, c))
+        if s == 10:
+            before, u_prev = params, jax.tree.map(jnp.subtract, new, params)
+        params = new
+    flat, unravel = jax.flatten_util.ravel_pytree(before)
+    u, _ = jax.flatten_util.ravel_pytree(u_prev)
+    mid = flat + u / 2
+    hess = np.asarray(jax.hessian(lambda x: prog.loss(unravel(x), batch, 4.0)[0])(mid), np.float64)
+    uhu = float(np.asarray(u, np.float64) @ hess @ np.asarray(u, np.float64))
+    # the midpoint rule's error is third order in |u| (0.017 here; H at the segment's start
+    # is 12 % off, so H does move along u) and the fp32 gradient difference loses
+    # ~1e-7 |g| / |g_t - g_{t-1}|: measured 0.14 % apart; 1 % leaves room for rounding
+    np.testing.assert_allclose(float(terms[0]), uhu, rtol=1e-2)
+    S_sec, lam_sec = secant_readings(terms, 1e-3, 4.0)
+    S_top, _ = prog.stability(params, state, batch, c, jax.tree.map(jnp.ones_like, params), 400)
+    assert 0 < float(S_sec) <= float(S_top) * 1.001     # a Rayleigh quotient of the same operator
+    # the unscaled reading: u' H u / |u|^2 of the loss, not of 4 x loss
+    np.testing.assert_allclose(float(lam_sec), uhu / float(terms[2]) / 4.0, rtol=1e-2)
+
+
+def test_the_secant_run_trains_the_same_lanes():
+    cfg = RunConfig.from_dict(DENSE)
+    prog = Program(cfg)
+    tokens = arm_tokens(cfg, [0, 1])
+    ctl = prog.controls(cfg, range(1, 21))
+    plain = prog.run([0, 1], tokens, ctl, curvature_every=5)
+    sec = prog.run([0, 1], tokens, ctl, curvature_every=5, secant=True)
+    # another compiled program (the gradients kept for the proxy): fp32 rounding, not bits
+    np.testing.assert_allclose(sec["loss"], plain["loss"], rtol=1e-5)
+    np.testing.assert_allclose(sec["stability"], plain["stability"], rtol=1e-4)
+    assert sec["S_secant"].shape == (2, 4) and np.isfinite(sec["S_secant"]).all()
+    assert sec["sharpness_secant"].shape == (2, 4)
+
+
 def test_a_tiny_map_end_to_end_and_resumed(tmp_path):
     base = tmp_path / "base.toml"
     base.write_text("""
@@ -153,6 +200,8 @@ window = 10
     assert table.set_index("lr_mult").loc[100, "S_median"] > table.set_index("lr_mult").loc[1, "S_median"]
     check = pd.read_csv(out / "stability_check.csv")
     assert len(check) == 2 and np.isfinite(check["S_power"]).all()
+    assert np.isfinite(check["S_secant"]).all()
+    assert "online proxy S_secant" in (out / "phase_map.md").read_text()
     meta = json.loads((out / "map.json").read_text())
     assert len(meta["calibration"]) == 2 and len(meta["cells"]) == 2
     assert "Phase map" in (out / "phase_map.md").read_text() or "tiny map" in (out / "phase_map.md").read_text()
