@@ -84,13 +84,16 @@ def test_html_report_is_self_contained_with_the_figures_inline(tmp_path, capsys)
         "</body>", "<script>window.addEventListener('load',()=>{const i=[...document.images];"
                    "document.body.setAttribute('data-loaded',i.filter(x=>x.complete&&"
                    "x.naturalWidth>0).length+'/'+i.length)});</script></body>"))
-    res = subprocess.run([chrome, "--headless", "--disable-gpu", "--no-sandbox",
-                          "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+    # a fresh profile, and no background traffic: the CI machines have no network, and
+    # Chromium's refused connections at start-up otherwise slow it down
+    flags = [chrome, "--headless", "--disable-gpu", "--no-sandbox", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}"]
+    res = subprocess.run(flags + ["--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
                          capture_output=True, text=True, timeout=120)
     assert 'data-loaded="2/2"' in res.stdout, res.stderr[-2000:]
     shot = tmp_path / "shot.png"
-    subprocess.run([chrome, "--headless", "--disable-gpu", "--no-sandbox",
-                    f"--screenshot={shot}", "--window-size=1200,3000", page.as_uri()],
+    subprocess.run(flags + [f"--screenshot={shot}", "--window-size=1200,3000", page.as_uri()],
                    capture_output=True, timeout=120)
     assert shot.is_file() and shot.stat().st_size > 10_000
 
