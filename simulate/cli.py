@@ -5,6 +5,7 @@
     adamspike simulate streams --b2 0.95 --phi 0.9 --steps 200 [--out stats.json]
     adamspike simulate llama --config configs/tiny.toml --out RUN [--key value overrides]
     adamspike simulate ladder --out DIR [--quick]   (width/depth ladder, 70B profile fit)
+    adamspike simulate batch-sharpness --out DIR [--quick]   (lambda_max(H) vs the evaluation batch)
     adamspike simulate matched --runs RUN... --predictions P --out DIR   (rho-matched toy report)
 
 Exit status: 0 ok, 2 bad input (the message names the parameter; nothing existing is
@@ -27,7 +28,7 @@ from adamspike.rundir import atomic_write_bytes
 from simulate import ladder, matched   # numpy / pandas only: the ladder fit and the report run without jax
 from theory.adam_moments import update_stats
 
-PROBLEMS = ("quadratic", "mlp", "streams", "llama", "ladder", "matched")
+PROBLEMS = ("quadratic", "mlp", "streams", "llama", "ladder", "batch-sharpness", "matched")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -224,6 +225,11 @@ def _ladder(argv) -> int:
     return int(ladder.main(argv))
 
 
+def _batch_sharpness(argv) -> int:
+    from simulate import batch_sharpness   # jax when rungs run
+    return int(batch_sharpness.main(argv))
+
+
 def _matched(argv) -> int:
     return int(matched.main(argv))
 
@@ -251,7 +257,8 @@ def simulate_main(argv: list[str] | None = None) -> int:
               f"{', '.join(PROBLEMS)})", file=sys.stderr)
         return 2
     handler = {"quadratic": _quadratic, "mlp": _mlp, "streams": _streams, "llama": _llama,
-               "ladder": _ladder, "matched": _matched}[problem]
+               "ladder": _ladder, "batch-sharpness": _batch_sharpness,
+               "matched": _matched}[problem]
     try:
         return handler(rest)
     except SystemExit as e:  # --help

@@ -189,9 +189,18 @@ class Program:
 
         precondition=False iterates the raw Hessian of the unscaled loss instead and returns
         its top eigenvalue lambda_max(H) (the sharpness: Pi_eps = (lr / eps) lambda_max(H)
-        is the eps band's stability number, threshold 2 (1+b1) / (1-b1))."""
+        is the eps band's stability number, threshold 2 (1+b1) / (1-b1)). `batch` (B, T+1),
+        or (k, B, T+1): the Hessian of the mean loss over k chunks, one chunk in memory at a
+        time (simulate.batch_sharpness evaluates large batches so)."""
         c = Controls(*(jnp.asarray(x) for x in c))
-        grad = jax.grad(lambda p: self.loss(p, batch, c.loss_scale)[0])
+
+        def hvp(w):   # H w; batch (k, B, T+1): the mean over k chunks (one at a time)
+            def one(b):
+                return jax.jvp(jax.grad(lambda p: self.loss(p, b, c.loss_scale)[0]),
+                               (params,), (w,))[1]
+            if batch.ndim == 2:
+                return one(batch)
+            return jax.tree.map(lambda x: x.mean(0), jax.lax.map(one, batch))
         adam = jopt.adam_state(state)
         eps = self.tree(list(c.eps[i] for i in range(len(self.names))))
         root = jax.tree.map(lambda v, e: precond_root(v, adam.count, c.b1, c.b2, e)
@@ -205,9 +214,7 @@ class Program:
             return jax.tree.map(lambda x: x / jnp.where(n > 0, n, 1.0), a)
 
         def apply(u):   # P^(1/2) H P^(1/2) u
-            w = jax.tree.map(jnp.multiply, root, u)
-            hw = jax.jvp(grad, (params,), (w,))[1]
-            return jax.tree.map(jnp.multiply, root, hw)
+            return jax.tree.map(jnp.multiply, root, hvp(jax.tree.map(jnp.multiply, root, u)))
 
         def body(_, carry):
             u, _ = carry

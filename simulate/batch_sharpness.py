@@ -1,0 +1,245 @@
+"""Sharpness against the evaluation batch: where the minibatch lambda_max(H) stops falling.
+
+    adamspike simulate batch-sharpness --out DIR [--quick]     (cached per rung and seed)
+
+The sharpness ladder (simulate.ladder) measures lambda_max(H) of the training minibatch
+(16 x 32 tokens) and finds it falls with the batch as tokens^-1.18. Carried to the 70B's 4M
+tokens per step, that fall puts the 70B's Pi_eps far below the eps band's edge; stopped at
+the ladder's largest batch, far above (docs/results/science3_2026-12-05.md). The minibatch
+Hessian is H_B = H + (a zero-mean term whose size falls with B), so lambda_max(H_B) falls
+toward the full-data lambda_max(H) and stops there. This measures where, at the trained
+parameters of a few ladder rungs:
+
+1. Train seed s of rung (dim, layers) with the ladder's recipe (simulate.ladder.run_config:
+   its lr rule, schedule, data and batch 16 x 32, `spec.num_steps` steps) through
+   simulate.program's step (`Program.step_fn`, the trainer's).
+2. At the final parameters, lambda_max(H) of the mean loss over n tokens for n in
+   `eval_tokens` (nested samples of the same data set: each larger batch contains the
+   smaller; sample seed 1000 + s, apart from the training order), by `Program.stability`
+   (precondition=False) on chunks of CHUNK_SEQS sequences: COLD_ITERS products from a
+   random vector at the smallest n, then WARM_ITERS more at each larger n from the previous
+   n's vector. `change` is the last product's relative change of the Rayleigh quotient
+   (convergence).
+3. Per (rung, seed) the fit lambda(n) = lambda_inf + a / n (least squares on the measured
+   n: the noise term of H_B falls as 1 / B); `noise_share` = 1 - lambda_inf / lambda(n_max).
+   Across rungs, log10 lambda_inf = c0 + c_d log10 dim + c_L log10 layers, carried to the
+   70B (dim 8192, 80 layers; a full-data value, so no tokens term) with leave-one-rung-out
+   fits for its range, and Pi_eps = (lr / eps) lambda_inf at LLaMA2-70B's lr 1.5e-4 and
+   eps 1e-5 against the eps band's threshold 38 (simulate.ladder.PI_THRESHOLD).
+
+Limits, stated in the summary: the rungs train at the ladder's lr (3e-3 x 64 / dim), not at
+LLaMA2's, and far below their edge (S 0.004-0.04), so lambda is not pinned at 2 / lr;
+150 steps (the full ladder's) is early training; 5 rungs over 1.6 decades of width would
+be needed for more than a rough exponent, and the full size has dims 32-128.
+
+Storage (DIR): cells/<dim>x<layers>-s<seed>.json (written once a rung and seed is done, so
+a killed run resumes there), then batch_sharpness.csv (one row per rung, seed, n),
+summary.json and batch_sharpness.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from adamspike.config import ConfigError, cli_main
+from adamspike.rundir import atomic_write_bytes
+from adamspike.synthdata import SyntheticTokens
+from adamspike.tables import md_table
+from simulate import ladder as LD
+
+CHUNK_SEQS = 256          # sequences per chunk of a large evaluation batch (memory bound)
+COLD_ITERS = 20
+WARM_ITERS = 10
+EPS_70B = 1e-5
+SIZES = {
+    "full": {"rungs": [(32, 4), (64, 4), (128, 4), (64, 2), (64, 8)], "seeds": 2,
+             "eval_tokens": [512, 2048, 8192, 32768], "spec": "full"},
+    "quick": {"rungs": [(32, 2), (64, 2)], "seeds": 1, "eval_tokens": [512, 2048, 8192],
+              "spec": "quick"},
+}
+
+
+def eval_batches(spec: LD.LadderSpec, seed: int, eval_tokens: Sequence[int]) -> list[np.ndarray]:
+    """Nested evaluation batches, one (k, B, T+1) int32 array per n in eval_tokens (k chunks
+    of B <= CHUNK_SEQS sequences); sample seed 1000 + seed."""
+    data = SyntheticTokens("markov", spec.vocab_size, spec.seq_len, 1 << 20, LD.DATA_SEED, 0.1)
+    num_seqs = [int(n) // spec.seq_len for n in eval_tokens]
+    if any(n < 1 for n in num_seqs) or sorted(num_seqs) != num_seqs:
+        raise ConfigError(f"eval_tokens {list(eval_tokens)}: increasing, each >= seq_len {spec.seq_len}")
+    rng = np.random.default_rng(1000 + int(seed))
+    idx = np.sort(rng.choice(data.num_samples, num_seqs[-1], replace=False))
+    idx = rng.permutation(idx)
+    out = []
+    for n in num_seqs:
+        b = min(n, CHUNK_SEQS)
+        if n % b:
+            raise ConfigError(f"eval_tokens: {n} sequences is not a multiple of {b}")
+        out.append(data.batch(idx[:n]).reshape(n // b, b, spec.seq_len + 1).astype(np.int32))
+    return out
+
+
+def measure(rung: tuple[int, int], seed: int, spec: LD.LadderSpec,
+            eval_tokens: Sequence[int]) -> dict:
+    """Train one seed of the rung, then lambda_max(H) at each evaluation size (module doc)."""
+    import jax   # jax: only when rungs run
+    import jax.numpy as jnp
+    from simulate.program import program
+
+    dim, layers = rung
+    t0 = time.perf_counter()
+    cfg = LD.llama_config(dim, layers, spec)
+    batch = 16
+    rc = LD.run_config(cfg, spec, batch)
+    prog = program(rc)
+    tokens = LD.batches(spec, batch, [seed])[:, 0]
+    ctl = prog.controls(rc, range(1, spec.num_steps + 1))
+    params, state = prog.init(seed)
+    losses = []
+    for s in range(spec.num_steps):
+        params, state, out = prog.step_fn(params, state, jnp.asarray(tokens[s]), ctl.at(s))
+        losses.append(float(out["loss"]))
+    stab = jax.jit(prog.stability, static_argnames=("num_iters", "precondition"))
+    c = ctl.at(spec.num_steps - 1)
+    leaves = jax.tree.leaves(params)
+    keys = jax.random.split(jax.random.PRNGKey(7_000 + seed), len(leaves))
+    u = prog.tree([jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, leaves)])
+    rows = []
+    for i, (n, b) in enumerate(zip(eval_tokens, eval_batches(spec, seed, eval_tokens))):
+        iters = COLD_ITERS if i == 0 else WARM_ITERS
+        lam, u = stab(params, state, jnp.asarray(b), c, u, num_iters=iters - 1, precondition=False)
+        lam2, u = stab(params, state, jnp.asarray(b), c, u, num_iters=1, precondition=False)
+        lam, lam2 = float(lam), float(lam2)
+        rows.append({"tokens": int(n), "lambda": lam2,
+                     "change": abs(lam2 - lam) / abs(lam2) if lam2 else math.nan})
+    return {"dim": dim, "layers": layers, "seed": int(seed), "lr": float(rc.optim.lr),
+            "num_steps": spec.num_steps, "train_tokens": batch * spec.seq_len,
+            "final_loss": float(np.mean(losses[-10:])), "eval": rows,
+            "seconds": time.perf_counter() - t0}
+
+
+def fit_noise(tokens: np.ndarray, lam: np.ndarray) -> tuple[float, float]:
+    """lambda(n) = lambda_inf + a / n by least squares: (lambda_inf, a)."""
+    X = np.stack([np.ones_like(tokens, dtype=float), 1.0 / np.asarray(tokens, float)], 1)
+    coef = np.linalg.lstsq(X, np.asarray(lam, float), rcond=None)[0]
+    return float(coef[0]), float(coef[1])
+
+
+def summarize(cells: list[dict]) -> tuple[pd.DataFrame, dict]:
+    """The long table and the summary (per rung and seed: lambda at each n, the 1/n fit;
+    across rungs: the power law of lambda_inf and the 70B's Pi_eps)."""
+    long = pd.DataFrame([{k: c[k] for k in ("dim", "layers", "seed", "lr", "final_loss")} | r
+                         for c in cells for r in c["eval"]])
+    per = []
+    for (dim, layers, seed), d in long.groupby(["dim", "layers", "seed"], sort=True):
+        d = d.sort_values("tokens")
+        lam_inf, a = fit_noise(d["tokens"].to_numpy(), d["lambda"].to_numpy())
+        last = float(d["lambda"].iloc[-1])
+        per.append({"dim": int(dim), "layers": int(layers), "seed": int(seed),
+                    "lambda_first": float(d["lambda"].iloc[0]), "lambda_last": last,
+                    "fall_first_to_last": float(d["lambda"].iloc[0] / last) if last else math.nan,
+                    "lambda_inf": lam_inf, "noise_a": a,
+                    "noise_share": 1 - lam_inf / last if last else math.nan,
+                    "max_change": float(d["change"].max())})
+    per = pd.DataFrame(per)
+    summary = {"eval_tokens": sorted(long["tokens"].unique().tolist()),
+               "rungs": per.to_dict("records"), "law": None, "llama2_70b": None,
+               "limits": "rungs at the ladder's lr (3e-3 x 64 / dim), far below their edge; "
+                         f"{max(c.get('num_steps', 0) for c in cells)} steps of training (early); "
+                         f"{len({(c['dim'], c['layers']) for c in cells})} rungs, dims "
+                         f"{sorted({c['dim'] for c in cells})}"}
+    rung = per.groupby(["dim", "layers"], as_index=False)["lambda_inf"].median()
+    rung = rung[rung["lambda_inf"] > 0]
+    if rung["dim"].nunique() >= 2 and rung["layers"].nunique() >= 2 and len(rung) >= 4:
+        X = np.stack([np.ones(len(rung)), np.log10(rung["dim"]), np.log10(rung["layers"])], 1)
+        y = np.log10(rung["lambda_inf"].to_numpy())
+        coef = np.linalg.lstsq(X, y, rcond=None)[0]
+        x70 = np.array([1.0, math.log10(LD.TARGET_70B["dim"]), math.log10(LD.TARGET_70B["num_layers"])])
+        loo = []
+        for i in range(len(rung)):
+            keep = np.arange(len(rung)) != i
+            if np.linalg.matrix_rank(X[keep]) == 3:
+                loo.append(float(x70 @ np.linalg.lstsq(X[keep], y[keep], rcond=None)[0]))
+        lam70 = 10 ** float(x70 @ coef)
+        pi = LD.LR_70B / EPS_70B
+        summary["law"] = {"c0": float(coef[0]), "dim": float(coef[1]), "layers": float(coef[2]),
+                          "num_rungs": int(len(rung)),
+                          "resid_sd": float(np.std(y - X @ coef, ddof=0))}
+        summary["llama2_70b"] = {
+            "lambda_inf": lam70,
+            "lambda_inf_leave_one_out": [10 ** min(loo), 10 ** max(loo)] if loo else None,
+            "lr": LD.LR_70B, "eps": EPS_70B, "pi_eps": pi * lam70,
+            "pi_eps_leave_one_out": [pi * 10 ** min(loo), pi * 10 ** max(loo)] if loo else None,
+            "threshold": LD.PI_THRESHOLD, "over_threshold": pi * lam70 / LD.PI_THRESHOLD}
+    return long, summary
+
+
+def report_md(summary: dict) -> str:
+    lines = ["# Sharpness against the evaluation batch", "",
+             "lambda_max(H) of the mean loss over n tokens at the trained parameters of ladder "
+             "rungs (simulate/batch_sharpness.py); the fit lambda(n) = lambda_inf + a / n.", "",
+             md_table(pd.DataFrame(summary["rungs"]),
+                      ["dim", "layers", "seed", "lambda_first", "lambda_last", "fall_first_to_last",
+                       "lambda_inf", "noise_share", "max_change"]), ""]
+    law, t = summary["law"], summary["llama2_70b"]
+    if law:
+        lines += [f"Across {law['num_rungs']} rungs: log10 lambda_inf = {law['c0']:.2f} + "
+                  f"{law['dim']:.2f} log10 dim + {law['layers']:.2f} log10 layers (residual sd "
+                  f"{law['resid_sd']:.2f} decades).", "",
+                  f"LLaMA2-70B: lambda_inf {t['lambda_inf']:.3g} (leave one rung out: "
+                  f"{t['lambda_inf_leave_one_out']}), Pi_eps = (lr/eps) lambda = "
+                  f"{t['pi_eps']:.3g} at lr {t['lr']:g}, eps {t['eps']:g}: "
+                  f"{t['over_threshold']:.3g} x the threshold {t['threshold']:g}.", ""]
+    else:
+        lines += ["Too few rungs with a positive lambda_inf for the law across rungs.", ""]
+    lines += [f"Limits: {summary['limits']}."]
+    return "\n".join(lines) + "\n"
+
+
+def run(out: str | Path, size: str = "full", progress: bool = True) -> dict:
+    out = Path(out)
+    cfg = SIZES[size]
+    spec = LD.SPECS[cfg["spec"]]()
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    jobs = [(r, s) for r in cfg["rungs"] for s in range(cfg["seeds"])]
+    cells = []
+    for rung, seed in tqdm(jobs, desc="batch sharpness", unit="rung", disable=not progress,
+                           file=sys.stderr):
+        path = out / "cells" / f"{rung[0]}x{rung[1]}-s{seed}.json"
+        cell = json.loads(path.read_text()) if path.exists() else None
+        want = {"num_steps": spec.num_steps, "eval_tokens": list(cfg["eval_tokens"])}
+        if cell is None or {"num_steps": cell["num_steps"],
+                            "eval_tokens": [r["tokens"] for r in cell["eval"]]} != want:
+            cell = measure(tuple(rung), seed, spec, cfg["eval_tokens"])
+            atomic_write_bytes(path, json.dumps(cell, indent=1).encode())
+        cells.append(cell)
+    long, summary = summarize(cells)
+    summary["size"] = size
+    atomic_write_bytes(out / "batch_sharpness.csv", long.to_csv(index=False).encode())
+    atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=2).encode())
+    atomic_write_bytes(out / "batch_sharpness.md", report_md(summary).encode())
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="adamspike simulate batch-sharpness",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="output directory (resumable)")
+    ap.add_argument("--quick", action="store_true", help="2 rungs, 1 seed, up to 8192 tokens")
+    ap.add_argument("--no-progress", action="store_true")
+
+    def body(a) -> int:
+        print(report_md(run(a.out, "quick" if a.quick else "full", progress=not a.no_progress)),
+              end="")
+        return 0
+    return cli_main(ap, None if argv is None else list(argv), body,
+                    "adamspike simulate batch-sharpness")

@@ -1,0 +1,65 @@
+"""Sharpness against the evaluation batch: the chunked Hessian is the batch's, the 1/n fit
+and the law across rungs recover known values, and one rung measures end to end."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from simulate import batch_sharpness as BS
+from simulate import ladder as LD
+from simulate.program import program
+
+
+def test_the_chunked_hessian_is_the_whole_batchs():
+    spec = LD.LadderSpec(rungs=[], num_steps=3, seeds=1)
+    cfg = LD.llama_config(32, 2, spec)
+    rc = LD.run_config(cfg, spec, 8)
+    prog = program(rc)
+    params, state = prog.init(0)
+    c = prog.controls(rc, [2]).at(0)
+    chunks = BS.eval_batches(spec, 0, [4 * 8 * spec.seq_len])[0].reshape(4, 8, -1)
+    whole = chunks.reshape(32, -1)
+    u = jax.tree.map(jnp.ones_like, params)
+    a, _ = prog.stability(params, state, jnp.asarray(chunks), c, u, 30, precondition=False)
+    b, _ = prog.stability(params, state, jnp.asarray(whole), c, u, 30, precondition=False)
+    # the mean of 4 chunk Hessians is the Hessian of the mean loss over the 32 sequences:
+    # the same products summed in another order, so fp32 rounding only
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-4)
+
+
+def test_eval_batches_are_nested():
+    spec = LD.LadderSpec(rungs=[], num_steps=3, seeds=1)
+    small, big = BS.eval_batches(spec, 0, [16 * spec.seq_len, 512 * spec.seq_len])
+    assert small.shape == (1, 16, spec.seq_len + 1) and big.shape == (2, 256, spec.seq_len + 1)
+    np.testing.assert_array_equal(small[0], big[0, :16])   # the larger contains the smaller
+
+
+def test_the_noise_fit_and_the_law_recover_known_values():
+    n = np.array([512, 2048, 8192, 32768])
+    lam_inf, a = BS.fit_noise(n, 0.3 + 400.0 / n)
+    assert math.isclose(lam_inf, 0.3, rel_tol=1e-9) and math.isclose(a, 400.0, rel_tol=1e-9)
+    cells = []
+    for dim, layers in [(32, 4), (64, 4), (128, 4), (64, 2), (64, 8)]:
+        inf = 10 ** (-2.0 + 1.0 * math.log10(dim) + 0.5 * math.log10(layers))
+        cells.append({"dim": dim, "layers": layers, "seed": 0, "lr": 1e-3, "final_loss": 1.0,
+                      "eval": [{"tokens": int(t), "lambda": inf + 50.0 / t, "change": 0.0}
+                               for t in n]})
+    _, s = BS.summarize(cells)
+    assert math.isclose(s["law"]["dim"], 1.0, abs_tol=1e-9)
+    assert math.isclose(s["law"]["layers"], 0.5, abs_tol=1e-9)
+    want = 10 ** (-2.0 + math.log10(8192) + 0.5 * math.log10(80))
+    t = s["llama2_70b"]
+    assert math.isclose(t["lambda_inf"], want, rel_tol=1e-6)
+    assert math.isclose(t["pi_eps"], 15.0 * want, rel_tol=1e-6)   # lr / eps = 1.5e-4 / 1e-5
+    assert all(math.isclose(r["noise_share"], 50.0 / 32768 / (r["lambda_inf"] + 50.0 / 32768),
+                            rel_tol=1e-6) for r in s["rungs"])
+
+
+def test_one_rung_end_to_end():
+    spec = LD.LadderSpec(rungs=[], num_steps=6, seeds=1, warmup_steps=2)
+    cell = BS.measure((32, 2), 0, spec, [256, 1024])
+    assert [r["tokens"] for r in cell["eval"]] == [256, 1024]
+    assert all(np.isfinite(r["lambda"]) for r in cell["eval"])
+    assert cell["lr"] == spec.lr_for(32) and math.isfinite(cell["final_loss"])
