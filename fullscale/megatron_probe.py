@@ -22,9 +22,19 @@ The tensor list is the union over all ranks (one `all_gather_object` at the firs
 step). Elementwise math in float64 (cpu, cuda) or float32 (npu, where float64 kernels are
 not dependable); counts are integer sums.
 
+Online curvature proxy (`MegatronProbe._secant_step`, simulate.program's Secant): every
+step each rank adds its owned elements' part of (g_t - g_{t-1}) . u_{t-1},
+u_{t-1}' P_{t-1}^-1 u_{t-1} and |u_{t-1}|^2 (g the pre-clip gradient, u the applied change of
+the fp32 main parameters, P^-1 = (sqrt(v_hat) + eps) / c_t) to block sums; they travel in
+spare columns of the telemetry table's flag row (no extra collective) and the writer rank
+writes one `curvature` row (group "update") per telemetry step: the Rayleigh quotient of
+P^(1/2) H P^(1/2) along the block's updates (S_secant = lr q / 2) and that of H. Costs two
+fp32 copies of the owned shard and a few dot products per step.
+
 Settings come from install()'s arguments or the environment: ADAMSPIKE_PROBE_OUT (the run
 directory; required), ADAMSPIKE_PROBE_EVERY (telemetry every K steps, default 10),
 ADAMSPIKE_PROBE_HIST_EVERY (histograms every H steps, 0 = never, default 100),
+ADAMSPIKE_PROBE_SECANT (the curvature proxy, 0 = off, default 1),
 ADAMSPIKE_PROBE_FLUSH_S (seconds between flushes, default 60), ADAMSPIKE_PROBE_TIMEOUT_S
 (the probe's collectives, default 120), and the actions' variables (ProbeActions.from_env).
 
@@ -253,6 +263,10 @@ def _distopt_instance(leaf) -> int:
 
 _FLOAT_COLS = [i for i, f in enumerate(SUM_FIELDS) if f not in ("n", "sat", "eps_small")]
 _INT_COLS = [SUM_FIELDS.index(f) for f in ("n", "sat", "eps_small")]
+# the float table's last row: column 0 the error flag, _SECANT_COLS the secant's block
+# sums (num, den, uu) and its usable-step count, all-reduced with the table
+_SECANT_COLS = slice(1, 5)
+assert len(_FLOAT_COLS) >= 5
 
 
 def update_direction(m, v, bc1, bc2, eps, zero_eps: bool):
@@ -370,9 +384,9 @@ class PlainRunWriter:
     TABLE/part-NNNNNN.jsonl parts (one JSON object per row; non-finite floats as null),
     each part written to a temporary name, fsynced and renamed (a crash loses at most the
     rows since the last flush). Read by adamspike.rundir.load_run. Same API subset as
-    RunWriter: log_step, log_layers(columns=), log_hist, event, flush, close."""
+    RunWriter: log_step, log_layers(columns=), log_hist, log_curvature, event, flush, close."""
 
-    TABLES = ("steps", "layers", "hists")
+    TABLES = ("steps", "layers", "hists", "curvature")
 
     def __init__(self, path: str, *, backend: str, config: dict, env: dict,
                  extra_meta: Optional[dict] = None, resume_from_step: Optional[int] = None,
@@ -429,6 +443,13 @@ class PlainRunWriter:
     def log_hist(self, step: int, name: str, depth: int, kind: str, counts) -> None:
         self._rows["hists"].append({"step": int(step), "name": name, "depth": int(depth),
                                     "kind": kind, "counts": [int(c) for c in counts]})
+
+    def log_curvature(self, step: int, group: str, precond_curvature: float,
+                      raw_curvature: float, lr: float) -> None:
+        self._rows["curvature"].append({"step": int(step), "group": str(group),
+                                        "precond_curvature": float(precond_curvature),
+                                        "raw_curvature": float(raw_curvature), "lr": float(lr)})
+        self._maybe_flush()
 
     def event(self, type: str, **fields) -> None:
         line = json.dumps(_clean({"time": time.time(), "type": type, **fields}), allow_nan=False)
@@ -731,6 +752,8 @@ class MegatronProbe:
       actions: ProbeActions (online rules, skip-step, alarms, restart recipe); None: off
         (telemetry only). install() builds them from the environment.
       timeout_s: timeout of the probe's collectives (its own gloo group).
+      secant: the online curvature proxy (`_secant_step`; a `curvature` row of group
+        "update" per telemetry step); False: off (no copies of the parameters kept).
       inject: test hook, called as inject(point, step) at the probe's failure points.
 
     Fail-open: every probe error is caught, reported with the next collective (an error
@@ -743,7 +766,7 @@ class MegatronProbe:
                  precision: str = "float64", writer_rank: Optional[int] = None,
                  config: Optional[dict] = None, flush_every_s: float = 60.0,
                  plain: bool = False, actions: Optional["ProbeActions"] = None,
-                 timeout_s: float = 120.0, inject=None):
+                 timeout_s: float = 120.0, secant: bool = True, inject=None):
         if every < 1 or hist_every < 0:
             raise ProbeError(f"every must be >= 1 and hist_every >= 0, got {every}, {hist_every}")
         if precision not in ("float32", "float64"):
@@ -774,6 +797,11 @@ class MegatronProbe:
         self._fired_text = ""
         self._skip_reason: Optional[str] = None
         self.last_rule_inputs: Tuple[Optional[float], Optional[float]] = (None, None)
+        self.secant = bool(secant)
+        self._sec_reset()
+        self._sec_block = None                # (num, den, uu) block sums on the device
+        self._sec_n = 0                       # usable steps in the block (this rank)
+        self._sec_reading: Optional[np.ndarray] = None   # all-reduced, for the writer
 
     # -- fail-open -------------------------------------------------------------------
     def _group(self):
@@ -979,6 +1007,10 @@ class MegatronProbe:
                     idx = torch.tensor(rows, dtype=torch.long, device=self.device)
                     tf.index_add_(0, idx, torch.stack(fl))
                     ti.index_add_(0, idx, torch.stack(it))
+                if self.secant and self._sec_block is not None:
+                    # the secant's block sums ride in the flag row's spare columns
+                    tf[-1, 1:4] = self._sec_block.to(acc)
+                    tf[-1, 4] = float(self._sec_n)
             except Exception as e:  # noqa: BLE001 - fail open
                 self._fail(e, step)
         if self._error is not None:
@@ -992,6 +1024,11 @@ class MegatronProbe:
         if float(tf[-1, 0]) > 0:
             self._disable(step)
             return None
+        if self.secant:      # this block's sums, summed over ranks; the next block starts
+            self._sec_reading = tf[-1, _SECANT_COLS].to(torch.float64).numpy().copy()
+            if self._sec_block is not None:
+                self._sec_block.zero_()
+            self._sec_n = 0
         if self.world > 1:
             if not self._collective(lambda: torch.distributed.all_reduce(ti, group=self._group()), step):
                 return None
@@ -1009,8 +1046,11 @@ class MegatronProbe:
             return None
         t0 = time.perf_counter()
         tab = self.table(chunks, optimizer, step)
+        reading, self._sec_reading = self._sec_reading, None
         if tab is not None and self.writer is not None:
             self.guarded("writer", step, self._write_table, optimizer, step, tab)
+            if reading is not None:
+                self.guarded("writer", step, self._write_secant, optimizer, step, reading)
         self.overhead_s += time.perf_counter() - t0
         return tab
 
@@ -1039,6 +1079,150 @@ class MegatronProbe:
                 self._say(f"step {step}: ALARM {alarm['rule']}: {alarm['metric']} = "
                           f"{alarm['value']:.4g} {_op(alarms, alarm['rule'])} {alarm['threshold']:g} "
                           f"({alarms.path})")
+
+    def _write_secant(self, optimizer, step: int, reading: np.ndarray) -> None:
+        """The block's `curvature` row (group "update"): q = sum num / sum den (the
+        Rayleigh quotient of P^(1/2) H P^(1/2) along the block's updates; S_secant =
+        lr q / 2) and sum num / sum uu (that of H), NaN where a denominator is not > 0;
+        none when no step of the block was usable (simulate.program.secant_readings)."""
+        num, den, uu, n = (float(x) for x in reading)
+        if not n > 0:
+            return
+        q = num / den if den > 0 else math.nan
+        raw = num / uu if uu > 0 else math.nan
+        self.writer.log_curvature(step, "update", q, raw, hyper_params(optimizer)["lr"])
+
+    # -- the online curvature proxy (S_secant) -----------------------------------------
+    def _sec_reset(self) -> None:
+        """Forget the previous step (a new layout, or the start): the next step only
+        records its update."""
+        self._sec_p: Optional[List[torch.Tensor]] = None    # owned main params after the last step
+        self._sec_u: Optional[List[torch.Tensor]] = None    # u_{t-1} per slot
+        self._sec_prev = None          # (g.u, u' P^-1 u, |u|^2) of u_{t-1}, this rank's part
+        self._sec_prev_ok = False      # those are usable
+        self._sec_layout = None        # the layout the buffers belong to
+
+    @property
+    def secant_on(self) -> bool:
+        return self.secant and not self.disabled
+
+    @torch.no_grad()
+    def before_update(self, chunks, optimizer, step: int) -> None:
+        """Inside train_step, before optimizer.step (every rank; the train_step wrapper):
+        when the secant has no copy of the parameters yet, copy them now (p_t of this
+        step), so this step's update already counts (as simulate.program's secant_init).
+        Builds the layout first if it is missing (collective: every rank at the same step)."""
+        if not self.secant_on or self._sec_p is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            if not self._ensure_layout(chunks, optimizer, step) or self._error is not None:
+                return
+            try:
+                self._sec_start()
+            except Exception as e:  # noqa: BLE001 - fail open
+                self._sec_reset()
+                self._fail(e, step)
+        finally:
+            self.overhead_s += time.perf_counter() - t0
+
+    def _sec_start(self) -> None:
+        slots = self._layout[3]
+        self._sec_reset()
+        self._sec_p = [s.main.detach().clone() for s in slots]
+        self._sec_u = [torch.zeros_like(s.main) for s in slots]
+        self._sec_layout = self._layout
+
+    @torch.no_grad()
+    def _secant_step(self, optimizer, step: int, skipped: bool, grad_norm) -> None:
+        """Step t of the proxy, after optimizer.step (no collective; no host sync but
+        reading Adam's step count, as `table` does; mirrors simulate.program.secant_update). The main parameters now hold p_{t+1}; s.main.grad
+        the gradient g_t Adam consumed at p_t, clipped in place by Megatron's
+        clip_grad_norm_fp32: its dot products are divided here by the clip factor
+        min(1, clip / (grad_norm + 1e-6)) (main grads are unscaled: no loss scale). Adds
+        this rank's part of
+
+            (g_t - g_{t-1}) . u_{t-1} = g_t . u_{t-1} - g_{t-1} . u_{t-1},
+            u_{t-1}' P_{t-1}^-1 u_{t-1},   |u_{t-1}|^2
+
+        to the block sums, then keeps u_t = p_{t+1} - p_t, g_t . u_t, u_t' P_t^-1 u_t
+        (P_t^-1 = (sqrt(v_hat_t) + eps) / c_t, c_t = (1 - b1) / ((1 + b1)(1 - b1^t))) and
+        |u_t|^2. A step whose gradient is not known (skipped update, clipping on without a
+        finite grad norm) adds nothing and neither does the next one (its g_{t-1} . u_{t-1}
+        is unknown), so the block is never poisoned."""
+        slots = self._layout[3]
+        if self._sec_layout is not self._layout:
+            self._sec_start()          # first step (or a new optimizer): only records u_t
+            have_prev = False
+        else:
+            have_prev = True
+        dtype = self.dtype
+        acc = torch.float64 if dtype == torch.float64 or self.device.type != "npu" else dtype
+        hp = hyper_params(optimizer)
+        b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
+        g_ok, unclip = not skipped, 1.0
+        clip = _clip_grad(optimizer)
+        if g_ok and clip:
+            gn = math.nan if grad_norm is None else float(grad_norm)
+            if math.isfinite(gn):
+                f = min(1.0, clip / (gn + 1e-6))
+                unclip = 1.0 / f if f < 1.0 else 1.0
+            else:
+                g_ok = False
+        use = have_prev and self._sec_prev_ok and g_ok
+        new_ok = have_prev and g_ok
+
+        def dot(a, b):
+            return torch.dot(a, b) if a.dtype == acc else (a * b).sum(dtype=acc)
+
+        # the clip factor and P_t's scalars multiply the sums, not the elements:
+        # u' P^-1 u = (sum u^2 sqrt(v) / sqrt(1 - b2^t) + eps |u|^2) / c_t
+        num, gu, uu = [], [], []
+        by_t: Dict[int, Tuple[list, list]] = {}   # Adam's step -> (u^2 . sqrt(v), |u|^2)
+        for s, pp, u in zip(slots, self._sec_p, self._sec_u):
+            p = s.main.detach()
+            g = s.main.grad if g_ok else None     # None after a good step: no gradient, g = 0
+            if g is not None:
+                g = g.detach().reshape(-1).to(dtype)
+            if use and g is not None:
+                num.append(dot(g, u.reshape(-1).to(dtype)))
+            torch.sub(p, pp, out=u)                # u_t
+            pp.copy_(p)                            # p_{t+1} for the next step
+            if not new_ok:
+                continue
+            uf = u.reshape(-1).to(dtype)
+            if g is not None:
+                gu.append(dot(g, uf))
+            st = s.inner.state.get(s.main)
+            if not st or "exp_avg_sq" not in st:
+                new_ok = False                     # no Adam state yet: P_t unknown
+                continue
+            w = uf * uf
+            part = by_t.setdefault(max(_step_of(st, s.group), 1), ([], []))
+            part[0].append(dot(w, torch.sqrt(st["exp_avg_sq"].reshape(-1).to(dtype))))
+            part[1].append(w.sum(dtype=acc))
+            uu.append(part[1][-1])
+        zero = torch.zeros((), dtype=acc, device=self.device)
+
+        def total(xs):
+            return torch.stack(xs).sum() if xs else zero
+
+        if self._sec_block is None or self._sec_block.device != self.device \
+                or self._sec_block.dtype != acc:
+            self._sec_block = torch.zeros(3, dtype=acc, device=self.device)
+        if use:
+            self._sec_block += torch.stack([total(num) * unclip - self._sec_prev[0],
+                                            self._sec_prev[1], self._sec_prev[2]])
+            self._sec_n += 1
+        if new_ok:
+            upu = zero
+            for t, (wv, ww) in by_t.items():
+                c = (1 - b1) / ((1 + b1) * (1 - b1 ** t))
+                upu = upu + (total(wv) / math.sqrt(1 - b2 ** t) + eps * total(ww)) / c
+            self._sec_prev = torch.stack([total(gu) * unclip, upu, total(uu)])
+        else:
+            self._sec_prev = None
+        self._sec_prev_ok = new_ok
 
     # -- actions: the loss / grad-norm rules and skip-step, before the update ----------
     @property
@@ -1185,7 +1369,8 @@ class MegatronProbe:
         config = {"optim": {"lr": hp["lr"], "b1": hp["b1"], "b2": hp["b2"], "eps": hp["eps"],
                             "weight_decay": hp["weight_decay"], "grad_clip": clip},
                   "telemetry": {"every": self.every, "hist_every": self.hist_every,
-                                "precision": self.precision, "source": "fullscale.megatron_probe"}}
+                                "precision": self.precision, "secant": self.secant,
+                                "source": "fullscale.megatron_probe"}}
         for k, v in self.extra_config.items():
             config[k] = {**config.get(k, {}), **v} if isinstance(v, dict) else v
         env = {"python": sys.version.split()[0], "torch": torch.__version__,
@@ -1210,7 +1395,21 @@ class MegatronProbe:
         self.guarded("writer", step, self._write_step, optimizer, step, loss, skipped,
                      grad_norm, step_time_s, tokens, env_extra or {}, reason, margs)
         self.overhead_s += time.perf_counter() - t0
+        if self.secant_on:
+            self._secant(chunks, optimizer, step, skipped, grad_norm)
         return None if skipped else self.collect(chunks, optimizer, step)
+
+    def _secant(self, chunks, optimizer, step: int, skipped: bool, grad_norm) -> None:
+        """Every step, every rank: the layout (collective once, where no telemetry or
+        rule built it yet), then `_secant_step` (local; an error waits for the next
+        collective like every other)."""
+        t0 = time.perf_counter()
+        try:
+            if self._ensure_layout(chunks, optimizer, step):
+                self.guarded("secant", step, self._secant_step, optimizer, step, skipped,
+                             grad_norm)
+        finally:
+            self.overhead_s += time.perf_counter() - t0
 
     def _write_step(self, optimizer, step, loss, skipped, grad_norm, step_time_s, tokens,
                     env_extra, skip_reason, margs) -> None:
@@ -1428,6 +1627,10 @@ def make_train_step_wrapper(probe_factory):
                 if skip:
                     state["ok"], state["grad_norm"] = False, None
                     return False, None, None
+                try:   # the secant's first copy of the parameters (p_t), every rank
+                    probe.before_update(chunks, optimizer, step)
+                except Exception as e:  # noqa: BLE001 - last resort: never into Megatron
+                    probe._fail(e, step)
                 out = opt_step(*a, **k)
                 state["grad_norm"] = out[1] if isinstance(out, tuple) and len(out) > 1 else None
                 state["ok"] = out[0] if isinstance(out, tuple) and out else True
@@ -1488,9 +1691,20 @@ def _args_summary(args) -> dict:
                                                                (int, float, bool, str))}
 
 
+def _env_flag(key: str, default: bool) -> bool:
+    v = os.environ.get(ENV_PREFIX + key)
+    if v is None or v == "":
+        return default
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ProbeError(f"{ENV_PREFIX}{key} must be 0 or 1, got {v!r}")
+
+
 def install(out: Optional[str] = None, *, every: Optional[int] = None,
             hist_every: Optional[int] = None, precision: str = "float32",
-            actions: Optional[ProbeActions] = None) -> None:
+            actions: Optional[ProbeActions] = None, secant: Optional[bool] = None) -> None:
     """Wrap `megatron.training.training.train_step` with the probe.
 
     Under MindSpeed (mindspeed.patch_utils importable): registered with
@@ -1499,7 +1713,8 @@ def install(out: Optional[str] = None, *, every: Optional[int] = None,
     Otherwise: setattr on megatron.training.training, and every loaded module that
     imported the original `train_step` by name is pointed at the wrapper too.
 
-    `actions` default: ProbeActions.from_env() (rules, skip-step, recipe, alarms).
+    `actions` default: ProbeActions.from_env() (rules, skip-step, recipe, alarms);
+    `secant` default: ADAMSPIKE_PROBE_SECANT (1: the online curvature proxy on).
     A bad setting raises ProbeError here, before training (the launcher then runs the
     script without the probe); from the first train_step on the probe fails open."""
     out = out or os.environ.get(ENV_PREFIX + "OUT")
@@ -1507,6 +1722,7 @@ def install(out: Optional[str] = None, *, every: Optional[int] = None,
         raise ProbeError(f"no run directory: pass install(out=...) or set {ENV_PREFIX}OUT")
     every = _env_int("EVERY", 10) if every is None else int(every)
     hist_every = _env_int("HIST_EVERY", 100) if hist_every is None else int(hist_every)
+    secant = _env_flag("SECANT", True) if secant is None else bool(secant)
     flush = float(os.environ.get(ENV_PREFIX + "FLUSH_S", "60"))
     timeout = float(os.environ.get(ENV_PREFIX + "TIMEOUT_S", "120"))
     if every < 1 or hist_every < 0:
@@ -1517,10 +1733,12 @@ def install(out: Optional[str] = None, *, every: Optional[int] = None,
         global _PROBE
         if _PROBE is None:
             _PROBE = MegatronProbe(out, every=every, hist_every=hist_every, precision=precision,
-                                   flush_every_s=flush, actions=actions, timeout_s=timeout)
+                                   flush_every_s=flush, actions=actions, timeout_s=timeout,
+                                   secant=secant)
             atexit.register(_PROBE.close)
             if _PROBE.rank == _PROBE.writer_rank:
-                _PROBE._say(f"on, run directory {out}: telemetry every {every} steps; "
+                _PROBE._say(f"on, run directory {out}: telemetry every {every} steps, "
+                            f"curvature proxy {'on' if secant else 'off'}; "
                             f"{actions.describe()} (docs/mindspeed_probe.md)")
         return _PROBE
 
@@ -1577,7 +1795,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             argv.insert(cut, "--")
     if "--" not in argv:
         print("usage: python -m fullscale.megatron_probe [--out RUN] [--every K] "
-              "[--hist-every H] [--adaptor MODULE|none] -- SCRIPT.py ARGS...", file=sys.stderr)
+              "[--hist-every H] [--secant 0|1] [--adaptor MODULE|none] -- SCRIPT.py ARGS...",
+              file=sys.stderr)
         return 2
     cut = argv.index("--")
     ap = argparse.ArgumentParser(prog="python -m fullscale.megatron_probe")
@@ -1585,6 +1804,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--every", type=int)
     ap.add_argument("--hist-every", type=int)
     ap.add_argument("--precision", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--secant", type=int, choices=(0, 1),
+                    help=f"the online curvature proxy (default: {ENV_PREFIX}SECANT, else 1)")
     ap.add_argument("--adaptor", default="auto",
                     help="PKG[:NAME] whose import applies the framework's patches before the "
                          "probe is installed (auto: mindspeed_llm:megatron_adaptor, or "
@@ -1610,7 +1831,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if attr and not hasattr(mod, attr):
             importlib.import_module(f"{pkg}.{attr}")
     try:
-        install(a.out, every=a.every, hist_every=a.hist_every, precision=a.precision)
+        install(a.out, every=a.every, hist_every=a.hist_every, precision=a.precision,
+                secant=None if a.secant is None else bool(a.secant))
     except ProbeError as e:   # fail open: the job runs without the probe
         print(f"adamspike probe: not installed ({e}); training runs without it", flush=True)
     runpy.run_path(script, run_name="__main__")

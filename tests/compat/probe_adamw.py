@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import types
 
 import torch
 
@@ -92,6 +93,9 @@ def run(out, steps=6, plain=False, skip=None, every=1, hist_every=2):
     model = Toy()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.1)
+    # the clip train_step applies, where Megatron's optimizer keeps it (the probe reads it
+    # for the run config and to undo the clipping for its curvature proxy)
+    opt.config = types.SimpleNamespace(clip_grad=1.0)
     names = [n for n, _ in model.named_parameters()]
     probe = MegatronProbe(os.path.join(out, "run"), every=every, hist_every=hist_every,
                           precision="float64", plain=plain, flush_every_s=0.0,
