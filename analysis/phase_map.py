@@ -123,7 +123,7 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         if not path.exists():
             continue
         df = pd.read_parquet(path)
-        frames.append(df.filter(["S", "S_secant"]))
+        frames.append(df.filter(["seed", "S", "S_secant"]).assign(cell=c["id"]))
         rho_cols = [k for k in df.columns if k.startswith("rho_")]
         per = {}
         for seed, d in df.groupby("seed", sort=True):
@@ -292,7 +292,8 @@ def agreement(x: np.ndarray, ref: np.ndarray) -> dict:
 def tracker_check(out: Path, cells: list[pd.DataFrame]) -> dict:
     """The curvature readings against their references: stability_check.csv's tracker and
     online proxy against cold power iteration ("tracker", "secant"), and over every cell's
-    evaluation rows the proxy against the tracker ("secant_cells")."""
+    evaluation rows the proxy against the tracker ("secant_cells"), and per lane the medians
+    over its run ("secant_lanes": how a run's regime card reads it)."""
     res = {}
     path = out / "stability_check.csv"
     if path.exists():
@@ -300,10 +301,12 @@ def tracker_check(out: Path, cells: list[pd.DataFrame]) -> dict:
         res["tracker"] = agreement(d["S_tracker"], d["S_power"])
         if "S_secant" in d:
             res["secant"] = agreement(d["S_secant"], d["S_power"])
-    pairs = [df[["S_secant", "S"]].dropna() for df in cells if "S_secant" in df]
+    pairs = [df[["cell", "seed", "S_secant", "S"]].dropna() for df in cells if "S_secant" in df]
     if pairs:
         both = pd.concat(pairs)
         res["secant_cells"] = agreement(both["S_secant"], both["S"])
+        lanes = both.groupby(["cell", "seed"])[["S_secant", "S"]].median()
+        res["secant_lanes"] = agreement(lanes["S_secant"], lanes["S"])
     return res
 
 
@@ -364,7 +367,9 @@ def report_md(table: pd.DataFrame, onsets: pd.DataFrame, summary: dict) -> str:
             "secant": "the online proxy S_secant (consecutive gradients and updates, no "
                       "Hessian product) against the same cold power iteration",
             "secant_cells": "the online proxy against the tracker over every cell's "
-                            "evaluations"}
+                            "evaluations",
+            "secant_lanes": "the online proxy against the tracker, each lane's median over "
+                            "its run"}
     if checks:
         lines += ["", "## Curvature readings against power iteration", ""]
         for key, text in what.items():

@@ -64,7 +64,7 @@ EPS_70B = 1e-5
 SIZES = {
     "full": {"rungs": [(32, 4), (64, 4), (128, 4), (64, 2), (64, 8)], "seeds": 2,
              "eval_tokens": [512, 2048, 8192, 32768], "spec": "full"},
-    "quick": {"rungs": [(32, 2), (64, 2)], "seeds": 1, "eval_tokens": [512, 2048, 8192],
+    "quick": {"rungs": [(32, 2)], "seeds": 1, "eval_tokens": [512, 2048, 8192],
               "spec": "quick"},
 }
 
@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike simulate batch-sharpness",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory (resumable)")
-    ap.add_argument("--quick", action="store_true", help="2 rungs, 1 seed, up to 8192 tokens")
+    ap.add_argument("--quick", action="store_true", help="1 rung, 1 seed, up to 8192 tokens")
     ap.add_argument("--no-progress", action="store_true")
 
     def body(a) -> int:
