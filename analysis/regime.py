@@ -31,10 +31,14 @@ Per tensor l and logged step t (N_l = numel):
                     a = (m_v^2 - c) / (1 - c) (clipped to [0, 1)), snr = sqrt(a / (1 - a));
                     time correlation of the noise (phi > 0) also raises m_v and is read as snr
     lr / eps      = the step of the momentum-SGD Adam becomes where rho << 1 (r ~ m_hat / eps)
-Curvature (toys that write the `curvature` table: step, group, precond_curvature,
+Curvature (runs that write the `curvature` table: step, group, precond_curvature,
 raw_curvature, lr): the top preconditioned curvature against Bai et al.'s 2 / lr, and the
 raw curvature against the eps-band threshold of momentum SGD with step lr / eps,
-2 (1 + b1) / ((1 - b1) lr / eps) (heavy ball with an EMA momentum of weight 1 - b1).
+2 (1 + b1) / ((1 - b1) lr / eps) (heavy ball with an EMA momentum of weight 1 - b1); Adam's
+stability number S = lr precond / 2 (S = 1 at 2 / lr). Group "update" (the Megatron probe's
+online proxy, simulate.program.secant_update: the curvature along the updates, not the top
+eigenvector's) reads below the top: its S_estimate = S_median / SECANT_TO_S, the ratio of
+the proxy to the power-iteration tracker measured on the toys of the phase map.
 
 For a log: rho_bar(t) = min(grad_norm, clip) / (sqrt(N) eps), N the parameter count. By
 the clip, sum_l N_l rms_l^2 = min(gn, clip)^2, so the rms over all N coordinates is
@@ -297,6 +301,15 @@ def _band(rho: float) -> str:
     return str(regimes(rho))
 
 
+# The online proxy's S (group "update") over the tracker's S on the toys, each lane's median
+# over its run: 0.395 (IQR 0.17-0.76, Spearman 0.61 over 80 lanes of 8 width-32 phase-map
+# cells; 0.90 over the 60 lanes at lr x1-x256, where the proxy stays below the tracker; at
+# lr x1024, past the band, it overshoots 25-50x). Measured 2026-12-05
+# (docs/results/science3_2026-12-05.md); `adamspike phase-map` reports it as "secant_lanes".
+SECANT_TO_S = 0.395
+SECANT_TO_S_IQR = (0.17, 0.76)
+
+
 def curvature_card(curv: pd.DataFrame, b1: float | None, eps: float | None) -> pd.DataFrame:
     """Per group: the preconditioned curvature against 2 / lr (Bai) and the raw curvature
     against the eps-band threshold 2 (1 + b1) / ((1 - b1) lr / eps) (module doc)."""
@@ -329,7 +342,10 @@ def curvature_card(curv: pd.DataFrame, b1: float | None, eps: float | None) -> p
                      "frac_raw_above_eps_band": float(np.nanmean(over_eps > 1))
                      if np.isfinite(over_eps).any() else math.nan,
                      "max_raw_over_eps_band": float(np.nanmax(over_eps))
-                     if np.isfinite(over_eps).any() else math.nan})
+                     if np.isfinite(over_eps).any() else math.nan,
+                     "S_median": float(np.nanmedian(over_bai)),
+                     "S_estimate": float(np.nanmedian(over_bai)) / SECANT_TO_S
+                     if g == "update" else float(np.nanmedian(over_bai))})
     return pd.DataFrame(rows)
 
 
@@ -462,15 +478,18 @@ def card_for_run(run, *, num_params: int | None = None,
                  num_params_source: str = "") -> RegimeCard:
     """run_card for a run with layers telemetry, log_card for a log import (or a run with
     steps only); `run` is adamspike.rundir.Run."""
+    curv = getattr(run, "curvature", None)
+    if (curv is None or curv.empty) and (Path(run.path) / "curvature").is_dir():
+        curv = load_run(run.path, tables=("curvature",)).curvature
     if run.backend == "megatron" or run.layers.empty:
         src = ((run.config.get("source") or {}).get("megatron_log")
                if isinstance(run.config.get("source"), dict) else None)
         log_path = src if src and Path(src).is_file() else None
-        return log_card(run.steps, run.config, num_params=num_params,
+        card = log_card(run.steps, run.config, num_params=num_params,
                         num_params_source=num_params_source, log_path=log_path)
-    curv = getattr(run, "curvature", None)
-    if (curv is None or curv.empty) and (Path(run.path) / "curvature").is_dir():
-        curv = load_run(run.path, tables=("curvature",)).curvature
+        if curv is not None and len(curv):    # the Megatron probe's online proxy
+            card.curvature = curvature_card(curv, card.b1, card.eps)
+        return card
     vh = getattr(run, "vhists", None)
     if (vh is None or vh.empty) and (Path(run.path) / "vhists").is_dir():
         vh = load_run(run.path, tables=("vhists",)).vhists

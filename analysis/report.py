@@ -33,7 +33,7 @@ from analysis.numerics import health_markdown, numerics_health
 from analysis.fits import (check_rms_t, failing_assumption, fit_update_rms, fit_update_rms_heterogeneous,
                            optim_params, spike_regimes)
 from analysis.precursors import precursors
-from analysis.regime import card_for_run
+from analysis.regime import SECANT_TO_S, SECANT_TO_S_IQR, card_for_run
 from analysis.spikes import spike_score_olmo2, zscore_flags
 
 LAYER_COLUMNS = ["grad_rms", "rho", "update_rms", "rms_t", "sat_frac", "grad_mom_cos",
@@ -462,6 +462,31 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
     return "\n".join(L) + "\n"
 
 
+def curvature_markdown(c) -> list[str]:
+    """The regime card's curvature table (power iteration per group, or the probe's online
+    proxy, group "update") with Adam's stability number S."""
+    if c.curvature is None:
+        return []
+    L = ["", "Preconditioned curvature against Bai's 2/lr (S = lr precond / 2: Adam's "
+         "stability number, 1 at the edge), raw curvature against the eps-band threshold "
+         "2(1+b1)/((1-b1) lr/eps):", "",
+         md_table(c.curvature, ["group", "num_rows", "precond_median", "precond_max",
+                                "bai_threshold_median", "frac_above_bai", "S_median",
+                                "S_estimate", "raw_median", "eps_band_threshold_median",
+                                "frac_raw_above_eps_band"],
+                  ["group", "rows", "precond median", "precond max", "2/lr", "above 2/lr",
+                   "S median", "S estimate", "raw median", "eps-band threshold",
+                   "raw above it"])]
+    if "update" in set(c.curvature["group"]):
+        L += ["", "Group `update` is the online proxy (the curvature along the updates, from "
+              "consecutive gradients: the Megatron probe's), not the top eigenvector's: its S "
+              f"estimate is S median / {SECANT_TO_S} (the proxy's ratio to power iteration on "
+              f"the toys' runs; IQR {SECANT_TO_S_IQR[0]}-{SECANT_TO_S_IQR[1]}, so read it to a "
+              "factor of 2; it ranks runs, Spearman 0.9 on the toys below the edge, but does "
+              "not follow single evaluations)."]
+    return L
+
+
 def regime_markdown(ra: RunAnalysis) -> list[str]:
     """The '## Regime card' section (+ the heterogeneous update_rms fit)."""
     L = ["", "## Regime card", ""]
@@ -484,6 +509,7 @@ def regime_markdown(ra: RunAnalysis) -> list[str]:
                                           "frac_time_below_1", "regime", "lr_over_eps"],
                                ["eps", "run's eps", "rho_bar median", "q10", "q90", "max",
                                 "bound", "time below rho 1", "regime", "lr/eps"])]
+        L += curvature_markdown(c)
         for n in c.notes:
             L += ["", f"Note: {n}."]
         return L
@@ -510,14 +536,7 @@ def regime_markdown(ra: RunAnalysis) -> list[str]:
                         "rho at wake", "rms_t at wake"], max_rows=10)]
     else:
         L += ["", "No wake-ups (no tensor stayed below rho = 1 for 10 logged steps)."]
-    if c.curvature is not None:
-        L += ["", "Preconditioned curvature (toy power iteration) against Bai's 2/lr, raw "
-              "curvature against the eps-band threshold 2(1+b1)/((1-b1) lr/eps):", "",
-              md_table(c.curvature, ["group", "num_rows", "precond_median", "precond_max",
-                                     "bai_threshold_median", "frac_above_bai", "raw_median",
-                                     "eps_band_threshold_median", "frac_raw_above_eps_band"],
-                       ["group", "rows", "precond median", "precond max", "2/lr",
-                        "above 2/lr", "raw median", "eps-band threshold", "raw above it"])]
+    L += curvature_markdown(c)
     hf = ra.hetero_fit
     L += ["", "**update_rms fit per regime band, before and after** "]
     if hf is None:

@@ -229,3 +229,24 @@ def test_probe_adamw_harness_writes_update_rows(tmp_path):
     # step 1 records u_1 only; skipped step 3 and step 4 count nothing
     assert list(cur["step"]) == [2, 5, 6] and (cur["group"].astype(str) == "update").all()
     assert np.isfinite(cur[["precond_curvature", "raw_curvature"]].to_numpy()).all()
+
+
+def test_the_regime_card_reads_the_probes_stability_number(tmp_path):
+    """`analyze` on a probe run: the card's curvature table has the `update` row, its
+    S = lr precond / 2 and the estimate scaled by the toys' ratio (analysis.regime)."""
+    from analysis.cli import main as analyze
+    from analysis.regime import SECANT_TO_S
+
+    spec = importlib.util.spec_from_file_location("probe_adamw", ROOT / "tests/compat/probe_adamw.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    run_dir = demo.run(str(tmp_path), steps=12, plain=True)
+    cur = load_run(run_dir, tables=TABLES).curvature
+    assert analyze([str(run_dir), "--out", str(tmp_path / "rep")]) == 0
+    report = (tmp_path / "rep" / Path(run_dir).name / "report.md").read_text()
+    assert "Group `update` is the online proxy" in report
+    card = __import__("pandas").read_csv(tmp_path / "rep" / Path(run_dir).name / "regime_curvature.csv")
+    row = card[card["group"] == "update"].iloc[0]
+    S = (cur["lr"] * cur["precond_curvature"] / 2).median()
+    assert np.isclose(row["S_median"], S, rtol=1e-9)
+    assert np.isclose(row["S_estimate"], S / SECANT_TO_S, rtol=1e-9)
