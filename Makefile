@@ -23,8 +23,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
 
 # python 3.8 + torch 2.1.0 (the 910B seed stack: the Megatron probe, config, model info,
-# launch; .[cluster]), python 3.10 smoke and python 3.11 .[study] jobs; environments cached
-# in ~/.cache/adamspike (.ci/compat.sh)
+# launch; .[cluster]), python 3.10 smoke, python 3.11 .[study] and python 3.11 .[trainer]
+# (torch 2.13.0 CPU) jobs; environments cached in ~/.cache/adamspike (.ci/compat.sh)
 compat: $(STAMP)
 	MAIN_PY=$(abspath $(PY)) bash .ci/compat.sh
 

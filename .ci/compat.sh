@@ -15,10 +15,19 @@
 #          in, `sweep run --quick` of the quadratic grid (jax + optax) finds spikes below eps*
 #          and none above it, and the one-line missing-extra messages (`train` -> [trainer],
 #          `model info` -> [cluster]).
+#   py311_trainer  `pip install -e .[trainer]` with torch==$PY311_TORCH (2.13.0, the CPU
+#          build) into a clean python 3.11 environment: no jax / optax / nvidia-* wheels are
+#          pulled in (the distributions it does pull are printed), the smallest trainer run
+#          (configs/tiny.toml, 5 steps) in one process and on 2 gloo ranks under torchrun
+#          (steps rows 1-5, the same losses up to summation order), `model info` (torch
+#          meta check), and `sweep run` without jax -> [study] in one line, exit 2.
 # Wheels and environments are cached under $ADAMSPIKE_CACHE (default ~/.cache/adamspike):
 # the first run downloads ~2.7 GB (torch 2.1.0 from PyPI with its CUDA dependencies; the
 # CPU-only index is not reachable from the CI machines) plus ~225 MB for py311 (jax,
-# jaxlib CPU and the rest of .[study]), later runs reuse the environment.
+# jaxlib CPU and the rest of .[study]) and ~330 MB for py311_trainer (torch 2.13.0+cpu,
+# 191 MB, where pip's find-links (pip config: /opt/wheels) has it: check the printed wheel
+# name, a CUDA build would add GBs of nvidia-* wheels; then the base dependencies), later
+# runs reuse the environment.
 # A python that is missing, or wheels that cannot be fetched, skip that job with a message
 # (exit 0); a failing check fails the job.
 set -euo pipefail
@@ -28,8 +37,9 @@ CACHE="${ADAMSPIKE_CACHE:-$HOME/.cache/adamspike}"
 PY38="${PY38:-/root/.pyenv/versions/3.8.18/bin/python}"
 PY310="${PY310:-/root/.pyenv/versions/3.10.13/bin/python}"
 PY311="${PY311:-/root/.pyenv/versions/3.11.7/bin/python}"
+PY311_TORCH="${PY311_TORCH:-2.13.0}"   # py311_trainer's torch (the CPU build, see the top)
 MAIN_PY="${MAIN_PY:-$ROOT/.venv/bin/python}"
-JOBS="${*:-py38 py310 py311}"
+JOBS="${*:-py38 py310 py311 py311_trainer}"
 mkdir -p "$CACHE"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
@@ -244,6 +254,81 @@ PY
   expect_extra trainer "$a" train --help
   expect_extra cluster "$a" model info --config llama2-70b
   echo "py311 .[study]: OK"
+}
+
+# `pip install -e .[trainer]` into a clean python 3.11 environment (cached; rebuilt when
+# pyproject.toml changes), torch pinned to the CPU build of 2.13.0, from cached wheels, the
+# build backend included (as py311 .[study])
+job_py311_trainer() {
+  if [[ ! -x "$PY311" ]]; then skip py311_trainer "no python 3.11 at $PY311 (set PY311)"; return 0; fi
+  local env="$CACHE/venv-py311-trainer" wheels="$CACHE/wheels-py311-trainer"
+  local torch_pin="torch==$PY311_TORCH"
+  local want="$torch_pin .[trainer] $(sha256sum pyproject.toml | cut -c1-16)"
+  if [[ ! -f "$env/.stamp" || "$(cat "$env/.stamp")" != "$want" ]]; then
+    mkdir -p "$wheels"
+    if ! "$PY311" -m pip download -q -d "$wheels" "setuptools>=64" wheel "$torch_pin" \
+        "$ROOT[trainer]" >"$TMP/dl5.log" 2>&1; then
+      tail -n 5 "$TMP/dl5.log"; skip "py311 .[trainer]" "wheels could not be downloaded"; return 0
+    fi
+    # which torch build came (the CPU one, not a CUDA build with its nvidia-* wheels)
+    local tw; tw="$(ls "$wheels" | grep -m1 "^torch-$PY311_TORCH[+-]" || true)"
+    echo "py311 .[trainer] wheels: ${tw:-no torch-$PY311_TORCH wheel?} ($(( $(stat -c %s "$wheels/$tw" 2>/dev/null || echo 0) / 1000000 )) MB)," \
+      "$(ls "$wheels" | grep -c '^nvidia' || true) nvidia-* wheels, $(du -sm "$wheels" | cut -f1) MB in $wheels"
+    rm -rf "$env"
+    "$PY311" -m venv "$env"
+    local t0=$SECONDS
+    "$env/bin/python" -m pip install -q --no-index --find-links "$wheels" -e "$ROOT[trainer]" \
+      "$torch_pin"
+    echo "installed .[trainer] (python 3.11, $torch_pin) into $env in $((SECONDS - t0)) s"
+    echo "$want" > "$env/.stamp"
+  fi
+  local a="$env/bin/adamspike"
+  echo "== py311 .[trainer]: $("$env/bin/python" -c 'import sys, torch, numpy; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "numpy", numpy.__version__)')"
+  # what the extra pulls in: no jax / optax (the study's), no CUDA wheels
+  "$env/bin/python" - <<'PY'
+import importlib.metadata as md, importlib.util
+names = sorted({d.metadata["Name"].lower() for d in md.distributions()}
+               - {"pip", "setuptools", "wheel", "adamspike"})
+for mod in ("jax", "jaxlib", "optax"):
+    assert importlib.util.find_spec(mod) is None, f".[trainer] must not pull {mod}"
+assert not [n for n in names if n.startswith("nvidia")], names
+print("py311 .[trainer] pulls %d distributions (no jax / optax / nvidia-*): %s"
+      % (len(names), " ".join(names)))
+PY
+  # the smallest trainer run (configs/tiny.toml, 5 steps), one process, then 2 gloo ranks
+  local t0=$SECONDS
+  (cd "$TMP" && OMP_NUM_THREADS=1 "$a" train --config "$ROOT/configs/tiny.toml" \
+    --out "$TMP/train311" --train.num_steps 5 >"$TMP/train311.log" 2>&1) \
+    || { tail -n 20 "$TMP/train311.log"; return 1; }
+  local t1=$((SECONDS - t0)); t0=$SECONDS
+  (cd "$TMP" && OMP_NUM_THREADS=1 timeout 120 "$env/bin/torchrun" --standalone \
+    --nproc-per-node 2 -m fullscale.train --config "$ROOT/configs/tiny.toml" \
+    --out "$TMP/train311x2" --train.num_steps 5 >"$TMP/torchrun311.log" 2>&1) \
+    || { tail -n 20 "$TMP/torchrun311.log"; return 1; }
+  local t2=$((SECONDS - t0))
+  "$env/bin/python" - "$TMP/train311" "$TMP/train311x2" "$t1" "$t2" <<'PY'
+import math, sys
+from adamspike.rundir import load_run
+one, two = load_run(sys.argv[1]), load_run(sys.argv[2])
+for run, world in ((one, 1), (two, 2)):
+    assert run.meta["world_size"] == world, run.meta.get("world_size")
+    assert run.steps["step"].tolist() == [1, 2, 3, 4, 5], run.steps["step"].tolist()
+    assert all(math.isfinite(x) for x in run.steps["loss"]), run.steps["loss"].tolist()
+    assert len(run.layers) > 0
+# same weights, same batches on 1 and 2 ranks: equal up to summation order
+diff = max(abs(a - b) / abs(a) for a, b in zip(one.steps["loss"], two.steps["loss"]))
+assert diff < 1e-4, diff
+print("py311 train: 5 steps, loss %.4f -> %.4f (1 process, %s s); torchrun 2 gloo ranks %s s,"
+      " losses within %.1e" % (one.steps["loss"].iloc[0], one.steps["loss"].iloc[-1],
+                               sys.argv[3], sys.argv[4], diff))
+PY
+  # no jax here: the study's commands name their extra
+  expect_extra study "$a" sweep run --grid configs/sweep_quadratic.toml --quick \
+    --out "$TMP/sweep311t" --no-progress
+  [[ ! -e "$TMP/sweep311t" ]]                   # nothing written
+  # torch >= 2.6 is also the cluster extra's torch: `model info` runs here
+  "$a" model info --config llama2-70b >/dev/null
+  echo "py311 .[trainer]: OK"
 }
 
 for j in $JOBS; do "job_$j"; done
