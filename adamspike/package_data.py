@@ -8,6 +8,9 @@ fresh install without a study run (no jax needed to read them).
       ladder/ladder.json      the width/depth ladder's spec   } stage `ladder`
       ladder/cells/*.parquet  its finished cells (per rung x  } (`adamspike simulate ladder`):
                               seed gradient RMS rows)         } simulate.ladder refits them
+      ladder/batch_sharpness.json  the full-data sharpness    stage `batch_sharpness`
+                              reading (its summary.json)      (`adamspike simulate
+                                                              batch-sharpness`), when run
       spike_rate_model.json   the spike-rate GLM              stage `spike_rate_mechanism`
                                                               (`adamspike spike-rate --map`;
                                                               `spike_rate` in older folders)
@@ -51,10 +54,13 @@ SCHEMA = "adamspike.package_data"
 MODEL_FILE = "spike_rate_model.json"
 REGIME_MODEL_FILE = "spike_rate_regime_model.json"
 PREDICTIONS_FILE = "predictions.json"
+BATCH_SHARPNESS_FILE = "ladder/batch_sharpness.json"   # simulate.ladder.BATCH_SHARPNESS_FILE
 STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate ladder`)",
           MODEL_FILE: "stage `spike_rate_mechanism` of configs/study.toml (`adamspike "
                       "spike-rate --map`; `spike_rate` in older study folders)",
           REGIME_MODEL_FILE: "stage `spike_rate` of configs/study.toml (`adamspike spike-rate`)",
+          BATCH_SHARPNESS_FILE: "stage `batch_sharpness` of configs/study.toml (`adamspike "
+                                "simulate batch-sharpness`: its summary.json)",
           PREDICTIONS_FILE: "`adamspike predict --profile llama2-70b` on the shipped ladder "
                             "and model (adamspike package-data)"}
 
@@ -73,7 +79,8 @@ def _sha(path: Path) -> str:
 
 def _files(d: Path) -> list[Path]:
     return sorted([d / "ladder" / "ladder.json", *sorted((d / "ladder" / "cells").glob("*.parquet")),
-                   d / MODEL_FILE, *(d / f for f in (REGIME_MODEL_FILE, PREDICTIONS_FILE)
+                   d / MODEL_FILE, *(d / f for f in (REGIME_MODEL_FILE, PREDICTIONS_FILE,
+                                                     BATCH_SHARPNESS_FILE)
                                      if (d / f).is_file())],
                   key=lambda p: p.relative_to(d).as_posix())
 
@@ -159,6 +166,9 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
     shutil.copyfile(lad / "ladder.json", tmp / "ladder" / "ladder.json")
     for c in cells:
         shutil.copyfile(c, tmp / "ladder" / "cells" / c.name)
+    bs = study / "batch_sharpness" / "summary.json"
+    if bs.is_file():
+        shutil.copyfile(bs, tmp / BATCH_SHARPNESS_FILE)
     shutil.copyfile(model, tmp / MODEL_FILE)
     if regime is not None:
         shutil.copyfile(regime, tmp / REGIME_MODEL_FILE)
@@ -167,6 +177,8 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
         "profile": profile, "source": source or str(study.resolve()),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "produced_by": {"ladder/": STAGES["ladder"], MODEL_FILE: STAGES[MODEL_FILE],
+                        **({BATCH_SHARPNESS_FILE: STAGES[BATCH_SHARPNESS_FILE]}
+                           if bs.is_file() else {}),
                         **({REGIME_MODEL_FILE: STAGES[REGIME_MODEL_FILE]} if regime else {}),
                         **({PREDICTIONS_FILE: STAGES[PREDICTIONS_FILE]} if predictions else {})},
         "files": {p.relative_to(tmp).as_posix(): _sha(p) for p in _files(tmp)}}

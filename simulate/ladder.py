@@ -601,13 +601,48 @@ def public(d: Mapping[str, Any]) -> dict:
     return {k: v for k, v in d.items() if not k.startswith("_")}
 
 
+BATCH_SHARPNESS_FILE = "batch_sharpness.json"
+
+
+def full_data_sharpness(summary: Mapping[str, Any], eps: float, lr: float = LR_70B) -> dict | None:
+    """The 70B's full-data reading from a batch-sharpness summary (simulate.batch_sharpness:
+    lambda_inf of the rungs' evaluation-batch fits, its law across rungs carried to the
+    70B; the range: leave one rung out), in sharpness_70b's shape; None without a law."""
+    t = summary.get("llama2_70b")
+    if not t or not t.get("lambda_inf_leave_one_out"):
+        return None
+    lam = float(t["lambda_inf"])
+    lo, hi = (float(v) for v in t["lambda_inf_leave_one_out"])
+    lo, hi = min(lo, lam), max(hi, lam)
+    return {"lambda_max": lam, "lambda_max_lo": lo, "lambda_max_hi": hi,
+            "law": summary.get("law"), "eval_tokens": summary.get("eval_tokens"),
+            "pi": {name: {"lr": l, "pi_eps": l / eps * lam, "pi_eps_lo": l / eps * lo,
+                          "pi_eps_hi": l / eps * hi, "over_threshold": l / eps * lam / PI_THRESHOLD}
+                   for name, l in (("peak", lr), ("warmup_step_1000", lr / 2))}}
+
+
 def ladder_70b(ladder_dir: str | Path, eps: float = 1e-5, clip: float = 1.0,
-               n_boot: int = 1000) -> tuple[dict, dict]:
-    """(fit, extrapolation) of a ladder directory at LLaMA2-70B (TARGET_70B)."""
+               n_boot: int = 1000, batch_sharpness: str | Path | None = None) -> tuple[dict, dict]:
+    """(fit, extrapolation) of a ladder directory at LLaMA2-70B (TARGET_70B). With a
+    batch-sharpness summary (`batch_sharpness`, or BATCH_SHARPNESS_FILE in the ladder
+    directory) the sharpness gets its full-data reading `full_data` (full_data_sharpness):
+    the minibatch fall with the batch stops where the evaluation batches say it does."""
     fit = fit_ladder(read_ladder(ladder_dir), n_boot=n_boot)
     fit["ladder_spec"] = json.loads((Path(ladder_dir) / "ladder.json").read_text())["ladder"]
     cfg = preset("llama2-70b")
-    return fit, extrapolate(fit, cfg, TARGET_70B["tokens_per_step"], eps, clip)
+    ext = extrapolate(fit, cfg, TARGET_70B["tokens_per_step"], eps, clip)
+    path = Path(batch_sharpness) if batch_sharpness else Path(ladder_dir) / BATCH_SHARPNESS_FILE
+    if path.is_dir():
+        path = path / "summary.json"
+    if ext.get("sharpness") and path.is_file():
+        full = full_data_sharpness(json.loads(path.read_text()), eps)
+        if full is not None:
+            ext["sharpness"]["full_data"] = full
+    elif batch_sharpness:
+        raise ConfigError(f"--batch-sharpness {batch_sharpness}: no summary.json there"
+                          if not path.is_file() else
+                          f"{ladder_dir}: no sharpness fit, so no full-data reading to add")
+    return fit, ext
 
 
 def extrapolation_band(fit: Mapping[str, Any], num_layers: int, tokens_per_step: int,

@@ -175,10 +175,12 @@ def _llama70b_profile(L: int, eps_ref: float, clip: float, rho: Mapping[int, flo
             "by_depth": _by_depth(L, rho, lo, hi), **extra}
 
 
-def ladder_profile(ladder_dir: str | Path) -> dict:
-    """The LLaMA2-70B profile from a ladder directory (module docstring)."""
+def ladder_profile(ladder_dir: str | Path, batch_sharpness: str | Path | None = None) -> dict:
+    """The LLaMA2-70B profile from a ladder directory (module docstring); batch_sharpness:
+    simulate.ladder.ladder_70b's."""
     s = LLAMA2_70B_SETTINGS
-    fit, ext = LD.ladder_70b(ladder_dir, eps=s["eps_ref"], clip=s["clip"])
+    fit, ext = LD.ladder_70b(ladder_dir, eps=s["eps_ref"], clip=s["clip"],
+                             batch_sharpness=batch_sharpness)
     rows = LD.profile_by_depth(ext)
     by = {k: {r["depth"]: r[k] for r in rows} for k in ("rho", "rho_lo", "rho_hi")}
     return _llama70b_profile(int(ext["num_layers"]), s["eps_ref"], s["clip"], by["rho"],
@@ -326,18 +328,21 @@ def profile_from_json(path: Path) -> dict:
             "seq_len": data.get("seq_len"), "source": f"profile file {path}"}
 
 
-def load_profile(spec: str, ladder: str | None = None) -> dict:
+def load_profile(spec: str, ladder: str | None = None,
+                 batch_sharpness: str | None = None) -> dict:
+    if batch_sharpness and spec != "llama2-70b":
+        raise ConfigError("--batch-sharpness: only with --profile llama2-70b")
     if spec == "llama2-70b":
         if not ladder:            # a fresh install: the ladder shipped with the package
             lad = package_data.ladder_dir("llama2-70b")
-            prof = ladder_profile(lad)
+            prof = ladder_profile(lad, batch_sharpness)
             rel = str(lad.relative_to(package_data.DATA.parent.parent))   # not this machine's
             prof["source"] = (package_data.describe(package_data.manifest("llama2-70b"))
                               + "; " + prof["source"].replace(str(lad), rel))
             return prof
         if not Path(ladder).is_dir():
             raise ConfigError(f"--ladder {ladder}: not a directory")
-        return ladder_profile(ladder)
+        return ladder_profile(ladder, batch_sharpness)
     p = Path(spec)
     if p.is_dir():
         try:
@@ -495,11 +500,12 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
 
     (the largest preconditioner entry: the group furthest into its eps band; in the band it
     is Pi_eps / 38, out of it Adam's own edge lr lambda / (38 rms), independent of eps), with
-    lambda_max(H) from the ladder's sharpness fit: its point, its lo, and for hi the upper end
-    of the reading without the minibatch sharpness' fall beyond the ladder's batches
-    (`at_ladder_tokens`, simulate.ladder.sharpness_70b), so the rate interval spans both
-    readings of the batch extrapolation. Without a sharpness fit in the profile S is None
-    (the mechanism model then refuses the profile)."""
+    lambda_max(H) from the full-data reading when the profile has one (`full_data`,
+    simulate.ladder.full_data_sharpness: the evaluation batches' limit carried to the 70B;
+    lo / hi its leave-one-rung-out range); else from the ladder's minibatch sharpness fit:
+    its point, its lo, and for hi the upper end of the reading without the fall beyond the
+    ladder's batches (`at_ladder_tokens`, simulate.ladder.sharpness_70b). Without a
+    sharpness fit in the profile S is None (the mechanism model then refuses the profile)."""
     eps = float(cand["optim.eps"])
     scale = profile["eps_ref"] / eps
     bd = {int(r["depth"]): r for r in profile.get("by_depth", [])}
@@ -509,8 +515,13 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
     sh = ((profile.get("ladder") or {}).get("llama2_70b") or {}).get("sharpness")
     S = None
     if sh:
-        lam = (sh["at_ladder_tokens"]["lambda_max_hi"] if which == "hi" and "at_ladder_tokens" in sh
-               else sh[{"mid": "lambda_max", "lo": "lambda_max_lo", "hi": "lambda_max_hi"}[which]])
+        pick = {"mid": "lambda_max", "lo": "lambda_max_lo", "hi": "lambda_max_hi"}[which]
+        if "full_data" in sh:       # the measured end of the batch fall (batch-sharpness)
+            lam = sh["full_data"][pick]
+        elif which == "hi" and "at_ladder_tokens" in sh:
+            lam = sh["at_ladder_tokens"]["lambda_max_hi"]
+        else:
+            lam = sh[pick]
         lr = float(cand["optim.lr"]) * PHASE_LR[phase]
         S = lr / eps * lam / (LD.PI_THRESHOLD * (1 + rho_min))
     return {"rho_min": rho_min, "stability": S, "warmup": float(phase == "warmup")}
@@ -874,6 +885,10 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--profile-from-run", metavar="RUN",
                        help="telemetry run directory (measured per-depth rho)")
     ap.add_argument("--ladder", help="ladder directory (adamspike simulate ladder)")
+    ap.add_argument("--batch-sharpness", metavar="DIR",
+                    help="--profile llama2-70b: a batch-sharpness folder (adamspike simulate "
+                         "batch-sharpness; default: batch_sharpness.json in the ladder folder): "
+                         "the full-data sharpness reading")
     ap.add_argument("--clip", type=float, default=1.0, help="--profile-from-log: grad clip")
     ap.add_argument("--eps-ref", type=float, default=1e-5, help="--profile-from-log: the run's eps")
     ap.add_argument("--num-params", type=_count, metavar="N",
@@ -917,7 +932,7 @@ def _main(args) -> int:
             raise ConfigError(f"--profile-from-run {args.profile_from_run}: not a directory")
         profile = load_profile(args.profile_from_run)
     else:
-        profile = load_profile(args.profile, args.ladder)
+        profile = load_profile(args.profile, args.ladder, args.batch_sharpness)
     tables = [SR.read_sweep_table(sw) for sw in args.sweep]
     for sw, t in zip(args.sweep, tables):
         need = {"optim.b2", "num_spikes", "diverged"}

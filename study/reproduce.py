@@ -238,9 +238,11 @@ def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
                                         "2.5-3.5 decades of rho above the 70B; its own section)"),
                         ("analysis", "Analysis report"),
                         ("ladder", "Width/depth ladder and the LLaMA2-70B profile"),
+                        ("batch_sharpness", "Sharpness against the evaluation batch"),
                         ("matched", "Rho-matched toy"), ("replay", "Causal replay of spikes")):
         for cand in (out / name / "replication.md", out / name / "report.md",
-                     out / name / "replay.md", out / name / "phase_map.md"):
+                     out / name / "replay.md", out / name / "phase_map.md",
+                     out / name / "batch_sharpness.md"):
             if cand.exists():
                 lines += ["", f"## {title}", "", rebase_links(cand.read_text().strip(), name)]
                 if name == "phase_map" and pm_fig.exists():
@@ -297,6 +299,23 @@ def answer_section(out: Path) -> list[str]:
                         f"the 70B between {pk['over_threshold']:.2g}x and "
                         f"{sh['at_ladder_tokens']['pi']['peak']['over_threshold']:.2g}x the threshold"
                         if "at_ladder_tokens" in sh else "") + ".")
+    bs = out / "batch_sharpness" / "summary.json"
+    t70 = json.loads(bs.read_text()).get("llama2_70b") if bs.exists() else None
+    if t70:
+        rungs = pd.DataFrame(json.loads(bs.read_text())["rungs"])
+        tok = json.loads(bs.read_text())["eval_tokens"]
+        L.append(f"- **Where the batch fall stops** ([batch sharpness](#sharpness-against-the-"
+                 f"evaluation-batch)): "
+                 f"at {len(rungs)} trained rungs lambda_max(H) falls "
+                 f"{rungs['fall_first_to_last'].quantile(0.25):.2g}-"
+                 f"{rungs['fall_first_to_last'].quantile(0.75):.2g}x (IQR) from {tok[0]} to "
+                 f"{tok[-1]} tokens and stops there (median noise share "
+                 f"{100 * rungs['noise_share'].median():.0f} % at {tok[-1]} tokens); the "
+                 f"full-data limit carried to the 70B is {t70['lambda_inf']:.3g} (leave one rung "
+                 f"out: {t70['lambda_inf_leave_one_out'][0]:.2g}-"
+                 f"{t70['lambda_inf_leave_one_out'][1]:.3g}), Pi_eps {t70['pi_eps']:.3g} = "
+                 f"{t70['over_threshold']:.2g}x the threshold at the peak lr: the reading the "
+                 "predictions below use.")
     pm = out / "phase_map" / "phase_map.csv"
     if pm.exists():
         full = pd.read_csv(pm)

@@ -140,3 +140,31 @@ def test_70b_candidates_get_phases_and_a_mechanism(maps):
     assert P.mechanism(2.0, 0.5).startswith("A (eps-band") and P.mechanism(0.1, 0.05).startswith("B")
     assert P.mechanism(0.1, 0.5, 3.0).startswith("A possible")
     assert P.mechanism(0.1, 0.5, 0.5).startswith("neither")
+
+
+def test_the_full_data_reading_replaces_the_minibatch_bracket(tmp_path):
+    """A batch-sharpness summary (simulate.batch_sharpness) gives the profile's sharpness a
+    `full_data` reading, and S is computed from it (point and leave-one-rung-out range)."""
+    from simulate import ladder as LD
+
+    summary = {"eval_tokens": [512, 32768], "law": {"dim": 0.5, "layers": 0.3},
+               "llama2_70b": {"lambda_inf": 9.0, "lambda_inf_leave_one_out": [1.0, 100.0]}}
+    full = LD.full_data_sharpness(summary, 1e-5)
+    assert (full["lambda_max"], full["lambda_max_lo"], full["lambda_max_hi"]) == (9.0, 1.0, 100.0)
+    assert full["pi"]["peak"]["pi_eps"] == pytest.approx(1.5e-4 / 1e-5 * 9.0)
+    assert LD.full_data_sharpness({"llama2_70b": None}, 1e-5) is None   # a quick run: no law
+    (tmp_path / "bs").mkdir()
+    (tmp_path / "bs" / "summary.json").write_text(json.dumps(summary))
+    profile = P.load_profile("llama2-70b", batch_sharpness=str(tmp_path / "bs"))
+    sh = profile["ladder"]["llama2_70b"]["sharpness"]
+    assert sh["full_data"]["lambda_max"] == 9.0
+    cand = next(c for c in P.default_candidates(profile)
+                if c["optim.eps"] == 1e-5 and c["optim.lr"] == 1.5e-4)
+    rho_min = min(profile["rho_by_depth"].values())
+    got = P.mechanism_inputs(profile, cand, "after")
+    assert got["stability"] == pytest.approx(0.55 * 15 * 9.0 / (38 * (1 + rho_min)))
+    hi = P.mechanism_inputs(profile, cand, "after", "hi")["stability"]
+    lo = P.mechanism_inputs(profile, cand, "after", "lo")["stability"]
+    assert lo < got["stability"] < hi
+    with pytest.raises(ConfigError, match="summary.json"):
+        P.load_profile("llama2-70b", batch_sharpness=str(tmp_path / "nothing"))

@@ -292,6 +292,9 @@ def test_package_data_round_trip_and_tamper_check(tmp_path):
     for sub, mech in (("spike_rate_mechanism", True), ("spike_rate", False)):
         (study / sub).mkdir()
         shutil.copyfile(PD.rate_model_path(mechanism=mech), study / sub / "model.json")
+    if (study / PD.BATCH_SHARPNESS_FILE).is_file():   # shipped in the ladder folder
+        (study / "batch_sharpness").mkdir()
+        (study / PD.BATCH_SHARPNESS_FILE).rename(study / "batch_sharpness" / "summary.json")
     root = tmp_path / "data"
     m = PD.write(study, root=root)   # no predictor given: no predictions.json
     shipped = {k: v for k, v in PD.manifest()["files"].items() if k != "predictions.json"}
