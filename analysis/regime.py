@@ -40,6 +40,11 @@ online proxy, simulate.program.secant_update: the curvature along the updates, n
 eigenvector's) reads below the top: its S_estimate = S_median / SECANT_TO_S, the ratio of
 the proxy to the power-iteration tracker measured on the toys of the phase map.
 
+Stability numbers over time (the trajectory, per logged step and group): Pi_eps and Pi_adam
+at the curvature steps (`stability_numbers`), the warmup progress lr(t) / lr_peak, the
+relative update size lr(t) rms(r) / rms(p) (group rms over coordinates), and dormancy in
+units of the b2 memory 1/(1-b2) steps (`dormancy_memories`; wake-ups: `dormant_memories`).
+
 For a log: rho_bar(t) = min(grad_norm, clip) / (sqrt(N) eps), N the parameter count. By
 the clip, sum_l N_l rms_l^2 = min(gn, clip)^2, so the rms over all N coordinates is
 min(gn, clip) / sqrt(N) and rho_bar <= clip / (sqrt(N) eps) (= 0.381 for LLaMA2-70B at eps
@@ -188,7 +193,18 @@ def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | No
     grp = groups_of(depth, L)
     dorm, wakes = _dormancy(rho, st, rho_wake, min_dormant)
     b1 = op["b1"] if op["b1"] is not None else 0.9
-    extra = {c: mat(c) for c in ("eps_frac", "m_v_ratio", "rms_t", "update_rms") if c in layers}
+    extra = {c: mat(c) for c in ("eps_frac", "m_v_ratio", "rms_t", "update_rms", "param_rms")
+             if c in layers}
+    # the schedule at the logged steps: lr(t) and the warmup progress lr(t) / lr_peak
+    lr_t = np.full(len(st), np.nan)
+    if steps is not None and "lr" in steps and len(steps):
+        s_lr = steps[["step", "lr"]].dropna().drop_duplicates("step").set_index("step")["lr"]
+        lr_t = s_lr.reindex(st).to_numpy(float)
+    elif lr is not None:
+        lr_t[:] = lr
+    peak = np.nanmax(lr_t) if np.isfinite(lr_t).any() else math.nan
+    memory = 1.0 / (1.0 - op["b2"]) if op["b2"] is not None and op["b2"] < 1 else math.nan
+    spacing = float(np.median(np.diff(st))) if len(st) > 1 else 1.0   # steps per logged step
     snr = snr_from_m_v(extra["m_v_ratio"], b1) if "m_v_ratio" in extra else None
 
     # per tensor
@@ -219,6 +235,7 @@ def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | No
         wrows.append({"name": tnames[j], "depth": int(depth[j]), "group": grp[j],
                       "step": int(st[i]), "dormant_steps": length,
                       "dormant_since": int(st[lo]),
+                      "dormant_memories": (int(st[i]) - int(st[lo])) / memory,
                       "rho_dormant_median": float(np.nanmedian(rho[lo:i, j])),
                       "rho_at_wake": float(rho[i, j]),
                       "rms_t_at_wake": float(extra["rms_t"][i, j]) if "rms_t" in extra
@@ -227,6 +244,7 @@ def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | No
                       if "update_rms" in extra else math.nan})
     card.wakeups = pd.DataFrame(wrows, columns=["name", "depth", "group", "step",
                                                 "dormant_steps", "dormant_since",
+                                                "dormant_memories",
                                                 "rho_dormant_median", "rho_at_wake",
                                                 "rms_t_at_wake", "update_rms_at_wake"])
 
@@ -242,13 +260,22 @@ def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | No
             ef = (np.where(present[:, cols], np.nan_to_num(extra["eps_frac"][:, cols]), 0.0) @ w
                   / nw) if "eps_frac" in extra else np.full(len(st), np.nan)
             mv = np.nanmedian(snr[:, cols], axis=1) if snr is not None else np.full(len(st), np.nan)
+            # relative update size: lr(t) rms(r) / rms(p) over the group's coordinates
+            rel = (lr_t * group_rho(extra["update_rms"][:, cols], w)
+                   / group_rho(extra["param_rms"][:, cols], w)
+                   if {"update_rms", "param_rms"} <= set(extra) else np.full(len(st), np.nan))
+        since = dorm[:, cols].max(axis=1) * spacing     # dormant logged steps, in steps
         traj.append(pd.DataFrame({"step": st, "group": g, "rho": rho_g, "eps_frac": ef,
                                   "snr_median": mv,
                                   "frac_tensors_dormant": np.mean(dorm[:, cols] > 0, axis=1),
-                                  "max_dormancy": dorm[:, cols].max(axis=1)}))
+                                  "max_dormancy": dorm[:, cols].max(axis=1),
+                                  "dormancy_memories": since / memory,
+                                  "warmup_progress": lr_t / peak, "rel_update": rel}))
     card.trajectory = (pd.concat(traj, ignore_index=True) if traj else
                        pd.DataFrame(columns=["step", "group", "rho", "eps_frac", "snr_median",
-                                             "frac_tensors_dormant", "max_dormancy"]))
+                                             "frac_tensors_dormant", "max_dormancy",
+                                             "dormancy_memories", "warmup_progress",
+                                             "rel_update"]))
     card.trajectory["g_below_eps"] = np.nan
     if vhists is not None and len(vhists) and "g_below_eps" in vhists \
             and vhists["g_below_eps"].notna().any():
@@ -284,15 +311,37 @@ def run_card(layers: pd.DataFrame, steps: pd.DataFrame | None, config: dict | No
             if part["g_below_eps"].notna().any() else math.nan,
             "snr_median": float(np.nanmedian(part["snr_median"])) if part["snr_median"].notna().any() else math.nan,
             "max_dormancy": int(tr["max_dormancy"].max()),
+            "max_dormancy_memories": float(part["dormancy_memories"].max()),
             "num_wakeups": int(tr["num_wakeups"].sum()),
+            "rel_update_median": float(np.nanmedian(part["rel_update"]))
+            if part["rel_update"].notna().any() else math.nan,
             "regime": _band(float(np.median(r[ok])) if ok.any() else math.nan),
         })
     card.groups = pd.DataFrame(rows)
+    card.groups["pi_eps_median"] = card.groups["pi_adam_median"] = math.nan
     if curvature is not None and len(curvature):
         card.curvature = curvature_card(curvature, op["b1"], op["eps"])
+        card.trajectory = card.trajectory.merge(stability_numbers(curvature, op["b1"], op["eps"]),
+                                                on=["step", "group"], how="left")
+        cc = card.curvature.set_index("group")
+        for col in ("pi_eps_median", "pi_adam_median"):
+            card.groups[col] = card.groups["group"].map(cc[col])
     elif curvature is not None:
         card.notes.append("the run has a curvature table with no rows")
     return card
+
+
+def stability_numbers(curv: pd.DataFrame, b1: float | None, eps: float | None) -> pd.DataFrame:
+    """Per curvature row (step, group): the eps band's Pi_eps = (lr / eps) lambda_max(H_g)
+    against PI_EPS_THRESHOLD = 2 (1+b1)/(1-b1) (38 at b1 0.9) and Adam's Pi_adam = lr
+    lambda_max(P_g H_g) against 2 (Bai et al.; S = Pi_adam / 2)."""
+    c = curv[["step", "group", "precond_curvature", "raw_curvature", "lr"]].copy()
+    c["group"] = c["group"].astype(str)
+    lr = c["lr"].to_numpy(float)
+    c["pi_adam"] = lr * c["precond_curvature"].to_numpy(float)
+    c["pi_eps"] = lr / eps * c["raw_curvature"].to_numpy(float) if eps else math.nan
+    c["pi_eps_threshold"] = 2 * (1 + b1) / (1 - b1) if b1 is not None else math.nan
+    return c[["step", "group", "pi_eps", "pi_eps_threshold", "pi_adam"]]
 
 
 def _band(rho: float) -> str:
@@ -328,6 +377,7 @@ def curvature_card(curv: pd.DataFrame, b1: float | None, eps: float | None) -> p
     rows = []
     for g, part in c.groupby("group", sort=False):
         pc, rc = part["precond_curvature"].to_numpy(float), part["raw_curvature"].to_numpy(float)
+        lr_g = part["lr"].to_numpy(float)
         with np.errstate(all="ignore"):
             over_bai = pc / part["bai_threshold"].to_numpy(float)
             over_eps = rc / part["eps_band_threshold"].to_numpy(float)
@@ -343,6 +393,8 @@ def curvature_card(curv: pd.DataFrame, b1: float | None, eps: float | None) -> p
                      if np.isfinite(over_eps).any() else math.nan,
                      "max_raw_over_eps_band": float(np.nanmax(over_eps))
                      if np.isfinite(over_eps).any() else math.nan,
+                     "pi_adam_median": float(np.nanmedian(2 * over_bai)),
+                     "pi_eps_median": float(np.nanmedian(rc * lr_g / eps)) if eps else math.nan,
                      "S_median": float(np.nanmedian(over_bai)),
                      "S_estimate": float(np.nanmedian(over_bai)) / SECANT_TO_S
                      if g == "update" else float(np.nanmedian(over_bai))})

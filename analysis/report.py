@@ -518,22 +518,27 @@ def regime_markdown(ra: RunAnalysis) -> list[str]:
           "clipping, at the run's loss scale) over eps, per logged step; fractions of "
           "coordinates with sqrt(v_hat) < eps (every logged step) and with |g| < eps "
           "(histogram steps); snr from m_v_ratio (i.i.d.-noise inversion); "
-          "dormancy = consecutive logged steps with the tensor's rho < 1; wake-up = rho >= 1 "
-          "after >= 10 dormant steps.", "",
+          "dormancy = consecutive logged steps with the tensor's rho < 1, also in units of "
+          "the b2 memory 1/(1-b2) steps; wake-up = rho >= 1 after >= 10 dormant steps; "
+          "relative update = lr(t) rms(r) / rms(p); Pi_eps = (lr/eps) lambda_max(H_g) "
+          "(threshold 2(1+b1)/(1-b1), 38 at b1 0.9) and Pi_adam = lr lambda_max(P H_g) "
+          "(threshold 2) where the run has a curvature table.", "",
           md_table(c.groups, ["group", "num_tensors", "rho_median", "rho_q10", "rho_q90",
                               "rho_tensor_min", "rho_tensor_max", "frac_time_below_1",
                               "eps_frac_median", "g_below_eps_median", "snr_median",
-                              "max_dormancy", "num_wakeups", "regime"],
+                              "max_dormancy", "max_dormancy_memories", "num_wakeups",
+                              "rel_update_median", "pi_eps_median", "pi_adam_median", "regime"],
                    ["group", "tensors", "rho median", "q10", "q90", "min tensor", "max tensor",
                     "time below 1", "sqrt(v)<eps", "abs(g)<eps", "snr", "max dormancy",
-                    "wake-ups", "regime"])]
+                    "in b2 memories", "wake-ups", "rel. update", "Pi_eps", "Pi_adam",
+                    "regime"])]
     if len(c.wakeups):
         w = c.wakeups.sort_values("dormant_steps", ascending=False)
         L += ["", f"**{len(w)} wake-up(s)** (longest first):", "",
-              md_table(w, ["name", "group", "step", "dormant_steps", "rho_dormant_median",
-                           "rho_at_wake", "rms_t_at_wake"],
-                       ["tensor", "group", "step", "dormant steps", "rho dormant",
-                        "rho at wake", "rms_t at wake"], max_rows=10)]
+              md_table(w, ["name", "group", "step", "dormant_steps", "dormant_memories",
+                           "rho_dormant_median", "rho_at_wake", "rms_t_at_wake"],
+                       ["tensor", "group", "step", "dormant steps", "in b2 memories",
+                        "rho dormant", "rho at wake", "rms_t at wake"], max_rows=10)]
     else:
         L += ["", "No wake-ups (no tensor stayed below rho = 1 for 10 logged steps)."]
     L += curvature_markdown(c)

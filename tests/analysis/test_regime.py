@@ -101,6 +101,27 @@ def test_card_groups_dormancy_and_wakeups(known_run):
     assert card.lr_over_eps == pytest.approx(1e-3 / EPS)
 
 
+def test_card_stability_numbers_dormancy_in_b2_memories_and_update_size(known_run):
+    """Issue Science 3's stability numbers: Pi_eps = (lr/eps) lambda_raw against 38, Pi_adam =
+    lr lambda_precond against 2, per group and per curvature step; dormancy in units of the
+    b2 memory 1/(1-b2) = 20 steps; warmup progress lr / lr_peak; lr rms(r) / rms(p)."""
+    card = card_for_run(load_run(known_run))
+    g = card.groups.set_index("group")
+    assert g.loc["shallow", "pi_adam_median"] == pytest.approx(1e-3 * 3000)     # 3 > 2
+    assert g.loc["deep", "pi_eps_median"] == pytest.approx(1e-3 / EPS * 2e-3)   # 0.2 < 38
+    assert math.isnan(g.loc["embed", "pi_eps_median"])                          # no curvature rows
+    w = card.wakeups
+    assert list(w["dormant_memories"]) == pytest.approx([30 / 20, 15 / 20])
+    assert g.loc["deep", "max_dormancy_memories"] == pytest.approx(100 / 20)
+    assert g.loc["shallow", "rel_update_median"] == pytest.approx(1e-3 * 0.5 / 0.5)
+    tr = card.trajectory
+    assert (tr["warmup_progress"] == 1.0).all()                                # constant lr
+    at = tr[(tr["step"] == 50) & (tr["group"] == "deep")].iloc[0]
+    assert at["pi_eps"] == pytest.approx(0.2) and at["pi_eps_threshold"] == pytest.approx(38.0)
+    assert at["pi_adam"] == pytest.approx(0.5)
+    assert tr[(tr["step"] == 51) & (tr["group"] == "deep")]["pi_eps"].isna().all()
+
+
 def test_analyze_report_carries_the_card(known_run, tmp_path):
     from analysis.report import analyze_run, write_run_report
     ra = analyze_run(known_run)
