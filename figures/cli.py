@@ -43,7 +43,8 @@ from figures._common import run_analysis
 # [--predictions-70b FILE] (all analysed runs in one figure, OUT/study/); "ladder" take
 # --ladder DIR --out;
 # "spike_rate" take --spike-rate DIR --out (adamspike spike-rate's output);
-# "phase_map" take --map DIR --out (adamspike phase-map's output).
+# "phase_map" take --map DIR --out (adamspike phase-map's output);
+# "batch_sharpness" take --batch-sharpness DIR --out (adamspike simulate batch-sharpness's).
 REGISTRY: list[tuple[str, str]] = [
     ("figures.fig_loss_spikes", "run"),
     ("figures.fig_grad_norm", "run"),
@@ -61,6 +62,7 @@ REGISTRY: list[tuple[str, str]] = [
     ("figures.fig_ladder", "ladder"),
     ("figures.fig_calibration", "spike_rate"),
     ("figures.fig_phase_map", "phase_map"),
+    ("figures.fig_batch_sharpness", "batch_sharpness"),
 ]
 
 
@@ -180,7 +182,8 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
              theory: bool = True, registry=None, study: str | Path | None = None,
              ladder: str | Path | None = None,
              spike_rate: str | Path | None = None, analysis: str | Path | None = None,
-             phase_map: str | Path | None = None, jobs: int = 1) -> tuple[list[Path], list[Outcome]]:
+             phase_map: str | Path | None = None, batch_sharpness: str | Path | None = None,
+             jobs: int = 1) -> tuple[list[Path], list[Outcome]]:
     """Regenerate all figures; returns (files written, one Outcome per module x target).
     analysis: the `adamspike analyze --out` folder the run and study figures read (None:
     those figures are skipped). jobs > 1: the run figures of different runs are drawn in
@@ -210,7 +213,9 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
               "replication": (replication or sweep, "--table", "no replication table"),
               "ladder": (ladder, "--ladder", "no ladder"),
               "spike_rate": (spike_rate, "--spike-rate", "no spike-rate directory"),
-              "phase_map": (phase_map, "--map", "no phase-map directory")}
+              "phase_map": (phase_map, "--map", "no phase-map directory"),
+              "batch_sharpness": (batch_sharpness, "--batch-sharpness",
+                                  "no batch-sharpness directory")}
     for m, kind in mods.values():
         if kind == "theory" and theory:
             d = out / "theory"
@@ -252,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ladder", metavar="DIR", help="ladder directory (adamspike simulate ladder)")
     ap.add_argument("--spike-rate", metavar="DIR", help="adamspike spike-rate output directory")
     ap.add_argument("--phase-map", metavar="DIR", help="adamspike phase-map output directory")
+    ap.add_argument("--batch-sharpness", metavar="DIR",
+                    help="adamspike simulate batch-sharpness output directory")
     ap.add_argument("--out", default="figures_out", help="output directory")
     ap.add_argument("--quick", action="store_true",
                     help="CI scale where a figure supports it, PNG only (no PDF)")
@@ -293,6 +300,8 @@ def _main(args: argparse.Namespace) -> int:
             args.spike_rate = study / "spike_rate"
         if args.phase_map is None and (study / "phase_map" / "phase_map.csv").exists():
             args.phase_map = study / "phase_map"
+        if args.batch_sharpness is None and (study / "batch_sharpness" / "summary.json").exists():
+            args.batch_sharpness = study / "batch_sharpness"
         if args.analysis is None and (study / "analysis").is_dir():
             args.analysis = study / "analysis"
     for r in runs:
@@ -303,7 +312,7 @@ def _main(args: argparse.Namespace) -> int:
                            quick=args.quick, theory=not args.no_theory, study=args.from_study,
                            ladder=args.ladder, spike_rate=args.spike_rate,
                            analysis=args.analysis, phase_map=args.phase_map,
-                           jobs=max(1, args.jobs))
+                           batch_sharpness=args.batch_sharpness, jobs=max(1, args.jobs))
     return _print_outcomes(outcomes)
 
 

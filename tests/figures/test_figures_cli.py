@@ -116,3 +116,32 @@ def test_calibration_figure_from_a_spike_rate_directory(tmp_path, capsys):
     assert all(f.stat().st_size > 0 for f in files)
     assert fig_calibration.main(["--spike-rate", str(tmp_path / "none"), "--out",
                                  str(tmp_path / "x")]) == 2
+
+
+def test_batch_sharpness_figure_from_its_directory(tmp_path):
+    """figures.fig_batch_sharpness on the files simulate.batch_sharpness writes (its own
+    summarize on known values, 5 rungs so the law and the 70B reading exist), through the
+    figures CLI's batch_sharpness kind; a missing directory is exit 2."""
+    import json
+
+    import numpy as np
+
+    from figures import fig_batch_sharpness
+    from simulate import batch_sharpness as BS
+    n = [512, 2048, 8192, 32768]
+    cells = [{"dim": dim, "layers": L, "seed": 0, "lr": 1e-3, "final_loss": 1.0,
+              "eval": [{"tokens": t, "lambda": 0.01 * dim ** 0.5 + 50.0 / t, "change": 0.0}
+                       for t in n]}
+             for dim, L in [(32, 4), (64, 4), (128, 4), (64, 2), (64, 8)]]
+    long, summary = BS.summarize(cells)
+    d = tmp_path / "bs"
+    d.mkdir()
+    long.to_csv(d / "batch_sharpness.csv", index=False)
+    (d / "summary.json").write_text(json.dumps(summary))
+    files, outcomes = generate([], tmp_path / "figs", batch_sharpness=d, theory=False,
+                               registry=[("figures.fig_batch_sharpness", "batch_sharpness")])
+    assert [o.status for o in outcomes] == ["ok"], [o.detail for o in outcomes]
+    assert {f.name for f in files} == {"batch_sharpness.png", "batch_sharpness.pdf"}
+    assert np.isclose(summary["law"]["dim"], 0.5, atol=0.05)    # what the figure draws
+    assert fig_batch_sharpness.main(["--batch-sharpness", str(tmp_path / "none"), "--out",
+                                     str(tmp_path / "x")]) == 2
