@@ -153,7 +153,8 @@ def summarize(cells: list[dict]) -> tuple[pd.DataFrame, dict]:
     per = pd.DataFrame(per)
     summary = {"eval_tokens": sorted(long["tokens"].unique().tolist()),
                "rungs": per.to_dict("records"), "law": None, "llama2_70b": None,
-               "limits": "rungs at the ladder's lr (3e-3 x 64 / dim), far below their edge; "
+               "limits": f"rungs at lr {', '.join(f'{v:.3g}' for v in sorted({c['lr'] for c in cells}))}"
+                         " (the ladder's rule, not LLaMA2's lr / eps), far below their edge; "
                          f"{max(c.get('num_steps', 0) for c in cells)} steps of training (early); "
                          f"{len({(c['dim'], c['layers']) for c in cells})} rungs, dims "
                          f"{sorted({c['dim'] for c in cells})}"}
@@ -205,10 +206,11 @@ def report_md(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(out: str | Path, size: str = "full", progress: bool = True) -> dict:
+def run(out: str | Path, size: str = "full", progress: bool = True,
+        lr_scaling: str = "inverse_width") -> dict:
     out = Path(out)
     cfg = SIZES[size]
-    spec = LD.SPECS[cfg["spec"]]()
+    spec = LD.SPECS[cfg["spec"]](lr_scaling)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     jobs = [(r, s) for r in cfg["rungs"] for s in range(cfg["seeds"])]
     cells = []
@@ -216,14 +218,15 @@ def run(out: str | Path, size: str = "full", progress: bool = True) -> dict:
                            file=sys.stderr):
         path = out / "cells" / f"{rung[0]}x{rung[1]}-s{seed}.json"
         cell = json.loads(path.read_text()) if path.exists() else None
-        want = {"num_steps": spec.num_steps, "eval_tokens": list(cfg["eval_tokens"])}
-        if cell is None or {"num_steps": cell["num_steps"],
+        want = {"num_steps": spec.num_steps, "eval_tokens": list(cfg["eval_tokens"]),
+                "lr": spec.lr_for(rung[0])}
+        if cell is None or {"num_steps": cell["num_steps"], "lr": cell["lr"],
                             "eval_tokens": [r["tokens"] for r in cell["eval"]]} != want:
             cell = measure(tuple(rung), seed, spec, cfg["eval_tokens"])
             atomic_write_bytes(path, json.dumps(cell, indent=1).encode())
         cells.append(cell)
     long, summary = summarize(cells)
-    summary["size"] = size
+    summary["size"], summary["lr_scaling"] = size, lr_scaling
     atomic_write_bytes(out / "batch_sharpness.csv", long.to_csv(index=False).encode())
     atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=2).encode())
     atomic_write_bytes(out / "batch_sharpness.md", report_md(summary).encode())
@@ -235,11 +238,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory (resumable)")
     ap.add_argument("--quick", action="store_true", help="1 rung, 1 seed, up to 8192 tokens")
+    ap.add_argument("--lr-scaling", choices=("inverse_width", "constant"),
+                    default="inverse_width",
+                    help="the rungs' lr rule (simulate.ladder: 3e-3 x 64 / dim, or 3e-3 on "
+                         "every rung)")
     ap.add_argument("--no-progress", action="store_true")
 
     def body(a) -> int:
-        print(report_md(run(a.out, "quick" if a.quick else "full", progress=not a.no_progress)),
-              end="")
+        print(report_md(run(a.out, "quick" if a.quick else "full", progress=not a.no_progress,
+                            lr_scaling=a.lr_scaling)), end="")
         return 0
     return cli_main(ap, None if argv is None else list(argv), body,
                     "adamspike simulate batch-sharpness")
