@@ -653,7 +653,8 @@ while s <= stop:
     w.log_layers(s, [{"name": f"t{i}", "depth": i, "kind": "param", "numel": 1, "rho": v}
                      for i in range(3)])
     w.event("alarm", step=s)        # a step's events are on disk before its rows
-    time.sleep(0.002 if gen == 0 else 0.01)   # reads surely fall in the re-run
+    time.sleep(0.002 if gen == 0 else 0.03)   # reads surely fall in the re-run (3 s: a
+                                              # loaded CI read the run only 3 times at 0.01)
     s += 1
 w.close()
 """
