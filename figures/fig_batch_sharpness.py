@@ -9,7 +9,7 @@ lambda_max(H) of the mean loss over n tokens against n, with the fit lambda_inf 
 (thin dashed, to 4M tokens): where the noise term dies out (a non-positive reading, a
 dominant negative eigenvalue, is left out). Right:
 lambda_inf per rung against width (marker: depth), the law across rungs at 4 layers and at
-80, and the 70B's full-data reading with its leave-one-rung-out range, against the
+80 (with an lr term: at lr 3e-3 and at LLaMA2's 1.5e-4), and the 70B's full-data reading with its leave-one-rung-out range, against the
 sharpness at which the 70B's Pi_eps = (lr / eps) lambda reaches the eps band's threshold 38
 (lr 1.5e-4, eps 1e-5). Writes batch_sharpness.png / .pdf.
 """
@@ -81,9 +81,12 @@ def plot(d: dict, out_dir: str | Path) -> list[Path]:
     law, t70 = d["law"], d["t70"]
     if law:
         w = np.geomspace(min(dims), 8192, 50)
-        for L, ls in ((4, "-"), (80, "--")):
-            ax2.plot(w, 10 ** (law["c0"] + law["dim"] * np.log10(w) + law["layers"] * np.log10(L)),
-                     color="#7f7f7f", ls=ls, lw=0.9, label=f"law at {L} layers")
+        for L, lr, ls in ((4, 3e-3, "-"), (80, 1.5e-4, "--")):
+            lr_part = law["lr"] * np.log10(lr) if law.get("lr") is not None else 0.0
+            ax2.plot(w, 10 ** (law["c0"] + law["dim"] * np.log10(w) + law["layers"] * np.log10(L)
+                               + lr_part), color="#7f7f7f", ls=ls, lw=0.9,
+                     label=f"law at {L} layers" + (f", lr {lr:g}" if law.get("lr") is not None
+                                                   else ""))
     if t70:
         lo, hi = t70.get("lambda_inf_leave_one_out") or (t70["lambda_inf"],) * 2
         ax2.errorbar([8192], [t70["lambda_inf"]],

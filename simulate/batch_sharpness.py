@@ -22,17 +22,20 @@ parameters of a few ladder rungs:
    (convergence).
 3. Per (rung, seed) the fit lambda(n) = lambda_inf + a / n (least squares on the measured
    n: the noise term of H_B falls as 1 / B); `noise_share` = 1 - lambda_inf / lambda(n_max).
-   Across rungs, log10 lambda_inf = c0 + c_d log10 dim + c_L log10 layers, carried to the
-   70B (dim 8192, 80 layers; a full-data value, so no tokens term) with leave-one-rung-out
-   fits for its range, and Pi_eps = (lr / eps) lambda_inf at LLaMA2-70B's lr 1.5e-4 and
-   eps 1e-5 against the eps band's threshold 38 (simulate.ladder.PI_THRESHOLD).
+   Across rungs, log10 lambda_inf = c0 + c_d log10 dim + c_L log10 layers [+ c_lr log10 lr
+   when the rungs' lr varies apart from their width: `--lr-scaling both` runs the ladder's
+   two lr rules], carried to the 70B (dim 8192, 80 layers, LLaMA2's lr 1.5e-4; a full-data
+   value, so no tokens term) with leave-one-rung-out fits for its range, and Pi_eps =
+   (lr / eps) lambda_inf at lr 1.5e-4 and eps 1e-5 against the eps band's threshold 38
+   (simulate.ladder.PI_THRESHOLD). Measured: under the inverse-width rule alone the width
+   exponent (0.48) is the lr's (at constant lr it is 0.03; with both, lr^-0.45).
 
 Limits, stated in the summary: the rungs train at the ladder's lr (3e-3 x 64 / dim), not at
 LLaMA2's, and far below their edge (S 0.004-0.04), so lambda is not pinned at 2 / lr;
 150 steps (the full ladder's) is early training; 5 rungs over 1.6 decades of width would
 be needed for more than a rough exponent, and the full size has dims 32-128.
 
-Storage (DIR): cells/<dim>x<layers>-s<seed>.json (written once a rung and seed is done, so
+Storage (DIR): cells/<dim>x<layers>-lr<lr>-s<seed>.json (written once a rung and seed is done, so
 a killed run resumes there), then batch_sharpness.csv (one row per rung, seed, n),
 summary.json and batch_sharpness.md.
 """
@@ -140,11 +143,11 @@ def summarize(cells: list[dict]) -> tuple[pd.DataFrame, dict]:
     long = pd.DataFrame([{k: c[k] for k in ("dim", "layers", "seed", "lr", "final_loss")} | r
                          for c in cells for r in c["eval"]])
     per = []
-    for (dim, layers, seed), d in long.groupby(["dim", "layers", "seed"], sort=True):
+    for (dim, layers, lr, seed), d in long.groupby(["dim", "layers", "lr", "seed"], sort=True):
         d = d.sort_values("tokens")
         lam_inf, a = fit_noise(d["tokens"].to_numpy(), d["lambda"].to_numpy())
         last = float(d["lambda"].iloc[-1])
-        per.append({"dim": int(dim), "layers": int(layers), "seed": int(seed),
+        per.append({"dim": int(dim), "layers": int(layers), "lr": float(lr), "seed": int(seed),
                     "lambda_first": float(d["lambda"].iloc[0]), "lambda_last": last,
                     "fall_first_to_last": float(d["lambda"].iloc[0] / last) if last else math.nan,
                     "lambda_inf": lam_inf, "noise_a": a,
@@ -158,21 +161,28 @@ def summarize(cells: list[dict]) -> tuple[pd.DataFrame, dict]:
                          f"{max(c.get('num_steps', 0) for c in cells)} steps of training (early); "
                          f"{len({(c['dim'], c['layers']) for c in cells})} rungs, dims "
                          f"{sorted({c['dim'] for c in cells})}"}
-    rung = per.groupby(["dim", "layers"], as_index=False)["lambda_inf"].median()
+    rung = per.groupby(["dim", "layers", "lr"], as_index=False)["lambda_inf"].median()
     rung = rung[rung["lambda_inf"] > 0]
     if rung["dim"].nunique() >= 2 and rung["layers"].nunique() >= 2 and len(rung) >= 4:
-        X = np.stack([np.ones(len(rung)), np.log10(rung["dim"]), np.log10(rung["layers"])], 1)
+        cols = [np.ones(len(rung)), np.log10(rung["dim"]), np.log10(rung["layers"])]
+        x70 = [1.0, math.log10(LD.TARGET_70B["dim"]), math.log10(LD.TARGET_70B["num_layers"])]
+        with_lr = np.linalg.matrix_rank(np.stack(cols + [np.log10(rung["lr"])], 1)) == 4 \
+            and len(rung) >= 5
+        if with_lr:   # lr and width vary apart: the law carries the lr, read at LLaMA2's
+            cols.append(np.log10(rung["lr"]))
+            x70.append(math.log10(LD.LR_70B))
+        X, x70 = np.stack(cols, 1), np.array(x70)
         y = np.log10(rung["lambda_inf"].to_numpy())
         coef = np.linalg.lstsq(X, y, rcond=None)[0]
-        x70 = np.array([1.0, math.log10(LD.TARGET_70B["dim"]), math.log10(LD.TARGET_70B["num_layers"])])
         loo = []
         for i in range(len(rung)):
             keep = np.arange(len(rung)) != i
-            if np.linalg.matrix_rank(X[keep]) == 3:
+            if np.linalg.matrix_rank(X[keep]) == X.shape[1]:
                 loo.append(float(x70 @ np.linalg.lstsq(X[keep], y[keep], rcond=None)[0]))
         lam70 = 10 ** float(x70 @ coef)
         pi = LD.LR_70B / EPS_70B
         summary["law"] = {"c0": float(coef[0]), "dim": float(coef[1]), "layers": float(coef[2]),
+                          "lr": float(coef[3]) if with_lr else None,
                           "num_rungs": int(len(rung)),
                           "resid_sd": float(np.std(y - X @ coef, ddof=0))}
         summary["llama2_70b"] = {
@@ -189,13 +199,15 @@ def report_md(summary: dict) -> str:
              "lambda_max(H) of the mean loss over n tokens at the trained parameters of ladder "
              "rungs (simulate/batch_sharpness.py); the fit lambda(n) = lambda_inf + a / n.", "",
              md_table(pd.DataFrame(summary["rungs"]),
-                      ["dim", "layers", "seed", "lambda_first", "lambda_last", "fall_first_to_last",
+                      ["dim", "layers", "lr", "seed", "lambda_first", "lambda_last", "fall_first_to_last",
                        "lambda_inf", "noise_share", "max_change"]), ""]
     law, t = summary["law"], summary["llama2_70b"]
     if law:
+        lr_term = (f" + {law['lr']:.2f} log10 lr" if law.get("lr") is not None
+                   else " (no lr term: the rungs' lr is a function of their width, or constant)")
         lines += [f"Across {law['num_rungs']} rungs: log10 lambda_inf = {law['c0']:.2f} + "
-                  f"{law['dim']:.2f} log10 dim + {law['layers']:.2f} log10 layers (residual sd "
-                  f"{law['resid_sd']:.2f} decades).", "",
+                  f"{law['dim']:.2f} log10 dim + {law['layers']:.2f} log10 layers{lr_term} "
+                  f"(residual sd {law['resid_sd']:.2f} decades).", "",
                   f"LLaMA2-70B: lambda_inf {t['lambda_inf']:.3g} (leave one rung out: "
                   f"{t['lambda_inf_leave_one_out']}), Pi_eps = (lr/eps) lambda = "
                   f"{t['pi_eps']:.3g} at lr {t['lr']:g}, eps {t['eps']:g}: "
@@ -210,13 +222,20 @@ def run(out: str | Path, size: str = "full", progress: bool = True,
         lr_scaling: str = "inverse_width") -> dict:
     out = Path(out)
     cfg = SIZES[size]
-    spec = LD.SPECS[cfg["spec"]](lr_scaling)
+    rules = ("inverse_width", "constant") if lr_scaling == "both" else (lr_scaling,)
     (out / "cells").mkdir(parents=True, exist_ok=True)
-    jobs = [(r, s) for r in cfg["rungs"] for s in range(cfg["seeds"])]
+    jobs, seen = [], set()
+    for rule in rules:     # a rung at the same lr under both rules runs once
+        spec_r = LD.SPECS[cfg["spec"]](rule)
+        for r in cfg["rungs"]:
+            for sd in range(cfg["seeds"]):
+                if (tuple(r), spec_r.lr_for(r[0]), sd) not in seen:
+                    seen.add((tuple(r), spec_r.lr_for(r[0]), sd))
+                    jobs.append((spec_r, r, sd))
     cells = []
-    for rung, seed in tqdm(jobs, desc="batch sharpness", unit="rung", disable=not progress,
-                           file=sys.stderr):
-        path = out / "cells" / f"{rung[0]}x{rung[1]}-s{seed}.json"
+    for spec, rung, seed in tqdm(jobs, desc="batch sharpness", unit="rung",
+                                 disable=not progress, file=sys.stderr):
+        path = out / "cells" / f"{rung[0]}x{rung[1]}-lr{spec.lr_for(rung[0]):.4g}-s{seed}.json"
         cell = json.loads(path.read_text()) if path.exists() else None
         want = {"num_steps": spec.num_steps, "eval_tokens": list(cfg["eval_tokens"]),
                 "lr": spec.lr_for(rung[0])}
@@ -238,10 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory (resumable)")
     ap.add_argument("--quick", action="store_true", help="1 rung, 1 seed, up to 8192 tokens")
-    ap.add_argument("--lr-scaling", choices=("inverse_width", "constant"),
+    ap.add_argument("--lr-scaling", choices=("inverse_width", "constant", "both"),
                     default="inverse_width",
                     help="the rungs' lr rule (simulate.ladder: 3e-3 x 64 / dim, or 3e-3 on "
-                         "every rung)")
+                         "every rung; both: the law gets an lr term, read at LLaMA2's lr)")
     ap.add_argument("--no-progress", action="store_true")
 
     def body(a) -> int:

@@ -614,7 +614,10 @@ def full_data_sharpness(summary: Mapping[str, Any], eps: float, lr: float = LR_7
     lam = float(t["lambda_inf"])
     lo, hi = (float(v) for v in t["lambda_inf_leave_one_out"])
     lo, hi = min(lo, lam), max(hi, lam)
+    law = summary.get("law") or {}
     return {"lambda_max": lam, "lambda_max_lo": lo, "lambda_max_hi": hi,
+            # with an lr term, lambda at another lr: lambda (lr / lr_ref)^lr_exponent
+            "lr_ref": float(t.get("lr", lr)), "lr_exponent": law.get("lr"),
             "law": summary.get("law"), "eval_tokens": summary.get("eval_tokens"),
             "pi": {name: {"lr": l, "pi_eps": l / eps * lam, "pi_eps_lo": l / eps * lo,
                           "pi_eps_hi": l / eps * hi, "over_threshold": l / eps * lam / PI_THRESHOLD}

@@ -502,7 +502,7 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
     is Pi_eps / 38, out of it Adam's own edge lr lambda / (38 rms), independent of eps), with
     lambda_max(H) from the full-data reading when the profile has one (`full_data`,
     simulate.ladder.full_data_sharpness: the evaluation batches' limit carried to the 70B;
-    lo / hi its leave-one-rung-out range); else from the ladder's minibatch sharpness fit:
+    lo / hi its leave-one-rung-out range; with the law's lr term, at the candidate's peak lr); else from the ladder's minibatch sharpness fit:
     its point, its lo, and for hi the upper end of the reading without the fall beyond the
     ladder's batches (`at_ladder_tokens`, simulate.ladder.sharpness_70b). Without a
     sharpness fit in the profile S is None (the mechanism model then refuses the profile)."""
@@ -517,7 +517,10 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
     if sh:
         pick = {"mid": "lambda_max", "lo": "lambda_max_lo", "hi": "lambda_max_hi"}[which]
         if "full_data" in sh:       # the measured end of the batch fall (batch-sharpness)
-            lam = sh["full_data"][pick]
+            fd = sh["full_data"]
+            lam = fd[pick]
+            if fd.get("lr_exponent") is not None:   # the law's lr term, at this lr
+                lam *= (float(cand["optim.lr"]) / fd["lr_ref"]) ** fd["lr_exponent"]
         elif which == "hi" and "at_ladder_tokens" in sh:
             lam = sh["at_ladder_tokens"]["lambda_max_hi"]
         else:

@@ -63,3 +63,23 @@ def test_one_rung_end_to_end():
     assert [r["tokens"] for r in cell["eval"]] == [256, 1024]
     assert all(np.isfinite(r["lambda"]) for r in cell["eval"])
     assert cell["lr"] == spec.lr_for(32) and math.isfinite(cell["final_loss"])
+
+
+def test_the_law_takes_the_lr_when_it_varies_apart_from_width():
+    """`--lr-scaling both`: rungs at the ladder's two lr rules; the law gets an lr term and
+    the 70B is read at LLaMA2's lr (a known law, recovered exactly)."""
+    cells = []
+    for (dim, layers), lr in [((32, 4), 6e-3), ((32, 4), 3e-3), ((64, 4), 3e-3),
+                              ((128, 4), 1.5e-3), ((128, 4), 3e-3), ((64, 2), 3e-3),
+                              ((64, 8), 3e-3)]:
+        inf = 10 ** (-1.9 + 0.05 * math.log10(dim) + 0.3 * math.log10(layers)
+                     - 0.45 * math.log10(lr))
+        cells.append({"dim": dim, "layers": layers, "seed": 0, "lr": lr, "final_loss": 1.0,
+                      "eval": [{"tokens": t, "lambda": inf + 20.0 / t, "change": 0.0}
+                               for t in (512, 2048, 8192)]})
+    _, s = BS.summarize(cells)
+    law = s["law"]
+    assert math.isclose(law["lr"], -0.45, abs_tol=1e-9) and math.isclose(law["dim"], 0.05, abs_tol=1e-9)
+    want = 10 ** (-1.9 + 0.05 * math.log10(8192) + 0.3 * math.log10(80) - 0.45 * math.log10(1.5e-4))
+    assert math.isclose(s["llama2_70b"]["lambda_inf"], want, rel_tol=1e-6)
+    assert "log10 lr" in BS.report_md(s)

@@ -166,5 +166,15 @@ def test_the_full_data_reading_replaces_the_minibatch_bracket(tmp_path):
     hi = P.mechanism_inputs(profile, cand, "after", "hi")["stability"]
     lo = P.mechanism_inputs(profile, cand, "after", "lo")["stability"]
     assert lo < got["stability"] < hi
+    # with the law's lr term lambda moves with the candidate's lr: S ~ lr^(1 - 0.45)
+    summary["law"]["lr"] = -0.45
+    summary["llama2_70b"]["lr"] = 1.5e-4
+    (tmp_path / "bs" / "summary.json").write_text(json.dumps(summary))
+    profile = P.load_profile("llama2-70b", batch_sharpness=str(tmp_path / "bs"))
+    c2 = next(c for c in P.default_candidates(profile)
+              if c["optim.eps"] == 1e-5 and c["optim.lr"] == 3e-4)
+    S1 = P.mechanism_inputs(profile, cand, "after")["stability"]
+    S2 = P.mechanism_inputs(profile, c2, "after")["stability"]
+    assert S2 / S1 == pytest.approx(2 ** 0.55)
     with pytest.raises(ConfigError, match="summary.json"):
         P.load_profile("llama2-70b", batch_sharpness=str(tmp_path / "nothing"))
