@@ -366,7 +366,7 @@ def curvature_card(curv: pd.DataFrame, b1: float | None, eps: float | None) -> p
     missing = [c for c in need if c not in curv]
     if missing:
         raise ValueError(f"curvature table lacks column(s) {missing}")
-    c = curv.copy()
+    c = curv.reset_index(drop=True)   # a fresh index: `numbers` below is read by it
     c["group"] = c["group"].astype(str)
     lr = c["lr"].to_numpy(float)
     c["bai_threshold"] = 2.0 / lr
@@ -374,10 +374,11 @@ def curvature_card(curv: pd.DataFrame, b1: float | None, eps: float | None) -> p
         c["eps_band_threshold"] = 2.0 * (1 + b1) / ((1 - b1) * lr / eps)
     else:
         c["eps_band_threshold"] = np.nan
+    numbers = stability_numbers(c, b1, eps)
     rows = []
     for g, part in c.groupby("group", sort=False):
         pc, rc = part["precond_curvature"].to_numpy(float), part["raw_curvature"].to_numpy(float)
-        lr_g = part["lr"].to_numpy(float)
+        pi = numbers.loc[part.index]       # the one definition of Pi_adam and Pi_eps
         with np.errstate(all="ignore"):
             over_bai = pc / part["bai_threshold"].to_numpy(float)
             over_eps = rc / part["eps_band_threshold"].to_numpy(float)
@@ -393,8 +394,8 @@ def curvature_card(curv: pd.DataFrame, b1: float | None, eps: float | None) -> p
                      if np.isfinite(over_eps).any() else math.nan,
                      "max_raw_over_eps_band": float(np.nanmax(over_eps))
                      if np.isfinite(over_eps).any() else math.nan,
-                     "pi_adam_median": float(np.nanmedian(2 * over_bai)),
-                     "pi_eps_median": float(np.nanmedian(rc * lr_g / eps)) if eps else math.nan,
+                     "pi_adam_median": float(np.nanmedian(pi["pi_adam"])),
+                     "pi_eps_median": float(np.nanmedian(pi["pi_eps"])) if eps else math.nan,
                      "S_median": float(np.nanmedian(over_bai)),
                      "S_estimate": float(np.nanmedian(over_bai)) / SECANT_TO_S
                      if g == "update" else float(np.nanmedian(over_bai))})

@@ -550,6 +550,14 @@ def extrapolate(fit: Mapping[str, Any], cfg, tokens_per_step: int, eps: float,
     }
 
 
+def pi_readings(lam: float, lo: float, hi: float, eps: float, lr: float = LR_70B) -> dict:
+    """Pi_eps = (lr / eps) lambda_max(H) with its interval and its ratio to the threshold, at
+    the peak lr and at half of it (step 1000 of LLaMA2's 2000-step linear warmup)."""
+    return {name: {"lr": l, "pi_eps": l / eps * lam, "pi_eps_lo": l / eps * lo,
+                   "pi_eps_hi": l / eps * hi, "over_threshold": l / eps * lam / PI_THRESHOLD}
+            for name, l in (("peak", lr), ("warmup_step_1000", lr / 2))}
+
+
 def sharpness_70b(f: GroupFit, x: np.ndarray, eps: float, ci: float, lr: float = LR_70B,
                   x_floor: np.ndarray | None = None) -> dict:
     """lambda_max(H) at design row x (point, bootstrap prediction interval) and the eps
@@ -568,20 +576,15 @@ def sharpness_70b(f: GroupFit, x: np.ndarray, eps: float, ci: float, lr: float =
         draws = 10 ** predict_interval(f, row, seed=seed)
         return 10 ** float(f.coef @ row), float(np.quantile(draws, a)), float(np.quantile(draws, 1 - a))
 
-    def pis(lam, lo, hi):
-        return {name: {"lr": l, "pi_eps": l / eps * lam, "pi_eps_lo": l / eps * lo,
-                       "pi_eps_hi": l / eps * hi, "over_threshold": l / eps * lam / PI_THRESHOLD}
-                for name, l in (("peak", lr), ("warmup_step_1000", lr / 2))}
-
     lam, lo, hi = at(x, 99)
     out = {"lambda_max": lam, "lambda_max_lo": lo, "lambda_max_hi": hi, "eps": eps,
-           "threshold": PI_THRESHOLD, "pi": pis(lam, lo, hi),
+           "threshold": PI_THRESHOLD, "pi": pi_readings(lam, lo, hi, eps, lr),
            "lambda_crossing_at_peak": PI_THRESHOLD * eps / lr}
     if x_floor is not None:
         fl = at(x_floor, 98)
         out["at_ladder_tokens"] = {"tokens_per_step": float(10 ** x_floor[3]),
                                    "lambda_max": fl[0], "lambda_max_lo": fl[1],
-                                   "lambda_max_hi": fl[2], "pi": pis(*fl)}
+                                   "lambda_max_hi": fl[2], "pi": pi_readings(*fl, eps, lr)}
     return out
 
 
@@ -619,9 +622,7 @@ def full_data_sharpness(summary: Mapping[str, Any], eps: float, lr: float = LR_7
             # with an lr term, lambda at another lr: lambda (lr / lr_ref)^lr_exponent
             "lr_ref": float(t.get("lr", lr)), "lr_exponent": law.get("lr"),
             "law": summary.get("law"), "eval_tokens": summary.get("eval_tokens"),
-            "pi": {name: {"lr": l, "pi_eps": l / eps * lam, "pi_eps_lo": l / eps * lo,
-                          "pi_eps_hi": l / eps * hi, "over_threshold": l / eps * lam / PI_THRESHOLD}
-                   for name, l in (("peak", lr), ("warmup_step_1000", lr / 2))}}
+            "pi": pi_readings(lam, lo, hi, eps, lr)}
 
 
 def ladder_70b(ladder_dir: str | Path, eps: float = 1e-5, clip: float = 1.0,

@@ -300,13 +300,13 @@ def answer_section(out: Path) -> list[str]:
                         f"{sh['at_ladder_tokens']['pi']['peak']['over_threshold']:.2g}x the threshold"
                         if "at_ladder_tokens" in sh else "") + ".")
     bs = out / "batch_sharpness" / "summary.json"
-    t70 = json.loads(bs.read_text()).get("llama2_70b") if bs.exists() else None
+    summary = json.loads(bs.read_text()) if bs.exists() else {}
+    t70 = summary.get("llama2_70b")
     if t70:
-        rungs = pd.DataFrame(json.loads(bs.read_text())["rungs"])
-        tok = json.loads(bs.read_text())["eval_tokens"]
+        rungs, tok = pd.DataFrame(summary["rungs"]), summary["eval_tokens"]
         L.append(f"- **Where the batch fall stops** ([batch sharpness](#sharpness-against-the-"
                  f"evaluation-batch)): "
-                 f"at {len(rungs)} trained rungs lambda_max(H) falls "
+                 f"over {len(rungs)} trained rung x seed pairs lambda_max(H) falls "
                  f"{rungs['fall_first_to_last'].quantile(0.25):.2g}-"
                  f"{rungs['fall_first_to_last'].quantile(0.75):.2g}x (IQR) from {tok[0]} to "
                  f"{tok[-1]} tokens and stops there (median noise share "
