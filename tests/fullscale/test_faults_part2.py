@@ -456,9 +456,17 @@ def test_a_signalled_torchrun_job_stops_in_one_line_per_process_and_resumes(tmp_
     the uninterrupted 2-rank job."""
     out, logs, rng = tmp_path / "run", tmp_path / "logs", random.Random(278)
 
+    seen_hang = []
+
     def hung_rank1():
+        # Rank 1 says it hangs as it enters step 6; rank 0 may still be finishing step 5
+        # (rank 0 alone writes the run's rows: a loaded CI box once signalled it there, and
+        # its fault said step 5). The hang lasts 120 s: 2 s more puts rank 0 in step 6's
+        # first collective, where this case means to signal it.
         f = logs / "0" / "rank1.stderr"
-        return f.is_file() and "injected fault 'hang' at step 6" in f.read_text()
+        if not seen_hang and f.is_file() and "injected fault 'hang' at step 6" in f.read_text():
+            seen_hang.append(time.monotonic())
+        return bool(seen_hang) and time.monotonic() - seen_hang[0] > 2.0
 
     def checkpointed(resumed_from: int, delay: float):
         if _newest(out) <= resumed_from:
