@@ -390,6 +390,10 @@ class RunFollower:
 
     def poll(self) -> tuple[list[dict], list[dict]]:
         """(new steps rows by step, new non-routine events)."""
+        # events first: a writer flushes step s's rows before it logs an event it raised
+        # after them, so an event read here has its rows in the parts read next (read the
+        # other way round, a flush landing between the two reads put the event first)
+        events = self._events()
         upto = flushed_step(self.path)
         fresh: list[dict] = []
         d = self.path / "steps"
@@ -425,7 +429,7 @@ class RunFollower:
             del self.parts[name]
             self.waiting.discard(name)
         fresh.sort(key=lambda r: int(r["step"]))
-        return fresh, self._events()
+        return fresh, events
 
     def _events(self) -> list[dict]:
         p = self.path / "events.jsonl"
