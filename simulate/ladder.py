@@ -2,6 +2,7 @@
 
     adamspike simulate ladder --out DIR [--spec full|quick] [--quick]   (cells cached in DIR/cells,
                                                                           resumable; --quick = --spec quick)
+                              [--cells-from LADDER_DIR]   (reuse that ladder's measured cells)
 
 The ladder trains the JAX LLaMA through simulate.program's one step (the trainer's: same
 parameter specs, init, loss and AdamW chain; the rung as a RunConfig, `run_config`) on one fixed
@@ -297,6 +298,38 @@ def run_ladder(spec: LadderSpec, out: str | Path, progress: bool = True) -> pd.D
         bar.update(1)
     bar.close()
     return read_ladder(out, spec)
+
+
+def seed_cells(spec: LadderSpec, out: str | Path, source: str | Path) -> int:
+    """Copy into out/cells the cells of `spec` that the ladder directory `source` has
+    measured and `out` lacks (the study's standard scale reads the ladder shipped with the
+    package this way: the fit is recomputed, the hours of training are not), and its
+    batch-sharpness summary (BATCH_SHARPNESS_FILE) when `out` has none. `source` must hold
+    the same ladder (its ladder.json), else nothing is copied. Returns the cells copied."""
+    source, out = Path(source), Path(out)
+    mine = out / "ladder.json"
+    if mine.is_file() and spec_from_json(json.loads(mine.read_text())["ladder"]).to_json() \
+            != spec.to_json():
+        raise ConfigError(f"{out}: holds another ladder (ladder.json differs); use a new --out")
+    meta = source / "ladder.json"
+    if not meta.is_file():
+        raise ConfigError(f"--cells-from {source}: not a ladder directory (no ladder.json)")
+    theirs = spec_from_json(json.loads(meta.read_text())["ladder"]).to_json()
+    if theirs != spec.to_json():
+        diff = sorted(k for k in theirs if theirs[k] != spec.to_json().get(k))
+        raise ConfigError(f"--cells-from {source}: another ladder (differs in {', '.join(diff)}); "
+                          "nothing copied")
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    copied = 0
+    for rung in spec.rungs:
+        name = f"{cell_id(spec, rung)}.parquet"
+        if (source / "cells" / name).is_file() and not (out / "cells" / name).exists():
+            atomic_write_bytes(out / "cells" / name, (source / "cells" / name).read_bytes())
+            copied += 1
+    bs = source / BATCH_SHARPNESS_FILE
+    if bs.is_file() and not (out / BATCH_SHARPNESS_FILE).exists():
+        atomic_write_bytes(out / BATCH_SHARPNESS_FILE, bs.read_bytes())
+    return copied
 
 
 def read_ladder(out: str | Path, spec: LadderSpec | None = None) -> pd.DataFrame:
@@ -787,6 +820,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eps", type=float, default=1e-5, help="eps of the 70B profile written")
     ap.add_argument("--lr-scaling", choices=("constant", "inverse_width"), default="inverse_width",
                     help="lr per rung: lr * 64 / dim (muP-style, default) or the same lr")
+    ap.add_argument("--cells-from", type=Path, metavar="LADDER_DIR",
+                    help="copy the cells this ladder lacks from that ladder directory (the same "
+                         "spec; e.g. the one shipped in adamspike/data/llama2_70b/ladder) and its "
+                         f"{BATCH_SHARPNESS_FILE}; only missing cells are then trained")
     return cli_main(ap, argv, _main, "adamspike simulate ladder: error")
 
 
@@ -795,6 +832,9 @@ def _main(args) -> int:
         raise ConfigError(f"--out {args.out}: exists and is not a directory")
     spec = SPECS[args.spec](args.lr_scaling)
     t0 = time.perf_counter()
+    if args.cells_from:
+        n = seed_cells(spec, args.out, args.cells_from)
+        print(f"ladder: {n} of {len(spec.rungs)} cells copied from {args.cells_from}")
     df = run_ladder(spec, args.out, progress=not args.no_progress)
     fit, ext = ladder_70b(args.out, eps=args.eps)
     write_outputs(args.out, df, fit, ext, time.perf_counter() - t0)

@@ -10,9 +10,13 @@ process (the JAX and torch halves never share an interpreter):
     rho-matched toy and on its Megatron-format log) -> STUDY.md
 
 The stages are data, configs/study.toml: one table per stage (its arguments, sizes,
-dependencies, outputs), in plan order; `--quick` is the same study with each stage's
-`quick` values merged in (smaller sizes; a few stages left out). This module only fills in
-the paths and runs the plan.
+dependencies, outputs), in plan order, at three scales (SCALES): the tables themselves are
+`--full` (every measurement recomputed: hours on 2 cores, cached by cell and resumable); the
+default, `standard`, merges in each stage's `standard` values (the multi-hour measurements
+read from the fit shipped with the package, adamspike/data/llama2_70b, placeholder
+{shipped}: the ladder's cells are refitted, the phase maps and the batch-sharpness stage are
+left out or small); `--quick` (CI) merges in the `quick` values instead (smaller sizes; a few
+stages left out). This module only fills in the paths and runs the plan.
 
 Independent stages overlap (`--jobs`, default 2): a stage can start once the stages it
 needs have succeeded and those it reads after have finished, and a free slot takes the
@@ -41,6 +45,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
+from adamspike import package_data
 from adamspike.config import ConfigError, read_toml
 from adamspike.tables import fmt, md_table
 
@@ -63,9 +68,11 @@ class Stage:
 
 
 STUDY = REPO / "configs" / "study.toml"
+SCALES = ("quick", "standard", "full")    # full: the tables as written; else their overlay
+OVERLAYS = ("quick", "standard")
 STAGE_KEYS = {"title", "args", "sizes", "run", "needs", "after", "outputs", "stdout_to", "fresh",
-              "quick"}
-QUICK_KEYS = STAGE_KEYS - {"quick"} | {"skip"}
+              *OVERLAYS}
+OVERLAY_KEYS = STAGE_KEYS - set(OVERLAYS) | {"skip"}
 _PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
 
 
@@ -86,9 +93,12 @@ def _optim_of(path: str) -> list[str]:
     return [a for k in ("b2", "eps") if k in optim for a in (f"--{k}", repr(float(optim[k])))]
 
 
-def load_study(path: Path = STUDY, quick: bool = False) -> dict[str, dict]:
-    """The study's stage tables (configs/study.toml), in plan order, with --quick's values
-    merged in (`sizes` key by key, other keys replaced) and its skipped stages left out."""
+def load_study(path: Path = STUDY, scale: str = "standard") -> dict[str, dict]:
+    """The study's stage tables (configs/study.toml), in plan order, with the scale's overlay
+    (`quick` or `standard`; none for `full`) merged in (`sizes` key by key, other keys
+    replaced) and its skipped stages left out."""
+    if scale not in SCALES:
+        raise ConfigError(f"study scale {scale!r}: expected one of {', '.join(SCALES)}")
     tables = read_toml(path).get("stages")
     if not isinstance(tables, dict) or not tables:
         raise ConfigError(f"{path}: expected [stages.<name>] tables")
@@ -97,13 +107,15 @@ def load_study(path: Path = STUDY, quick: bool = False) -> dict[str, dict]:
         unknown = sorted(set(t) - STAGE_KEYS)
         if unknown:
             raise ConfigError(f"stages.{name}: unknown key(s) {unknown} (known: {sorted(STAGE_KEYS)})")
-        q = t.get("quick", {}) if quick else {}
-        unknown = sorted(set(q) - QUICK_KEYS)
-        if unknown:
-            raise ConfigError(f"stages.{name}.quick: unknown key(s) {unknown} (known: {sorted(QUICK_KEYS)})")
+        for o in OVERLAYS:
+            unknown = sorted(set(t.get(o, {})) - OVERLAY_KEYS)
+            if unknown:
+                raise ConfigError(f"stages.{name}.{o}: unknown key(s) {unknown} "
+                                  f"(known: {sorted(OVERLAY_KEYS)})")
+        q = t.get(scale, {}) if scale in OVERLAYS else {}
         if q.get("skip"):
             continue
-        st = {k: v for k, v in t.items() if k != "quick"}
+        st = {k: v for k, v in t.items() if k not in OVERLAYS}
         st.update({k: v for k, v in q.items() if k not in ("skip", "sizes")})
         st["sizes"] = {**t.get("sizes", {}), **q.get("sizes", {})}
         plan[name] = st
@@ -116,12 +128,13 @@ def load_study(path: Path = STUDY, quick: bool = False) -> dict[str, dict]:
     return plan
 
 
-def stages(out: Path, quick: bool, jobs: int = 2, study: Path = STUDY) -> list[Stage]:
+def stages(out: Path, scale: str = "standard", jobs: int = 2, study: Path = STUDY) -> list[Stage]:
     """The study (configs/study.toml), in order, its placeholders filled in. Paths are inside
     `out`; jobs: processes of the figures and analysis stages (they run last, one after the
     other, beside nothing else)."""
-    plan = load_study(study, quick)
-    values = {"out": str(out), "repo": str(REPO), "jobs": str(jobs)}
+    plan = load_study(study, scale)
+    values = {"out": str(out), "repo": str(REPO), "jobs": str(jobs),
+              "shipped": str(package_data.profile_dir("llama2-70b"))}
 
     def fill(text: str, sizes: dict) -> str:
         def one(m: re.Match) -> str:
@@ -153,7 +166,7 @@ def stages(out: Path, quick: bool, jobs: int = 2, study: Path = STUDY) -> list[S
         result.append(Stage(
             name, fill(st.get("title", name), sizes),
             [a for arg in st.get("args", []) for a in expand(arg, sizes)] + _size_flags(sizes),
-            # stages --quick leaves out are not waited for
+            # stages the scale leaves out are not waited for
             needs=[n for n in st.get("needs", []) if n in plan],
             after=[n for n in st.get("after", []) if n in plan],
             outputs=outputs, stdout_to=st.get("stdout_to"), fresh=list(st.get("fresh", []))))
@@ -214,12 +227,36 @@ def _tail(path: Path, num_lines: int = 15) -> str:
         return ""
 
 
-def write_study_report(out: Path, results: list[dict], quick: bool) -> Path:
-    """STUDY.md: what ran, what it produced, where to look; failures with their log tail."""
+def scale_note(plan: list[Stage], scale: str, study: Path = STUDY) -> str:
+    """What the scale changed, for STUDY.md: the stages it left out and those that read the
+    fit shipped with the package instead of measuring (their argv names its folder)."""
+    if scale == "full":
+        return ""
+    shipped = str(package_data.profile_dir("llama2-70b"))
+    names = {st.name for st in plan}
+    left = [n for n in load_study(study, "full") if n not in names]
+    reads = [st.name for st in plan if any(shipped in a for a in st.argv)]
+    m = package_data.manifest("llama2-70b")
+    lines = [f"Scale `{scale}` (`adamspike reproduce --full` recomputes everything: hours on 2 "
+             "cores, cached by cell and resumable)."]
+    if reads:
+        lines.append(f"Read from the fit shipped with the package (`adamspike/data/llama2_70b`, "
+                     f"version {m.get('version')} of {m.get('created')}): stage(s) "
+                     f"{', '.join(f'`{n}`' for n in reads)}.")
+    if left:
+        lines.append(f"Left out at this scale: {', '.join(f'`{n}`' for n in left)}.")
+    return " ".join(lines)
+
+
+def write_study_report(out: Path, results: list[dict], scale: str = "standard",
+                       note: str = "") -> Path:
+    """STUDY.md: what ran, what it produced, where to look; failures with their log tail.
+    `note`: scale_note's lines."""
     from analysis.report import rebase_links   # inlined reports keep their links valid
-    lines = [f"# adamspike study{' (quick)' if quick else ''}", "",
+    flag = {"quick": " --quick", "full": " --full"}.get(scale, "")
+    lines = [f"# adamspike study{'' if scale == 'full' else f' ({scale})'}", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by `adamspike reproduce"
-             f"{' --quick' if quick else ''}`.", "", "## Stages", "",
+             f"{flag}`." + (f" {note}" if note else ""), "", "## Stages", "",
              md_table(([r["title"], r["status"], str(r["seconds"]), f"`{r['log']}`"] for r in results),
                       headers=["stage", "status", "seconds", "output"], max_rows=None)]
     answer = answer_section(out)
@@ -299,13 +336,17 @@ def answer_section(out: Path) -> list[str]:
                         f"the 70B between {pk['over_threshold']:.2g}x and "
                         f"{sh['at_ladder_tokens']['pi']['peak']['over_threshold']:.2g}x the threshold"
                         if "at_ladder_tokens" in sh else "") + ".")
-    bs = out / "batch_sharpness" / "summary.json"
-    summary = json.loads(bs.read_text()) if bs.exists() else {}
+    # the stage's summary, else (standard scale) the shipped one the ladder stage copied
+    bs = [p for p in (out / "batch_sharpness" / "summary.json",
+                      out / "ladder" / "batch_sharpness.json") if p.exists()]
+    summary = json.loads(bs[0].read_text()) if bs else {}
     t70 = summary.get("llama2_70b")
     if t70:
         rungs, tok = pd.DataFrame(summary["rungs"]), summary["eval_tokens"]
-        L.append(f"- **Where the batch fall stops** ([batch sharpness](#sharpness-against-the-"
-                 f"evaluation-batch)): "
+        where = ("[batch sharpness](#sharpness-against-the-evaluation-batch)"
+                 if bs[0].parent.name == "batch_sharpness" else
+                 "the shipped fit's `ladder/batch_sharpness.json`")
+        L.append(f"- **Where the batch fall stops** ({where}): "
                  f"over {len(rungs)} trained rung x seed pairs lambda_max(H) falls "
                  f"{rungs['fall_first_to_last'].quantile(0.25):.2g}-"
                  f"{rungs['fall_first_to_last'].quantile(0.75):.2g}x (IQR) from {tok[0]} to "
@@ -419,6 +460,13 @@ def spike_rate_section(out: Path) -> list[str]:
               "predicts the toy profile (predictions.json).", "",
               mech.read_text().strip().replace("### Spike-rate model (Poisson GLM on regime groups)",
                                                "### Mechanism model (Poisson GLM on the phase maps)"), ""]
+    elif p70.exists():
+        model_file = str(json.loads(p70.read_text()).get("rate_model", {}).get("model_file", ""))
+        if str(package_data.DATA) in model_file:    # the standard scale: the shipped model
+            L += ["The 70B predictions use the mechanism model shipped with the package "
+                  "(`adamspike/data/llama2_70b/spike_rate_model.json`: S and warmup, trained on "
+                  "the full width-32 and width-64 phase maps; `--full` retrains it); the "
+                  "sweep-trained model below predicts the toy profile (predictions.json).", ""]
     if rep.exists():
         L += [rep.read_text().strip(), ""]
     fig = out / "figures" / "spike_rate" / "calibration.png"
@@ -514,8 +562,14 @@ def _schedule(plan: list[Stage], out: Path, env: dict, marks: Path, resume: bool
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike reproduce", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out/study", help="output folder (must be new or empty)")
-    ap.add_argument("--quick", action="store_true",
-                    help="CI scale (a few minutes): configs/study.toml's quick values")
+    scale = ap.add_mutually_exclusive_group()
+    scale.add_argument("--quick", action="store_const", const="quick", dest="scale",
+                       help="CI scale (a few minutes): configs/study.toml's quick values")
+    scale.add_argument("--full", action="store_const", const="full", dest="scale",
+                       help="every measurement recomputed, the phase maps and the batch-sharpness "
+                            "ladder included (hours on 2 cores; cached by cell, --resume "
+                            "continues); default: the standard scale, which reads those from "
+                            "the fit shipped with the package")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted study")
     ap.add_argument("--study", default=str(STUDY),
                     help="the stages, as TOML (default configs/study.toml)")
@@ -529,7 +583,9 @@ def main(argv: list[str] | None = None) -> int:
               "--out (nothing was overwritten)", file=sys.stderr)
         return 2
     try:
-        plan = stages(out, args.quick, max(1, args.jobs), Path(args.study))
+        args.scale = args.scale or "standard"
+        plan = stages(out, args.scale, max(1, args.jobs), Path(args.study))
+        note = scale_note(plan, args.scale, Path(args.study))
     except ConfigError as e:
         print(f"adamspike reproduce: {e}", file=sys.stderr)
         return 2
@@ -554,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("ADAMSPIKE_CACHE_DIR", str(out / ".cache"))
     results = _schedule(plan, out, env, marks, args.resume, max(1, args.jobs))
     (out / "stages.json").write_text(json.dumps(results, indent=2))
-    report = write_study_report(out, results, args.quick)
+    report = write_study_report(out, results, args.scale, note)
     print(f"study written to {out} (report: {report})")
     bad = [r["name"] for r in results if r["status"] in ("failed", "skipped")]
     missing = [r["name"] for r in results if r["status"] == "missing"]

@@ -11,6 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from adamspike.config import ConfigError
+
 from adamspike.llama import num_params, preset
 from simulate import ladder as LD
 from simulate import predict as P
@@ -95,6 +97,28 @@ def test_cells_cached_and_resumed(synthetic_ladder):
     other = LD.LadderSpec(rungs=spec.rungs, seeds=3, num_steps=30)
     with pytest.raises(Exception, match="another ladder"):
         LD.run_ladder(other, out, progress=False)
+
+
+def test_cells_from_another_ladder_directory(synthetic_ladder, tmp_path):
+    """--cells-from: the source's cells of the same spec (and its batch-sharpness summary)
+    are copied byte for byte, only those missing, and nothing is trained again; a source
+    holding another ladder is refused before anything is copied."""
+    src, spec, calls = synthetic_ladder
+    (src / LD.BATCH_SHARPNESS_FILE).write_text('{"llama2_70b": {}}')
+    dst = tmp_path / "copy"
+    assert LD.seed_cells(spec, dst, src) == len(spec.rungs)
+    LD.run_ladder(spec, dst, progress=False)
+    assert len(calls) == len(spec.rungs)                 # nothing trained
+    for c in (src / "cells").glob("*.parquet"):
+        assert (dst / "cells" / c.name).read_bytes() == c.read_bytes()
+    assert (dst / LD.BATCH_SHARPNESS_FILE).read_text() == '{"llama2_70b": {}}'
+    assert LD.seed_cells(spec, dst, src) == 0            # all there: none copied again
+    other = LD.LadderSpec(rungs=spec.rungs, seeds=3, num_steps=30)
+    with pytest.raises(ConfigError, match="another ladder \\(differs in num_steps\\)"):
+        LD.seed_cells(other, tmp_path / "third", src)
+    assert not (tmp_path / "third").exists()
+    with pytest.raises(ConfigError, match="holds another ladder"):
+        LD.seed_cells(other, dst, src)
 
 
 def test_ladder_fit_and_70b_bound(synthetic_ladder):

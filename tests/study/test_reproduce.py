@@ -120,22 +120,36 @@ def test_scheduler_gives_a_free_slot_to_the_first_ready_stage(tmp_path, monkeypa
     assert [r["status"] for r in res] == ["ok", "ok"] and started == ["needs_long"]
 
 
-def test_the_study_is_data_and_quick_merges_its_values(tmp_path):
-    """configs/study.toml is the plan: --quick is the same stages in the same order, minus
-    those it skips, with its sizes merged in; a skipped stage drops out of the others'
-    needs / after and run lists; sizes become flags."""
-    from study.reproduce import load_study, stages
-    full, quick = stages(tmp_path, False), stages(tmp_path, True, jobs=3)
+def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
+    """configs/study.toml is the plan (`--full`): the standard scale and --quick are the same
+    stages in the same order, minus those they skip, with their values merged in; a skipped
+    stage drops out of the others' needs / after and run lists; sizes become flags. The
+    standard and quick scales read the multi-hour measurements from the shipped fit."""
+    from adamspike import package_data
+    from study.reproduce import load_study, scale_note, stages
+    full, quick = stages(tmp_path, "full"), stages(tmp_path, "quick", jobs=3)
+    standard = stages(tmp_path)
     names = [s.name for s in full]
-    assert names == list(load_study()) and names[0] == "theory"
+    assert names == list(load_study(scale="full")) and names[0] == "theory"
     skipped = set(names) - {s.name for s in quick}
     assert skipped == {"llama_stable", "matched_toy_ge", "matched_toy_ge_1e8", "package_data",
-                       "phase_map_w64"}
+                       "phase_map_w64", "batch_sharpness", "spike_rate_mechanism"}
     assert [s.name for s in quick] == [n for n in names if n not in skipped]
-    f, q = {s.name: s for s in full}, {s.name: s for s in quick}
+    assert set(names) - {s.name for s in standard} == {
+        "phase_map_w64", "batch_sharpness", "spike_rate_mechanism", "package_data"}
+    shipped = str(package_data.profile_dir("llama2-70b"))
+    f, q, d = ({s.name: s for s in plan} for plan in (full, quick, standard))
+    for plan in (q, d):      # the shipped cells refitted; the shipped mechanism model
+        assert plan["ladder"].argv[-2:] == ["--cells-from", f"{shipped}/ladder"]
+        assert f"{shipped}/spike_rate_model.json" in plan["predict_70b"].argv
+        assert plan["predict_70b"].needs == ["sweep", "ladder"]
+    assert "--cells-from" not in f["ladder"].argv and shipped not in " ".join(f["predict_70b"].argv)
+    assert d["phase_map"].argv[-1] == "--quick" and "--quick" not in f["phase_map"].argv
+    note = scale_note(standard, "standard")
+    assert "`ladder`, `predict_70b`" in note and "`batch_sharpness`" in note
+    assert scale_note(full, "full") == ""
     assert f["mlp"].argv[-2:] == ["--steps", "20000"] and q["mlp"].argv[-2:] == ["--steps", "4000"]
     assert "--torch-spikes" in f["replay"].argv and "--torch-spikes" not in q["replay"].argv
-    assert q["ladder"].argv[-2:] == ["--spec", "quick"] and "--spec" not in f["ladder"].argv
     assert q["replay"].argv[-2:] == ["--train.num_steps", "400"] and "--max-spikes" in q["replay"].argv
     assert "120 steps" in q["matched_toy"].title and "1000 steps" in f["matched_toy"].title
     assert str(tmp_path / "runs" / "llama_stable") in f["spike_rate"].argv
@@ -153,9 +167,11 @@ def test_a_bad_study_file_names_the_key(tmp_path):
     bad = tmp_path / "s.toml"
     bad.write_text('[stages.a]\nargs = ["theory"]\nneeds = ["nope"]\n')
     with pytest.raises(ConfigError, match=r"stages.a.needs: unknown stage\(s\) \['nope'\]"):
-        stages(tmp_path, False, study=bad)
+        stages(tmp_path, "full", study=bad)
     bad.write_text('[stages.a]\nargs = ["theory"]\nquick.steps = 3\n')
     with pytest.raises(ConfigError, match=r"stages.a.quick: unknown key\(s\) \['steps'\]"):
-        stages(tmp_path, True, study=bad)
+        stages(tmp_path, "quick", study=bad)
+    with pytest.raises(ConfigError, match="study scale 'huge'"):
+        stages(tmp_path, "huge", study=bad)
     assert main(["--study", str(bad), "--quick", "--out", str(tmp_path / "o")]) == 2
     assert not (tmp_path / "o").exists()
