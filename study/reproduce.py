@@ -366,6 +366,11 @@ def answer_section(out: Path) -> list[str]:
                       if c.startswith("spikes_") and c.split("_")[1].isdigit())
         n = int(t[f"spikes_{tags[0]}"].sum()) if tags and len(t) else 0
         lanes = int(t["num_seeds"].sum()) if len(t) else 0
+        meta = out / "phase_map" / "map.json"     # a reduced map draws no conclusion
+        reduced = meta.exists() and bool(json.loads(meta.read_text()).get("quick"))
+        reduced_note = ("No cell spiked in this reduced map (configs/phase_map.toml's [quick] "
+                        "sizes): too few and too short runs to test either mechanism; "
+                        "`adamspike reproduce --full` runs the full map.")
         L.append(f"- **Toys held in that band** ([phase map](#phase-map-spikes-in-the-70bs-rho-band)): "
                  f"{n} loss spike(s) >= {tags[0] if tags else '?'} % in {lanes} runs of "
                  f"{int(t['num_steps'].max()) if len(t) else 0} steps over {len(t)} cells "
@@ -377,8 +382,9 @@ def answer_section(out: Path) -> list[str]:
                  + ("Mechanism per cell: " + ", ".join(
                      f"x{r.lr_mult:g}/b2 {r.b2:g}/batch x{r.batch_mult:g}: {r.mechanism}"
                      for r in t.itertuples() if r.mechanism != "no spikes") + "."
-                    if n else "No cell spiked: neither mechanism is exercised in this band at "
-                              "toy scale; the 70B's spikes are not reproduced by Pi_eps alone.")
+                    if n else reduced_note if reduced else
+                    "No cell spiked: neither mechanism is exercised in this band at "
+                    "toy scale; the 70B's spikes are not reproduced by Pi_eps alone.")
                  + (f" Out of the band ({len(out_band)} cell(s) whose groups left it, e.g. "
                     f"lr x{out_band['lr_mult'].max():g}): {int(out_band[f'spikes_{tags[0]}'].sum())} "
                     "spike(s)." if len(out_band) and tags else ""))

@@ -9,12 +9,32 @@ Property tests (hypothesis) are derandomized: the same examples on every run and
 so that a failure reproduces (an edge case it finds becomes an explicit regression test)."""
 
 import os
+import shutil
+import tempfile
 
 from hypothesis import settings
 
 os.environ.setdefault("ADAMSPIKE_TELEMETRY_COMPILE", "off")
 settings.register_profile("adamspike", derandomize=True, database=None)
 settings.load_profile("adamspike")
+
+
+def pytest_configure(config):
+    """One JAX compilation cache for the whole run (xdist workers and the CLI subprocesses
+    the tests start inherit it: they compile the same tiny programs again and again), made
+    here, in the controller, before the workers start; removed at the end. Per run: a
+    run's timing never depends on an earlier run's cache. A cache hit is the same
+    executable, so results are unchanged."""
+    if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    config._adamspike_jax_cache = tempfile.mkdtemp(prefix="adamspike-test-jax-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = config._adamspike_jax_cache
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_adamspike_jax_cache", None)
+    if cache:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
