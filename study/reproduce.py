@@ -602,9 +602,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{[s.name for s in plan]}", file=sys.stderr)
             return 2
         plan = [s for s in plan if s.name in args.only]
+    # a study folder keeps its scale: resuming it at another would take the other scale's
+    # finished stages (a reduced map, a refitted ladder) as this one's
+    scale_file = out / ".stages" / "scale"
+    if scale_file.is_file() and scale_file.read_text().strip() != args.scale:
+        print(f"adamspike reproduce: {out} holds a study at scale "
+              f"{scale_file.read_text().strip()!r}; resume it at that scale or use a new --out "
+              f"for {args.scale!r} (nothing was changed)", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     marks = out / ".stages"
     marks.mkdir(exist_ok=True)
+    scale_file.write_text(args.scale + "\n")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ADAMSPIKE_STUDY": str(out)}
     # overlapping stages share the cores instead of oversubscribing them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, args.jobs))))

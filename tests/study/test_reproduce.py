@@ -66,6 +66,19 @@ def test_reproduce_refuses_nonempty_out(tmp_path):
     assert (tmp_path / "keep.txt").read_text() == "precious"
 
 
+def test_resume_keeps_the_study_folders_scale(tmp_path, capsys):
+    """A folder made at one scale is not resumed at another (its finished stages, a reduced
+    map or a refitted ladder, would count as the other scale's): exit 2, nothing touched."""
+    from study.reproduce import main
+    (tmp_path / ".stages").mkdir()
+    (tmp_path / ".stages" / "scale").write_text("quick\n")
+    (tmp_path / "keep.txt").write_text("precious")
+    assert main(["--resume", "--out", str(tmp_path)]) == 2
+    assert "holds a study at scale 'quick'" in capsys.readouterr().err
+    assert (tmp_path / ".stages" / "scale").read_text() == "quick\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".stages", "keep.txt"]
+
+
 def test_rerun_sets_an_interrupted_stage_output_aside(tmp_path):
     """A stage whose earlier attempt died mid-way (no .stages mark) left a non-empty
     analysis/ that `analyze --out` would refuse: the rerun moves it to .stale/, keeps it."""
