@@ -67,8 +67,11 @@ def test_every_control_matches_the_trainer(tmp_path):
     run = load_run(train(cfg(**over, **{"train.seed": 1}), tmp_path / "r", progress=False))
     st = run.steps.sort_values("step")
     np.testing.assert_allclose(res["loss"][0], st["loss"], rtol=PROGRAMS_RTOL)
-    np.testing.assert_allclose(res["update_norm"][0], st["update_norm"], rtol=PROGRAMS_RTOL,
-                               atol=0)
+    # The v reset at step 3 makes that step's v_hat one gradient's square, so its update is
+    # m / (|g| + eps) per coordinate: the relative rounding of each small coordinate of g (not
+    # of the norm) reaches the update. Measured 1.5e-4 and 2.6e-4 at steps 3 and 4 on an AMD
+    # EPYC (AVX2), < 4e-5 at the other steps; bounded at 1e-3.
+    np.testing.assert_allclose(res["update_norm"][0], st["update_norm"], rtol=1e-3, atol=0)
     assert (res["update_norm"][0, [5, 6]] == 0).all()            # skipped steps 6, 7
     # (the poison control's spike: tests/simulate/test_llama_train.py, same program)
 
