@@ -332,9 +332,11 @@ def report_md(table: pd.DataFrame, onsets: pd.DataFrame, summary: dict) -> str:
     total = int(band[f"spikes_{tags[0]}"].sum())
     lines += [f"**In the 70B's band: {total} spike(s) of height >= {tags[0]} % in "
               f"{int(band['num_seeds'].sum())} lanes x {int(table['num_steps'].max())} steps** "
-              f"({len(band)} of {len(table)} cells in band; S above 1 in "
-              f"{100 * np.nanmean(band['frac_S_above_1']):.0f} % of their evaluations); out of "
-              f"band: {int(table[f'spikes_{tags[0]}'].sum()) - total} spike(s).", ""]
+              f"({len(band)} of {len(table)} cells in band"
+              + (f"; S above 1 in {100 * band['frac_S_above_1'].mean():.0f} % of their "
+                 "evaluations" if band['frac_S_above_1'].notna().any() else "")
+              + f"); out of band: {int(table[f'spikes_{tags[0]}'].sum()) - total} spike(s).",
+              ""]
     cols = ["lr_mult", "b2", "batch_mult", "in_band", "S_median", "S_p90", "frac_S_above_1",
             "detect_floor"]
     cols += [c for c in table.columns if c.startswith("rho_")]
