@@ -267,13 +267,8 @@ def run_ladder(spec: LadderSpec, out: str | Path, progress: bool = True) -> pd.D
     cells = out / "cells"
     cells.mkdir(parents=True, exist_ok=True)
     meta = out / "ladder.json"
-    want = {"ladder": spec.to_json()}
-    if meta.exists():
-        have = json.loads(meta.read_text())
-        if spec_from_json(have.get("ladder", {})).to_json() != want["ladder"]:
-            raise ConfigError(f"{out}: holds another ladder (ladder.json differs); use a new --out")
-    else:
-        atomic_write_bytes(meta, json.dumps(want, indent=2).encode())
+    if not _refuse_another(out, spec):
+        atomic_write_bytes(meta, json.dumps({"ladder": spec.to_json()}, indent=2).encode())
     if spec.curvature_every and (spec.curvature_every % LOG_EVERY
                                  or spec.num_steps % spec.curvature_every):
         raise ConfigError(f"curvature_every {spec.curvature_every}: must be a multiple of "
@@ -307,16 +302,10 @@ def seed_cells(spec: LadderSpec, out: str | Path, source: str | Path) -> int:
     batch-sharpness summary (BATCH_SHARPNESS_FILE) when `out` has none. `source` must hold
     the same ladder (its ladder.json), else nothing is copied. Returns the cells copied."""
     source, out = Path(source), Path(out)
-    mine = out / "ladder.json"
-    if mine.is_file() and spec_from_json(json.loads(mine.read_text())["ladder"]).to_json() \
-            != spec.to_json():
-        raise ConfigError(f"{out}: holds another ladder (ladder.json differs); use a new --out")
-    meta = source / "ladder.json"
-    if not meta.is_file():
-        raise ConfigError(f"--cells-from {source}: not a ladder directory (no ladder.json)")
-    theirs = spec_from_json(json.loads(meta.read_text())["ladder"]).to_json()
-    if theirs != spec.to_json():
-        diff = sorted(k for k in theirs if theirs[k] != spec.to_json().get(k))
+    _refuse_another(out, spec)
+    theirs, mine = stored_spec(source, "--cells-from ").to_json(), spec.to_json()
+    if theirs != mine:
+        diff = sorted(k for k in theirs if theirs[k] != mine.get(k))
         raise ConfigError(f"--cells-from {source}: another ladder (differs in {', '.join(diff)}); "
                           "nothing copied")
     (out / "cells").mkdir(parents=True, exist_ok=True)
@@ -332,13 +321,30 @@ def seed_cells(spec: LadderSpec, out: str | Path, source: str | Path) -> int:
     return copied
 
 
+def stored_spec(out: Path, what: str = "") -> LadderSpec:
+    """The ladder a ladder directory was run with (its ladder.json); `what` prefixes the
+    error's name of the directory (e.g. the option that named it)."""
+    meta = Path(out) / "ladder.json"
+    if not meta.is_file():
+        raise ConfigError(f"{what}{out}: not a ladder directory (no ladder.json)")
+    return spec_from_json(json.loads(meta.read_text()).get("ladder", {}))
+
+
+def _refuse_another(out: Path, spec: LadderSpec) -> bool:
+    """Whether `out` already holds a ladder; an error when it is another than `spec`."""
+    if not (out / "ladder.json").is_file():
+        return False
+    if stored_spec(out).to_json() != spec.to_json():
+        raise ConfigError(f"{out}: holds another ladder (ladder.json differs); use a new --out")
+    return True
+
+
 def read_ladder(out: str | Path, spec: LadderSpec | None = None) -> pd.DataFrame:
     """All cached cells of a ladder directory (those of `spec` only, when given)."""
     out = Path(out)
     if not (out / "ladder.json").is_file():
         raise ConfigError(f"{out}: not a ladder directory (no ladder.json)")
-    if spec is None:
-        spec = spec_from_json(json.loads((out / "ladder.json").read_text())["ladder"])
+    spec = stored_spec(out) if spec is None else spec
     paths = [out / "cells" / f"{cell_id(spec, r)}.parquet" for r in spec.rungs]
     frames = [pd.read_parquet(p) for p in paths if p.exists()]
     if not frames:
