@@ -165,7 +165,9 @@ def stages(out: Path, scale: str = "standard", jobs: int = 2, study: Path = STUD
             outputs.append(f"{st['run']}/run.json")
         result.append(Stage(
             name, fill(st.get("title", name), sizes),
-            [a for arg in st.get("args", []) for a in expand(arg, sizes)] + _size_flags(sizes),
+            [a for arg in st.get("args", []) for a in expand(arg, sizes)]
+            + _size_flags({k: fill(v, sizes) if isinstance(v, str) else v
+                           for k, v in sizes.items()}),
             # stages the scale leaves out are not waited for
             needs=[n for n in st.get("needs", []) if n in plan],
             after=[n for n in st.get("after", []) if n in plan],
