@@ -10,7 +10,8 @@ an uninterrupted run, and so are the final parameters and Adam state. For 1 proc
 
 Processes are real: a launcher process imports torch and the trainer once and forks a fresh
 trainer process per launch (torch.multiprocessing, fork), so a launch costs the model build,
-not the imports. When one rank dies the launcher kills the others, as torchrun's agent does.
+not the imports (torch._dynamo included, which the model build on the meta device imports).
+When one rank dies the launcher kills the others, as torchrun's agent does.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ LAUNCHER = r"""
 import json, os, signal, sys, time
 import torch.multiprocessing as mp
 import fullscale.train   # imported once here; every forked trainer reuses it
+import torch._dynamo     # so is this: the trainer's meta-device model build imports it (~1.5 s)
 
 def child(argv, env, log):
     os.environ.update(env)

@@ -2,18 +2,31 @@
 (`python -m fullscale.train` subprocesses; `strace -e inject` for I/O errors). Each case
 ends with one stderr line naming the fault and nothing lost: where training can continue,
 the resumed run's steps and final parameters + Adam state are bitwise those of an
-uninterrupted run."""
+uninterrupted run.
+
+The runs a case needs only as its setup or its continuation (the reference, a --resume to
+the end, a refusal's exit status and line), not as a process that is killed, signalled,
+traced or exits, call `fullscale.train.main(argv)` in this process (`train_here`: the CLI
+contract, it returns the exit status and writes the same stderr); each of those saves a
+process start (torch's imports, ~5 s of CPU on a loaded 2-core box). The runs that only
+SIGKILL themselves (ADAMSPIKE_KILL_AT) to leave a crashed run behind are real processes
+forked by one server process that imported the trainer once (`killed`, as
+tests/fullscale/test_crash.py launches its trainers): a kill costs the model build, not
+the imports."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,6 +43,8 @@ TINY = ["--model.preset", "tiny", "--train.global_batch_size", "8", "--train.seq
         "--checkpoint.keep", "3"]
 TIMING = {"step_time_s", "tokens_per_s", "mfu", "peak_mem_gb"}
 STRACE = shutil.which("strace")
+# what Python's default warning filters hide in a process (outside __main__)
+HIDDEN_BY_DEFAULT = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 
 
 def train(out: Path, *args: str, prefix: tuple[str, ...] = (), env: dict | None = None,
@@ -37,6 +52,79 @@ def train(out: Path, *args: str, prefix: tuple[str, ...] = (), env: dict | None 
     return subprocess.run([*prefix, sys.executable, "-m", "fullscale.train", "--out", str(out),
                            *TINY, *args], capture_output=True, text=True, timeout=timeout,
                           env={**ENV, **(env or {})})
+
+
+FORKER = r"""
+import json, os, sys
+import torch.multiprocessing as mp
+import fullscale.train   # imported once here; every forked trainer reuses it
+import torch._dynamo     # so is this: the trainer's meta-device model build imports it (~1.5 s)
+
+def child(argv, env, log):
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.exit(fullscale.train.main(argv))
+
+ctx = mp.get_context("fork")
+for line in sys.stdin:
+    argv, env, log = json.loads(line)
+    p = ctx.Process(target=child, args=(argv, env, log))
+    p.start()
+    p.join()
+    print(json.dumps(p.exitcode), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """`train(out, *args, env=env)` for a run that SIGKILLs itself (env: ADAMSPIKE_KILL_AT):
+    a trainer process forked by a server that has the imports done; its exit status
+    (-SIGKILL when killed) and stderr."""
+    logs = tmp_path_factory.mktemp("killed")
+    server = subprocess.Popen([sys.executable, "-c", FORKER], env=ENV, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    count = itertools.count()
+
+    def run(out: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
+        argv = ["--out", str(out), *TINY, *args]
+        log = logs / f"{next(count)}.stderr"
+        server.stdin.write(json.dumps([argv, env, str(log)]) + "\n")
+        server.stdin.flush()
+        ready, _, _ = select.select([server.stdout], [], [], 180)
+        assert ready, f"the forked trainer did not end in 180 s: {argv}"
+        reply = server.stdout.readline()
+        assert reply, f"the fork server died (exit {server.wait()})"
+        return subprocess.CompletedProcess(argv, json.loads(reply), "", log.read_text())
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+def train_here(out: Path, *args: str, capsys=None) -> subprocess.CompletedProcess:
+    """`train(out, *args)` in this process: fullscale.train.main's exit status, and its
+    stderr where `capsys` is given, with the warnings a process would have printed there
+    (each once, as Python's default filter shows them). One torch thread, as the
+    subprocesses (OMP_NUM_THREADS 1): the runs of either kind are bitwise the same."""
+    from fullscale.train import main
+
+    argv = ["--out", str(out), *TINY, *args]
+    if capsys is not None:
+        capsys.readouterr()
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            rc = main(argv)
+    finally:
+        torch.set_num_threads(n)
+    stdout, stderr = capsys.readouterr() if capsys is not None else ("", "")
+    stderr += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                      for w in caught if not issubclass(w.category, HIDDEN_BY_DEFAULT))
+    return subprocess.CompletedProcess(argv, rc, stdout, stderr)
 
 
 def lines(stderr: str) -> list[str]:
@@ -84,7 +172,7 @@ def assert_same_run(ref: Path, run: Path, last: int) -> None:
 def ref12(tmp_path_factory) -> Path:
     """An uninterrupted 12-step run, checkpoints every 4 steps."""
     out = tmp_path_factory.mktemp("ref") / "ref12"
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4")
+    proc = train_here(out, "--train.num_steps", "12", "--checkpoint.every", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -100,7 +188,8 @@ def flip(path: Path, nbytes: int = 4096) -> None:
 # ----------------------------------------------------------------------------- defect 1
 
 @pytest.mark.slow
-def test_async_save_finished_at_exit_is_hashed_and_a_corrupt_shard_falls_back(tmp_path, ref12):
+def test_async_save_finished_at_exit_is_hashed_and_a_corrupt_shard_falls_back(tmp_path, ref12,
+                                                                            capsys):
     """An abort leaves the step-8 async save pending; the exit completes it with every
     file's sha256 (it used to write sizes only, and a shard damaged later loaded silently
     and went NaN). A flipped 4 KiB of its shard is caught on --resume: one line, the
@@ -117,7 +206,8 @@ def test_async_save_finished_at_exit_is_hashed_and_a_corrupt_shard_falls_back(tm
     assert [e["step"] for e in events(out) if e["type"] == "checkpoint"] == [4, 8]
 
     flip(newest / "__0_0.distcp")
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    proc = train_here(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume",
+                      capsys=capsys)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = lines(proc.stderr)
     assert "__0_0.distcp does not match its sha256" in line and line.endswith("step-00000004")
@@ -141,17 +231,19 @@ def test_a_manifest_without_hashes_is_never_complete(tmp_path):
 
 
 @pytest.mark.slow
-def test_guard_steps_back_past_a_checkpoint_that_reproduces_the_fault(tmp_path):
+def test_guard_steps_back_past_a_checkpoint_that_reproduces_the_fault(tmp_path, capsys):
     """The step-8 checkpoint holds damaged weights whose hashes match (hashed after the
     damage): it loads, and the loss blows up again after every rollback to it. The guard's
     second rollback steps back to the step-4 checkpoint (it used to retry the same one
     until it gave up and called it the last good checkpoint); the run finishes."""
     out = tmp_path / "run"
     guard = ["--guard.enabled", "true", "--guard.window", "4", "--guard.skip_batches", "2"]
-    proc = train(out, "--train.num_steps", "8", "--checkpoint.every", "4", *guard)
+    proc = train_here(out, "--train.num_steps", "8", "--checkpoint.every", "4", *guard,
+                      capsys=capsys)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _damage_with_valid_hashes(out, 8)
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume", *guard)
+    proc = train_here(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume",
+                      *guard, capsys=capsys)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [ln for ln in lines(proc.stderr) if ln.startswith("adamspike train")]
     assert len(said) == 1 and "recurred after rolling back to checkpoint 8" in said[0], said
@@ -185,17 +277,18 @@ def _damage_with_valid_hashes(run: Path, step: int) -> None:
 # ----------------------------------------------------------------------------- defect 2
 
 @pytest.mark.slow
-def test_torn_last_event_line_is_repaired_on_resume(tmp_path, ref12):
+def test_torn_last_event_line_is_repaired_on_resume(tmp_path, ref12, killed, capsys):
     """Killed at step 6, then the end of events.jsonl is cut off (a torn last line): the
     resume moves the fragment to events.discarded.jsonl (one line says so) instead of
     appending its "resume" event to it; every event reads back, the run is the reference."""
     out = tmp_path / "run"
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4",
-                 env={"ADAMSPIKE_KILL_AT": "step@6"})
+    proc = killed(out, "--train.num_steps", "12", "--checkpoint.every", "4",
+                  env={"ADAMSPIKE_KILL_AT": "step@6"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     ev = out / "events.jsonl"
     os.truncate(ev, ev.stat().st_size - 20)
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    proc = train_here(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume",
+                      capsys=capsys)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = lines(proc.stderr)
     assert "events.jsonl: its last line was torn" in line
@@ -211,13 +304,13 @@ def test_torn_last_event_line_is_repaired_on_resume(tmp_path, ref12):
 
 @pytest.mark.slow
 @pytest.mark.skipif(STRACE is None, reason="needs strace")
-def test_io_error_reading_the_newest_checkpoint_falls_back(tmp_path, ref12):
+def test_io_error_reading_the_newest_checkpoint_falls_back(tmp_path, ref12, killed):
     """Every read of the step-8 shard fails with EIO (strace -e inject): the resume used to
     end in a 33-line traceback (exit 1); now the checkpoint is rejected in one line naming
     EIO and the step-4 one is used, as docs/faults.md promises."""
     out = tmp_path / "run"
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4",
-                 env={"ADAMSPIKE_KILL_AT": "step@10"})
+    proc = killed(out, "--train.num_steps", "12", "--checkpoint.every", "4",
+                  env={"ADAMSPIKE_KILL_AT": "step@10"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     shard = ck.step_dir(out / "checkpoints", 8) / "__0_0.distcp"
     proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume",
@@ -233,18 +326,19 @@ def test_io_error_reading_the_newest_checkpoint_falls_back(tmp_path, ref12):
 # ----------------------------------------------------------------------------- defect 5
 
 @pytest.mark.slow
-def test_dead_ends_have_a_way_out(tmp_path, ref12):
+def test_dead_ends_have_a_way_out(tmp_path, ref12, killed, capsys):
     """Killed inside its first checkpoint save, a run had no way on ("no complete
     checkpoint" on --resume, "not empty" on a new start): --resume now starts again from
     step 0, saying so. When every checkpoint is damaged, --resume says --restart is the
     way out, and --restart moves the old contents aside (nothing deleted) and starts anew;
     both end bitwise equal to the uninterrupted run."""
     out = tmp_path / "run"
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4",
-                 env={"ADAMSPIKE_KILL_AT": "checkpoint.write@4"})
+    proc = killed(out, "--train.num_steps", "12", "--checkpoint.every", "4",
+                  env={"ADAMSPIKE_KILL_AT": "checkpoint.write@4"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert ck.complete(out / "checkpoints") == []
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    proc = train_here(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume",
+                      capsys=capsys)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = lines(proc.stderr)
     assert "no complete checkpoint" in line and "starts again from step 0" in line
@@ -254,11 +348,13 @@ def test_dead_ends_have_a_way_out(tmp_path, ref12):
     for shard in out.glob("checkpoints/step-*/__0_0.distcp"):
         flip(shard)
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    proc = train_here(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume",
+                      capsys=capsys)
     assert proc.returncode == 2
     (line,) = lines(proc.stderr)
     assert "no loadable checkpoint" in line and "--restart" in line
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--restart")
+    proc = train_here(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--restart",
+                      capsys=capsys)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = lines(proc.stderr)
     (aside,) = tmp_path.glob("run.restart-*")
@@ -276,7 +372,7 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(STRACE is None, reason="needs strace")
-def test_storage_errors_are_one_line_and_lose_nothing(tmp_path, ref12):
+def test_storage_errors_are_one_line_and_lose_nothing(tmp_path, ref12, capsys):
     """The disk fills while checkpoint 8 is written (strace: ENOSPC on its shard): one
     line naming ENOSPC, exit 1, a "fault" event (it used to be a DCP traceback). A read-only
     checkpoints/ on --resume is refused at the start in one line naming EROFS, nothing
@@ -306,7 +402,8 @@ def test_storage_errors_are_one_line_and_lose_nothing(tmp_path, ref12):
     assert after.pop("writer.lock") == b"" and before.pop("writer.lock") == b""
     assert after == before
 
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    proc = train_here(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume",
+                      capsys=capsys)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(ref12, out, 12)
 
@@ -354,7 +451,7 @@ def _signal_while_hung(out: Path, sig: int, hang_step: int, *args: str
 
 
 @pytest.mark.slow
-def test_sigint_and_sigterm_are_one_line_a_fault_event_and_130_143(tmp_path, ref12):
+def test_sigint_and_sigterm_are_one_line_a_fault_event_and_130_143(tmp_path, ref12, capsys):
     """Ctrl-C (SIGINT) at step 6 and SIGTERM at step 10 of the resumed run: each exits
     128 + signal with one line naming it (Ctrl-C was a 20-line traceback; a SIGTERMed
     process left no fault event); the final --resume is bitwise the uninterrupted run."""
@@ -366,7 +463,8 @@ def test_sigint_and_sigterm_are_one_line_a_fault_event_and_130_143(tmp_path, ref
         assert line.startswith(f"adamspike train: interrupted by {sig.name} at step {step};")
         fault = [e for e in events(out) if e["type"] == "fault"][-1]
         assert fault["signal"] == sig.name and fault["step"] == step
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    proc = train_here(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume",
+                      capsys=capsys)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(ref12, out, 12)
 
@@ -553,7 +651,7 @@ def test_a_signal_inside_a_checkpoint_save_or_load_of_a_torchrun_job(tmp_path, r
 
 # ----------------------------------------------------------------------------- defect 9
 
-def test_bad_config_bytes_and_a_model_too_large_are_refused_in_one_line(tmp_path):
+def test_bad_config_bytes_and_a_model_too_large_are_refused_in_one_line(tmp_path, capsys):
     """A config that is not UTF-8 was a traceback; a model that cannot fit was built until
     a 71-line MemoryError: both exit 2 in one line before anything is created (the model's
     least memory is estimated; under `ulimit -v` the address-space limit counts)."""
@@ -561,7 +659,7 @@ def test_bad_config_bytes_and_a_model_too_large_are_refused_in_one_line(tmp_path
 
     bad = tmp_path / "b.toml"
     bad.write_bytes(b"\xff\xfe[model]\n")
-    proc = train(tmp_path / "x", "--config", str(bad))
+    proc = train_here(tmp_path / "x", "--config", str(bad), capsys=capsys)
     assert proc.returncode == 2
     (line,) = lines(proc.stderr)
     assert line == f"adamspike train: error: {bad}: not UTF-8 text (byte 0: 0xff); a TOML config must be UTF-8"
@@ -580,13 +678,14 @@ def test_bad_config_bytes_and_a_model_too_large_are_refused_in_one_line(tmp_path
 
 
 @pytest.mark.slow
-def test_resume_below_the_checkpoint_says_so(tmp_path, ref12):
+def test_resume_below_the_checkpoint_says_so(tmp_path, ref12, capsys):
     """--resume --train.num_steps 6 of a run checkpointed at 12 exited 0 having trained
     nothing; now exit 2, one line naming both steps, the run unchanged."""
     out = tmp_path / "run"
     shutil.copytree(ref12, out)
     before = _snapshot(out)
-    proc = train(out, "--train.num_steps", "6", "--checkpoint.every", "4", "--resume")
+    proc = train_here(out, "--train.num_steps", "6", "--checkpoint.every", "4", "--resume",
+                      capsys=capsys)
     assert proc.returncode == 2
     (line,) = lines(proc.stderr)
     assert "train.num_steps: 6 is below step 12 of the checkpoint resumed from" in line
@@ -597,7 +696,7 @@ def test_resume_below_the_checkpoint_says_so(tmp_path, ref12):
 
 @pytest.mark.slow
 @pytest.mark.skipif(STRACE is None, reason="needs strace")
-def test_failed_async_save_never_logs_a_checkpoint_event(tmp_path, ref12):
+def test_failed_async_save_never_logs_a_checkpoint_event(tmp_path, ref12, capsys):
     """The background write of the async step-8 save fails (ENOSPC): no "checkpoint" event
     for step 8 (it used to be logged when the save was queued), one line naming ENOSPC;
     --resume from step 4 ends bitwise equal to the uninterrupted run."""
@@ -611,25 +710,26 @@ def test_failed_async_save_never_logs_a_checkpoint_event(tmp_path, ref12):
     (line,) = lines(proc.stderr)
     assert line.startswith("adamspike train: error: storage: ENOSPC"), line
     assert [e["step"] for e in events(out) if e["type"] == "checkpoint"] == [4]
-    proc = train(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume")
+    proc = train_here(out, "--train.num_steps", "12", "--checkpoint.every", "4", "--resume",
+                      capsys=capsys)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(ref12, out, 12)
 
 
 @pytest.mark.slow
-def test_a_resume_that_dies_early_keeps_the_crash_record(tmp_path, ref12):
+def test_a_resume_that_dies_early_keeps_the_crash_record(tmp_path, ref12, killed, capsys):
     """A run is killed at step 6, then two resumes are killed while loading the checkpoint
     (before they open the run directory): the next resume logs three lock_taken_over
     events, one per dead writer (it logged one: each early death erased the record
     before it)."""
     out = tmp_path / "run"
     common = ("--train.num_steps", "12", "--checkpoint.every", "4")
-    proc = train(out, *common, env={"ADAMSPIKE_KILL_AT": "step@6"})
+    proc = killed(out, *common, env={"ADAMSPIKE_KILL_AT": "step@6"})
     assert proc.returncode == -signal.SIGKILL
     for _ in range(2):
-        proc = train(out, *common, "--resume", env={"ADAMSPIKE_KILL_AT": "checkpoint.load@4"})
+        proc = killed(out, *common, "--resume", env={"ADAMSPIKE_KILL_AT": "checkpoint.load@4"})
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    proc = train(out, *common, "--resume")
+    proc = train_here(out, *common, "--resume", capsys=capsys)
     assert proc.returncode == 0, proc.stderr[-3000:]
     taken = [e["previous"] for e in events(out) if e["type"] == "lock_taken_over"]
     assert len(taken) == 3 and len({t["pid"] for t in taken}) == 3, taken

@@ -166,11 +166,35 @@ def _train(tmp_path, name, *overrides):
     return proc, out
 
 
+def _train_here(capsys, out, *argv):
+    """`python -m fullscale.train --out OUT ARGV` in this process (its main returns the exit
+    status; stderr from capsys): for the runs whose process is not what a case checks (no
+    background save, whose thread's traceback only a process would print). One torch
+    thread, as the subprocesses."""
+    import subprocess
+
+    import torch
+
+    from fullscale.train import main
+
+    capsys.readouterr()
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rc = main(["--out", str(out), *argv])
+    finally:
+        torch.set_num_threads(n)
+    return subprocess.CompletedProcess(argv, rc, *capsys.readouterr())
+
+
 @pytest.mark.slow
-def test_guard_end_to_end_spike_rollback_skip_recover(tmp_path):
+def test_guard_end_to_end_spike_rollback_skip_recover(tmp_path, capsys):
     from adamspike.rundir import load_run
 
-    proc, out = _train(tmp_path, "run")
+    config = tmp_path / "guard.toml"
+    config.write_text(GUARD_RUN)
+    out = tmp_path / "run"
+    proc = _train_here(capsys, out, "--config", str(config))
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = load_run(out, tables=("steps",))
     ev = run.events
@@ -201,7 +225,7 @@ def test_guard_end_to_end_spike_rollback_skip_recover(tmp_path):
     shutil.copytree(out, out2)
     assert [s for s, _ in checkpoint.complete(out2 / "checkpoints")] == [50, 60]
     shutil.rmtree(checkpoint.step_dir(out2 / "checkpoints", 60))
-    proc, _ = _train(tmp_path, "split", "--resume")
+    proc = _train_here(capsys, out2, "--config", str(config), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     split = load_run(out2, tables=("steps",))
     assert split.steps["loss"].tolist() == run.steps["loss"].tolist()
@@ -231,29 +255,24 @@ def test_guard_end_to_end_gives_up_after_max_retries(tmp_path):
 
 
 @pytest.mark.slow
-def test_guard_gives_up_on_persistently_poisoned_batches(tmp_path):
+def test_guard_gives_up_on_persistently_poisoned_batches(tmp_path, capsys):
     """Every batch from 40 on is bad (faults.poison_batches). The spike at step 40 is judged
     against steps 20-39; the rollback target, the step-20 checkpoint, holds the losses of
     steps 1-20, still falling fast, whose wide band let the poisoned losses pass as normal:
     the model trained on them (loss 4.6 -> 0.19) and exited 0. The guard keeps the
     pre-incident baseline instead, so every retry spikes again, and after max_retries it
     gives up: exit 3, one clear line, the step-20 checkpoint intact."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     from adamspike.rundir import load_run
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "fullscale.train", "--config", str(root / "configs" / "tiny.toml"),
-         "--out", str(out), "--train.num_steps", "60", "--checkpoint.every", "20",
-         "--telemetry.enabled", "false", "--guard.enabled", "true", "--guard.window", "20",
-         "--guard.max_retries", "2",
-         "--faults.poison_batches", "40,100000"], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    proc = _train_here(
+        capsys, out, "--config", str(root / "configs" / "tiny.toml"),
+        "--train.num_steps", "60", "--checkpoint.every", "20",
+        "--telemetry.enabled", "false", "--guard.enabled", "true", "--guard.window", "20",
+        "--guard.max_retries", "2", "--faults.poison_batches", "40,100000")
     assert proc.returncode == 3, proc.stderr[-3000:]
     err = [ln for ln in proc.stderr.splitlines() if ln.startswith("adamspike train")]
     assert len(err) == 1 and "spike guard gave up" in err[0] and "step-00000020" in err[0], err
