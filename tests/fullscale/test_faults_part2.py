@@ -84,7 +84,7 @@ def killed(tmp_path_factory):
     (-SIGKILL when killed) and stderr."""
     logs = tmp_path_factory.mktemp("killed")
     server = subprocess.Popen([sys.executable, "-c", FORKER], env=ENV, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     count = itertools.count()
 
     def run(out: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
@@ -100,7 +100,11 @@ def killed(tmp_path_factory):
 
     yield run
     server.stdin.close()
-    server.wait(timeout=60)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:   # a trainer that never ended: it and the server go
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 def train_here(out: Path, *args: str, capsys=None) -> subprocess.CompletedProcess:
