@@ -23,9 +23,12 @@ def _batch(seed=0):
 def test_bf16_loss_and_grads_close_to_fp32_and_float32():
     params = jllama.init_params(CFG, jax.random.PRNGKey(0))
     batch = _batch()
-    vg = jax.value_and_grad(jllama.loss_fn, has_aux=True)
-    (l32, _), g32 = vg(params, batch, CFG)
-    (l16, _), g16 = vg(params, batch, CFG, compute_dtype="bf16")
+    # jitted, as the trainer runs it (eagerly, each of the ~300 primitives compiles apart)
+    def vg(dtype):
+        return jax.jit(jax.value_and_grad(
+            lambda p, b: jllama.loss_fn(p, b, CFG, compute_dtype=dtype), has_aux=True))
+    (l32, _), g32 = vg("fp32")(params, batch)
+    (l16, _), g16 = vg("bf16")(params, batch)
     assert l16.dtype == jnp.float32
     # bf16 has an 8-bit mantissa: relative error ~ 2^-8 per op, a few ops deep
     assert abs(float(l16) - float(l32)) < 2e-2 * abs(float(l32))

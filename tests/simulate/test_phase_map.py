@@ -8,6 +8,7 @@ import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import pandas as pd
+import pytest
 
 from adamspike.train_config import RunConfig
 from simulate import optim as jopt
@@ -25,25 +26,48 @@ DENSE = {"model.preset": "tiny", "model.vocab_size": 16, "model.dim": 8, "model.
          "train.dtype": "fp32"}
 
 
-def _trained(cfg):
-    """(prog, params, state, last batch, controls) after 20 trainer steps of seed 0."""
-    prog = Program(cfg)
+@pytest.fixture(scope="module")
+def prog():
+    """The DENSE model's one Program for the whole module: the loss scale (4 in some tests)
+    is a control, so every config here shares its compiled step, runs and curvature."""
+    return Program(RunConfig.from_dict(DENSE))
+
+
+@pytest.fixture(scope="module")
+def stab(prog):
+    """Program.stability compiled once (the phase map's check and simulate.batch_sharpness
+    call it jitted too)."""
+    return jax.jit(prog.stability, static_argnames=("num_iters", "precondition"))
+
+
+@pytest.fixture(scope="module")
+def hessian(prog):
+    """hessian(flat, batch, s): the dense Hessian of s * loss over the flattened parameters,
+    as one compiled program for every test (eagerly, jax.hessian compiled each of its
+    primitives apart: ~500 small programs, 38 s of the first test on 2 loaded cores)."""
+    _, unravel = jax.flatten_util.ravel_pytree(prog.init(0)[0])
+    fn = jax.jit(jax.hessian(lambda x, b, s: prog.loss(unravel(x), b, s)[0]))
+    return lambda flat, batch, s: np.asarray(fn(flat, batch, jnp.float32(s)), np.float64)
+
+
+def _trained(prog, cfg):
+    """(params, state, last batch, controls) after 20 trainer steps of seed 0."""
     ctl = prog.controls(cfg, range(1, 21))
     tokens = arm_tokens(cfg, [0])[0]
     params, state = prog.init(0)
     for s in range(20):
         params, state, _ = prog.step_fn(params, state, jnp.asarray(tokens[s]), ctl.at(s))
-    return prog, params, state, jnp.asarray(tokens[19]), ctl
+    return params, state, jnp.asarray(tokens[19]), ctl
 
 
-def test_stability_is_the_top_eigenvalue_of_the_preconditioned_hessian():
-    prog, params, state, batch, ctl = _trained(RunConfig.from_dict(DENSE))
+def test_stability_is_the_top_eigenvalue_of_the_preconditioned_hessian(prog, stab, hessian):
+    params, state, batch, ctl = _trained(prog, RunConfig.from_dict(DENSE))
     c = ctl.at(19)._replace(lr=np.float32(1e-2))   # the schedule's last lr is 0: S would be 0
     u0 = jax.tree.map(lambda p: jnp.ones_like(p), params)
-    S, _ = prog.stability(params, state, batch, c, u0, num_iters=400)
+    S, _ = stab(params, state, batch, c, u0, num_iters=400)
     # dense: P^(1/2) H P^(1/2) of the flattened parameters
-    flat, unravel = jax.flatten_util.ravel_pytree(params)
-    hess = jax.hessian(lambda x: prog.loss(unravel(x), batch, c.loss_scale)[0])(flat)
+    flat, _ = jax.flatten_util.ravel_pytree(params)
+    hess = hessian(flat, batch, c.loss_scale)
     adam = jopt.adam_state(state)
     t = float(adam.count)
     nu, _ = jax.flatten_util.ravel_pytree(adam.nu)
@@ -51,7 +75,7 @@ def test_stability_is_the_top_eigenvalue_of_the_preconditioned_hessian():
                                                        enumerate(jax.tree.leaves(params))]))
     ct = (1 - 0.9) / (1 + 0.9) / (1 - 0.9 ** t)
     root = np.sqrt(ct / (np.sqrt(np.asarray(nu) / (1 - 0.95 ** t)) + np.asarray(eps)))
-    ev = np.linalg.eigvalsh(root[:, None] * np.asarray(hess, np.float64) * root[None, :])
+    ev = np.linalg.eigvalsh(root[:, None] * hess * root[None, :])
     top = ev[np.argmax(np.abs(ev))]          # power iteration finds the largest magnitude
     assert abs(top) > 1.0                    # a real curvature, not 0 = 0
     # 400 float32 products from a flat start: the top two magnitudes are 14.6 and 12.4
@@ -59,24 +83,23 @@ def test_stability_is_the_top_eigenvalue_of_the_preconditioned_hessian():
     np.testing.assert_allclose(float(S), float(c.lr) * top / 2, rtol=1e-3)
 
 
-def test_sharpness_is_the_top_eigenvalue_of_the_hessian():
-    prog, params, state, batch, ctl = _trained(RunConfig.from_dict({**DENSE, "train.loss_scale": 4.0}))
+def test_sharpness_is_the_top_eigenvalue_of_the_hessian(prog, stab, hessian):
+    params, state, batch, ctl = _trained(prog, RunConfig.from_dict({**DENSE, "train.loss_scale": 4.0}))
     c = ctl.at(19)
     u0 = jax.tree.map(lambda p: jnp.ones_like(p), params)
-    lam, _ = prog.stability(params, state, batch, c, u0, num_iters=400, precondition=False)
-    flat, unravel = jax.flatten_util.ravel_pytree(params)
+    lam, _ = stab(params, state, batch, c, u0, num_iters=400, precondition=False)
+    flat, _ = jax.flatten_util.ravel_pytree(params)
     # the unscaled loss: sharpness does not move with the loss scale (H_s = s H)
-    hess = jax.hessian(lambda x: prog.loss(unravel(x), batch, 1.0)[0])(flat)
-    ev = np.linalg.eigvalsh(np.asarray(hess, np.float64))
+    hess = hessian(flat, batch, 1.0)
+    ev = np.linalg.eigvalsh(hess)
     top = ev[np.argmax(np.abs(ev))]
     gap = np.sort(np.abs(ev))[-2] / abs(top)
     assert abs(top) > 1.0 and gap < 0.95    # converged well within 400 products (gap^400)
     np.testing.assert_allclose(float(lam), top, rtol=1e-3)
 
 
-def test_the_curvature_run_trains_the_same_lanes():
+def test_the_curvature_run_trains_the_same_lanes(prog):
     cfg = RunConfig.from_dict(DENSE)
-    prog = Program(cfg)
     tokens = arm_tokens(cfg, [0, 1])
     ctl = prog.controls(cfg, range(1, 21))
     plain = prog.run([0, 1], tokens, ctl)
@@ -93,12 +116,11 @@ def test_the_curvature_run_trains_the_same_lanes():
     np.testing.assert_allclose(both["loss"], plain["loss"], rtol=1e-5)
 
 
-def test_the_secant_proxy_is_the_curvature_along_the_update():
+def test_the_secant_proxy_is_the_curvature_along_the_update(prog, stab, hessian):
     """On one fixed batch (no minibatch noise) the proxy's first term (g_t - g_{t-1}) . u_{t-1}
     is u' H u at the segment's midpoint (a secant), and its reading is a Rayleigh quotient,
     so it cannot exceed the top eigenvalue's."""
     cfg = RunConfig.from_dict({**DENSE, "train.loss_scale": 4.0})
-    prog = Program(cfg)
     ctl = prog.controls(cfg, range(1, 21))
     batch = jnp.asarray(arm_tokens(cfg, [0])[0][0])
     params, state = prog.init(0)
@@ -110,27 +132,29 @@ def test_the_secant_proxy_is_the_curvature_along_the_update():
         if s == 10:
             before, u_prev = params, jax.tree.map(jnp.subtract, new, params)
         params = new
-    flat, unravel = jax.flatten_util.ravel_pytree(before)
+    flat, _ = jax.flatten_util.ravel_pytree(before)
     u, _ = jax.flatten_util.ravel_pytree(u_prev)
     mid = flat + u / 2
-    hess = np.asarray(jax.hessian(lambda x: prog.loss(unravel(x), batch, 4.0)[0])(mid), np.float64)
+    hess = hessian(mid, batch, 4.0)
     uhu = float(np.asarray(u, np.float64) @ hess @ np.asarray(u, np.float64))
     # the midpoint rule's error is third order in |u| (0.017 here; H at the segment's start
     # is 12 % off, so H does move along u) and the fp32 gradient difference loses
     # ~1e-7 |g| / |g_t - g_{t-1}|: measured 0.14 % apart; 1 % leaves room for rounding
     np.testing.assert_allclose(float(terms[0]), uhu, rtol=1e-2)
     S_sec, lam_sec = secant_readings(terms, 1e-3, 4.0)
-    S_top, _ = prog.stability(params, state, batch, c, jax.tree.map(jnp.ones_like, params), 400)
+    S_top, _ = stab(params, state, batch, c, jax.tree.map(jnp.ones_like, params),
+                    num_iters=400)
     assert 0 < float(S_sec) <= float(S_top) * 1.001     # a Rayleigh quotient of the same operator
     # the unscaled reading: u' H u / |u|^2 of the loss, not of 4 x loss
     np.testing.assert_allclose(float(lam_sec), uhu / float(terms[2]) / 4.0, rtol=1e-2)
 
 
-def test_the_secant_run_trains_the_same_lanes():
+def test_the_secant_run_trains_the_same_lanes(prog):
     cfg = RunConfig.from_dict(DENSE)
-    prog = Program(cfg)
     tokens = arm_tokens(cfg, [0, 1])
     ctl = prog.controls(cfg, range(1, 21))
+    # the curvature run of test_the_curvature_run_trains_the_same_lanes: the module's one
+    # Program keeps its compiled scan, so this reruns it without compiling again
     plain = prog.run([0, 1], tokens, ctl, curvature_every=5)
     sec = prog.run([0, 1], tokens, ctl, curvature_every=5, secant=True)
     # another compiled program (the gradients kept for the proxy): fp32 rounding, not bits
@@ -140,7 +164,7 @@ def test_the_secant_run_trains_the_same_lanes():
     assert sec["sharpness_secant"].shape == (2, 4)
 
 
-def test_a_tiny_map_end_to_end_and_resumed(tmp_path):
+def test_a_tiny_map_end_to_end_and_resumed(tmp_path, monkeypatch):
     base = tmp_path / "base.toml"
     base.write_text("""
 [model]
@@ -205,8 +229,15 @@ window = 10
     meta = json.loads((out / "map.json").read_text())
     assert len(meta["calibration"]) == 2 and len(meta["cells"]) == 2
     assert "Phase map" in (out / "phase_map.md").read_text() or "tiny map" in (out / "phase_map.md").read_text()
-    # resumed: nothing reruns (the cells' files are kept as they are)
+    # resumed: nothing reruns (the cells' files are kept as they are; calibrating, a cell or
+    # the check would fail the call)
     mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()}
+    from simulate import phase_map
+
+    def recomputed(*args, **kwargs):
+        raise AssertionError("the resumed map recomputed")
+    for name in ("calibrate", "run_cell", "check_stability"):
+        monkeypatch.setattr(phase_map, name, recomputed)
     assert cli(["phase-map", "--config", str(cfg), "--out", str(out), "--no-progress"]) == 0
     assert {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()} == mtimes
 

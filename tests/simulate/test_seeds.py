@@ -23,9 +23,19 @@ def cfg(**over):
     return RunConfig.from_dict({**SETTINGS, **over})
 
 
-def test_a_vmapped_seed_is_the_trainers_run(tmp_path):
-    res = run_arm(cfg(), [0, 3])
-    for j, seed in enumerate((0, 3)):
+SEEDS = [0, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def base():
+    """run_arm(cfg(), SEEDS), shared by the tests that read its lanes: one compiled program
+    of width 4 (each lane count is a program of its own; seed k is lane k)."""
+    return run_arm(cfg(), SEEDS)
+
+
+def test_a_vmapped_seed_is_the_trainers_run(base, tmp_path):
+    res = base
+    for j, seed in ((0, 0), (3, 3)):
         run = load_run(train(cfg(**{"train.seed": seed}), tmp_path / f"s{seed}", progress=False))
         st = run.steps.sort_values("step")
         np.testing.assert_allclose(res["loss"][j], st["loss"], rtol=PROGRAMS_RTOL)
@@ -40,14 +50,14 @@ def test_a_vmapped_seed_is_the_trainers_run(tmp_path):
     assert res["group_eps"][list(res["groups"]).index("embed")] == 1e-4
 
 
-def test_arms_are_paired_and_eps_only_arms_share_the_program():
-    a = run_arm(cfg(), [0, 1, 2])
-    b = run_arm(cfg(**{"optim.eps": 1e-3}), [0, 1, 2])
+def test_arms_are_paired_and_eps_only_arms_share_the_program(base):
+    a = base
+    b = run_arm(cfg(**{"optim.eps": 1e-3}), SEEDS)
     # same seeds: same first batch and init, so step 1's loss is identical across arms
     np.testing.assert_array_equal(a["loss"][:, 0], b["loss"][:, 0])
     assert not np.allclose(a["loss"][:, -1], b["loss"][:, -1])
-    assert len({tuple(np.round(a["loss"][i, :3], 6)) for i in range(3)}) == 3   # seeds differ
-    seq = run_arm(cfg(), [0, 1, 2], vmapped=False)   # lane width 1 vs 3: other programs
+    assert len({tuple(np.round(a["loss"][i, :3], 6)) for i in SEEDS}) == 4   # seeds differ
+    seq = run_arm(cfg(), SEEDS, vmapped=False)   # lane width 1 vs 4: other programs
     np.testing.assert_allclose(seq["loss"], a["loss"], rtol=PROGRAMS_RTOL)
 
 
