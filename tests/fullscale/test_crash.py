@@ -32,6 +32,7 @@ import torch
 
 from adamspike.rundir import load_run
 from fullscale import checkpoint as ck
+from tests.fullscale.fork_launcher import LAUNCHER
 from tests.fullscale.test_faults_part2 import state as checkpoint_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,34 +58,6 @@ keep = 2
 """
 TIMING = {"step_time_s", "tokens_per_s", "mfu", "peak_mem_gb"}   # wall-clock columns
 
-LAUNCHER = r"""
-import json, os, signal, sys, time
-import torch.multiprocessing as mp
-import fullscale.train   # imported once here; every forked trainer reuses it
-import torch._dynamo     # so is this: the trainer's meta-device model build imports it (~1.5 s)
-
-def child(argv, env, log):
-    os.environ.update(env)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.exit(fullscale.train.main(argv))
-
-ctx = mp.get_context("fork")
-for line in sys.stdin:
-    req = json.loads(line)
-    procs = [ctx.Process(target=child, args=(p["argv"], p["env"], p["log"])) for p in req]
-    for p in procs:
-        p.start()
-    print(json.dumps([p.pid for p in procs]), flush=True)
-    while any(p.is_alive() for p in procs):     # one rank dies: the others are killed
-        if any(p.exitcode not in (None, 0) for p in procs):
-            for q in procs:
-                if q.is_alive():
-                    os.kill(q.pid, signal.SIGKILL)
-        time.sleep(0.005)
-    print(json.dumps([p.exitcode for p in procs]), flush=True)
-"""
 
 
 class Launcher:

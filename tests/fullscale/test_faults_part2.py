@@ -35,6 +35,7 @@ import torch
 from adamspike.rundir import load_run
 from adamspike.train_config import RunConfig
 from fullscale import checkpoint as ck
+from tests.fullscale.fork_launcher import LAUNCHER
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -54,27 +55,6 @@ def train(out: Path, *args: str, prefix: tuple[str, ...] = (), env: dict | None 
                           env={**ENV, **(env or {})})
 
 
-FORKER = r"""
-import json, os, sys
-import torch.multiprocessing as mp
-import fullscale.train   # imported once here; every forked trainer reuses it
-import torch._dynamo     # so is this: the trainer's meta-device model build imports it (~1.5 s)
-
-def child(argv, env, log):
-    os.environ.update(env)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.exit(fullscale.train.main(argv))
-
-ctx = mp.get_context("fork")
-for line in sys.stdin:
-    argv, env, log = json.loads(line)
-    p = ctx.Process(target=child, args=(argv, env, log))
-    p.start()
-    p.join()
-    print(json.dumps(p.exitcode), flush=True)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -83,20 +63,22 @@ def killed(tmp_path_factory):
     a trainer process forked by a server that has the imports done; its exit status
     (-SIGKILL when killed) and stderr."""
     logs = tmp_path_factory.mktemp("killed")
-    server = subprocess.Popen([sys.executable, "-c", FORKER], env=ENV, stdin=subprocess.PIPE,
+    server = subprocess.Popen([sys.executable, "-c", LAUNCHER], env=ENV, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, start_new_session=True)
     count = itertools.count()
 
     def run(out: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
         argv = ["--out", str(out), *TINY, *args]
         log = logs / f"{next(count)}.stderr"
-        server.stdin.write(json.dumps([argv, env, str(log)]) + "\n")
+        server.stdin.write(json.dumps([{"argv": argv, "env": env, "log": str(log)}]) + "\n")
         server.stdin.flush()
-        ready, _, _ = select.select([server.stdout], [], [], 180)
-        assert ready, f"the forked trainer did not end in 180 s: {argv}"
-        reply = server.stdout.readline()
-        assert reply, f"the fork server died (exit {server.wait()})"
-        return subprocess.CompletedProcess(argv, json.loads(reply), "", log.read_text())
+        replies = []
+        for _ in ("pids", "exit codes"):
+            ready, _, _ = select.select([server.stdout], [], [], 180)
+            assert ready, f"the forked trainer did not end in 180 s: {argv}"
+            replies.append(server.stdout.readline())
+            assert replies[-1], f"the fork server died (exit {server.wait()})"
+        return subprocess.CompletedProcess(argv, json.loads(replies[1])[0], "", log.read_text())
 
     yield run
     server.stdin.close()
