@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from fullscale.data import write_indexed
 
@@ -59,14 +58,10 @@ def world(tmp_path_factory):
     cfg.write_text(CONFIG)
     done = d / "done"
     # in this process: a finished run is all a case needs of it (not its process)
-    from fullscale.train import main
+    from tests.fullscale.trainers import main_here
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(["--config", str(cfg), "--out", str(done)]) == 0
-    finally:
-        torch.set_num_threads(n)
+    proc = main_here(["--config", str(cfg), "--out", str(done)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     corrupt = d / "corrupt"
     shutil.copytree(done, corrupt)
     for shard in corrupt.glob("checkpoints/step-*/*.distcp"):

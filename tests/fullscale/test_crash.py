@@ -32,7 +32,7 @@ import torch
 
 from adamspike.rundir import load_run
 from fullscale import checkpoint as ck
-from tests.fullscale.fork_launcher import LAUNCHER
+from tests.fullscale.trainers import LAUNCHER
 from tests.fullscale.test_faults_part2 import state as checkpoint_state
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ import torch
 from adamspike.rundir import load_run
 from adamspike.train_config import RunConfig
 from fullscale import checkpoint as ck
-from tests.fullscale.fork_launcher import LAUNCHER
+from tests.fullscale.trainers import LAUNCHER, main_here
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -44,8 +43,6 @@ TINY = ["--model.preset", "tiny", "--train.global_batch_size", "8", "--train.seq
         "--checkpoint.keep", "3"]
 TIMING = {"step_time_s", "tokens_per_s", "mfu", "peak_mem_gb"}
 STRACE = shutil.which("strace")
-# what Python's default warning filters hide in a process (outside __main__)
-HIDDEN_BY_DEFAULT = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 
 
 def train(out: Path, *args: str, prefix: tuple[str, ...] = (), env: dict | None = None,
@@ -90,27 +87,8 @@ def killed(tmp_path_factory):
 
 
 def train_here(out: Path, *args: str, capsys=None) -> subprocess.CompletedProcess:
-    """`train(out, *args)` in this process: fullscale.train.main's exit status, and its
-    stderr where `capsys` is given, with the warnings a process would have printed there
-    (each once, as Python's default filter shows them). One torch thread, as the
-    subprocesses (OMP_NUM_THREADS 1): the runs of either kind are bitwise the same."""
-    from fullscale.train import main
-
-    argv = ["--out", str(out), *TINY, *args]
-    if capsys is not None:
-        capsys.readouterr()
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("default")
-            rc = main(argv)
-    finally:
-        torch.set_num_threads(n)
-    stdout, stderr = capsys.readouterr() if capsys is not None else ("", "")
-    stderr += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
-                      for w in caught if not issubclass(w.category, HIDDEN_BY_DEFAULT))
-    return subprocess.CompletedProcess(argv, rc, stdout, stderr)
+    """`train(out, *args)` in this process (tests.fullscale.trainers.main_here)."""
+    return main_here(["--out", str(out), *TINY, *args], capsys)
 
 
 def lines(stderr: str) -> list[str]:

@@ -167,24 +167,12 @@ def _train(tmp_path, name, *overrides):
 
 
 def _train_here(capsys, out, *argv):
-    """`python -m fullscale.train --out OUT ARGV` in this process (its main returns the exit
-    status; stderr from capsys): for the runs whose process is not what a case checks (no
-    background save, whose thread's traceback only a process would print). One torch
-    thread, as the subprocesses."""
-    import subprocess
+    """`python -m fullscale.train --out OUT ARGV` in this process (tests.fullscale.trainers):
+    for the runs whose process is not what a case checks (no background save, whose
+    thread's traceback only a process would print)."""
+    from tests.fullscale.trainers import main_here
 
-    import torch
-
-    from fullscale.train import main
-
-    capsys.readouterr()
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rc = main(["--out", str(out), *argv])
-    finally:
-        torch.set_num_threads(n)
-    return subprocess.CompletedProcess(argv, rc, *capsys.readouterr())
+    return main_here(["--out", str(out), *argv], capsys)
 
 
 @pytest.mark.slow
