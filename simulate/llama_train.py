@@ -183,8 +183,10 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
             log = tel.enabled and step % tel.every == 0
             hist = log and tel.hist_every > 0 and step % tel.hist_every == 0 and step not in skip
             ctl = prog.controls(cfg, [step], offset).at(0)
-            new_params, new_state, out = prog.step_fn(params, opt_state, batch, ctl,
-                                                      tel_spec if log else None, hist, native)
+            # one compiled step for the whole run: what it reports is a traced input
+            new_params, new_state, out = prog.step_fn(
+                params, opt_state, batch, ctl, tel_spec if tel.enabled else None,
+                tel.hist_every > 0, native, report=np.int32(2 if hist else 1 if log else 0))
             out = jax.device_get(out)
             row = dict(loss=float(out["loss"]), grad_norm=float(out["grad_norm"]),
                        clipped=bool(out["clipped"]), update_norm=float(out["update_norm"]),

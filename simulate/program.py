@@ -36,9 +36,10 @@ every driver.
 
 Two compiled forms of the one step:
 - `Program.step_fn`: jit(step), one step per call (static options: telemetry sums / r and
-  sqrt(v_hat)/eps histograms, the native CPU telemetry kernel). The trainer and the replay
-  lanes call it, so the same settings on the same inputs give bit-identical results in
-  both.
+  sqrt(v_hat)/eps histograms, the native CPU telemetry kernel; which of them a step
+  reports is a traced input, so a trainer run compiles one program). The trainer and the
+  replay lanes call it, so the same settings on the same inputs give bit-identical results
+  in both.
 - `Program.run`: jit(vmap(scan(step))) over lanes (seeds, arms), all steps in one call;
   controls shared by the lanes or one set per lane. XLA compiles the scanned, vmapped body
   as another program: its results agree with `step_fn` to fp32 rounding, not bit for bit.
@@ -133,13 +134,20 @@ class Program:
         return jax.tree.unflatten(self.treedef, list(leaves))
 
     def step(self, params, state, batch, c: Controls, tel: tuple | None = None,
-             hist: bool = False, native: bool = True, with_grads: bool = False):
+             hist: bool = False, native: bool = True, with_grads: bool = False,
+             report=None):
         """One optimizer step (module docstring). out: loss (unscaled), grad_norm (pre-clip,
         of s * loss), clipped, update_norm, tensor_sumsq (n,) of the pre-clip gradient of
         s * loss, clip_scale; with tel = (b1, b2, eps) static floats (eps: a float, or one
         per tensor; the native kernel needs them static, so they are the config's, which
         the controls must equal) the telemetry sums, and with hist its histograms; with
-        with_grads the gradient tree itself (`grads`, of s * loss, pre-clip)."""
+        with_grads the gradient tree itself (`grads`, of s * loss, pre-clip).
+
+        report (traced int, with tel): what this step's telemetry computes, 0 nothing (the
+        outputs are zeros), 1 the sums, 2 the sums and (hist) the histograms, by
+        `lax.switch`, so a run that reports on some steps only compiles one program, not
+        one per kind of step (each ~4 s at level 1 for the tiny LLaMA; XLA:CPU runs only
+        the taken branch). None: everything tel and hist ask for, on every call."""
         c = Controls(*(jnp.asarray(x) for x in c))
         edited = jopt.reset_second_moment(state, [c.reset[i] for i in range(len(self.names))])
         batch = jnp.where(c.poison, batch.at[:, 1:].set(POISON_TOKEN), batch)
@@ -160,13 +168,27 @@ class Program:
             b1, b2, eps = tel
             eps = list(eps) if isinstance(eps, tuple) else eps
             prev, new = jopt.adam_state(edited), jopt.adam_state(new_state)
-            out["sums"], hists = jtel.step_telemetry(grads, prev, new, new_params, b1, b2, eps,
-                                                     with_hist=hist, grad_scale=scale,
-                                                     native=native)
-            if hist:
-                out["hists"] = hists
-                out["vhists"] = jtel.step_vhists(new, b2, eps)
-                out["g_below_eps"] = jtel.grad_below_eps(grads, eps, scale)
+
+            def telemetry(with_hist: bool) -> dict:
+                sums, hists = jtel.step_telemetry(grads, prev, new, new_params, b1, b2, eps,
+                                                  with_hist=with_hist, grad_scale=scale,
+                                                  native=native)
+                if not with_hist:
+                    return {"sums": sums}
+                return {"sums": sums, "hists": hists, "vhists": jtel.step_vhists(new, b2, eps),
+                        "g_below_eps": jtel.grad_below_eps(grads, eps, scale)}
+
+            if report is None:
+                out.update(telemetry(hist))
+            else:   # every branch returns every output; what a branch does not compute: 0
+                full = jax.eval_shape(lambda: telemetry(hist))
+
+                def padded(part: dict) -> dict:
+                    return {k: part[k] if k in part else jnp.zeros(v.shape, v.dtype)
+                            for k, v in full.items()}
+                out.update(jax.lax.switch(jnp.clip(jnp.asarray(report, jnp.int32), 0, 2),
+                                          [lambda: padded({}), lambda: padded(telemetry(False)),
+                                           lambda: padded(telemetry(hist))]))
         keep = lambda old, new: jax.tree.map(  # noqa: E731
             lambda a, b: jnp.where(c.skip, a, b), old, new)
         return keep(params, new_params), keep(state, new_state), out

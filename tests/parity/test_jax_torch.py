@@ -101,7 +101,7 @@ def test_adamw_trajectory_and_telemetry_match():
         log = step in tel_steps
         params, state, out = prog.step_fn(params, state, jnp.asarray(batch),
                                           prog.controls(cfg, [step]).at(0),
-                                          prog.telemetry_spec(cfg) if log else None)
+                                          prog.telemetry_spec(cfg), report=int(log))
         out = jax.device_get(out)
 
         loss = _torch_loss(model, batch, cfg)
@@ -170,7 +170,7 @@ def _run_both(cfg, tel_steps, explicit_m_prev, params_at=None):
         log = step in tel_steps
         params, state, out = prog.step_fn(params, state, jnp.asarray(batch),
                                           prog.controls(cfg, [step]).at(0),
-                                          prog.telemetry_spec(cfg) if log else None)
+                                          prog.telemetry_spec(cfg), report=int(log))
         out = jax.device_get(out)
         loss = _torch_loss(model, batch, cfg)
         (loss * s).backward()
