@@ -1,9 +1,11 @@
 """Overhead of the per-tensor Adam telemetry in the JAX toy LLaMA train step.
 
-Four compiled variants of simulate.llama_train's step (the same function the trainer
-runs), measured side by side in one process: telemetry off, telemetry sums on, sums + r
-histograms (both with the native CPU kernel, simulate.native_telemetry, the default), and
-"xla": the sums by XLA's reductions (native=False). Every repeat runs a block of steps of
+Compiled variants of simulate.llama_train's step (the same function the trainer runs),
+measured side by side in one process: telemetry off, telemetry sums on, sums + r
+histograms (both with the native CPU kernel, simulate.native_telemetry, the default),
+"xla": the sums by XLA's reductions (native=False), and the trainer's one program with
+what a step reports as a traced input (`lax.switch`), called for sums ("switch:sums") and
+for sums + histograms ("switch:hist"). Every repeat runs a block of steps of
 each variant back to back (the order rotating between repeats), device-synchronised;
 printed per variant:
     median   ms per step over the repeats, and its ratio to "off"
@@ -27,6 +29,11 @@ the machine ran the step in 5.8-5.9 ms and XLA's ~0.3 ms became 1.051-1.059 (his
 (adamspike.native, the torch trainer's too, called by FFI inside the jitted step): paired
 1.019-1.029 in four runs (hist/10 1.023-1.032, histograms on every step 1.053-1.057),
 against 1.051 for XLA's reductions in the same run; at batch 32, 1.010 (hist/10 1.012).
+On the 2-core AMD EPYC box (2026-12-05, one core, XLA level 1, 15 repeats): off 9.15 ms,
+telemetry paired 1.111, telemetry+hist 1.289, xla 1.170; the trainer's one program with a
+traced report, switch:sums 1.103 and switch:hist 1.294 (the switch costs nothing
+measurable; its second call compiles nothing); at level 2 (9 repeats) the same ratios
+(off 8.67 ms, telemetry 1.104, switch:sums 1.104): the AMD box's telemetry costs ~10 %.
 
     taskset -c 0 python bench/bench_telemetry_jax.py [--preset tiny] [--batch 16] [--seq 32]
                                                      [--repeats 31] [--steps 10]
@@ -41,14 +48,18 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from adamspike.config import load_config
 from adamspike.train_config import RunConfig
 from simulate import llama_train as lt
 
-# (telemetry, histograms, native CPU kernel)
-VARIANTS = {"off": (False, False, True), "telemetry": (True, False, True),
-            "telemetry+hist": (True, True, True), "xla": (True, False, False)}
+# (telemetry, histograms, native CPU kernel, report): report None compiles what the variant
+# asks for into the step; an int calls the trainer's one program (telemetry and histograms
+# compiled in, what a step reports a traced input: simulate.program.Program.step) with it
+VARIANTS = {"off": (False, False, True, None), "telemetry": (True, False, True, None),
+            "telemetry+hist": (True, True, True, None), "xla": (True, False, False, None),
+            "switch:sums": (True, True, True, 1), "switch:hist": (True, True, True, 2)}
 
 
 def main(argv=None) -> int:
@@ -69,10 +80,12 @@ def main(argv=None) -> int:
     ctl = prog.controls(cfg, [1]).at(0)
     spec = prog.telemetry_spec(cfg)
     compiled = {}
-    for name, (tel, hist, native) in VARIANTS.items():
+    for name, (tel, hist, native, report) in VARIANTS.items():
         t0 = time.perf_counter()
-        compiled[name] = prog.step_fn.lower(params, state, batch, ctl, spec if tel else None,
-                                            hist, native).compile()
+        kw = {} if report is None else {"report": np.int32(report)}
+        fn = prog.step_fn.lower(params, state, batch, ctl, spec if tel else None, hist, native,
+                                **kw).compile()
+        compiled[name] = lambda p, s, b, c, fn=fn, kw=kw: fn(p, s, b, c, **kw)
         jax.block_until_ready(compiled[name](params, state, batch, ctl))
         print(f"compile {name:15s} {time.perf_counter() - t0:6.2f} s")
 
