@@ -35,6 +35,7 @@ The unscaled `total` and `ce` are returned for logging.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -50,15 +51,20 @@ def init_params(cfg: LlamaConfig, key: jax.Array) -> Params:
     One PRNG key per tensor, split in spec order (deterministic for a seed); one compiled
     function draws all tensors."""
     specs = param_specs(cfg)
-
-    def draw(key):
-        keys = jax.random.split(key, len(specs))
-        return {s.name: jnp.ones(s.shape, jnp.float32) if s.init == "ones"
-                else s.init_std * jax.random.normal(k, s.shape, jnp.float32)
-                for s, k in zip(specs, keys)}
-
-    params = jax.jit(draw)(key)
+    params = _draw(tuple((s.name, tuple(s.shape), s.init, s.init_std) for s in specs))(key)
     return {s.name: params[s.name] for s in specs}  # spec order (jit returns sorted keys)
+
+
+@functools.lru_cache(maxsize=16)
+def _draw(layout: tuple):
+    """The jitted draw of one tensor layout ((name, shape, init, std) in spec order), kept:
+    a new jit per call compiled it again each time (~1 s, dozens of times in the suite)."""
+    def draw(key):
+        keys = jax.random.split(key, len(layout))
+        return {name: jnp.ones(shape, jnp.float32) if init == "ones"
+                else std * jax.random.normal(k, shape, jnp.float32)
+                for (name, shape, init, std), k in zip(layout, keys)}
+    return jax.jit(draw)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
