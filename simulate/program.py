@@ -186,9 +186,10 @@ class Program:
                 def padded(part: dict) -> dict:
                     return {k: part[k] if k in part else jnp.zeros(v.shape, v.dtype)
                             for k, v in full.items()}
-                out.update(jax.lax.switch(jnp.clip(jnp.asarray(report, jnp.int32), 0, 2),
-                                          [lambda: padded({}), lambda: padded(telemetry(False)),
-                                           lambda: padded(telemetry(hist))]))
+                branches = [lambda: padded({}), lambda: padded(telemetry(False))]
+                if hist:   # without histograms, 2 is the sums' branch (not compiled twice)
+                    branches.append(lambda: padded(telemetry(True)))
+                out.update(jax.lax.switch(jnp.asarray(report, jnp.int32), branches))
         keep = lambda old, new: jax.tree.map(  # noqa: E731
             lambda a, b: jnp.where(c.skip, a, b), old, new)
         return keep(params, new_params), keep(state, new_state), out

@@ -65,13 +65,10 @@ def test_trainer_writes_curvature_table(tmp_path):
     from adamspike.train_config import RunConfig
     from simulate.llama_train import train
 
-    # telemetry on every step: the trainer then compiles one step program (with telemetry)
-    # instead of two (with and without); the curvature steps 3 and 6 are telemetry steps
-    # either way
     cfg = load_config(RunConfig, None, [
         "--model.preset", "tiny", "--model.dim", "16", "--model.num_heads", "2",
         "--model.num_kv_heads", "1", "--model.vocab_size", "16", "--train.num_steps", "6",
-        "--train.global_batch_size", "2", "--train.seq_len", "8", "--telemetry.every", "1",
+        "--train.global_batch_size", "2", "--train.seq_len", "8", "--telemetry.every", "3",
         "--telemetry.hist_every", "0", "--telemetry.curvature_every", "3",
         "--telemetry.curvature_iters", "5"])
     run = load_run(train(cfg, tmp_path / "run", progress=False), tables=("curvature",))
