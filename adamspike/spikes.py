@@ -21,9 +21,12 @@ test; values <= 0 are not anomalous (they are low) and do not enter the history.
 `detect_spikes` runs the online detector over a series (so offline and online decisions are
 identical); consecutive anomalous points form one spike.
 
-Parameters: `SpikeParams` is the one place they are constructed: its defaults (window 50,
-k 6, min_rel_jump 0.2), `SpikeParams.from_config` (a run config's `guard` section: window,
-mad_k, min_rel_jump), or explicit fields (a study's spec, a sweep problem's `[spikes]`).
+Parameters: `SpikeParams.from_table` is the one place they are made from settings, each
+value checked (type, finite, range; ConfigError naming it): a table of the fields by name (a
+study's `[spikes]` table, a spec's or sweep problem's fields, the CLIs' flags through
+`from_flags`, whose flags `add_spike_flags` declares with the dataclass's defaults: window
+50, k 6, min_rel_jump 0.2), or a run config's `guard` section through `from_config`
+(window, mad_k, min_rel_jump).
 
 Incidents (`incidents`): a spike start within 2 W steps of the previous start is part of the
 same burst.
@@ -40,15 +43,17 @@ import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
+from adamspike.config import check_value
+
 MAD_TO_SIGMA = 1.4826
 
 __all__ = ["MAD_TO_SIGMA", "RollingSpikeDetector", "SPIKE_COLUMNS", "SpikeParams",
-           "anomaly_flags", "detect_spikes", "incidents", "loss_spikes", "valued_rows"]
+           "add_spike_flags", "anomaly_flags", "detect_spikes", "incidents", "loss_spikes", "valued_rows"]
 
 SPIKE_COLUMNS = ["start", "end", "peak_step", "peak", "baseline", "height", "duration",
                  "recovered", "num_points", "nonfinite"]
@@ -181,10 +186,35 @@ class SpikeParams:
             guard = config.guard
         get = (guard.get if isinstance(guard, Mapping)
                else (lambda key, default=None: getattr(guard, key, default)))
-        d = cls()
-        kw = {"window": int(get("window", d.window)), "k": float(get("mad_k", d.k)),
-              "min_rel_jump": float(get("min_rel_jump", d.min_rel_jump))}
-        return cls(**{**kw, **overrides})
+        table = {f: get(key) for f, key in (("window", "window"), ("k", "mad_k"),
+                                             ("min_rel_jump", "min_rel_jump"))}
+        return cls.from_table({f: v for f, v in table.items() if v is not None}, **overrides)
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any] | None = None, *, where: str = "",
+                   **overrides) -> "SpikeParams":
+        """The rule from a table of its fields by name (other keys are the caller's, e.g. a
+        [spikes] table's `heights`), then `overrides`; fields left out keep the defaults.
+        Each value is checked like a config field (ConfigError naming `where` + field)."""
+        values = {k: v for k, v in (table or {}).items() if k in _LIMITS}
+        values.update(overrides)
+        for key, value in values.items():
+            tp, limits = _LIMITS[key]
+            value = value.item() if isinstance(value, np.generic) else value
+            values[key] = check_value(f"{where}{key}", value, tp, **limits)
+        return cls(**values)
+
+    @classmethod
+    def from_flags(cls, args: Any) -> "SpikeParams":
+        """The rule from the flags `add_spike_flags` declared (errors name the flag)."""
+        table = {k: getattr(args, k) for k in ("window", "k", "min_rel_jump")}
+        if hasattr(args, "log_loss"):
+            table["log"] = {"auto": None, "yes": True, "no": False}[args.log_loss]
+        try:
+            return cls.from_table(table)
+        except ValueError as e:   # name the flag, not the field
+            key, _, rest = str(e).partition(":")
+            raise type(e)(f"--{key.replace('_', '-')}:{rest}") from None
 
     def replace(self, **kw) -> "SpikeParams":
         return dataclasses.replace(self, **kw)
@@ -229,6 +259,26 @@ class SpikeParams:
         return s
 
 
+# field -> (type, limits) of the values `from_table` accepts (adamspike.config.check_value)
+_LIMITS = {"window": (int, dict(lo=2)), "k": (float, dict(lo=0.0)),
+           "min_rel_jump": (float, dict(lo=0.0)), "log": (Optional[bool], {}),
+           "absorb": (Optional[bool], {}), "envelope": (Optional[int], dict(lo=0)),
+           "min_history": (Optional[int], dict(lo=1))}
+
+
+def add_spike_flags(ap: Any, log_loss: bool = True) -> None:
+    """The spike rule's flags of the commands that judge a trace (analyze, watch, assess),
+    with the rule's defaults; `SpikeParams.from_flags` reads them."""
+    d = SpikeParams()
+    ap.add_argument("--window", type=int, default=d.window, help="spike rule: past steps")
+    ap.add_argument("--k", type=float, default=d.k, help="spike rule: MAD multiplier")
+    ap.add_argument("--min-rel-jump", type=float, default=d.min_rel_jump,
+                    help="spike rule: relative jump over the median")
+    if log_loss:
+        ap.add_argument("--log-loss", choices=("auto", "yes", "no"), default="auto",
+                        help="run the spike rule on log(loss) (auto: when it spans > 2 decades)")
+
+
 def anomaly_flags(values: Sequence[float], params: SpikeParams | None = None,
                   **kw) -> tuple[np.ndarray, np.ndarray]:
     """Per-point anomalous flags and the baseline (median) each point was judged against.
@@ -246,7 +296,7 @@ def anomaly_flags(values: Sequence[float], params: SpikeParams | None = None,
 def _params(params: SpikeParams | None, kw: dict) -> SpikeParams:
     if params is not None and kw:
         raise TypeError(f"give SpikeParams or keywords, not both (got {sorted(kw)})")
-    return params if params is not None else SpikeParams(**kw)
+    return params if params is not None else SpikeParams.from_table(kw)
 
 
 def detect_spikes(values: Sequence[float], steps: Sequence[int] | None = None,

@@ -53,7 +53,7 @@ from adamspike.llama import num_params as llama_num_params
 from adamspike.megatron_log import MegatronLogError
 from adamspike.predictions import PredictionsError, load_predictions, model_key
 from adamspike.rundir import RunFormatError
-from adamspike.spikes import SpikeParams
+from adamspike.spikes import SpikeParams, add_spike_flags
 from analysis.cli import count_arg
 from analysis.megatron_log import import_megatron_log
 from analysis.report import AnalysisError, analyze_run, not_measured_note, write_run_report
@@ -455,9 +455,7 @@ def _parser() -> argparse.ArgumentParser:
         ap.add_argument(f"--{b}", type=float, help=f"optimizer {b} of the log's run")
     ap.add_argument("--num-params", type=count_arg, metavar="N")
     ap.add_argument("--model", metavar="PRESET")
-    ap.add_argument("--window", type=int, default=50)
-    ap.add_argument("--k", type=float, default=6.0)
-    ap.add_argument("--min-rel-jump", type=float, default=0.2)
+    add_spike_flags(ap, log_loss=False)
     return ap
 
 
@@ -484,12 +482,11 @@ def _main(args) -> int:
         if n is None:
             n, src = llama_num_params(PRESETS[args.model]), f"preset {args.model}"
     optim = {k: getattr(args, k) for k in ("b1", "b2", "eps", "lr") if getattr(args, k) is not None}
-    if args.window < 2 or args.k < 0 or args.min_rel_jump < 0:
-        raise ConfigError("--window >= 2, --k >= 0, --min-rel-jump >= 0")
+    spike_params = SpikeParams.from_flags(args)
     text = assess(path, predictions=args.predictions, rate_model=args.rate_model,
                   shipped=not args.no_shipped, optim=optim,
                   seq_len=args.seq_len, clip=args.clip, num_params=n, num_params_source=src,
-                  spike_params=SpikeParams(args.window, args.k, args.min_rel_jump),
+                  spike_params=spike_params,
                   out=args.out)
     sys.stdout.write(text)
     return 0

@@ -83,7 +83,7 @@ def seed_metrics(table: pd.DataFrame, spike_k: float | None = None) -> pd.DataFr
     study's MAD multiple, `[study] spike_k`, else the project's)."""
     if "step" not in table:
         return table.set_index("seed")
-    rule = SpikeParams() if spike_k is None else SpikeParams(k=float(spike_k))
+    rule = SpikeParams.from_table({"k": spike_k} if spike_k is not None else {})
     rows = []
     rho_cols = [c for c in table.columns if c.startswith("rho_")]
     for k, st in seed_steps(table).items():
@@ -210,7 +210,7 @@ def report_md(study: str | Path) -> tuple[str, pd.DataFrame]:
                       f"{cal.get('rho', cal['rounds'][-1]['rho']).get(g, math.nan):.3g}"
                       for g, e in cal["eps"].items())
                   + " (reached by the arms: the arms table).", ""]
-    rule = SpikeParams() if meta.get("spike_k") is None else SpikeParams(k=float(meta["spike_k"]))
+    rule = SpikeParams.from_table({"k": meta["spike_k"]} if meta.get("spike_k") is not None else {})
     lines += [f"Spike rule (num_spikes; num_spikes_10 at a 10 % jump): {rule.describe()}"
               + (" (the study's spike_k)" if meta.get("spike_k") is not None else "") + ".", ""]
     lines += [f"{len(meta['seeds'])} paired seeds per arm. Per claim: treatment - control per "

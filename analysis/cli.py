@@ -46,7 +46,7 @@ from adamspike.llama import num_params as llama_num_params
 from adamspike.parallel import process_map
 from adamspike.predictions import PredictionsError, load_predictions
 from adamspike.rundir import RunFormatError, find_runs, run_names
-from adamspike.spikes import SpikeParams
+from adamspike.spikes import SpikeParams, add_spike_flags
 from analysis.controls import study_sections
 from analysis.megatron_log import MegatronLogError, import_megatron_log
 from analysis.report import AnalysisError, analyze_run, write_index, write_run_report
@@ -73,11 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                          "integer, also as 176e9 or 1.76e11")
     ap.add_argument("--model", metavar="PRESET",
                     help="the log's model as an adamspike.llama preset (N for rho_bar)")
-    ap.add_argument("--window", type=int, default=50, help="spike rule: past steps")
-    ap.add_argument("--k", type=float, default=6.0, help="spike rule: MAD multiplier")
-    ap.add_argument("--min-rel-jump", type=float, default=0.2, help="spike rule: rel. jump")
-    ap.add_argument("--log-loss", choices=("auto", "yes", "no"), default="auto",
-                    help="run the spike rule on log(loss) (auto: when it spans > 2 decades)")
+    add_spike_flags(ap)
     ap.add_argument("--precursor-window", type=int, default=50)
     ap.add_argument("--baseline", type=int, default=200, help="precursor baseline steps")
     ap.add_argument("--horizon", type=int, help="alarm horizon (default: per rule)")
@@ -125,8 +121,7 @@ def _fail(msg: str) -> int:
 
 # option -> (type, limits): the shared validation path (adamspike.config.check_value)
 LIMITS = {
-    "window": (int, dict(lo=2)), "k": (float, dict(lo=0.0)),
-    "min_rel_jump": (float, dict(lo=0.0)), "precursor_window": (int, dict(lo=1)),
+    "precursor_window": (int, dict(lo=1)),
     "baseline": (int, dict(lo=1)), "jobs": (int, dict(lo=1)), "horizon": (Optional[int], dict(lo=1)),
     "min_lead": (int, dict(lo=0)), "seq_len": (Optional[int], dict(lo=1)),
     "clip": (Optional[float], dict(lo=0.0)), "b1": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)),
@@ -137,6 +132,7 @@ LIMITS = {
 
 def _check_args(args: argparse.Namespace) -> None:
     """Type, finiteness and range of every numeric option; ConfigError naming it."""
+    SpikeParams.from_flags(args)
     for name, (tp, limits) in LIMITS.items():
         check_value("--" + name.replace("_", "-"), getattr(args, name), tp, **limits)
 
@@ -226,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"--model: unknown preset {args.model!r}; known: {', '.join(PRESETS)}")
         if num_params is None:
             num_params, num_params_source = llama_num_params(PRESETS[args.model]), f"preset {args.model}"
-    log_mode = {"auto": None, "yes": True, "no": False}[args.log_loss]
-    params = SpikeParams(args.window, args.k, args.min_rel_jump, log_mode)
+    params = SpikeParams.from_flags(args)
     names = run_names(runs)
     kw = dict(predictions=preds, horizon=args.horizon, min_lead=args.min_lead,
               spike_params=params, window=args.precursor_window, baseline=args.baseline,

@@ -84,8 +84,7 @@ def settings(meta: Mapping[str, Any]) -> dict:
 
 def spike_params(st: Mapping[str, Any]) -> SpikeParams:
     """The map's spike rule from its settings (`settings`)."""
-    return SpikeParams(window=int(st["window"]), k=float(st["k"]),
-                       min_rel_jump=float(st["min_rel_jump"]))
+    return SpikeParams.from_table(st, where="[spikes] ")
 
 
 def wakeups(rho: np.ndarray, dormant_steps: int) -> np.ndarray:
@@ -323,7 +322,7 @@ def report_md(table: pd.DataFrame, onsets: pd.DataFrame, summary: dict) -> str:
              f"b2 {meta['grid']['b2']}, batch_mult {meta['grid']['batch_mult']}; stability number "
              f"S = lr lambda_max(P H) / 2 every {meta['curvature_every']} steps (S = 1: Adam's "
              "edge of stability; Pi_eps = 38 S at b1 0.9). Spike rule: "
-             f"{SpikeParams(window=int(st['window']), k=float(st['k']), min_rel_jump=float(st['min_rel_jump'])).describe()}. "
+             f"{spike_params(st).describe()}. "
              f"Targets (70B rho per group at eps 1e-5): "
              + ", ".join(f"{g} {v:.3g}" for g, v in meta["targets"].items()) + ".", ""]
     if table.empty:

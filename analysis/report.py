@@ -164,8 +164,8 @@ LEAD_LINES = 10   # logged lines before a loss spike in which a grad-norm spike 
 def grad_norm_rule(loss_rule: SpikeParams) -> SpikeParams:
     """The grad norm's rule: the loss rule's window, k and history, on log grad norm
     (norms span decades), every point judged as it comes (online = offline)."""
-    return SpikeParams(window=loss_rule.window, k=loss_rule.k, min_history=loss_rule.min_history,
-                       log=True, absorb=False, envelope=0)
+    return loss_rule.replace(min_rel_jump=SpikeParams().min_rel_jump, log=True, absorb=False,
+                             envelope=0)
 
 
 def judged_steps(steps: pd.DataFrame, column: str, rule: SpikeParams) -> dict:

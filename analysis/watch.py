@@ -66,7 +66,7 @@ from adamspike.megatron_log import MegatronLogError, iter_megatron_log
 import pyarrow.parquet as pq
 
 from adamspike.rundir import RunFormatError, flushed_step, read_meta, read_plain_part
-from adamspike.spikes import SpikeParams
+from adamspike.spikes import SpikeParams, add_spike_flags
 from analysis.numerics import numerics_events
 from analysis.regime import log_arguments, num_params_from_args, rho_bar
 from analysis.report import grad_norm_rule
@@ -616,10 +616,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="judge the existing lines silently; report from the first new line")
     ap.add_argument("--json", action="store_true", help="one JSON object per event")
     ap.add_argument("--poll", type=float, default=POLL_S, help="seconds between looks")
-    ap.add_argument("--window", type=int, default=50, help="spike rule: past steps")
-    ap.add_argument("--k", type=float, default=6.0, help="spike rule: MAD multiplier")
-    ap.add_argument("--min-rel-jump", type=float, default=0.2, help="spike rule: rel. jump")
-    ap.add_argument("--log-loss", choices=("auto", "yes", "no"), default="auto")
+    add_spike_flags(ap)
     ap.add_argument("--num-params", type=float, metavar="N", help="parameters (rho_bar)")
     ap.add_argument("--model", metavar="PRESET", help="adamspike.llama preset (N for rho_bar)")
     ap.add_argument("--eps", type=float, help="Adam eps of the run (rho_bar)")
@@ -634,8 +631,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
-    if args.window < 2 or args.k < 0 or args.min_rel_jump < 0 or args.poll <= 0:
-        raise ConfigError("--window >= 2, --k >= 0, --min-rel-jump >= 0, --poll > 0")
+    params = SpikeParams.from_flags(args)
+    if not args.poll > 0:
+        raise ConfigError(f"--poll: must be > 0, got {args.poll}")
     n = int(args.num_params) if args.num_params else None
     if args.model:
         if args.model not in PRESETS:
@@ -652,9 +650,7 @@ def _main(args) -> int:
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        evs = watch(path, params=SpikeParams(args.window, args.k, args.min_rel_jump,
-                                             {"auto": None, "yes": True, "no": False}
-                                             [args.log_loss]),
+        evs = watch(path, params=params,
                     once=args.once, new_only=args.new_only, as_json=args.json,
                     on_event=args.on_event, hook_timeout=args.on_event_timeout,
                     poll=args.poll, num_params=n, eps=args.eps, clip=args.clip, stop=stop)

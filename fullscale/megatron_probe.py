@@ -542,9 +542,9 @@ class ProbeActions:
             except ImportError as e:
                 raise _NeedsCluster(f"the loss / grad-norm rules need adamspike.spikes ({e}): "
                                  f"pip install -e .[cluster], or {ENV_PREFIX}RULES=0") from None
-            self.spike_params = SpikeParams(window=int(window), k=float(mad_k),
-                                            min_rel_jump=float(min_rel_jump), log=False,
-                                            absorb=False)
+            self.spike_params = SpikeParams.from_table(
+                {"window": window, "k": mad_k, "min_rel_jump": min_rel_jump, "log": False,
+                 "absorb": False})
             self.spike_params.detector()   # validates
         self.alarms = None
         if predictions:

@@ -96,7 +96,7 @@ def summarize(path: Path, profile: dict) -> dict:
     groups_eps = {g: (cfg.get("mitigation") or {}).get(f"eps_{g}") for g in GROUPS}
     steps = run.steps
     loss = steps["loss"].to_numpy(float)
-    spikes = {j: detect_spikes(loss, steps["step"].to_numpy(), SpikeParams(min_rel_jump=j))
+    spikes = {j: detect_spikes(loss, steps["step"].to_numpy(), SpikeParams.from_table(min_rel_jump=j))
               for j in (0.1, 0.2)}
     traj = trajectories(run)
     wake = wakeups(traj)

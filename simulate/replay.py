@@ -117,8 +117,8 @@ class ReplaySpec:
         return d
 
     def detect(self, loss: np.ndarray, steps: np.ndarray) -> pd.DataFrame:
-        return detect_spikes(loss, steps, SpikeParams(self.det_window, self.det_k,
-                                                      self.min_rel_jump))
+        return detect_spikes(loss, steps, SpikeParams.from_table(
+            {"window": self.det_window, "k": self.det_k, "min_rel_jump": self.min_rel_jump}))
 
     def run_config(self) -> RunConfig:
         return RunConfig.from_dict(flatten(self.config))

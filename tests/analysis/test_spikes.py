@@ -123,3 +123,29 @@ def test_olmo2_spike_score_and_zscore_rules():
     assert not zscore_flags(x[:60], "levanter").any()  # needs 64 entries of history
     with pytest.raises(ValueError, match="rule"):
         zscore_flags(x, "palm")
+
+
+def test_the_rule_is_made_from_settings_in_one_place_and_checked():
+    """SpikeParams.from_table: fields by name (other keys left to the caller), checked like
+    config fields; from_config maps the guard's mad_k; from_flags names the flag."""
+    import argparse
+
+    from adamspike.config import ConfigError
+    from adamspike.spikes import SpikeParams, add_spike_flags
+
+    p = SpikeParams.from_table({"window": np.int64(30), "k": 4, "heights": [0.1]})
+    assert p == SpikeParams(window=30, k=4.0) and isinstance(p.window, int)
+    assert SpikeParams.from_config({"guard": {"window": 20, "mad_k": 5.0}}) == \
+        SpikeParams(window=20, k=5.0)
+    assert SpikeParams.from_config(None) == SpikeParams()
+    with pytest.raises(ConfigError, match=r"^\[spikes\] window: must be >= 2, got 1$"):
+        SpikeParams.from_table({"window": 1}, where="[spikes] ")
+    with pytest.raises(ConfigError, match="k: must be finite"):
+        SpikeParams.from_table(k=math.nan)
+    ap = argparse.ArgumentParser()
+    add_spike_flags(ap)
+    args = ap.parse_args(["--k", "3", "--log-loss", "yes"])
+    assert SpikeParams.from_flags(args) == SpikeParams(k=3.0, log=True)
+    assert SpikeParams.from_flags(ap.parse_args([])) == SpikeParams()   # the same defaults
+    with pytest.raises(ConfigError, match="^--min-rel-jump: must be >= 0"):
+        SpikeParams.from_flags(ap.parse_args(["--min-rel-jump", "-1"]))
