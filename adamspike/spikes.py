@@ -53,7 +53,8 @@ from adamspike.config import check_value
 MAD_TO_SIGMA = 1.4826
 
 __all__ = ["MAD_TO_SIGMA", "RollingSpikeDetector", "SPIKE_COLUMNS", "SpikeParams",
-           "add_spike_flags", "anomaly_flags", "detect_spikes", "incidents", "loss_spikes", "valued_rows"]
+           "add_spike_flags", "anomaly_flags", "detect_spikes", "incidents", "loss_spikes",
+           "valued_rows"]
 
 SPIKE_COLUMNS = ["start", "end", "peak_step", "peak", "baseline", "height", "duration",
                  "recovered", "num_points", "nonfinite"]
@@ -194,8 +195,11 @@ class SpikeParams:
     def from_table(cls, table: Mapping[str, Any] | None = None, *, where: str = "",
                    **overrides) -> "SpikeParams":
         """The rule from a table of its fields by name (other keys are the caller's, e.g. a
-        [spikes] table's `heights`), then `overrides`; fields left out keep the defaults.
-        Each value is checked like a config field (ConfigError naming `where` + field)."""
+        [spikes] table's `heights`), then `overrides` (fields only: TypeError otherwise);
+        fields left out keep the defaults. Each value is checked like a config field
+        (ConfigError naming `where` + field)."""
+        if set(overrides) - set(_LIMITS):
+            raise TypeError(f"not spike rule fields: {sorted(set(overrides) - set(_LIMITS))}")
         values = {k: v for k, v in (table or {}).items() if k in _LIMITS}
         values.update(overrides)
         for key, value in values.items():
@@ -296,7 +300,7 @@ def anomaly_flags(values: Sequence[float], params: SpikeParams | None = None,
 def _params(params: SpikeParams | None, kw: dict) -> SpikeParams:
     if params is not None and kw:
         raise TypeError(f"give SpikeParams or keywords, not both (got {sorted(kw)})")
-    return params if params is not None else SpikeParams.from_table(kw)
+    return params if params is not None else SpikeParams.from_table(**kw)
 
 
 def detect_spikes(values: Sequence[float], steps: Sequence[int] | None = None,

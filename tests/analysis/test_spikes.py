@@ -142,6 +142,8 @@ def test_the_rule_is_made_from_settings_in_one_place_and_checked():
         SpikeParams.from_table({"window": 1}, where="[spikes] ")
     with pytest.raises(ConfigError, match="k: must be finite"):
         SpikeParams.from_table(k=math.nan)
+    with pytest.raises(TypeError, match="windw"):   # a misspelt keyword is not dropped
+        detect_spikes([1.0, 2.0], windw=30)
     ap = argparse.ArgumentParser()
     add_spike_flags(ap)
     args = ap.parse_args(["--k", "3", "--log-loss", "yes"])
