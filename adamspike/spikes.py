@@ -43,7 +43,7 @@ import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -192,12 +192,12 @@ class SpikeParams:
         return cls.from_table({f: v for f, v in table.items() if v is not None}, **overrides)
 
     @classmethod
-    def from_table(cls, table: Mapping[str, Any] | None = None, *, where: str = "",
-                   **overrides) -> "SpikeParams":
+    def from_table(cls, table: Mapping[str, Any] | None = None, *,
+                   name: Callable[[str], str] = str, **overrides) -> "SpikeParams":
         """The rule from a table of its fields by name (other keys are the caller's, e.g. a
         [spikes] table's `heights`), then `overrides` (fields only: TypeError otherwise);
         fields left out keep the defaults. Each value is checked like a config field
-        (ConfigError naming `where` + field)."""
+        (ConfigError naming the setting: `name(field)`)."""
         if set(overrides) - set(_LIMITS):
             raise TypeError(f"not spike rule fields: {sorted(set(overrides) - set(_LIMITS))}")
         values = {k: v for k, v in (table or {}).items() if k in _LIMITS}
@@ -205,7 +205,7 @@ class SpikeParams:
         for key, value in values.items():
             tp, limits = _LIMITS[key]
             value = value.item() if isinstance(value, np.generic) else value
-            values[key] = check_value(f"{where}{key}", value, tp, **limits)
+            values[key] = check_value(name(key), value, tp, **limits)
         return cls(**values)
 
     @classmethod
@@ -214,11 +214,7 @@ class SpikeParams:
         table = {k: getattr(args, k) for k in ("window", "k", "min_rel_jump")}
         if hasattr(args, "log_loss"):
             table["log"] = {"auto": None, "yes": True, "no": False}[args.log_loss]
-        try:
-            return cls.from_table(table)
-        except ValueError as e:   # name the flag, not the field
-            key, _, rest = str(e).partition(":")
-            raise type(e)(f"--{key.replace('_', '-')}:{rest}") from None
+        return cls.from_table(table, name=lambda key: "--" + key.replace("_", "-"))
 
     def replace(self, **kw) -> "SpikeParams":
         return dataclasses.replace(self, **kw)

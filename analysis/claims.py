@@ -77,13 +77,19 @@ def seed_steps(table: pd.DataFrame) -> dict[int, pd.DataFrame]:
             for k, g in table.sort_values(["seed", "step"]).groupby("seed")}
 
 
+def study_rule(spike_k: float | None) -> SpikeParams:
+    """The claims' spike rule: the project's, at the study's MAD multiple `[study] spike_k`
+    when it sets one."""
+    return SpikeParams.from_table({} if spike_k is None else {"k": spike_k})
+
+
 def seed_metrics(table: pd.DataFrame, spike_k: float | None = None) -> pd.DataFrame:
     """One row per seed, indexed by seed: the sweep rows as they are, or from a per-step
     arm num_spikes, num_spikes_10, final_loss, rho_<group> (module doc; spike_k: the
     study's MAD multiple, `[study] spike_k`, else the project's)."""
     if "step" not in table:
         return table.set_index("seed")
-    rule = SpikeParams.from_table({"k": spike_k} if spike_k is not None else {})
+    rule = study_rule(spike_k)
     rows = []
     rho_cols = [c for c in table.columns if c.startswith("rho_")]
     for k, st in seed_steps(table).items():
@@ -210,7 +216,7 @@ def report_md(study: str | Path) -> tuple[str, pd.DataFrame]:
                       f"{cal.get('rho', cal['rounds'][-1]['rho']).get(g, math.nan):.3g}"
                       for g, e in cal["eps"].items())
                   + " (reached by the arms: the arms table).", ""]
-    rule = SpikeParams.from_table({"k": meta["spike_k"]} if meta.get("spike_k") is not None else {})
+    rule = study_rule(meta.get("spike_k"))
     lines += [f"Spike rule (num_spikes; num_spikes_10 at a 10 % jump): {rule.describe()}"
               + (" (the study's spike_k)" if meta.get("spike_k") is not None else "") + ".", ""]
     lines += [f"{len(meta['seeds'])} paired seeds per arm. Per claim: treatment - control per "

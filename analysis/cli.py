@@ -130,11 +130,13 @@ LIMITS = {
 }
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """Type, finiteness and range of every numeric option; ConfigError naming it."""
-    SpikeParams.from_flags(args)
+def _check_args(args: argparse.Namespace) -> SpikeParams:
+    """Type, finiteness and range of every numeric option (ConfigError naming it); returns
+    the spike rule of the flags."""
+    params = SpikeParams.from_flags(args)
     for name, (tp, limits) in LIMITS.items():
         check_value("--" + name.replace("_", "-"), getattr(args, name), tp, **limits)
+    return params
 
 
 def _analyze_one(item: tuple):
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     """`adamspike analyze`."""
     args = _parser().parse_args(argv)
     try:
-        _check_args(args)
+        params = _check_args(args)
     except ConfigError as e:
         return _fail(str(e))
     out = Path(args.out) if args.out else _free_default_out()
@@ -222,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"--model: unknown preset {args.model!r}; known: {', '.join(PRESETS)}")
         if num_params is None:
             num_params, num_params_source = llama_num_params(PRESETS[args.model]), f"preset {args.model}"
-    params = SpikeParams.from_flags(args)
     names = run_names(runs)
     kw = dict(predictions=preds, horizon=args.horizon, min_lead=args.min_lead,
               spike_params=params, window=args.precursor_window, baseline=args.baseline,

@@ -84,7 +84,7 @@ def settings(meta: Mapping[str, Any]) -> dict:
 
 def spike_params(st: Mapping[str, Any]) -> SpikeParams:
     """The map's spike rule from its settings (`settings`)."""
-    return SpikeParams.from_table(st, where="[spikes] ")
+    return SpikeParams.from_table(st, name="[spikes] {}".format)
 
 
 def wakeups(rho: np.ndarray, dormant_steps: int) -> np.ndarray:

@@ -545,7 +545,6 @@ class ProbeActions:
             self.spike_params = SpikeParams.from_table(
                 {"window": window, "k": mad_k, "min_rel_jump": min_rel_jump, "log": False,
                  "absorb": False})
-            self.spike_params.detector()   # validates
         self.alarms = None
         if predictions:
             try:

@@ -41,7 +41,7 @@ import pandas as pd
 from adamspike.config import cli_main
 from adamspike.depth_groups import GROUPS, depth_group, group_rho
 from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
-from adamspike.spikes import SpikeParams, detect_spikes
+from adamspike.spikes import detect_spikes
 from adamspike.tables import md_table
 
 DORMANT_MIN = 5
@@ -96,7 +96,7 @@ def summarize(path: Path, profile: dict) -> dict:
     groups_eps = {g: (cfg.get("mitigation") or {}).get(f"eps_{g}") for g in GROUPS}
     steps = run.steps
     loss = steps["loss"].to_numpy(float)
-    spikes = {j: detect_spikes(loss, steps["step"].to_numpy(), SpikeParams.from_table(min_rel_jump=j))
+    spikes = {j: detect_spikes(loss, steps["step"].to_numpy(), min_rel_jump=j)
               for j in (0.1, 0.2)}
     traj = trajectories(run)
     wake = wakeups(traj)

@@ -72,7 +72,7 @@ import pandas as pd
 from adamspike.config import ConfigError, flatten, load_config, to_dict
 from adamspike.rundir import atomic_write_bytes
 from adamspike.train_config import RunConfig
-from adamspike.spikes import SpikeParams, detect_spikes, incidents
+from adamspike.spikes import detect_spikes, incidents
 from adamspike.tables import md_table
 from simulate.llama_train import batch_at, dataset
 from simulate.program import Program, program, static_key
@@ -117,8 +117,8 @@ class ReplaySpec:
         return d
 
     def detect(self, loss: np.ndarray, steps: np.ndarray) -> pd.DataFrame:
-        return detect_spikes(loss, steps, SpikeParams.from_table(
-            {"window": self.det_window, "k": self.det_k, "min_rel_jump": self.min_rel_jump}))
+        return detect_spikes(loss, steps, window=self.det_window, k=self.det_k,
+                             min_rel_jump=self.min_rel_jump)
 
     def run_config(self) -> RunConfig:
         return RunConfig.from_dict(flatten(self.config))

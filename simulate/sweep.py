@@ -88,7 +88,7 @@ BatchFn = Callable[[dict, dict, np.ndarray], dict]
 
 
 def _detect_default(signal: np.ndarray, **kw) -> pd.DataFrame:
-    return detect_spikes(signal, np.arange(1, len(signal) + 1), SpikeParams.from_table(**kw))
+    return detect_spikes(signal, np.arange(1, len(signal) + 1), **kw)
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,7 @@ def test_the_rule_is_made_from_settings_in_one_place_and_checked():
         SpikeParams(window=20, k=5.0)
     assert SpikeParams.from_config(None) == SpikeParams()
     with pytest.raises(ConfigError, match=r"^\[spikes\] window: must be >= 2, got 1$"):
-        SpikeParams.from_table({"window": 1}, where="[spikes] ")
+        SpikeParams.from_table({"window": 1}, name="[spikes] {}".format)
     with pytest.raises(ConfigError, match="k: must be finite"):
         SpikeParams.from_table(k=math.nan)
     with pytest.raises(TypeError, match="windw"):   # a misspelt keyword is not dropped
