@@ -1,0 +1,274 @@
+"""The one cell store and its executor: every experiment's unit of work, cached by what
+determines it, computed by local worker processes or Ray tasks.
+
+A cell is `Cell(kind, code, config, fn)`:
+- `kind` names the experiment ("sharpness_rung", ...); `code` is the version of the code
+  that matters for its result (bumped by hand when the computation changes meaning);
+  `config` is the cell's fully resolved input, JSON-able (no defaults left to the code);
+- `fn` is "module:function", called as fn(config) in whatever process runs the cell; it
+  returns the payload: a JSON-able dict whose values may also be pandas DataFrames.
+
+Key = sha256 of the canonical JSON of {kind, code, config}, first 20 hex digits. On disk:
+
+    ROOT/<kind>/<key>.json                 {key, kind, code, config, payload, tables}
+    ROOT/<kind>/<key>.<table>.parquet      one file per DataFrame of the payload
+    ROOT/<kind>/<key>.prov.json            where and when it ran, how long (not hashed)
+
+`tables` maps each DataFrame's name to the sha256 of its parquet bytes, and the JSON file
+itself carries `sha256` of its own canonical body, so a torn, truncated or bit-flipped cell
+is detected on read: it is moved aside (`*.corrupt`, nothing is deleted), one line says so
+on stderr, and the cell is computed again. Writes are atomic (temp file, fsync, rename),
+table files before the JSON that names them, so a cell either exists whole or not at all;
+the same computation writes the same bytes, whichever executor ran it.
+
+Executors (`run_cells`): "local" runs missing cells in `jobs` spawned worker processes (or
+inline with jobs=1); "ray" submits them as Ray tasks (`ray.init(address=...)`; Ray is an
+optional dependency, imported only here and only when asked) that retry when their worker
+dies. Workers write into the store themselves, so the store must be visible to every
+worker (a shared file system on a cluster); a driver killed and restarted resumes from the
+store, recomputing only the cells that are missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import json
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import pandas as pd
+
+from adamspike.rundir import atomic_write_bytes
+
+__all__ = ["Cell", "CellStore", "CorruptCell", "canonical", "run_cells", "EXECUTORS"]
+
+EXECUTORS = ("local", "ray")
+
+
+def _plain(x: Any) -> Any:
+    """numpy scalars and tuples as the JSON types they stand for."""
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if hasattr(x, "item") and callable(x.item) and getattr(x, "shape", None) == ():
+        return x.item()
+    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
+        return x.tolist()
+    return x
+
+
+def canonical(obj: Any) -> bytes:
+    """The one byte form of a JSON-able object: sorted keys, no spaces, floats by repr
+    (NaN and inf allowed, as Python's json writes them)."""
+    return json.dumps(_plain(obj), sort_keys=True, separators=(",", ":"),
+                      allow_nan=True, ensure_ascii=True).encode()
+
+
+def _sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+@dataclass(frozen=True)
+class Cell:
+    kind: str
+    code: str
+    config: Mapping[str, Any] = field(hash=False)
+    fn: str = ""
+
+    @property
+    def key(self) -> str:
+        return _sha(canonical({"kind": self.kind, "code": self.code,
+                               "config": self.config}))[:20]
+
+    def compute(self) -> dict:
+        mod, _, name = self.fn.partition(":")
+        if not mod or not name:
+            raise ValueError(f"cell {self.kind}: fn must be 'module:function', got {self.fn!r}")
+        return getattr(importlib.import_module(mod), name)(dict(self.config))
+
+
+class CorruptCell(Exception):
+    """A stored cell failed verification (the message says why)."""
+
+
+class CellStore:
+    """Cells under one root directory (module doc)."""
+
+    def __init__(self, root: str | Path, log: Callable[[str], None] | None = None):
+        self.root = Path(root)
+        self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def path(self, cell: Cell) -> Path:
+        return self.root / cell.kind / f"{cell.key}.json"
+
+    def __contains__(self, cell: Cell) -> bool:
+        return self.get(cell) is not None
+
+    # -------------------------------------------------------------------- read
+    def _read(self, cell: Cell) -> dict:
+        p = self.path(cell)
+        raw = p.read_bytes()
+        try:
+            doc = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptCell(f"not JSON ({e.__class__.__name__})") from None
+        if not isinstance(doc, dict) or "sha256" not in doc:
+            raise CorruptCell("no content hash")
+        body = {k: v for k, v in doc.items() if k != "sha256"}
+        if _sha(canonical(body)) != doc["sha256"]:
+            raise CorruptCell("content hash mismatch")
+        if body.get("key") != cell.key or body.get("kind") != cell.kind:
+            raise CorruptCell("key or kind differs from its file name")
+        payload = dict(body["payload"])
+        for name, digest in body.get("tables", {}).items():
+            tp = p.with_name(f"{cell.key}.{name}.parquet")
+            if not tp.is_file():
+                raise CorruptCell(f"table {name!r} missing")
+            data = tp.read_bytes()
+            if _sha(data) != digest:
+                raise CorruptCell(f"table {name!r}: content hash mismatch")
+            payload[name] = pd.read_parquet(io.BytesIO(data))
+        return payload
+
+    def get(self, cell: Cell) -> dict | None:
+        """The stored payload, or None when the cell is missing. A cell that fails
+        verification is moved aside (one line on stderr) and reads as missing."""
+        if not self.path(cell).is_file():
+            return None
+        try:
+            return self._read(cell)
+        except (CorruptCell, OSError, ValueError, KeyError, TypeError) as e:
+            self._set_aside(cell, str(e))
+            return None
+
+    def _set_aside(self, cell: Cell, why: str) -> None:
+        p = self.path(cell)
+        n = 0
+        while True:
+            dest = p.with_name(f"{p.name}.corrupt" + (f"-{n}" if n else ""))
+            if not dest.exists():
+                break
+            n += 1
+        try:
+            os.replace(p, dest)
+        except OSError:
+            pass
+        self._log(f"adamspike cells: {p}: {why}; set aside as {dest.name}, computing it again")
+
+    # -------------------------------------------------------------------- write
+    def put(self, cell: Cell, payload: Mapping[str, Any], seconds: float = math.nan) -> dict:
+        """Store a payload (atomic; tables first); returns it as `get` would."""
+        d = self.root / cell.kind
+        d.mkdir(parents=True, exist_ok=True)
+        plain, tables = {}, {}
+        for name, v in payload.items():
+            if isinstance(v, pd.DataFrame):
+                buf = io.BytesIO()
+                v.to_parquet(buf, index=False)
+                data = buf.getvalue()
+                atomic_write_bytes(d / f"{cell.key}.{name}.parquet", data)
+                tables[name] = _sha(data)
+            else:
+                plain[name] = v
+        body = {"key": cell.key, "kind": cell.kind, "code": cell.code,
+                "config": _plain(cell.config), "payload": _plain(plain), "tables": tables}
+        body = json.loads(canonical(body))     # what will be read back
+        doc = dict(body, sha256=_sha(canonical(body)))
+        atomic_write_bytes(d / f"{cell.key}.prov.json", json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "seconds": seconds,
+             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode())
+        atomic_write_bytes(self.path(cell), canonical(doc))
+        return self._read(cell)
+
+    def compute(self, cell: Cell) -> dict:
+        """The stored payload, computing and storing it first when missing."""
+        got = self.get(cell)
+        if got is not None:
+            return got
+        t0 = time.perf_counter()
+        payload = cell.compute()
+        return self.put(cell, payload, seconds=time.perf_counter() - t0)
+
+
+def _work(root: str, cell: Cell) -> str:
+    """One cell in a worker (a process of the pool, or a Ray task): compute when missing."""
+    CellStore(root).compute(cell)
+    return cell.key
+
+
+def _unique(cells: Iterable[Cell]) -> list[Cell]:
+    seen, out = set(), []
+    for c in cells:
+        if c.key not in seen:
+            seen.add(c.key)
+            out.append(c)
+    return out
+
+
+def run_cells(store: CellStore, cells: Sequence[Cell], *, executor: str = "local",
+              jobs: int = 1, address: str | None = None, progress: bool = True,
+              desc: str = "cells") -> list[dict]:
+    """Every cell's payload, in the order given, computing the missing ones with the
+    executor ("local": `jobs` spawned processes, inline when 1; "ray": Ray tasks on the
+    cluster at `address`, or a local Ray instance of `jobs` CPUs when None)."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    todo = [c for c in _unique(cells) if store.get(c) is None]
+    if todo:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(todo), desc=desc, unit="cell", file=sys.stderr,
+                   disable=not progress or not sys.stderr.isatty())
+        root = str(store.root.resolve())
+        if executor == "ray":
+            _run_ray(root, todo, jobs, address, bar)
+        elif jobs <= 1:
+            for c in todo:
+                _work(root, c)
+                bar.update()
+        else:
+            import concurrent.futures as cf
+            import multiprocessing as mp
+            with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+                for f in cf.as_completed([pool.submit(_work, root, c) for c in todo]):
+                    f.result()
+                    bar.update()
+        bar.close()
+    out = []
+    for c in cells:
+        got = store.get(c)
+        if got is None:
+            raise RuntimeError(f"cell {c.kind}/{c.key} was not stored by its worker")
+        out.append(got)
+    return out
+
+
+def _run_ray(root: str, todo: list[Cell], jobs: int, address: str | None, bar) -> None:
+    try:
+        import ray
+    except Exception as e:     # an optional extra: one line, not a traceback
+        raise RuntimeError(f"--executor ray needs Ray (pip install 'adamspike[ray]'): {e}") from None
+    started = not ray.is_initialized()
+    if started:
+        kw = {"address": address} if address else {"num_cpus": max(1, int(jobs))}
+        ray.init(include_dashboard=False, log_to_driver=False, **kw)
+    try:
+        # a task whose worker process dies is retried (Ray's max_retries counts system
+        # failures); an exception raised by the cell's own code is not retried
+        task = ray.remote(max_retries=3, num_cpus=1)(_work)
+        pending = [task.remote(root, c) for c in todo]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
+            bar.update(len(done))
+    finally:
+        if started:
+            ray.shutdown()
