@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "assess": ("analysis.assess:main", "one screen on a run or log: regime, spikes, numerics, predicted rate, what to change"),
     "watch": ("analysis.watch:main", "follow a live log or run directory: one line (and --on-event hook) per spike / numerics event"),
     "figures": ("figures.cli:main", "regenerate every figure"),
+    "science4": ("study.science4:main", "the 70B answer under the written plan: sharpness QC, spikes vs noise nulls, the public record"),
     "reproduce": ("study.reproduce:main", "the whole study at CPU scale (--quick for CI)"),
 }
 
