@@ -235,12 +235,7 @@ def run_cells(store: CellStore, cells: Sequence[Cell], *, executor: str = "local
                 _work(root, c)
                 bar.update()
         else:
-            import concurrent.futures as cf
-            import multiprocessing as mp
-            with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
-                for f in cf.as_completed([pool.submit(_work, root, c) for c in todo]):
-                    f.result()
-                    bar.update()
+            _run_local(root, todo, jobs, bar)
         bar.close()
     out = []
     for c in cells:
@@ -249,6 +244,30 @@ def run_cells(store: CellStore, cells: Sequence[Cell], *, executor: str = "local
             raise RuntimeError(f"cell {c.kind}/{c.key} was not stored by its worker")
         out.append(got)
     return out
+
+
+def _run_local(root: str, todo: list[Cell], jobs: int, bar, attempts: int = 3) -> None:
+    """Missing cells in a pool of `jobs` spawned processes; a worker that dies (killed, out
+    of memory) breaks the pool: a new pool takes the cells still missing, up to `attempts`
+    times. An exception raised by a cell's own code is not retried."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    from concurrent.futures.process import BrokenProcessPool
+    store = CellStore(root)
+    for attempt in range(attempts):
+        left = [c for c in todo if not store.path(c).is_file()]
+        if not left:
+            return
+        try:
+            with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+                for f in cf.as_completed([pool.submit(_work, root, c) for c in left]):
+                    f.result()
+                    bar.update()
+            return
+        except BrokenProcessPool:
+            print(f"adamspike cells: a worker died; {attempts - attempt - 1} more attempt(s) "
+                  "for the cells still missing", file=sys.stderr, flush=True)
+    raise RuntimeError(f"cells: workers kept dying after {attempts} attempts")
 
 
 def _run_ray(root: str, todo: list[Cell], jobs: int, address: str | None, bar) -> None:
@@ -272,3 +291,25 @@ def _run_ray(root: str, todo: list[Cell], jobs: int, address: str | None, bar) -
     finally:
         if started:
             ray.shutdown()
+
+
+def selfcheck(config: Mapping[str, Any]) -> dict:
+    """The executors' self-check cell (kind "selfcheck"; tests and `--executor` checks):
+    a seeded numpy computation whose bytes do not depend on where it runs. Config: seed,
+    n; optional `log` (a file that gets one line per computation), `sleep` (seconds, so
+    a test can kill it mid-cell) and `die_once` (a marker path: the first attempt creates
+    it and kills its own process, as a node failure would)."""
+    import numpy as np
+    if config.get("log"):
+        with open(config["log"], "a") as fh:
+            fh.write(f"{config['seed']}\n")
+    if config.get("die_once") and not os.path.exists(config["die_once"]):
+        Path(config["die_once"]).write_text(str(os.getpid()))
+        os.kill(os.getpid(), 9)
+    if config.get("sleep"):
+        time.sleep(float(config["sleep"]))
+    rng = np.random.default_rng(int(config["seed"]))
+    a = rng.standard_normal((int(config.get("n", 32)),) * 2)
+    w = np.linalg.eigvalsh(a + a.T)
+    return {"top": float(w[-1]), "trace": float(np.trace(a)),
+            "table": pd.DataFrame({"i": np.arange(len(w)), "eig": w})}
