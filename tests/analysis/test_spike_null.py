@@ -1,0 +1,78 @@
+"""The plan's spike classes and their noise nulls (analysis.spike_null), and the many-series
+form of the one rule (adamspike.spikes.anomaly_flags_many) it runs on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from adamspike.plan import load_plan
+from adamspike.spikes import (SpikeParams, anomaly_flags, anomaly_flags_many, detect_spikes,
+                              spike_durations_many)
+from analysis.spike_null import cell_against_null, class_params, null_lanes, trend_residuals
+
+PLAN = load_plan("science4")
+
+
+def lanes(n_lanes=4, n=600, seed=0, df=5, noise=0.05):
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    trend = 3 + 5 * np.exp(-t / 100)
+    return [trend + noise * rng.standard_t(df, n) for _ in range(n_lanes)]
+
+
+@pytest.mark.parametrize("params", [SpikeParams(window=50, k=4, min_rel_jump=0.1),
+                                    SpikeParams(window=20, k=20, min_rel_jump=0.3, min_duration=3),
+                                    SpikeParams(window=10, k=3, log=True, absorb=True),
+                                    SpikeParams(window=7, k=6, min_history=2)])
+def test_the_many_series_rule_makes_the_online_rules_decisions(params):
+    rng = np.random.default_rng(1)
+    X = 3 + 0.05 * rng.standard_t(3, (25, 300))
+    X[3, 100:110] *= 2
+    X[5, 290:] *= 3        # cut off by the end: censored
+    X[7, 50] = np.nan
+    X[9, 60] = -1.0        # non-positive under log: low, never anomalous
+    F = anomaly_flags_many(X, params)
+    durs = spike_durations_many(X, params)
+    for i in range(len(X)):    # the same program's decisions: exact
+        assert (F[i] == anomaly_flags(X[i], params)[0]).all()
+        assert sorted(durs[i].tolist()) == sorted(detect_spikes(X[i], params=params)["duration"].tolist())
+
+
+def test_visible_class_needs_size_and_duration_the_secondary_does_not():
+    x = lanes(1)[0].copy()
+    x[300] *= 2.0                    # a one-step doubling: not visible (lasts 1 step)
+    x[450:460] *= 1.8                # ten steps at 1.8x: visible
+    vis = detect_spikes(x, params=class_params(PLAN, "visible"))
+    sec = detect_spikes(x, params=class_params(PLAN, "secondary"))
+    assert vis["start"].tolist() == [450] and vis["duration"].iloc[0] == 10
+    assert {300, 450} <= set(sec["start"])
+
+
+def test_noise_alone_does_not_beat_its_null_and_real_spikes_do():
+    null = dict(PLAN["spikes"]["null"], replicates=40)     # p can reach 1/41 < alpha
+    noise = lanes(4, seed=2)
+    for cls in ("visible", "secondary"):
+        r = cell_against_null(noise, class_params(PLAN, cls), null, seed=3)
+        assert not r["beats"], (cls, r)
+    spiky = [x.copy() for x in noise]
+    spiky[0][300:310] *= 2.0
+    spiky[2][450:456] *= 1.5
+    r = cell_against_null(spiky, class_params(PLAN, "visible"), null, seed=3)
+    assert r["count"] == 2 and sorted(r["durations"]) == [6, 10]
+    assert r["student_t"]["p"] < 0.05 and r["shuffle"]["p"] < 0.05 and r["beats"]
+    assert r["student_t"]["mean"] < 0.5           # the fitted noise rarely makes one
+
+
+def test_null_lanes_keep_the_trend_and_the_residuals_scale():
+    x = lanes(1, seed=4)[0]
+    rng = np.random.default_rng(0)
+    for kind in ("student_t", "shuffle"):
+        z = null_lanes(x, kind, 50, rng, 51)
+        assert z.shape == (50, len(x))
+        # centred on the lane's trend (tolerance: the median of 50 draws of noise of scale
+        # 0.05 strays ~0.01 from the fitted location)
+        trend = trend_residuals(x, 51)[0]
+        assert np.abs(np.median(z, axis=0) - trend).mean() < 0.02
+    with pytest.raises(ValueError, match="null"):
+        null_lanes(x, "gauss", 2, rng, 51)
