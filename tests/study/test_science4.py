@@ -1,0 +1,55 @@
+"""`adamspike science4` from the shipped data: the plan's hash printed, the sharpness
+readings before and after QC, the public record against a constant rate; bad input in one
+line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from study.cli import main as cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def s4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("s4") / "science4"
+    assert cli(["science4", "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def test_report_carries_the_plans_hash(s4):
+    text = (s4 / "science4.md").read_text()
+    plan = REPO / "docs" / "plan" / "science4_v1.toml"
+    assert hashlib.sha256(plan.read_bytes()).hexdigest() in text
+    assert json.loads((s4 / "science4.json").read_text())["plan_sha256"] in text
+
+
+def test_sharpness_readings_before_and_after_qc(s4):
+    v = pd.read_csv(s4 / "sharpness_versions.csv").set_index("reading")
+    shipped = v.loc["v4 as shipped (no QC)"]
+    assert shipped["lambda_inf"] == pytest.approx(4.03, abs=0.01)
+    assert v.loc["v4, failed seed dropped", "S_after"] == pytest.approx(0.236, abs=2e-3)
+    rows = pd.read_csv(s4 / "sharpness_rungseeds.csv")
+    assert (~rows["pass"]).sum() >= 1
+
+
+def test_public_record_meta_and_seed_get_one_rate_and_the_model_loses_to_a_constant(s4):
+    r = pd.read_csv(s4 / "public_record.csv").set_index("run")
+    meta, seed = r.loc["Meta LLaMA2-70B"], r.loc["seed report, LLaMA2-70B on 1024 x 910B (eps 1e-5)"]
+    assert meta["S_after_v4"] == pytest.approx(seed["S_after_v4"])
+    assert meta["expected_v4"] > 100 and meta["reported"] == 0      # hundreds vs none
+    assert r["loglik_v4"].sum() < r["loglik_const"].sum()
+    assert pd.isna(r.loc["PaLM 540B", "expected_v4"])              # Adafactor: no expectation
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    assert cli(["science4", "--out", str(tmp_path / "o"), "--map", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--map" in err[0] and "not a directory" in err[0]
+    assert not (tmp_path / "o").exists()
