@@ -22,7 +22,7 @@ def test_lanczos_finds_the_top_pair_and_the_bottom_with_signs():
     # stopping rule converges, so they carry the Krylov space's coarser accuracy
     assert r["theta_1"] == pytest.approx(5.0, abs=1e-4)
     assert r["theta_2"] == pytest.approx(4.0, abs=0.05)
-    assert r["theta_min"] == pytest.approx(-4.9, abs=0.1)
+    assert r["theta_min"] == pytest.approx(-4.9, abs=0.15)
     # the residual is measured, not estimated: it matches ||A y - theta y|| / |theta|
     y = r["y"]
     assert r["residual"] == pytest.approx(np.linalg.norm(A @ y - r["theta_1"] * y) / r["theta_1"])
