@@ -64,6 +64,12 @@ class OptimSection:
     grad_clip: float = param(1.0, lo=0.0, help="global-norm clip threshold, 0 = off")
     implementation: str = param("foreach", choices=("foreach", "fused", "for-loop"),
                                 help="torch.optim.AdamW kernel (torch only)")
+    # Adam's step counter starts at this value, so at optimizer step t the bias corrections
+    # are 1 - b^(t + offset). 0: torch.optim.AdamW / apex FusedAdam. 1: the NPU AdamW of
+    # AscendSpeed 2023 (ascendspeed/optimizer/adam.py hands torch_npu.npu_apply_adam_w
+    # beta**t, and the kernel multiplies by beta once more); docs/results/seed_stack_adamw.md
+    bias_correction_offset: int = param(0, lo=0, help="bias corrections 1 - b^(t + offset); "
+                                        "1 = AscendSpeed 2023's npu_apply_adam_w call")
 
     def lr_at(self, step: int, num_steps: int) -> float:
         """Learning rate applied at optimizer step `step` (1-based), identical in both backends:
@@ -191,6 +197,17 @@ class FaultsSection:
                               f"to {self.poison_batches[1]}")
         if any(s < 1 for s in self.nan_grad_at_step):
             raise ConfigError(f"faults.nan_grad_at_step: steps are >= 1, got {self.nan_grad_at_step}")
+
+
+# Settings added after cell and arm ids were first computed from whole configs
+# (simulate.phase_map, simulate.claims): at these defaults they are left out of the id, so
+# the ids (and the cells cached under them) of configs from before them stay the same.
+LATE_DEFAULTS: dict[str, Any] = {"optim.bias_correction_offset": 0}
+
+
+def id_settings(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """A dotted config for hashing into an id: `flat` without LATE_DEFAULTS at their default."""
+    return {k: v for k, v in flat.items() if not (k in LATE_DEFAULTS and v == LATE_DEFAULTS[k])}
 
 
 @dataclass

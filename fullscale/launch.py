@@ -256,6 +256,11 @@ def _megatron_gaps(run) -> list[str]:
         gaps.append("faults (docs/faults.md): not injected by Megatron; rehearse with train_torchrun.sh")
     if run.optim.implementation != "foreach":
         gaps.append("optim.implementation: Megatron uses its own (fused) Adam")
+    if run.optim.bias_correction_offset:
+        gaps.append(f"optim.bias_correction_offset = {run.optim.bias_correction_offset}: the "
+                    "stacks launched here correct at step t (apex FusedAdam, torch AdamW, "
+                    "MindSpeed's fused AdamW); only AscendSpeed 2023's own AdamW ran offset 1 "
+                    "(docs/results/seed_stack_adamw.md); not applied")
     if run.data.source != "indexed":
         gaps.append("data.source = synthetic: Megatron gets --mock-data (random tokens), not the "
                     "same synthetic task")

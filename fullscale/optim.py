@@ -6,6 +6,11 @@ the torch trainer, with the same semantics as simulate/optim.py (the JAX chain):
     2. torch.optim.AdamW, eps outside the root:
        m_t = b1 m + (1-b1) g,  v_t = b2 v + (1-b2) g^2,
        p <- p (1 - lr_t wd) - lr_t m_hat / (sqrt(v_hat) + eps)
+       m_hat = m_t / (1 - b1^t'), v_hat = v_t / (1 - b2^t'), t' = state["step"] after the
+       increment = t + optim.bias_correction_offset: with an offset k > 0 a step pre-hook
+       creates each tensor's state (as torch would, zeros) with step = k, so the telemetry
+       and the update clip, which read state["step"], see the corrections Adam applied
+       (k = 1: AscendSpeed 2023's NPU AdamW, docs/results/seed_stack_adamw.md)
     3. update clipping (the mitigation registry's `direction` hook), per tensor, from the gradient Adam consumes and
        v_hat of *this* step (v_t / (1 - b2^t), i.e. after the update of v):
            rms_t = sqrt(mean(g^2 / max(v_hat, eps^2))),  Adam term scaled by 1 / max(1, rms_t)
@@ -33,6 +38,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as torch_optimizer
 from torch import nn
 
 from adamspike.mitigations import StepPlan
@@ -58,7 +64,8 @@ def build_optimizer(model: nn.Module, optim: OptimSection, plan: StepPlan | None
     of its parameters ("names"). The mitigation plan (adamspike.mitigations) sets each
     tensor's eps (one group per eps value, in order of first appearance), with
     update_clip makes every tensor its own group, and with layer freezing keeps the frozen
-    tensors out of the others' groups (group key: eps, frozen)."""
+    tensors out of the others' groups (group key: eps, frozen). optim.bias_correction_offset
+    k > 0: every tensor's step counter starts at k (`_count_from`)."""
     plan = plan or StepPlan()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     eps_of = {n: float(plan.tensor_eps.get(n, optim.eps)) for n, _ in named}
@@ -71,9 +78,43 @@ def build_optimizer(model: nn.Module, optim: OptimSection, plan: StepPlan | None
             by_key.setdefault((eps_of[n], n in frozen), []).append((n, p))
         members = list(by_key.values())
     groups = [{"params": [p for _, p in m], "names": [n for n, _ in m], "eps": eps_of[m[0][0]],
-               "base_weight_decay": optim.weight_decay} for m in members]
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps,
-                             weight_decay=optim.weight_decay, **_kernel_kwargs(optim.implementation))
+               "base_weight_decay": optim.weight_decay,
+               "bias_correction_offset": optim.bias_correction_offset} for m in members]
+    opt = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps,
+                            weight_decay=optim.weight_decay, **_kernel_kwargs(optim.implementation))
+    if optim.bias_correction_offset:
+        opt.register_step_pre_hook(_count_from)
+    return opt
+
+
+def _step_dtype(fused: bool) -> torch.dtype:
+    """The dtype torch.optim.Adam gives state["step"] (float32 in torch 2.1)."""
+    get = getattr(torch_optimizer, "_get_scalar_dtype", None)
+    if get is None:
+        return torch.float32
+    try:
+        return get(is_fused=fused)
+    except TypeError:
+        return get()
+
+
+@torch.no_grad()
+def _count_from(optimizer: torch.optim.AdamW, args, kwargs) -> None:
+    """Step pre-hook: the state of each tensor about to take its first step, created as
+    torch.optim.Adam's _init_group creates it (step where torch keeps it, zero moments)
+    but with step = the group's bias_correction_offset, so its step t uses 1 - b^(t + k)."""
+    for group in optimizer.param_groups:
+        k = float(group.get("bias_correction_offset", 0))
+        on_device = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            if p.grad is None or optimizer.state.get(p):
+                continue
+            dtype = _step_dtype(bool(group.get("fused")))
+            optimizer.state[p] = {
+                "step": (torch.full((), k, dtype=dtype, device=p.device) if on_device
+                         else torch.tensor(k, dtype=dtype)),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
 @torch.no_grad()
@@ -135,7 +176,7 @@ def update_clip_rms(optimizer: torch.optim.AdamW) -> torch.Tensor:
         g = _local(p.grad).double()
         state = optimizer.state.get(p, {})
         v = _local(state["exp_avg_sq"]).double() if "exp_avg_sq" in state else torch.zeros_like(g)
-        t = int(state["step"]) + 1 if "step" in state else 1
+        t = int(state["step"]) + 1 if "step" in state else 1 + group.get("bias_correction_offset", 0)
         v_hat = (b2 * v + (1 - b2) * g * g) / (1 - b2 ** t)
         denom = v_hat.clamp_min(eps * eps)
         q = torch.where(denom > 0, g * g / torch.where(denom > 0, denom, 1.0), 0.0)

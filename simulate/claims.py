@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from adamspike.claims import REPO, Study, arm_label, resolve
 from adamspike.config import ConfigError, flatten, read_toml, to_dict
 from adamspike.rundir import atomic_write_bytes, atomic_write_frame
-from adamspike.train_config import RunConfig
+from adamspike.train_config import RunConfig, id_settings
 from simulate.sweep import cell_id, cell_settings, run_cells
 from simulate.sweep_problems import PROBLEMS
 
@@ -227,7 +227,8 @@ def run_study(study: Study, out: str | Path, quick: bool = False, num_seeds: int
                     cfg = arm_config(study, c.base, bases[c.base], over)
                 except ConfigError as e:
                     raise ConfigError(f"{study.path}: claim {c.id}.{arm}: {e}") from None
-                blob = json.dumps({"config": cfg, "seeds": seeds}, sort_keys=True, default=repr)
+                blob = json.dumps({"config": id_settings(cfg), "seeds": seeds}, sort_keys=True,
+                                  default=repr)
                 aid = f"{c.base}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
                 row[f"{arm}_arm"] = aid
                 meta["arms"][aid] = {"base": c.base, "label": arm_label(over, getattr(c, f"{arm}_name")),

@@ -10,7 +10,11 @@ The chain `adamw(optim, num_steps, loss_scale)` applies, per optimizer step t (1
     2. Adam (optax.scale_by_adam, eps outside the root, eps_root = 0):
            m_t = b1 m_{t-1} + (1-b1) g,   v_t = b2 v_{t-1} + (1-b2) g^2
            m_hat = m_t / (1-b1^t),  v_hat = v_t / (1-b2^t),  r = m_hat / (sqrt(v_hat) + eps)
-    (eps may be given per tensor: adamspike.mitigations' group eps)
+    (eps may be given per tensor: adamspike.mitigations' group eps; with
+    optim.bias_correction_offset = k Adam's count starts at k, so t reads t + k in the
+    corrections here and in everything that takes them from the count: the update clip,
+    the telemetry's v_hat, the curvature's preconditioner. k = 1 is AscendSpeed 2023's NPU
+    AdamW, docs/results/seed_stack_adamw.md)
     3. optional StableAdamW update clipping per tensor (the registry's `direction` hook):
            rms_t = sqrt(mean(g^2 / max(v_hat, eps^2))),   r <- r / max(1, rms_t)
        (only the Adam direction is divided; the weight-decay term below is not. With
@@ -114,16 +118,19 @@ def _per_leaf(eps) -> bool:
     return isinstance(eps, (dict, list, tuple))
 
 
-def scale_by_adam_stable(b1=0.9, b2=0.999, eps=1e-8, update_clip: bool = False
-                         ) -> optax.GradientTransformation:
+def scale_by_adam_stable(b1=0.9, b2=0.999, eps=1e-8, update_clip: bool = False,
+                         bias_correction_offset: int = 0) -> optax.GradientTransformation:
     """optax.scale_by_adam, optionally followed by per-tensor update clipping
     r <- r / max(1, rms_t). The state is the plain ScaleByAdamState. b1, b2 and a scalar
     eps may be traced scalars (vmapped sweeps); eps may also be a pytree like the
     parameters (one eps per tensor: adamspike.mitigations' group eps), then
     r = m_hat / (sqrt(v_hat) + eps_tensor) with optax's moments and bias corrections.
-    update_clip is static."""
+    update_clip is static. bias_correction_offset k (static): the count starts at k, so
+    step t's corrections are 1 - b^(t + k) (optax's own, from the count)."""
     per_leaf = _per_leaf(eps)
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=0.0 if per_leaf else eps)
+    if bias_correction_offset:
+        adam = _count_from(adam, bias_correction_offset)
     if not (update_clip or per_leaf):
         return adam
 
@@ -147,6 +154,15 @@ def scale_by_adam_stable(b1=0.9, b2=0.999, eps=1e-8, update_clip: bool = False
     return optax.GradientTransformation(adam.init, update_fn)
 
 
+def _count_from(adam: optax.GradientTransformation, start: int) -> optax.GradientTransformation:
+    """`adam` whose ScaleByAdamState.count starts at `start` instead of 0."""
+    def init_fn(params):
+        state = adam.init(params)
+        return state._replace(count=jnp.full_like(state.count, start))
+
+    return optax.GradientTransformation(init_fn, adam.update)
+
+
 def freeze_updates(updates, frozen):
     """The `update` hook's edit: updates with the leaves where `frozen` (a pytree of bools
     like updates, static or traced) is true set to exactly 0."""
@@ -154,17 +170,17 @@ def freeze_updates(updates, frozen):
 
 
 def adamw_chain(b1, b2, eps, lr, max_norm, weight_decay: float = 0.0,
-                plan: StepPlan | None = None, clip: bool | None = None
-                ) -> optax.GradientTransformation:
+                plan: StepPlan | None = None, clip: bool | None = None,
+                bias_correction_offset: int = 0) -> optax.GradientTransformation:
     """Steps 1-4 of the module docstring from scalars (b1, b2, eps, lr, max_norm may be
     traced, lr may be an optax schedule; eps a scalar or a per-tensor pytree): clip at
     max_norm (the torch formula; off when `clip` is False, or with clip None when
-    max_norm <= 0) -> Adam -> [update clip: the plan's `direction` hook] -> [+ wd*p] ->
-    * -lr. Freezing (step 5) and v resets are per-step edits around the chain
-    (simulate.program's controls)."""
+    max_norm <= 0) -> Adam (bias corrections at t + bias_correction_offset) -> [update
+    clip: the plan's `direction` hook] -> [+ wd*p] -> * -lr. Freezing (step 5) and v
+    resets are per-step edits around the chain (simulate.program's controls)."""
     plan = plan or StepPlan()
     parts = [clip_by_global_norm_torch(max_norm, clip),
-             scale_by_adam_stable(b1, b2, eps, plan.update_clip)]
+             scale_by_adam_stable(b1, b2, eps, plan.update_clip, bias_correction_offset)]
     if weight_decay > 0:
         parts.append(optax.add_decayed_weights(weight_decay))
     parts.append(optax.scale_by_learning_rate(lr))
@@ -175,11 +191,12 @@ def adamw(optim: OptimSection, num_steps: int, loss_scale: float = 1.0, *,
           plan: StepPlan | None = None) -> optax.GradientTransformation:
     """`adamw_chain` for a config section (the MLP and quadratic toys; the tiny LLaMA's is
     simulate.program): clip at grad_clip * loss_scale, lr_at(t), optim.eps, and the plan's
-    update clipping."""
+    update clipping, optim.bias_correction_offset."""
     if loss_scale <= 0:
         raise ValueError(f"loss_scale: must be > 0, got {loss_scale}")
     return adamw_chain(optim.b1, optim.b2, optim.eps, lr_schedule(optim, num_steps),
-                       optim.grad_clip * loss_scale, optim.weight_decay, plan)
+                       optim.grad_clip * loss_scale, optim.weight_decay, plan,
+                       bias_correction_offset=optim.bias_correction_offset)
 
 
 def reset_second_moment(opt_state, reset: Sequence):

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from adamspike.claims import REPO
 from adamspike.config import ConfigError, flatten, read_toml, to_dict
 from adamspike.rundir import atomic_write_bytes, atomic_write_frame
-from adamspike.train_config import RunConfig
+from adamspike.train_config import RunConfig, id_settings
 from simulate.claims import EPS_KEYS, arm_table, calibrate, ladder_targets, with_group_eps
 
 MAP_FIELDS = {"title", "base", "overrides", "seeds", "lr_mult", "b2", "batch_mult",
@@ -99,7 +99,8 @@ def scaled(flat: Mapping[str, Any], lr_mult: float, batch_mult: int, b2: float |
 
 
 def cell_id(cfg: Mapping[str, Any], seeds: list[int], every: int) -> str:
-    blob = json.dumps({"config": cfg, "seeds": seeds, "K": every}, sort_keys=True, default=repr)
+    blob = json.dumps({"config": id_settings(cfg), "seeds": seeds, "K": every}, sort_keys=True,
+                      default=repr)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 

@@ -30,7 +30,7 @@ gradient of s * loss:
 
 (simulate.optim.adamw_chain with these scalars; the compiled-in rest: the architecture,
 z-loss, compute dtype, the registry's model options (GLM shrink), update clipping, weight
-decay, whether the clip is on). `Program.controls(cfg, steps)` turns any RunConfig whose
+decay, whether the clip is on, optim.bias_correction_offset: Adam's count starts there). `Program.controls(cfg, steps)` turns any RunConfig whose
 static part equals the program's into its controls, so every registry mitigation works in
 every driver.
 
@@ -97,8 +97,11 @@ def static_key(cfg: RunConfig) -> str:
     """What is compiled into the program (everything else is a control or host-side)."""
     t, o = cfg.train, cfg.optim
     plan = step_plan(cfg)
-    return json.dumps([to_dict(cfg.model), t.z_loss, t.dtype, plan.model_options,
-                       plan.update_clip, o.grad_clip > 0, o.weight_decay], sort_keys=True)
+    key = [to_dict(cfg.model), t.z_loss, t.dtype, plan.model_options, plan.update_clip,
+           o.grad_clip > 0, o.weight_decay]
+    if o.bias_correction_offset:   # Adam's initial count (keys of offset 0 as before it)
+        key.append({"bias_correction_offset": o.bias_correction_offset})
+    return json.dumps(key, sort_keys=True)
 
 
 class Program:
@@ -111,6 +114,7 @@ class Program:
         plan = step_plan(cfg)
         self.update_clip, self.clip_on, self.weight_decay = (plan.update_clip, o.grad_clip > 0,
                                                              o.weight_decay)
+        self.bias_correction_offset = o.bias_correction_offset
         shapes = jax.eval_shape(functools.partial(jllama.init_params, llama),
                                 jax.random.PRNGKey(0))
         self.names = jtel.tensor_names(shapes)
@@ -128,7 +132,8 @@ class Program:
         """simulate.optim.adamw_chain with the step's controls (freezing: `step`)."""
         eps = self.tree(list(c.eps[i] for i in range(len(self.names))))
         return jopt.adamw_chain(c.b1, c.b2, eps, c.lr, c.max_norm, self.weight_decay,
-                                StepPlan(update_clip=self.update_clip), clip=self.clip_on)
+                                StepPlan(update_clip=self.update_clip), clip=self.clip_on,
+                                bias_correction_offset=self.bias_correction_offset)
 
     def tree(self, leaves: Sequence) -> Any:
         return jax.tree.unflatten(self.treedef, list(leaves))
@@ -265,7 +270,7 @@ class Program:
             raise ConfigError("the controls' config differs from the program's in a compiled "
                               "setting (model, train.z_loss, train.dtype, model options, "
                               "mitigation.update_clip, optim.grad_clip on/off, "
-                              "optim.weight_decay)")
+                              "optim.weight_decay, optim.bias_correction_offset)")
         t, o, d = cfg.train, cfg.optim, cfg.data
         plan = step_plan(cfg)
         steps = [int(s) for s in steps]

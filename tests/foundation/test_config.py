@@ -82,3 +82,19 @@ def test_run_config_from_dict_of_dotted_keys():
             RunConfig.from_dict(bad)
     with pytest.raises(ConfigError, match="moved to mitigation.update_clip"):
         parse_overrides(RunConfig, ["--optim.update_clip", "true"])
+
+
+def test_bias_correction_offset_setting_and_ids_of_configs_without_it():
+    """optim.bias_correction_offset: an int >= 0 (0, torch's AdamW, by default); at 0 it is
+    left out of the dotted config that cell / arm ids hash (id_settings), at 1 it is kept."""
+    from adamspike.config import flatten
+    from adamspike.train_config import id_settings
+
+    assert RunConfig().optim.bias_correction_offset == 0
+    assert RunConfig.from_dict({"optim.bias_correction_offset": 1}).optim.bias_correction_offset == 1
+    with pytest.raises(ConfigError, match="optim.bias_correction_offset"):
+        RunConfig.from_dict({"optim.bias_correction_offset": -1})
+    flat = flatten(to_dict(RunConfig()))
+    assert set(flat) - set(id_settings(flat)) == {"optim.bias_correction_offset"}
+    seed = flatten(to_dict(RunConfig.from_dict({"optim.bias_correction_offset": 1})))
+    assert id_settings(seed) == seed

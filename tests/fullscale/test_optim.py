@@ -39,7 +39,7 @@ class _Net(nn.Module):
 
 def _numpy_chain(params, grads_seq, optim, num_steps, loss_scale=1.0, plan=None, names=()):
     """Docstring equations in float64 numpy, with the mitigation plan's per-tensor eps,
-    update clipping and v resets."""
+    update clipping, v resets and bias corrections at t + optim.bias_correction_offset."""
     plan = plan or StepPlan()
     p = [x.copy() for x in params]
     m = [np.zeros_like(x) for x in p]
@@ -57,7 +57,8 @@ def _numpy_chain(params, grads_seq, optim, num_steps, loss_scale=1.0, plan=None,
                 v[i] = np.zeros_like(v[i])
             m[i] = optim.b1 * m[i] + (1 - optim.b1) * g[i]
             v[i] = optim.b2 * v[i] + (1 - optim.b2) * g[i] ** 2
-            m_hat, v_hat = m[i] / (1 - optim.b1 ** t), v[i] / (1 - optim.b2 ** t)
+            tc = t + optim.bias_correction_offset
+            m_hat, v_hat = m[i] / (1 - optim.b1 ** tc), v[i] / (1 - optim.b2 ** tc)
             r = m_hat / (np.sqrt(v_hat) + eps[i])
             if plan.update_clip:
                 r = r / max(1.0, math.sqrt(np.mean(g[i] ** 2 / np.maximum(v_hat, eps[i] ** 2))))
@@ -65,12 +66,14 @@ def _numpy_chain(params, grads_seq, optim, num_steps, loss_scale=1.0, plan=None,
     return p
 
 
-@pytest.mark.parametrize("update_clip,group_eps,v_reset", [
-    (False, False, False), (True, False, False), (False, True, True), (True, True, True)])
+@pytest.mark.parametrize("update_clip,group_eps,v_reset,offset", [
+    (False, False, False, 0), (True, False, False, 0), (False, True, True, 0),
+    (True, True, True, 0), (True, True, True, 1)])
 @pytest.mark.parametrize("implementation", ["foreach", "for-loop"])
-def test_chain_matches_numpy_equations(update_clip, group_eps, v_reset, implementation):
+def test_chain_matches_numpy_equations(update_clip, group_eps, v_reset, offset, implementation):
     optim = OptimSection(lr=0.05, warmup_steps=2, b1=0.9, b2=0.95, eps=1e-3, weight_decay=0.1,
-                         grad_clip=1.5, implementation=implementation)
+                         grad_clip=1.5, implementation=implementation,
+                         bias_correction_offset=offset)
     plan = StepPlan(update_clip=update_clip,
                     tensor_eps={"a": 1e-3, "b": 0.3} if group_eps else {},
                     v_reset={4: ("b",), 6: ("a", "b")} if v_reset else {})
@@ -153,3 +156,56 @@ def test_unknown_implementation_is_rejected():
     object.__setattr__(optim, "implementation", "turbo")
     with pytest.raises(ValueError, match="optim.implementation"):
         build_optimizer(nn.Linear(2, 2), optim)
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "for-loop", "fused"])
+def test_bias_correction_offset_1_is_the_seed_stacks_npu_adamw(implementation):
+    """optim.bias_correction_offset = 1 equals AscendSpeed 2023's AdamW (npu_apply_adam_w
+    handed beta**t, tests/npu_adamw_reference.py) in float64 with clipping and weight decay
+    on, in every torch kernel; each tensor's step counter reads t + 1 after step t (what the
+    telemetry reads), a tensor whose first gradient comes late starts at 1 too, and the
+    default (offset 0, torch) differs from it by far more than the tolerance."""
+    from tests.npu_adamw_reference import ascendspeed_adamw
+
+    num_steps = 8
+    rng = np.random.default_rng(3)
+    net = _Net()
+    init = [q.detach().numpy().copy() for q in net.parameters()]
+    grads_seq = [[rng.normal(size=q.shape) * s for q in net.parameters()]
+                 for s in (3.0, 2.0, 0.1, 1e-3, 1.5, 0.01, 0.5, 2e-4)]
+
+    def run(offset):
+        optim = OptimSection(lr=0.05, warmup_steps=2, eps=1e-3, weight_decay=0.1, grad_clip=1.5,
+                             implementation=implementation, bias_correction_offset=offset)
+        model = _Net()
+        opt = build_optimizer(model, optim)
+        sched = build_scheduler(opt, optim, num_steps)
+        for grads in grads_seq:
+            for q, g in zip(model.parameters(), grads):
+                q.grad = torch.tensor(g)
+            clip_gradients(model.parameters(), optim.grad_clip)
+            opt.step()
+            sched.step()
+        assert [int(opt.state[q]["step"]) for q in model.parameters()] == [num_steps + offset] * 2
+        return [q.detach().numpy() for q in model.parameters()], optim
+
+    try:
+        got, optim = run(1)
+    except RuntimeError as e:   # a torch build without the fused CPU kernel
+        pytest.skip(f"fused AdamW on cpu: {e}")
+    want = ascendspeed_adamw(init, grads_seq, [optim.lr_at(t, num_steps) for t in range(1, 9)],
+                             optim.b1, optim.b2, optim.eps, optim.weight_decay, optim.grad_clip)
+    torch_default, _ = run(0)
+    for g, w, d in zip(got, want, torch_default):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+        assert np.abs(d - w).max() > 1e-4 * np.abs(w).max()
+
+    # a tensor without a gradient on step 1 gets its state (step = offset) on its first step
+    w, u = nn.Parameter(torch.zeros(3, dtype=torch.float64)), nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = build_optimizer(nn.ParameterList([w, u]), OptimSection(bias_correction_offset=1))
+    w.grad = torch.ones(3, dtype=torch.float64)
+    opt.step()
+    assert u not in opt.state or not opt.state[u]
+    u.grad = torch.ones(2, dtype=torch.float64)
+    opt.step()
+    assert (int(opt.state[w]["step"]), int(opt.state[u]["step"])) == (3, 2)

@@ -258,6 +258,41 @@ def test_group_eps_and_v_reset_match_and_grad_mom_cos_is_right_after_a_reset():
         np.testing.assert_allclose(pj, pt, rtol=0, atol=1e-5 * np.abs(pt).max(), err_msg=name)
 
 
+def test_bias_correction_offset_matches_and_the_telemetry_reads_the_shifted_corrections():
+    """optim.bias_correction_offset = 1 (the seed stack's NPU AdamW: corrections at t + 1,
+    docs/results/seed_stack_adamw.md) with update clipping on (its rms_t uses this step's
+    corrections, also on the torch side's first step, before the state exists): 50 fp32
+    steps of both trainers agree (loss to 1e-5 relative, final parameters to 1e-5 of each
+    tensor's scale), the per-tensor telemetry agrees, and both backends' rms_t equals
+    sqrt(mean(g^2 / max(v_hat, eps^2))) with v_hat = v_t / (1 - b2^(t+1)) (on step 1:
+    sqrt(1 + b2) where g^2 >> eps^2, against 1 for torch's AdamW)."""
+    cfg = _cfg("--optim.bias_correction_offset", "1", "--mitigation.update_clip", "true",
+               "--optim.grad_clip", "0", "--train.loss_scale", "1", "--optim.lr", "5e-4")
+    tel_steps = {1, 2, 30, NUM_STEPS}
+    seen, params, model = _run_both(cfg, tel_steps, explicit_m_prev=False)
+    b2, eps = cfg.optim.b2, cfg.optim.eps
+    for step, jcols, tstats, tgrad, _tmprev, _prev_mu in seen:
+        jrow = {n: i for i, n in enumerate(jcols["name"])}
+        for i, name in enumerate(tstats.columns["name"]):
+            j = jrow[name]
+            for m in METRIC_NAMES:
+                t, jv = float(tstats.columns[m][i]), float(jcols[m][j])
+                if np.isnan(t) or np.isnan(jv):
+                    assert np.isnan(t) and np.isnan(jv), (step, name, m)
+                    continue
+                tol = 2.0 / tgrad[name].numel() if m in ("sat_frac", "eps_frac") else 1e-3 * abs(t) + 1e-5
+                assert abs(t - jv) <= tol, (step, name, m, t, jv)
+            if step == 1:   # v_1 = (1 - b2) g^2, corrected by 1 - b2^2
+                g2 = tgrad[name].double().numpy() ** 2
+                want = math.sqrt(np.mean(g2 / np.maximum((1 - b2) * g2 / (1 - b2 ** 2), eps * eps)))
+                assert float(tstats.columns["rms_t"][i]) == pytest.approx(want, rel=1e-4), name
+                assert float(jcols["rms_t"][j]) == pytest.approx(want, rel=1e-4), name
+    assert float(dict(zip(seen[0][2].columns["name"], seen[0][2].columns["rms_t"]))[
+        "output.weight"]) == pytest.approx(math.sqrt(1 + b2), rel=1e-3)
+    for name, p in model.named_parameters():
+        pt, pj = p.detach().numpy(), np.asarray(params[name])
+        np.testing.assert_allclose(pj, pt, rtol=0, atol=1e-5 * np.abs(pt).max(), err_msg=name)
+
 
 def test_freeze_groups_match_and_keep_adam_state_accumulating():
     """Layer freezing of the embed and shallow groups on steps 20..35 through the registry

@@ -139,3 +139,46 @@ def test_state_lookup_errors():
         O.clip_info(optax.adam(0.1).init({"w": jnp.zeros(2)}))
     with pytest.raises(ValueError, match="loss_scale"):
         O.adamw(_section(), 10, loss_scale=0.0)
+
+
+def _grads_and_run(tx, params, grads_seq):
+    p = {k: jnp.asarray(v) for k, v in params.items()}
+    state = tx.init(p)
+    for g in grads_seq:
+        upd, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, p)
+        p = optax.apply_updates(p, upd)
+    return p, state
+
+
+@pytest.mark.parametrize("group_eps", [False, True])
+def test_bias_correction_offset_1_is_the_seed_stacks_npu_adamw(group_eps):
+    """optim.bias_correction_offset = 1 equals AscendSpeed 2023's AdamW (npu_apply_adam_w
+    handed beta**t, tests/npu_adamw_reference.py) in float64, clipping and weight decay on,
+    with one eps for all tensors and with one per tensor (the per-leaf path); offset 0 (the
+    default, torch) differs from it by far more than the tolerance."""
+    from tests.npu_adamw_reference import ascendspeed_adamw
+
+    rng = np.random.default_rng(2)
+    params = {"a": rng.normal(size=(4, 3)), "b": rng.normal(size=(5,))}
+    grads_seq = [{k: rng.normal(size=x.shape) * s for k, x in params.items()}
+                 for s in (3.0, 2.0, 0.1, 1e-3, 1.5, 0.01, 0.5, 2e-4)]
+    n = len(grads_seq)
+    opt = _section(eps=1e-3, bias_correction_offset=1)   # eps near |g|: its placement matters
+    eps = {"a": 1e-3, "b": 3e-2} if group_eps else opt.eps
+    want = ascendspeed_adamw([params["a"], params["b"]], [[g["a"], g["b"]] for g in grads_seq],
+                             [opt.lr_at(t, n) for t in range(1, n + 1)], opt.b1, opt.b2,
+                             [eps["a"], eps["b"]] if group_eps else eps, opt.weight_decay,
+                             opt.grad_clip)
+    with jax.enable_x64(True):
+        def chain(offset):
+            return O.adamw_chain(opt.b1, opt.b2, eps, O.lr_schedule(opt, n), opt.grad_clip,
+                                 opt.weight_decay, bias_correction_offset=offset)
+        p, state = _grads_and_run(chain(1), params, grads_seq)
+        torch_p, _ = _grads_and_run(chain(0), params, grads_seq)
+        if not group_eps:   # the config route builds the same chain
+            p_cfg, _ = _grads_and_run(O.adamw(opt, n), params, grads_seq)
+            np.testing.assert_array_equal(np.asarray(p_cfg["a"]), np.asarray(p["a"]))
+    assert int(O.adam_state(state).count) == n + 1
+    for k, w in zip("ab", want):
+        np.testing.assert_allclose(np.asarray(p[k]), w, rtol=1e-12, atol=1e-14)
+        assert np.abs(np.asarray(torch_p[k]) - w).max() > 1e-4 * np.abs(w).max()

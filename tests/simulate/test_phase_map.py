@@ -247,3 +247,15 @@ def test_a_bad_map_file_is_one_line(tmp_path, capsys):
     cfg.write_text("[map]\nbase = 'configs/matched_replication.toml'\nseeds = 2\nlr_mult = 3\n")
     assert cli(["phase-map", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 2
     assert "lr_mult" in capsys.readouterr().err
+
+
+def test_cell_ids_of_configs_at_the_default_adamw_are_those_from_before_its_offset_setting():
+    """The phase map's cell id of the default config (seeds 0, 1; K 10), pinned as main
+    computed it before optim.bias_correction_offset existed: cached cells stay valid; a
+    config with the seed stack's offset gets another id."""
+    from adamspike.config import flatten, to_dict
+    from simulate.phase_map import cell_id
+
+    flat = flatten(to_dict(RunConfig()))
+    assert cell_id(flat, [0, 1], 10) == "509d6bf9cd81"
+    assert cell_id({**flat, "optim.bias_correction_offset": 1}, [0, 1], 10) != "509d6bf9cd81"
