@@ -270,7 +270,8 @@ def write_study_report(out: Path, results: list[dict], scale: str = "standard",
                   "", "Per-run regime cards and the update_rms fit per regime band: the "
                   "analysis report below (Regime overview, Regime card)."]
     pm_fig = out / "figures" / "phase_map" / "phase_map.png"
-    for name, title in (("phase_map", "Phase map: spikes in the 70B's rho band"),
+    for name, title in (("science4", "Science 4: the 70B answer under a written plan"),
+                        ("phase_map", "Phase map: spikes in the 70B's rho band"),
                         ("replication_phase", "Replication at the edge of stability in the 70B's rho band"),
                         ("replication_matched", "Replication table, matched regime"),
                         ("replication", "Replication table, toy regime (b2 0.999, eps 1e-8: "
@@ -281,7 +282,7 @@ def write_study_report(out: Path, results: list[dict], scale: str = "standard",
                         ("matched", "Rho-matched toy"), ("replay", "Causal replay of spikes")):
         for cand in (out / name / "replication.md", out / name / "report.md",
                      out / name / "replay.md", out / name / "phase_map.md",
-                     out / name / "batch_sharpness.md"):
+                     out / name / "batch_sharpness.md", out / name / "science4.md"):
             if cand.exists():
                 lines += ["", f"## {title}", "", rebase_links(cand.read_text().strip(), name)]
                 if name == "phase_map" and pm_fig.exists():
@@ -311,6 +312,16 @@ def answer_section(out: Path) -> list[str]:
     L = ["## The answer, in one minute", "",
          "The seed's LLaMA2-70B: AdamW eps 1e-5, b2 0.95, lr 1.5e-4, clip 1, 4M tokens per "
          "step; it spiked inside its first 1543 steps."]
+    s4 = out / "science4" / "science4.json"
+    if s4.exists():    # the plan-governed reading first: the older lines below predate it
+        d4 = json.loads(s4.read_text())
+        last = (d4.get("versions") or [{}])[-1]
+        L.append(f"- **Under the written plan** ([Science 4](#science-4-the-70b-answer-under-a-"
+                 f"written-plan); plan sha256 `{d4['plan_sha256'][:16]}...`): with the convergence "
+                 f"QC ({last.get('reading', '?')}), S after the warmup "
+                 f"{fmt(last.get('S_after'))} [{fmt(last.get('S_lo'))}, {fmt(last.get('S_hi'))}] "
+                 f"(90 % prediction interval): **{last.get('label', '?')}**. The shipped fit's "
+                 "'A possible' below rests on an unconverged rung-seed and a leave-one-out range.")
     fit = out / "ladder" / "fit.json"
     if fit.exists():
         rho = json.loads(fit.read_text()).get("llama2_70b", {}).get("rho", {})

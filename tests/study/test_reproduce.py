@@ -146,10 +146,12 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
     assert names == list(load_study(scale="full")) and names[0] == "theory"
     skipped = set(names) - {s.name for s in quick}
     assert skipped == {"llama_stable", "matched_toy_ge", "matched_toy_ge_1e8", "package_data",
-                       "phase_map_w64", "batch_sharpness", "spike_rate_mechanism"}
+                       "phase_map_w64", "batch_sharpness", "spike_rate_mechanism",
+                       "phase_map_science4"}
     assert [s.name for s in quick] == [n for n in names if n not in skipped]
     assert set(names) - {s.name for s in standard} == {
-        "phase_map_w64", "batch_sharpness", "spike_rate_mechanism", "package_data"}
+        "phase_map_w64", "batch_sharpness", "spike_rate_mechanism", "package_data",
+        "phase_map_science4"}
     shipped = str(package_data.profile_dir("llama2-70b"))
     f, q, d = ({s.name: s for s in plan} for plan in (full, quick, standard))
     for plan in (q, d):      # the shipped cells refitted; the shipped mechanism model
@@ -158,6 +160,9 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
         assert plan["predict_70b"].needs == ["sweep", "ladder"]
     assert "--cells-from" not in f["ladder"].argv and shipped not in " ".join(f["predict_70b"].argv)
     assert d["phase_map"].argv[-1] == "--quick" and "--quick" not in f["phase_map"].argv
+    # Science 4: the full study computes its cells and map; the others read the shipped ones
+    assert "--compute" in f["science4"].argv and f["science4"].needs == ["phase_map_science4"]
+    assert "--compute" not in q["science4"].argv and q["science4"].needs == []
     note = scale_note(standard, "standard")
     assert "`ladder`, `predict_70b`" in note and "`batch_sharpness`" in note
     assert scale_note(full, "full") == ""
