@@ -31,26 +31,41 @@ store, recomputing only the cells that are missing.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import importlib
 import io
 import json
 import math
+import multiprocessing as mp
 import os
 import socket
 import sys
 import time
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
 from adamspike.rundir import atomic_write_bytes
 
-__all__ = ["Cell", "CellStore", "CorruptCell", "canonical", "run_cells", "EXECUTORS"]
+__all__ = ["Cell", "CellStore", "CorruptCell", "cache_home", "canonical", "run_cells",
+           "EXECUTORS"]
 
 EXECUTORS = ("local", "ray")
+
+
+def cache_home() -> Path:
+    """The user's adamspike cache ($ADAMSPIKE_CACHE_HOME, else $XDG_CACHE_HOME/adamspike,
+    else ~/.cache/adamspike): compiled programs that outlive one study folder."""
+    env = os.environ.get("ADAMSPIKE_CACHE_HOME")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "adamspike"
 
 
 def _plain(x: Any) -> Any:
@@ -214,17 +229,20 @@ def _unique(cells: Iterable[Cell]) -> list[Cell]:
     return out
 
 
-def run_cells(store: CellStore, cells: Sequence[Cell], *, executor: str = "local",
+def run_cells(store: CellStore, cells: Sequence[Cell], *, executor: str | None = None,
               jobs: int = 1, address: str | None = None, progress: bool = True,
               desc: str = "cells") -> list[dict]:
     """Every cell's payload, in the order given, computing the missing ones with the
     executor ("local": `jobs` spawned processes, inline when 1; "ray": Ray tasks on the
-    cluster at `address`, or a local Ray instance of `jobs` CPUs when None)."""
+    cluster at `address`, or a local Ray instance of `jobs` CPUs when None). Left None,
+    executor and address come from ADAMSPIKE_EXECUTOR / ADAMSPIKE_RAY_ADDRESS (`adamspike
+    reproduce --executor ray --address ...` sets them for its stages), else "local"."""
+    executor = executor or os.environ.get("ADAMSPIKE_EXECUTOR") or "local"
+    address = address or os.environ.get("ADAMSPIKE_RAY_ADDRESS") or None
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     todo = [c for c in _unique(cells) if store.get(c) is None]
     if todo:
-        from tqdm.auto import tqdm
         bar = tqdm(total=len(todo), desc=desc, unit="cell", file=sys.stderr,
                    disable=not progress or not sys.stderr.isatty())
         root = str(store.root.resolve())
@@ -250,9 +268,6 @@ def _run_local(root: str, todo: list[Cell], jobs: int, bar, attempts: int = 3) -
     """Missing cells in a pool of `jobs` spawned processes; a worker that dies (killed, out
     of memory) breaks the pool: a new pool takes the cells still missing, up to `attempts`
     times. An exception raised by a cell's own code is not retried."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    from concurrent.futures.process import BrokenProcessPool
     store = CellStore(root)
     for attempt in range(attempts):
         left = [c for c in todo if not store.path(c).is_file()]
@@ -299,7 +314,6 @@ def selfcheck(config: Mapping[str, Any]) -> dict:
     n; optional `log` (a file that gets one line per computation), `sleep` (seconds, so
     a test can kill it mid-cell) and `die_once` (a marker path: the first attempt creates
     it and kills its own process, as a node failure would)."""
-    import numpy as np
     if config.get("log"):
         with open(config["log"], "a") as fh:
             fh.write(f"{config['seed']}\n")

@@ -30,6 +30,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from adamspike.cells import Cell, CellStore
+
 PI_THRESHOLD = 38.0      # 2 (1+b1)/(1-b1) at b1 0.9
 LR_AFTER_WARMUP = 0.55   # median lr after the warmup as a fraction of the peak (predict.PHASE_LR)
 
@@ -196,7 +198,6 @@ def hits(plan: Mapping[str, Any], rungs: pd.DataFrame) -> pd.DataFrame:
 
 def read_cells(store_dir: str | Path) -> list[tuple[dict, dict]]:
     """Every verified sharpness cell in a store directory: [(config, payload)]."""
-    from adamspike.cells import Cell, CellStore
     store = CellStore(store_dir)
     out = []
     for p in sorted(Path(store_dir, "sharpness_rung").glob("*.json")):

@@ -30,6 +30,7 @@ import pandas as pd
 from scipy import stats
 
 from adamspike.spikes import SpikeParams, detect_spikes, spike_durations_many
+from analysis.phase_map import poisson_interval
 
 NULLS = ("student_t", "shuffle")
 CLASSES = ("visible", "secondary")
@@ -108,7 +109,6 @@ def cells_table(cells: Iterable[tuple[Mapping[str, Any], Sequence[np.ndarray]]],
     """One row per (cell, class): the observed rate per 1k steps with its exact Poisson 95 %
     interval, each null's mean rate and p, durations, and whether it beats both nulls.
     `cells`: (labels, lanes) pairs, labels a dict of the cell's identifying columns."""
-    from analysis.phase_map import poisson_interval
     null = plan["spikes"]["null"]
     rows = []
     for labels, lanes in cells:
@@ -129,22 +129,3 @@ def cells_table(cells: Iterable[tuple[Mapping[str, Any], Sequence[np.ndarray]]],
                          "censored": r["censored"], "beats_null": r["beats"]})
     return pd.DataFrame(rows)
 
-
-def map_cells(map_dir) -> list[tuple[dict, list[np.ndarray]]]:
-    """The lanes of a phase map folder (simulate.phase_map's map.json + cells/*.parquet):
-    [(labels, [loss per seed])], with the cell's rho band flag from its calibration."""
-    import json
-    from pathlib import Path
-    d = Path(map_dir)
-    meta = json.loads((d / "map.json").read_text())
-    out = []
-    for c in meta["cells"]:
-        p = d / "cells" / f"{c['id']}.parquet"
-        if not p.exists():
-            continue
-        df = pd.read_parquet(p)
-        lanes = [g.sort_values("step")["loss"].to_numpy(float)
-                 for _, g in df.groupby("seed", sort=True)]
-        out.append(({"lr_mult": c["lr_mult"], "b2": c["b2"], "batch_mult": c["batch_mult"],
-                     "seeds": len(lanes)}, lanes))
-    return out

@@ -29,6 +29,11 @@ import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from scipy.linalg import eigh_tridiagonal
+
+from adamspike.cells import Cell
+from simulate import batch_sharpness as BS
+from simulate import ladder as LD
 
 KIND = "sharpness_rung"
 CODE = "lanczos-2"        # bump when the computation below changes meaning
@@ -39,7 +44,6 @@ def cell_config(dim: int, layers: int, lr: float, seed: int, *, steps: int = 150
                 eps: float | None = None, eval_tokens: Sequence[int] = (512, 2048, 8192, 32768),
                 iters: int = 30, start: int = 0, track: Sequence[int] = ()) -> dict:
     """The cell's resolved input (every number the result depends on)."""
-    from simulate import ladder as LD
     spec = LD.full_spec("constant")
     return {"dim": int(dim), "layers": int(layers), "lr": float(lr), "seed": int(seed),
             "steps": int(steps), "eps": float(spec.eps if eps is None else eps),
@@ -51,7 +55,6 @@ def cell_config(dim: int, layers: int, lr: float, seed: int, *, steps: int = 150
 
 
 def cell(dim: int, layers: int, lr: float, seed: int, **kw):
-    from adamspike.cells import Cell
     return Cell(KIND, CODE, cell_config(dim, layers, lr, seed, **kw),
                 "simulate.sharpness:compute")
 
@@ -65,7 +68,6 @@ def lanczos(matvec, n: int, iters: int, rng: np.random.Generator,
     Returns theta_1, theta_2 (largest), theta_min, the true residual of the top pair
     ||A y - theta_1 y|| / |theta_1| (one more product), the Ritz vector y and the number
     of products."""
-    from scipy.linalg import eigh_tridiagonal
     q = rng.standard_normal(n)
     if start is not None:     # warm start from a previous top vector, plus fresh directions
         q = start / np.linalg.norm(start) + 0.3 * q / np.linalg.norm(q)
@@ -107,9 +109,7 @@ def compute(config: Mapping[str, Any]) -> dict:
     import jax.numpy as jnp
     from jax.flatten_util import ravel_pytree
 
-    from simulate import batch_sharpness as BS
-    from simulate import ladder as LD
-    from simulate.program import program
+    from simulate.program import program   # jax: only when a cell runs
 
     c = dict(config)
     t0 = time.perf_counter()

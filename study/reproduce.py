@@ -46,6 +46,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from adamspike import package_data
+from adamspike.cells import cache_home
 from adamspike.config import ConfigError, read_toml
 from adamspike.tables import fmt, md_table
 
@@ -595,6 +596,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", metavar="STAGE", help="run only these stages")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                     help="stages run at once (independent stages overlap; default 2)")
+    ap.add_argument("--executor", choices=("local", "ray"), default="local",
+                    help="where the stages that write cells (adamspike.cells) compute them: "
+                         "local worker processes, or Ray tasks (--address, else a local Ray)")
+    ap.add_argument("--address", help="Ray cluster address for --executor ray (HOST:PORT)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     if out.exists() and any(out.iterdir()) and not args.resume:
@@ -630,10 +635,12 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ADAMSPIKE_STUDY": str(out)}
     # overlapping stages share the cores instead of oversubscribing them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, args.jobs))))
-    # JAX's persistent compilation cache, per study: stages that compile the same program
-    # (the trainer's init and steps at one model size) compile it once, and --resume
-    # finds every finished compile
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / ".cache" / "jax"))
+    # JAX's persistent compilation cache, per user (not per study): a second study into a
+    # new folder, and the next --resume, load every program the first compiled
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_home() / "jax"))
+    env["ADAMSPIKE_EXECUTOR"] = args.executor          # adamspike.cells.run_cells' default
+    if args.address:
+        env["ADAMSPIKE_RAY_ADDRESS"] = args.address
     # the analyses' tables of exact theory values (analysis.fits), computed once per study
     env.setdefault("ADAMSPIKE_CACHE_DIR", str(out / ".cache"))
     results = _schedule(plan, out, env, marks, args.resume, max(1, args.jobs))

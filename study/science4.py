@@ -31,11 +31,19 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from adamspike import package_data
+from adamspike import spike_rate as SR
+from adamspike.cells import CellStore, run_cells
 from adamspike.config import ConfigError, cli_main, read_toml
+from adamspike.plan import load_plan
 from adamspike.rundir import atomic_write_bytes
 from adamspike.tables import md_table
+from analysis import sharpness as SH
+from analysis.spike_null import cells_table
+from simulate.predict import load_profile, mechanism_inputs
+from simulate.sharpness import cell, plan_cells
 
 SHIPPED = package_data.DATA / "llama2_70b" / "science4"
 LANES_FILE = "map_lanes.parquet"
@@ -53,7 +61,6 @@ def sharpness_versions(plan: Mapping[str, Any], summary_v4: Mapping[str, Any],
     v4 as shipped (every seed averaged in), v4 without the failed seed (one seed where
     it was), v4 under the plan's QC (>= min_seeds passing), and v5 = v4's passing seeds
     with the plan's Lanczos rung-seeds (reruns replacing failed first passes)."""
-    from analysis import sharpness as SH
     ms = int(plan["sharpness"]["qc"]["min_seeds"])
     v4 = SH.shipped_rows(summary_v4, plan)
     new = SH.cell_rows(cells, plan)
@@ -126,7 +133,6 @@ def lanes_from_map(map_dir: Path) -> pd.DataFrame:
 
 
 def null_table(lanes: pd.DataFrame, plan: Mapping[str, Any]) -> pd.DataFrame:
-    from analysis.spike_null import cells_table
     cells = []
     for (lr, b2, bm), g in lanes.groupby(["lr_mult", "b2", "batch_mult"], sort=True):
         ls = [d.sort_values("step")["loss"].to_numpy(float) for _, d in g.groupby("seed")]
@@ -158,10 +164,6 @@ def public_record(plan: Mapping[str, Any], lam_reading: Mapping[str, Any] | None
     the toys' k = 4, >= 10 % spikes) with the shipped sharpness law and, when given, the
     plan-QC law, beside what was reported; Poisson log-likelihoods against a constant rate
     fitted to the same record (runs with a count; at-least counts as P(N >= k))."""
-    from scipy import stats
-
-    from adamspike import spike_rate as SR
-    from simulate.predict import load_profile, mechanism_inputs
 
     runs = read_toml(RECORD)["run"]
     model = SR.load_model(package_data.DATA / "llama2_70b" / "spike_rate_model.json")
@@ -295,18 +297,14 @@ def open_items_md(plan: Mapping[str, Any]) -> list[str]:
 
 
 def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
-        map_dir: Path | None = None, executor: str = "local", jobs: int = 1,
+        map_dir: Path | None = None, executor: str | None = None, jobs: int = 1,
         address: str | None = None, progress: bool = True) -> dict:
-    from adamspike.cells import CellStore, run_cells
-    from adamspike.plan import load_plan
-    from analysis import sharpness as SH
 
     plan = load_plan("science4")
     out.mkdir(parents=True, exist_ok=True)
     summary_v4 = json.loads((package_data.ladder_dir("llama2-70b") / "batch_sharpness.json").read_text())
     store_dir = cells_dir or (out / "cells")
     if compute:
-        from simulate.sharpness import plan_cells
         store = CellStore(store_dir)
         first = plan_cells(plan)
         got = run_cells(store, first, executor=executor, jobs=jobs, address=address,
@@ -365,11 +363,9 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
 def ship(store_dir: Path, map_dir: Path | None, dest: Path = SHIPPED) -> list[Path]:
     """Copy the plan's verified sharpness cells (and the map's lanes as one table) into the
     package data, so the standard study re-derives the answer from them."""
-    from analysis.sharpness import read_cells
     (dest / "cells" / "sharpness_rung").mkdir(parents=True, exist_ok=True)
     written = []
-    for cfg, _ in read_cells(store_dir):
-        from simulate.sharpness import cell
+    for cfg, _ in SH.read_cells(store_dir):
         c = cell(cfg["dim"], cfg["layers"], cfg["lr"], cfg["seed"], steps=cfg["steps"],
                  eps=cfg["eps"], eval_tokens=cfg["eval_tokens"], iters=cfg["iters"],
                  start=cfg["start"], track=cfg["track"])
@@ -391,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     "else the cells shipped with the package)")
     ap.add_argument("--map", help="phase-map folder with the in-band cells (default: the "
                                   "shipped lanes)")
-    ap.add_argument("--executor", choices=("local", "ray"), default="local")
+    ap.add_argument("--executor", choices=("local", "ray"),
+                    help="where missing cells run (default: $ADAMSPIKE_EXECUTOR, else local)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--address", help="Ray cluster address (with --executor ray)")
     ap.add_argument("--ship", action="store_true",

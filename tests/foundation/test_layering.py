@@ -38,7 +38,7 @@ SCANNED = PACKAGES + ("bench",)          # bench/: scripts, checked for (c) only
 
 # optional heavy dependencies that a function may import without a comment
 LAZY_OK = {"jax", "jaxlib", "optax", "torch", "torch_npu", "matplotlib",
-           "megatron", "mindspeed", "modellink", "ascendspeed"}
+           "megatron", "mindspeed", "modellink", "ascendspeed", "ray"}
 
 # package -> top-level names it must never import (module top or local)
 FORBIDDEN = {
