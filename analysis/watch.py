@@ -903,6 +903,13 @@ def watch(path: str | Path, *, params: SpikeParams = SpikeParams(), once: bool =
     kind = _kind(path)
     if kind == "no-folder":
         raise MegatronLogError(f"{path}: its folder {path.absolute().parent} does not exist")
+    if once and kind != "dir":            # nothing to follow: an error in one line
+        try:
+            open(path, "rb").close()
+        except FileNotFoundError:
+            raise MegatronLogError(f"{path}: log file not found") from None
+        except OSError as e:
+            raise MegatronLogError(f"{path}: cannot read ({_why(e)})") from None
     say = ((lambda s: None) if quiet else
            (lambda s: print(f"adamspike watch: {s}", file=sys.stderr, flush=True)))
     notes = _Notes(say)
