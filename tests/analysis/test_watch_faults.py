@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.watch import RunFollower
+from analysis.watch import MAX_LINE_BYTES, LogFollower, RunFollower, _Notes, _Stop
 from tests.analysis.test_watch import core_line, offline, overflow_line
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -468,3 +468,28 @@ def test_events_jsonl_is_read_incrementally(tmp_path):
     with open(run / "events.jsonl", "a") as fh:
         fh.write(json.dumps({"type": "alarm", "step": 8}) + "\n")
     assert [e["step"] for e in fol.poll()[1]] == [8]
+
+
+def test_a_line_without_end_is_bounded_and_read_once(tmp_path):
+    """16 MiB without a newline: dropped with one note, the partial line never above
+    MAX_LINE_BYTES, each byte scanned once (linear: well under a CPU second)."""
+    log = tmp_path / "flat.log"
+    with open(log, "wb") as fh:
+        fh.write(b"a" * (16 << 20) + b"\n" + b"iteration 1/ 10 | lm loss: 3.0 |\n" + b"tail")
+    said, partial = [], []
+    fol = LogFollower(log, _Stop(), _Notes(said.append), once=True)
+    split = fol._split
+
+    def spy(chunk):                      # the partial line kept after each read
+        yield from split(chunk)
+        partial.append(sum(map(len, fol.pieces)))
+
+    fol._split = spy
+    t0 = time.process_time()
+    lines = [ln for seg in fol.segments() for ln in seg]
+    cpu = time.process_time() - t0
+    peak = max(partial)
+    assert lines == ["iteration 1/ 10 | lm loss: 3.0 |", "tail"]
+    assert fol.dropped_lines == 1 and len(said) == 1 and "dropped" in said[0]
+    assert len(partial) >= 16 and 0 < peak <= MAX_LINE_BYTES
+    assert cpu < 1.0, cpu
