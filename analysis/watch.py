@@ -8,17 +8,27 @@ numerics event as it happens (reads files only).
 A log is followed with `tail -F` semantics: complete lines are read as they are appended;
 a rotated file (renamed away, a new one created under PATH) is drained and then the new
 file read from its start; a truncated file (size below the read position) is read again
-from its start; a file that does not exist yet is waited for. A restarted job that appends
-to the same log (or writes a new one) goes back to an earlier iteration: the rule's state is
-restored to what it was before that iteration (snapshots of the last SNAPSHOT_ROWS rows)
-and judging goes on from there, as the offline import does (a repeated iteration keeps its
-last line).
+from its start. Such new content is a new job when its first iteration does not continue
+the last one seen (a `new_job` event: the rule starts a new history, as `analyze` of the
+new file alone would); when it does (logrotate's copytruncate, a rotation mid-job) the
+history is kept, and stderr says which. A restarted job that appends to the same log goes
+back to an earlier iteration: the rule's state is restored to what it was before that
+iteration (snapshots of the last SNAPSHOT_ROWS rows) and judging goes on from there, as the
+offline import does (a repeated iteration keeps its last line). An iteration printed again
+with the same values (several ranks printing training_log) is ignored, said once.
+A missing file is waited for (said once); a path whose folder does not exist is an error
+(exit 2). What cannot be read (PATH a directory, a link loop, a file without read
+permission, an I/O error) is said once on stderr and looked at again every poll; reading
+resumes when it can be read. A line longer than MAX_LINE_BYTES (1 MiB) without a newline is
+dropped (said once): memory stays bounded and each byte is scanned once. `--once` on a log
+it cannot read is an error in one line (exit 2).
 
 Decisions are the offline analysis's, one row at a time: lines are parsed by the one
 parser (adamspike.megatron_log.iter_megatron_log, the import's streaming parser, here one
 row per chunk), the loss and the grad norm are judged by the one online rule
 (adamspike.spikes: SpikeParams.resolved with the run config of an imported log, so
-LOG_MIN_HISTORY; the grad norm by analysis.report.grad_norm_rule) on the rows
+LOG_MIN_HISTORY; the grad norm by analysis.report.grad_norm_rule, with the rule's default
+warm-up where the log, or a new job in it, starts at its job's first iterations) on the rows
 adamspike.spikes.valued_rows keeps, and numerics events are analysis.numerics
 .numerics_events of the row against the previous one. So the steps `watch` flags on a file
 are the spike starts `analyze --log` finds on it (tests/analysis/test_watch.py), with one
@@ -32,14 +42,25 @@ card's rho_bar = min(gn, clip) / (sqrt(N) eps) with its eps regime when N and ep
 (onset), loss_spike_end (back inside the band), grad_norm_spike, the numerics kinds of
 analysis.numerics (loss_scale_cut, loss_scale_raise, overflow, skipped, nan_iterations,
 stale_grad_norm, nonfinite_loss, no_loss), restart (the job went back to an earlier
-iteration), rule (the rule changed), and for a run directory its events.jsonl records
-(alarm, skip, rollback, fault, ...; routine ones such as checkpoints are left out).
+iteration), new_job, rule (the rule changed), the Megatron probe's own log lines
+(fullscale.megatron_probe: probe_skip, probe_alarm, probe_spike, probe_disabled,
+probe_error; `probe_event`), and for a run directory its events.jsonl records (alarm, skip,
+rollback, fault, ...; routine ones such as checkpoints are left out). A run directory's
+events.jsonl is read from where the last look stopped (an idle look is a stat); a record
+that is not JSON is skipped (said once).
 
-`--on-event CMD` runs CMD (through the shell) once per event, with the event as JSON on
-stdin and in the environment (ADAMSPIKE_EVENT_JSON, ADAMSPIKE_EVENT_KIND,
-ADAMSPIKE_EVENT_STEP, ADAMSPIKE_EVENT_DETAIL, ADAMSPIKE_WATCH_SOURCE); a failing or slow
-hook (--on-event-timeout) is reported on stderr and watching goes on. Ctrl-C or SIGTERM
-ends watching with exit status 0; `--once` reads what is there and exits.
+Events come in episodes: an event opens one unless its family (one series' spikes, the
+numerics events, the probe's lines, one kind of run or log event) had an event within the
+last EPISODE_ROWS (10) rows of the same job; a spike's end never opens one. One fp16 overflow
+cascade is one episode. `--on-event CMD` runs CMD (through the shell) once per episode, at
+its first event, with that event as JSON on stdin and in the environment
+(ADAMSPIKE_EVENT_JSON, ADAMSPIKE_EVENT_KIND, ADAMSPIKE_EVENT_STEP, ADAMSPIKE_EVENT_DETAIL,
+ADAMSPIKE_EVENT_EPISODE, ADAMSPIKE_WATCH_SOURCE; a NUL in a value is written `\\0`). Hooks
+run one at a time on a worker thread, never in the follower's way, each in its own process
+group, killed after --on-event-timeout seconds; their stdout goes to stderr (stdout stays
+one line per event); a failure or a kill is said once and counted at the end. Ctrl-C or
+SIGTERM ends watching with exit status 0 (queued hooks get --on-event-timeout more
+seconds; a second Ctrl-C skips them); `--once` reads what is there and exits.
 """
 
 from __future__ import annotations
@@ -342,10 +363,12 @@ class OnlineJudge:
 # -------------------------------------------------------------------- following files
 
 class _Stop:
-    """Set by SIGINT / SIGTERM (or a test): the followers return at their next look."""
+    """Set by SIGINT / SIGTERM (or a test): the followers return at their next look; a
+    second signal also ends the wait for queued --on-event hooks."""
 
     def __init__(self) -> None:
         self.flag = False
+        self.signals = 0
 
     def __bool__(self) -> bool:
         return self.flag
@@ -760,10 +783,14 @@ class HookRunner:
             self.notes.once("hook-failed", f"--on-event exited {proc.returncode} (said once; "
                                            "counted at the end)")
 
-    def close(self, wait_s: float) -> dict:
-        """Let the queued hooks run for up to wait_s seconds, then kill what is left."""
+    def close(self, wait_s: float, give_up: Callable[[], bool] = lambda: False) -> dict:
+        """Let the queued hooks run for up to wait_s seconds (or until give_up()), then
+        kill what is left."""
         deadline = time.monotonic() + wait_s
-        while self.q.unfinished_tasks and time.monotonic() < deadline:
+        if self.q.unfinished_tasks:
+            self.notes.say(f"waiting up to {wait_s:g} s for {self.q.unfinished_tasks} "
+                           "--on-event hook(s) (a second Ctrl-C skips them)")
+        while self.q.unfinished_tasks and time.monotonic() < deadline and not give_up():
             time.sleep(0.02)
         while True:
             try:
@@ -846,8 +873,9 @@ class Reporter:
                    "ADAMSPIKE_WATCH_SOURCE": self.source}
             self.hooks.submit(payload, {k: _env_safe(v) for k, v in env.items()})
 
-    def close(self) -> dict | None:
-        return self.hooks.close(self.hook_timeout + 1.0) if self.hooks is not None else None
+    def close(self, give_up: Callable[[], bool] = lambda: False) -> dict | None:
+        return (self.hooks.close(self.hook_timeout + 1.0, give_up) if self.hooks is not None
+                else None)
 
 
 def _jsonable(o: Any) -> Any:
@@ -941,7 +969,7 @@ def watch(path: str | Path, *, params: SpikeParams = SpikeParams(), once: bool =
         else:
             _follow_log(path, judge, rep, notes, stop, once=once, new_only=new_only, poll=poll)
     finally:
-        counts = rep.close()
+        counts = rep.close(lambda: stop.signals >= 2)
     if summary is not None:
         summary.update(episodes=rep.episodes, hooks=counts, duplicates=judge.duplicates)
     if counts and any(counts[k] for k in ("failed", "killed", "dropped", "not_run")):
@@ -1114,6 +1142,7 @@ def _main(args) -> int:
 
     def handler(signum, frame):   # noqa: ARG001
         stop.flag = True
+        stop.signals += 1
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     summary: dict = {}
