@@ -425,6 +425,7 @@ class LogFollower:
         self.partial = 0
         self.dropping = False                   # inside an over-long line: skip to its end
         self.dropped_lines = 0
+        self.resume: tuple | None = None        # (identity, position) after a read error
 
     def segments(self) -> Iterator[Iterator[str]]:
         first = True
@@ -449,7 +450,6 @@ class LogFollower:
             self.notes.trouble("read", f"cannot read {self.path} ({_why(e)}): still watching; "
                                        "reading resumes when it can be read")
             return False
-        self.notes.clear("read", f"{self.path} can be read: following it")
         self.fh, self.ident = fh, ident
         return True
 
@@ -495,23 +495,30 @@ class LogFollower:
 
     def _lines(self) -> Iterator[str]:
         while not self.stop:
-            if self.fh is None and not self._open():
-                if self.once:
-                    break
-                time.sleep(self.poll)
-                continue
+            if self.fh is None:
+                if not self._open():
+                    if self.once:
+                        break
+                    time.sleep(self.poll)
+                    continue
+                if self.resume is not None:     # open again after a read error
+                    (ident, pos), self.resume = self.resume, None
+                    if self.ident == ident and pos is not None:
+                        self.fh.seek(pos)       # the same file: on from where it failed
+                    else:                       # another file meanwhile: new content
+                        yield from self._last_piece()
+                        self.new_content = "replaced (rotated)"
+                        return
             try:
                 chunk = self.fh.read(READ_BYTES)
             except OSError as e:                # EIO and the like: open it again
-                pos = self._tell()
+                self.resume = (self.ident, self._tell())
                 self._close()
                 self.notes.trouble("read", f"cannot read {self.path} ({_why(e)}): still "
                                            "watching; reading resumes when it can be read")
                 time.sleep(self.poll)
-                if self._open() and pos is not None:
-                    if _identity(os.fstat(self.fh.fileno())) == self.ident:
-                        self.fh.seek(pos)
                 continue
+            self.notes.clear("read", f"{self.path} can be read: following it")
             if chunk:
                 yield from self._split(chunk)
                 continue

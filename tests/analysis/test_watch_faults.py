@@ -7,6 +7,7 @@ are no restarts; the follower survives a directory, an unreadable file, a link l
 binary garbage and a NUL in events.jsonl, says once what it cannot read and resumes; an
 idle look at a run directory costs the same at 1 MB and 30 MB of events.jsonl."""
 
+import errno
 import json
 import math
 import os
@@ -493,3 +494,52 @@ def test_a_line_without_end_is_bounded_and_read_once(tmp_path):
     assert fol.dropped_lines == 1 and len(said) == 1 and "dropped" in said[0]
     assert len(partial) >= 16 and 0 < peak <= MAX_LINE_BYTES
     assert cpu < 1.0, cpu
+
+
+def test_a_read_error_is_said_once_and_reading_goes_on_where_it_stopped(tmp_path):
+    """An I/O error (injected: the file's read raises EIO twice) mid-file: said once, the
+    same file opened again and read on from where it stopped (no line twice, none lost)."""
+    fail = [0]
+
+    class Flaky:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def read(self, n):
+            if fail[0]:
+                fail[0] -= 1
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return self.fh.read(n)
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+    class FlakyFollower(LogFollower):
+        def _open(self):
+            ok = super()._open()
+            if ok:
+                self.fh = Flaky(self.fh)
+            return ok
+
+    log = tmp_path / "eio.log"
+    write(log, [f"line {i}" for i in range(10)])
+    said, lines, stop = [], [], _Stop()
+    fol = FlakyFollower(log, stop, _Notes(said.append), poll=0.02)
+    th = threading.Thread(target=lambda: lines.extend(ln for seg in fol.segments()
+                                                      for ln in seg))
+    th.start()
+    try:
+        t0 = time.monotonic()
+        while len(lines) < 10 and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        fail[0] = 2
+        write(log, [f"line {i}" for i in range(10, 20)])
+        while len(lines) < 20 and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+    finally:
+        stop.flag = True
+        th.join(5)
+    assert lines == [f"line {i}" for i in range(20)]
+    assert sum("Input/output error" in s for s in said) == 1
+    assert sum("can be read: following it" in s for s in said) == 1
+    assert fol.new_content is None
