@@ -196,6 +196,22 @@ def test_the_probes_lines_are_events(tmp_path):
     assert "the job runs the adamspike probe (on, run directory /scratch/probe" in err
 
 
+def test_the_probe_still_prints_what_watch_recognises():
+    """The wording probe_event keys on, in the probe's own `_say` calls (the lines above
+    are written after them; tests/fullscale/test_megatron_probe_actions.py checks the
+    probe prints them)."""
+    src = (ROOT / "fullscale" / "megatron_probe.py").read_text()
+    assert 'print(f"adamspike probe: {msg}"' in src
+    for said in ('self._say(f"step {step}: ALARM {alarm[\'rule\']}',
+                 'self._say(f"step {step}: {what}: optimizer update skipped on every rank ',
+                 'self._say(f"step {step}: ALARM skip budget spent',
+                 'self._say(f"step {step}: {text} ({action})")',
+                 'self._say(f"disabled on every rank at step {step} (rank',
+                 'print(f"adamspike probe: not started', 'print(f"adamspike probe: not installed',
+                 '_PROBE._say(f"on, run directory {out}'):
+        assert said in src, said
+
+
 # ------------------------------------------------------------------ paths
 
 def test_a_missing_folder_is_an_error_and_a_missing_file_is_waited_for(tmp_path):
