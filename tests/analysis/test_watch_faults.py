@@ -364,37 +364,36 @@ def _unreadable_prefix():
     return ("setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"), hide
 
 
-def test_rotated_to_an_unreadable_file_and_unreadable_at_start(tmp_path):
+def test_unreadable_at_start_and_rotated_to_an_unreadable_file(tmp_path):
+    """Unreadable at start: said once, read when it can be; rotated to a file created
+    0600 for another user: said once more, resumed when readable; `--once` on an unreadable
+    log is an error in one line."""
     prefix, hide = _unreadable_prefix()
     log = tmp_path / "train.log"
-    write(log, steady(range(1, 41), 3.0))
+    write(log, steady(range(1, 41), 3.0, spikes={30: 2.0}))
+    hide(log)
     w = Watch(log, prefix=prefix)
     try:
-        w.started()
-        time.sleep(0.3)
+        w.wait_for(lambda w: w.said("Permission denied") == 1)
+        time.sleep(0.3)                                # many looks: said once
+        os.chmod(log, 0o644)
+        w.wait_for(lambda w: w.has("loss_spike", 30))
         os.rename(log, tmp_path / "train.log.1")
         write(log, [], mode="w")
         hide(log)
-        w.wait_for(lambda w: w.said("Permission denied") == 1)
+        w.wait_for(lambda w: w.said("Permission denied") == 2)
         write(log, steady(range(41, 61), 3.0, seed=6, spikes={50: 2.0}))
-        time.sleep(0.4)                                # still unreadable: said once
+        time.sleep(0.3)                                # still unreadable: said once
         os.chmod(log, 0o644)
         w.wait_for(lambda w: w.has("loss_spike", 50))
     finally:
         assert w.stop() == 0
-    assert w.said("Permission denied") == 1 and w.said("can be read: following it") == 1
-    # unreadable at start: --once is an error in one line, a follower waits for it
+    assert w.said("Permission denied") == 2 and w.said("can be read: following it") == 2
+    assert not w.has("new_job")                        # 41 continues 40
     hide(log)
     r = subprocess.run([*prefix, sys.executable, "-m", "study", "watch", str(log), "--once"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Permission denied" in r.stderr
-    w = Watch(log, prefix=prefix)
-    try:
-        w.wait_for(lambda w: w.said("Permission denied") == 1)
-        os.chmod(log, 0o644)
-        w.wait_for(lambda w: w.has("loss_spike", 50))
-    finally:
-        assert w.stop() == 0
 
 
 def test_binary_garbage_and_a_line_without_end(tmp_path):
