@@ -992,7 +992,7 @@ def _follow_run(path: Path, judge: OnlineJudge, rep: Reporter, notes: _Notes, st
         rows, recs = fol.poll()
         if first and new_only:            # what is there at start: judged, not reported
             for r in rows:
-                judge.feed(r)
+                _judged(judge, r, notes)
             rows, recs = [], []
         first = False
         # one order for what one look found: by step, a step's row before its events
@@ -1002,7 +1002,7 @@ def _follow_run(path: Path, judge: OnlineJudge, rep: Reporter, notes: _Notes, st
                           for j, e in enumerate(recs)])
         for _, kind, k in items:
             if kind == 0:
-                for ev in judge.feed(rows[k]):
+                for ev in _judged(judge, rows[k], notes):
                     rep.emit(ev)
             else:
                 rep.emit(run_event(recs[k]))
@@ -1054,7 +1054,7 @@ def _follow_log(path: Path, judge: OnlineJudge, rep: Reporter, notes: _Notes, st
                         _new_content(path, judge, rep, notes, new_content, int(row["step"]))
                         new_content = None
                     dup = judge.duplicates
-                    evs = judge.feed(row)
+                    evs = _judged(judge, row, notes)
                     if judge.duplicates > dup:
                         notes.once("dup", f"iteration {row['step']} printed again with the "
                                           "same values (several ranks print training_log?): "
@@ -1067,6 +1067,17 @@ def _follow_log(path: Path, judge: OnlineJudge, rep: Reporter, notes: _Notes, st
             if once and seg == 0:
                 raise
             # no iteration line in this segment (yet): nothing to judge
+
+
+def _judged(judge: OnlineJudge, row: dict, notes: _Notes) -> list[dict]:
+    """judge.feed(row); a row it cannot judge (a value no parser should give) is said
+    once and left out: watching goes on."""
+    try:
+        return judge.feed(row)
+    except (ArithmeticError, TypeError, ValueError, KeyError) as e:
+        notes.once("judge", f"iteration {row.get('step')} could not be judged "
+                            f"({type(e).__name__}: {e}); left out (said once)")
+        return []
 
 
 def _new_content(path: Path, judge: OnlineJudge, rep: Reporter, notes: _Notes, why: str,
