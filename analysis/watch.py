@@ -864,9 +864,9 @@ class Reporter:
         ev = {**ev, "source": self.source, "time": time.time(), "episode": episode,
               "state": self.judge.state_line()}
         self.events.append(ev)
-        if self.quiet:
-            return
-        if self.as_json:
+        if self.quiet:                    # nothing printed; hooks still run
+            pass
+        elif self.as_json:
             print(json.dumps(_jsonable(ev), allow_nan=False), flush=True)
         else:
             print(f"[{time.strftime('%H:%M:%S')}] step {ev['step']}  "
