@@ -84,7 +84,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pandas as pd
 
-from adamspike.config import ConfigError, cli_main
+from adamspike.config import ConfigError, check_finite_args, check_value, cli_main
 from adamspike.llama import PRESETS
 from adamspike.llama import num_params as llama_num_params
 from adamspike.megatron_log import MegatronLogError, iter_megatron_log
@@ -1143,10 +1143,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args) -> int:
     params = SpikeParams.from_flags(args)
-    if not args.poll > 0:
-        raise ConfigError(f"--poll: must be > 0, got {args.poll}")
-    if not args.on_event_timeout > 0:
-        raise ConfigError(f"--on-event-timeout: must be > 0, got {args.on_event_timeout}")
+    check_finite_args(args)
+    for flag, lo in (("poll", 0.0), ("on_event_timeout", 0.0), ("eps", 0.0), ("clip", 0.0),
+                     ("num_params", 1.0)):
+        if getattr(args, flag) is not None:
+            check_value("--" + flag.replace("_", "-"), getattr(args, flag), float, lo=lo,
+                        lo_open=lo == 0.0)
     n = int(args.num_params) if args.num_params else None
     if args.model:
         if args.model not in PRESETS:

@@ -562,3 +562,17 @@ def test_a_read_error_is_said_once_and_reading_goes_on_where_it_stopped(tmp_path
     assert sum("Input/output error" in s for s in said) == 1
     assert sum("can be read: following it" in s for s in said) == 1
     assert fol.new_content is None
+
+
+@pytest.mark.parametrize("flags", [["--eps", "-1"], ["--clip", "-1"], ["--poll", "inf"],
+                                   ["--on-event-timeout", "0"], ["--num-params", "0.5"],
+                                   ["--eps", "nan"]])
+def test_impossible_flags_are_refused_in_one_line(tmp_path, capsys, flags):
+    """The issue's `watch LOG --once --eps -1 --clip -1` printed a negative rho_bar."""
+    from analysis.watch import main
+
+    log = tmp_path / "a.log"
+    write(log, steady(range(1, 5), 3.0))
+    assert main([str(log), "--once", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flags[0] in err
