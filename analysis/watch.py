@@ -828,6 +828,10 @@ def _env_safe(s: Any) -> str:
     return str(s).replace("\x00", "\\0")       # a NUL cannot be in the environment
 
 
+class OutputClosed(Exception):
+    """stdout's reader has gone: watching ends (exit 0, as `tail -f | head` does)."""
+
+
 class Reporter:
     """Prints each event (one line, or JSON) and runs the --on-event hook once per
     episode: an event opens an episode of its family (_family) unless that family had an
@@ -864,14 +868,17 @@ class Reporter:
         ev = {**ev, "source": self.source, "time": time.time(), "episode": episode,
               "state": self.judge.state_line()}
         self.events.append(ev)
-        if self.quiet:                    # nothing printed; hooks still run
-            pass
-        elif self.as_json:
-            print(json.dumps(_jsonable(ev), allow_nan=False), flush=True)
-        else:
-            print(f"[{time.strftime('%H:%M:%S')}] step {ev['step']}  "
-                  f"{ev['kind'].upper().replace('_', ' ')}: {ev['detail']}  || {ev['state']}",
-                  flush=True)
+        try:
+            if self.quiet:                # nothing printed; hooks still run
+                pass
+            elif self.as_json:
+                print(json.dumps(_jsonable(ev), allow_nan=False), flush=True)
+            else:
+                print(f"[{time.strftime('%H:%M:%S')}] step {ev['step']}  "
+                      f"{ev['kind'].upper().replace('_', ' ')}: {ev['detail']}  || "
+                      f"{ev['state']}", flush=True)
+        except BrokenPipeError:           # `watch LOG | head -1`: the reader has gone
+            raise OutputClosed from None
         if self.hooks is not None and opens:
             payload = json.dumps(_jsonable(ev), allow_nan=False)
             env = {**os.environ, "ADAMSPIKE_EVENT_JSON": payload,
@@ -975,6 +982,12 @@ def watch(path: str | Path, *, params: SpikeParams = SpikeParams(), once: bool =
             _follow_run(path, judge, rep, notes, stop, once=once, new_only=new_only, poll=poll)
         else:
             _follow_log(path, judge, rep, notes, stop, once=once, new_only=new_only, poll=poll)
+    except OutputClosed:
+        say("stdout was closed: stopped")
+        try:                              # no second BrokenPipeError at the exit's flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
     finally:
         counts = rep.close(lambda: stop.signals >= 2)
     if summary is not None:

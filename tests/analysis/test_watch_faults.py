@@ -576,3 +576,15 @@ def test_impossible_flags_are_refused_in_one_line(tmp_path, capsys, flags):
     assert main([str(log), "--once", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flags[0] in err
+
+
+def test_stdout_closed_by_its_reader_ends_watching_quietly(tmp_path):
+    """`watch LOG | head -c 10`: exit 0 and one line, no traceback."""
+    log = tmp_path / "a.log"
+    write(log, steady(range(1, 200), 3.0, spikes={50: 2.0, 120: 2.0, 180: 2.0}))
+    cmd = (f"{shlex.quote(sys.executable)} -m study watch {shlex.quote(str(log))} --json "
+           "--poll 0.05 | head -c 10 >/dev/null; exit ${PIPESTATUS[0]}")
+    r = subprocess.run(["bash", "-c", cmd], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert "stdout was closed: stopped" in r.stderr and "Traceback" not in r.stderr
