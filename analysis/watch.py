@@ -613,14 +613,19 @@ class RunFollower:
         # events first: a writer flushes step s's rows before it logs an event it raised
         # after them, so an event read here has its rows in the parts read next (read the
         # other way round, a flush landing between the two reads put the event first)
-        try:
-            events = self._events()
-            rows = self._rows()
-        except OSError as e:
+        got, failed = [], None
+        for read in (self._events, self._rows):  # what one read consumed is kept
+            try:
+                got.append(read())
+            except OSError as e:
+                got.append([])
+                failed = failed or e
+        if failed is not None:
             self.notes.trouble("run", f"cannot read the run directory {self.path} "
-                                      f"({_why(e)}): still watching")
-            return [], []
-        self.notes.clear("run", f"{self.path} can be read again: following it")
+                                      f"({_why(failed)}): still watching")
+        else:
+            self.notes.clear("run", f"{self.path} can be read again: following it")
+        events, rows = got
         return rows, events
 
     def _rows(self) -> list[dict]:
@@ -685,7 +690,12 @@ class RunFollower:
                 raise IsADirectoryError(21, "events.jsonl is a directory")
             fh.seek(self.ev_offset)
             while True:
-                data = fh.read(READ_BYTES)
+                try:
+                    data = fh.read(READ_BYTES)
+                except OSError:
+                    if out:                              # keep what was consumed; the
+                        return out                       # error shows at the next look
+                    raise
                 if not data:
                     break
                 end = data.rfind(b"\n")
