@@ -413,7 +413,9 @@ def log_arguments(path: str | Path) -> dict[str, str]:
     out: dict[str, str] = {}
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
+            # lines read in pieces of at most 1 Mi characters: a log without newlines
+            # (binary garbage) does not come into memory whole
+            for line in iter(lambda: fh.readline(1 << 20), ""):
                 m = _ARG_RE.match(line.rstrip("\r\n"))
                 if m:
                     out[m.group(1)] = m.group(2)

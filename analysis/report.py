@@ -94,7 +94,7 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     spikes, resolved = loss_spikes(st, spike_params, config=run.config)
     gst = valued_rows(st, "grad_norm")
     gn = gst["grad_norm"].to_numpy(float)
-    grad_rule = grad_norm_rule(resolved)
+    grad_rule = grad_norm_rule(resolved, first_step=int(st["step"].min()))
     grad_spikes = (detect_spikes(gn, gst["step"].to_numpy(), grad_rule)
                    if np.isfinite(gn).any() else detect_spikes([]))
     scores = {}
@@ -161,11 +161,23 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
 LEAD_LINES = 10   # logged lines before a loss spike in which a grad-norm spike leads it
 
 
-def grad_norm_rule(loss_rule: SpikeParams) -> SpikeParams:
+# A trace whose first logged iteration is at most this is the start of its job (any usual
+# log interval prints its first line by then), not an excerpt or a resume.
+JOB_START_STEP = 100
+
+
+def grad_norm_rule(loss_rule: SpikeParams, first_step: int | None = None) -> SpikeParams:
     """The grad norm's rule: the loss rule's window, k and history, on log grad norm
-    (norms span decades), every point judged as it comes (online = offline)."""
-    return loss_rule.replace(min_rel_jump=SpikeParams().min_rel_jump, log=True, absorb=False,
+    (norms span decades), every point judged as it comes (online = offline). A log that
+    starts with its job (first step <= JOB_START_STEP) gets the rule's default warm-up on
+    the grad norm instead of the log's one-value history (adamspike.spikes.LOG_MIN_HISTORY,
+    meant for excerpts that start mid-training): a job's first steps move the grad norm by
+    large factors, and one value is no band (watch and analyze both flagged iteration 2)."""
+    rule = loss_rule.replace(min_rel_jump=SpikeParams().min_rel_jump, log=True, absorb=False,
                              envelope=0)
+    if first_step is not None and first_step <= JOB_START_STEP and rule.min_history is not None:
+        rule = rule.replace(min_history=max(rule.min_history, SpikeParams(window=rule.window).history))
+    return rule
 
 
 def judged_steps(steps: pd.DataFrame, column: str, rule: SpikeParams) -> dict:
