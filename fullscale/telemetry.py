@@ -86,7 +86,7 @@ from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, SUM_FIELD
 from adamspike.metrics import NUM_VHIST_BINS, VHIST_EDGES
 from fullscale import cpu_kernel
 from fullscale.device import local_shard as _local
-from fullscale.megatron_probe import adam_terms, bin_counts, rounded_edges, update_direction
+from fullscale.probe.kernels import adam_terms, bin_counts, rounded_edges, update_direction
 
 NUM_SUMS = len(SUM_FIELDS)
 _COL = {f: i for i, f in enumerate(SUM_FIELDS)}

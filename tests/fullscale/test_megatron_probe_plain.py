@@ -16,6 +16,7 @@ import pytest
 from adamspike.metrics import METRIC_NAMES
 from adamspike.rundir import load_run
 from fullscale import megatron_probe as mp
+from fullscale.probe import wrapper as probe_wrapper
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,7 +116,7 @@ def test_install_without_mindspeed_rewires_every_importer(monkeypatch, tmp_path)
     calls = []
     mod, user, orig = _fake_megatron(monkeypatch, calls)
     monkeypatch.setitem(sys.modules, "mindspeed", None)       # import mindspeed fails
-    monkeypatch.setattr(mp, "_train_step_module", lambda: mod)
+    monkeypatch.setattr(probe_wrapper, "_train_step_module", lambda: mod)
     mp.install(str(tmp_path / "run"), every=1, hist_every=0)
     assert mod.train_step is not orig and user.train_step is mod.train_step
     assert mod.train_step.__wrapped__ is orig
@@ -140,7 +141,7 @@ def test_install_under_mindspeed_registers_a_stacked_wrapper(monkeypatch, tmp_pa
     pu.MindSpeedPatchesManager = Manager
     monkeypatch.setitem(sys.modules, "mindspeed", types.ModuleType("mindspeed"))
     monkeypatch.setitem(sys.modules, "mindspeed.patch_utils", pu)
-    monkeypatch.setattr(mp, "_train_step_module", lambda: mod)
+    monkeypatch.setattr(probe_wrapper, "_train_step_module", lambda: mod)
     mp.install(str(tmp_path / "run"))
     (name, fn), applied = registered
     assert name == "megatron.training.training.train_step" and applied == "applied"
@@ -166,7 +167,7 @@ def test_launcher_runs_the_script_with_the_probe_installed(monkeypatch, tmp_path
     calls = []
     mod, _, orig = _fake_megatron(monkeypatch, calls)
     monkeypatch.setitem(sys.modules, "mindspeed", None)
-    monkeypatch.setattr(mp, "_train_step_module", lambda: mod)
+    monkeypatch.setattr(probe_wrapper, "_train_step_module", lambda: mod)
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("import sys\nt = sys.modules['megatron.training.training']\n"
                       "assert sys.argv[1:] == ['--num-layers', '2'], sys.argv\n"
