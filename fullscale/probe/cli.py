@@ -9,7 +9,7 @@ import runpy
 import sys
 from typing import List, Optional
 
-from fullscale.probe.settings import ENV_PREFIX, ProbeError
+from fullscale.probe.settings import ENV_PREFIX, ProbeError, env_skip_iterations
 from fullscale.probe.wrapper import install
 
 
@@ -34,6 +34,32 @@ def _adaptors(choice: str) -> List[str]:
     return []
 
 
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m fullscale.megatron_probe",
+        usage="%(prog)s [--out RUN] [--every K] [--hist-every H] [--secant 0|1] "
+              "[--adaptor MODULE|none] -- SCRIPT.py ARGS...",
+        description="Install the adamspike probe (per-tensor Adam telemetry, spike rules, "
+                    "skip-step, restart recipe) around Megatron's train_step, then run SCRIPT "
+                    "as __main__ with ARGS. Settings not given here come from the "
+                    f"{ENV_PREFIX}* variables (docs/mindspeed_probe.md).")
+    ap.add_argument("--out", default=os.environ.get(ENV_PREFIX + "OUT"),
+                    help=f"the run directory (default: {ENV_PREFIX}OUT)")
+    ap.add_argument("--every", type=int, help=f"telemetry every K steps (default: {ENV_PREFIX}EVERY, else 10)")
+    ap.add_argument("--hist-every", type=int,
+                    help=f"histograms every H steps, 0 = never (default: {ENV_PREFIX}HIST_EVERY, else 100)")
+    ap.add_argument("--precision", choices=("float32", "float64"), default="float32",
+                    help="elementwise dtype of the sums (npu: float32 always)")
+    ap.add_argument("--secant", type=int, choices=(0, 1),
+                    help=f"the online curvature proxy (default: {ENV_PREFIX}SECANT, else 1)")
+    ap.add_argument("--adaptor", default="auto",
+                    help="PKG[:NAME] whose import applies the framework's patches before the "
+                         "probe is installed (auto: mindspeed_llm:megatron_adaptor, or "
+                         "ascendspeed:megatron_adaptor + modellink, if importable; none: plain "
+                         "Megatron-LM)")
+    return ap
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """`python -m fullscale.megatron_probe [--out RUN ...] [--adaptor MOD] -- SCRIPT ARGS`:
     install the probe, then run SCRIPT as __main__ with ARGS (Megatron parses sys.argv)."""
@@ -42,24 +68,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         cut = next((i for i, x in enumerate(argv) if x.endswith(".py")), None)
         if cut is not None:
             argv.insert(cut, "--")
+    if "--" not in argv and ("-h" in argv or "--help" in argv):
+        _parser().print_help()
+        return 0
     if "--" not in argv:
         print("usage: python -m fullscale.megatron_probe [--out RUN] [--every K] "
               "[--hist-every H] [--secant 0|1] [--adaptor MODULE|none] -- SCRIPT.py ARGS...",
               file=sys.stderr)
         return 2
     cut = argv.index("--")
-    ap = argparse.ArgumentParser(prog="python -m fullscale.megatron_probe")
-    ap.add_argument("--out", default=os.environ.get(ENV_PREFIX + "OUT"))
-    ap.add_argument("--every", type=int)
-    ap.add_argument("--hist-every", type=int)
-    ap.add_argument("--precision", choices=("float32", "float64"), default="float32")
-    ap.add_argument("--secant", type=int, choices=(0, 1),
-                    help=f"the online curvature proxy (default: {ENV_PREFIX}SECANT, else 1)")
-    ap.add_argument("--adaptor", default="auto",
-                    help="PKG[:NAME] whose import applies the framework's patches before the "
-                         "probe is installed (auto: mindspeed_llm:megatron_adaptor, or "
-                         "ascendspeed:megatron_adaptor + modellink, if importable; none: plain "
-                         "Megatron-LM)")
+    ap = _parser()
     a = ap.parse_args(argv[:cut])
     rest = argv[cut + 1:]
     if not rest:
@@ -80,9 +98,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         if attr and not hasattr(mod, attr):
             importlib.import_module(f"{pkg}.{attr}")
     try:
+        skip = env_skip_iterations()
+    except ProbeError as e:   # the listed batches would be trained: refuse instead
+        print(f"megatron_probe: {e}", file=sys.stderr)
+        return 2
+    try:
         install(a.out, every=a.every, hist_every=a.hist_every, precision=a.precision,
                 secant=None if a.secant is None else bool(a.secant))
-    except ProbeError as e:   # fail open: the job runs without the probe
+    except ProbeError as e:   # fail open: the job runs without the probe ...
+        if skip:              # ... but not with batches it was told to skip
+            print(f"megatron_probe: {e}; {ENV_PREFIX}SKIP_ITERATIONS needs the probe installed "
+                  "(fix the setting, or remove the list)", file=sys.stderr)
+            return 2
         print(f"adamspike probe: not installed ({e}); training runs without it", flush=True)
     runpy.run_path(script, run_name="__main__")
     return 0

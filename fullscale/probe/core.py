@@ -93,6 +93,7 @@ class MegatronProbe:
         self._pending: List[Tuple[str, dict]] = []   # events for the writer
         self._spikes = None                   # _SpikeRules once the rules are on
         self.skips = 0                        # updates skipped by the probe
+        self.loop = None                      # the running loop's facts (fullscale.probe.loop)
         self._budget_alarm = False
         self._fired_text = ""
         self._skip_reason: Optional[str] = None
@@ -727,7 +728,7 @@ class MegatronProbe:
         for kind, fields in pending:
             if kind == "_recipe":
                 info = write_restart_recipe(self.out, fields["step"], fields["reason"], margs,
-                                            self.actions)
+                                            self.actions, self.loop)
                 self.writer.event("restart_recipe", **info)
             else:
                 self.writer.event(kind, **fields)

@@ -15,7 +15,9 @@ import torch
 
 from fullscale.probe.actions import ProbeActions
 from fullscale.probe.core import MegatronProbe
-from fullscale.probe.settings import ENV_PREFIX, ProbeError, _env_flag, _env_int
+from fullscale.probe.loop import find_loop
+from fullscale.probe.settings import ENV_PREFIX, ProbeError, _env_flag, _env_int, env_skip_iterations
+from fullscale.probe.skipping import consume_batch, honour_exit, num_microbatches, skipped_return
 
 
 TRAIN_STEP = "megatron.training.training.train_step"
@@ -127,7 +129,7 @@ def _record_losses(forward_step_func, sink: list):
     return forward_step
 
 
-def make_train_step_wrapper(probe_factory):
+def make_train_step_wrapper(probe_factory, skip_iterations=frozenset()):
     """A wrapper for train_step (name ends in `_wrapper`, as MindSpeed's patch manager
     requires for stacking): calls it, then the probe with its model and optimizer.
 
@@ -137,33 +139,80 @@ def make_train_step_wrapper(probe_factory):
     "update not successful" (False, None, None) without stepping: Megatron's train_step
     then counts a skipped iteration and leaves the lr schedule, as at a loss-scale
     overflow. Fail-open: an error inside the probe never reaches Megatron (the probe
-    disables itself on every rank and train_step runs unwrapped)."""
+    disables itself on every rank and train_step runs unwrapped).
+
+    For the stack, whether or not the probe runs (fullscale.probe.skipping): the logged
+    iterations in `skip_iterations` are skipped (batch drawn, no update) where the loop
+    does not skip them itself, and the rerun state machine's checkpoint-and-exit is carried
+    out where the loop ignores it."""
 
     def train_step_wrapper(fn):
         state = {"step": None, "grad_norm": None, "ok": True}
 
         def wrapped(*args, **kwargs):
-            try:
-                probe = probe_factory()
-            except Exception as e:  # noqa: BLE001 - fail open: the probe cannot start
-                probe = None
-                if not state.get("said"):
-                    state["said"] = True
-                    print(f"adamspike probe: not started ({type(e).__name__}: {e}); "
-                          "training continues without it", flush=True)
-            if probe is None or probe.disabled:
-                return fn(*args, **kwargs)
-            model = kwargs.get("model", args[2] if len(args) > 2 else None)
-            optimizer = kwargs.get("optimizer", args[3] if len(args) > 3 else None)
-            opt_step = getattr(optimizer, "step", None)
+            loop = find_loop(1)          # the loop that called us (MindSpeed-LLM's, Megatron's)
             margs = _megatron_args()
+            it = loop.frame.f_locals.get("iteration") if loop is not None else None
             if margs is not None and getattr(margs, "curr_iteration", None) is not None:
                 step = int(margs.curr_iteration) + 1
+            elif isinstance(it, int):     # the loop's own count of completed iterations
+                step = it + 1
             elif kwargs.get("iteration") is not None:
                 step = int(kwargs["iteration"]) + 1
             else:
                 step = (state["step"] or 0) + 1
             state["step"] = step
+            try:
+                if step in skip_iterations:
+                    return _skip_listed(args, kwargs, step, margs, loop)
+                ret = probed(step, margs, loop, *args, **kwargs)
+                honour_exit(ret, loop, _arg(args, kwargs, "model", 2),
+                            _arg(args, kwargs, "optimizer", 3),
+                            _arg(args, kwargs, "opt_param_scheduler", 4))
+                return ret
+            finally:
+                if loop is not None:
+                    loop.frame = None    # no reference to the loop's frame kept
+
+        def _probe():
+            try:
+                return probe_factory()
+            except Exception as e:  # noqa: BLE001 - fail open: the probe cannot start
+                if not state.get("said"):
+                    state["said"] = True
+                    print(f"adamspike probe: not started ({type(e).__name__}: {e}); "
+                          "training continues without it", flush=True)
+                return None
+
+        def _skip_listed(args, kwargs, step, margs, loop):
+            t0 = time.perf_counter()
+            drawn = consume_batch(_arg(args, kwargs, "data_iterator", 1), num_microbatches(margs))
+            ret = skipped_return(loop)
+            probe = _probe()
+            if probe is not None and not probe.disabled:
+                model = _arg(args, kwargs, "model", 2)
+                probe._skip_reason = (f"probe: logged iteration {step} is in {ENV_PREFIX}"
+                                      f"SKIP_ITERATIONS ({drawn} micro batches drawn, no update)")
+                try:
+                    probe.after_train_step(model if isinstance(model, (list, tuple)) else [model],
+                                           _arg(args, kwargs, "optimizer", 3), step, skipped=True,
+                                           step_time_s=time.perf_counter() - t0,
+                                           tokens=_tokens(margs), margs=margs)
+                except Exception as e:  # noqa: BLE001 - last resort: never into Megatron
+                    probe._fail(e, step)
+            return ret
+
+        def probed(step, margs, loop, *args, **kwargs):
+            probe = _probe()
+            if probe is None or probe.disabled:
+                return fn(*args, **kwargs)
+            if loop is not None and probe.loop is None:
+                probe.loop = loop
+                if probe.rank == probe.writer_rank:
+                    probe._say(loop.describe())
+            model = kwargs.get("model", args[2] if len(args) > 2 else None)
+            optimizer = kwargs.get("optimizer", args[3] if len(args) > 3 else None)
+            opt_step = getattr(optimizer, "step", None)
             chunks = model if isinstance(model, (list, tuple)) else [model]
             losses: list = []
             rules = probe.rules_on
@@ -237,6 +286,12 @@ def make_train_step_wrapper(probe_factory):
     return train_step_wrapper
 
 
+def _arg(args, kwargs, name: str, pos: int):
+    """train_step's argument by name or position (forward_step_func, data_iterator, model,
+    optimizer, opt_param_scheduler, config: the order since 2023)."""
+    return kwargs[name] if name in kwargs else (args[pos] if len(args) > pos else None)
+
+
 def _args_summary(args) -> dict:
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers",
             "hidden_size", "seq_length", "global_batch_size", "micro_batch_size",
@@ -248,7 +303,8 @@ def _args_summary(args) -> dict:
 
 def install(out: Optional[str] = None, *, every: Optional[int] = None,
             hist_every: Optional[int] = None, precision: str = "float32",
-            actions: Optional[ProbeActions] = None, secant: Optional[bool] = None) -> None:
+            actions: Optional[ProbeActions] = None, secant: Optional[bool] = None,
+            skip_iterations: Optional[frozenset] = None) -> None:
     """Wrap `megatron.training.training.train_step` with the probe.
 
     Under MindSpeed (mindspeed.patch_utils importable): registered with
@@ -259,8 +315,11 @@ def install(out: Optional[str] = None, *, every: Optional[int] = None,
 
     `actions` default: ProbeActions.from_env() (rules, skip-step, recipe, alarms);
     `secant` default: ADAMSPIKE_PROBE_SECANT (1: the online curvature proxy on).
+    `skip_iterations` default: ADAMSPIKE_PROBE_SKIP_ITERATIONS (logged iterations whose
+    batches are drawn without an update where the loop has no --iterations-to-skip).
     A bad setting raises ProbeError here, before training (the launcher then runs the
     script without the probe); from the first train_step on the probe fails open."""
+    skip_iterations = env_skip_iterations() if skip_iterations is None else frozenset(skip_iterations)
     out = out or os.environ.get(ENV_PREFIX + "OUT")
     if not out:
         raise ProbeError(f"no run directory: pass install(out=...) or set {ENV_PREFIX}OUT")
@@ -286,7 +345,7 @@ def install(out: Optional[str] = None, *, every: Optional[int] = None,
                             f"{actions.describe()} (docs/mindspeed_probe.md)")
         return _PROBE
 
-    wrapper = make_train_step_wrapper(factory)
+    wrapper = make_train_step_wrapper(factory, skip_iterations)
     try:
         # lazy: optional, only MindSpeed-LLM stacks have it
         from mindspeed.patch_utils import MindSpeedPatchesManager

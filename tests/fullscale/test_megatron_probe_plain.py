@@ -270,3 +270,44 @@ def test_without_pandas_alarms_turn_off_but_the_probe_stays(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "fullscale.alarms", None)
     a = mp.ProbeActions.from_env({"ADAMSPIKE_PROBE_PREDICTIONS": str(tmp_path / "p.json")})
     assert a.rules == () and a.alarms is None and "rules off" in a.describe()
+
+
+def test_launcher_help_exits_0_and_a_bad_skip_list_stops_the_job(tmp_path, monkeypatch, capsys):
+    assert mp.main(["--help"]) == 0
+    assert "SCRIPT.py ARGS" in capsys.readouterr().out
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    monkeypatch.setenv("ADAMSPIKE_PROBE_SKIP_ITERATIONS", "300-101")
+    assert mp.main(["--out", str(tmp_path / "run"), "--", str(script)]) == 2
+    assert "not a range of logged iterations" in capsys.readouterr().err
+
+
+def test_skip_list_parsing():
+    from fullscale.probe.settings import parse_iterations
+    assert parse_iterations("3-5, 9 12") == {3, 4, 5, 9, 12}
+    assert parse_iterations("") == frozenset()
+    for bad in ("0", "x", "5-3"):
+        with pytest.raises(mp.ProbeError, match="SKIP_ITERATIONS"):
+            parse_iterations(bad)
+
+
+def test_restart_recipe_gives_each_loop_its_own_skip_values(tmp_path):
+    """0-based values on core_v0.12-0.16 loops, the logged numbers on core_v0.17+, none on
+    MindSpeed-LLM (its loop has no --iterations-to-skip: the probe's list only)."""
+    from fullscale.probe.loop import LoopFacts
+    args = types.SimpleNamespace(save=None, load=None, iterations_to_skip=[], rerun_mode="disabled")
+    a = mp.ProbeActions(("loss",))
+    old = LoopFacts("m012", "while iteration < n:\n    if iteration in args.iterations_to_skip: pass\n"
+                            "    a, b, should_checkpoint, should_exit, c, d, e = train_step(x)\n"
+                            "    if should_exit: break\n")
+    new = LoopFacts("m017", "while iteration < n:\n    if (iteration + 1) in args.iterations_to_skip: pass\n")
+    ms = LoopFacts("ms", "while iteration < n:\n    a, b, should_checkpoint, should_exit, c, d, e = train_step(x)\n")
+    r0, r1, rm = (mp.restart_recipe(150, args, a, loop) for loop in (old, new, ms))
+    assert r0["skipped_iterations"] == r1["skipped_iterations"] == rm["skipped_iterations"] == [1, 200]
+    assert r0["iterations_to_skip"] == [0, 199] and r1["iterations_to_skip"] == [1, 200]
+    assert rm["iterations_to_skip"] is None and rm["probe_skip_iterations"] == "1-200"
+    text = Path(mp.write_restart_recipe(str(tmp_path), 150, "x", args, a, ms)["path"]).read_text()
+    assert 'export ADAMSPIKE_PROBE_SKIP_ITERATIONS="1-200"' in text
+    assert "THIS STACK HAS NO --iterations-to-skip" in text and "--iterations-to-skip $(" not in text
+    text = Path(mp.write_restart_recipe(str(tmp_path), 150, "x", args, a, new)["path"]).read_text()
+    assert "--iterations-to-skip $(seq -s ' ' 1 200)" in text and "1-based" in text
