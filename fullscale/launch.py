@@ -35,7 +35,9 @@ guard) are listed in the script header and a warning, not silently dropped. Spik
 under Megatron: the probe (online rules, skip-step, alarms from predictions.json, the
 restart recipe; docs/mindspeed_probe.md) and, where the stack has them, Megatron's rerun
 state machine (--check-for-spiky-loss / --check-for-large-grads / --rerun-mode) and
---ckpt-step / --iterations-to-skip (CKPT_STEP / ITERATIONS_TO_SKIP).
+--ckpt-step (CKPT_STEP); the batch skip of the restart recipe is the probe's on every stack
+(SKIP_ITERATIONS), Megatron-LM's own --iterations-to-skip where it has one
+(ITERATIONS_TO_SKIP). The stack is detected on the node (fullscale.stack) unless named.
 
 No machine-local path of the clone that ran `launch` is written into the scripts: the
 adamspike checkout on the nodes is $ADAMSPIKE_HOME (required; a clear error when unset).
@@ -248,7 +250,7 @@ def _megatron_gaps(run) -> list[str]:
         gaps.append("guard: no automatic in-job rollback under Megatron; instead the probe skips "
                     "spiking updates (within ADAMSPIKE_PROBE_SKIP_BUDGET) and writes the restart "
                     "recipe (RUN_megatron/telemetry/restart_recipe.sh: rerun with CKPT_STEP and "
-                    "ITERATIONS_TO_SKIP), and Megatron's rerun state machine checks spiky losses "
+                    "SKIP_ITERATIONS), and Megatron's rerun state machine checks spiky losses "
                     "and large grads (MEGATRON_RERUN_MODE)")
     if run.data.skip_batches or run.data.poison_steps:
         gaps.append("data.skip_batches / data.poison_steps: not applied by Megatron")
@@ -570,8 +572,9 @@ def mindspeed_script(launch: Launch) -> str:
         "#   Megatron itself (core_v0.12: MEGATRON_STACK mindspeed-llm / megatron-lm, not",
         "#     modellink-2024): --check-for-spiky-loss, --check-for-large-grads, --rerun-mode",
         "#     (its rerun state machine re-runs a suspicious iteration: transient fault or",
-        "#     reproducible spike), --ckpt-step and --iterations-to-skip (CKPT_STEP,",
-        "#     ITERATIONS_TO_SKIP below) to restart before a spike and skip its batches"]
+        "#     reproducible spike; MindSpeed-LLM's loop ignores its checkpoint-and-exit, the",
+        "#     probe carries it out), --ckpt-step (CKPT_STEP below) to restart before a spike;",
+        "#     the spike's batches: SKIP_ITERATIONS below (the probe skips them on every stack)"]
     lines += _device_env(launch, megatron=True)
     lines += ['MINDSPEED_LLM_DIR="${MINDSPEED_LLM_DIR:?set MINDSPEED_LLM_DIR to the MindSpeed-LLM '
               '(ModelLink) or Megatron-LM checkout holding pretrain_gpt.py}"']

@@ -22,6 +22,7 @@ from fullscale.probe.optimizer import (_distopt_instance, _group_of, _inner, _pa
 from fullscale.probe.recipe import write_restart_recipe
 from fullscale.probe.rules import _SpikeRules, _loss_scale, _op
 from fullscale.probe.settings import ENV_PREFIX, ProbeError
+from fullscale.probe.tensorboard import GroupScalars
 from fullscale.probe.writer import open_writer
 
 
@@ -94,6 +95,7 @@ class MegatronProbe:
         self._spikes = None                   # _SpikeRules once the rules are on
         self.skips = 0                        # updates skipped by the probe
         self.loop = None                      # the running loop's facts (fullscale.probe.loop)
+        self._tb = None                       # TensorBoard group scalars (writer rank)
         self._budget_alarm = False
         self._fired_text = ""
         self._skip_reason: Optional[str] = None
@@ -370,6 +372,9 @@ class MegatronProbe:
         if self.inject is not None:
             self.inject("writer", step)
         self.writer.log_layers(step, columns=columns)
+        if self._tb is None:
+            self._tb = GroupScalars(self.out)
+        self._tb.log(step, columns)
         if tab.shape[1] > NUM_SUMS:
             for i in sel:
                 self.writer.log_hist(step, names[i], int(depth[i]), kind[i],
@@ -739,6 +744,11 @@ class MegatronProbe:
             self.inject("writer", step)
 
     def close(self) -> None:
+        if self._tb is not None:
+            try:
+                self._tb.close()
+            except Exception as e:  # noqa: BLE001 - at exit: one line, never a traceback
+                self._say(f"closing the TensorBoard writer failed: {type(e).__name__}: {e}")
         if self.writer is not None:
             try:
                 self.writer.close()

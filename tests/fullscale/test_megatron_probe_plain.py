@@ -311,3 +311,23 @@ def test_restart_recipe_gives_each_loop_its_own_skip_values(tmp_path):
     assert "THIS STACK HAS NO --iterations-to-skip" in text and "--iterations-to-skip $(" not in text
     text = Path(mp.write_restart_recipe(str(tmp_path), 150, "x", args, a, new)["path"]).read_text()
     assert "--iterations-to-skip $(seq -s ' ' 1 200)" in text and "1-based" in text
+
+
+def test_probe_writes_group_scalars_to_tensorboard(demo, tmp_path, monkeypatch):
+    """TensorBoard out: RUN/tensorboard holds adamspike/KIND/METRIC scalars on the telemetry
+    steps, each the median over the group's tensors in the layers table."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_dir = demo.run(str(tmp_path), steps=5, plain=False, skip=3)
+    acc = EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    layers = load_run(run_dir).layers
+    assert "adamspike/w2/rho" in tags and "adamspike/embed/update_rms" in tags
+    got = {e.step: e.value for e in acc.Scalars("adamspike/w2/rho")}
+    want = layers[layers["kind"] == "w2"].groupby("step")["rho"].median()
+    assert sorted(got) == [1, 2, 4, 5] == list(want.index)
+    np.testing.assert_allclose([got[s] for s in want.index], want.to_numpy(), rtol=1e-6)
+    monkeypatch.setenv("ADAMSPIKE_TENSORBOARD", "0")
+    off = demo.run(str(tmp_path / "off"), steps=2, plain=True)
+    assert not (Path(off) / "tensorboard").exists()
