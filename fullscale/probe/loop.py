@@ -58,6 +58,8 @@ class LoopFacts:
     def describe(self) -> str:
         skip = (f"own --iterations-to-skip ({'1' if self.skip_base else '0'}-based)"
                 if self.skips_itself else "no --iterations-to-skip: the probe skips")
+        if self.returns < 7:
+            return f"training loop {self.name}: {skip}; no rerun state machine"
         ex = "honours" if self.honours_exit else "ignores (the probe honours it)"
         return f"training loop {self.name}: {skip}; {ex} the rerun's checkpoint-and-exit"
 

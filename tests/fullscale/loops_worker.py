@@ -36,6 +36,8 @@ SCENARIOS = {
     "m012_probe_only": ("train_megatron_0_12", 7, [], True, "3-4", "disabled", None),
     "m017_flag": ("train_megatron_0_17", 8, [3, 4], False, "", "disabled", None),
     "m017_flag_and_probe": ("train_megatron_0_17", 8, [3, 4], True, "3-4", "disabled", None),
+    "ml2024_probe_skip": ("train_modellink_2024", 4, [], True, "3-4", "disabled", None),
+    "m016_flag_and_probe": ("train_megatron_0_16", 8, [2, 3], True, "3-4", "disabled", None),
     "ms_rerun_bare": ("train_mindspeed_llm", 7, [], False, "", "validate_results", 4),
     "ms_rerun_probe": ("train_mindspeed_llm", 7, [], True, "", "validate_results", 4),
     "m012_rerun_probe": ("train_megatron_0_12", 7, [], True, "", "validate_results", 4),
@@ -94,7 +96,7 @@ def run(name: str, out: str) -> dict:
     L.args, L.mpu, L.get_num_microbatches = args, ps, get_num_microbatches
     L.get_forward_backward_func, L.get_rerun_state_machine = get_forward_backward_func, rsm.get_rerun_state_machine
     L.save_checkpoint_and_time = save_checkpoint_and_time
-    step_fn = L.make_train_step(returns)
+    step_fn = L.train_step_modellink_2024 if returns == 4 else L.make_train_step(returns)
     if wrap:
         probe = MegatronProbe(os.path.join(out, "run"), every=2, hist_every=0, precision="float64",
                               flush_every_s=0.0, secant=False)
@@ -126,7 +128,8 @@ def run(name: str, out: str) -> dict:
 
     code = error = None
     try:
-        iteration, _ = getattr(L, loop_name)(forward_step, [ddp], opt, sched, data, None, None, cfg)
+        ret = getattr(L, loop_name)(forward_step, [ddp], opt, sched, data, None, None, cfg)
+        iteration = ret[0] if isinstance(ret, tuple) else ret     # ModelLink 2024: iteration only
     except SystemExit as e:
         code, iteration = e.code, args.curr_iteration
     except RuntimeError as e:   # what the rerun machine does when its exit is ignored

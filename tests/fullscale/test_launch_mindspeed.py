@@ -99,7 +99,7 @@ def test_megatron_spike_tools_and_the_restart_recipe_variables(tmp_path):
     code, _, err = _stack_args(ms, "mindspeed-llm", {"TOKENIZER_PATH": ""})
     assert code != 0 and "set TOKENIZER_PATH" in err
     head = ms.split("set -euo pipefail")[0]
-    assert "--check-for-spiky-loss" in head and "--iterations-to-skip" in head and "rerun" in head
+    assert "--check-for-spiky-loss" in head and "SKIP_ITERATIONS" in head and "rerun" in head
 
 
 def _run_script(script: Path, tmp_path: Path, **env):

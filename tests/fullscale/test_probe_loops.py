@@ -78,12 +78,13 @@ def test_mindspeed_llm_loop_skips_only_with_the_probe(res):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["m012_flag_and_probe", "m012_probe_only", "m017_flag",
-                                  "m017_flag_and_probe"])
+@pytest.mark.parametrize("name", ["m012_flag_and_probe", "m012_probe_only", "m016_flag_and_probe",
+                                  "m017_flag", "m017_flag_and_probe", "ml2024_probe_skip"])
 def test_megatron_loops_skip_the_same_batches_never_twice(res, name):
     """core_v0.12-0.16 (values 2 3: 0-based) and core_v0.17+ (values 3 4: the logged
     numbers) skip the same batches as the probe's list; with both, the loop skips first
-    and the probe never sees those iterations (no further skip)."""
+    and the probe never sees those iterations (no further skip). ModelLink 2024's loop (the
+    seed's stack: 4 return values, no skip list): the probe's list alone."""
     for r in res(name):
         assert _iterations(r) == TRAINED_WITHOUT_3_4 and _batches(r) == [0, 1, 2, 3, 8, 9, 10, 11]
         assert r["adam_steps"] == [4] and r["sched_steps"] == 4 and r["consumed"] == 48
@@ -114,8 +115,11 @@ def test_loop_facts_from_the_vendored_upstream_loops():
     from fullscale.probe.loop import LoopFacts
     import inspect
     facts = {n: LoopFacts(n, inspect.getsource(getattr(L, n)))
-             for n in ("train_mindspeed_llm", "train_megatron_0_12", "train_megatron_0_17")}
-    ms, m12, m17 = facts.values()
+             for n in ("train_mindspeed_llm", "train_megatron_0_12", "train_megatron_0_17",
+                       "train_megatron_0_16", "train_modellink_2024")}
+    ms, m12, m17, m16, ml = facts.values()
+    assert (m16.skips_itself, m16.skip_base, m16.honours_exit, m16.returns) == (True, 0, True, 8)
+    assert (ml.skips_itself, ml.honours_exit, ml.returns) == (False, False, 4)
     assert (ms.skips_itself, ms.honours_exit, ms.returns) == (False, False, 7)
     assert (m12.skips_itself, m12.skip_base, m12.honours_exit, m12.returns) == (True, 0, True, 7)
     assert (m17.skips_itself, m17.skip_base, m17.honours_exit, m17.returns) == (True, 1, True, 8)
