@@ -34,8 +34,10 @@ def event_files(path: Path) -> list[Path]:
 
 
 def is_tensorboard_dir(path) -> bool:
+    """A directory with event files that is not a run directory (ours keep their own
+    TensorBoard scalars in RUN/tensorboard/ beside run.json)."""
     path = Path(path)
-    return path.is_dir() and bool(event_files(path))
+    return path.is_dir() and not (path / "run.json").exists() and bool(event_files(path))
 
 
 def _scalars(path: Path) -> dict[str, dict[int, float]]:

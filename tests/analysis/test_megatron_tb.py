@@ -74,3 +74,11 @@ def test_a_tensorboard_dir_without_megatron_tags_is_refused(tmp_path):
     w.close()
     with pytest.raises(MegatronLogError, match="no 'lm loss' scalars"):
         tensorboard_lines(tmp_path / "tb")
+
+
+def test_a_run_directory_with_its_own_tensorboard_scalars_is_not_a_log(tmp_path):
+    from analysis.megatron_tb import is_tensorboard_dir
+    tb, _ = _logs(tmp_path)
+    assert is_tensorboard_dir(tb) and is_tensorboard_dir(tmp_path)
+    (tmp_path / "run.json").write_text("{}")
+    assert not is_tensorboard_dir(tmp_path)
