@@ -16,6 +16,7 @@ loop does comes from fullscale.probe.loop, with its upstream sources):
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from typing import Optional
 
@@ -62,7 +63,13 @@ def skipped_return(loop: Optional[LoopFacts]):
     unpacks (core_v0.12+ and MindSpeed-LLM: loss dict, skipped, should_checkpoint,
     should_exit, exit_code, grad norm, zeros [, max attention logit: core_v0.16]; before:
     loss dict, skipped, grad norm, zeros)."""
-    n = 7 if loop is None else loop.returns
+    if loop is not None:
+        n = loop.returns
+    else:   # the loop's source is unreadable: the rerun machine's presence tells 7 from 4
+        try:
+            n = 7 if importlib.util.find_spec("megatron.core.rerun_state_machine") else 4
+        except (ImportError, ValueError):
+            n = 4
     if n < 7:
         return {}, 1, None, None
     return ({}, 1, False, False, 0) + (None,) * (n - 5)

@@ -151,6 +151,12 @@ def make_train_step_wrapper(probe_factory, skip_iterations=frozenset()):
 
         def wrapped(*args, **kwargs):
             loop = find_loop(1)          # the loop that called us (MindSpeed-LLM's, Megatron's)
+            if loop is None and skip_iterations and not state.get("no_loop"):
+                state["no_loop"] = True
+                print("adamspike probe: the training loop's source cannot be read (no .py?): "
+                      f"{ENV_PREFIX}SKIP_ITERATIONS still applies (train_step's return shape "
+                      "from megatron's version); the rerun's checkpoint-and-exit is left to the "
+                      "loop", flush=True)
             margs = _megatron_args()
             it = loop.frame.f_locals.get("iteration") if loop is not None else None
             if margs is not None and getattr(margs, "curr_iteration", None) is not None:
