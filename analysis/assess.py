@@ -56,6 +56,7 @@ from adamspike.rundir import RunFormatError
 from adamspike.spikes import SpikeParams, add_spike_flags
 from analysis.cli import count_arg
 from analysis.megatron_log import import_megatron_log
+from analysis.megatron_tb import is_tensorboard_dir
 from analysis.report import AnalysisError, analyze_run, not_measured_note, write_run_report
 from analysis.scoring import run_setting, score_rate
 from analysis.spike_rate import run_row
@@ -383,7 +384,7 @@ def assess(path: str | Path, *, predictions: str | None = None, rate_model: str 
     model = SR.load_model(rate_model) if rate_model else None
     shipped_note = ""
     with tempfile.TemporaryDirectory(prefix="adamspike-assess-") as tmp:
-        if path.is_dir():
+        if path.is_dir() and not is_tensorboard_dir(path):   # a TensorBoard dir is a log
             run_dir = path
         else:
             run_dir = Path(out) / (path.name + ".run") if out else Path(tmp) / "run"
@@ -470,7 +471,7 @@ def _main(args) -> int:
     path = Path(args.path)
     if not path.exists():
         raise RunFormatError(f"{path}: no such run directory or log")
-    if path.is_dir() and not (path / "run.json").is_file():
+    if path.is_dir() and not is_tensorboard_dir(path) and not (path / "run.json").is_file():
         raise RunFormatError(f"{path}: not a run directory (no run.json)")
     if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
         raise ConfigError(f"--out: {args.out} exists and is not empty (nothing was overwritten)")

@@ -20,6 +20,7 @@ import pandas as pd
 from adamspike.megatron_log import (CHUNK_ROWS, MegatronLogError, ParsedLog,  # noqa: F401
                                     iter_megatron_log, parse_megatron_log, read_megatron_log)
 from adamspike.config import cli_main
+from analysis.megatron_tb import is_tensorboard_dir, open_tensorboard_dir
 from adamspike.rundir import (RunFormatError, RunWriter, atomic_write_bytes, environment,
                               json_clean, load_run)
 
@@ -85,7 +86,10 @@ def import_megatron_log(path: str | Path, out_run_dir: str | Path, *,
 
 
 def open_log(path: Path):
-    """The log as text lines (undecodable bytes replaced); MegatronLogError if missing."""
+    """The log as text lines (undecodable bytes replaced); a TensorBoard log directory as
+    its iteration lines (analysis.megatron_tb); MegatronLogError if missing."""
+    if is_tensorboard_dir(path):
+        return open_tensorboard_dir(path)
     if not path.is_file():
         raise MegatronLogError(f"{path}: log file not found")
     try:

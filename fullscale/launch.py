@@ -35,7 +35,9 @@ guard) are listed in the script header and a warning, not silently dropped. Spik
 under Megatron: the probe (online rules, skip-step, alarms from predictions.json, the
 restart recipe; docs/mindspeed_probe.md) and, where the stack has them, Megatron's rerun
 state machine (--check-for-spiky-loss / --check-for-large-grads / --rerun-mode) and
---ckpt-step / --iterations-to-skip (CKPT_STEP / ITERATIONS_TO_SKIP).
+--ckpt-step (CKPT_STEP); the batch skip of the restart recipe is the probe's on every stack
+(SKIP_ITERATIONS), Megatron-LM's own --iterations-to-skip where it has one
+(ITERATIONS_TO_SKIP). The stack is detected on the node (fullscale.stack) unless named.
 
 No machine-local path of the clone that ran `launch` is written into the scripts: the
 adamspike checkout on the nodes is $ADAMSPIKE_HOME (required; a clear error when unset).
@@ -248,7 +250,7 @@ def _megatron_gaps(run) -> list[str]:
         gaps.append("guard: no automatic in-job rollback under Megatron; instead the probe skips "
                     "spiking updates (within ADAMSPIKE_PROBE_SKIP_BUDGET) and writes the restart "
                     "recipe (RUN_megatron/telemetry/restart_recipe.sh: rerun with CKPT_STEP and "
-                    "ITERATIONS_TO_SKIP), and Megatron's rerun state machine checks spiky losses "
+                    "SKIP_ITERATIONS), and Megatron's rerun state machine checks spiky losses "
                     "and large grads (MEGATRON_RERUN_MODE)")
     if run.data.skip_batches or run.data.poison_steps:
         gaps.append("data.skip_batches / data.poison_steps: not applied by Megatron")
@@ -384,7 +386,10 @@ def megatron_args(launch: Launch) -> list[str]:
     if m.distributed_optimizer:
         args.append("--use-distributed-optimizer")
     if launch.cluster.cluster.device == "npu":
-        args += ["--use-flash-attn", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"]
+        # --attention-softmax-in-fp32 with --no-masked-softmax-fusion, as upstream's NPU llama2
+        # scripts (MindSpeed-LLM 70B 7e2f454c, 13B c77308a1) and the seed's arguments
+        args += ["--use-flash-attn", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+                 "--attention-softmax-in-fp32"]
     if run.data.source == "indexed":
         args += [f"--data-path {_q(run.data.path)}", "--split 100,0,0"]
         if not _llama_tokenizer(launch):   # LLaMA2's tokenizer: stack-gated (_stack_case)
@@ -445,32 +450,63 @@ def _stack_case(launch: Launch) -> list[str]:
     need_sp = (['    : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the LLaMA2 tokenizer.model}"']
                if tok else [])
     guard = '${GUARD_ARGS[@]+"${GUARD_ARGS[@]}"} ${RESTART_ARGS[@]+"${RESTART_ARGS[@]}"}'
-    default = "mindspeed-llm" if npu else "megatron-lm"
-    lines = [f'MEGATRON_STACK="${{MEGATRON_STACK:-{default}}}"   # {" | ".join(STACKS)}: '
-             "gates version-specific flags",
-             "# Megatron's own spike tools (core_v0.12; not in modellink-2024): the rerun state",
-             "# machine re-runs an iteration with a spiky loss (> 10x the largest seen) or large",
-             "# grads to tell a transient fault from a reproducible result. disabled: off.",
+    lines = ["# MEGATRON_STACK (" + " | ".join(STACKS) + ") picks the version-specific flags; unset: detected",
+             "# on this node from the checkout and the installed python, torch, torch_npu, CANN and",
+             "# Megatron core (python -m fullscale.stack; a combination it does not know stops here,",
+             "# naming what it found). The seed's stack (CANN 7.0.1, torch 2.1.0, python 3.8,",
+             "# ModelLink of 2024 with AscendSpeed) is modellink-2024.",
+             'MEGATRON_STACK="${MEGATRON_STACK:-}" MEGATRON_CORE="${MEGATRON_CORE:-}"',
+             'if [[ -z "$MEGATRON_STACK" ]]; then',
+             '  DETECTED="$(PYTHONPATH="${ADAMSPIKE_HOME:?set MEGATRON_STACK, or ADAMSPIKE_HOME to detect it}" '
+             'python -m fullscale.stack --dir "$MINDSPEED_LLM_DIR")" || exit 2',
+             '  read -r MEGATRON_STACK MEGATRON_CORE <<< "$DETECTED"',
+             '  echo "MEGATRON_STACK=$MEGATRON_STACK (detected; Megatron core $MEGATRON_CORE)"',
+             "fi",
+             "# Megatron's own spike tools (core_v0.12+; not in modellink-2024): the rerun state",
+             "# machine re-runs an iteration with a spiky loss or large grads to tell a transient",
+             "# fault from a reproducible result. --check-for-spiky-loss fires only above 10x the",
+             "# largest loss seen (pretrain_gpt.py SPIKY_LOSS_FACTOR = 10, core_v0.12.1): a 1.5-4x",
+             "# spike does not trigger it (the probe's rules judge those). --rerun-mode is always",
+             "# passed: its default changed (disabled through core_v0.13, validate_results from",
+             "# core_v0.14, megatron/training/arguments.py). disabled: --rerun-mode disabled only.",
              'MEGATRON_RERUN_MODE="${MEGATRON_RERUN_MODE:-validate_results}"   # validate_results | report_stats | disabled',
              "# The probe's restart recipe (RUN_megatron/telemetry/restart_recipe.sh): PaLM's",
-             "# rollback + batch skip. CKPT_STEP: the checkpoint iteration to load; ITERATIONS_TO_SKIP:",
-             "# the iterations Megatron skips (space separated).",
-             'CKPT_STEP="${CKPT_STEP:-}" ITERATIONS_TO_SKIP="${ITERATIONS_TO_SKIP:-}"',
-             "GUARD_ARGS=() RESTART_ARGS=()",
+             "# rollback + batch skip. CKPT_STEP: the checkpoint iteration to load; SKIP_ITERATIONS:",
+             "# the logged iterations whose batches are drawn without an update (\"A-B C\"; the probe",
+             "# does it on every stack, also where the loop has no --iterations-to-skip, as",
+             "# MindSpeed-LLM's; it needs ADAMSPIKE_PROBE=1). ITERATIONS_TO_SKIP: raw values for",
+             "# Megatron-LM's own --iterations-to-skip (0-based before core_v0.17, the logged numbers",
+             "# from it); refused on the stacks whose loop ignores it.",
+             'CKPT_STEP="${CKPT_STEP:-}" SKIP_ITERATIONS="${SKIP_ITERATIONS:-}" ITERATIONS_TO_SKIP="${ITERATIONS_TO_SKIP:-}"',
+             "GUARD_ARGS=(--rerun-mode disabled) RESTART_ARGS=()",
              'if [[ "$MEGATRON_RERUN_MODE" != disabled ]]; then',
              '  GUARD_ARGS=(--check-for-spiky-loss --check-for-large-grads --rerun-mode "$MEGATRON_RERUN_MODE")',
+             "fi",
+             'if [[ -n "$SKIP_ITERATIONS" ]]; then',
+             '  if [[ "${ADAMSPIKE_PROBE:-1}" != 1 ]]; then echo "SKIP_ITERATIONS needs the probe '
+             '(ADAMSPIKE_PROBE=1): it draws those batches without an update" >&2; exit 2; fi',
+             '  export ADAMSPIKE_PROBE_SKIP_ITERATIONS="$SKIP_ITERATIONS"',
+             "fi",
+             'if [[ -n "$ITERATIONS_TO_SKIP" && "$MEGATRON_STACK" != megatron-lm ]]; then',
+             '  echo "ITERATIONS_TO_SKIP: the $MEGATRON_STACK training loop has no --iterations-to-skip '
+             '(it would parse and do nothing); use SKIP_ITERATIONS (logged numbers, the probe skips)" >&2; exit 2',
              "fi",
              'if [[ -n "$CKPT_STEP" ]]; then RESTART_ARGS+=(--ckpt-step "$CKPT_STEP"); fi',
              '# shellcheck disable=SC2206',
              'if [[ -n "$ITERATIONS_TO_SKIP" ]]; then RESTART_ARGS+=(--iterations-to-skip $ITERATIONS_TO_SKIP); fi',
              'case "$MEGATRON_STACK" in',
-             "  mindspeed-llm)"] + need_hf + [
-             f"    STACK_ARGS=(--use-mcore-models --transformer-impl local "
+             "  mindspeed-llm)"] + need_hf + (
+             # upstream: examples/mcore/llama2/pretrain_llama2_13b_ptd.sh (c77308a1) exports it
+             ['    export PYTORCH_NPU_ALLOC_CONF="${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}"']
+             if npu else []) + [
+             # --ckpt-format torch: upstream's llama2 70B (7e2f454c) and 13B (c77308a1) scripts
+             f"    STACK_ARGS=(--use-mcore-models --transformer-impl local --ckpt-format torch "
              f"{' '.join(rot + (fused if npu else []) + hf_tok + [guard])}) ;;"]
     ml = ["  modellink-2024)",
-          '    if [[ -n "$CKPT_STEP$ITERATIONS_TO_SKIP" ]]; then echo "MEGATRON_STACK=modellink-2024 '
-          '(CANN 7.0) has no --ckpt-step / --iterations-to-skip (Megatron before core_v0.12): '
-          'restart from --load and skip the batches by hand" >&2; exit 2; fi']
+          '    if [[ -n "$CKPT_STEP" ]]; then echo "MEGATRON_STACK=modellink-2024 '
+          '(CANN 7.0) has no --ckpt-step (Megatron before core_v0.12): restart from --load with its '
+          'latest_checkpointed_iteration.txt at the checkpoint; SKIP_ITERATIONS works (the probe '
+          'skips)" >&2; exit 2; fi']
     if rot:
         ml.append(f'    echo "MEGATRON_STACK=modellink-2024 (CANN 7.0) has no --rotary-base; rope_theta '
                   f'{_num(theta)} cannot be set" >&2; exit 2 ;;')
@@ -478,7 +514,11 @@ def _stack_case(launch: Launch) -> list[str]:
         ml.append('    echo "MEGATRON_STACK=modellink-2024 (CANN 7.0) has no --mock-data; use '
                   'data.source = indexed" >&2; exit 2 ;;')
     else:
-        ml += need_sp + [f"    STACK_ARGS=({' '.join(([f for f in fused if 'swiglu' not in f] if npu else []) + sp_tok)}) ;;"]
+        # --accumulate-allreduce-grads-in-fp32: the seed's own argument dump has it True (an
+        # AscendSpeed / Megatron option of that time); its recompute flags
+        # (checkpoint_block_layer, auto_recompute_device_size) are not in the vendored option
+        # list of ModelLink 0df09cd1 / AscendSpeed 5310714d, so they are not passed
+        ml += need_sp + [f"    STACK_ARGS=({' '.join(([f for f in fused if 'swiglu' not in f] if npu else []) + ['--accumulate-allreduce-grads-in-fp32'] + sp_tok)}) ;;"]
     lines += ml
     lines += ["  megatron-lm)"] + need_sp + [
               f"    STACK_ARGS=(--use-mcore-models {' '.join(rot + sp_tok + [guard])}) ;;"
@@ -537,8 +577,9 @@ def mindspeed_script(launch: Launch) -> str:
         "#   Megatron itself (core_v0.12: MEGATRON_STACK mindspeed-llm / megatron-lm, not",
         "#     modellink-2024): --check-for-spiky-loss, --check-for-large-grads, --rerun-mode",
         "#     (its rerun state machine re-runs a suspicious iteration: transient fault or",
-        "#     reproducible spike), --ckpt-step and --iterations-to-skip (CKPT_STEP,",
-        "#     ITERATIONS_TO_SKIP below) to restart before a spike and skip its batches"]
+        "#     reproducible spike; MindSpeed-LLM's loop ignores its checkpoint-and-exit, the",
+        "#     probe carries it out), --ckpt-step (CKPT_STEP below) to restart before a spike;",
+        "#     the spike's batches: SKIP_ITERATIONS below (the probe skips them on every stack)"]
     lines += _device_env(launch, megatron=True)
     lines += ['MINDSPEED_LLM_DIR="${MINDSPEED_LLM_DIR:?set MINDSPEED_LLM_DIR to the MindSpeed-LLM '
               '(ModelLink) or Megatron-LM checkout holding pretrain_gpt.py}"']

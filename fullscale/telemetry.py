@@ -86,7 +86,8 @@ from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_HIST_BINS, SUM_FIELD
 from adamspike.metrics import NUM_VHIST_BINS, VHIST_EDGES
 from fullscale import cpu_kernel
 from fullscale.device import local_shard as _local
-from fullscale.megatron_probe import adam_terms, bin_counts, rounded_edges, update_direction
+from fullscale.probe.kernels import adam_terms, bin_counts, rounded_edges, update_direction
+from fullscale.probe.tensorboard import group_medians
 
 NUM_SUMS = len(SUM_FIELDS)
 _COL = {f: i for i, f in enumerate(SUM_FIELDS)}
@@ -583,7 +584,8 @@ def _all_reduce(t: torch.Tensor, group) -> None:
 
 
 class TensorBoardScalars:
-    """Optional scalars (steps columns and a few per-depth metrics) for TensorBoard."""
+    """Optional scalars for TensorBoard: the steps columns, a few per-tensor metrics, and
+    the per-group medians the Megatron probe writes too (fullscale.probe.tensorboard)."""
 
     def __init__(self, log_dir):
         self.writer = None
@@ -607,6 +609,8 @@ class TensorBoardScalars:
                 for name, value in zip(out.columns["name"], out.columns[metric]):
                     if np.isfinite(value):
                         self.writer.add_scalar(f"{metric}/{name}", float(value), step)
+            for tag, value in group_medians(out.columns).items():
+                self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,7 @@ def _stack_args(script: str, stack: str, env=None):
     return r.returncode, r.stdout.split(), r.stderr
 
 
-MCORE = ["--use-mcore-models", "--transformer-impl", "local"]
+MCORE = ["--use-mcore-models", "--transformer-impl", "local", "--ckpt-format", "torch"]
 FUSED = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
 HF_TOK = ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", "/tok"]
 SP_TOK = ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "/tok.model"]
@@ -58,37 +59,47 @@ def test_rope_default_omits_rotary_base_and_fused_flags_follow_the_stack(tmp_pat
     assert _stack_args(ms, "mindspeed-llm")[:2] == (0, MCORE + FUSED + HF_TOK + GUARD)
     # ModelLink of early 2024 (CANN 7.0): no --use-fused-swiglu yet, legacy models
     assert _stack_args(ms, "modellink-2024")[:2] == (0, ["--use-fused-rmsnorm",
-                                                         "--use-fused-rotary-pos-emb"] + SP_TOK)
+                                                         "--use-fused-rotary-pos-emb",
+                                                         "--accumulate-allreduce-grads-in-fp32"] + SP_TOK)
     assert _stack_args(ms, "megatron-lm")[:2] == (0, ["--use-mcore-models"] + SP_TOK + GUARD)
     code, _, err = _stack_args(ms, "megatron-2019")
     assert code == 2 and "MEGATRON_STACK must be one of" in err
-    assert 'MEGATRON_STACK="${MEGATRON_STACK:-mindspeed-llm}"' in ms   # npu default
+    # no default stack: detected on the node (fullscale.stack) unless named
+    assert 'MEGATRON_STACK="${MEGATRON_STACK:-}"' in ms and "python -m fullscale.stack" in ms
 
 
 def test_other_rope_theta_is_passed_where_the_stack_knows_it(tmp_path):
     ms, _ = _script(tmp_path, "b", "--model.rope_theta", "500000")
-    assert _stack_args(ms, "mindspeed-llm")[1][3:5] == ["--rotary-base", "500000"]
+    assert _stack_args(ms, "mindspeed-llm")[1][5:7] == ["--rotary-base", "500000"]
     assert _stack_args(ms, "megatron-lm")[1][:3] == ["--use-mcore-models", "--rotary-base", "500000"]
     code, _, err = _stack_args(ms, "modellink-2024")
     assert code == 2 and "has no --rotary-base" in err
     ms_cuda, _ = _script(tmp_path, "c", "--device", "cuda")
-    assert 'MEGATRON_STACK="${MEGATRON_STACK:-megatron-lm}"' in ms_cuda
     assert _stack_args(ms_cuda, "mindspeed-llm")[1] == MCORE + HF_TOK + GUARD   # no MindSpeed kernels
 
 
 def test_megatron_spike_tools_and_the_restart_recipe_variables(tmp_path):
     ms, _ = _script(tmp_path, "g")
-    restart = {"CKPT_STEP": "1000", "ITERATIONS_TO_SKIP": "1000 1001 1002"}
     for stack in ("mindspeed-llm", "megatron-lm"):
-        code, args, _ = _stack_args(ms, stack, {**restart, "MEGATRON_RERUN_MODE": "disabled"})
-        assert code == 0 and not set(GUARD) & set(args)
-        assert args[-6:] == ["--ckpt-step", "1000", "--iterations-to-skip", "1000", "1001", "1002"]
-    code, _, err = _stack_args(ms, "modellink-2024", restart)
-    assert code == 2 and "no --ckpt-step / --iterations-to-skip" in err
+        code, args, _ = _stack_args(ms, stack, {"CKPT_STEP": "1000", "MEGATRON_RERUN_MODE": "disabled"})
+        # --rerun-mode always explicit: its default changed at core_v0.14
+        assert code == 0 and not {"--check-for-spiky-loss", "--check-for-large-grads"} & set(args)
+        assert args[-4:] == ["--rerun-mode", "disabled", "--ckpt-step", "1000"]
+    # Megatron-LM's own --iterations-to-skip: raw values passed through
+    code, args, _ = _stack_args(ms, "megatron-lm", {"ITERATIONS_TO_SKIP": "1000 1001 1002"})
+    assert code == 0 and args[-4:] == ["--iterations-to-skip", "1000", "1001", "1002"]
+    # MindSpeed-LLM's and ModelLink's loops have none: refused, SKIP_ITERATIONS (the probe) instead
+    for stack in ("mindspeed-llm", "modellink-2024"):
+        code, _, err = _stack_args(ms, stack, {"ITERATIONS_TO_SKIP": "1000 1001"})
+        assert code == 2 and "use SKIP_ITERATIONS" in err
+    code, _, err = _stack_args(ms, "modellink-2024", {"CKPT_STEP": "1000"})
+    assert code == 2 and "no --ckpt-step" in err
+    code, _, err = _stack_args(ms, "mindspeed-llm", {"SKIP_ITERATIONS": "1001-1200", "ADAMSPIKE_PROBE": "0"})
+    assert code == 2 and "SKIP_ITERATIONS needs the probe" in err
     code, _, err = _stack_args(ms, "mindspeed-llm", {"TOKENIZER_PATH": ""})
     assert code != 0 and "set TOKENIZER_PATH" in err
     head = ms.split("set -euo pipefail")[0]
-    assert "--check-for-spiky-loss" in head and "--iterations-to-skip" in head and "rerun" in head
+    assert "--check-for-spiky-loss" in head and "SKIP_ITERATIONS" in head and "rerun" in head
 
 
 def _run_script(script: Path, tmp_path: Path, **env):
@@ -98,9 +109,12 @@ def _run_script(script: Path, tmp_path: Path, **env):
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
     (bin_dir / "torchrun").chmod(0o755)
+    (bin_dir / "python").write_text(f'#!/usr/bin/env bash\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
     ms_dir = tmp_path / "MindSpeed-LLM"
     ms_dir.mkdir(exist_ok=True)
     base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "MINDSPEED_LLM_DIR": str(ms_dir),
+            "MEGATRON_STACK": "mindspeed-llm",
             "ADAMSPIKE_HOME": str(REPO_ROOT), "TOKENIZER_PATH": "/tok",
             "TOKENIZER_MODEL": "/tok.model"}
     r = subprocess.run(["bash", str(script), "0"], capture_output=True, text=True,
@@ -137,7 +151,8 @@ def test_every_generated_flag_is_in_its_stack_parser(tmp_path, device, extra):
     for stack in STACKS:
         code, argv, err = _run_script(out / "train_mindspeed.sh", tmp_path, MEGATRON_STACK=stack,
                                       CKPT_STEP=None if stack == "modellink-2024" else "1000",
-                                      ITERATIONS_TO_SKIP=None if stack == "modellink-2024" else "1000 1001")
+                                      SKIP_ITERATIONS="1001-1200",
+                                      ITERATIONS_TO_SKIP="1000 1001" if stack == "megatron-lm" else None)
         if code == 2 and stack == "modellink-2024":     # refused with a message, not run
             assert "has no --rotary-base" in err or "has no --mock-data" in err
             continue
@@ -148,8 +163,10 @@ def test_every_generated_flag_is_in_its_stack_parser(tmp_path, device, extra):
         assert not unknown, (stack, unknown)
         checked += 1
         if stack == "mindspeed-llm":
-            for f in ("--use-mcore-models", "--check-for-spiky-loss", "--iterations-to-skip"):
+            for f in ("--use-mcore-models", "--check-for-spiky-loss", "--ckpt-format"):
                 assert f in flags
+            assert ("--attention-softmax-in-fp32" in flags) == (device == "npu")
+            assert "--iterations-to-skip" not in flags      # the probe skips on MindSpeed-LLM
             assert argv[argv.index("--transformer-impl") + 1] == "local"
     assert checked >= 2
 
@@ -236,3 +253,45 @@ def test_same_named_logs_get_distinct_run_names(tmp_path):
     assert analyze_main(["--log", str(a), "--log", str(b), "--out", str(out)]) == 0
     assert (out / "s1_logs_node127.log.run" / "run.json").is_file()
     assert (out / "s2_logs_node127.log.run" / "run.json").is_file()
+
+
+def _checkout(tmp_path, tree, core):
+    d = tmp_path / f"checkout-{tree}-{core}"
+    (d / tree).mkdir(parents=True)
+    (d / "megatron" / "core").mkdir(parents=True)
+    major, minor, patch = core.split(".")
+    (d / "megatron" / "core" / "package_info.py").write_text(
+        f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\n")
+    return d
+
+
+@pytest.mark.parametrize("tree, core, cann, stack", [
+    ("mindspeed_llm", "0.12.1", "8.3.RC1", "mindspeed-llm"),     # current MindSpeed-LLM
+    ("modellink", "0.4.0", "7.0.1", "modellink-2024"),           # the seed's stack
+])
+def test_the_script_detects_its_stack_on_the_node(tmp_path, tree, core, cann, stack):
+    """MEGATRON_STACK unset: python -m fullscale.stack reads the checkout and CANN, the flags
+    follow; each detected stack's flags are in its vendored option list."""
+    out = tmp_path / "d"
+    assert launch_main(["--config", str(BASE), "--cluster", str(_cluster(tmp_path)),
+                        "--master-addr", "n0", "--out", str(out), "--data.source", "indexed",
+                        "--data.path", "/data/x"]) == 0
+    code, argv, err = _run_script(out / "train_mindspeed.sh", tmp_path, MEGATRON_STACK=None,
+                                  MINDSPEED_LLM_DIR=str(_checkout(tmp_path, tree, core)),
+                                  ADAMSPIKE_CANN_VERSION=cann)
+    assert code == 0, err
+    vendored = json.loads(OPTIONS_FILE.read_text())["stacks"][stack]["options"]
+    flags = [a for a in argv if a.startswith("--")]
+    assert not sorted(set(flags) - set(vendored))
+    assert ("--accumulate-allreduce-grads-in-fp32" in flags) == (stack == "modellink-2024")
+    assert ("--rerun-mode" in flags) == (stack != "modellink-2024")
+
+
+def test_the_script_refuses_a_stack_it_does_not_know(tmp_path):
+    out = tmp_path / "r"
+    assert launch_main(["--config", str(BASE), "--cluster", str(_cluster(tmp_path)),
+                        "--master-addr", "n0", "--out", str(out)]) == 0
+    code, _, err = _run_script(out / "train_mindspeed.sh", tmp_path, MEGATRON_STACK=None,
+                               MINDSPEED_LLM_DIR=str(_checkout(tmp_path, "mindspeed_llm", "0.12.1")),
+                               ADAMSPIKE_CANN_VERSION="7.0.1")
+    assert code == 2 and "MindSpeed-LLM needs CANN 8 or newer" in err and "CANN 7.0.1" in err

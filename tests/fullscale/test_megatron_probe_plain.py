@@ -16,6 +16,7 @@ import pytest
 from adamspike.metrics import METRIC_NAMES
 from adamspike.rundir import load_run
 from fullscale import megatron_probe as mp
+from fullscale.probe import wrapper as probe_wrapper
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,7 +116,7 @@ def test_install_without_mindspeed_rewires_every_importer(monkeypatch, tmp_path)
     calls = []
     mod, user, orig = _fake_megatron(monkeypatch, calls)
     monkeypatch.setitem(sys.modules, "mindspeed", None)       # import mindspeed fails
-    monkeypatch.setattr(mp, "_train_step_module", lambda: mod)
+    monkeypatch.setattr(probe_wrapper, "_train_step_module", lambda: mod)
     mp.install(str(tmp_path / "run"), every=1, hist_every=0)
     assert mod.train_step is not orig and user.train_step is mod.train_step
     assert mod.train_step.__wrapped__ is orig
@@ -140,7 +141,7 @@ def test_install_under_mindspeed_registers_a_stacked_wrapper(monkeypatch, tmp_pa
     pu.MindSpeedPatchesManager = Manager
     monkeypatch.setitem(sys.modules, "mindspeed", types.ModuleType("mindspeed"))
     monkeypatch.setitem(sys.modules, "mindspeed.patch_utils", pu)
-    monkeypatch.setattr(mp, "_train_step_module", lambda: mod)
+    monkeypatch.setattr(probe_wrapper, "_train_step_module", lambda: mod)
     mp.install(str(tmp_path / "run"))
     (name, fn), applied = registered
     assert name == "megatron.training.training.train_step" and applied == "applied"
@@ -166,7 +167,7 @@ def test_launcher_runs_the_script_with_the_probe_installed(monkeypatch, tmp_path
     calls = []
     mod, _, orig = _fake_megatron(monkeypatch, calls)
     monkeypatch.setitem(sys.modules, "mindspeed", None)
-    monkeypatch.setattr(mp, "_train_step_module", lambda: mod)
+    monkeypatch.setattr(probe_wrapper, "_train_step_module", lambda: mod)
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("import sys\nt = sys.modules['megatron.training.training']\n"
                       "assert sys.argv[1:] == ['--num-layers', '2'], sys.argv\n"
@@ -269,3 +270,64 @@ def test_without_pandas_alarms_turn_off_but_the_probe_stays(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "fullscale.alarms", None)
     a = mp.ProbeActions.from_env({"ADAMSPIKE_PROBE_PREDICTIONS": str(tmp_path / "p.json")})
     assert a.rules == () and a.alarms is None and "rules off" in a.describe()
+
+
+def test_launcher_help_exits_0_and_a_bad_skip_list_stops_the_job(tmp_path, monkeypatch, capsys):
+    assert mp.main(["--help"]) == 0
+    assert "SCRIPT.py ARGS" in capsys.readouterr().out
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    monkeypatch.setenv("ADAMSPIKE_PROBE_SKIP_ITERATIONS", "300-101")
+    assert mp.main(["--out", str(tmp_path / "run"), "--", str(script)]) == 2
+    assert "not a range of logged iterations" in capsys.readouterr().err
+
+
+def test_skip_list_parsing():
+    from fullscale.probe.settings import parse_iterations
+    assert parse_iterations("3-5, 9 12") == {3, 4, 5, 9, 12}
+    assert parse_iterations("") == frozenset()
+    for bad in ("0", "x", "5-3"):
+        with pytest.raises(mp.ProbeError, match="SKIP_ITERATIONS"):
+            parse_iterations(bad)
+
+
+def test_restart_recipe_gives_each_loop_its_own_skip_values(tmp_path):
+    """0-based values on core_v0.12-0.16 loops, the logged numbers on core_v0.17+, none on
+    MindSpeed-LLM (its loop has no --iterations-to-skip: the probe's list only)."""
+    from fullscale.probe.loop import LoopFacts
+    args = types.SimpleNamespace(save=None, load=None, iterations_to_skip=[], rerun_mode="disabled")
+    a = mp.ProbeActions(("loss",))
+    old = LoopFacts("m012", "while iteration < n:\n    if iteration in args.iterations_to_skip: pass\n"
+                            "    a, b, should_checkpoint, should_exit, c, d, e = train_step(x)\n"
+                            "    if should_exit: break\n")
+    new = LoopFacts("m017", "while iteration < n:\n    if (iteration + 1) in args.iterations_to_skip: pass\n")
+    ms = LoopFacts("ms", "while iteration < n:\n    a, b, should_checkpoint, should_exit, c, d, e = train_step(x)\n")
+    r0, r1, rm = (mp.restart_recipe(150, args, a, loop) for loop in (old, new, ms))
+    assert r0["skipped_iterations"] == r1["skipped_iterations"] == rm["skipped_iterations"] == [1, 200]
+    assert r0["iterations_to_skip"] == [0, 199] and r1["iterations_to_skip"] == [1, 200]
+    assert rm["iterations_to_skip"] is None and rm["probe_skip_iterations"] == "1-200"
+    text = Path(mp.write_restart_recipe(str(tmp_path), 150, "x", args, a, ms)["path"]).read_text()
+    assert 'export ADAMSPIKE_PROBE_SKIP_ITERATIONS="1-200"' in text
+    assert "THIS STACK HAS NO --iterations-to-skip" in text and "--iterations-to-skip $(" not in text
+    text = Path(mp.write_restart_recipe(str(tmp_path), 150, "x", args, a, new)["path"]).read_text()
+    assert "--iterations-to-skip $(seq -s ' ' 1 200)" in text and "1-based" in text
+
+
+def test_probe_writes_group_scalars_to_tensorboard(demo, tmp_path, monkeypatch):
+    """TensorBoard out: RUN/tensorboard holds adamspike/KIND/METRIC scalars on the telemetry
+    steps, each the median over the group's tensors in the layers table."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_dir = demo.run(str(tmp_path), steps=5, plain=False, skip=3)
+    acc = EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    layers = load_run(run_dir).layers
+    assert "adamspike/w2/rho" in tags and "adamspike/embed/update_rms" in tags
+    got = {e.step: e.value for e in acc.Scalars("adamspike/w2/rho")}
+    want = layers[layers["kind"] == "w2"].groupby("step")["rho"].median()
+    assert sorted(got) == [1, 2, 4, 5] == list(want.index)
+    np.testing.assert_allclose([got[s] for s in want.index], want.to_numpy(), rtol=1e-6)
+    monkeypatch.setenv("ADAMSPIKE_TENSORBOARD", "0")
+    off = demo.run(str(tmp_path / "off"), steps=2, plain=True)
+    assert not (Path(off) / "tensorboard").exists()

@@ -22,6 +22,7 @@ import torch
 
 from adamspike.rundir import load_run
 from fullscale import megatron_probe as mp
+from fullscale.probe import wrapper as probe_wrapper
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = ("steps", "layers", "hists", "curvature")
@@ -169,8 +170,8 @@ def _fake_megatron(monkeypatch):
     mod.train_step = lambda *a, **k: train_step(*a, **k)
     monkeypatch.setitem(sys.modules, "megatron.training.training", mod)
     monkeypatch.setitem(sys.modules, "mindspeed", None)
-    monkeypatch.setattr(mp, "_train_step_module", lambda: mod)
-    monkeypatch.setattr(mp, "_PROBE", None)
+    monkeypatch.setattr(probe_wrapper, "_train_step_module", lambda: mod)
+    monkeypatch.setattr(probe_wrapper, "_PROBE", None)
     return mod
 
 
@@ -184,7 +185,7 @@ def test_install_reads_ADAMSPIKE_PROBE_SECANT(monkeypatch, tmp_path, env):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for it in range(1, 7):
         mod.train_step(None, None, [model], opt, None, {"iteration": it})
-    probe = mp._PROBE
+    probe = probe_wrapper._PROBE
     probe.close()
     assert probe.secant is (env == "1") and not probe.disabled
     cur = load_run(tmp_path / "run", tables=TABLES).curvature

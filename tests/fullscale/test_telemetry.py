@@ -268,16 +268,33 @@ def test_before_step_is_required_and_every_is_honoured():
         tel.after_step(3)
 
 
-def test_tensorboard_missing_is_a_warning_not_a_crash(tmp_path):
-    try:
-        import tensorboard  # noqa: F401
-        pytest.skip("tensorboard is installed here; the missing-package path cannot be exercised")
-    except ImportError:
-        pass
+def test_tensorboard_missing_is_a_warning_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)    # import -> ImportError
     with pytest.warns(RuntimeWarning, match="TensorBoard is unavailable"):
         tb = TensorBoardScalars(tmp_path / "tb")
     tb.log(1, {"loss": 1.0})
     tb.close()
+
+
+def test_tensorboard_scalars_carry_the_probes_group_medians(tmp_path):
+    """The trainer's TensorBoard scalars include adamspike/KIND/METRIC, the per-group medians
+    the Megatron probe writes (fullscale.probe.tensorboard.group_medians)."""
+    pytest.importorskip("tensorboard")
+    import types
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from adamspike.metrics import METRIC_NAMES
+    cols = {"name": ["a", "b", "c"], "kind": ["wq", "wq", "w2"],
+            **{m: np.array([1.0, 3.0, 5.0]) for m in METRIC_NAMES}}
+    cols["rho"] = np.array([0.1, 0.3, np.nan])
+    tb = TensorBoardScalars(tmp_path / "tb")
+    tb.log(4, {"loss": 2.0}, types.SimpleNamespace(columns=cols))
+    tb.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert acc.Scalars("adamspike/wq/rho")[0].value == pytest.approx(0.2)
+    assert "adamspike/w2/rho" not in tags and acc.Scalars("adamspike/w2/update_rms")[0].value == 5.0
+    assert "train/loss" in tags and "rho/a" in tags
 
 
 WORKER = textwrap.dedent('''
