@@ -103,7 +103,8 @@ import pandas as pd
 
 from adamspike import package_data
 from adamspike import spike_rate as SR
-from adamspike.config import ConfigError, cli_main, flatten, read_toml, to_dict
+from adamspike.config import (ConfigError, cli_main, flatten, parse_setting_text, read_toml,
+                              to_dict)
 from adamspike.depth_groups import depth_group, group_rho
 from adamspike.depth_groups import shallow_depths as group_shallow_depths
 from adamspike.llama import PRESETS, num_params, param_specs, preset
@@ -122,6 +123,37 @@ DEFAULT_HORIZON_STEPS = 2000   # P(>= 1 spike) horizon (the seed report's run st
 MIN_CLASS_RUNS = 3
 MIN_YOUDEN_J = 0.2           # a data threshold must separate the classes at least this well
 NUM_VALIDATE = 3
+# What the theory can compute: its EMA windows hold ~39 / (1 - b) terms per array, so
+# 1 - b below MIN_ONE_MINUS_BETA would allocate gigabytes (b = 0.999999: > 5 GB); rho
+# outside RHO_RANGE (a huge or tiny eps, an extreme eps_ref or grad norm) underflows the
+# closed forms and lies decades beyond any data the rate model saw
+MIN_ONE_MINUS_BETA = 1e-4
+RHO_RANGE = (1e-8, 1e8)
+
+
+def check_beta(name: str, b: float, where: str = "") -> float:
+    """An Adam beta the theory can evaluate: finite, 0 <= b and 1 - b >= MIN_ONE_MINUS_BETA."""
+    b = float(b)
+    if not (math.isfinite(b) and 0.0 <= b and 1.0 - b >= MIN_ONE_MINUS_BETA):
+        raise ConfigError(f"{where}{name}: must be in [0, {1 - MIN_ONE_MINUS_BETA:g}] (the "
+                          f"theory's windows hold ~39 / (1 - {name}) steps), got {b!r}")
+    return b
+
+
+def check_positive(name: str, x: float, where: str = "") -> float:
+    """A finite number > 0 (eps_ref, clip, eps)."""
+    x = float(x)
+    if not (math.isfinite(x) and x > 0):
+        raise ConfigError(f"{where}{name}: must be a finite number > 0, got {x!r}")
+    return x
+
+
+def check_rho(what: str, rho: float, why: str) -> None:
+    """rho inside RHO_RANGE (module constants); ConfigError naming the input behind it."""
+    lo, hi = RHO_RANGE
+    if not (math.isfinite(rho) and lo <= rho <= hi):
+        raise ConfigError(f"{what}: rho {rho:.3g} is outside the range the theory and the rate "
+                          f"model can evaluate ({lo:g} to {hi:g}); {why}")
 
 
 # ----------------------------------------------------------------------------- profiles
@@ -193,10 +225,8 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
                      eps_ref: float = 1e-5, num_params_log: int | None = None) -> dict:
     """LLaMA2-70B profile from a training log's grad norms, shaped by the ladder (module
     docstring)."""
-    if not clip > 0:
-        raise ConfigError(f"--clip: must be > 0, got {clip}")
-    if not eps_ref > 0:
-        raise ConfigError(f"--eps-ref: must be > 0, got {eps_ref}")
+    check_positive("--clip", clip)
+    check_positive("--eps-ref", eps_ref)
     try:
         steps = read_megatron_log(log).steps
     except MegatronLogError as e:
@@ -211,9 +241,13 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
     N = int(num_params_log) if num_params_log else num_params(preset("llama2-70b"))
     if N < 1:
         raise ConfigError(f"--num-params: must be >= 1, got {num_params_log}")
-    rho_bar_t = np.minimum(late, clip) / (math.sqrt(N) * eps_ref)
-    rho_bar = float(np.median(rho_bar_t))
-    q10, q90 = (float(np.quantile(rho_bar_t, q)) for q in (0.1, 0.9))
+    with np.errstate(all="ignore"):      # an extreme input is refused just below
+        rho_bar_t = np.minimum(late, clip) / (math.sqrt(N) * eps_ref)
+        rho_bar = float(np.median(rho_bar_t))
+        q10, q90 = (float(np.quantile(rho_bar_t, q)) for q in (0.1, 0.9))
+    for v in (q10, rho_bar, q90):
+        check_rho(f"{log}", v, f"rho_bar = min(grad norm, --clip {clip:g}) / (sqrt(N {N}) "
+                  f"--eps-ref {eps_ref:g}): check --eps-ref, --clip and --num-params")
     fit, ext = LD.ladder_70b(ladder_dir, eps=eps_ref, clip=clip)
     groups = ext["_groups"]
     shape = {g: ext["rho"][g] / ext["mean_rho"] for g in groups}
@@ -302,8 +336,7 @@ def profile_from_json(path: Path) -> dict:
         raise ConfigError(f"{path}: malformed profile ({e})") from None
     if not rho or any(not (v > 0 and math.isfinite(v)) for v in rho.values()):
         raise ConfigError(f"{path}: rho_by_depth must hold positive finite numbers")
-    if not eps_ref > 0:
-        raise ConfigError(f"{path}: eps_ref must be > 0")
+    check_positive("eps_ref", eps_ref, f"{path}: ")
     if any(not -1 < v < 1 for v in phi.values()):
         raise ConfigError(f"{path}: phi must lie in (-1, 1)")
     name = str(data.get("name", path.stem))
@@ -323,7 +356,8 @@ def profile_from_json(path: Path) -> dict:
     return {"name": name, "num_layers": num_layers, "eps_ref": eps_ref,
             "rho_by_depth": rho, "phi_by_depth": {d: phi.get(d, 0.0) for d in rho},
             "numel_by_depth": {d: numel[d] for d in rho}, "numel_source": numel_src,
-            "lr": float(data.get("lr", 1.5e-4)), "b1": float(data.get("b1", 0.9)),
+            "lr": check_positive("lr", data.get("lr", 1.5e-4), f"{path}: "),
+            "b1": check_beta("b1", data.get("b1", 0.9), f"{path}: "),
             "global_batch_size": int(data.get("global_batch_size", 1024)),
             "seq_len": data.get("seq_len"), "source": f"profile file {path}"}
 
@@ -406,38 +440,53 @@ def load_candidates(path: str, profile: Mapping[str, Any]) -> list[dict]:
     return out
 
 
+def baseline(profile: Mapping[str, Any]) -> dict:
+    """The profile's own setting (the run it describes): its eps_ref, b1, lr, batch, and
+    b2 where the profile states one (else the 70B config's 0.95, `b2_assumed`)."""
+    return {**_profile_defaults(profile), "optim.eps": float(profile["eps_ref"]),
+            "optim.b2": float(profile.get("b2") or 0.95)}
+
+
 def _candidate(flat: Mapping[str, Any], where: str, profile: Mapping[str, Any],
-               cid: str | None = None) -> dict:
-    """One candidate: CANDIDATE_KEYS only, optim.b2 and optim.eps required, the rest from
-    the profile, validated by RunConfig.from_dict (ConfigError names `where` and the key)."""
+               cid: str | None = None, fill_baseline: bool = False) -> dict:
+    """One candidate: CANDIDATE_KEYS only, optim.b2 and optim.eps required (fill_baseline:
+    the baseline's, named in `assumed`), the rest from the profile, validated by
+    RunConfig.from_dict (ConfigError names `where` and the key)."""
     bad = sorted(set(flat) - set(CANDIDATE_KEYS))
     if bad:
         raise ConfigError(f"{where}.{bad[0]}: unknown key (known: id, {', '.join(CANDIDATE_KEYS)})")
+    assumed = {}
     for k in ("optim.b2", "optim.eps"):
         if k not in flat:
-            raise ConfigError(f"{where}.{k}: missing")
-    flat = {**_profile_defaults(profile), **flat}
+            if not fill_baseline:
+                raise ConfigError(f"{where}.{k}: missing")
+            assumed[k] = baseline(profile)[k]
+    flat = {**_profile_defaults(profile), **assumed, **flat}
     try:
         cfg = flatten(to_dict(RunConfig.from_dict(flat)))
     except ConfigError as e:
         raise ConfigError(f"{where}.{e}") from None
     if not cfg["optim.eps"] > 0:
         raise ConfigError(f"{where}.optim.eps: must be > 0 (rho = rms(g) / eps)")
-    return {**({"id": cid} if cid else {}), **{k: cfg[k] for k in CANDIDATE_KEYS}}
+    for k in ("optim.b1", "optim.b2"):
+        check_beta(k, cfg[k], f"{where}.")
+    check_positive("optim.eps", cfg["optim.eps"], f"{where}.")
+    scale = float(profile["eps_ref"]) / cfg["optim.eps"]
+    rhos = [float(v) * scale for v in profile["rho_by_depth"].values()]
+    for v in (min(rhos), max(rhos)):
+        check_rho(f"{where}.optim.eps", v, f"at eps {cfg['optim.eps']:g} the profile's depths "
+                  f"have rho {min(rhos):.3g} to {max(rhos):.3g} (rho = rho_ref x eps_ref "
+                  f"{float(profile['eps_ref']):g} / eps)")
+    return {**({"id": cid} if cid else {}), **{k: cfg[k] for k in CANDIDATE_KEYS},
+            **({"assumed": assumed} if assumed else {})}
 
 
 def parse_setting(text: str, profile: Mapping[str, Any]) -> dict:
-    """`--setting optim.eps=1e-6,optim.b2=0.95` as a candidate (dotted keys, numbers)."""
-    flat: dict[str, Any] = {}
-    for part in (x.strip() for x in text.split(",") if x.strip()):
-        key, sep, val = part.partition("=")
-        if not sep:
-            raise ConfigError(f"--setting {text!r}: {part!r} is not KEY=VALUE")
-        try:
-            flat[key.strip()] = int(val) if val.strip().lstrip("-").isdigit() else float(val)
-        except ValueError:
-            raise ConfigError(f"--setting {text!r}: {key.strip()}: not a number: {val!r}") from None
-    return _candidate(flat, f"--setting {text!r}", profile)
+    """`--setting optim.eps=1e-6,optim.b2=0.95` (or `eps=1e-6,b2=0.95`: README's short
+    keys, adamspike.config.parse_setting_text) as a candidate; a key left out is the
+    profile's baseline (`assumed` names it)."""
+    flat = parse_setting_text(RunConfig, text, allowed=CANDIDATE_KEYS)
+    return _candidate(flat, f"--setting {text!r}", profile, fill_baseline=True)
 
 
 def setting_id(c: Mapping[str, Any]) -> str:
@@ -672,6 +721,8 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
            "extrapolation": extrap, "support": sup, "extrapolated": bool(outside),
            "extrapolation_reasons": outside,
            "risk": p, "risk_label": label, "rationale": rationale, "per_depth": per_depth}
+    if cand.get("assumed"):
+        out["assumed"] = dict(cand["assumed"])      # keys the setting left to the baseline
     if "rho_bar" in feats:
         out["rho_bar"], out["rho_bar_bound"] = feats["rho_bar"], feats["rho_bar_bound"]
     if phased:
