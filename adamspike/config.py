@@ -14,6 +14,7 @@ values out of range, non-finite floats. The resolved config round-trips through
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import sys
@@ -314,7 +315,6 @@ def resolve_key(cls: type, key: str, flat_paths: list[str] | None = None,
     if len(matches) > 1:
         raise ConfigError(f"--{key}: ambiguous, use one of {', '.join('--' + m for m in matches)}")
     _raise_moved(cls, key)
-    import difflib
     close = difflib.get_close_matches(key, flat_paths + [p.split(".")[-1] for p in flat_paths],
                                       n=1)
     raise ConfigError(f"unknown config key: {key}" + (f" (did you mean {close[0]}?)" if close
