@@ -8,6 +8,7 @@ Subcommands are imported when called (importlib, by the module path in COMMANDS)
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
 import sys
@@ -239,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"adamspike: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        print(f"adamspike: unknown command {name!r}"
+              + (f" (did you mean `adamspike {close[0]}`?)" if close else "")
+              + f"\n\n{_usage()}", file=sys.stderr)
         return 2
     if name == "train":
         msg = _old_torch_for_trainer()
