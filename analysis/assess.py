@@ -54,8 +54,9 @@ from adamspike.megatron_log import MegatronLogError
 from adamspike.predictions import PredictionsError, load_predictions, model_key
 from adamspike.rundir import RunFormatError
 from adamspike.spikes import SpikeParams, add_spike_flags
-from analysis.cli import count_arg
+from analysis.cli import check_log_flags, count_arg
 from analysis.megatron_log import import_megatron_log
+from analysis.numerics import CONSTANT_ONE
 from analysis.report import AnalysisError, analyze_run, not_measured_note, write_run_report
 from analysis.scoring import run_setting, score_rate
 from analysis.spike_rate import run_row
@@ -93,7 +94,7 @@ def regime_lines(ra) -> list[str]:
             for r in (run if len(run) else g).itertuples():
                 L += _wrap(f"rho_bar = min(gn, clip) / (sqrt(N) eps) at eps {_f(r.eps)}: median "
                            f"{_f(r.rho_bar_median)} (q10 {_f(r.rho_bar_q10)}, q90 "
-                           f"{_f(r.rho_bar_q90)}), {_f(100 * r.frac_time_below_1, 2)}% of "
+                           f"{_f(r.rho_bar_q90)}), {_pct(r.frac_time_below_1)} of "
                            f"steps below 1: {r.regime}"
                            + ("" if r.is_run_eps else " (the run's eps is unknown: --eps)"))
             others = g[~g["is_run_eps"]] if len(run) else g.iloc[0:0]
@@ -107,42 +108,71 @@ def regime_lines(ra) -> list[str]:
     else:
         for r in c.groups.itertuples():
             L += _wrap(f"{r.group:<8} rho median {_f(r.rho_median)} (q10 {_f(r.rho_q10)}, "
-                       f"q90 {_f(r.rho_q90)}), {_f(100 * r.frac_time_below_1, 2)}% of steps "
+                       f"q90 {_f(r.rho_q90)}), {_pct(r.frac_time_below_1)} of steps "
                        f"below 1, {int(r.num_wakeups)} wake-up(s): {r.regime}")
     L += _wrap(f"eps {_f(c.eps)}, b1 {_f(c.b1)}, b2 {_f(c.b2)}, median lr {_f(c.lr)}, "
                f"lr/eps {_f(c.lr_over_eps)}")
     return L
 
 
-def _span(ra) -> tuple[int, int, int]:
+def _pct(frac: float) -> str:
+    """A fraction as a percentage that reads as one (100%, 37.5%, 0.12%; never 1e+02%)."""
+    v = 100.0 * float(frac)
+    if not math.isfinite(v):
+        return "-"
+    return f"{v:.0f}%" if v >= 99.5 or v == 0 else f"{v:.3g}%" if v >= 1 else f"{v:.2g}%"
+
+
+def _span(ra) -> tuple[int, int, int, int]:
+    """(first iteration, last, optimizer steps covered, log interval): a line stands for
+    `log interval` optimizer steps, so the span is last - first + interval."""
     st = ra.run.steps
     imp = ra.meta.get("import") or {}
     interval = int(imp.get("log_interval") or 1)
     first, last = int(st["step"].min()), int(st["step"].max())
-    return first, last, last - first + interval
+    return first, last, last - first + interval, interval
+
+
+def min_rate_lines(ra) -> int:
+    """Judged lines a rate needs: the spike rule's window (what it takes to learn the band;
+    fewer and a count of 0 or 1 says nothing about a rate per 1000 steps)."""
+    return int(ra.spike_params.window)
+
+
+def rate_text(ra) -> tuple[float | None, str]:
+    """(spikes per 1000 optimizer steps or None, the sentence): the log interval applied;
+    "too few steps" below min_rate_lines judged lines."""
+    first, last, span, interval = _span(ra)
+    k = len(ra.spikes)
+    judged = int((ra.coverage.get("loss") or {}).get("num_judged", ra.num_steps))
+    unit = (f"{ra.num_steps} logged line(s) x log interval {interval} = {span} optimizer steps"
+            if interval > 1 else f"{span} optimizer steps, one line each")
+    if judged < min_rate_lines(ra):
+        return None, (f"{k} loss spike(s) in iterations {first}-{last} ({unit}): too few steps "
+                      f"for a rate ({judged} judged line(s); a rate needs >= "
+                      f"{min_rate_lines(ra)}, the spike rule's window)")
+    rate = 1000.0 * k / span
+    return rate, (f"{k} loss spike(s) in iterations {first}-{last} ({unit}): {_f(rate)} per "
+                  "1000 optimizer steps")
 
 
 def spike_lines(ra) -> list[str]:
     sp = ra.spikes
-    first, last, span = _span(ra)
-    L = _wrap(f"{len(sp)} loss spike(s) in iterations {first}-{last} ({span} iterations): "
-              f"{_f(1000 * len(sp) / span)} per 1000 iterations; {len(ra.grad_spikes)} "
-              "grad-norm spike(s)")
-    verdicts = {int(r.start): r.verdict for r in ra.numerics.per_spike.itertuples()} \
-        if ra.numerics is not None else {}
-    leads = {int(r.start): r for r in ra.grad_lead.itertuples()} \
-        if ra.grad_lead is not None else {}
+    _, text = rate_text(ra)
+    L = _wrap(text + f"; {len(ra.grad_spikes)} grad-norm spike(s)")
+    dg = {int(r.start): r for r in ra.diagnosis.itertuples()} \
+        if ra.diagnosis is not None else {}
     for r in sp.head(8).itertuples():
-        lead = leads.get(int(r.start))
-        gl = ("" if lead is None or "grad_norm" not in ra.coverage else
-              "; grad norm led by " + _f(lead.lead) + " iteration(s)" if lead.lead > 0 else
-              "; grad norm rose at the same line" if lead.lead == 0 else
-              "; no grad-norm spike before it")
+        d = dg.get(int(r.start))
         L += _wrap(f"- iteration {r.start}: loss {_f(r.peak, 4)} vs {_f(r.baseline, 4)} "
-                   f"(+{_f(100 * r.height, 3)}%), "
-                   + (f"recovered after {r.duration}" if r.recovered else
-                      f"not recovered ({r.duration} iteration(s) to the end)") + gl
-                   + (f"; {verdicts[int(r.start)]}" if int(r.start) in verdicts else ""))
+                   f"(+{_pct(r.height)}), "
+                   + (f"recovered after {r.duration} iteration(s)" if r.recovered else
+                      f"CENSORED: still above its band when the log ends ({r.duration} "
+                      "iteration(s) observed; the duration is at least that)"))
+        if d is not None:
+            L += _wrap(f"cause: {d.cause.upper()}: {d.evidence}", "      ")
+            if d.cause != "optimizer" and d.grad_note not in d.evidence:
+                L += _wrap(f"grad norm: {d.grad_note}", "      ")
     if len(sp) > 8:
         L += _wrap(f"... {len(sp) - 8} more (the full table: --out DIR)")
     for col, cov in ra.coverage.items():
@@ -150,6 +180,13 @@ def spike_lines(ra) -> list[str]:
             L += _wrap(f"{col}: {cov['num_judged']} of {cov['num_rows']} lines judged; not "
                        "judged: " + "; ".join(f"{x['count']} {x['reason']}"
                                              for x in cov["reasons"]))
+    val = ra.run.events[ra.run.events["type"] == "validation"] \
+        if ra.run is not None and not ra.run.events.empty and "type" in ra.run.events else None
+    if val is not None and len(val):
+        L += _wrap(f"validation: {len(val)} value(s) read as validation, not training "
+                   "iterations" + ("; last: " + ", ".join(
+                       f"{v.get('name')} {_f(v.get('value'), 4)} at iteration {v.get('step')}"
+                       for v in val.tail(1).to_dict("records")) if "value" in val else ""))
     return L
 
 
@@ -160,7 +197,9 @@ def numerics_lines(ra) -> list[str]:
     L = _wrap("signals: " + (", ".join(h.signals) if h.signals else
                              "none (no loss scale, overflow lines, skip counters)"))
     ls = h.loss_scale
-    if ls:
+    if ls.get("constant_one"):
+        L += _wrap(CONSTANT_ONE)
+    elif ls:
         L += _wrap(f"loss scale {_f(ls['first'], 8)} -> {_f(ls['last'], 8)} (min "
                    f"{_f(ls['min'], 8)} at iteration {ls['min_step']}): {ls['cuts']} cut(s), "
                    f"{ls['raises']} raise(s)")
@@ -255,25 +294,43 @@ def _from_predictions(ra, pred, path) -> tuple[list[str], list[str]]:
                f"{s.get('horizon_steps', '?')} steps) {_f(s.get('p_spike'))}"
                + ("; EXTRAPOLATED: " + "; ".join(s.get("extrapolation_reasons") or [])
                   if s.get("extrapolated") else ""))
-    L += _wrap(f"observed {_f(row['observed_rate_per_1k'])} per 1000 logged steps "
-               f"({row['num_spikes']} in {row['num_steps']}"
-               + (", logged lines counted as steps as `analyze --predictions` scores"
-                  if int((ra.meta.get("import") or {}).get("log_interval") or 1) > 1 else "")
-               + f"): {row['verdict']} the interval; the count is "
-               + ("consistent" if row.get("count_consistent") else "NOT consistent")
-               + f" with it (Poisson p_above {_f(row.get('p_above'))}, p_below "
-               f"{_f(row.get('p_below'))})")
+    if row.get("too_few_steps"):
+        L += _wrap(f"observed: too few steps to compare ({row['num_spikes']} spike(s) in "
+                   f"{row['num_judged']} judged line(s) = about {row['num_steps']} optimizer "
+                   f"steps at log interval {row['log_interval']}; the rule's window is "
+                   f"{min_rate_lines(ra)} lines): no observed rate, no p-value")
+    else:
+        L += _wrap(f"observed {_f(row['observed_rate_per_1k'])} per 1000 optimizer steps "
+                   f"({row['num_spikes']} in {row['num_steps']} optimizer steps"
+                   + (f" = {row['num_lines']} lines x log interval {row['log_interval']}"
+                      if row["log_interval"] > 1 else "")
+                   + f"): {row['verdict']} the interval; the count is "
+                   + ("consistent" if row.get("count_consistent") else "NOT consistent")
+                   + f" with it (Poisson p_above {_f(row.get('p_above'))}, p_below "
+                   f"{_f(row.get('p_below'))})")
     if prof and ra.regime_card is not None and ra.regime_card.kind == "log":
         L += _wrap(f"the predictions are for the {prof} profile; this run's own model size "
                    "and grad norms do not enter them")
     names = list((pred.rate_model or {}).get("features") or [])
+    run_lr = s["overrides"].get("optim.lr", vals.get("optim.lr"))   # the matched setting's
+    # lowering spikes by raising the learning rate is not advice anyone should act on: the
+    # model's lr term is fitted inside its lr range, and a larger lr is the classic cause
+    raises_lr = [x for x in pred.settings if run_lr is not None and
+                 float(x["overrides"].get("optim.lr", run_lr)) > float(run_lr) * (1 + 1e-9)]
     lower = [x for x in pred.settings if float(x["rate_per_1k"]) < float(s["rate_per_1k"])
-             and x["id"] != s["id"]]
+             and x["id"] != s["id"] and x not in raises_lr]
     same = [x for x in pred.settings if x["id"] != s["id"] and _same_model_features(x, s, names)]
+    blind = sorted({k for x in same for k, v in x["overrides"].items()
+                    if not (isinstance(v, (int, float)) and math.isclose(
+                        float(v), float(s["overrides"].get(k, math.nan)), rel_tol=1e-9))})
+    if blind:
+        L += _wrap("not in the model: " + ", ".join(blind) + " (a setting that differs only "
+                   "there gets the same number: the model cannot see it, which is not a "
+                   "measurement of no effect)")
     A: list[str] = []
-    if same:
-        A += _wrap(f"{len(same)} setting(s) the model cannot tell apart from this one (same "
-                   "model features): " + "; ".join(_diff(x, s, vals) for x in same[:4]))
+    if raises_lr:
+        A += _wrap(f"left out: {len(raises_lr)} setting(s) that raise the learning rate above "
+                   f"this setting's {_f(run_lr)}")
     if not lower:
         A += _wrap("none of the file's settings has a lower predicted rate")
         return L, A
@@ -298,10 +355,6 @@ def _from_predictions(ra, pred, path) -> tuple[list[str], list[str]]:
         ev = _coef_evidence(pred, s, x, names)
         if ev:
             A += _wrap("evidence: " + ev, "      ")
-        if len(g) > 1:
-            A += _wrap("the model predicts the same with: "
-                       + "; ".join(_diff(y, x, {}) for y in g[1:4])
-                       + (" ..." if len(g) > 4 else "") + " (not a model feature)", "      ")
     if len(groups) > 5:
         A += _wrap(f"... {len(groups) - 5} more group(s) in {path}")
     return L, A
@@ -467,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
+    check_log_flags(args)
     path = Path(args.path)
     if not path.exists():
         raise RunFormatError(f"{path}: no such run directory or log")

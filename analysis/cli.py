@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", metavar="PRESET",
                     help="the log's model as an adamspike.llama preset (N for rho_bar)")
     add_spike_flags(ap)
+    ap.add_argument("--no-figures", action="store_true",
+                    help="accepted for scripts: the report's figures are not drawn here "
+                         "(`adamspike figures` draws them)")
     ap.add_argument("--precursor-window", type=int, default=50)
     ap.add_argument("--baseline", type=int, default=200, help="precursor baseline steps")
     ap.add_argument("--horizon", type=int, help="alarm horizon (default: per rule)")
@@ -119,15 +122,32 @@ def _fail(msg: str) -> int:
     return 2
 
 
+# a log's run settings given as flags (analyze, assess, watch): the ranges of the config
+# fields they stand for (adamspike.train_config.OptimSection / TrainSection), finite; eps and
+# the clip > 0 where rho_bar = min(gn, clip) / (sqrt(N) eps) divides by them
+LOG_FLAG_LIMITS = {
+    "seq_len": (Optional[int], dict(lo=1)),
+    "clip": (Optional[float], dict(lo=0.0, lo_open=True)),
+    "b1": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)),
+    "b2": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)),
+    "eps": (Optional[float], dict(lo=0.0, lo_open=True)),
+    "lr": (Optional[float], dict(lo=0.0, lo_open=True)),
+    "num_params": (Optional[int], dict(lo=1)),
+}
 # option -> (type, limits): the shared validation path (adamspike.config.check_value)
 LIMITS = {
     "precursor_window": (int, dict(lo=1)),
     "baseline": (int, dict(lo=1)), "jobs": (int, dict(lo=1)), "horizon": (Optional[int], dict(lo=1)),
-    "min_lead": (int, dict(lo=0)), "seq_len": (Optional[int], dict(lo=1)),
-    "clip": (Optional[float], dict(lo=0.0)), "b1": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)),
-    "b2": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)), "eps": (Optional[float], dict(lo=0.0)),
-    "lr": (Optional[float], dict(lo=0.0, lo_open=True)),
+    "min_lead": (int, dict(lo=0)), **LOG_FLAG_LIMITS,
 }
+
+
+def check_log_flags(args: argparse.Namespace) -> None:
+    """The log-setting flags the namespace has (LOG_FLAG_LIMITS), checked like config fields
+    (type, finiteness, range); ConfigError naming the flag (`--b2: must be < 1.0, got 1.5`)."""
+    for name, (tp, limits) in LOG_FLAG_LIMITS.items():
+        if hasattr(args, name):
+            check_value("--" + name.replace("_", "-"), getattr(args, name), tp, **limits)
 
 
 def _check_args(args: argparse.Namespace) -> SpikeParams:

@@ -29,6 +29,7 @@ from adamspike.tables import fmt as _f, md_table
 from adamspike.spikes import (SpikeParams, anomaly_flags, detect_spikes, loss_spikes,
                               valued_rows)
 from analysis.alarms import fire_steps, online_alarms, score_alarms
+from analysis.diagnosis import LEAD_LINES, diagnose
 from analysis.numerics import health_markdown, numerics_health
 from analysis.fits import (check_rms_t, failing_assumption, fit_update_rms, fit_update_rms_heterogeneous,
                            optim_params, spike_regimes)
@@ -69,6 +70,7 @@ class RunAnalysis:
     numerics: Any = None             # analysis.numerics.NumericsHealth
     coverage: dict = field(default_factory=dict)    # series -> judged_steps(...)
     grad_lead: pd.DataFrame | None = None           # grad_norm_leads(...)
+    diagnosis: pd.DataFrame | None = None           # analysis.diagnosis.diagnose(...)
     notes: dict[str, str] = field(default_factory=dict)
     run: Any = field(default=None, repr=False)
 
@@ -120,6 +122,7 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     if "grad_norm" in st:
         ra.coverage["grad_norm"] = judged_steps(st, "grad_norm", grad_rule)
     ra.grad_lead = grad_norm_leads(spikes, grad_spikes, log_interval)
+    ra.diagnosis = diagnose(ra)
     op = optim_params(run.config)
     no_layers = "no per-layer telemetry in this run (layers table is empty)"
     if lay.empty:
@@ -158,7 +161,6 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     return ra
 
 
-LEAD_LINES = 10   # logged lines before a loss spike in which a grad-norm spike leads it
 
 
 def grad_norm_rule(loss_rule: SpikeParams) -> SpikeParams:
@@ -367,13 +369,10 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
               f"{len(ra.grad_spikes)}" + (", starting at step " + ", ".join(
                   map(str, ra.grad_spikes["start"].head(10))) if len(ra.grad_spikes) else "")
           + "."]
-    gl = ra.grad_lead
-    if gl is not None and len(gl) and "grad_norm" in ra.coverage:
-        L += [""] + [f"- loss spike at step {r.start}: " + (
-            f"the grad norm left its band at step {int(r.grad_start)}, {int(r.lead)} step(s) "
-            "before" if r.lead > 0 else "the grad norm left its band at the same step"
-            if r.lead == 0 else f"no grad-norm spike in the {LEAD_LINES} logged lines before")
-            + "." for r in gl.itertuples()]
+    dg = ra.diagnosis
+    if dg is not None and len(dg):
+        L += ["", "Per spike, the cause the evidence points to (analysis.diagnosis):", ""]
+        L += [f"- loss spike at step {r.start}: **{r.cause}**: {r.evidence}." for r in dg.itertuples()]
     if ra.coverage:
         L += ["", "Steps the rule judged:", ""] + _coverage_lines(ra)
     if ra.scores:

@@ -8,8 +8,10 @@ Per analysed run (telemetry run directory or an imported Megatron log):
              peak) matched against every setting's overrides (relative tolerance 1e-6 on
              the keys the run states). Without an exact match the nearest setting by the sum
              of squared log10 ratios (b2 as 1 - b2) is used, and the row says so.
-  observed   spikes per 1000 steps = 1000 k / n, k = the report's loss-spike count
-             (analysis.report.loss_spikes), n = steps with a loss.
+  observed   spikes per 1000 optimizer steps = 1000 k / n, k = the report's loss-spike
+             count (analysis.report.loss_spikes), n = lines with a loss x the log interval
+             (a log line stands for that many optimizer steps). Fewer judged lines than the
+             spike rule's window: "too few steps", no rate, no p-values.
   verdict    inside / above / below the setting's rate_ci. As a count check, with
              mu = rate n / 1000: p_above = P(K >= k | mu_hi) and p_below = P(K <= k | mu_lo)
              (Poisson), small when the count is out of reach of the interval (a short run
@@ -116,15 +118,29 @@ def score_rate(ra, pred: Predictions) -> dict:
     vals, notes = run_setting(ra)
     s, how = match_setting(pred.settings, vals)
     st = ra.run.steps if ra.run is not None else pd.DataFrame()
-    n = int(np.isfinite(st["loss"].to_numpy(float)).sum()) if "loss" in st else ra.num_steps
+    lines = int(np.isfinite(st["loss"].to_numpy(float)).sum()) if "loss" in st else ra.num_steps
+    # a log line stands for `log_interval` optimizer steps: rates are per optimizer step
+    interval = max(int((ra.meta.get("import") or {}).get("log_interval") or 1), 1)
+    n = lines * interval
     k = int(len(ra.spikes))
-    rate = 1000.0 * k / n if n else math.nan
+    judged = int((getattr(ra, "coverage", {}).get("loss") or {}).get("num_judged", lines))
+    need = int(getattr(ra.spike_params, "window", 0) or 0)
+    too_few = judged < need
+    rate = 1000.0 * k / n if n and not too_few else math.nan
     row = {"run": ra.name, "backend": ra.meta.get("backend", ""), "num_steps": n,
+           "num_lines": lines, "log_interval": interval, "num_judged": judged,
            "num_spikes": k, "observed_rate_per_1k": rate, "match": how,
-           "run_values": vals, "value_notes": notes}
+           "run_values": vals, "value_notes": notes, "too_few_steps": too_few}
     if s is None or "rate_ci" not in s:
         row.update(setting=None, verdict="not scored: " + (how if s is None else
                                                           "the setting has no rate_ci"))
+        return row
+    if too_few:
+        row.update(setting=s["id"], predicted_rate_per_1k=float(s["rate_per_1k"]),
+                   rate_lo=float(s["rate_ci"][0]), rate_hi=float(s["rate_ci"][1]),
+                   verdict=f"too few steps ({judged} judged line(s), the rule's window is "
+                           f"{need}): not scored", extrapolated=bool(s.get("extrapolated", False)),
+                   p_above=math.nan, p_below=math.nan, count_consistent=None)
         return row
     lo, hi = (float(x) for x in s["rate_ci"])
     verdict = "inside" if lo <= rate <= hi else "above" if rate > hi else "below"

@@ -67,6 +67,7 @@ import pyarrow.parquet as pq
 
 from adamspike.rundir import RunFormatError, flushed_step, read_meta, read_plain_part
 from adamspike.spikes import SpikeParams, add_spike_flags
+from analysis.cli import check_log_flags
 from analysis.numerics import numerics_events
 from analysis.regime import log_arguments, num_params_from_args, rho_bar
 from analysis.report import grad_norm_rule
@@ -632,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args) -> int:
     params = SpikeParams.from_flags(args)
+    check_log_flags(args)        # analysis.cli: --eps, --clip, --num-params like config fields
     if not args.poll > 0:
         raise ConfigError(f"--poll: must be > 0, got {args.poll}")
     n = int(args.num_params) if args.num_params else None

@@ -19,7 +19,7 @@ def test_mistyped_command_suggests_the_close_one(capsys):
     """`adamspike asses x.log` (issue 39, item 5): the command it is close to."""
     assert main(["asses", "x.log"]) == 2
     assert "did you mean `adamspike assess`?" in capsys.readouterr().err
-    assert main(["frobnicate"]) == 2
+    assert main(["qqqqqqqq"]) == 2
     assert "did you mean" not in capsys.readouterr().err
 
 
