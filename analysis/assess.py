@@ -58,7 +58,7 @@ from analysis.cli import check_log_flags, count_arg
 from analysis.megatron_log import import_megatron_log
 from analysis.numerics import CONSTANT_ONE
 from analysis.report import AnalysisError, analyze_run, not_measured_note, write_run_report
-from analysis.scoring import run_setting, score_rate
+from analysis.scoring import SOURCE_KEYS, run_setting, score_rate, setting_sources
 from analysis.spike_rate import run_row
 
 WIDTH = 92
@@ -469,15 +469,49 @@ def _shipped(ra) -> tuple:
         return None, None, None, None, f"no shipped fit ({e})"
 
 
+FLAG_OF = {"optim.lr": "--lr", "optim.b1": "--b1", "optim.b2": "--b2", "optim.eps": "--eps",
+           "optim.grad_clip": "--clip", "train.global_batch_size": None,
+           "train.seq_len": "--seq-len"}
+
+
+def settings_lines(ra, pred=None) -> list[str]:
+    """Each run setting with its value and source (analysis.scoring.setting_sources); a
+    setting nothing states says so, and what the prediction assumes for it (the matched
+    setting's value) or that nothing uses it; the parameter count N with its source."""
+    got = setting_sources(ra)
+    assumed: dict = {}
+    if pred is not None:
+        row = score_rate(ra, pred)
+        if row.get("setting") is not None:
+            assumed = dict(pred.setting(row["setting"])["overrides"])
+    L = []
+    for key in SOURCE_KEYS:
+        if key in got:
+            v, src = got[key]
+            L += _wrap(f"{key} {_f(v, 6)}: {src}")
+        else:
+            flag = FLAG_OF.get(key)
+            how = (f"the prediction assumes {_f(assumed[key], 6)} (its matched setting's)"
+                   if key in assumed else "nothing below uses a value for it")
+            L += _wrap(f"{key}: NOT STATED (no flag, not in the log"
+                       + (f"; give {flag}" if flag else "") + f"): {how}")
+    c = ra.regime_card
+    info = (c.log or {}) if c is not None and c.kind == "log" else {}
+    if c is not None and c.kind == "log":
+        n = info.get("num_params")
+        L += _wrap(f"N (parameters) {n:,}: {info.get('num_params_source')}" if n else
+                   "N (parameters): NOT STATED (no --num-params / --model, no count or model "
+                   "arguments in the log): no rho_bar")
+    return L
+
+
 def render(ra, path: Path, pred, pred_path, model, model_path, out, shipped_note: str = "") -> str:
-    cfg = ra.run.config or {}
-    o = cfg.get("optim") or {}
-    stated = ", ".join(f"{k} {_f(o[k])}" for k in ("lr", "b1", "b2", "eps", "grad_clip")
-                       if o.get(k) is not None) or "none (pass --eps, --b2, --clip ...)"
     rate_l, lower_l = prediction_lines(ra, pred, pred_path, model, model_path)
+    imp = ra.meta.get("import") or {}
     L = [f"ASSESSMENT of {path}", "=" * min(WIDTH, 14 + len(str(path))),
-         *_wrap(f"{ra.num_steps} logged iterations ({ra.meta.get('backend')}); optimizer "
-                f"settings stated: {stated}", ""),
+         *_wrap(f"{ra.num_steps} logged iterations ({ra.meta.get('backend')}"
+                + (f", log interval {imp.get('log_interval')}" if imp else "") + ")", ""),
+         "", "SETTINGS (each with its source)", *settings_lines(ra, pred),
          "", "REGIME", *regime_lines(ra),
          "", "SPIKES SO FAR", *spike_lines(ra),
          "", "NUMERICS HEALTH", *numerics_lines(ra),

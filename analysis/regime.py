@@ -638,6 +638,10 @@ def card_for_run(run, *, num_params: int | None = None,
         src = ((run.config.get("source") or {}).get("megatron_log")
                if isinstance(run.config.get("source"), dict) else None)
         log_path = src if src and Path(src).is_file() else None
+        imp = run.meta.get("import") or {}
+        if num_params is None and imp.get("num_params_printed"):   # the count the log prints
+            num_params = int(imp["num_params_printed"])
+            num_params_source = imp.get("num_params_printed_source") or "the log"
         card = log_card(run.steps, run.config, num_params=num_params,
                         num_params_source=num_params_source, log_path=log_path)
         if curv is not None and len(curv):    # the Megatron probe's online proxy

@@ -345,7 +345,9 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
               f"{imp.get('num_duplicate_steps', 0)} repeated iterations (last kept). "
               f"Log interval {imp.get('log_interval')}"
               f"{' (rows are interval averages)' if (imp.get('log_interval') or 1) > 1 else ''};"
-              f" loss column `{imp.get('loss_key')}`; tokens from {imp.get('tokens_from')}."]
+              f" loss column `{imp.get('loss_key')}`; "
+              + (f"tokens from {imp['tokens_from']}." if imp.get("tokens_from") else
+                 "tokens not counted (the log has neither consumed tokens nor --seq-len).")]
         missing = not_measured_note(imp)
         if missing:
             L += ["", missing]
@@ -372,7 +374,9 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
     dg = ra.diagnosis
     if dg is not None and len(dg):
         L += ["", "Per spike, the cause the evidence points to (analysis.diagnosis):", ""]
-        L += [f"- loss spike at step {r.start}: **{r.cause}**: {r.evidence}." for r in dg.itertuples()]
+        L += [f"- loss spike at step {r.start}: **{r.cause}**: {r.evidence}"
+              + ("" if r.grad_note in r.evidence else f"; grad norm: {r.grad_note}") + "."
+              for r in dg.itertuples()]
     if ra.coverage:
         L += ["", "Steps the rule judged:", ""] + _coverage_lines(ra)
     if ra.scores:

@@ -78,6 +78,44 @@ def run_setting(ra) -> tuple[dict, list[str]]:
     return vals, notes
 
 
+SOURCE_KEYS = ("optim.lr", "optim.b1", "optim.b2", "optim.eps", "optim.grad_clip",
+               "train.global_batch_size", "train.seq_len")
+
+
+def setting_sources(ra) -> dict[str, tuple[float, str]]:
+    """{dotted key: (value, where it came from)} of what the run states: a flag or the
+    log's argument dump (the import's `setting_sources`: "flag --eps", "log line 57:
+    adam_eps"), the logged lines (lr: their largest value; the batch: the lines'
+    `global batch size`), or run.json's config (a run directory). A key that nothing
+    states is absent: the caller says what it assumes instead."""
+    cfg = ra.run.config if ra.run is not None else {}
+    imp = ra.meta.get("import") or {}
+    given = imp.get("setting_sources") or {}
+    st = ra.run.steps if ra.run is not None else pd.DataFrame()
+    out: dict[str, tuple[float, str]] = {}
+    for key in SOURCE_KEYS:
+        sec, name = key.split(".")
+        v = (cfg.get(sec) or {}).get(name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[key] = (float(v), given.get(key) or ("run.json config" if not imp else
+                                                     "run.json config of the import"))
+    if "optim.lr" not in out and "lr" in st and np.isfinite(st["lr"].to_numpy(float)).any():
+        lr = st["lr"].to_numpy(float)
+        i = int(np.nanargmax(lr))
+        ln = st["line"].iloc[i] if "line" in st else None
+        out["optim.lr"] = (float(lr[i]), "the largest logged learning rate (the schedule's "
+                           f"peak at most), iteration {int(st['step'].iloc[i])}"
+                           + (f", log line {int(ln)}" if ln is not None and ln == ln else ""))
+    if "train.global_batch_size" not in out and "global_batch_size" in st:
+        v = pd.to_numeric(st["global_batch_size"], errors="coerce").to_numpy(float)
+        if np.isfinite(v).any():
+            lo, hi = np.nanmin(v), np.nanmax(v)
+            out["train.global_batch_size"] = (float(np.nanmedian(v)), "the log's `global batch "
+                                              "size` field" + (f" (median; {lo:g} to {hi:g}: "
+                                                               "a ramp-up)" if lo != hi else ""))
+    return out
+
+
 def _dist(a: float, b: float, key: str) -> float:
     if key == "optim.b2" or key == "optim.b1":
         a, b = 1 - a, 1 - b
