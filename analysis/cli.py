@@ -123,11 +123,11 @@ def _fail(msg: str) -> int:
 
 
 # a log's run settings given as flags (analyze, assess, watch): the ranges of the config
-# fields they stand for (adamspike.train_config.OptimSection / TrainSection), finite; eps and
-# the clip > 0 where rho_bar = min(gn, clip) / (sqrt(N) eps) divides by them
+# fields they stand for (adamspike.train_config.OptimSection / TrainSection), finite; eps > 0
+# (rho_bar = min(gn, clip) / (sqrt(N) eps) divides by it; the config's eps may be 0)
 LOG_FLAG_LIMITS = {
     "seq_len": (Optional[int], dict(lo=1)),
-    "clip": (Optional[float], dict(lo=0.0, lo_open=True)),
+    "clip": (Optional[float], dict(lo=0.0)),          # optim.grad_clip: 0 = no clipping
     "b1": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)),
     "b2": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)),
     "eps": (Optional[float], dict(lo=0.0, lo_open=True)),

@@ -110,7 +110,7 @@ from adamspike.depth_groups import shallow_depths as group_shallow_depths
 from adamspike.llama import PRESETS, num_params, param_specs, preset
 from adamspike.megatron_log import MegatronLogError, read_megatron_log
 from adamspike.predictions import (AlarmRule, Predictions, PredictionsError, indistinguishable,
-                                   model_key, save_predictions)
+                                   model_key, model_label, not_in_model, save_predictions)
 from adamspike.rundir import RunFormatError, json_clean, load_run, read_json
 from adamspike.train_config import RunConfig
 from simulate import ladder as LD
@@ -215,16 +215,31 @@ def ladder_profile(ladder_dir: str | Path, batch_sharpness: str | Path | None = 
                              batch_sharpness=batch_sharpness)
     rows = LD.profile_by_depth(ext)
     by = {k: {r["depth"]: r[k] for r in rows} for k in ("rho", "rho_lo", "rho_hi")}
+    inputs = profile_inputs(
+        eps_ref=(s["eps_ref"], "the 70B run's (configs/llama2-70b.toml)"),
+        clip=(s["clip"], "the 70B run's (configs/llama2-70b.toml)"),
+        N=(int(num_params(preset("llama2-70b"))), "the llama2-70b preset"),
+        rho_bar=(float(ext.get("mean_rho", math.nan)), "extrapolated: the ladder's fit carried "
+                 "to dim 8192, 80 layers"))
     return _llama70b_profile(int(ext["num_layers"]), s["eps_ref"], s["clip"], by["rho"],
                              by["rho_lo"], by["rho_hi"],
                              ladder={"fit": LD.public(fit), "llama2_70b": dict(LD.public(ext))},
-                             source=_ladder_source(ladder_dir, fit, ext))
+                             inputs=inputs, source=_ladder_source(ladder_dir, fit, ext))
 
 
-def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
-                     eps_ref: float = 1e-5, num_params_log: int | None = None) -> dict:
+def profile_inputs(**kv: tuple[Any, str]) -> dict:
+    """{input: {"value", "source"}}: each input of a profile with where it came from
+    (measured / read from the log / given by flag / assumed / extrapolated)."""
+    return {k: {"value": v, "source": src} for k, (v, src) in kv.items()}
+
+
+def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float | None = None,
+                     eps_ref: float | None = None, num_params_log: int | None = None) -> dict:
     """LLaMA2-70B profile from a training log's grad norms, shaped by the ladder (module
     docstring)."""
+    clip_given, eps_ref_given = clip is not None, eps_ref is not None
+    clip = LLAMA2_70B_SETTINGS["clip"] if clip is None else clip
+    eps_ref = LLAMA2_70B_SETTINGS["eps_ref"] if eps_ref is None else eps_ref
     check_positive("--clip", clip)
     check_positive("--eps-ref", eps_ref)
     try:
@@ -262,8 +277,33 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
     rho = {d: rho_bar * shape[depth_group(d, L)] for d in depths}
     lo = {d: q10 * shape_lo[depth_group(d, L)] for d in depths}
     hi = {d: q90 * shape_hi[depth_group(d, L)] for d in depths}
+    # the ladder's extrapolation with its level replaced by the measurement: the same
+    # sharpness (so the same mechanism model as --profile llama2-70b), the measured mean rho
+    lad = dict(LD.public(ext))
+    ladder_rho = float(lad.get("mean_rho", math.nan))
+    lad["mean_rho"] = rho_bar
+    inputs = profile_inputs(eps_ref=(eps_ref, "given by flag --eps-ref" if eps_ref_given else
+                                     "assumed (--eps-ref not given)"),
+                            clip=(clip, "given by flag --clip" if clip_given else
+                                  "assumed (--clip not given)"),
+                            N=(N, "given by flag --num-params" if num_params_log else
+                               "assumed: the llama2-70b preset's (--num-params not given)"),
+                            rho_bar=(rho_bar, f"measured: median over the last {len(late)} "
+                                     f"logged grad norms of {log}"),
+                            ladder_mean_rho=(ladder_rho, "the ladder's extrapolation, replaced "
+                                             "by the measured rho_bar"))
+    s70 = LLAMA2_70B_SETTINGS
+    # --profile llama2-70b's inputs, for the line naming what differs (its rho_bar is the
+    # ladder's at this eps_ref and clip, so the levels compare where those agree)
+    shipped_inputs = profile_inputs(
+        eps_ref=(s70["eps_ref"], "the 70B run's"), clip=(s70["clip"], "the 70B run's"),
+        N=(int(num_params(preset("llama2-70b"))), "the llama2-70b preset"),
+        rho_bar=(ladder_rho, f"the ladder's extrapolation at eps {eps_ref:g}, clip {clip:g}"))
     return _llama70b_profile(
         L, eps_ref, clip, rho, lo, hi, rho_bar=rho_bar, rho_bar_q10_q90=[q10, q90],
+        ladder={"fit": LD.public(fit), "llama2_70b": lad}, inputs=inputs,
+        shipped_inputs=shipped_inputs,
+        num_params_log=N,
         source=(f"measured log {log}: rho_bar = median of min(grad_norm, {clip:g}) / "
                 f"(sqrt(N) eps) over its last {len(late)} logged iterations = "
                 f"{rho_bar:.3g} (10-90 %: {q10:.3g}-{q90:.3g}), N {N} ("
@@ -888,7 +928,8 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
     if profile.get("numel_source"):
         prof["numel_source"] = profile["numel_source"]
     for k in ("by_depth", "ladder", "rho_bar", "rho_bar_q10_q90", "seq_len", "clip",
-              "num_params"):
+              "num_params", "num_params_log", "inputs", "shipped_inputs", "lr", "b1", "b2",
+              "global_batch_size"):
         if k in profile and profile[k] is not None:
             prof[k] = profile[k]
     src = {"sweep": table_name or None, "sweep_runs": 0 if table is None else int(len(table)),
@@ -913,19 +954,61 @@ def _count(text: str) -> int:
 
 
 def settings_text(pred: Predictions) -> str:
-    """The settings' rates as text (`--setting` without --out: not pre-registered)."""
-    L = [f"profile {pred.profile['name']} ({pred.profile['source'][:160]}...)",
-         f"spike-rate model: {pred.rate_model.get('model_file') or pred.rate_model.get('fitted_on')}"]
+    """The settings' rates as text (`--setting` without --out: not pre-registered): the
+    model and its version, the profile's baseline setting, each input with its source,
+    the inputs that differ from the shipped llama2-70b profile, the keys not in the
+    model; per setting its rate, marked where it is the baseline, where a key was left to
+    the baseline, and where it differs from the baseline only in keys the model cannot see."""
+    prof = pred.profile
+    base = baseline(prof)
+    blind = not_in_model(pred.rate_model.get("features") or [])
+    L = [f"model: {model_label(pred.rate_model)}",
+         f"profile: {prof['name']} ({prof['source'][:160]}...)",
+         "baseline setting: " + ", ".join(f"{k} {base[k]:g}" for k in CANDIDATE_KEYS)
+         + (" (optim.b2 assumed: the profile states none)" if not prof.get("b2") else "")]
+    inputs = prof.get("inputs") or {}
+    if inputs:
+        L.append("inputs: " + "; ".join(f"{k} {_g(v['value'])} ({v['source']})"
+                                        for k, v in inputs.items() if k != "ladder_mean_rho"))
+    ref = prof.get("shipped_inputs") or {}
+    if ref:
+        diff = [f"{k} {_g(inputs[k]['value'])} here vs {_g(v['value'])} ({v['source']})"
+                for k, v in ref.items() if k in inputs and not _same(inputs[k]["value"], v["value"])]
+        diff.append("the rho interval (here the log's 10-90 % range of rho_bar x the ladder's "
+                    "shape interval, there the ladder's bootstrap interval)")
+        L.append("inputs that differ from --profile llama2-70b (the same model): "
+                 + "; ".join(diff))
+    if blind:
+        L.append(f"not in the model: {', '.join(blind)} (the model gives the same number at any "
+                 "value of them: not a measurement of no effect)")
     for s in pred.settings:
-        L.append(f"{s['id']}: {s['rate_per_1k']:.3g} spikes / 1k steps "
+        ov = s["overrides"]
+        moved = [k for k in CANDIDATE_KEYS if not _same(ov[k], base[k])]
+        tag = (" [baseline]" if not moved else
+               f" [differs from the baseline only in {', '.join(moved)}: not in the model, so "
+               "this is the baseline's number]" if set(moved) <= set(blind) else "")
+        L.append(f"{s['id']}{tag}: {s['rate_per_1k']:.3g} spikes / 1k steps "
                  f"[{s['rate_ci'][0]:.3g}, {s['rate_ci'][1]:.3g}], P(>= 1 in "
                  f"{s['horizon_steps']} steps) {s['p_spike']:.3g}"
+                 + ("; assumed (left to the baseline): " + ", ".join(
+                     f"{k} {v:g}" for k, v in s["assumed"].items()) if s.get("assumed") else "")
                  + ("; extrapolated: " + "; ".join(s.get("extrapolation_reasons") or [])
                     if s["extrapolated"] else "")
                  + (f"; the model predicts the same for {', '.join(s['same_prediction_as'])}"
                     if s.get("same_prediction_as") else ""))
     L.append("(not pre-registered: give --out FILE to write predictions.json)")
     return "\n".join(L)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-9)
+    except (TypeError, ValueError):
+        return a == b
+
+
+def _g(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -943,8 +1026,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="--profile llama2-70b: a batch-sharpness folder (adamspike simulate "
                          "batch-sharpness; default: batch_sharpness.json in the ladder folder): "
                          "the full-data sharpness reading")
-    ap.add_argument("--clip", type=float, default=1.0, help="--profile-from-log: grad clip")
-    ap.add_argument("--eps-ref", type=float, default=1e-5, help="--profile-from-log: the run's eps")
+    ap.add_argument("--clip", type=float, help="--profile-from-log: grad clip (default: the "
+                    "70B run's 1.0, said as assumed)")
+    ap.add_argument("--eps-ref", type=float, help="--profile-from-log: the run's eps (default: "
+                    "the 70B run's 1e-5, said as assumed)")
     ap.add_argument("--num-params", type=_count, metavar="N",
                     help="--profile-from-log: parameters of the logged model (176e9 accepted; "
                          "default: the llama2-70b preset's)")

@@ -253,7 +253,7 @@ def test_lower_settings_leave_out_lr_raises_and_format_percent(tmp_path):
     ("assess", ["--eps", "-1"], "--eps: must be > 0.0, got -1.0"),
     ("assess", ["--eps", "nan"], "--eps"),
     ("watch", ["--once", "--eps", "-1"], "--eps: must be > 0.0"),
-    ("watch", ["--once", "--clip", "-1"], "--clip: must be > 0.0"),
+    ("watch", ["--once", "--clip", "-1"], "--clip: must be >= 0.0"),
     ("analyze", ["--clip", "inf", "--out", "OUT"], "--clip"),
 ])
 def test_impossible_inputs_are_refused(tmp_path, capsys, cmd, flags, needle):

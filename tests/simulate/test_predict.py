@@ -451,3 +451,47 @@ def test_truncated_manifest_is_one_line_not_a_traceback(tmp_path, capsys):
         mp.undo()
     err = capsys.readouterr().err
     assert "unreadable package-data manifest" in err and "Traceback" not in err
+
+
+def test_one_predictor_from_the_shipped_profile_and_from_a_log(tmp_path, capsys):
+    """Issue 39 item 1: `predict --profile llama2-70b` and `predict --profile-from-log LOG`
+    on the same setting name the same model (the mechanism model, whatever the profile
+    source) and give the same number where the inputs agree (a clipped 70B log sits at the
+    ladder's clipped level), with a line naming the inputs that differ; every input says
+    where it came from (flag / assumed / measured / extrapolated); b2 and the batch are
+    "not in the model" instead of a number that reads as measured."""
+    log = tmp_path / "m.log"
+    log.write_text("".join(
+        f" iteration {i:8d}/   10000 | consumed samples: {i * 1024:12d} | elapsed time per "
+        f"iteration (ms): 1000.0 | learning rate: 1.500E-04 | global batch size:  1024 | "
+        f"lm loss: 2.300000E+00 | loss scale: 1.0 | grad norm: 5.000 | number of skipped "
+        f"iterations:   0 | number of nan iterations:   0 |\n" for i in range(1, 41)))
+    assert P.main(["--profile", "llama2-70b", "--setting", "eps=1e-5,b2=0.95",
+                   "--setting", "eps=1e-5,b2=0.99"]) == 0
+    shipped = capsys.readouterr().out.splitlines()
+    assert P.main(["--profile-from-log", str(log), "--setting", "eps=1e-5,b2=0.95"]) == 0
+    fromlog = capsys.readouterr().out.splitlines()
+    model = [x for x in shipped if x.startswith("model: ")]
+    assert model and model == [x for x in fromlog if x.startswith("model: ")]
+    assert model[0].startswith("model: mechanism model (log10_stability")
+    rate = [x.split(": ", 1)[1].split(" spikes")[0] for x in shipped + fromlog
+            if x.startswith("eps1e-05-b2_0.95-")]
+    assert len(rate) == 2 and rate[0] == rate[1], rate
+    text = "\n".join(fromlog)
+    assert "eps_ref 1e-05 (assumed (--eps-ref not given))" in text
+    assert "N 68,976,648,192 (assumed: the llama2-70b preset's" in text
+    assert "rho_bar 0.3808 (measured: median over the last 20 logged grad norms" in text
+    assert "inputs that differ from --profile llama2-70b (the same model): the rho interval" in text
+    sh = "\n".join(shipped)
+    assert "rho_bar 0.3808 (extrapolated: the ladder's fit" in sh
+    assert "not in the model: optim.b2, optim.b1, train.global_batch_size" in sh
+    assert "eps1e-05-b2_0.95-lr0.00015-b1_0.9-bs1024 [baseline]" in sh
+    assert ("eps1e-05-b2_0.99-lr0.00015-b1_0.9-bs1024 [differs from the baseline only in "
+            "optim.b2: not in the model") in sh
+    # another log model: the same model still, and the line names N, eps_ref, rho_bar
+    assert P.main(["--profile-from-log", str(log), "--num-params", "176e9", "--eps-ref",
+                   "1e-8", "--setting", "eps=1e-5"]) == 0
+    other = capsys.readouterr().out
+    assert model[0] in other
+    assert "eps_ref 1e-08 here vs 1e-05 (the 70B run's)" in other
+    assert "N 176,000,000,000 here vs 68,976,648,192 (the llama2-70b preset)" in other
