@@ -287,7 +287,7 @@ def model_label(rate_model: Mapping[str, Any]) -> str:
     sha = rate_model.get("model_sha256")
     return (f"{kind} ({', '.join(feats)}; spike-rate model schema v{rate_model.get('version', 1)})"
             f", {src}" + (f" sha256 {sha[:12]}" if sha else "")
-            + (f", {rate_model['shipped']}" if rate_model.get("shipped") else ""))
+            + (f", {rate_model['shipped'].split(' (')[0]}" if rate_model.get("shipped") else ""))
 
 
 def content_hash(data: Mapping[str, Any]) -> str:

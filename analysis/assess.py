@@ -51,7 +51,7 @@ from adamspike.config import ConfigError, cli_main
 from adamspike.llama import PRESETS
 from adamspike.llama import num_params as llama_num_params
 from adamspike.megatron_log import MegatronLogError
-from adamspike.predictions import PredictionsError, load_predictions, model_key
+from adamspike.predictions import PredictionsError, load_predictions, model_key, model_label
 from adamspike.rundir import RunFormatError
 from adamspike.spikes import SpikeParams, add_spike_flags
 from analysis.cli import check_log_flags, count_arg
@@ -282,6 +282,7 @@ def _from_predictions(ra, pred, path) -> tuple[list[str], list[str]]:
     prof = (pred.profile or {}).get("name", "?")
     L = _wrap(f"from {path} (profile {prof}, created {pred.created or '?'}, content hash "
               f"{(pred.integrity or {}).get('status', 'missing')})")
+    L += _wrap(f"model: {model_label(pred.rate_model or {})}")
     if row.get("setting") is None:
         L += _wrap(row["verdict"])
         return L, _wrap("no setting matched, so no comparison")
@@ -357,6 +358,18 @@ def _from_predictions(ra, pred, path) -> tuple[list[str], list[str]]:
             A += _wrap("evidence: " + ev, "      ")
     if len(groups) > 5:
         A += _wrap(f"... {len(groups) - 5} more group(s) in {path}")
+    best = min((g[0] for g in groups), key=lambda x: (not float(x["rate_ci"][1]) < lo_cur,
+                                                      float(x["rate_per_1k"])))
+    ev = _coef_evidence(pred, s, best, names)
+    ra.notes["bottom_line"] = (
+        f"change {_diff(best, s, vals)}: expected {_f(best['rate_per_1k'])} spikes per 1000 "
+        f"steps [{_f(best['rate_ci'][0])}, {_f(best['rate_ci'][1])}] instead of "
+        f"{_f(s['rate_per_1k'])} [{_f(s['rate_ci'][0])}, {_f(s['rate_ci'][1])}] ("
+        + ("the intervals do not overlap" if float(best["rate_ci"][1]) < lo_cur else
+           "the intervals overlap: the model cannot promise a lower rate")
+        + ("; an extrapolation" if best.get("extrapolated") else "")
+        + f"); it rests on the {model_label(pred.rate_model or {}).split(' (')[0]}"
+        + (f": {ev}" if ev else ""))
     return L, A
 
 
@@ -369,7 +382,9 @@ KNOBS = (("eps x10", 10.0, 1.0, 1.0), ("eps / 10", 0.1, 1.0, 1.0),
 
 
 def _from_model(ra, model, path) -> tuple[list[str], list[str]]:
-    L = _wrap(f"from the spike-rate model {path} (features {', '.join(model.features)})")
+    L = _wrap(f"from the spike-rate model {path}")
+    L += _wrap("model: " + model_label({"features": list(model.features),
+                                        "model_file": str(path)}))
     if ra.regime_card is not None and ra.regime_card.kind == "log":
         need = [f for f in model.features if f in ("log10_rho_shallow", "log10_rho_deep")]
         if need:
@@ -505,6 +520,21 @@ def settings_lines(ra, pred=None) -> list[str]:
     return L
 
 
+def bottom_lines(ra) -> list[str]:
+    """What to change, the expected effect with its interval and the evidence behind it
+    (the lower-rate setting prediction_lines chose), and which of the run's spikes a
+    setting change can address at all (analysis.diagnosis: optimizer spikes only)."""
+    L = _wrap(ra.notes.get("bottom_line") or "no setting change the model supports (see above)")
+    dg = ra.diagnosis
+    if dg is not None and len(dg):
+        counts = dg["cause"].value_counts()
+        L += _wrap("this run's spikes: " + ", ".join(f"{int(n)} {c}" for c, n in counts.items())
+                   + "; a setting change addresses optimizer spikes only"
+                   + ("; fix the numerics / data / loading causes first"
+                      if set(counts.index) & {"numerics", "data or loading"} else ""))
+    return L
+
+
 def render(ra, path: Path, pred, pred_path, model, model_path, out, shipped_note: str = "") -> str:
     rate_l, lower_l = prediction_lines(ra, pred, pred_path, model, model_path)
     imp = ra.meta.get("import") or {}
@@ -519,7 +549,8 @@ def render(ra, path: Path, pred, pred_path, model, model_path, out, shipped_note
          *(_wrap(f"none given (--predictions, --rate-model): using {shipped_note}")
            if shipped_note and (pred is not None or model is not None) else
            _wrap(f"none given; {shipped_note}") if shipped_note else []), *rate_l,
-         "", "SETTINGS THAT WOULD LOWER IT", *lower_l]
+         "", "SETTINGS THAT WOULD LOWER IT", *lower_l,
+         "", "BOTTOM LINE", *bottom_lines(ra)]
     if out:
         L += ["", f"Full report: {Path(out) / 'report' / 'report.md'} (and report.html)"]
     return "\n".join(L) + "\n"

@@ -175,7 +175,8 @@ def test_jump_at_a_tiny_learning_rate_is_data_or_loading(tmp_path):
              for i, x in enumerate(_losses(60, spike_at={55}, factor=5.0))]
     body = _body(assess(_write(tmp_path, "lr.log", lines), shipped=False))
     assert "cause: DATA OR LOADING: learning rate 2.4e-09 at iteration 56 (log line 56)" in body
-    assert "optimizer spike" not in body
+    assert "consistent with an optimizer spike" not in body
+    assert "this run's spikes: 1 data or loading; a setting change addresses optimizer" in body
 
 
 def test_jump_right_after_a_resume_is_data_or_loading(tmp_path):
@@ -197,7 +198,7 @@ def test_optimizer_verdict_needs_a_measured_grad_norm_lead(tmp_path):
     without = [megatron_line(i + 1, x, None) for i, x in enumerate(loss)]
     body = _body(assess(_write(tmp_path, "nogn.log", without), shipped=False))
     assert "cause: UNKNOWN: the log has no measured grad norm" in body
-    assert "no grad-norm spike" not in body and "optimizer spike" not in body
+    assert "no grad-norm spike" not in body and "cause: OPTIMIZER" not in body
 
 
 def test_fp16_cut_next_to_the_spike_is_numerics(tmp_path):
