@@ -17,7 +17,8 @@ Each event is placed against the spikes (`spikes`: adamspike.spikes.detect_spike
 during one, NEAR_LINES logged lines before or after one, or away from all. A spike with a
 loss-scale cut, an overflow, a skip or a NaN iteration in [start - near, end + near] is
 reported as next to an fp16 overflow cascade (a numerics diagnosis: the loss scale, the
-fp16 range, a bad batch), one without as consistent with an optimizer spike.
+fp16 range, a bad batch), one without as not a numerics event by these signals (whether it
+is an optimizer spike is analysis.diagnosis's verdict, from the grad norm and the lr).
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def numerics_health(steps: pd.DataFrame, spikes: pd.DataFrame,
                        "as an Adam spike")
         elif {"loss scale", "DeepSpeed OVERFLOW lines", "skipped / nan counters"} & set(signals):
             verdict = (f"no loss-scale cut, overflow, skip or NaN iteration within {near} "
-                       "steps: consistent with an optimizer spike")
+                       "steps: not a numerics event by these signals (the cause: see the "
+                       "per-spike diagnosis)")
         else:
             verdict = ("the run prints no loss scale, overflow or skip counters (bf16, or not "
                        "logged): numerics cannot be told apart here")
