@@ -24,7 +24,8 @@ import numpy as np
 import pandas as pd
 
 from adamspike.report_html import markdown_to_html
-from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, load_run
+from adamspike.rundir import (RunFormatError, atomic_write_bytes, json_clean, load_run,
+                              normalize_config)
 from adamspike.tables import fmt as _f, md_table
 from adamspike.spikes import (SpikeParams, anomaly_flags, detect_spikes, loss_spikes,
                               valued_rows)
@@ -268,7 +269,7 @@ def _load(path: Path, tables):
 # ------------------------------------------------------------------ formatting
 
 def _config_line(meta: dict) -> str:
-    cfg = meta.get("config", {})
+    cfg = normalize_config(meta.get("config", {}))
     o = cfg.get("optim", {}) or {}
     m = cfg.get("model", {}) or {}
     parts = [f"backend `{meta.get('backend')}`"]
