@@ -5,7 +5,8 @@
                        [--num-params N | --model PRESET]]
 
 Writes DIR/<run>/report.md and report.html (the same page, self-contained: figures inline,
-readable offline; `adamspike figures RUN --analysis DIR` rewrites it with the run figures)
+readable offline from any --out; `adamspike analyze` draws the run figures into
+DIR/<run>/figures first, from the tables it wrote, unless --no-figures)
 (+ CSV tables, summary.json) per run and DIR/report.md / report.html over all runs.
 Every report has a numerics-health section (loss-scale changes, overflowed / skipped / NaN
 iterations, stale grad norms, placed against the spikes: analysis.numerics); values a log
@@ -49,7 +50,8 @@ from adamspike.rundir import RunFormatError, find_runs, run_names
 from adamspike.spikes import SpikeParams, add_spike_flags
 from analysis.controls import study_sections
 from analysis.megatron_log import MegatronLogError, import_megatron_log
-from analysis.report import AnalysisError, analyze_run, write_index, write_run_report
+from analysis.report import (AnalysisError, analyze_run, write_index, write_report_page,
+                             write_run_report)
 from analysis.scoring import score
 
 
@@ -75,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="the log's model as an adamspike.llama preset (N for rho_bar)")
     add_spike_flags(ap)
     ap.add_argument("--no-figures", action="store_true",
-                    help="accepted for scripts: the report's figures are not drawn here "
-                         "(`adamspike figures` draws them)")
+                    help="do not draw the run figures into the reports (they are drawn into "
+                         "OUT/<run>/figures and inline in report.html by default)")
     ap.add_argument("--precursor-window", type=int, default=50)
     ap.add_argument("--baseline", type=int, default=200, help="precursor baseline steps")
     ap.add_argument("--horizon", type=int, help="alarm horizon (default: per rule)")
@@ -181,8 +183,11 @@ def _free_default_out(base: str = "analysis_out") -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`adamspike analyze`."""
+def main(argv: list[str] | None = None, draw=None) -> int:
+    """`adamspike analyze`. draw(runs, names, out): draws the run figures into
+    OUT/<run>/figures from the tables just written (the top CLI passes figures' drawer:
+    analysis does not import figures); the reports are then rewritten with them inline.
+    --no-figures skips it."""
     args = _parser().parse_args(argv)
     try:
         params = _check_args(args)
@@ -256,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(res, str):
             return _fail(res)
         analyses.append(res)
+    if draw is not None and not args.no_figures:
+        failed = draw(runs, names, out)
+        for ra, name in zip(analyses, names):
+            write_report_page(ra, out / name)        # now linking OUT/<run>/figures
+        if failed:
+            print(f"adamspike analyze: {failed}", file=sys.stderr)
     index = write_index(analyses, out, names)
     if preds is not None:
         md = score(analyses, preds, json.loads(Path(args.predictions).read_text()),

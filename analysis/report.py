@@ -704,12 +704,19 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path) -> list[Path]:
     if ra.hetero_fit is not None:
         _write_csv(ra.hetero_fit.bands, out / "update_rms_fit_bands.csv", written)
         _write_csv(ra.hetero_fit.diagnostics, out / "update_rms_fit_diagnostics.csv", written)
-    md = render_markdown(ra, out)
-    atomic_write_bytes(out / "report.md", md.encode())
-    atomic_write_bytes(out / "report.html", markdown_to_html(md, out, f"Run {ra.name}").encode())
+    write_report_page(ra, out)
     atomic_write_bytes(out / "summary.json",
                        json.dumps(json_clean(summary_dict(ra)), indent=2, allow_nan=False).encode())
     return written + [out / "report.md", out / "report.html", out / "summary.json"]
+
+
+def write_report_page(ra: RunAnalysis, out_dir: str | Path) -> None:
+    """report.md and report.html (self-contained: the figures at FIGURE_DIRS inline) of a
+    run; rewritten after `adamspike analyze` has drawn the run's figures."""
+    out = Path(out_dir)
+    md = render_markdown(ra, out)
+    atomic_write_bytes(out / "report.md", md.encode())
+    atomic_write_bytes(out / "report.html", markdown_to_html(md, out, f"Run {ra.name}").encode())
 
 
 _LINK = re.compile(r"\]\((?![a-z]+:|/|#)([^)\s]+)\)")
