@@ -290,7 +290,7 @@ def _from_predictions(ra, pred, path) -> tuple[list[str], list[str]]:
     vals, notes = run_setting(ra)
     L += _wrap(f"this setting: {row['setting']} ({row['match']}"
                + (f"; {'; '.join(notes)}" if notes else "") + ")")
-    L += _wrap(f"predicted {_f(s['rate_per_1k'])} spikes per 1000 steps, 90% interval "
+    L += _wrap(f"predicted {_f(s['rate_per_1k'])} spikes per 1000 optimizer steps, 90% interval "
                f"[{_f(s['rate_ci'][0])}, {_f(s['rate_ci'][1])}]; P(>= 1 spike in "
                f"{s.get('horizon_steps', '?')} steps) {_f(s.get('p_spike'))}"
                + ("; EXTRAPOLATED: " + "; ".join(s.get("extrapolation_reasons") or [])
@@ -361,12 +361,14 @@ def _from_predictions(ra, pred, path) -> tuple[list[str], list[str]]:
     best = min((g[0] for g in groups), key=lambda x: (not float(x["rate_ci"][1]) < lo_cur,
                                                       float(x["rate_per_1k"])))
     ev = _coef_evidence(pred, s, best, names)
+    clear = float(best["rate_ci"][1]) < lo_cur
     ra.notes["bottom_line"] = (
-        f"change {_diff(best, s, vals)}: expected {_f(best['rate_per_1k'])} spikes per 1000 "
-        f"steps [{_f(best['rate_ci'][0])}, {_f(best['rate_ci'][1])}] instead of "
+        ("change " if clear else "no setting with a rate clearly below this one (every lower "
+         "interval overlaps it); the largest expected reduction: ")
+        + f"{_diff(best, s, vals)}: expected {_f(best['rate_per_1k'])} spikes per 1000 "
+        f"optimizer steps [{_f(best['rate_ci'][0])}, {_f(best['rate_ci'][1])}] instead of "
         f"{_f(s['rate_per_1k'])} [{_f(s['rate_ci'][0])}, {_f(s['rate_ci'][1])}] ("
-        + ("the intervals do not overlap" if float(best["rate_ci"][1]) < lo_cur else
-           "the intervals overlap: the model cannot promise a lower rate")
+        + ("the intervals do not overlap" if clear else "the intervals overlap")
         + ("; an extrapolation" if best.get("extrapolated") else "")
         + f"); it rests on the {model_label(pred.rate_model or {}).split(' (')[0]}"
         + (f": {ev}" if ev else ""))

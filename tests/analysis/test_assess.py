@@ -70,7 +70,7 @@ def test_assess_a_log_with_predictions(log, tmp_path):
     assert "rho_bar = min(gn, clip) / (sqrt(N) eps) at eps 1e-08" in body
     assert "loss scale cut x3" in body and "grad norm printed as 0.000 on 1 line" in body
     assert "this setting: e8 (exact match" in body
-    assert "predicted 0.3 spikes per 1000 steps, 90% interval [0.2, 0.4]" in body
+    assert "predicted 0.3 spikes per 1000 optimizer steps, 90% interval [0.2, 0.4]" in body
     assert "not in the model: train.global_batch_size (a setting that differs only" in body
     lower = " ".join(text.split("SETTINGS THAT WOULD LOWER IT")[1].split())
     assert lower.index("optim.eps=1e-05 (now 1e-08)") < lower.index("optim.eps=1e-06 (now 1e-08)")
