@@ -153,6 +153,10 @@ def test_megatron_args_and_printed_count_with_their_lines(tmp_path):
     log2 = _write(tmp_path, "meg2.log", lines)
     body2 = _body(assess(log2, shipped=False))
     assert "N (parameters) 6,740,000,000: log lines 8, 9: `number of parameters on" in body2
+    # one rank of a tensor-parallel pair printed: the sum is scaled, and says so
+    one = [ln for ln in lines if "rank (1, 0)" not in ln]
+    body4 = _body(assess(_write(tmp_path, "meg3.log", one), shipped=False))
+    assert "N (parameters) 6,740,000,000: extrapolated: 1 of 2 model-parallel ranks" in body4
     # a flag wins over the log, and says so
     body3 = _body(assess(log2, shipped=False, optim={"eps": 1e-8}))
     assert "optim.eps 1e-08: flag --eps" in body3
@@ -245,6 +249,10 @@ def test_lower_settings_leave_out_lr_raises_and_format_percent(tmp_path):
     import re
     assert not re.search(r"e[+-]\d+%", text) and "0% of steps below 1" in _body(text)
     assert "not in the model: train.global_batch_size" in _body(text)
+    bottom = _body(text.split("BOTTOM LINE")[1])
+    assert bottom.startswith("change optim.eps=1e-05 (now 1e-08): expected 0.1 spikes per "
+                             "1000 optimizer steps [0.05, 0.15] instead of 0.3 [0.2, 0.4] "
+                             "(the intervals do not overlap)")
 
 
 # ------------------------------------------------------------------ inputs (item 5)
