@@ -368,6 +368,10 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
                             "recovered", "nonfinite"],
                            ["start", "peak step", "peak", "baseline", "height %",
                             "duration (steps)", "recovered", "non-finite"])]
+        cens = sp[~sp["recovered"].astype(bool)]
+        if len(cens):
+            L += ["", f"Censored: the spike(s) at step {', '.join(map(str, cens['start']))} had "
+                      "not recovered when the run ends; their duration is a lower bound."]
     L += ["", f"Gradient-norm spikes (same rule on log grad norm, the second series): "
               f"{len(ra.grad_spikes)}" + (", starting at step " + ", ".join(
                   map(str, ra.grad_spikes["start"].head(10))) if len(ra.grad_spikes) else "")

@@ -246,8 +246,9 @@ def section(rates: list[dict], lift: pd.DataFrame, alarm_source: str, pred: Pred
          + ({"ok": f"verified ({integ.get('stored', '')[:16]}...)",
              "missing": "**absent: the file is not pre-registered**",
              "mismatch": "**does not match**"}[status]) + ".", "",
-         "Observed spike rate (the report's loss-spike rule) against the matched setting's "
-         "interval; p_above = P(K >= k | upper rate), p_below = P(K <= k | lower rate); the "
+         "Observed spike rate (the report's loss-spike rule) per 1000 optimizer steps (a log "
+         "line counts as its log interval of steps; no rate below the rule's window of judged "
+         "lines: 'too few steps') against the matched setting's interval; p_above = P(K >= k | upper rate), p_below = P(K <= k | lower rate); the "
          "count is consistent with the interval when both are >= 0.05 (a short run can be "
          "'below' without contradicting it).", ""]
     rows = [{"run": r["run"], "steps": r["num_steps"], "spikes": r["num_spikes"],
