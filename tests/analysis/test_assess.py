@@ -124,6 +124,13 @@ def test_assess_the_real_logs(name, tmp_path):
     assert "predicted " in body and "SETTINGS THAT WOULD LOWER IT" in body
     if name.startswith("02_"):
         assert "cause: NUMERICS: loss scale 65536 -> 8192" in " ".join(text.split())
+        assert "8 logged line(s) x log interval 10 = 80 optimizer steps" in body
+        assert "too few steps for a rate" in body and "p_above" not in body
+    # issue 39: units, sources and a cause per spike on every real log
+    assert "optimizer steps" in body and "optim.eps 1e-08: flag --eps" in body
+    assert body.count("cause: ") == (0 if want is None else body.count("- iteration "))
+    if name.startswith("01_"):
+        assert "cause: OPTIMIZER: grad norm left its band at iteration 31215" in body
 
 
 def _toy_model(path):
