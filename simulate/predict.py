@@ -313,6 +313,32 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float | None
                 f"depth shape from the " + _ladder_source(ladder_dir, fit, ext)))
 
 
+def with_70b_sharpness(profile: dict, ladder: str | None = None) -> None:
+    """A llama2-70b profile from a run or a JSON file (80 layers) gets the ladder's 70B
+    sharpness (--ladder, else the shipped ladder), with the ladder's level replaced by the
+    profile's own mean rho: the mechanism model then answers for it as for --profile
+    llama2-70b and --profile-from-log (one predictor whatever the profile source). Other
+    profiles, or one that has it already, are left as they are."""
+    if profile.get("name") != "llama2-70b" or \
+            ((profile.get("ladder") or {}).get("llama2_70b") or {}).get("sharpness"):
+        return
+    if int(profile.get("num_layers", -1)) != PRESETS["llama2-70b"].num_layers:
+        return
+    lad_dir = ladder or package_data.ladder_dir("llama2-70b")
+    clip = float(profile.get("clip") or LLAMA2_70B_SETTINGS["clip"])
+    fit, ext = LD.ladder_70b(lad_dir, eps=float(profile["eps_ref"]), clip=clip)
+    numel = profile_numel(profile)
+    rho = profile["rho_by_depth"]
+    mean = math.sqrt(sum(numel[d] * rho[d] ** 2 for d in rho) / sum(numel[d] for d in rho))
+    lad = dict(LD.public(ext))
+    lad["mean_rho"] = mean
+    profile["ladder"] = {"fit": LD.public(fit), "llama2_70b": lad}
+    profile.setdefault("inputs", profile_inputs(
+        eps_ref=(float(profile["eps_ref"]), profile.get("source", "the profile")),
+        rho_bar=(mean, "the profile's rho, numel-weighted rms over depths"),
+        sharpness=("the ladder's 70B reading", f"{lad_dir}")))
+
+
 def profile_from_run(path: Path) -> dict:
     run = load_run(path, tables=("layers",), layer_columns=["grad_rms", "grad_mom_cos"])
     if run.layers.empty:
@@ -1072,6 +1098,7 @@ def _main(args) -> int:
         profile = load_profile(args.profile_from_run)
     else:
         profile = load_profile(args.profile, args.ladder, args.batch_sharpness)
+    with_70b_sharpness(profile, args.ladder)
     tables = [SR.read_sweep_table(sw) for sw in args.sweep]
     for sw, t in zip(args.sweep, tables):
         need = {"optim.b2", "num_spikes", "diverged"}

@@ -495,3 +495,21 @@ def test_one_predictor_from_the_shipped_profile_and_from_a_log(tmp_path, capsys)
     assert model[0] in other
     assert "eps_ref 1e-08 here vs 1e-05 (the 70B run's)" in other
     assert "N 176,000,000,000 here vs 68,976,648,192 (the llama2-70b preset)" in other
+
+
+def test_a_llama2_70b_profile_json_runs_the_same_mechanism_model(tmp_path, capsys):
+    """A profile JSON named llama2-70b (80 layers) gets the ladder's 70B sharpness, so the
+    mechanism model answers for it too: with the shipped profile's rho, the same number."""
+    out = tmp_path / "p.json"
+    assert P.main(["--profile", "llama2-70b", "--setting", "eps=1e-5", "--out", str(out)]) == 0
+    capsys.readouterr()
+    p = load_predictions(out)
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps({"name": "llama2-70b", "num_layers": p.profile["num_layers"],
+                                "eps_ref": p.profile["eps_ref"],
+                                "rho_by_depth": p.profile["rho_by_depth"]}))
+    assert P.main(["--profile", str(prof), "--setting", "eps=1e-5"]) == 0
+    text = capsys.readouterr().out
+    assert "model: mechanism model (log10_stability" in text
+    line = [x for x in text.splitlines() if x.startswith("eps1e-05-b2_0.95-")][0]
+    assert line.split(": ", 1)[1].startswith(f"{p.settings[0]['rate_per_1k']:.3g} spikes")
