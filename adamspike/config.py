@@ -14,6 +14,7 @@ values out of range, non-finite floats. The resolved config round-trips through
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import sys
@@ -290,22 +291,57 @@ def parse_overrides(cls: type, overrides: list[str]) -> dict[str, Any]:
                 raise ConfigError(f"--{tok}: missing value")
             key, value = tok, overrides[i + 1]
             i += 2
-        key = key.replace("-", "_")
-        if key not in flat_paths:
-            matches = [p for p in flat_paths if p.split(".")[-1] == key]
-            if len(matches) == 1:
-                key = matches[0]
-            elif len(matches) > 1:
-                raise ConfigError(f"--{key}: ambiguous, use one of {', '.join('--' + m for m in matches)}")
-            else:
-                _raise_moved(cls, key)
-                raise ConfigError(f"unknown config key: {key}")
+        key = resolve_key(cls, key, flat_paths)
         d = nested
         parts = key.split(".")
         for p in parts[:-1]:
             d = d.setdefault(p, {})
         d[parts[-1]] = value
     return nested
+
+
+def resolve_key(cls: type, key: str, flat_paths: list[str] | None = None,
+                allowed: typing.Sequence[str] | None = None) -> str:
+    """The dotted key `key` names: itself, or the one key whose last part it is (`eps` ->
+    `optim.eps`, README "Configs"); `allowed` narrows the keys (e.g. predict's candidate
+    keys). ConfigError for an unknown (with the closest known key) or ambiguous key."""
+    flat_paths = list(allowed) if allowed is not None else (flat_paths or _leaf_paths(cls))
+    key = key.strip().lstrip("-").replace("-", "_")
+    if key in flat_paths:
+        return key
+    matches = [p for p in flat_paths if p.split(".")[-1] == key]
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        raise ConfigError(f"--{key}: ambiguous, use one of {', '.join('--' + m for m in matches)}")
+    _raise_moved(cls, key)
+    close = difflib.get_close_matches(key, flat_paths + [p.split(".")[-1] for p in flat_paths],
+                                      n=1)
+    raise ConfigError(f"unknown config key: {key}" + (f" (did you mean {close[0]}?)" if close
+                                                       else "")
+                      + (f"; known: {', '.join(flat_paths)}" if allowed is not None else ""))
+
+
+def parse_setting_text(cls: type, text: str, allowed: typing.Sequence[str] | None = None
+                       ) -> dict[str, Any]:
+    """`--setting` text, `optim.eps=1e-6,b2=0.95`, as {dotted key: number}: the one parser
+    of settings on a command line (predict, assess); keys as resolve_key reads them."""
+    flat: dict[str, Any] = {}
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        key, sep, val = part.partition("=")
+        if not sep:
+            raise ConfigError(f"--setting {text!r}: {part!r} is not KEY=VALUE")
+        key = resolve_key(cls, key, allowed=allowed)
+        v = val.strip()
+        try:
+            flat[key] = int(v) if v.lstrip("-").isdigit() else float(v)
+        except ValueError:
+            raise ConfigError(f"--setting {text!r}: {key}: not a number: {val!r}") from None
+        if isinstance(flat[key], float) and not math.isfinite(flat[key]):
+            raise ConfigError(f"--setting {text!r}: {key}: must be finite, got {val!r}")
+    if not flat:
+        raise ConfigError(f"--setting {text!r}: no KEY=VALUE")
+    return flat
 
 
 def _raise_moved(cls: type, key: str) -> None:

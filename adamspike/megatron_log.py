@@ -88,9 +88,12 @@ _ITER_HINT = re.compile(r"\biteration\s+\d+\s*(/|\|)")  # also catches cut-off l
 # `on test set`), Megatron-LM before 2024 / AscendSpeed ` ... at the end of training for
 # val data | `, AscendSpeed with compression training ` ... at the end of training and
 # after model cleaning for val data | `
-_VALID_RE = re.compile(r"validation(?:-(\S+?))? loss at (?:iteration\s+(\d+)(?:\s+on\s+([\w ]+?))?|"
+# GPT-NeoX (megatron/training.py evaluate_and_print_results): ` validation results at
+# iteration N | lm_loss value: X | lm_loss_ppl value: Y | `, after training `... results at
+# the end of training for val data | `
+_VALID_RE = re.compile(r"validation(?:-(\S+?))? (?:loss|results) at (?:iteration\s+(\d+)(?:\s+on\s+([\w ]+?))?|"
                        r"the end of training(?: and after model cleaning)? for (\w+) data)\s*\|")
-_VALID_HINT = re.compile(r"validation\S* loss at")
+_VALID_HINT = re.compile(r"validation\S* (?:loss|results) at")
 # fields without a value that a complete iteration line may carry: text -> boolean column
 FLAG_FIELDS = {
     # MindSpeed-LLM training_log with --fix-router or --fix-sub-seq-length
@@ -220,7 +223,9 @@ def _parse_validation(line: str, m: re.Match) -> tuple[list[dict], str | None]:
             num = float(val)
         except ValueError:
             return [], f"non-numeric value for {key!r}: {val.strip()[:40]!r}"
-        if key.endswith(" value"):
+        if key.endswith("_ppl value"):               # GPT-NeoX: lm_loss_ppl value
+            rows.setdefault(key[:-10], {})["ppl"] = num
+        elif key.endswith(" value"):
             rows.setdefault(key[:-6], {})["value"] = num
         elif key.endswith(" PPL"):
             rows.setdefault(key[:-4], {})["ppl"] = num
@@ -316,7 +321,15 @@ class _Rows:
             if loss == 0.0 or loss_missing:
                 loss, loss_missing = math.nan, True
                 st["num_skipped_without_loss"] += 1
-        if loss_missing and skipped_n == 0:
+        # Megatron's bf16 NaN step: no loss printed, `grad norm: nan` (the step is not
+        # applied): a NaN, not a missing value
+        nan_step = bool(loss_missing and "grad_norm" in row and
+                        not math.isfinite(row["grad_norm"]))
+        if nan_step:
+            st["num_nan_steps"] += 1
+            if len(st["nan_steps"]) < MAX_KEPT_STEPS:
+                st["nan_steps"].append(step)
+        elif loss_missing and skipped_n == 0:
             st["num_loss_missing"] += 1
             if len(st["loss_missing_steps"]) < MAX_KEPT_STEPS:
                 st["loss_missing_steps"].append(step)
@@ -365,6 +378,7 @@ class _Rows:
             out[c] = bool(row.get(c, False))
             st["num_" + c] += out[c]
         out["loss_missing"] = bool(loss_missing)
+        out["nan_step"] = nan_step
         out["grad_norm_missing"] = bool(gn_missing)
         out["grad_norm_stale"] = gn_stale
         out["overflow_lines"] = overflow
@@ -383,6 +397,7 @@ def _new_stats(source: str) -> dict[str, Any]:
             "num_validation_lines": 0, "num_rows": 0, "num_malformed": 0, "malformed": [],
             "num_duplicate_steps": 0, "duplicate_steps": [], "num_skipped_without_loss": 0,
             "num_loss_missing": 0, "loss_missing_steps": [], "num_grad_norm_zero": 0,
+            "num_nan_steps": 0, "nan_steps": [],
             "num_grad_norm_absent": 0, "num_grad_norm_stale": 0,
             "num_loss_scale_unmeasured": 0, "num_overflow_lines": 0,
             "num_overflow_lines_after_last_iteration": 0,
@@ -493,6 +508,9 @@ def steps_frame(rows: list[dict]) -> pd.DataFrame:
 
 def read_megatron_log(path: str | Path, **kw) -> ParsedLog:
     path = Path(path)
+    if path.is_dir():
+        raise MegatronLogError(f"{path}: is a directory, not a log file (a run directory "
+                               "is analysed as RUN, without --log)")
     if not path.is_file():
         raise MegatronLogError(f"{path}: log file not found")
     try:

@@ -85,6 +85,20 @@ def _files(d: Path) -> list[Path]:
                   key=lambda p: p.relative_to(d).as_posix())
 
 
+def _read_manifest(mpath: Path) -> dict:
+    """MANIFEST.json as a dict; PackageDataError in one line when it is truncated, not
+    UTF-8 or not a JSON object (a damaged install must not end in a traceback)."""
+    try:
+        m = json.loads(mpath.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise PackageDataError(f"{mpath}: unreadable package-data manifest ({e}); reinstall "
+                               "the package or regenerate with `adamspike package-data "
+                               "--from STUDY_DIR`") from None
+    if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
+        raise PackageDataError(f"{mpath}: not a package-data manifest (no 'files' table)")
+    return m
+
+
 def manifest(profile: str = "llama2-70b", root: Path = DATA) -> dict:
     """The manifest of the shipped data of `profile`, after checking every file's sha256
     (PackageDataError when one is missing or differs)."""
@@ -93,7 +107,7 @@ def manifest(profile: str = "llama2-70b", root: Path = DATA) -> dict:
     if not mpath.is_file():
         raise PackageDataError(f"no shipped fit for profile {profile!r} ({mpath} missing); "
                                "pass --ladder DIR and --rate-model MODEL.json")
-    m = json.loads(mpath.read_text())
+    m = _read_manifest(mpath)
     if m.get("schema") != SCHEMA:
         raise PackageDataError(f"{mpath}: not a package-data manifest")
     for rel, sha in m["files"].items():
@@ -159,7 +173,10 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
     d = profile_dir(profile, root)
     old = None
     if (d / "MANIFEST.json").is_file():
-        old = json.loads((d / "MANIFEST.json").read_text())
+        try:
+            old = _read_manifest(d / "MANIFEST.json")
+        except PackageDataError:
+            old = None               # a damaged manifest is replaced, not read
     tmp = d.with_name(d.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "ladder" / "cells").mkdir(parents=True)

@@ -256,6 +256,40 @@ def indistinguishable(settings: Iterable[Mapping[str, Any]]) -> list[list[str]]:
     return [ids for ids in groups.values() if len(ids) > 1]
 
 
+# which model features a setting's key moves (simulate.predict.candidate_features /
+# mechanism_inputs): a key that moves none of a model's features is not in the model
+KEY_FEATURES = {
+    "optim.eps": ("log10_rho_shallow", "log10_rho_deep", "log10_lr_over_eps", "log10_stability",
+                  "log10_rho_min"),
+    "optim.lr": ("log10_lr_over_eps", "log10_stability"),
+    "optim.b2": ("log10_one_minus_b2",),
+    "optim.b1": (),                     # the stability number's 38 takes b1 = 0.9
+    "train.global_batch_size": ("log10_tokens_per_step",),
+}
+MECHANISM_FEATURES = ("log10_stability", "log10_rho_min", "warmup")
+
+
+def not_in_model(features: Iterable[str]) -> list[str]:
+    """The setting keys (KEY_FEATURES) none of whose features the model uses: it gives the
+    same number at any value of them (which is not a measurement of no effect)."""
+    f = set(features)
+    return [k for k, fs in KEY_FEATURES.items() if not f & set(fs)]
+
+
+def model_label(rate_model: Mapping[str, Any]) -> str:
+    """One line naming a predictions file's rate model: its kind (the mechanism model or
+    the regime GLM), its features, the model schema version, the file and its sha256."""
+    feats = list(rate_model.get("features") or [])
+    kind = ("mechanism model" if set(feats) & set(MECHANISM_FEATURES) else "regime GLM")
+    src = rate_model.get("model_file") or (
+        "fitted on " + ", ".join(rate_model.get("fitted_on") or []) if rate_model.get("fitted_on")
+        else "?")
+    sha = rate_model.get("model_sha256")
+    return (f"{kind} ({', '.join(feats)}; spike-rate model schema v{rate_model.get('version', 1)})"
+            f", {src}" + (f" sha256 {sha[:12]}" if sha else "")
+            + (f", {rate_model['shipped'].split(' (')[0]}" if rate_model.get("shipped") else ""))
+
+
 def content_hash(data: Mapping[str, Any]) -> str:
     """sha256 (hex) of the canonical JSON of `data` without its HASH_KEY: keys sorted,
     separators ',' and ':', no NaN / infinity."""

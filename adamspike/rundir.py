@@ -757,11 +757,50 @@ class Run:
 
     @property
     def config(self) -> dict:
-        return self.meta.get("config", {})
+        return normalize_config(self.meta.get("config", {}))
 
     @property
     def backend(self) -> str:
         return self.meta["backend"]
+
+
+OPTIM_KEYS = ("lr", "eps", "b1", "b2")
+
+
+def normalize_config(cfg: Mapping[str, Any] | None) -> dict:
+    """A run.json config in the one shape the readers use, whichever writer made it: the
+    sections nested ({"optim": {"eps": ...}}; older sweep run directories wrote dotted keys
+    "optim.eps" at the top), `problem` a table with its `kind` (older sweep runs wrote the
+    name alone), and the toy's optimizer settings in `optim` (the quadratic CLI wrote them
+    inside `problem` only). The stored file is left as it is."""
+    if not isinstance(cfg, Mapping):
+        return {}
+    out: dict = {}
+    for k, v in cfg.items():
+        if isinstance(k, str) and "." in k:
+            *path, leaf = k.split(".")
+            d = out
+            for p in path:
+                nxt = d.get(p)
+                if not isinstance(nxt, dict):
+                    nxt = d[p] = {}
+                d = nxt
+            d.setdefault(leaf, v)
+        elif isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = {**dict(v), **out[k]}
+        else:
+            out[k] = dict(v) if isinstance(v, Mapping) else v
+    prob = out.get("problem")
+    if isinstance(prob, str):
+        out["problem"] = {"kind": prob}
+    prob = out.get("problem")
+    if isinstance(prob, dict):
+        opt = out.setdefault("optim", {}) if isinstance(out.get("optim", {}), dict) else None
+        if opt is not None:
+            for k in OPTIM_KEYS:
+                if k not in opt and isinstance(prob.get(k), (int, float)):
+                    opt[k] = prob[k]
+    return out
 
 
 def append_event(run_dir: str | Path, type: str, /, **fields: Any) -> None:

@@ -51,14 +51,15 @@ from adamspike.config import ConfigError, cli_main
 from adamspike.llama import PRESETS
 from adamspike.llama import num_params as llama_num_params
 from adamspike.megatron_log import MegatronLogError
-from adamspike.predictions import PredictionsError, load_predictions, model_key
+from adamspike.predictions import PredictionsError, load_predictions, model_key, model_label
 from adamspike.rundir import RunFormatError
 from adamspike.spikes import SpikeParams, add_spike_flags
-from analysis.cli import count_arg
+from analysis.cli import check_log_flags, count_arg
 from analysis.megatron_log import import_megatron_log
 from analysis.megatron_tb import is_tensorboard_dir
+from analysis.numerics import CONSTANT_ONE
 from analysis.report import AnalysisError, analyze_run, not_measured_note, write_run_report
-from analysis.scoring import run_setting, score_rate
+from analysis.scoring import SOURCE_KEYS, run_setting, score_rate, setting_sources
 from analysis.spike_rate import run_row
 
 WIDTH = 92
@@ -94,7 +95,7 @@ def regime_lines(ra) -> list[str]:
             for r in (run if len(run) else g).itertuples():
                 L += _wrap(f"rho_bar = min(gn, clip) / (sqrt(N) eps) at eps {_f(r.eps)}: median "
                            f"{_f(r.rho_bar_median)} (q10 {_f(r.rho_bar_q10)}, q90 "
-                           f"{_f(r.rho_bar_q90)}), {_f(100 * r.frac_time_below_1, 2)}% of "
+                           f"{_f(r.rho_bar_q90)}), {_pct(r.frac_time_below_1)} of "
                            f"steps below 1: {r.regime}"
                            + ("" if r.is_run_eps else " (the run's eps is unknown: --eps)"))
             others = g[~g["is_run_eps"]] if len(run) else g.iloc[0:0]
@@ -108,42 +109,71 @@ def regime_lines(ra) -> list[str]:
     else:
         for r in c.groups.itertuples():
             L += _wrap(f"{r.group:<8} rho median {_f(r.rho_median)} (q10 {_f(r.rho_q10)}, "
-                       f"q90 {_f(r.rho_q90)}), {_f(100 * r.frac_time_below_1, 2)}% of steps "
+                       f"q90 {_f(r.rho_q90)}), {_pct(r.frac_time_below_1)} of steps "
                        f"below 1, {int(r.num_wakeups)} wake-up(s): {r.regime}")
     L += _wrap(f"eps {_f(c.eps)}, b1 {_f(c.b1)}, b2 {_f(c.b2)}, median lr {_f(c.lr)}, "
                f"lr/eps {_f(c.lr_over_eps)}")
     return L
 
 
-def _span(ra) -> tuple[int, int, int]:
+def _pct(frac: float) -> str:
+    """A fraction as a percentage that reads as one (100%, 37.5%, 0.12%; never 1e+02%)."""
+    v = 100.0 * float(frac)
+    if not math.isfinite(v):
+        return "-"
+    return f"{v:.0f}%" if v >= 99.5 or v == 0 else f"{v:.3g}%" if v >= 1 else f"{v:.2g}%"
+
+
+def _span(ra) -> tuple[int, int, int, int]:
+    """(first iteration, last, optimizer steps covered, log interval): a line stands for
+    `log interval` optimizer steps, so the span is last - first + interval."""
     st = ra.run.steps
     imp = ra.meta.get("import") or {}
     interval = int(imp.get("log_interval") or 1)
     first, last = int(st["step"].min()), int(st["step"].max())
-    return first, last, last - first + interval
+    return first, last, last - first + interval, interval
+
+
+def min_rate_lines(ra) -> int:
+    """Judged lines a rate needs: the spike rule's window (what it takes to learn the band;
+    fewer and a count of 0 or 1 says nothing about a rate per 1000 steps)."""
+    return int(ra.spike_params.window)
+
+
+def rate_text(ra) -> tuple[float | None, str]:
+    """(spikes per 1000 optimizer steps or None, the sentence): the log interval applied;
+    "too few steps" below min_rate_lines judged lines."""
+    first, last, span, interval = _span(ra)
+    k = len(ra.spikes)
+    judged = int((ra.coverage.get("loss") or {}).get("num_judged", ra.num_steps))
+    unit = (f"{ra.num_steps} logged line(s) x log interval {interval} = {span} optimizer steps"
+            if interval > 1 else f"{span} optimizer steps, one line each")
+    if judged < min_rate_lines(ra):
+        return None, (f"{k} loss spike(s) in iterations {first}-{last} ({unit}): too few steps "
+                      f"for a rate ({judged} judged line(s); a rate needs >= "
+                      f"{min_rate_lines(ra)}, the spike rule's window)")
+    rate = 1000.0 * k / span
+    return rate, (f"{k} loss spike(s) in iterations {first}-{last} ({unit}): {_f(rate)} per "
+                  "1000 optimizer steps")
 
 
 def spike_lines(ra) -> list[str]:
     sp = ra.spikes
-    first, last, span = _span(ra)
-    L = _wrap(f"{len(sp)} loss spike(s) in iterations {first}-{last} ({span} iterations): "
-              f"{_f(1000 * len(sp) / span)} per 1000 iterations; {len(ra.grad_spikes)} "
-              "grad-norm spike(s)")
-    verdicts = {int(r.start): r.verdict for r in ra.numerics.per_spike.itertuples()} \
-        if ra.numerics is not None else {}
-    leads = {int(r.start): r for r in ra.grad_lead.itertuples()} \
-        if ra.grad_lead is not None else {}
+    _, text = rate_text(ra)
+    L = _wrap(text + f"; {len(ra.grad_spikes)} grad-norm spike(s)")
+    dg = {int(r.start): r for r in ra.diagnosis.itertuples()} \
+        if ra.diagnosis is not None else {}
     for r in sp.head(8).itertuples():
-        lead = leads.get(int(r.start))
-        gl = ("" if lead is None or "grad_norm" not in ra.coverage else
-              "; grad norm led by " + _f(lead.lead) + " iteration(s)" if lead.lead > 0 else
-              "; grad norm rose at the same line" if lead.lead == 0 else
-              "; no grad-norm spike before it")
+        d = dg.get(int(r.start))
         L += _wrap(f"- iteration {r.start}: loss {_f(r.peak, 4)} vs {_f(r.baseline, 4)} "
-                   f"(+{_f(100 * r.height, 3)}%), "
-                   + (f"recovered after {r.duration}" if r.recovered else
-                      f"not recovered ({r.duration} iteration(s) to the end)") + gl
-                   + (f"; {verdicts[int(r.start)]}" if int(r.start) in verdicts else ""))
+                   f"(+{_pct(r.height)}), "
+                   + (f"recovered after {r.duration} iteration(s)" if r.recovered else
+                      f"CENSORED: still above its band when the log ends ({r.duration} "
+                      "iteration(s) observed; the duration is at least that)"))
+        if d is not None:
+            L += _wrap(f"cause: {d.cause.upper()}: {d.evidence}", "      ")
+            if d.cause != "optimizer" and d.grad_note not in d.evidence:
+                L += _wrap(f"grad norm: {d.grad_note}", "      ")
     if len(sp) > 8:
         L += _wrap(f"... {len(sp) - 8} more (the full table: --out DIR)")
     for col, cov in ra.coverage.items():
@@ -151,6 +181,13 @@ def spike_lines(ra) -> list[str]:
             L += _wrap(f"{col}: {cov['num_judged']} of {cov['num_rows']} lines judged; not "
                        "judged: " + "; ".join(f"{x['count']} {x['reason']}"
                                              for x in cov["reasons"]))
+    val = ra.run.events[ra.run.events["type"] == "validation"] \
+        if ra.run is not None and not ra.run.events.empty and "type" in ra.run.events else None
+    if val is not None and len(val):
+        L += _wrap(f"validation: {len(val)} value(s) read as validation, not training "
+                   "iterations" + ("; last: " + ", ".join(
+                       f"{v.get('name')} {_f(v.get('value'), 4)} at iteration {v.get('step')}"
+                       for v in val.tail(1).to_dict("records")) if "value" in val else ""))
     return L
 
 
@@ -161,7 +198,9 @@ def numerics_lines(ra) -> list[str]:
     L = _wrap("signals: " + (", ".join(h.signals) if h.signals else
                              "none (no loss scale, overflow lines, skip counters)"))
     ls = h.loss_scale
-    if ls:
+    if ls.get("constant_one"):
+        L += _wrap(CONSTANT_ONE)
+    elif ls:
         L += _wrap(f"loss scale {_f(ls['first'], 8)} -> {_f(ls['last'], 8)} (min "
                    f"{_f(ls['min'], 8)} at iteration {ls['min_step']}): {ls['cuts']} cut(s), "
                    f"{ls['raises']} raise(s)")
@@ -244,6 +283,7 @@ def _from_predictions(ra, pred, path) -> tuple[list[str], list[str]]:
     prof = (pred.profile or {}).get("name", "?")
     L = _wrap(f"from {path} (profile {prof}, created {pred.created or '?'}, content hash "
               f"{(pred.integrity or {}).get('status', 'missing')})")
+    L += _wrap(f"model: {model_label(pred.rate_model or {})}")
     if row.get("setting") is None:
         L += _wrap(row["verdict"])
         return L, _wrap("no setting matched, so no comparison")
@@ -251,30 +291,48 @@ def _from_predictions(ra, pred, path) -> tuple[list[str], list[str]]:
     vals, notes = run_setting(ra)
     L += _wrap(f"this setting: {row['setting']} ({row['match']}"
                + (f"; {'; '.join(notes)}" if notes else "") + ")")
-    L += _wrap(f"predicted {_f(s['rate_per_1k'])} spikes per 1000 steps, 90% interval "
+    L += _wrap(f"predicted {_f(s['rate_per_1k'])} spikes per 1000 optimizer steps, 90% interval "
                f"[{_f(s['rate_ci'][0])}, {_f(s['rate_ci'][1])}]; P(>= 1 spike in "
                f"{s.get('horizon_steps', '?')} steps) {_f(s.get('p_spike'))}"
                + ("; EXTRAPOLATED: " + "; ".join(s.get("extrapolation_reasons") or [])
                   if s.get("extrapolated") else ""))
-    L += _wrap(f"observed {_f(row['observed_rate_per_1k'])} per 1000 logged steps "
-               f"({row['num_spikes']} in {row['num_steps']}"
-               + (", logged lines counted as steps as `analyze --predictions` scores"
-                  if int((ra.meta.get("import") or {}).get("log_interval") or 1) > 1 else "")
-               + f"): {row['verdict']} the interval; the count is "
-               + ("consistent" if row.get("count_consistent") else "NOT consistent")
-               + f" with it (Poisson p_above {_f(row.get('p_above'))}, p_below "
-               f"{_f(row.get('p_below'))})")
+    if row.get("too_few_steps"):
+        L += _wrap(f"observed: too few steps to compare ({row['num_spikes']} spike(s) in "
+                   f"{row['num_judged']} judged line(s) = about {row['num_steps']} optimizer "
+                   f"steps at log interval {row['log_interval']}; the rule's window is "
+                   f"{min_rate_lines(ra)} lines): no observed rate, no p-value")
+    else:
+        L += _wrap(f"observed {_f(row['observed_rate_per_1k'])} per 1000 optimizer steps "
+                   f"({row['num_spikes']} in {row['num_steps']} optimizer steps"
+                   + (f" = {row['num_lines']} lines x log interval {row['log_interval']}"
+                      if row["log_interval"] > 1 else "")
+                   + f"): {row['verdict']} the interval; the count is "
+                   + ("consistent" if row.get("count_consistent") else "NOT consistent")
+                   + f" with it (Poisson p_above {_f(row.get('p_above'))}, p_below "
+                   f"{_f(row.get('p_below'))})")
     if prof and ra.regime_card is not None and ra.regime_card.kind == "log":
         L += _wrap(f"the predictions are for the {prof} profile; this run's own model size "
                    "and grad norms do not enter them")
     names = list((pred.rate_model or {}).get("features") or [])
+    run_lr = s["overrides"].get("optim.lr", vals.get("optim.lr"))   # the matched setting's
+    # lowering spikes by raising the learning rate is not advice anyone should act on: the
+    # model's lr term is fitted inside its lr range, and a larger lr is the classic cause
+    raises_lr = [x for x in pred.settings if run_lr is not None and
+                 float(x["overrides"].get("optim.lr", run_lr)) > float(run_lr) * (1 + 1e-9)]
     lower = [x for x in pred.settings if float(x["rate_per_1k"]) < float(s["rate_per_1k"])
-             and x["id"] != s["id"]]
+             and x["id"] != s["id"] and x not in raises_lr]
     same = [x for x in pred.settings if x["id"] != s["id"] and _same_model_features(x, s, names)]
+    blind = sorted({k for x in same for k, v in x["overrides"].items()
+                    if not (isinstance(v, (int, float)) and math.isclose(
+                        float(v), float(s["overrides"].get(k, math.nan)), rel_tol=1e-9))})
+    if blind:
+        L += _wrap("not in the model: " + ", ".join(blind) + " (a setting that differs only "
+                   "there gets the same number: the model cannot see it, which is not a "
+                   "measurement of no effect)")
     A: list[str] = []
-    if same:
-        A += _wrap(f"{len(same)} setting(s) the model cannot tell apart from this one (same "
-                   "model features): " + "; ".join(_diff(x, s, vals) for x in same[:4]))
+    if raises_lr:
+        A += _wrap(f"left out: {len(raises_lr)} setting(s) that raise the learning rate above "
+                   f"this setting's {_f(run_lr)}")
     if not lower:
         A += _wrap("none of the file's settings has a lower predicted rate")
         return L, A
@@ -299,12 +357,22 @@ def _from_predictions(ra, pred, path) -> tuple[list[str], list[str]]:
         ev = _coef_evidence(pred, s, x, names)
         if ev:
             A += _wrap("evidence: " + ev, "      ")
-        if len(g) > 1:
-            A += _wrap("the model predicts the same with: "
-                       + "; ".join(_diff(y, x, {}) for y in g[1:4])
-                       + (" ..." if len(g) > 4 else "") + " (not a model feature)", "      ")
     if len(groups) > 5:
         A += _wrap(f"... {len(groups) - 5} more group(s) in {path}")
+    best = min((g[0] for g in groups), key=lambda x: (not float(x["rate_ci"][1]) < lo_cur,
+                                                      float(x["rate_per_1k"])))
+    ev = _coef_evidence(pred, s, best, names)
+    clear = float(best["rate_ci"][1]) < lo_cur
+    ra.notes["bottom_line"] = (
+        ("change " if clear else "no setting with a rate clearly below this one (every lower "
+         "interval overlaps it); the largest expected reduction: ")
+        + f"{_diff(best, s, vals)}: expected {_f(best['rate_per_1k'])} spikes per 1000 "
+        f"optimizer steps [{_f(best['rate_ci'][0])}, {_f(best['rate_ci'][1])}] instead of "
+        f"{_f(s['rate_per_1k'])} [{_f(s['rate_ci'][0])}, {_f(s['rate_ci'][1])}] ("
+        + ("the intervals do not overlap" if clear else "the intervals overlap")
+        + ("; an extrapolation" if best.get("extrapolated") else "")
+        + f"); it rests on the {model_label(pred.rate_model or {}).split(' (')[0]}"
+        + (f": {ev}" if ev else ""))
     return L, A
 
 
@@ -317,7 +385,9 @@ KNOBS = (("eps x10", 10.0, 1.0, 1.0), ("eps / 10", 0.1, 1.0, 1.0),
 
 
 def _from_model(ra, model, path) -> tuple[list[str], list[str]]:
-    L = _wrap(f"from the spike-rate model {path} (features {', '.join(model.features)})")
+    L = _wrap(f"from the spike-rate model {path}")
+    L += _wrap("model: " + model_label({"features": list(model.features),
+                                        "model_file": str(path)}))
     if ra.regime_card is not None and ra.regime_card.kind == "log":
         need = [f for f in model.features if f in ("log10_rho_shallow", "log10_rho_deep")]
         if need:
@@ -417,15 +487,64 @@ def _shipped(ra) -> tuple:
         return None, None, None, None, f"no shipped fit ({e})"
 
 
+FLAG_OF = {"optim.lr": "--lr", "optim.b1": "--b1", "optim.b2": "--b2", "optim.eps": "--eps",
+           "optim.grad_clip": "--clip", "train.global_batch_size": None,
+           "train.seq_len": "--seq-len"}
+
+
+def settings_lines(ra, pred=None) -> list[str]:
+    """Each run setting with its value and source (analysis.scoring.setting_sources); a
+    setting nothing states says so, and what the prediction assumes for it (the matched
+    setting's value) or that nothing uses it; the parameter count N with its source."""
+    got = setting_sources(ra)
+    assumed: dict = {}
+    if pred is not None:
+        row = score_rate(ra, pred)
+        if row.get("setting") is not None:
+            assumed = dict(pred.setting(row["setting"])["overrides"])
+    L = []
+    for key in SOURCE_KEYS:
+        if key in got:
+            v, src = got[key]
+            L += _wrap(f"{key} {_f(v, 6)}: {src}")
+        else:
+            flag = FLAG_OF.get(key)
+            how = (f"the prediction assumes {_f(assumed[key], 6)} (its matched setting's)"
+                   if key in assumed else "nothing below uses a value for it")
+            L += _wrap(f"{key}: NOT STATED (no flag, not in the log"
+                       + (f"; give {flag}" if flag else "") + f"): {how}")
+    c = ra.regime_card
+    info = (c.log or {}) if c is not None and c.kind == "log" else {}
+    if c is not None and c.kind == "log":
+        n = info.get("num_params")
+        L += _wrap(f"N (parameters) {n:,}: {info.get('num_params_source')}" if n else
+                   "N (parameters): NOT STATED (no --num-params / --model, no count or model "
+                   "arguments in the log): no rho_bar")
+    return L
+
+
+def bottom_lines(ra) -> list[str]:
+    """What to change, the expected effect with its interval and the evidence behind it
+    (the lower-rate setting prediction_lines chose), and which of the run's spikes a
+    setting change can address at all (analysis.diagnosis: optimizer spikes only)."""
+    L = _wrap(ra.notes.get("bottom_line") or "no setting change the model supports (see above)")
+    dg = ra.diagnosis
+    if dg is not None and len(dg):
+        counts = dg["cause"].value_counts()
+        L += _wrap("this run's spikes: " + ", ".join(f"{int(n)} {c}" for c, n in counts.items())
+                   + "; a setting change addresses optimizer spikes only"
+                   + ("; fix the numerics / data / loading causes first"
+                      if set(counts.index) & {"numerics", "data or loading"} else ""))
+    return L
+
+
 def render(ra, path: Path, pred, pred_path, model, model_path, out, shipped_note: str = "") -> str:
-    cfg = ra.run.config or {}
-    o = cfg.get("optim") or {}
-    stated = ", ".join(f"{k} {_f(o[k])}" for k in ("lr", "b1", "b2", "eps", "grad_clip")
-                       if o.get(k) is not None) or "none (pass --eps, --b2, --clip ...)"
     rate_l, lower_l = prediction_lines(ra, pred, pred_path, model, model_path)
+    imp = ra.meta.get("import") or {}
     L = [f"ASSESSMENT of {path}", "=" * min(WIDTH, 14 + len(str(path))),
-         *_wrap(f"{ra.num_steps} logged iterations ({ra.meta.get('backend')}); optimizer "
-                f"settings stated: {stated}", ""),
+         *_wrap(f"{ra.num_steps} logged iterations ({ra.meta.get('backend')}"
+                + (f", log interval {imp.get('log_interval')}" if imp else "") + ")", ""),
+         "", "SETTINGS (each with its source)", *settings_lines(ra, pred),
          "", "REGIME", *regime_lines(ra),
          "", "SPIKES SO FAR", *spike_lines(ra),
          "", "NUMERICS HEALTH", *numerics_lines(ra),
@@ -433,7 +552,8 @@ def render(ra, path: Path, pred, pred_path, model, model_path, out, shipped_note
          *(_wrap(f"none given (--predictions, --rate-model): using {shipped_note}")
            if shipped_note and (pred is not None or model is not None) else
            _wrap(f"none given; {shipped_note}") if shipped_note else []), *rate_l,
-         "", "SETTINGS THAT WOULD LOWER IT", *lower_l]
+         "", "SETTINGS THAT WOULD LOWER IT", *lower_l,
+         "", "BOTTOM LINE", *bottom_lines(ra)]
     if out:
         L += ["", f"Full report: {Path(out) / 'report' / 'report.md'} (and report.html)"]
     return "\n".join(L) + "\n"
@@ -468,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
+    check_log_flags(args)
     path = Path(args.path)
     if not path.exists():
         raise RunFormatError(f"{path}: no such run directory or log")

@@ -5,7 +5,8 @@
                        [--num-params N | --model PRESET]]
 
 Writes DIR/<run>/report.md and report.html (the same page, self-contained: figures inline,
-readable offline; `adamspike figures RUN --analysis DIR` rewrites it with the run figures)
+readable offline from any --out; `adamspike analyze` draws the run figures into
+DIR/<run>/figures first, from the tables it wrote, unless --no-figures)
 (+ CSV tables, summary.json) per run and DIR/report.md / report.html over all runs.
 Every report has a numerics-health section (loss-scale changes, overflowed / skipped / NaN
 iterations, stale grad norms, placed against the spikes: analysis.numerics); values a log
@@ -49,7 +50,8 @@ from adamspike.rundir import RunFormatError, find_runs, run_names
 from adamspike.spikes import SpikeParams, add_spike_flags
 from analysis.controls import study_sections
 from analysis.megatron_log import MegatronLogError, import_megatron_log
-from analysis.report import AnalysisError, analyze_run, write_index, write_run_report
+from analysis.report import (AnalysisError, analyze_run, write_index, write_report_page,
+                             write_run_report)
 from analysis.scoring import score
 
 
@@ -74,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", metavar="PRESET",
                     help="the log's model as an adamspike.llama preset (N for rho_bar)")
     add_spike_flags(ap)
+    ap.add_argument("--no-figures", action="store_true",
+                    help="do not draw the run figures into the reports (they are drawn into "
+                         "OUT/<run>/figures and inline in report.html by default)")
     ap.add_argument("--precursor-window", type=int, default=50)
     ap.add_argument("--baseline", type=int, default=200, help="precursor baseline steps")
     ap.add_argument("--horizon", type=int, help="alarm horizon (default: per rule)")
@@ -119,15 +124,32 @@ def _fail(msg: str) -> int:
     return 2
 
 
+# a log's run settings given as flags (analyze, assess, watch): the ranges of the config
+# fields they stand for (adamspike.train_config.OptimSection / TrainSection), finite; eps > 0
+# (rho_bar = min(gn, clip) / (sqrt(N) eps) divides by it; the config's eps may be 0)
+LOG_FLAG_LIMITS = {
+    "seq_len": (Optional[int], dict(lo=1)),
+    "clip": (Optional[float], dict(lo=0.0)),          # optim.grad_clip: 0 = no clipping
+    "b1": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)),
+    "b2": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)),
+    "eps": (Optional[float], dict(lo=0.0, lo_open=True)),
+    "lr": (Optional[float], dict(lo=0.0, lo_open=True)),
+    "num_params": (Optional[int], dict(lo=1)),
+}
 # option -> (type, limits): the shared validation path (adamspike.config.check_value)
 LIMITS = {
     "precursor_window": (int, dict(lo=1)),
     "baseline": (int, dict(lo=1)), "jobs": (int, dict(lo=1)), "horizon": (Optional[int], dict(lo=1)),
-    "min_lead": (int, dict(lo=0)), "seq_len": (Optional[int], dict(lo=1)),
-    "clip": (Optional[float], dict(lo=0.0)), "b1": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)),
-    "b2": (Optional[float], dict(lo=0.0, hi=1.0, hi_open=True)), "eps": (Optional[float], dict(lo=0.0)),
-    "lr": (Optional[float], dict(lo=0.0, lo_open=True)),
+    "min_lead": (int, dict(lo=0)), **LOG_FLAG_LIMITS,
 }
+
+
+def check_log_flags(args: argparse.Namespace) -> None:
+    """The log-setting flags the namespace has (LOG_FLAG_LIMITS), checked like config fields
+    (type, finiteness, range); ConfigError naming the flag (`--b2: must be < 1.0, got 1.5`)."""
+    for name, (tp, limits) in LOG_FLAG_LIMITS.items():
+        if hasattr(args, name):
+            check_value("--" + name.replace("_", "-"), getattr(args, name), tp, **limits)
 
 
 def _check_args(args: argparse.Namespace) -> SpikeParams:
@@ -161,8 +183,11 @@ def _free_default_out(base: str = "analysis_out") -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`adamspike analyze`."""
+def main(argv: list[str] | None = None, draw=None) -> int:
+    """`adamspike analyze`. draw(runs, names, out): draws the run figures into
+    OUT/<run>/figures from the tables just written (the top CLI passes figures' drawer:
+    analysis does not import figures); the reports are then rewritten with them inline.
+    --no-figures skips it."""
     args = _parser().parse_args(argv)
     try:
         params = _check_args(args)
@@ -236,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(res, str):
             return _fail(res)
         analyses.append(res)
+    if draw is not None and not args.no_figures:
+        failed = draw(runs, names, out)
+        for ra, name in zip(analyses, names):
+            write_report_page(ra, out / name)        # now linking OUT/<run>/figures
+        if failed:
+            print(f"adamspike analyze: {failed}", file=sys.stderr)
     index = write_index(analyses, out, names)
     if preds is not None:
         md = score(analyses, preds, json.loads(Path(args.predictions).read_text()),

@@ -21,6 +21,7 @@ from adamspike.megatron_log import (CHUNK_ROWS, MegatronLogError, ParsedLog,  # 
                                     iter_megatron_log, parse_megatron_log, read_megatron_log)
 from adamspike.config import cli_main
 from analysis.megatron_tb import is_tensorboard_dir, open_tensorboard_dir
+from analysis.regime import LogFacts, log_facts
 from adamspike.rundir import (RunFormatError, RunWriter, atomic_write_bytes, environment,
                               json_clean, load_run)
 
@@ -53,10 +54,9 @@ def import_megatron_log(path: str | Path, out_run_dir: str | Path, *,
         chunks = iter_megatron_log(fh, seq_len=seq_len, clip=clip, source=str(path),
                                    stats=stats, chunk_rows=chunk_rows)
         first = next(chunks)             # MegatronLogError before anything is created
-        config = {"optim": {**({"grad_clip": clip} if clip is not None else {}),
-                            **(optim or {})},
-                  "train": {**({"seq_len": seq_len} if seq_len is not None else {})},
-                  "source": {"megatron_log": str(path.resolve())}}
+        facts = log_facts(path)
+        config, sources = log_settings(facts, optim or {}, clip, seq_len)
+        config["source"] = {"megatron_log": str(path.resolve())}
         with RunWriter(out, backend="megatron", config=config,
                        env=environment(importer="analysis.megatron_log"),
                        flush_every_rows=10 * chunk_rows, flush_every_s=math.inf) as w:
@@ -77,6 +77,11 @@ def import_megatron_log(path: str | Path, out_run_dir: str | Path, *,
                     w.event("validation", **v)
             summary = {k: v for k, v in stats.items() if k != "malformed"}
             summary["malformed_lines"] = [m["line"] for m in stats["malformed"]]
+            summary["setting_sources"] = sources
+            if facts.num_params:
+                summary["num_params_printed"] = facts.num_params
+                summary["num_params_printed_source"] = facts.num_params_source
+            summary["resumes"] = [{"line": ln, "iteration": it} for ln, it in facts.resumes]
             if last_iters is not None:
                 config["train"]["num_steps"] = int(last_iters)
             w.meta.update(config=config, **{"import": summary})
@@ -85,11 +90,53 @@ def import_megatron_log(path: str | Path, out_run_dir: str | Path, *,
     return ImportedLog(out, stats)
 
 
+# run settings a log's argument dump states (Megatron names; analysis.regime.log_facts
+# maps GPT-NeoX's): dotted config key -> argument name
+LOG_SETTING_ARGS = {"optim.eps": "adam_eps", "optim.b1": "adam_beta1", "optim.b2": "adam_beta2",
+                    "optim.grad_clip": "clip_grad", "optim.lr": "lr",
+                    "train.global_batch_size": "global_batch_size", "train.seq_len": "seq_length"}
+FLAG_OF = {"optim.grad_clip": "--clip", "train.seq_len": "--seq-len"}
+
+
+def log_settings(facts: LogFacts, optim: dict, clip: float | None, seq_len: int | None
+                 ) -> tuple[dict, dict]:
+    """(run config, {dotted key: source}): the flags' values ("flag --eps"), else the log's
+    argument dump ("log line 57: adam_eps"); a key neither states is absent (whoever uses
+    it must say what it assumes)."""
+    config: dict = {"optim": {}, "train": {}}
+    sources: dict = {}
+    given = {**{f"optim.{k}": v for k, v in optim.items() if v is not None},
+             **({"optim.grad_clip": clip} if clip is not None else {}),
+             **({"train.seq_len": seq_len} if seq_len is not None else {})}
+    for key, arg in LOG_SETTING_ARGS.items():
+        sec, name = key.split(".")
+        if key in given:
+            config[sec][name] = given[key]
+            sources[key] = "flag " + FLAG_OF.get(key, "--" + name)
+            continue
+        text, line = facts.args.get(arg, (None, None))
+        try:
+            v = float(text) if text is not None else math.nan
+        except ValueError:
+            v = math.nan
+        if math.isfinite(v):
+            config[sec][name] = int(v) if sec == "train" and v == int(v) else v
+            sources[key] = f"log line {line}: {arg}"
+    for key, v in given.items():        # flags outside LOG_SETTING_ARGS (none today)
+        sec, name = key.split(".")
+        config[sec].setdefault(name, v)
+    return config, sources
+
+
 def open_log(path: Path):
     """The log as text lines (undecodable bytes replaced); a TensorBoard log directory as
-    its iteration lines (analysis.megatron_tb); MegatronLogError if missing."""
+    its iteration lines (analysis.megatron_tb); MegatronLogError if missing or another
+    directory."""
     if is_tensorboard_dir(path):
         return open_tensorboard_dir(path)
+    if path.is_dir():
+        raise MegatronLogError(f"{path}: is a directory, not a log file (a run directory "
+                               "is analysed as RUN, without --log)")
     if not path.is_file():
         raise MegatronLogError(f"{path}: log file not found")
     try:

@@ -17,7 +17,8 @@ Each event is placed against the spikes (`spikes`: adamspike.spikes.detect_spike
 during one, NEAR_LINES logged lines before or after one, or away from all. A spike with a
 loss-scale cut, an overflow, a skip or a NaN iteration in [start - near, end + near] is
 reported as next to an fp16 overflow cascade (a numerics diagnosis: the loss scale, the
-fp16 range, a bad batch), one without as consistent with an optimizer spike.
+fp16 range, a bad batch), one without as not a numerics event by these signals (whether it
+is an optimizer spike is analysis.diagnosis's verdict, from the grad norm and the lr).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import pandas as pd
 from adamspike.tables import md_table
 
 NEAR_LINES = 3          # logged lines around a spike that count as "next to" it
-NUMERICS_KINDS = ("loss_scale_cut", "overflow", "skipped", "nan_iterations")  # cascade evidence
+NUMERICS_KINDS = ("loss_scale_cut", "overflow", "skipped", "nan_iterations", "nan_step")  # cascade evidence
+CONSTANT_ONE = ("Loss scale 1.0 on every line: bf16 or fp32, no dynamic loss scaling, so not "
+                "an overflow signal.")
 EVENT_COLUMNS = ["step", "kind", "detail", "spike_start", "position", "offset"]
 
 
@@ -56,6 +59,14 @@ def _g(x: float) -> str:
     return f"{x:.0f}" if x == int(x) and abs(x) < 1e15 else f"{x:g}"
 
 
+def _lines(steps: pd.DataFrame) -> np.ndarray:
+    """Per row, ` (log line N)` where the steps table has the log's line numbers."""
+    if "line" not in steps:
+        return np.array([""] * len(steps), dtype=object)
+    return np.array([f" (log line {int(x)})" if x == x else "" for x in
+                     steps["line"].to_numpy(float)], dtype=object)
+
+
 def numerics_events(steps: pd.DataFrame) -> tuple[list[dict], list[str], dict]:
     """(events by step, signals present, loss-scale summary) of a steps table."""
     step = steps["step"].to_numpy()
@@ -63,6 +74,11 @@ def numerics_events(steps: pd.DataFrame) -> tuple[list[dict], list[str], dict]:
     signals: list[str] = []
     scale_info: dict = {}
     scale = _col(steps, "loss_scale")
+    if scale is not None and np.isfinite(scale).any() and \
+            np.all(scale[np.isfinite(scale)] == 1.0):
+        # bf16 / fp32: Megatron prints a constant loss scale 1.0, no dynamic scaling at all
+        scale_info = {"constant_one": True}
+        scale = None
     if scale is not None and np.isfinite(scale).any():
         signals.append("loss scale")
         prev = math.nan
@@ -114,7 +130,12 @@ def numerics_events(steps: pd.DataFrame) -> tuple[list[dict], list[str], dict]:
     skipped = np.zeros(len(steps), bool) if skipped is None else skipped
     for s in step[~np.isfinite(loss) & ~missing & ~skipped]:
         ev.append({"step": int(s), "kind": "nonfinite_loss", "detail": "non-finite loss"})
-    for s in step[missing & ~skipped]:
+    nan_step = _flag(steps, "nan_step")
+    nan_step = np.zeros(len(steps), bool) if nan_step is None else nan_step
+    for s, ln in zip(step[nan_step], _lines(steps)[nan_step]):
+        ev.append({"step": int(s), "kind": "nan_step",
+                   "detail": "NaN step: grad norm nan and no loss printed" + ln})
+    for s in step[missing & ~skipped & ~nan_step]:
         ev.append({"step": int(s), "kind": "no_loss", "detail": "no loss value on the line"})
     ev.sort(key=lambda e: e["step"])
     return ev, signals, scale_info
@@ -167,7 +188,8 @@ def numerics_health(steps: pd.DataFrame, spikes: pd.DataFrame,
                        "as an Adam spike")
         elif {"loss scale", "DeepSpeed OVERFLOW lines", "skipped / nan counters"} & set(signals):
             verdict = (f"no loss-scale cut, overflow, skip or NaN iteration within {near} "
-                       "steps: consistent with an optimizer spike")
+                       "steps: not a numerics event by these signals (the cause: see the "
+                       "per-spike diagnosis)")
         else:
             verdict = ("the run prints no loss scale, overflow or skip counters (bf16, or not "
                        "logged): numerics cannot be told apart here")
@@ -187,7 +209,9 @@ def health_markdown(h: NumericsHealth, max_rows: int = 30) -> list[str]:
     else:
         L.append("Signals in this run: " + ", ".join(h.signals) + ".")
     ls = h.loss_scale
-    if ls:
+    if ls.get("constant_one"):
+        L += ["", CONSTANT_ONE]
+    elif ls:
         L += ["", f"Loss scale {_g(ls['first'])} -> {_g(ls['last'])} (min {_g(ls['min'])} at "
                   f"step {ls['min_step']}): {ls['cuts']} cut(s), {ls['raises']} raise(s)."]
     ev = h.events

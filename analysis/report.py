@@ -24,11 +24,13 @@ import numpy as np
 import pandas as pd
 
 from adamspike.report_html import markdown_to_html
-from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, load_run
+from adamspike.rundir import (RunFormatError, atomic_write_bytes, json_clean, load_run,
+                              normalize_config)
 from adamspike.tables import fmt as _f, md_table
 from adamspike.spikes import (SpikeParams, anomaly_flags, detect_spikes, loss_spikes,
                               valued_rows)
 from analysis.alarms import fire_steps, online_alarms, score_alarms
+from analysis.diagnosis import LEAD_LINES, diagnose
 from analysis.numerics import health_markdown, numerics_health
 from analysis.fits import (check_rms_t, failing_assumption, fit_update_rms, fit_update_rms_heterogeneous,
                            optim_params, spike_regimes)
@@ -69,6 +71,7 @@ class RunAnalysis:
     numerics: Any = None             # analysis.numerics.NumericsHealth
     coverage: dict = field(default_factory=dict)    # series -> judged_steps(...)
     grad_lead: pd.DataFrame | None = None           # grad_norm_leads(...)
+    diagnosis: pd.DataFrame | None = None           # analysis.diagnosis.diagnose(...)
     notes: dict[str, str] = field(default_factory=dict)
     run: Any = field(default=None, repr=False)
 
@@ -120,6 +123,7 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     if "grad_norm" in st:
         ra.coverage["grad_norm"] = judged_steps(st, "grad_norm", grad_rule)
     ra.grad_lead = grad_norm_leads(spikes, grad_spikes, log_interval)
+    ra.diagnosis = diagnose(ra)
     op = optim_params(run.config)
     no_layers = "no per-layer telemetry in this run (layers table is empty)"
     if lay.empty:
@@ -158,7 +162,6 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
     return ra
 
 
-LEAD_LINES = 10   # logged lines before a loss spike in which a grad-norm spike leads it
 
 
 # A trace whose first logged iteration is at most this is the start of its job (any usual
@@ -278,7 +281,7 @@ def _load(path: Path, tables):
 # ------------------------------------------------------------------ formatting
 
 def _config_line(meta: dict) -> str:
-    cfg = meta.get("config", {})
+    cfg = normalize_config(meta.get("config", {}))
     o = cfg.get("optim", {}) or {}
     m = cfg.get("model", {}) or {}
     parts = [f"backend `{meta.get('backend')}`"]
@@ -355,7 +358,9 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
               f"{imp.get('num_duplicate_steps', 0)} repeated iterations (last kept). "
               f"Log interval {imp.get('log_interval')}"
               f"{' (rows are interval averages)' if (imp.get('log_interval') or 1) > 1 else ''};"
-              f" loss column `{imp.get('loss_key')}`; tokens from {imp.get('tokens_from')}."]
+              f" loss column `{imp.get('loss_key')}`; "
+              + (f"tokens from {imp['tokens_from']}." if imp.get("tokens_from") else
+                 "tokens not counted (the log has neither consumed tokens nor --seq-len).")]
         missing = not_measured_note(imp)
         if missing:
             L += ["", missing]
@@ -375,17 +380,20 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
                             "recovered", "nonfinite"],
                            ["start", "peak step", "peak", "baseline", "height %",
                             "duration (steps)", "recovered", "non-finite"])]
+        cens = sp[~sp["recovered"].astype(bool)]
+        if len(cens):
+            L += ["", f"Censored: the spike(s) at step {', '.join(map(str, cens['start']))} had "
+                      "not recovered when the run ends; their duration is a lower bound."]
     L += ["", f"Gradient-norm spikes (same rule on log grad norm, the second series): "
               f"{len(ra.grad_spikes)}" + (", starting at step " + ", ".join(
                   map(str, ra.grad_spikes["start"].head(10))) if len(ra.grad_spikes) else "")
           + "."]
-    gl = ra.grad_lead
-    if gl is not None and len(gl) and "grad_norm" in ra.coverage:
-        L += [""] + [f"- loss spike at step {r.start}: " + (
-            f"the grad norm left its band at step {int(r.grad_start)}, {int(r.lead)} step(s) "
-            "before" if r.lead > 0 else "the grad norm left its band at the same step"
-            if r.lead == 0 else f"no grad-norm spike in the {LEAD_LINES} logged lines before")
-            + "." for r in gl.itertuples()]
+    dg = ra.diagnosis
+    if dg is not None and len(dg):
+        L += ["", "Per spike, the cause the evidence points to (analysis.diagnosis):", ""]
+        L += [f"- loss spike at step {r.start}: **{r.cause}**: {r.evidence}"
+              + ("" if r.grad_note in r.evidence else f"; grad norm: {r.grad_note}") + "."
+              for r in dg.itertuples()]
     if ra.coverage:
         L += ["", "Steps the rule judged:", ""] + _coverage_lines(ra)
     if ra.scores:
@@ -712,12 +720,19 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path) -> list[Path]:
     if ra.hetero_fit is not None:
         _write_csv(ra.hetero_fit.bands, out / "update_rms_fit_bands.csv", written)
         _write_csv(ra.hetero_fit.diagnostics, out / "update_rms_fit_diagnostics.csv", written)
-    md = render_markdown(ra, out)
-    atomic_write_bytes(out / "report.md", md.encode())
-    atomic_write_bytes(out / "report.html", markdown_to_html(md, out, f"Run {ra.name}").encode())
+    write_report_page(ra, out)
     atomic_write_bytes(out / "summary.json",
                        json.dumps(json_clean(summary_dict(ra)), indent=2, allow_nan=False).encode())
     return written + [out / "report.md", out / "report.html", out / "summary.json"]
+
+
+def write_report_page(ra: RunAnalysis, out_dir: str | Path) -> None:
+    """report.md and report.html (self-contained: the figures at FIGURE_DIRS inline) of a
+    run; rewritten after `adamspike analyze` has drawn the run's figures."""
+    out = Path(out_dir)
+    md = render_markdown(ra, out)
+    atomic_write_bytes(out / "report.md", md.encode())
+    atomic_write_bytes(out / "report.html", markdown_to_html(md, out, f"Run {ra.name}").encode())
 
 
 _LINK = re.compile(r"\]\((?![a-z]+:|/|#)([^)\s]+)\)")

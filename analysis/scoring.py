@@ -8,8 +8,10 @@ Per analysed run (telemetry run directory or an imported Megatron log):
              peak) matched against every setting's overrides (relative tolerance 1e-6 on
              the keys the run states). Without an exact match the nearest setting by the sum
              of squared log10 ratios (b2 as 1 - b2) is used, and the row says so.
-  observed   spikes per 1000 steps = 1000 k / n, k = the report's loss-spike count
-             (analysis.report.loss_spikes), n = steps with a loss.
+  observed   spikes per 1000 optimizer steps = 1000 k / n, k = the report's loss-spike
+             count (analysis.report.loss_spikes), n = lines with a loss x the log interval
+             (a log line stands for that many optimizer steps). Fewer judged lines than the
+             spike rule's window: "too few steps", no rate, no p-values.
   verdict    inside / above / below the setting's rate_ci. As a count check, with
              mu = rate n / 1000: p_above = P(K >= k | mu_hi) and p_below = P(K <= k | mu_lo)
              (Poisson), small when the count is out of reach of the interval (a short run
@@ -76,6 +78,44 @@ def run_setting(ra) -> tuple[dict, list[str]]:
     return vals, notes
 
 
+SOURCE_KEYS = ("optim.lr", "optim.b1", "optim.b2", "optim.eps", "optim.grad_clip",
+               "train.global_batch_size", "train.seq_len")
+
+
+def setting_sources(ra) -> dict[str, tuple[float, str]]:
+    """{dotted key: (value, where it came from)} of what the run states: a flag or the
+    log's argument dump (the import's `setting_sources`: "flag --eps", "log line 57:
+    adam_eps"), the logged lines (lr: their largest value; the batch: the lines'
+    `global batch size`), or run.json's config (a run directory). A key that nothing
+    states is absent: the caller says what it assumes instead."""
+    cfg = ra.run.config if ra.run is not None else {}
+    imp = ra.meta.get("import") or {}
+    given = imp.get("setting_sources") or {}
+    st = ra.run.steps if ra.run is not None else pd.DataFrame()
+    out: dict[str, tuple[float, str]] = {}
+    for key in SOURCE_KEYS:
+        sec, name = key.split(".")
+        v = (cfg.get(sec) or {}).get(name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[key] = (float(v), given.get(key) or ("run.json config" if not imp else
+                                                     "run.json config of the import"))
+    if "optim.lr" not in out and "lr" in st and np.isfinite(st["lr"].to_numpy(float)).any():
+        lr = st["lr"].to_numpy(float)
+        i = int(np.nanargmax(lr))
+        ln = st["line"].iloc[i] if "line" in st else None
+        out["optim.lr"] = (float(lr[i]), "the largest logged learning rate (the schedule's "
+                           f"peak at most), iteration {int(st['step'].iloc[i])}"
+                           + (f", log line {int(ln)}" if ln is not None and ln == ln else ""))
+    if "train.global_batch_size" not in out and "global_batch_size" in st:
+        v = pd.to_numeric(st["global_batch_size"], errors="coerce").to_numpy(float)
+        if np.isfinite(v).any():
+            lo, hi = np.nanmin(v), np.nanmax(v)
+            out["train.global_batch_size"] = (float(np.nanmedian(v)), "the log's `global batch "
+                                              "size` field" + (f" (median; {lo:g} to {hi:g}: "
+                                                               "a ramp-up)" if lo != hi else ""))
+    return out
+
+
 def _dist(a: float, b: float, key: str) -> float:
     if key == "optim.b2" or key == "optim.b1":
         a, b = 1 - a, 1 - b
@@ -116,15 +156,29 @@ def score_rate(ra, pred: Predictions) -> dict:
     vals, notes = run_setting(ra)
     s, how = match_setting(pred.settings, vals)
     st = ra.run.steps if ra.run is not None else pd.DataFrame()
-    n = int(np.isfinite(st["loss"].to_numpy(float)).sum()) if "loss" in st else ra.num_steps
+    lines = int(np.isfinite(st["loss"].to_numpy(float)).sum()) if "loss" in st else ra.num_steps
+    # a log line stands for `log_interval` optimizer steps: rates are per optimizer step
+    interval = max(int((ra.meta.get("import") or {}).get("log_interval") or 1), 1)
+    n = lines * interval
     k = int(len(ra.spikes))
-    rate = 1000.0 * k / n if n else math.nan
+    judged = int((getattr(ra, "coverage", {}).get("loss") or {}).get("num_judged", lines))
+    need = int(getattr(ra.spike_params, "window", 0) or 0)
+    too_few = judged < need
+    rate = 1000.0 * k / n if n and not too_few else math.nan
     row = {"run": ra.name, "backend": ra.meta.get("backend", ""), "num_steps": n,
+           "num_lines": lines, "log_interval": interval, "num_judged": judged,
            "num_spikes": k, "observed_rate_per_1k": rate, "match": how,
-           "run_values": vals, "value_notes": notes}
+           "run_values": vals, "value_notes": notes, "too_few_steps": too_few}
     if s is None or "rate_ci" not in s:
         row.update(setting=None, verdict="not scored: " + (how if s is None else
                                                           "the setting has no rate_ci"))
+        return row
+    if too_few:
+        row.update(setting=s["id"], predicted_rate_per_1k=float(s["rate_per_1k"]),
+                   rate_lo=float(s["rate_ci"][0]), rate_hi=float(s["rate_ci"][1]),
+                   verdict=f"too few steps ({judged} judged line(s), the rule's window is "
+                           f"{need}): not scored", extrapolated=bool(s.get("extrapolated", False)),
+                   p_above=math.nan, p_below=math.nan, count_consistent=None)
         return row
     lo, hi = (float(x) for x in s["rate_ci"])
     verdict = "inside" if lo <= rate <= hi else "above" if rate > hi else "below"
@@ -192,8 +246,9 @@ def section(rates: list[dict], lift: pd.DataFrame, alarm_source: str, pred: Pred
          + ({"ok": f"verified ({integ.get('stored', '')[:16]}...)",
              "missing": "**absent: the file is not pre-registered**",
              "mismatch": "**does not match**"}[status]) + ".", "",
-         "Observed spike rate (the report's loss-spike rule) against the matched setting's "
-         "interval; p_above = P(K >= k | upper rate), p_below = P(K <= k | lower rate); the "
+         "Observed spike rate (the report's loss-spike rule) per 1000 optimizer steps (a log "
+         "line counts as its log interval of steps; no rate below the rule's window of judged "
+         "lines: 'too few steps') against the matched setting's interval; p_above = P(K >= k | upper rate), p_below = P(K <= k | lower rate); the "
          "count is consistent with the interval when both are >= 0.05 (a short run can be "
          "'below' without contradicting it).", ""]
     rows = [{"run": r["run"], "steps": r["num_steps"], "spikes": r["num_spikes"],

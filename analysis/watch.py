@@ -91,6 +91,7 @@ from adamspike.megatron_log import MegatronLogError, iter_megatron_log
 import pyarrow.parquet as pq
 from adamspike.rundir import RunFormatError, flushed_step, read_meta, read_plain_part
 from adamspike.spikes import SpikeParams, add_spike_flags
+from analysis.cli import check_log_flags
 from analysis.numerics import numerics_events
 from analysis.regime import log_arguments, num_params_from_args, rho_bar
 from analysis.report import grad_norm_rule
@@ -1167,11 +1168,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args) -> int:
     params = SpikeParams.from_flags(args)
     check_finite_args(args)
-    for flag, lo in (("poll", 0.0), ("on_event_timeout", 0.0), ("eps", 0.0), ("clip", 0.0),
-                     ("num_params", 1.0)):
+    check_log_flags(args)        # analysis.cli: --eps, --clip, --num-params like config fields
+    for flag in ("poll", "on_event_timeout"):
         if getattr(args, flag) is not None:
-            check_value("--" + flag.replace("_", "-"), getattr(args, flag), float, lo=lo,
-                        lo_open=lo == 0.0)
+            check_value("--" + flag.replace("_", "-"), getattr(args, flag), float, lo=0.0,
+                        lo_open=True)
     n = int(args.num_params) if args.num_params else None
     if args.model:
         if args.model not in PRESETS:

@@ -5,6 +5,9 @@
 
 Run figures (one set per run directory, in OUT/<run name>/), theory figures (OUT/theory/)
 and sweep figures (OUT/sweep/, when a sweep table is given or found in the study folder).
+Only what is asked: RUN... / --analysis draw the run figures (and the inputs named), not
+the theory figures (--theory adds them) or the study-wide figure (--from-study draws all).
+`adamspike analyze` draws the run figures itself (draw_run_figures).
 Spikes, precursors, fits and regime cards are not computed here: the figures read the
 tables `adamspike analyze --out DIR` wrote (--analysis DIR; a study's analysis/), and a
 figure drawn from them is skipped for a run without an analysis. With --analysis, each
@@ -176,6 +179,20 @@ def _report_html(analysis_dir: Path, run, pngs: list[Path]) -> Outcome | None:
     return None
 
 
+def draw_run_figures(runs: Iterable[str | Path], names: Iterable[str], analysis: str | Path,
+                     jobs: int = 1) -> str:
+    """The run figures of analysed runs into ANALYSIS/<name>/figures (where the run report
+    links them, analysis.report.FIGURE_DIRS), read from the analysis tables; PNG only.
+    Returns a one-line summary of the figures that failed ('' when none did)."""
+    run_modules = [n for n, k in REGISTRY if k == "run"]
+    items = [(str(p), str(Path(analysis) / n / "figures"), run_modules, ("png",),
+              str(analysis), n) for p, n in zip(runs, names)]
+    bad = [o for done in process_map(_run_figures, items, jobs) for o in done
+           if o.status == "failed"]
+    return "; ".join(f"figure {o.module} [{Path(o.target).name}] failed: {o.detail}"
+                     for o in bad[:5])
+
+
 def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *,
              sweep: str | Path | None = None, replication: str | Path | None = None,
              quick: bool = False,
@@ -183,7 +200,7 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
              ladder: str | Path | None = None,
              spike_rate: str | Path | None = None, analysis: str | Path | None = None,
              phase_map: str | Path | None = None, batch_sharpness: str | Path | None = None,
-             jobs: int = 1) -> tuple[list[Path], list[Outcome]]:
+             jobs: int = 1, study_figures: bool = True) -> tuple[list[Path], list[Outcome]]:
     """Regenerate all figures; returns (files written, one Outcome per module x target).
     analysis: the `adamspike analyze --out` folder the run and study figures read (None:
     those figures are skipped). jobs > 1: the run figures of different runs are drawn in
@@ -222,6 +239,8 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
             argv = ["--out", str(d)] + (["--quick"] if quick else [])
             outcomes.append(_call_main(m, argv, d, "theory"))
         elif kind == "study":
+            if not study_figures:
+                continue                       # not asked for (figures RUN... --analysis)
             if analysis is None or not Path(analysis).is_dir():
                 outcomes.append(Outcome(m.__name__, str(analysis or ""), "skipped",
                                         "no analysis folder (`adamspike analyze` first)"))
@@ -234,6 +253,8 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
             outcomes.append(_call_main(m, argv, d, "study"))
         elif kind in inputs:
             src, flag, none = inputs[kind]
+            if src is None and not study_figures:
+                continue                       # not asked for: not even a "skipped" line
             if src is None or not Path(src).exists():
                 outcomes.append(Outcome(m.__name__, str(src or ""), "skipped",
                                         none if src is None else f"{src} does not exist"))
@@ -263,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="CI scale where a figure supports it, PNG only (no PDF)")
     ap.add_argument("--no-theory", action="store_true", help="skip the theory figures")
+    ap.add_argument("--theory", action="store_true",
+                    help="also the theory figures when RUN... or --analysis is given (drawn by "
+                         "default only with --from-study or when nothing else is asked for)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="processes drawing the run figures (one run each; default 1)")
     ap.add_argument("--only-theory", action="store_true",
@@ -308,8 +332,13 @@ def _main(args: argparse.Namespace) -> int:
         if not (r / "run.json").is_file():
             print(f"adamspike figures: {r}: not a run directory (no run.json)", file=sys.stderr)
             return 2
+    # only what is asked: RUN... / --analysis draw the run figures (and whatever input is
+    # named), not the theory figures or the all-runs study figure
+    asked_runs = bool(args.runs or args.analysis) and not args.from_study
+    theory = not args.no_theory and (args.theory or not asked_runs)
     _, outcomes = generate(runs, args.out, sweep=sweep, replication=replication,
-                           quick=args.quick, theory=not args.no_theory, study=args.from_study,
+                           quick=args.quick, theory=theory, study=args.from_study,
+                           study_figures=not asked_runs,
                            ladder=args.ladder, spike_rate=args.spike_rate,
                            analysis=args.analysis, phase_map=args.phase_map,
                            batch_sharpness=args.batch_sharpness, jobs=max(1, args.jobs))

@@ -64,6 +64,7 @@ from adamspike import mitigations
 from adamspike.config import ConfigError, load_config, param, replace, to_dict
 from adamspike.llama import num_params
 from adamspike.predictions import (PredictionsError, indistinguishable, load_predictions,
+                                   model_label, not_in_model,
                                    setting_config)
 from adamspike.train_config import RunConfig
 from fullscale.cli import _Parser, exit_status
@@ -810,9 +811,15 @@ def _plan(argv: list[str]) -> int:
                   "the spike-rate model predicts the same rate for them (they differ only in "
                   "keys it does not use), so running all of them tests no prediction; keep "
                   "one, or plan them as a test of that key", file=sys.stderr)
+        feats = ((preds.rate_model or {}).get("features")
+                 or (preds.settings[0].get("model_features") if preds.settings else None) or [])
+        model = model_label({**(preds.rate_model or {}), "features": list(feats)})
+        blind = not_in_model(feats)
         (tmp / "plan.json").write_text(json.dumps(
             {"predictions": str(out / "predictions.json"), "base": _abs(args.base), "settings": rows,
-             "indistinguishable": twins}, indent=2) + "\n")
+             "indistinguishable": twins, "model": model, "not_in_model": blind},
+            indent=2) + "\n")
+    print(f"model: {model}" + (f"; not in the model: {', '.join(blind)}" if blind else ""))
     print(f"wrote {out}: {len(rows)} setting(s): " + ", ".join(r["id"] for r in rows)
           + (f"; {sum(len(g) for g in twins)} of them indistinguishable for the model "
              f"({'; '.join(' = '.join(g) for g in twins)})" if twins else ""))

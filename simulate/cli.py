@@ -114,7 +114,9 @@ def _quadratic(argv) -> int:
     problem = {"kind": "quadratic", **hp, "dim": spec.dim, "lam_min": spec.lam_min,
                "lam_max": spec.lam_max, "rotate": spec.rotate, "rescale": spec.rescale,
                "dtype": spec.dtype, "eps_star": es}
-    config = {"problem": problem, "num_steps": a.steps}
+    config = {"problem": problem, "num_steps": a.steps,
+              "optim": {"lr": o.lr, "eps": o.eps, "b1": o.b1, "b2": o.b2},
+              "train": {"num_steps": a.steps}}
     write_run(a.out, quadratic_traces(out, spec, hp, wall), config=config, problem=problem,
               layers_every=a.layers_every, progress=not a.no_progress)
     spikes = count_spikes(out["log10_loss"])

@@ -103,13 +103,14 @@ import pandas as pd
 
 from adamspike import package_data
 from adamspike import spike_rate as SR
-from adamspike.config import ConfigError, cli_main, flatten, read_toml, to_dict
+from adamspike.config import (ConfigError, cli_main, flatten, parse_setting_text, read_toml,
+                              to_dict)
 from adamspike.depth_groups import depth_group, group_rho
 from adamspike.depth_groups import shallow_depths as group_shallow_depths
 from adamspike.llama import PRESETS, num_params, param_specs, preset
 from adamspike.megatron_log import MegatronLogError, read_megatron_log
 from adamspike.predictions import (AlarmRule, Predictions, PredictionsError, indistinguishable,
-                                   model_key, save_predictions)
+                                   model_key, model_label, not_in_model, save_predictions)
 from adamspike.rundir import RunFormatError, json_clean, load_run, read_json
 from adamspike.train_config import RunConfig
 from simulate import ladder as LD
@@ -122,6 +123,37 @@ DEFAULT_HORIZON_STEPS = 2000   # P(>= 1 spike) horizon (the seed report's run st
 MIN_CLASS_RUNS = 3
 MIN_YOUDEN_J = 0.2           # a data threshold must separate the classes at least this well
 NUM_VALIDATE = 3
+# What the theory can compute: its EMA windows hold ~39 / (1 - b) terms per array, so
+# 1 - b below MIN_ONE_MINUS_BETA would allocate gigabytes (b = 0.999999: > 5 GB); rho
+# outside RHO_RANGE (a huge or tiny eps, an extreme eps_ref or grad norm) underflows the
+# closed forms and lies decades beyond any data the rate model saw
+MIN_ONE_MINUS_BETA = 1e-4
+RHO_RANGE = (1e-8, 1e8)
+
+
+def check_beta(name: str, b: float, where: str = "") -> float:
+    """An Adam beta the theory can evaluate: finite, 0 <= b and 1 - b >= MIN_ONE_MINUS_BETA."""
+    b = float(b)
+    if not (math.isfinite(b) and 0.0 <= b and 1.0 - b >= MIN_ONE_MINUS_BETA):
+        raise ConfigError(f"{where}{name}: must be in [0, {1 - MIN_ONE_MINUS_BETA:g}] (the "
+                          f"theory's windows hold ~39 / (1 - {name}) steps), got {b!r}")
+    return b
+
+
+def check_positive(name: str, x: float, where: str = "") -> float:
+    """A finite number > 0 (eps_ref, clip, eps)."""
+    x = float(x)
+    if not (math.isfinite(x) and x > 0):
+        raise ConfigError(f"{where}{name}: must be a finite number > 0, got {x!r}")
+    return x
+
+
+def check_rho(what: str, rho: float, why: str) -> None:
+    """rho inside RHO_RANGE (module constants); ConfigError naming the input behind it."""
+    lo, hi = RHO_RANGE
+    if not (math.isfinite(rho) and lo <= rho <= hi):
+        raise ConfigError(f"{what}: rho {rho:.3g} is outside the range the theory and the rate "
+                          f"model can evaluate ({lo:g} to {hi:g}); {why}")
 
 
 # ----------------------------------------------------------------------------- profiles
@@ -183,20 +215,33 @@ def ladder_profile(ladder_dir: str | Path, batch_sharpness: str | Path | None = 
                              batch_sharpness=batch_sharpness)
     rows = LD.profile_by_depth(ext)
     by = {k: {r["depth"]: r[k] for r in rows} for k in ("rho", "rho_lo", "rho_hi")}
+    inputs = profile_inputs(
+        eps_ref=(s["eps_ref"], "the 70B run's (configs/llama2-70b.toml)"),
+        clip=(s["clip"], "the 70B run's (configs/llama2-70b.toml)"),
+        N=(int(num_params(preset("llama2-70b"))), "the llama2-70b preset"),
+        rho_bar=(float(ext.get("mean_rho", math.nan)), "extrapolated: the ladder's fit carried "
+                 "to dim 8192, 80 layers"))
     return _llama70b_profile(int(ext["num_layers"]), s["eps_ref"], s["clip"], by["rho"],
                              by["rho_lo"], by["rho_hi"],
                              ladder={"fit": LD.public(fit), "llama2_70b": dict(LD.public(ext))},
-                             source=_ladder_source(ladder_dir, fit, ext))
+                             inputs=inputs, source=_ladder_source(ladder_dir, fit, ext))
 
 
-def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
-                     eps_ref: float = 1e-5, num_params_log: int | None = None) -> dict:
+def profile_inputs(**kv: tuple[Any, str]) -> dict:
+    """{input: {"value", "source"}}: each input of a profile with where it came from
+    (measured / read from the log / given by flag / assumed / extrapolated)."""
+    return {k: {"value": v, "source": src} for k, (v, src) in kv.items()}
+
+
+def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float | None = None,
+                     eps_ref: float | None = None, num_params_log: int | None = None) -> dict:
     """LLaMA2-70B profile from a training log's grad norms, shaped by the ladder (module
     docstring)."""
-    if not clip > 0:
-        raise ConfigError(f"--clip: must be > 0, got {clip}")
-    if not eps_ref > 0:
-        raise ConfigError(f"--eps-ref: must be > 0, got {eps_ref}")
+    clip_given, eps_ref_given = clip is not None, eps_ref is not None
+    clip = LLAMA2_70B_SETTINGS["clip"] if clip is None else clip
+    eps_ref = LLAMA2_70B_SETTINGS["eps_ref"] if eps_ref is None else eps_ref
+    check_positive("--clip", clip)
+    check_positive("--eps-ref", eps_ref)
     try:
         steps = read_megatron_log(log).steps
     except MegatronLogError as e:
@@ -211,9 +256,13 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
     N = int(num_params_log) if num_params_log else num_params(preset("llama2-70b"))
     if N < 1:
         raise ConfigError(f"--num-params: must be >= 1, got {num_params_log}")
-    rho_bar_t = np.minimum(late, clip) / (math.sqrt(N) * eps_ref)
-    rho_bar = float(np.median(rho_bar_t))
-    q10, q90 = (float(np.quantile(rho_bar_t, q)) for q in (0.1, 0.9))
+    with np.errstate(all="ignore"):      # an extreme input is refused just below
+        rho_bar_t = np.minimum(late, clip) / (math.sqrt(N) * eps_ref)
+        rho_bar = float(np.median(rho_bar_t))
+        q10, q90 = (float(np.quantile(rho_bar_t, q)) for q in (0.1, 0.9))
+    for v in (q10, rho_bar, q90):
+        check_rho(f"{log}", v, f"rho_bar = min(grad norm, --clip {clip:g}) / (sqrt(N {N}) "
+                  f"--eps-ref {eps_ref:g}): check --eps-ref, --clip and --num-params")
     fit, ext = LD.ladder_70b(ladder_dir, eps=eps_ref, clip=clip)
     groups = ext["_groups"]
     shape = {g: ext["rho"][g] / ext["mean_rho"] for g in groups}
@@ -228,8 +277,33 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
     rho = {d: rho_bar * shape[depth_group(d, L)] for d in depths}
     lo = {d: q10 * shape_lo[depth_group(d, L)] for d in depths}
     hi = {d: q90 * shape_hi[depth_group(d, L)] for d in depths}
+    # the ladder's extrapolation with its level replaced by the measurement: the same
+    # sharpness (so the same mechanism model as --profile llama2-70b), the measured mean rho
+    lad = dict(LD.public(ext))
+    ladder_rho = float(lad.get("mean_rho", math.nan))
+    lad["mean_rho"] = rho_bar
+    inputs = profile_inputs(eps_ref=(eps_ref, "given by flag --eps-ref" if eps_ref_given else
+                                     "assumed (--eps-ref not given)"),
+                            clip=(clip, "given by flag --clip" if clip_given else
+                                  "assumed (--clip not given)"),
+                            N=(N, "given by flag --num-params" if num_params_log else
+                               "assumed: the llama2-70b preset's (--num-params not given)"),
+                            rho_bar=(rho_bar, f"measured: median over the last {len(late)} "
+                                     f"logged grad norms of {log}"),
+                            ladder_mean_rho=(ladder_rho, "the ladder's extrapolation, replaced "
+                                             "by the measured rho_bar"))
+    s70 = LLAMA2_70B_SETTINGS
+    # --profile llama2-70b's inputs, for the line naming what differs (its rho_bar is the
+    # ladder's at this eps_ref and clip, so the levels compare where those agree)
+    shipped_inputs = profile_inputs(
+        eps_ref=(s70["eps_ref"], "the 70B run's"), clip=(s70["clip"], "the 70B run's"),
+        N=(int(num_params(preset("llama2-70b"))), "the llama2-70b preset"),
+        rho_bar=(ladder_rho, f"the ladder's extrapolation at eps {eps_ref:g}, clip {clip:g}"))
     return _llama70b_profile(
         L, eps_ref, clip, rho, lo, hi, rho_bar=rho_bar, rho_bar_q10_q90=[q10, q90],
+        ladder={"fit": LD.public(fit), "llama2_70b": lad}, inputs=inputs,
+        shipped_inputs=shipped_inputs,
+        num_params_log=N,
         source=(f"measured log {log}: rho_bar = median of min(grad_norm, {clip:g}) / "
                 f"(sqrt(N) eps) over its last {len(late)} logged iterations = "
                 f"{rho_bar:.3g} (10-90 %: {q10:.3g}-{q90:.3g}), N {N} ("
@@ -237,6 +311,32 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float = 1.0,
                    "the llama2-70b preset: give --num-params for another model") +
                 f"), eps {eps_ref:g}; "
                 f"depth shape from the " + _ladder_source(ladder_dir, fit, ext)))
+
+
+def with_70b_sharpness(profile: dict, ladder: str | None = None) -> None:
+    """A llama2-70b profile from a run or a JSON file (80 layers) gets the ladder's 70B
+    sharpness (--ladder, else the shipped ladder), with the ladder's level replaced by the
+    profile's own mean rho: the mechanism model then answers for it as for --profile
+    llama2-70b and --profile-from-log (one predictor whatever the profile source). Other
+    profiles, or one that has it already, are left as they are."""
+    if profile.get("name") != "llama2-70b" or \
+            ((profile.get("ladder") or {}).get("llama2_70b") or {}).get("sharpness"):
+        return
+    if int(profile.get("num_layers", -1)) != PRESETS["llama2-70b"].num_layers:
+        return
+    lad_dir = ladder or package_data.ladder_dir("llama2-70b")
+    clip = float(profile.get("clip") or LLAMA2_70B_SETTINGS["clip"])
+    fit, ext = LD.ladder_70b(lad_dir, eps=float(profile["eps_ref"]), clip=clip)
+    numel = profile_numel(profile)
+    rho = profile["rho_by_depth"]
+    mean = math.sqrt(sum(numel[d] * rho[d] ** 2 for d in rho) / sum(numel[d] for d in rho))
+    lad = dict(LD.public(ext))
+    lad["mean_rho"] = mean
+    profile["ladder"] = {"fit": LD.public(fit), "llama2_70b": lad}
+    profile.setdefault("inputs", profile_inputs(
+        eps_ref=(float(profile["eps_ref"]), profile.get("source", "the profile")),
+        rho_bar=(mean, "the profile's rho, numel-weighted rms over depths"),
+        sharpness=("the ladder's 70B reading", f"{lad_dir}")))
 
 
 def profile_from_run(path: Path) -> dict:
@@ -302,8 +402,7 @@ def profile_from_json(path: Path) -> dict:
         raise ConfigError(f"{path}: malformed profile ({e})") from None
     if not rho or any(not (v > 0 and math.isfinite(v)) for v in rho.values()):
         raise ConfigError(f"{path}: rho_by_depth must hold positive finite numbers")
-    if not eps_ref > 0:
-        raise ConfigError(f"{path}: eps_ref must be > 0")
+    check_positive("eps_ref", eps_ref, f"{path}: ")
     if any(not -1 < v < 1 for v in phi.values()):
         raise ConfigError(f"{path}: phi must lie in (-1, 1)")
     name = str(data.get("name", path.stem))
@@ -323,7 +422,8 @@ def profile_from_json(path: Path) -> dict:
     return {"name": name, "num_layers": num_layers, "eps_ref": eps_ref,
             "rho_by_depth": rho, "phi_by_depth": {d: phi.get(d, 0.0) for d in rho},
             "numel_by_depth": {d: numel[d] for d in rho}, "numel_source": numel_src,
-            "lr": float(data.get("lr", 1.5e-4)), "b1": float(data.get("b1", 0.9)),
+            "lr": check_positive("lr", data.get("lr", 1.5e-4), f"{path}: "),
+            "b1": check_beta("b1", data.get("b1", 0.9), f"{path}: "),
             "global_batch_size": int(data.get("global_batch_size", 1024)),
             "seq_len": data.get("seq_len"), "source": f"profile file {path}"}
 
@@ -406,38 +506,53 @@ def load_candidates(path: str, profile: Mapping[str, Any]) -> list[dict]:
     return out
 
 
+def baseline(profile: Mapping[str, Any]) -> dict:
+    """The profile's own setting (the run it describes): its eps_ref, b1, lr, batch, and
+    b2 where the profile states one (else the 70B config's 0.95, `b2_assumed`)."""
+    return {**_profile_defaults(profile), "optim.eps": float(profile["eps_ref"]),
+            "optim.b2": float(profile.get("b2") or 0.95)}
+
+
 def _candidate(flat: Mapping[str, Any], where: str, profile: Mapping[str, Any],
-               cid: str | None = None) -> dict:
-    """One candidate: CANDIDATE_KEYS only, optim.b2 and optim.eps required, the rest from
-    the profile, validated by RunConfig.from_dict (ConfigError names `where` and the key)."""
+               cid: str | None = None, fill_baseline: bool = False) -> dict:
+    """One candidate: CANDIDATE_KEYS only, optim.b2 and optim.eps required (fill_baseline:
+    the baseline's, named in `assumed`), the rest from the profile, validated by
+    RunConfig.from_dict (ConfigError names `where` and the key)."""
     bad = sorted(set(flat) - set(CANDIDATE_KEYS))
     if bad:
         raise ConfigError(f"{where}.{bad[0]}: unknown key (known: id, {', '.join(CANDIDATE_KEYS)})")
+    assumed = {}
     for k in ("optim.b2", "optim.eps"):
         if k not in flat:
-            raise ConfigError(f"{where}.{k}: missing")
-    flat = {**_profile_defaults(profile), **flat}
+            if not fill_baseline:
+                raise ConfigError(f"{where}.{k}: missing")
+            assumed[k] = baseline(profile)[k]
+    flat = {**_profile_defaults(profile), **assumed, **flat}
     try:
         cfg = flatten(to_dict(RunConfig.from_dict(flat)))
     except ConfigError as e:
         raise ConfigError(f"{where}.{e}") from None
     if not cfg["optim.eps"] > 0:
         raise ConfigError(f"{where}.optim.eps: must be > 0 (rho = rms(g) / eps)")
-    return {**({"id": cid} if cid else {}), **{k: cfg[k] for k in CANDIDATE_KEYS}}
+    for k in ("optim.b1", "optim.b2"):
+        check_beta(k, cfg[k], f"{where}.")
+    check_positive("optim.eps", cfg["optim.eps"], f"{where}.")
+    scale = float(profile["eps_ref"]) / cfg["optim.eps"]
+    rhos = [float(v) * scale for v in profile["rho_by_depth"].values()]
+    for v in (min(rhos), max(rhos)):
+        check_rho(f"{where}.optim.eps", v, f"at eps {cfg['optim.eps']:g} the profile's depths "
+                  f"have rho {min(rhos):.3g} to {max(rhos):.3g} (rho = rho_ref x eps_ref "
+                  f"{float(profile['eps_ref']):g} / eps)")
+    return {**({"id": cid} if cid else {}), **{k: cfg[k] for k in CANDIDATE_KEYS},
+            **({"assumed": assumed} if assumed else {})}
 
 
 def parse_setting(text: str, profile: Mapping[str, Any]) -> dict:
-    """`--setting optim.eps=1e-6,optim.b2=0.95` as a candidate (dotted keys, numbers)."""
-    flat: dict[str, Any] = {}
-    for part in (x.strip() for x in text.split(",") if x.strip()):
-        key, sep, val = part.partition("=")
-        if not sep:
-            raise ConfigError(f"--setting {text!r}: {part!r} is not KEY=VALUE")
-        try:
-            flat[key.strip()] = int(val) if val.strip().lstrip("-").isdigit() else float(val)
-        except ValueError:
-            raise ConfigError(f"--setting {text!r}: {key.strip()}: not a number: {val!r}") from None
-    return _candidate(flat, f"--setting {text!r}", profile)
+    """`--setting optim.eps=1e-6,optim.b2=0.95` (or `eps=1e-6,b2=0.95`: README's short
+    keys, adamspike.config.parse_setting_text) as a candidate; a key left out is the
+    profile's baseline (`assumed` names it)."""
+    flat = parse_setting_text(RunConfig, text, allowed=CANDIDATE_KEYS)
+    return _candidate(flat, f"--setting {text!r}", profile, fill_baseline=True)
 
 
 def setting_id(c: Mapping[str, Any]) -> str:
@@ -672,6 +787,8 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
            "extrapolation": extrap, "support": sup, "extrapolated": bool(outside),
            "extrapolation_reasons": outside,
            "risk": p, "risk_label": label, "rationale": rationale, "per_depth": per_depth}
+    if cand.get("assumed"):
+        out["assumed"] = dict(cand["assumed"])      # keys the setting left to the baseline
     if "rho_bar" in feats:
         out["rho_bar"], out["rho_bar_bound"] = feats["rho_bar"], feats["rho_bar_bound"]
     if phased:
@@ -837,7 +954,8 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
     if profile.get("numel_source"):
         prof["numel_source"] = profile["numel_source"]
     for k in ("by_depth", "ladder", "rho_bar", "rho_bar_q10_q90", "seq_len", "clip",
-              "num_params"):
+              "num_params", "num_params_log", "inputs", "shipped_inputs", "lr", "b1", "b2",
+              "global_batch_size"):
         if k in profile and profile[k] is not None:
             prof[k] = profile[k]
     src = {"sweep": table_name or None, "sweep_runs": 0 if table is None else int(len(table)),
@@ -862,19 +980,61 @@ def _count(text: str) -> int:
 
 
 def settings_text(pred: Predictions) -> str:
-    """The settings' rates as text (`--setting` without --out: not pre-registered)."""
-    L = [f"profile {pred.profile['name']} ({pred.profile['source'][:160]}...)",
-         f"spike-rate model: {pred.rate_model.get('model_file') or pred.rate_model.get('fitted_on')}"]
+    """The settings' rates as text (`--setting` without --out: not pre-registered): the
+    model and its version, the profile's baseline setting, each input with its source,
+    the inputs that differ from the shipped llama2-70b profile, the keys not in the
+    model; per setting its rate, marked where it is the baseline, where a key was left to
+    the baseline, and where it differs from the baseline only in keys the model cannot see."""
+    prof = pred.profile
+    base = baseline(prof)
+    blind = not_in_model(pred.rate_model.get("features") or [])
+    L = [f"model: {model_label(pred.rate_model)}",
+         f"profile: {prof['name']} ({prof['source'][:160]}...)",
+         "baseline setting: " + ", ".join(f"{k} {base[k]:g}" for k in CANDIDATE_KEYS)
+         + (" (optim.b2 assumed: the profile states none)" if not prof.get("b2") else "")]
+    inputs = prof.get("inputs") or {}
+    if inputs:
+        L.append("inputs: " + "; ".join(f"{k} {_g(v['value'])} ({v['source']})"
+                                        for k, v in inputs.items() if k != "ladder_mean_rho"))
+    ref = prof.get("shipped_inputs") or {}
+    if ref:
+        diff = [f"{k} {_g(inputs[k]['value'])} here vs {_g(v['value'])} ({v['source']})"
+                for k, v in ref.items() if k in inputs and not _same(inputs[k]["value"], v["value"])]
+        diff.append("the rho interval (here the log's 10-90 % range of rho_bar x the ladder's "
+                    "shape interval, there the ladder's bootstrap interval)")
+        L.append("inputs that differ from --profile llama2-70b (the same model): "
+                 + "; ".join(diff))
+    if blind:
+        L.append(f"not in the model: {', '.join(blind)} (the model gives the same number at any "
+                 "value of them: not a measurement of no effect)")
     for s in pred.settings:
-        L.append(f"{s['id']}: {s['rate_per_1k']:.3g} spikes / 1k steps "
+        ov = s["overrides"]
+        moved = [k for k in CANDIDATE_KEYS if not _same(ov[k], base[k])]
+        tag = (" [baseline]" if not moved else
+               f" [differs from the baseline only in {', '.join(moved)}: not in the model, so "
+               "this is the baseline's number]" if set(moved) <= set(blind) else "")
+        L.append(f"{s['id']}{tag}: {s['rate_per_1k']:.3g} spikes / 1k steps "
                  f"[{s['rate_ci'][0]:.3g}, {s['rate_ci'][1]:.3g}], P(>= 1 in "
                  f"{s['horizon_steps']} steps) {s['p_spike']:.3g}"
+                 + ("; assumed (left to the baseline): " + ", ".join(
+                     f"{k} {v:g}" for k, v in s["assumed"].items()) if s.get("assumed") else "")
                  + ("; extrapolated: " + "; ".join(s.get("extrapolation_reasons") or [])
                     if s["extrapolated"] else "")
                  + (f"; the model predicts the same for {', '.join(s['same_prediction_as'])}"
                     if s.get("same_prediction_as") else ""))
     L.append("(not pre-registered: give --out FILE to write predictions.json)")
     return "\n".join(L)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-9)
+    except (TypeError, ValueError):
+        return a == b
+
+
+def _g(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -892,8 +1052,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="--profile llama2-70b: a batch-sharpness folder (adamspike simulate "
                          "batch-sharpness; default: batch_sharpness.json in the ladder folder): "
                          "the full-data sharpness reading")
-    ap.add_argument("--clip", type=float, default=1.0, help="--profile-from-log: grad clip")
-    ap.add_argument("--eps-ref", type=float, default=1e-5, help="--profile-from-log: the run's eps")
+    ap.add_argument("--clip", type=float, help="--profile-from-log: grad clip (default: the "
+                    "70B run's 1.0, said as assumed)")
+    ap.add_argument("--eps-ref", type=float, help="--profile-from-log: the run's eps (default: "
+                    "the 70B run's 1e-5, said as assumed)")
     ap.add_argument("--num-params", type=_count, metavar="N",
                     help="--profile-from-log: parameters of the logged model (176e9 accepted; "
                          "default: the llama2-70b preset's)")
@@ -936,6 +1098,7 @@ def _main(args) -> int:
         profile = load_profile(args.profile_from_run)
     else:
         profile = load_profile(args.profile, args.ladder, args.batch_sharpness)
+    with_70b_sharpness(profile, args.ladder)
     tables = [SR.read_sweep_table(sw) for sw in args.sweep]
     for sw, t in zip(args.sweep, tables):
         need = {"optim.b2", "num_spikes", "diverged"}

@@ -39,6 +39,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ from adamspike.metrics import finalize, shape_stats
 from adamspike.mitigations import REGISTRY, MitigationSection, require_hooks
 from adamspike.mitigations import all_keys as all_mitigation_keys
 from adamspike.mitigations import plan as mitigation_plan
-from adamspike.rundir import load_run
+from adamspike.rundir import load_run, normalize_config
 from adamspike.train_config import OptimSection, RunConfig, TrainSection
 from simulate import optim as O
 from simulate.llama_train import train as train_llama
@@ -164,7 +165,7 @@ def _save_quadratic(p: dict, seed: int, path: Path) -> None:
     t0 = time.perf_counter()
     out = run_quadratic(hp, spec)
     write_run(path, quadratic_traces(out, spec, hp, time.perf_counter() - t0),
-              config={"problem": "quadratic", **p, "seed": seed},
+              config=run_config("quadratic", p, seed),
               problem={"kind": "quadratic", **p, "seed": seed}, progress=False)
 
 
@@ -268,6 +269,14 @@ def _run_mlp(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
     return {"loss": out["loss"], **{k: np.asarray(v) for k, v in traces.items()}}
 
 
+def run_config(kind: str, p: Mapping[str, Any], seed: int) -> dict:
+    """run.json's config of a saved sweep run in the shape the simulate CLI writes (one
+    shape per toy: sections nested, `problem` a table with its kind; adamspike.rundir
+    .normalize_config reads older runs' dotted keys)."""
+    return {**normalize_config(dict(p)), "problem": {"kind": kind, **p, "seed": seed},
+            "seed": seed}
+
+
 def _save_mlp(p: dict, seed: int, path: Path) -> None:
 
     cfg = MLP.config(p)
@@ -275,7 +284,7 @@ def _save_mlp(p: dict, seed: int, path: Path) -> None:
         raise ConfigError("--save-runs: mlp run directories support train.loss_scale = 1 only")
     traces = train_mlp(_mlp_spec(p, seed), cfg.optim, cfg.train.num_steps,
                        plan=mitigation_plan(cfg, {}, cfg.mlp.depth), progress=False)
-    write_run(path, traces, config={"problem": "mlp", **p, "seed": seed},
+    write_run(path, traces, config=run_config("mlp", p, seed),
               problem={"kind": "mlp", **p, "seed": seed}, progress=False)
 
 

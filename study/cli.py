@@ -8,6 +8,7 @@ Subcommands are imported when called (importlib, by the module path in COMMANDS)
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
 import sys
@@ -31,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("fullscale.launch:plan_main", "one run config + launch script per predicted setting"),
     "model": ("fullscale.cli:model_main", "`model info`: parameters, FLOPs/token, memory per card"),
     "data": ("fullscale.cli:data_main", "inspect / convert Megatron indexed data"),
-    "analyze": ("analysis.cli:main", "spikes, precursors, alarm scores, theory fits, report"),
+    "analyze": ("study.cli:analyze_main", "spikes, precursors, alarm scores, theory fits, report (figures inline)"),
     "megatron-log": ("analysis.megatron_log:export_main", "a run directory's steps as a Megatron training log"),
     "assess": ("analysis.assess:main", "one screen on a run or log: regime, spikes, numerics, predicted rate, what to change"),
     "watch": ("analysis.watch:main", "follow a live log or run directory: one line (and --on-event hook) per spike / numerics event"),
@@ -52,6 +53,18 @@ def resolve(name: str):
     """The function implementing subcommand `name`."""
     module_name, func_name = COMMANDS[name][0].split(":")
     return getattr(importlib.import_module(module_name), func_name)
+
+
+def analyze_main(argv: list[str]) -> int:
+    """`adamspike analyze` (analysis.cli) with the run figures drawn into each run's report
+    (figures.cli.draw_run_figures): wired here, analysis does not import figures."""
+    from analysis.cli import main as analyze      # lazy: pandas / scipy for this command
+
+    def draw(runs, names, out):
+        from figures.cli import draw_run_figures   # lazy: matplotlib only when drawing
+        return draw_run_figures(runs, names, out)
+
+    return analyze(argv, draw=draw)
 
 
 def sweep_main(argv: list[str]) -> int:
@@ -240,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"adamspike: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        print(f"adamspike: unknown command {name!r}"
+              + (f" (did you mean `adamspike {close[0]}`?)" if close else "")
+              + f"\n\n{_usage()}", file=sys.stderr)
         return 2
     if name == "train":
         msg = _old_torch_for_trainer()

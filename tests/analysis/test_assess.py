@@ -65,13 +65,13 @@ def test_assess_a_log_with_predictions(log, tmp_path):
                  "PREDICTED SPIKE RATE FOR THIS SETTING", "SETTINGS THAT WOULD LOWER IT"):
         assert head in text
     assert f"{len(ra.spikes)} loss spike(s)" in body and "- iteration 120:" in body
-    assert "grad norm led by 3 iteration(s)" in body          # 117 -> 120
+    assert "cause: OPTIMIZER: grad norm left its band at iteration 117" in body   # -> 120
+    assert "3 iteration(s) before" in body
     assert "rho_bar = min(gn, clip) / (sqrt(N) eps) at eps 1e-08" in body
     assert "loss scale cut x3" in body and "grad norm printed as 0.000 on 1 line" in body
     assert "this setting: e8 (exact match" in body
-    assert "predicted 0.3 spikes per 1000 steps, 90% interval [0.2, 0.4]" in body
-    assert ("1 setting(s) the model cannot tell apart from this one (same model features): "
-            "train.global_batch_size=2048 (now 1024)") in body
+    assert "predicted 0.3 spikes per 1000 optimizer steps, 90% interval [0.2, 0.4]" in body
+    assert "not in the model: train.global_batch_size (a setting that differs only" in body
     lower = " ".join(text.split("SETTINGS THAT WOULD LOWER IT")[1].split())
     assert lower.index("optim.eps=1e-05 (now 1e-08)") < lower.index("optim.eps=1e-06 (now 1e-08)")
     assert "(interval below this setting's)" in lower and "overlaps this setting's" in lower
@@ -107,8 +107,7 @@ def test_assess_on_a_fresh_install_uses_the_shipped_predictions(log):
     assert "using the shipped fit v" in body and "(profile llama2-70b" in body
     assert "this setting: eps1e-08-b2_0.95-lr0.00015-b1_0.9-bs1024 (exact match" in body
     assert "the predictions are for the llama2-70b profile" in body
-    assert "cannot tell apart from this one (same model features): " \
-        "train.global_batch_size=2048 (now 1024)" in body
+    assert "not in the model: optim.b2, train.global_batch_size" in body
 
 
 @pytest.mark.skipif(not REALLOGS.is_dir(), reason="../shared/reallogs not present")
@@ -124,7 +123,14 @@ def test_assess_the_real_logs(name, tmp_path):
     assert "none given (--predictions, --rate-model): using the shipped fit v" in body
     assert "predicted " in body and "SETTINGS THAT WOULD LOWER IT" in body
     if name.startswith("02_"):
-        assert "next to fp16 overflow activity" in " ".join(text.split())
+        assert "cause: NUMERICS: loss scale 65536 -> 8192" in " ".join(text.split())
+        assert "8 logged line(s) x log interval 10 = 80 optimizer steps" in body
+        assert "too few steps for a rate" in body and "p_above" not in body
+    # issue 39: units, sources and a cause per spike on every real log
+    assert "optimizer steps" in body and "optim.eps 1e-08: flag --eps" in body
+    assert body.count("cause: ") == (0 if want is None else body.count("- iteration "))
+    if name.startswith("01_"):
+        assert "cause: OPTIMIZER: grad norm left its band at iteration 31215" in body
 
 
 def _toy_model(path):

@@ -470,7 +470,10 @@ def test_grad_norm_is_a_second_leading_series_and_unjudged_steps_are_named(tmp_p
     assert list(ra.grad_spikes["start"]) == [31215]
     assert ra.grad_lead.set_index("start").loc[31219, "lead"] == 4
     md = render_markdown(ra)
-    assert "the grad norm left its band at step 31215, 4 step(s) before" in md
+    # the skipped step two lines before the onset decides the verdict; the lead is named
+    assert "- loss spike at step 31219: **numerics**: 1 skipped iteration(s)" in md
+    assert "grad norm: grad norm left its band at iteration 31215" in md
+    assert "4 iteration(s) before" in md
     cov = ra.coverage
     assert {r["reason"].split(" (")[0]: r["steps"] for r in cov["loss"]["reasons"]} == {
         "skipped step without a value": [31217], "too little history": [31214]}

@@ -155,7 +155,7 @@ CASES = [
     ("analyze-log-seq-len-negative", lambda w, o: _an_log(w, o, "--seq-len", "-1"),
      ["--seq-len", ">= 1"]),
     ("analyze-log-b2-above-1", lambda w, o: _an_log(w, o, "--b2", "1.5"), ["--b2", "< 1.0"]),
-    ("analyze-log-eps-negative", lambda w, o: _an_log(w, o, "--eps", "-1"), ["--eps", ">= 0"]),
+    ("analyze-log-eps-negative", lambda w, o: _an_log(w, o, "--eps", "-1"), ["--eps", "> 0"]),
     ("analyze-log-lr-inf", lambda w, o: _an_log(w, o, "--lr", "inf"), ["--lr", "finite"]),
     ("analyze-log-clip-nan", lambda w, o: _an_log(w, o, "--clip", "nan"), ["--clip", "finite"]),
     ("analyze-horizon-negative", lambda w, o: _an_log(w, o, "--horizon", "-1"),

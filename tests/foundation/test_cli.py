@@ -15,6 +15,14 @@ def test_unknown_command(capsys):
     assert "unknown command" in capsys.readouterr().err
 
 
+def test_mistyped_command_suggests_the_close_one(capsys):
+    """`adamspike asses x.log` (issue 39, item 5): the command it is close to."""
+    assert main(["asses", "x.log"]) == 2
+    assert "did you mean `adamspike assess`?" in capsys.readouterr().err
+    assert main(["qqqqqqqq"]) == 2
+    assert "did you mean" not in capsys.readouterr().err
+
+
 def test_console_script_runs():
     res = subprocess.run([sys.executable, "-m", "study", "--version"], capture_output=True,
                          text=True)

@@ -259,4 +259,8 @@ def test_plan_says_when_the_model_cannot_tell_settings_apart(tmp_path, capsys):
     cap = capsys.readouterr()
     assert "settings a, b have the same model features" in cap.err
     assert "2 of them indistinguishable for the model (a = b)" in cap.out
-    assert json.loads((out / "plan.json").read_text())["indistinguishable"] == [["a", "b"]]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["indistinguishable"] == [["a", "b"]]
+    # the one predictor's label (issue 39 item 1): the model and what it cannot see
+    assert "model: regime GLM" in cap.out and plan["model"].startswith("regime GLM")
+    assert plan["not_in_model"] == ["optim.b1", "train.global_batch_size"]

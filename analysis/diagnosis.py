@@ -1,0 +1,140 @@
+"""A verdict per loss spike from the evidence the run carries (pandas; reads the analysis
+of analysis.report only), with the lines that decided it.
+
+Causes, the first that applies:
+  numerics         a loss-scale cut, an overflowed / skipped / NaN iteration or a NaN step
+                   (`grad norm: nan`, no loss printed) within NEAR_LINES logged lines of the
+                   spike (analysis.numerics), or a non-finite loss in it;
+  data or loading  the learning rate at the onset is too small to move a trained model
+                   (below LR_TOO_SMALL absolute, or below LR_TOO_SMALL_FRAC of the run's
+                   largest logged lr): the optimizer step cannot explain the jump, so a
+                   checkpoint, a batch, a loading or a dtype fault must; or the onset comes
+                   within NEAR_LINES logged lines after a resume (a checkpoint load the log
+                   prints, or a repeated iteration: a restarted job appending to the log);
+  optimizer        the grad norm was measured before the onset and left its band at most
+                   LEAD_LINES logged lines before it (or at it) with no numerics event near:
+                   the signature of an Adam spike;
+  unknown          anything else, with what is missing (no grad norm in the log, too few
+                   lines before the onset, a grad norm that stayed in its band).
+Nothing is claimed from a series the run does not have: the grad-norm note says how many
+measured values precede the onset, and "no grad-norm spike before it" only where at least
+one was measured.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from analysis.numerics import NEAR_LINES, NUMERICS_KINDS
+
+LR_TOO_SMALL = 1e-7          # absolute: Adam moves each coordinate by ~lr per step
+LR_TOO_SMALL_FRAC = 1e-3     # relative to the largest learning rate the run logged
+LEAD_LINES = 10              # logged lines before a loss spike in which a grad-norm spike
+                             # leads it (analysis.report.grad_norm_leads)
+DIAGNOSIS_COLUMNS = ["start", "cause", "evidence", "grad_note"]
+
+
+def _line_of(steps: pd.DataFrame) -> dict[int, int]:
+    if "line" not in steps:
+        return {}
+    ln = steps["line"].to_numpy(float)
+    return {int(s): int(x) for s, x in zip(steps["step"].to_numpy(), ln) if x == x}
+
+
+def _at(step: int, lines: dict[int, int]) -> str:
+    return f"iteration {step}" + (f" (log line {lines[step]})" if step in lines else "")
+
+
+def diagnose(ra) -> pd.DataFrame:
+    """One row per loss spike of `ra` (analysis.report.RunAnalysis): start, cause (module
+    doc), evidence (the lines that decided it), grad_note (what the grad norm shows)."""
+    st = ra.run.steps if ra.run is not None else pd.DataFrame()
+    sp = ra.spikes
+    if sp is None or not len(sp) or st.empty:
+        return pd.DataFrame(columns=DIAGNOSIS_COLUMNS)
+    imp = ra.meta.get("import") or {}
+    interval = max(int(imp.get("log_interval") or 1), 1)
+    near = NEAR_LINES * interval
+    lines = _line_of(st)
+    step = st["step"].to_numpy()
+    lr = st["lr"].to_numpy(float) if "lr" in st else np.full(len(st), np.nan)
+    lr_max = float(np.nanmax(lr)) if np.isfinite(lr).any() else math.nan
+    gn = st["grad_norm"].to_numpy(float) if "grad_norm" in st else np.full(len(st), np.nan)
+    ev = ra.numerics.events if ra.numerics is not None else pd.DataFrame()
+    leads = {int(r.start): r for r in ra.grad_lead.itertuples()} \
+        if ra.grad_lead is not None and len(ra.grad_lead) else {}
+    resumes = [(int(r["iteration"]), int(r["line"])) for r in imp.get("resumes") or []]
+    restarts = [int(s) for s in imp.get("duplicate_steps") or []]
+    rows = []
+    for r in sp.itertuples():
+        a = int(r.start)
+        end = int(r.end)
+        i0 = int(np.searchsorted(step, a))
+        before = slice(max(0, i0 - LEAD_LINES), i0)
+        measured_before = int(np.isfinite(gn[before]).sum())
+        lines_before = i0
+        evidence: list[str] = []
+        cause = None
+        # numerics
+        near_ev = ev[(ev["step"] >= a - near) & (ev["step"] <= end + near)
+                     & ev["kind"].isin(NUMERICS_KINDS)] if len(ev) else ev
+        if len(near_ev) or bool(getattr(r, "nonfinite", False)):
+            cause = "numerics"
+            evidence += [f"{e.detail} at {_at(int(e.step), lines)}"
+                         for e in near_ev.head(4).itertuples()]
+            if bool(getattr(r, "nonfinite", False)):
+                evidence.append(f"non-finite loss in the spike ({_at(a, lines)})")
+        # data or loading: a step too small, or a resume just before
+        lr_a = lr[i0] if i0 < len(lr) else math.nan
+        if cause is None and math.isfinite(lr_a) and (
+                lr_a < LR_TOO_SMALL or (math.isfinite(lr_max) and lr_a < LR_TOO_SMALL_FRAC * lr_max)):
+            cause = "data or loading"
+            evidence.append(f"learning rate {lr_a:.3g} at {_at(a, lines)} ({lr_a / lr_max:.2g} of "
+                            f"the run's largest, {lr_max:.3g}): a step that small cannot move a "
+                            "trained model this far; look for a checkpoint, batch, loading or "
+                            "dtype fault")
+        if cause is None:
+            rs = [(it, ln) for it, ln in resumes if a - near <= it <= a]
+            rr = [s for s in restarts if a - near <= s <= a]
+            if rs or rr:
+                cause = "data or loading"
+                evidence += [f"checkpoint loaded at iteration {it} (log line {ln}), "
+                             f"{a - it} iteration(s) before the onset" for it, ln in rs[:2]]
+                evidence += [f"iteration {s} repeated (a restarted job appending to the log), "
+                             f"{a - s} iteration(s) before the onset" for s in rr[:2]]
+                evidence.append("a jump right after a resume points to the checkpoint or the "
+                                "data position, not to the optimizer")
+        # the grad norm, where it was measured
+        lead = leads.get(a)
+        if "grad_norm" not in st or not np.isfinite(gn).any():
+            gnote = "the log has no measured grad norm: the lead cannot be judged"
+        elif measured_before == 0:
+            gnote = (f"no measured grad norm in the {min(LEAD_LINES, lines_before)} logged "
+                     "line(s) before it: the lead cannot be judged")
+        elif lead is not None and lead.lead == lead.lead:
+            g = int(lead.grad_start)
+            gnote = (f"grad norm left its band at {_at(g, lines)}, {int(lead.lead)} iteration(s) "
+                     "before" if lead.lead > 0 else
+                     f"grad norm left its band at the same line ({_at(g, lines)})")
+        else:
+            gnote = (f"no grad-norm spike in the {measured_before} measured line(s) before it"
+                     + (f" (only {lines_before} logged line(s) precede it)"
+                        if lines_before < LEAD_LINES else ""))
+        if cause is None and lead is not None and lead.lead == lead.lead:
+            cause = "optimizer"
+            evidence.append(gnote + "; no loss-scale cut, overflow, skip or NaN within "
+                            f"{near} iteration(s)")
+        if cause is None:
+            cause = "unknown"
+            why = [gnote]
+            if not (ra.numerics is not None and ra.numerics.signals):
+                why.append("no numerics signal in the log (loss scale, overflow, counters)")
+            else:
+                why.append(f"no numerics event within {near} iteration(s)")
+            evidence += why
+        rows.append({"start": a, "cause": cause, "evidence": "; ".join(evidence),
+                     "grad_note": gnote})
+    return pd.DataFrame(rows, columns=DIAGNOSIS_COLUMNS)
