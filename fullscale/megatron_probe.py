@@ -60,6 +60,7 @@ import math
 import os
 import re
 import runpy
+import shlex
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -685,15 +686,23 @@ def restart_recipe(step: int, margs, actions: ProbeActions) -> dict:
             "stack_has_rerun_state_machine": bool(margs is not None and hasattr(margs, "rerun_mode"))}
 
 
+def _comment_safe(text: str) -> str:
+    """`text` for a shell comment line: control characters as Python escapes."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]", lambda m: repr(m.group())[1:-1], str(text))
+
+
 def write_restart_recipe(out: str, step: int, reason: str, margs, actions: ProbeActions) -> dict:
     """RUN/restart_recipe.sh for the spike at `step` (replaced at every spike); returns
     the restart_recipe event's fields."""
     r = restart_recipe(step, margs, actions)
     lo, hi = r["iterations_to_skip"]
-    load = r["load"] or "$CKPT_DIR"
+    # Megatron's --save is a path: quoted as a shell word, and shown in comments with its
+    # control characters escaped (a newline would end the comment and start a command)
+    load = _comment_safe(r["load"]) if r["load"] else "$CKPT_DIR"
+    load_word = shlex.quote(r["load"]) if r["load"] else '"$CKPT_DIR"'
     first, last = r["skipped_iterations"]
     lines = ["#!/bin/bash",
-             f"# adamspike probe: restart recipe for the spike at iteration {step} ({reason})",
+             f"# adamspike probe: restart recipe for the spike at iteration {step} ({_comment_safe(reason)})",
              f"# PaLM (Chowdhery et al. 2022, sec. 5.1): restart ~{actions.rollback_steps} steps "
              f"before the spike and skip {actions.skip_batches}+ batches",
              "# checkpoint: " + (f"iteration {r['ckpt_step']} in {load}" if r["ckpt_step"] is not None
@@ -703,8 +712,9 @@ def write_restart_recipe(out: str, step: int, reason: str, margs, actions: Probe
              "# Add to the job's Megatron arguments (Megatron-LM core_v0.12, MindSpeed-LLM 2.2+; its",
              "# loop skips logged iteration N+1 for a value N; Megatron-LM after core_v0.12 takes",
              f"# the logged numbers: $(seq -s ' ' {first} {last})):",
-             f"RESTART_ARGS=\"--load {load}" + (f" --ckpt-step {r['ckpt_step']}" if r["ckpt_step"] is not None else "")
-             + f" --iterations-to-skip $(seq -s ' ' {lo} {hi})\""]
+             "# shellcheck disable=SC2046",
+             f"RESTART_ARGS=(--load {load_word}" + (f" --ckpt-step {r['ckpt_step']}" if r["ckpt_step"] is not None else "")
+             + f" --iterations-to-skip $(seq -s ' ' {lo} {hi}))"]
     lines += ["# With adamspike's train_mindspeed.sh, on every node:",
               f"#   CKPT_STEP={r['ckpt_step'] if r['ckpt_step'] is not None else ''} "
               f"ITERATIONS_TO_SKIP=\"$(seq -s ' ' {lo} {hi})\" bash train_mindspeed.sh NODE_RANK"]
