@@ -316,12 +316,15 @@ class RunLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def acquire(self, *, new: bool) -> "RunLock":
+    def acquire(self, *, new: bool | None) -> "RunLock":
         """Take the lock. new=True: the directory must be new or empty (it is created);
-        new=False: it must be a run directory (run.json)."""
+        new=False: it must be a run directory (run.json); None: any existing directory
+        (a study folder: `adamspike reproduce`'s one writer)."""
         if self._fd is not None:
             return self
-        if new:
+        if new is None:
+            pass
+        elif new:
             check_new_run_dir(self.path)
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
