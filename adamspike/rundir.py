@@ -1065,15 +1065,31 @@ def _load_run(path: str | Path, *, tables: Iterable[str], layer_columns: list[st
 # ----------------------------------------------------------------------------- finding runs
 
 def find_runs(root: str | Path) -> list[Path]:
-    """Run directories (with a run.json) under root, not descending into a run."""
-    root = Path(root)
-    if (root / "run.json").is_file():
-        return [root]
-    out = []
-    if root.is_dir():
-        for child in sorted(p for p in root.iterdir() if p.is_dir()):
-            out.extend(find_runs(child))
-    return out
+    """Run directories (with a run.json) under root, not descending into a run; each
+    directory once, however many symlinks lead to it (a symlink cycle ends there)."""
+    found: list[Path] = []
+    seen: set[tuple[int, int]] = set()
+
+    def walk(d: Path) -> None:
+        try:
+            st = d.stat()
+        except OSError:          # a dangling link, a loop the kernel refuses (ELOOP)
+            return
+        if (st.st_dev, st.st_ino) in seen:
+            return
+        seen.add((st.st_dev, st.st_ino))
+        if (d / "run.json").is_file():
+            found.append(d)
+            return
+        try:
+            children = sorted(p for p in d.iterdir() if p.is_dir())
+        except OSError:
+            return
+        for child in children:
+            walk(child)
+
+    walk(Path(root))
+    return found
 
 
 def run_names(runs: Iterable[Path]) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tomllib
 import types
 from pathlib import Path
 
@@ -85,6 +86,8 @@ def test_hostile_paths_survive_and_nothing_runs(tmp_path):
         out = tmp_path / f"{i}{value}" / "l"
         pred = tmp_path / f"{i}{value}" / "pred.json"
         assert _launch(out, "--master-addr", "h0", "--alarms.predictions", str(pred)) == 0, value
+        # run.toml is valid TOML whatever the path holds (non-BMP: no JSON surrogate escapes)
+        assert tomllib.loads((out / "run.toml").read_text())["alarms"]["predictions"] == str(pred)
         env = {"PATH": f"{bin_}:/usr/bin:/bin", "TORCHRUN": "torchrun", "ADAMSPIKE_HOME": str(home),
                "MINDSPEED_LLM_DIR": str(work)}
         r = subprocess.run(["bash", str(out / "train_torchrun.sh"), "0"], capture_output=True,
