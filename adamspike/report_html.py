@@ -58,11 +58,28 @@ def _inline_text(text: str) -> str:
     s = _CODE.sub(lambda m: f"<code>{m.group(1)}</code>", s)
     s = _BOLD.sub(lambda m: f"<strong>{m.group(1)}</strong>", s)
     # links to other reports stay relative (a report.md link points at its report.html)
-    return _LINK.sub(lambda m: f'<a href="{html.escape(_html_link(m.group(2)))}">'
-                               f"{m.group(1)}</a>", s)
+    return _LINK.sub(_anchor, s)
 
 
-def _html_link(target: str) -> str:
+def _anchor(m: re.Match) -> str:
+    """A link, or its text alone when the target's scheme could run code (javascript:,
+    data:, vbscript: ...: a link's target can come from a log's file name)."""
+    target = _html_link(m.group(2))
+    if target is None:
+        return m.group(1)
+    return f'<a href="{html.escape(target)}">{m.group(1)}</a>'
+
+
+_SAFE_SCHEMES = ("http", "https", "mailto")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def _html_link(target: str) -> str | None:
+    # browsers drop ASCII whitespace and control characters inside a scheme ("java\tscript:")
+    bare = re.sub(r"[\x00-\x20\x7f]", "", html.unescape(target))
+    scheme = _SCHEME.match(bare)
+    if scheme and scheme.group(1).lower() not in _SAFE_SCHEMES:
+        return None
     return target[:-3] + ".html" if target.endswith("report.md") else target
 
 

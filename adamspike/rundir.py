@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import io
 import json
 import math
@@ -148,12 +149,72 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+CELL_SHA_KEY = b"adamspike.content_sha256"
+
+
+class CorruptCellFile(ValueError):
+    """A cached cell file that cannot be read or whose content does not match its sha256."""
+
+
+def frame_sha256(df: pd.DataFrame) -> str:
+    """sha256 of a table's content: column names and dtypes, then every value (pandas'
+    per-row hashes, which see every bit of a float)."""
+    h = hashlib.sha256(json.dumps([[str(c), str(t)] for c, t in df.dtypes.items()]).encode())
+    try:
+        h.update(pd.util.hash_pandas_object(df, index=False).to_numpy().tobytes())
+    except TypeError:        # unhashable values (lists): their text
+        h.update(df.to_csv(index=False).encode())
+    return h.hexdigest()
+
+
 def atomic_write_frame(path: Path, df: pd.DataFrame) -> None:
-    """A DataFrame as parquet (pandas' default writer, no index), written atomically
-    (`atomic_write_bytes`): the study's cell and arm files."""
+    """A DataFrame as parquet (no index) carrying its content's sha256 in the file's
+    key-value metadata, written atomically (`atomic_write_bytes`): the study's cell and
+    arm files, which `read_cell_frame` verifies."""
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                           CELL_SHA_KEY: frame_sha256(df).encode()})
     buf = io.BytesIO()
-    df.to_parquet(buf, index=False)
+    pq.write_table(table, buf)
     atomic_write_bytes(path, buf.getvalue())
+
+
+def read_cell_frame(path: Path) -> pd.DataFrame:
+    """A cell file written by `atomic_write_frame`, verified against its sha256
+    (CorruptCellFile naming the file otherwise). Files from before the hash was kept
+    (no key) are read as they are."""
+    try:
+        table = pq.read_table(path)
+        want = (table.schema.metadata or {}).get(CELL_SHA_KEY)
+        df = table.to_pandas()
+        have = frame_sha256(df) if want is not None else None
+    except OSError as e:
+        if e.errno is not None:     # the file system's error, not the file's content
+            raise
+        raise CorruptCellFile(f"{path}: unreadable cell file ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # noqa: BLE001 - any parquet / arrow decoding failure
+        raise CorruptCellFile(f"{path}: unreadable cell file ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if want is not None and have != want.decode(errors="replace"):
+        raise CorruptCellFile(f"{path}: cell file does not match its content sha256 (corrupt)")
+    return df
+
+
+def cached_cell(path: Path) -> pd.DataFrame | None:
+    """The cached cell at `path`, or None when it must be computed: absent, or corrupt (then
+    it is moved aside to `<name>.corrupt[-n]`, kept, and one stderr line says so)."""
+    if not path.exists():
+        return None
+    try:
+        return read_cell_frame(path)
+    except CorruptCellFile as e:
+        aside, n = path.with_name(path.name + ".corrupt"), 0
+        while aside.exists():
+            n += 1
+            aside = path.with_name(f"{path.name}.corrupt-{n}")
+        os.replace(path, aside)
+        print(f"adamspike: {e}; moved to {aside.name}, computing it again", file=sys.stderr)
+        return None
 
 
 def _atomic_write_table(path: Path, table: pa.Table) -> None:
@@ -316,12 +377,15 @@ class RunLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def acquire(self, *, new: bool) -> "RunLock":
+    def acquire(self, *, new: bool | None) -> "RunLock":
         """Take the lock. new=True: the directory must be new or empty (it is created);
-        new=False: it must be a run directory (run.json)."""
+        new=False: it must be a run directory (run.json); None: any existing directory
+        (a study folder: `adamspike reproduce`'s one writer)."""
         if self._fd is not None:
             return self
-        if new:
+        if new is None:
+            pass
+        elif new:
             check_new_run_dir(self.path)
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
@@ -1040,15 +1104,31 @@ def _load_run(path: str | Path, *, tables: Iterable[str], layer_columns: list[st
 # ----------------------------------------------------------------------------- finding runs
 
 def find_runs(root: str | Path) -> list[Path]:
-    """Run directories (with a run.json) under root, not descending into a run."""
-    root = Path(root)
-    if (root / "run.json").is_file():
-        return [root]
-    out = []
-    if root.is_dir():
-        for child in sorted(p for p in root.iterdir() if p.is_dir()):
-            out.extend(find_runs(child))
-    return out
+    """Run directories (with a run.json) under root, not descending into a run; each
+    directory once, however many symlinks lead to it (a symlink cycle ends there)."""
+    found: list[Path] = []
+    seen: set[tuple[int, int]] = set()
+
+    def walk(d: Path) -> None:
+        try:
+            st = d.stat()
+        except OSError:          # a dangling link, a loop the kernel refuses (ELOOP)
+            return
+        if (st.st_dev, st.st_ino) in seen:
+            return
+        seen.add((st.st_dev, st.st_ino))
+        if (d / "run.json").is_file():
+            found.append(d)
+            return
+        try:
+            children = sorted(p for p in d.iterdir() if p.is_dir())
+        except OSError:
+            return
+        for child in children:
+            walk(child)
+
+    walk(Path(root))
+    return found
 
 
 def run_names(runs: Iterable[Path]) -> list[str]:

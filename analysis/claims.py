@@ -42,6 +42,7 @@ import numpy as np
 import pandas as pd
 
 from adamspike.claims import MIN_SEEDS
+from adamspike.rundir import read_cell_frame
 from adamspike.tables import md_table
 from adamspike.spikes import SpikeParams, loss_spikes
 from analysis.stats import bca_interval, correct_rows, equal_progress, paired_test
@@ -67,7 +68,7 @@ def load(study: str | Path) -> tuple[dict, dict[str, pd.DataFrame]]:
         if not path.exists():
             raise ValueError(f"{path}: missing (the study did not finish; rerun "
                              "`adamspike replicate` with the same --out to resume)")
-        arms[a] = pd.read_parquet(path)
+        arms[a] = read_cell_frame(path)      # CorruptCellFile (a ValueError) names it
     return meta, arms
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional   # Optional: runtime types on python 3.8
@@ -197,6 +198,22 @@ def main(argv: list[str] | None = None, draw=None) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         return _fail(f"--out: {out} exists and is not an empty directory; choose a new one "
                      "(nothing was overwritten)")
+    created = not out.exists()
+    try:
+        rc = _analyze(args, params, out)
+    except OSError as e:     # a read-only or full --out, a file vanished under us
+        rc = _fail(f"--out {out}: cannot write ({e.strerror or e}"
+                   + (f": {e.filename}" if e.filename else "") + ")")
+    if rc != 0 and out.is_dir():   # a failed analyze leaves no half-written --out behind
+        for child in ([out] if created else list(out.iterdir())):
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+    return rc
+
+
+def _analyze(args, params, out: Path) -> int:
     runs = [Path(r) for r in args.runs]
     if args.from_study:
         study = Path(args.from_study)

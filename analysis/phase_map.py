@@ -59,7 +59,7 @@ import numpy as np
 import pandas as pd
 from scipy import optimize, stats
 
-from adamspike.rundir import atomic_write_bytes
+from adamspike.rundir import atomic_write_bytes, read_cell_frame
 from adamspike.spikes import SpikeParams, detect_spikes
 from adamspike.tables import md_table
 
@@ -121,7 +121,7 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         path = out / "cells" / f"{c['id']}.parquet"
         if not path.exists():
             continue
-        df = pd.read_parquet(path)
+        df = read_cell_frame(path)           # CorruptCellFile (a ValueError) names it
         frames.append(df.filter(["seed", "S", "S_secant"]).assign(cell=c["id"]))
         rho_cols = [k for k in df.columns if k.startswith("rho_")]
         per = {}

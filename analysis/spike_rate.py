@@ -49,10 +49,19 @@ from adamspike import spike_rate as SR
 from adamspike.config import ConfigError, cli_main, flatten
 from adamspike.depth_groups import GROUPS, depth_group, group_rho, infer_num_layers, is_shallow
 from adamspike.llama import spec_by_name
-from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, load_run
+from adamspike.rundir import (CorruptCellFile, RunFormatError, atomic_write_bytes, json_clean,
+                              load_run, read_cell_frame)
 from adamspike.spikes import loss_spikes
 from adamspike.tables import md_table
 from adamspike.train_config import RunConfig
+
+
+def _cell(path: Path) -> pd.DataFrame:
+    """A phase-map cell or claims arm file, verified against its content hash."""
+    try:
+        return read_cell_frame(path)
+    except CorruptCellFile as e:
+        raise SR.SpikeRateError(f"{e}; rerun the stage that wrote it to recompute it") from None
 
 
 def _median_over_steps(per_step) -> float:
@@ -134,7 +143,7 @@ def matched_rows(study: str | Path) -> pd.DataFrame:
         path = study / "arms" / f"{arm}.parquet"
         if not path.exists():
             raise SR.SpikeRateError(f"{path}: missing (unfinished study)")
-        t = pd.read_parquet(path)
+        t = _cell(path)
         try:
             numel = group_numel(c)
         except ConfigError as e:
@@ -178,7 +187,7 @@ def map_rows(out: str | Path) -> pd.DataFrame:
             continue
         numel = group_numel(c["config"])
         W = int(c["config"]["optim.warmup_steps"])
-        t = pd.read_parquet(path)
+        t = _cell(path)
         groups = [g for g in GROUPS if f"rho_{g}" in t]
         for seed, d in t.groupby("seed", sort=True):
             steps = d["step"].to_numpy()

@@ -44,6 +44,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -57,6 +58,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import default_planner as _dcp_planner
+from torch.distributed.checkpoint import metadata as _dcp_metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from adamspike.faults import kill_point
@@ -79,6 +82,11 @@ class CheckpointError(RuntimeError):
         self.path, self.problem = str(path), problem
         self.detail = detail        # e.g. DCP's full error text, for the run's log
         super().__init__(f"checkpoint {path}: {problem}")
+
+
+class UntrustedCheckpointError(CheckpointError):
+    """A checkpoint file asks to run code or build objects a checkpoint never holds (a
+    crafted `.metadata`): refused, and never skipped over for an older checkpoint."""
 
 
 class NonFiniteError(CheckpointError):
@@ -363,6 +371,85 @@ def _one_line(e: BaseException) -> str:
     return line[:300]
 
 
+# ----------------------------------------------------------------------------- trust
+# A checkpoint directory is input, not code. DCP reads `.metadata` with pickle.load and the
+# non-tensor entries of a state dict with torch.load(weights_only=False): whoever can write
+# the directory (shared scratch space) could run code in every rank that loads it, and the
+# manifest's sha256 does not help (they rewrite it too). So `.metadata` goes through an
+# unpickler that builds only DCP's metadata classes (the globals torch 2.1 .. 2.13 write:
+# listed with pickletools from real checkpoints), and byte entries load weights_only.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                     ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                     ("collections", "OrderedDict"),
+                     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+                     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module in _METADATA_MODULES:
+            obj = getattr(_dcp_metadata, name, None)
+            if isinstance(obj, type):        # its dataclasses and enums, never a function
+                return obj
+        if module == "torch":                # dtypes, layouts, memory formats
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which is not a DCP metadata class")
+
+
+def read_metadata(path: str | Path) -> Any:
+    """A checkpoint's DCP `.metadata`, unpickled with only DCP's metadata classes admitted
+    (UntrustedCheckpointError naming the file otherwise)."""
+    f = Path(path) / ".metadata"
+    try:
+        with open(f, "rb") as fh:
+            md = _MetadataUnpickler(fh).load()
+    except OSError as e:
+        raise CheckpointError(path, f".metadata is unreadable ({_errno_text(e)})") from None
+    except Exception as e:  # noqa: BLE001 - a refused global or a damaged pickle
+        raise UntrustedCheckpointError(
+            path, f"{f}: refusing to load it: {_one_line(e)} (a checkpoint may hold only "
+                  "tensors and DCP metadata; see docs/faults.md, trust boundary)") from None
+    if not isinstance(md, _dcp_metadata.Metadata):
+        raise UntrustedCheckpointError(path, f"{f}: refusing to load it: it holds a "
+                                             f"{type(md).__name__}, not DCP Metadata")
+    return md
+
+
+class _VettedReader(dcp.FileSystemReader):
+    """DCP's file reader handed the metadata `read_metadata` already vetted (DCP would
+    pickle.load the file again)."""
+
+    def __init__(self, path: str | Path, metadata: Any):
+        super().__init__(str(path))
+        self._vetted = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        md = self._vetted
+        if hasattr(md, "storage_meta"):      # torch >= 2.4 records the load id there
+            if md.storage_meta is None:
+                md.storage_meta = _dcp_metadata.StorageMeta()
+            md.storage_meta.load_id = getattr(self, "load_id", None)
+        return md
+
+
+class _WeightsOnlyPlanner(_dcp_planner.DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor entries (optimizer hyperparameters, steps) load
+    with torch.load(weights_only=True) instead of a full unpickle."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            _dcp_planner.set_element(self.original_state_dict,
+                                     self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
 DCP_LOGGER = "c10d-NullHandler-dcp_logger"   # DCP's own logger (torch.distributed.checkpoint.logger)
 
 
@@ -588,7 +675,7 @@ class CheckpointManager:
             try:
                 extra = load(path, model, optimizer, scheduler, position=position, guard=guard,
                              restore_rng=restore_rng)
-            except NonFiniteError:
+            except (NonFiniteError, UntrustedCheckpointError):
                 raise
             except CheckpointError as e:
                 rejected.append(e)
@@ -762,6 +849,17 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
                 problem = f"{rng_file.name} is not an RNG state"
         except Exception as e:  # noqa: BLE001
             problem = f"{rng_file.name} is unreadable ({_one_line(e)})"
+    metadata, untrusted = None, None
+    if problem is None:
+        try:
+            metadata = read_metadata(path)
+        except UntrustedCheckpointError as e:
+            untrusted = e.problem
+        except CheckpointError as e:
+            problem = e.problem
+    untrusted_all = sorted({p for p in _gather(untrusted) if p})
+    if untrusted_all:
+        raise UntrustedCheckpointError(path, "; ".join(untrusted_all))
     problems = sorted({p for p in _gather(problem) if p})   # every rank decides the same
     if problems:
         raise CheckpointError(path, "; ".join(problems))
@@ -771,7 +869,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     try:
         with warnings.catch_warnings(), _quiet_dcp():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(path), no_dist=not _initialized())
+            dcp.load(state, checkpoint_id=str(path), storage_reader=_VettedReader(path, metadata),
+                     planner=_WeightsOnlyPlanner(), no_dist=not _initialized())
         set_state_dict(model, optimizer if has_optim else [], model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))
     except (KeyboardInterrupt, SystemExit):
@@ -796,7 +895,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     return extra
 
 
-__all__: Iterable[str] = ("CheckpointError", "CheckpointManager", "NonFiniteError", "load",
+__all__: Iterable[str] = ("CheckpointError", "CheckpointManager", "NonFiniteError",
+                          "UntrustedCheckpointError", "load", "read_metadata",
                           "check_storage", "estimated_size", "storage_error",
                           "complete", "verify", "read_manifest", "prune", "step_dir",
                           "rng_state", "set_rng_state")

@@ -46,6 +46,7 @@ adamspike checkout on the nodes is $ADAMSPIKE_HOME (required; a clear error when
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
@@ -117,6 +118,19 @@ class ClusterConfig:
 
 # ----------------------------------------------------------------------------- helpers
 
+def toml_string(s: str) -> str:
+    """A TOML basic string: characters outside the BMP stay literal (JSON's surrogate-pair
+    escapes are invalid TOML); quote, backslash and control characters are escaped."""
+    def esc(m: re.Match) -> str:
+        c = m.group()
+        return {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c, f"\\u{ord(c):04X}")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"cannot write {s!r} to TOML: not valid UTF-8") from None
+    return '"' + re.sub(r'["\\\x00-\x1f\x7f]', esc, s) + '"'
+
+
 def dump_toml(data: dict[str, Any]) -> str:
     """TOML for a nested dict of scalars / lists (None values are left out: absent = default)."""
     def value(v):
@@ -129,7 +143,7 @@ def dump_toml(data: dict[str, Any]) -> str:
                 raise ConfigError(f"cannot write non-finite {v!r} to TOML")
             return repr(v)
         if isinstance(v, str):
-            return json.dumps(v)
+            return toml_string(v)
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
         raise ConfigError(f"cannot write {type(v).__name__} to TOML")
@@ -177,8 +191,57 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
+# Control characters (a newline ends a `#` comment line and starts a command; C1 and the
+# Unicode line separators confuse editors and terminals) are refused in anything the
+# scripts carry; everything else goes through shlex.quote.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_HOST_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOST = re.compile(rf"^{_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?$")
+
+
+def _script_safe(what: str, value: Any) -> str:
+    """`value` as text fit for a generated shell script (quoted by the caller), or a
+    ConfigError naming `what`."""
+    s = str(value)
+    if _CONTROL.search(s):
+        raise ConfigError(f"{what}: {s!r} holds a control character (newline, tab, escape ...); "
+                          "refusing to write it into a shell script")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{what}: {s!r} is not valid UTF-8; refusing to write it into a "
+                          "shell script") from None
+    return s
+
+
+def _check_host(addr: str) -> None:
+    """cluster.master_addr must be an IP address or a host name (letters, digits, '-', '_'
+    and dots: nothing a shell or torchrun would read as more than a name)."""
+    try:
+        ipaddress.ip_address(addr)
+        return
+    except ValueError:
+        pass
+    if len(addr) > 253 or not _HOST.match(addr):
+        raise ConfigError(f"cluster.master_addr (--master-addr or the cluster TOML): {addr!r} is "
+                          "not a host name or IP address")
+
+
+def _check_strings(prefix: str, table: dict[str, Any]) -> None:
+    """Every string setting (run and cluster config) that a script or its comments may carry."""
+    for k, v in table.items():
+        if isinstance(v, dict):
+            _check_strings(f"{prefix}{k}.", v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, str):
+                    _script_safe(f"{prefix}{k}", x)
+        elif isinstance(v, str):
+            _script_safe(f"{prefix}{k}", v)
+
+
 def _q(s: str | Path) -> str:
-    return shlex.quote(str(s))
+    return shlex.quote(_script_safe("a value in the generated script", s))
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -203,6 +266,10 @@ def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatr
     if c.master_addr == "MASTER_HOST" and c.nodes > 1:
         raise ConfigError("--master-addr: required (the cluster config still has the placeholder "
                           "MASTER_HOST); pass node rank 0's host name or address")
+    _check_host(c.master_addr)
+    _check_strings("", to_dict(run))
+    _check_strings("", to_dict(cluster))
+    _script_safe("the run directory", run_dir)
     world = c.nodes * c.devices_per_node
     G = run.train.global_batch_size
     cfg = resolve_model(run.model)
@@ -287,7 +354,9 @@ def _header(title: str, launch: Launch, script: str) -> list[str]:
             f'  echo "usage: $0 NODE_RANK   (an integer in 0..{c.nodes - 1}, got \'$NODE_RANK\')" >&2',
             "  exit 2",
             "fi",
-            f'MASTER_ADDR="${{MASTER_ADDR:-{c.master_addr}}}"',
+            # the environment wins; the default is quoted on its own (never inside "${..:-..}")
+            'MASTER_ADDR="${MASTER_ADDR:-}"',
+            f'if [[ -z "$MASTER_ADDR" ]]; then MASTER_ADDR={_q(c.master_addr)}; fi',
             f'MASTER_PORT="${{MASTER_PORT:-{c.master_port}}}"',
             ""]
 
@@ -541,8 +610,10 @@ def _probe_lines(launch: Launch, probe_dir: Path) -> list[str]:
              f"export ADAMSPIKE_PROBE_OUT={_q(probe_dir)}",
              f"export ADAMSPIKE_PROBE_EVERY={tel.every} ADAMSPIKE_PROBE_HIST_EVERY={tel.hist_every}"]
     if launch.run.alarms.predictions:
-        lines.append(f'export ADAMSPIKE_PROBE_PREDICTIONS="${{ADAMSPIKE_PROBE_PREDICTIONS:-'
-                     f'{launch.run.alarms.predictions}}}"   # online alarm rules')
+        lines += ['ADAMSPIKE_PROBE_PREDICTIONS="${ADAMSPIKE_PROBE_PREDICTIONS:-}"   # online alarm rules',
+                  'if [[ -z "$ADAMSPIKE_PROBE_PREDICTIONS" ]]; then ADAMSPIKE_PROBE_PREDICTIONS='
+                  f'{_q(launch.run.alarms.predictions)}; fi',
+                  "export ADAMSPIKE_PROBE_PREDICTIONS"]
     lines += ["ENTRY=(pretrain_gpt.py)",
               'if [[ "${ADAMSPIKE_PROBE:-1}" == 1 ]]; then',
               '  ADAMSPIKE_HOME="${ADAMSPIKE_HOME:?set ADAMSPIKE_HOME to the adamspike checkout on '
@@ -620,6 +691,7 @@ def write_launch(launch: Launch, out: Path, final: Path | None = None) -> dict[s
     refer to themselves under `final` (default `out`), where the caller will move them."""
     out = Path(out).resolve()
     final = Path(final).resolve() if final is not None else out
+    _script_safe("--out", final)
     with _staged_dir(out) as tmp:
         run_toml = final / "run.toml"
         (tmp / "run.toml").write_text(
@@ -716,6 +788,7 @@ def _launch(argv: list[str]) -> int:
     p.add_argument("--run-dir", help="run directory the job writes (default OUT/run)")
     _cluster_args(p)
     args, overrides = _parse(p, argv)
+    _script_safe("--out", args.out)
     cluster = _cluster(args)
     run = _resolve_run(load_config(RunConfig, args.config, overrides), cluster.cluster.device)
     out = Path(args.out).resolve()
@@ -763,6 +836,7 @@ def _plan(argv: list[str]) -> int:
     _cluster_args(p)
     prog = "adamspike plan"
     args, overrides = _parse(p, argv)
+    _script_safe("--out", args.out)
     if args.top is not None and args.top < 1:
         raise ConfigError(f"--top: must be >= 1, got {args.top}")
     pred_path = Path(args.predictions)

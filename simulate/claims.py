@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from adamspike.claims import REPO, Study, arm_label, resolve
 from adamspike.config import ConfigError, flatten, read_toml, to_dict
-from adamspike.rundir import atomic_write_bytes, atomic_write_frame
+from adamspike.rundir import atomic_write_bytes, atomic_write_frame, cached_cell
 from adamspike.train_config import RunConfig, id_settings
 from simulate.sweep import cell_id, cell_settings, run_cells
 from simulate.sweep_problems import PROBLEMS
@@ -239,7 +239,7 @@ def run_study(study: Study, out: str | Path, quick: bool = False, num_seeds: int
     out.mkdir(parents=True, exist_ok=True)
     (out / "arms").mkdir(exist_ok=True)
     atomic_write_bytes(meta_path, json.dumps(meta, indent=2, default=repr).encode())
-    todo = {a: m for a, m in meta["arms"].items() if not (out / "arms" / f"{a}.parquet").exists()}
+    todo = {a: m for a, m in meta["arms"].items() if cached_cell(out / "arms" / f"{a}.parquet") is None}
     by_problem: dict[str, list] = {}
     bar = tqdm(total=len(todo), desc="arms", unit="arm", disable=not progress, file=sys.stderr)
     for aid, m in todo.items():

@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import math
 import sys
@@ -85,7 +84,8 @@ from adamspike.config import ConfigError, cli_main
 from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.llama import LlamaConfig, ffn_dim_for, param_specs, preset
 from adamspike.order import sample_indices
-from adamspike.rundir import atomic_write_bytes
+from adamspike.rundir import (CorruptCellFile, atomic_write_bytes, atomic_write_frame, cached_cell,
+                              read_cell_frame)
 from adamspike.synthdata import SyntheticTokens
 from adamspike.tables import md_table
 
@@ -274,7 +274,7 @@ def run_ladder(spec: LadderSpec, out: str | Path, progress: bool = True) -> pd.D
         raise ConfigError(f"curvature_every {spec.curvature_every}: must be a multiple of "
                           f"{LOG_EVERY} that divides num_steps {spec.num_steps}")
     seeds = list(range(spec.seeds))
-    todo = [r for r in spec.rungs if not (cells / f"{cell_id(spec, r)}.parquet").exists()]
+    todo = [r for r in spec.rungs if cached_cell(cells / f"{cell_id(spec, r)}.parquet") is None]
     data: dict[int, np.ndarray] = {}
     bar = tqdm(total=len(spec.rungs), initial=len(spec.rungs) - len(todo), desc="ladder",
                unit="cell", disable=not progress, file=sys.stderr)
@@ -287,9 +287,7 @@ def run_ladder(spec: LadderSpec, out: str | Path, progress: bool = True) -> pd.D
         res = train_seeds(llama_config(dim, L, spec), spec, data[B], seeds)
         cid = cell_id(spec, rung)
         df = cell_table(rung, spec, seeds, res, cid, time.perf_counter() - t0)
-        buf = io.BytesIO()
-        df.to_parquet(buf, index=False)
-        atomic_write_bytes(cells / f"{cid}.parquet", buf.getvalue())
+        atomic_write_frame(cells / f"{cid}.parquet", df)
         bar.update(1)
     bar.close()
     return read_ladder(out, spec)
@@ -346,7 +344,10 @@ def read_ladder(out: str | Path, spec: LadderSpec | None = None) -> pd.DataFrame
         raise ConfigError(f"{out}: not a ladder directory (no ladder.json)")
     spec = stored_spec(out) if spec is None else spec
     paths = [out / "cells" / f"{cell_id(spec, r)}.parquet" for r in spec.rungs]
-    frames = [pd.read_parquet(p) for p in paths if p.exists()]
+    try:
+        frames = [read_cell_frame(p) for p in paths if p.exists()]
+    except CorruptCellFile as e:
+        raise ConfigError(f"{e}; rerun `adamspike simulate ladder` on {out} to recompute it") from None
     if not frames:
         raise ConfigError(f"{out}: no finished ladder cells")
     return pd.concat(frames, ignore_index=True)

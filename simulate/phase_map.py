@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from adamspike.claims import REPO
 from adamspike.config import ConfigError, flatten, read_toml, to_dict
-from adamspike.rundir import atomic_write_bytes, atomic_write_frame
+from adamspike.rundir import atomic_write_bytes, atomic_write_frame, cached_cell
 from adamspike.train_config import RunConfig, id_settings
 from simulate.claims import EPS_KEYS, arm_table, calibrate, ladder_targets, with_group_eps
 
@@ -184,7 +184,7 @@ def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
                     "config": flat_cell}
             meta["cells"].append(cell)
             path = out / "cells" / f"{cell['id']}.parquet"
-            if not path.exists():
+            if cached_cell(path) is None:
                 B = cfg.train.global_batch_size
                 if B not in tokens:     # seed k reads the same batches in every cell of B
                     tokens = {B: arm_tokens(cfg, seeds)}

@@ -71,7 +71,8 @@ import pandas as pd
 from tqdm import tqdm
 
 from adamspike.config import ConfigError, cli_main, flatten, from_dict, merge, nest, read_toml, to_dict
-from adamspike.rundir import atomic_write_bytes, atomic_write_frame
+from adamspike.rundir import (CorruptCellFile, atomic_write_bytes, atomic_write_frame, cached_cell,
+                              read_cell_frame)
 from adamspike.spikes import SpikeParams, detect_spikes
 
 PRE_WINDOW = 8            # Wortsman 2023a: rms_t leads loss spikes by 1-8 steps
@@ -396,7 +397,7 @@ def run_cells(problem: Problem, cells: Sequence[Mapping[str, Any]], seeds: Seque
     cells_dir.mkdir(parents=True, exist_ok=True)
     spikes = dict(problem.spikes if spikes is None else spikes)
     ids = [(cell_id(problem.name, p), dict(p)) for p in cells]
-    todo = [(c, p) for c, p in dict(ids).items() if not (cells_dir / f"{c}.parquet").exists()]
+    todo = [(c, p) for c, p in dict(ids).items() if cached_cell(cells_dir / f"{c}.parquet") is None]
     groups: dict[tuple, list] = {}
     for c, p in todo:
         groups.setdefault(_static_key(problem, p), []).append((c, p))
@@ -455,7 +456,9 @@ def read_cells(out: Path, ids: Sequence[str] | None = None) -> pd.DataFrame:
     frames = []
     for p in paths:
         try:
-            frames.append(pd.read_parquet(p))
+            frames.append(read_cell_frame(p))
+        except CorruptCellFile as e:
+            raise ConfigError(f"{e}; rerun the sweep on the same --out to recompute it") from None
         except Exception as e:  # noqa: BLE001 - any unreadable cell file is a format error
             raise ConfigError(f"{p}: unreadable cell file ({e}); delete it to recompute") from None
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

@@ -27,16 +27,28 @@ skipped; nothing is faked. Each stage's stdout/stderr go to OUT/logs/<stage>.log
 finished stage leaves OUT/.stages/<stage>.json, so `--resume` continues an interrupted
 study without redoing finished stages. An existing non-empty OUT without --resume is an
 error: nothing already written is overwritten.
+
+One writer per study folder: `reproduce` holds OUT/writer.lock (adamspike.rundir.RunLock:
+flock, host and pid); a second one on a live folder is refused in one line. Each stage runs
+in its own process group and dies with `reproduce` (PR_SET_PDEATHSIG on Linux for kill -9;
+SIGTERM / SIGINT stop every stage's group, then `reproduce` itself). A stage killed
+mid-way left partial outputs: its `fresh` paths (run stages: their run folder) are set
+aside to OUT/.stale/ before it reruns. A stage mark holds its result's sha256; a torn or
+altered one reruns its stage, with one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -48,6 +60,7 @@ from tqdm import tqdm
 from adamspike import package_data
 from adamspike.cells import cache_home
 from adamspike.config import ConfigError, read_toml
+from adamspike.rundir import RunFormatError, RunLock
 from adamspike.tables import fmt, md_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,8 +175,12 @@ def stages(out: Path, scale: str = "standard", jobs: int = 2, study: Path = STUD
     for name, st in plan.items():
         sizes = st["sizes"]
         outputs = list(st.get("outputs", []))
+        fresh = list(st.get("fresh", []))
         if "run" in st:
             outputs.append(f"{st['run']}/run.json")
+            # `simulate ... --out` and `train --out` refuse a non-empty folder: a run killed
+            # mid-way is set aside before the stage reruns
+            fresh += [] if st["run"] in fresh else [st["run"]]
         result.append(Stage(
             name, fill(st.get("title", name), sizes),
             [a for arg in st.get("args", []) for a in expand(arg, sizes)]
@@ -172,16 +189,17 @@ def stages(out: Path, scale: str = "standard", jobs: int = 2, study: Path = STUD
             # stages the scale leaves out are not waited for
             needs=[n for n in st.get("needs", []) if n in plan],
             after=[n for n in st.get("after", []) if n in plan],
-            outputs=outputs, stdout_to=st.get("stdout_to"), fresh=list(st.get("fresh", []))))
+            outputs=outputs, stdout_to=st.get("stdout_to"), fresh=fresh))
     return result
 
 
-def _set_aside(st: Stage, out: Path) -> None:
+def _set_aside(st: Stage, out: Path) -> str | None:
     """Move what an unfinished earlier attempt of `st` left in its `fresh` paths to
-    OUT/.stale/<stage>-<n>/ (kept for inspection), so the rerun starts from nothing."""
+    OUT/.stale/<stage>-<n>/ (kept for inspection), so the rerun starts from nothing.
+    Returns the line that says so (None when nothing was left)."""
     left = [p for p in st.fresh if (out / p).exists()]
     if not left:
-        return
+        return None
     n = 0
     while (out / ".stale" / f"{st.name}-{n}").exists():
         n += 1
@@ -189,25 +207,86 @@ def _set_aside(st: Stage, out: Path) -> None:
     for p in left:
         (dest / p).parent.mkdir(parents=True, exist_ok=True)
         (out / p).rename(dest / p)
+    return (f"{st.name}: an interrupted attempt left {', '.join(left)}; moved to "
+            f"{dest.relative_to(out)}/ and rerunning the stage")
+
+
+# ----------------------------------------------------------------------------- stage processes
+# Every stage is its own process group (a signal to reproduce stops the stage and whatever
+# it started) and gets SIGKILL when reproduce dies (PR_SET_PDEATHSIG: a kill -9 leaves no
+# orphan running beside the next --resume).
+_LIVE: dict[int, subprocess.Popen] = {}
+_LIVE_LOCK = threading.Lock()
+_PR_SET_PDEATHSIG = 1
+try:
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def _die_with_parent(parent: int):
+    """preexec_fn: SIGKILL this stage when `parent` (reproduce) dies, also if it died
+    between the fork and this call. Only async-signal-safe work: prctl resolved above."""
+    def set_up() -> None:
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(137)
+    return set_up
+
+
+def _spawn(cmd: list[str], **kw) -> int:
+    p = subprocess.Popen(cmd, process_group=0, preexec_fn=_die_with_parent(os.getpid()), **kw)
+    with _LIVE_LOCK:
+        _LIVE[p.pid] = p
+    try:
+        return p.wait()
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.pop(p.pid, None)
+
+
+def stop_stages(grace_s: float = 10.0) -> list[int]:
+    """SIGTERM every running stage's process group, SIGKILL what is left after grace_s;
+    returns the stopped pids."""
+    with _LIVE_LOCK:
+        live = list(_LIVE.values())
+    for p in live:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)     # also what the stage started
+        except ProcessLookupError:
+            pass
+    return [p.pid for p in live]
 
 
 def _run_stage(st: Stage, out: Path, env: dict) -> dict:
-    _set_aside(st, out)
+    note = _set_aside(st, out)
+    if note:
+        tqdm.write(f"adamspike reproduce: {note}", file=sys.stderr)
     log = out / "logs" / f"{st.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "study", *st.argv]
     t0 = time.monotonic()
     with open(log, "w") as err:
-        err.write("$ adamspike " + " ".join(st.argv) + "\n")
+        err.write((f"# {note}\n" if note else "") + "$ adamspike " + " ".join(st.argv) + "\n")
         err.flush()
         if st.stdout_to:
             dest = out / st.stdout_to
             dest.parent.mkdir(parents=True, exist_ok=True)
             with open(dest, "w") as fh:
-                rc = subprocess.run(cmd, stdout=fh, stderr=err, env=env, cwd=REPO).returncode
+                rc = _spawn(cmd, stdout=fh, stderr=err, env=env, cwd=REPO)
         else:
-            rc = subprocess.run(cmd, stdout=err, stderr=subprocess.STDOUT, env=env,
-                                cwd=REPO).returncode
+            rc = _spawn(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     seconds = time.monotonic() - t0
     missing_outputs = [p for p in st.outputs if not (out / p).exists()]
     if rc == NOT_BUILT:
@@ -520,6 +599,42 @@ def _skipped(st: Stage, out: Path, reason: str) -> dict:
             "argv": st.argv, "reason": reason}
 
 
+def _mark_hash(res: dict) -> str:
+    return hashlib.sha256(json.dumps({k: v for k, v in res.items() if k != "sha256"},
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def write_mark(marks: Path, res: dict) -> None:
+    """OUT/.stages/<stage>.json of a stage that succeeded: its result and the result's
+    sha256, written whole (a temporary file renamed onto it)."""
+    path = marks / f"{res['name']}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps({**res, "sha256": _mark_hash(res)}, indent=2))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_mark(marks: Path, name: str) -> dict | None:
+    """The result a finished stage left, or None (absent; or torn, altered, not a success:
+    then one line says the stage reruns)."""
+    path = marks / f"{name}.json"
+    if not path.exists():
+        return None
+    try:
+        res = json.loads(path.read_text())
+        ok = (isinstance(res, dict) and res.get("sha256") == _mark_hash(res)
+              and res.get("status") == "ok" and res.get("name") == name)
+        why = "its content does not match its sha256 (torn or altered)"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        ok, why = False, f"it is unreadable ({type(e).__name__})"
+    if not ok:
+        tqdm.write(f"adamspike reproduce: {path}: {why}; rerunning stage {name}", file=sys.stderr)
+        return None
+    return {k: v for k, v in res.items() if k != "sha256"}
+
+
 def _schedule(plan: list[Stage], out: Path, env: dict, marks: Path, resume: bool,
               jobs: int) -> list[dict]:
     """Run the stages, up to `jobs` at once, each once its `needs` and `after` are done.
@@ -549,11 +664,11 @@ def _schedule(plan: list[Stage], out: Path, env: dict, marks: Path, resume: bool
                     waits = [n for n in st.needs + st.after if n in names and n not in status]
                     if waits:
                         continue
-                    mark = marks / f"{st.name}.json"
+                    done = read_mark(marks, st.name) if resume else None
                     failed = [n for n in st.needs if status.get(n, "ok") != "ok"]
-                    if resume and mark.exists():
+                    if done is not None:
                         pending.remove(st)
-                        finish(st, json.loads(mark.read_text()))
+                        finish(st, done)
                         changed = True
                     elif failed:
                         pending.remove(st)
@@ -573,7 +688,7 @@ def _schedule(plan: list[Stage], out: Path, env: dict, marks: Path, resume: bool
                 st = running.pop(fut)
                 res = fut.result()
                 if res["status"] == "ok":
-                    (marks / f"{st.name}.json").write_text(json.dumps(res, indent=2))
+                    write_mark(marks, res)
                 finish(st, res)
     bar.close()
     return [results[st.name] for st in plan]
@@ -629,6 +744,11 @@ def main(argv: list[str] | None = None) -> int:
               f"for {args.scale!r} (nothing was changed)", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    try:     # one writer per study folder (released when this process ends, even by kill -9)
+        lock = RunLock(out).acquire(new=None)
+    except RunFormatError as e:
+        print(f"adamspike reproduce: {e}", file=sys.stderr)
+        return 2
     marks = out / ".stages"
     marks.mkdir(exist_ok=True)
     scale_file.write_text(args.scale + "\n")
@@ -643,9 +763,25 @@ def main(argv: list[str] | None = None) -> int:
         env["ADAMSPIKE_RAY_ADDRESS"] = args.address
     # the analyses' tables of exact theory values (analysis.fits), computed once per study
     env.setdefault("ADAMSPIKE_CACHE_DIR", str(out / ".cache"))
-    results = _schedule(plan, out, env, marks, args.resume, max(1, args.jobs))
-    (out / "stages.json").write_text(json.dumps(results, indent=2))
-    report = write_study_report(out, results, args.scale, note)
+
+    def interrupted(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stopped = stop_stages()
+        print(f"adamspike reproduce: interrupted by {signal.Signals(signum).name}; stopped "
+              f"{len(stopped)} running stage(s) (--resume continues)", file=sys.stderr)
+        lock.release()
+        os._exit(128 + signum)   # the pool's threads wait on stages already stopped
+
+    handlers = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        results = _schedule(plan, out, env, marks, args.resume, max(1, args.jobs))
+        (out / "stages.json").write_text(json.dumps(results, indent=2))
+        report = write_study_report(out, results, args.scale, note)
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+        lock.release()
     print(f"study written to {out} (report: {report})")
     bad = [r["name"] for r in results if r["status"] in ("failed", "skipped")]
     missing = [r["name"] for r in results if r["status"] == "missing"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 from typing import List, Optional, Tuple
 
@@ -72,15 +73,23 @@ def restart_recipe(step: int, margs, actions: ProbeActions, loop=None) -> dict:
             "stack_has_rerun_state_machine": bool(margs is not None and hasattr(margs, "rerun_mode"))}
 
 
+def _comment_safe(text: str) -> str:
+    """`text` for a shell comment line: control characters as Python escapes."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]", lambda m: repr(m.group())[1:-1], str(text))
+
+
 def write_restart_recipe(out: str, step: int, reason: str, margs, actions: ProbeActions,
                          loop=None) -> dict:
     """RUN/restart_recipe.sh for the spike at `step` (replaced at every spike); returns
     the restart_recipe event's fields."""
     r = restart_recipe(step, margs, actions, loop)
-    load = r["load"] or "$CKPT_DIR"
+    # Megatron's --save is a path: quoted as a shell word, and shown in comments with its
+    # control characters escaped (a newline would end the comment and start a command)
+    load = _comment_safe(r["load"]) if r["load"] else "$CKPT_DIR"
+    load_word = shlex.quote(r["load"]) if r["load"] else '"$CKPT_DIR"'
     first, last = r["skipped_iterations"]
     lines = ["#!/bin/bash",
-             f"# adamspike probe: restart recipe for the spike at iteration {step} ({reason})",
+             f"# adamspike probe: restart recipe for the spike at iteration {step} ({_comment_safe(reason)})",
              f"# PaLM (Chowdhery et al. 2022, sec. 5.1): restart ~{actions.rollback_steps} steps "
              f"before the spike and skip {actions.skip_batches}+ batches",
              "# checkpoint: " + (f"iteration {r['ckpt_step']} in {load}" if r["ckpt_step"] is not None
@@ -91,7 +100,7 @@ def write_restart_recipe(out: str, step: int, reason: str, margs, actions: Probe
              "# loop has no --iterations-to-skip (MindSpeed-LLM); where the loop has it, the loop",
              "# skips them before train_step and the probe never sees them (never twice):",
              f"export ADAMSPIKE_PROBE_SKIP_ITERATIONS=\"{r['probe_skip_iterations']}\""]
-    restart = f"--load {load}" + (f" --ckpt-step {r['ckpt_step']}" if r["ckpt_step"] is not None else "")
+    restart = f"--load {load_word}" + (f" --ckpt-step {r['ckpt_step']}" if r["ckpt_step"] is not None else "")
     if r["stack_has_iterations_to_skip"]:
         lo, hi = r["iterations_to_skip"]
         one = r["iterations_to_skip_base"] == 1
@@ -103,7 +112,7 @@ def write_restart_recipe(out: str, step: int, reason: str, margs, actions: Probe
     else:
         lines += ["# THIS STACK HAS NO --iterations-to-skip (" + r["skip_semantics_from"] + "): only the",
                   "# probe's list above skips the batches; keep the probe on (ADAMSPIKE_PROBE=1)."]
-    lines += [f"RESTART_ARGS=\"{restart}\"",
+    lines += ["# shellcheck disable=SC2046", f"RESTART_ARGS=({restart})",
               "# With adamspike's train_mindspeed.sh, on every node:",
               f"#   CKPT_STEP={r['ckpt_step'] if r['ckpt_step'] is not None else ''} "
               f"SKIP_ITERATIONS=\"{r['probe_skip_iterations']}\" bash train_mindspeed.sh NODE_RANK"]

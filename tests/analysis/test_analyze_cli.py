@@ -150,3 +150,55 @@ def test_jobs_give_the_same_reports_and_reports_link_drawn_figures(synthetic_run
     assert "](../figures/a/loss_spikes.png)" in index           # rebased for the index
     assert rebase_links("![f](figures/x.png) [w](https://a.b/c) [h](#top)", "run") == \
         "![f](run/figures/x.png) [w](https://a.b/c) [h](#top)"
+
+
+def test_a_log_without_a_finite_loss_leaves_no_out(tmp_path, capsys):
+    """issue 40, defect 7: the refusal leaves nothing behind (a new --out is removed, an
+    empty one emptied again)."""
+    log = tmp_path / "nan.log"
+    log.write_text("\n".join(_megatron_line(i, float("nan")) for i in range(1, 50)) + "\n")
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        rc = main(["--log", str(log), "--seq-len", "4096", "--clip", "1.0", "--out", str(out)])
+        err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("adamspike analyze:")]
+        assert rc == 2 and len(err) == 1, err
+        assert not out.exists() if out.name == "new" else list(out.iterdir()) == []
+
+
+def test_from_study_follows_each_folder_once(synthetic_run, tmp_path, capsys):
+    """A symlink cycle under a study's runs/ (and a second link to the same run) is walked
+    once: one run analysed, not 41."""
+    from adamspike.rundir import find_runs
+    runs = tmp_path / "study" / "runs"
+    runs.mkdir(parents=True)
+    (runs / "a").symlink_to(synthetic_run, target_is_directory=True)
+    (runs / "b").symlink_to(synthetic_run, target_is_directory=True)
+    (runs / "loop").mkdir()
+    (runs / "loop" / "back").symlink_to(runs, target_is_directory=True)
+    (runs / "loop" / "self").symlink_to(runs / "loop", target_is_directory=True)
+    assert find_runs(runs) == [runs / "a"]
+    out = tmp_path / "out"
+    assert main(["--from-study", str(tmp_path / "study"), "--out", str(out)]) == 0
+    assert [p.name for p in out.iterdir() if p.is_dir()] == ["a"]
+
+
+def test_an_unwritable_out_is_one_line(synthetic_run, tmp_path, capsys):
+    """A read-only --out (EROFS injected into mkdir with strace: root ignores modes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    if not shutil.which("strace"):
+        pytest.skip("no strace")
+    out = tmp_path / "ro" / "out"
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "inject=mkdir,mkdirat:error=EROFS",
+                        sys.executable, "-m", "study", "analyze", str(synthetic_run), "--out", str(out)],
+                       capture_output=True, text=True, cwd=root, timeout=300,
+                       env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "MPLBACKEND": "Agg"})
+    if "PTRACE" in r.stderr or "Operation not permitted" in r.stderr and "strace" in r.stderr:
+        pytest.skip("ptrace not allowed here")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert "Traceback" not in r.stderr and len(lines) == 1 and "Read-only file system" in lines[0], r.stderr
+    assert not out.exists()

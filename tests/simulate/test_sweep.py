@@ -129,6 +129,37 @@ def test_resume_skips_finished_cells(grid_file, tmp_path):
     assert CALLS["calls"] >= 1 and num_padded < 36 + 8 * 2  # only the other shard's cells ran
 
 
+def test_a_corrupt_cell_is_set_aside_and_recomputed(grid_file, tmp_path, capsys):
+    """Cells carry their content sha256 (issue 40, defect 7): a flipped bit in a cached
+    cell's numbers is caught on read, the file kept as .corrupt, the cell recomputed (one
+    line), and the table is the uncorrupted one."""
+    out, g = tmp_path / "out", load_grid(grid_file)
+    first = S.run_sweep(g, out, progress=False)
+    cell = sorted((out / "cells").glob("*.parquet"))[0]
+    good = cell.read_bytes()
+    # a flip inside the first float column's data page: decodes fine, different numbers
+    df = pd.read_parquet(cell)
+    col = next(c for c in df.columns if df[c].dtype == np.float64 and df[c].notna().all()
+               and df[c].nunique() > 1)
+    needle = np.float64(df[col].iloc[0]).tobytes()
+    at = good.index(needle)
+    bad = bytearray(good)
+    bad[at + 2] ^= 0x10
+    cell.write_bytes(bytes(bad))
+    assert not pd.read_parquet(cell).equals(df)           # silently different without the hash
+    capsys.readouterr()
+    CALLS.update(runs=0, calls=0)
+    again = S.run_sweep(g, out, progress=False)
+    err = [l for l in capsys.readouterr().err.splitlines() if "sha256" in l]
+    assert len(err) == 1 and cell.name in err[0] and "computing it again" in err[0]
+    assert CALLS["calls"] >= 1 and (out / "cells" / (cell.name + ".corrupt")).read_bytes() == bytes(bad)
+    pd.testing.assert_frame_equal(first, again)
+    assert cell.read_bytes() == good                      # the same computation, the same bytes
+    cell.write_bytes(bytes(bad))                          # a reader alone refuses it in one line
+    with pytest.raises(S.ConfigError, match="does not match its content sha256"):
+        S.read_cells(out)
+
+
 def test_shards_merge_to_unsharded_table(grid_file, tmp_path):
     g = load_grid(grid_file)
     whole = S.run_sweep(g, tmp_path / "whole", progress=False)
