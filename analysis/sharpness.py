@@ -118,7 +118,8 @@ def cell_rows(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]],
 def rung_table(rows: pd.DataFrame, min_seeds: int) -> pd.DataFrame:
     """Per rung (dim, layers, lr, eps, steps): passing seeds, their median lambda_inf, and
     whether the rung enters the law (>= min_seeds passing)."""
-    use = rows[rows["pass"] & ~rows.get("superseded", pd.Series(False, index=rows.index))]
+    sup = rows["superseded"].fillna(False).astype(bool) if "superseded" in rows else False
+    use = rows[rows["pass"].astype(bool) & ~sup]
     g = use.groupby(["dim", "layers", "lr", "eps", "steps"], as_index=False)
     t = g.agg(seeds=("seed", "nunique"), lambda_inf=("lambda_inf", "median"))
     t["enters"] = t["seeds"] >= min_seeds
