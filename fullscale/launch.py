@@ -68,7 +68,7 @@ from adamspike.predictions import (PredictionsError, indistinguishable, load_pre
 from adamspike.train_config import RunConfig
 from fullscale.cli import _Parser, exit_status
 from fullscale.hf import resolve_model
-from fullscale.model_info import megatron_memory, memory_per_card
+from fullscale.model_info import DEFAULTS, recompute_flags, choose_megatron_layout, memory_per_card
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,8 +100,11 @@ class CudaSection:
 
 @dataclass
 class MegatronSection:
-    tp: int = param(0, lo=0, help="tensor parallel size, 0 = auto (8 for >= 30B params, else 1)")
-    pp: int = param(0, lo=0, help="pipeline parallel size, 0 = auto (8 for >= 30B params, else 1)")
+    tp: int = param(0, lo=0, help="tensor parallel size, 0 = auto (fullscale.model_info."
+                    "choose_megatron_layout: the smallest TP x PP whose memory estimate fits)")
+    pp: int = param(0, lo=0, help="pipeline parallel size, 0 = auto (as tp)")
+    recompute: str = param("auto", choices=("auto", "none", "selective", "full"),
+                           help="activation recompute; auto = only when no layout fits without it")
     sequence_parallel: bool = param(True)
     distributed_optimizer: bool = param(True)
 
@@ -167,10 +170,6 @@ def _abs(path: str) -> str:
     return str(Path(path).expanduser().resolve()) if path else path
 
 
-def _auto_parallel(num_params: int, n: int) -> int:
-    return n if n else (8 if num_params >= 30e9 else 1)
-
-
 def _num(x: float) -> str:
     """A number for a Megatron flag: integral values as integers (some flags are type=int)."""
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
@@ -192,8 +191,12 @@ class Launch:
     micro_batch: int = 0
     tp: int = 1
     pp: int = 1
+    vpp_layers: int = 0       # --num-layers-per-virtual-pipeline-stage (0: not interleaved)
+    recompute: str = "none"   # Megatron activation recompute: none | selective | full
+    layout_fits: bool = True  # the memory estimate of the Megatron layout fits the card
     notes: list[str] = field(default_factory=list)
     memory_gb: dict[str, float] = field(default_factory=dict)   # fullscale.model_info estimates
+    layout_choice: dict[str, Any] = field(default_factory=dict)  # choose_megatron_layout's answer
 
 
 def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatron")) -> Launch:
@@ -220,25 +223,37 @@ def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatr
             activation_checkpointing=run.train.activation_checkpointing)["total"] / 1e9
     if "megatron" in engines:
         m = cluster.megatron
-        tp, pp = _auto_parallel(num_params(cfg), m.tp), _auto_parallel(num_params(cfg), m.pp)
         hint = " (or --engine fsdp to write only the torchrun script)"
-        if cfg.num_heads % tp or cfg.num_kv_heads % tp:
-            raise ConfigError(f"--tp {tp} must divide num_heads {cfg.num_heads} and num_kv_heads "
+        if m.tp and (cfg.num_heads % m.tp or cfg.num_kv_heads % m.tp):
+            raise ConfigError(f"--tp {m.tp} must divide num_heads {cfg.num_heads} and num_kv_heads "
                               f"{cfg.num_kv_heads}{hint}")
-        if cfg.num_layers % pp:
-            raise ConfigError(f"--pp {pp} must divide num_layers {cfg.num_layers}{hint}")
-        if world % (tp * pp):
-            raise ConfigError(f"--tp x --pp = {tp * pp} must divide the world size {world}{hint}")
-        dp = world // (tp * pp)
-        mmb = run.train.micro_batch_size or max(1, G // dp)
-        if G % (dp * mmb):
-            raise ConfigError(f"Megatron: data-parallel size {dp} x micro batch {mmb} does not divide "
-                              f"train.global_batch_size {G}{hint}")
-        launch.tp, launch.pp = tp, pp
+        if m.pp and cfg.num_layers % m.pp:
+            raise ConfigError(f"--pp {m.pp} must divide num_layers {cfg.num_layers}{hint}")
+        if world % ((m.tp or 1) * (m.pp or 1)):
+            raise ConfigError(f"--tp x --pp = {(m.tp or 1) * (m.pp or 1)} must divide the world size "
+                              f"{world}{hint}")
+        mmb = run.train.micro_batch_size or max(1, G // (world // ((m.tp or 1) * (m.pp or 1))))
+        # Layout and recompute from the memory estimate, not a fixed TP8 PP8 + full recompute
+        # (fullscale.model_info.choose_megatron_layout): upstream's layout for the model where
+        # it fits without recompute (the 70B: MindSpeed-LLM examples/mcore/llama2/
+        # pretrain_llama2_70b_ptd.sh at 251f267c, TP8 PP4, 5 layers per virtual stage, no
+        # recompute), else the smallest TP x PP that fits 64 GB less the headroom, recompute
+        # only when nothing fits without it. Differences from upstream's layout have one of
+        # these reasons: a card too small for it (more PP / recompute), or a world size / batch
+        # it does not divide (launch.json: megatron_layout lists what was tried).
+        try:
+            choice = choose_megatron_layout(
+                cfg, world_size=world, seq_len=run.train.seq_len, micro_batch=mmb, global_batch=G,
+                devices_per_node=c.devices_per_node, dtype=run.train.dtype,
+                device_memory_gb=DEFAULTS.device_memory_gb, recompute=m.recompute, tp=m.tp, pp=m.pp)
+        except ConfigError as e:
+            raise ConfigError(f"Megatron: {e}{hint}") from None
+        launch.tp, launch.pp = choice["tp"], choice["pp"]
+        launch.vpp_layers, launch.recompute = choice["vpp_layers"], choice["recompute"]
+        launch.layout_fits = choice["fits"]
+        launch.layout_choice = {k: v for k, v in choice.items() if k != "memory"}
         launch.notes += _megatron_gaps(run)
-        launch.memory_gb["megatron"] = megatron_memory(
-            cfg, world_size=world, seq_len=run.train.seq_len, micro_batch=mmb,
-            sharding=f"megatron:tp{tp}pp{pp}", global_batch=G, dtype=run.train.dtype)["total"] / 1e9
+        launch.memory_gb["megatron"] = choice["memory"]["total"] / 1e9
     return launch
 
 
@@ -378,8 +393,13 @@ def megatron_args(launch: Launch) -> list[str]:
     ]
     if t.dtype == "bf16":
         args.append("--bf16")
-    if t.activation_checkpointing:
-        args.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    if launch.vpp_layers:
+        # upstream's 70B: --num-layers-per-virtual-pipeline-stage 5 (MindSpeed-LLM 251f267c);
+        # every vendored stack parses it (fullscale/megatron_options.json)
+        args.append(f"--num-layers-per-virtual-pipeline-stage {launch.vpp_layers}")
+    # recompute from the layout choice (prepare), not train.activation_checkpointing (the FSDP
+    # trainer's switch): upstream's 70B passes no --recompute-* flag
+    args += recompute_flags(launch.recompute)
     m = launch.cluster.megatron
     if m.sequence_parallel and launch.tp > 1:
         args.append("--sequence-parallel")
@@ -640,6 +660,8 @@ def write_launch(launch: Launch, out: Path, final: Path | None = None) -> dict[s
                 "nodes": c.nodes, "devices_per_node": c.devices_per_node, "world_size": launch.world_size,
                 "device": c.device, "master_addr": c.master_addr, "master_port": c.master_port,
                 "micro_batch": launch.micro_batch, "megatron_tp": launch.tp, "megatron_pp": launch.pp,
+                "megatron_vpp_layers": launch.vpp_layers, "megatron_recompute": launch.recompute,
+                "megatron_layout": launch.layout_choice,
                 "megatron_notes": launch.notes,
                 "estimated_memory_gb_per_card": launch.memory_gb,
                 "start": "on node k: bash SCRIPT k   (k = 0 .. nodes-1)",
@@ -659,6 +681,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("npu", "cuda", "cpu"))
     p.add_argument("--tp", type=int, help="Megatron tensor parallel size (0 = auto)")
     p.add_argument("--pp", type=int, help="Megatron pipeline parallel size (0 = auto)")
+    p.add_argument("--recompute", choices=("auto", "none", "selective", "full"),
+                   help="Megatron activation recompute (auto: only when no layout fits without it)")
     p.add_argument("--engine", choices=("both", "fsdp", "megatron"), default="both",
                    help="which scripts to write (default both)")
 
@@ -667,7 +691,8 @@ def _cluster(args) -> ClusterConfig:
     overrides = []
     for flag, key in (("nodes", "cluster.nodes"), ("devices_per_node", "cluster.devices_per_node"),
                       ("master_addr", "cluster.master_addr"), ("master_port", "cluster.master_port"),
-                      ("device", "cluster.device"), ("tp", "megatron.tp"), ("pp", "megatron.pp")):
+                      ("device", "cluster.device"), ("tp", "megatron.tp"), ("pp", "megatron.pp"),
+                      ("recompute", "megatron.recompute")):
         v = getattr(args, flag)
         if v is not None:
             overrides += [f"--{key}", str(v)]
@@ -735,6 +760,10 @@ def _memory_warnings(prog: str, launch: Launch) -> None:
     model is not known here)."""
     if launch.cluster.cluster.device != "npu":
         return
+    if not launch.layout_fits:
+        print(f"{prog}: warning: megatron: no TP x PP fits the estimate even with full recompute; "
+              f"using TP {launch.tp} PP {launch.pp} (see `adamspike model info --sharding megatron:auto`)",
+              file=sys.stderr)
     for engine, gb in launch.memory_gb.items():
         if gb > 64:
             print(f"{prog}: warning: {engine}: estimated {gb:.0f} GB per card exceeds the 910B's 64 GB "
