@@ -21,6 +21,12 @@ Each script is ONE script for all nodes, parameterised by the node rank: on node
 `bash train_torchrun.sh k` (or with NODE_RANK=k in the environment). The scripts set the
 HCCL / Ascend environment for npu (sourcing the toolkit's set_env.sh) or NCCL's for cuda.
 
+The Megatron layout (TP, PP, layers per virtual pipeline stage, activation recompute) comes
+from the memory estimate (fullscale.model_info.choose_megatron_layout): upstream's layout for
+the model where it fits without recompute, else the smallest TP x PP that fits the card less
+a headroom, recompute only when nothing fits without it; [megatron] tp / pp / recompute in
+the cluster config (or --tp / --pp / --recompute) fix them.
+
 Checks (errors name the flag or key): nodes and devices per node >= 1, the world size
 divides train.global_batch_size, the per-rank batch is a multiple of the micro batch; for
 the Megatron script TP divides the heads and kv groups, PP divides the layers, TP x PP
@@ -586,9 +592,22 @@ def mindspeed_script(launch: Launch) -> str:
     if run.train.loss_scale != 1.0:
         lines.insert(5, f"# train.loss_scale = {run.train.loss_scale:g} folded in: --adam-eps = eps / s, "
                         "--clip-grad = grad_clip / s")
+    ch = launch.layout_choice
+    if ch:
+        why = {"upstream": "upstream's layout for this model (MindSpeed-LLM pretrain_llama2_70b_ptd.sh, "
+                           "251f267c), fits without recompute",
+               "smallest fitting": "the smallest TP x PP whose estimate fits, recompute only when "
+                                   "nothing fits without it",
+               "none fits": "NOTHING FITS the estimate; the largest layout with full recompute"}[ch["chosen_by"]]
+        lines.insert(5, f"# Megatron layout: TP {launch.tp} x PP {launch.pp}"
+                        + (f", {launch.vpp_layers} layers per virtual pipeline stage" if launch.vpp_layers else "")
+                        + f", recompute {launch.recompute}: {why} (estimate "
+                        f"{launch.memory_gb['megatron']:.1f} GB of {ch['usable_bytes'] / 1e9:.1f} GB usable per card; "
+                        "adamspike model info --cluster)")
+    at0 = 6 if ch else 5
     for i, gap in enumerate(launch.notes):
-        lines.insert(5 + i, f"# NOTE: {gap}")
-    at = 5 + len(launch.notes)
+        lines.insert(at0 + i, f"# NOTE: {gap}")
+    at = at0 + len(launch.notes)
     lines[at:at] = [
         "# At a loss spike (docs/mindspeed_probe.md):",
         "#   the probe (ADAMSPIKE_PROBE=1): online loss / grad-norm rules, skip-step on every rank",
