@@ -520,6 +520,14 @@ def _stack_case(launch: Launch) -> list[str]:
              'if [[ -n "$CKPT_STEP" ]]; then RESTART_ARGS+=(--ckpt-step "$CKPT_STEP"); fi',
              '# shellcheck disable=SC2206',
              'if [[ -n "$ITERATIONS_TO_SKIP" ]]; then RESTART_ARGS+=(--iterations-to-skip $ITERATIONS_TO_SKIP); fi',
+             "# NO_SHARED_STORAGE=1: the nodes share no file system. MindSpeed-LLM gets its",
+             "# --no-shared-storage (each node builds its own dataset cache; features_manager/",
+             "# megatron_basic/megatron_basic.py, c77308a1); on every stack the probe writes its run",
+             "# directory on the last node's disk, says where, and takes the restart recipe's",
+             "# checkpoint from --save-interval (docs/mindspeed_probe.md). Copy data, tokenizer and",
+             "# predictions.json to every node at the same paths.",
+             'NO_SHARED_STORAGE="${NO_SHARED_STORAGE:-0}"',
+             'if [[ "$NO_SHARED_STORAGE" == 1 ]]; then export ADAMSPIKE_PROBE_NO_SHARED_STORAGE=1; fi',
              'case "$MEGATRON_STACK" in',
              "  mindspeed-llm)"] + need_hf + (
              # upstream: examples/mcore/llama2/pretrain_llama2_13b_ptd.sh (c77308a1) exports it
@@ -551,7 +559,9 @@ def _stack_case(launch: Launch) -> list[str]:
               + ("   # --rotary-base needs Megatron-LM core_r0.8 or newer" if rot else ""),
               "  *) echo \"MEGATRON_STACK must be one of " + ", ".join(STACKS)
               + ", got '$MEGATRON_STACK'\" >&2; exit 2 ;;",
-              "esac"]
+              "esac",
+              'if [[ "$NO_SHARED_STORAGE" == 1 && "$MEGATRON_STACK" == mindspeed-llm ]]; then '
+              "STACK_ARGS+=(--no-shared-storage); fi"]
     return lines
 
 
