@@ -198,6 +198,7 @@ class Launch:
     tp: int = 1
     pp: int = 1
     vpp_layers: int = 0       # --num-layers-per-virtual-pipeline-stage (0: not interleaved)
+    megatron_micro_batch: int = 1   # --micro-batch-size (the one the memory estimate assumed)
     recompute: str = "none"   # Megatron activation recompute: none | selective | full
     layout_fits: bool = True  # the memory estimate of the Megatron layout fits the card
     notes: list[str] = field(default_factory=list)
@@ -238,7 +239,9 @@ def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatr
         if world % ((m.tp or 1) * (m.pp or 1)):
             raise ConfigError(f"--tp x --pp = {(m.tp or 1) * (m.pp or 1)} must divide the world size "
                               f"{world}{hint}")
-        mmb = run.train.micro_batch_size or max(1, G // (world // ((m.tp or 1) * (m.pp or 1))))
+        # micro batch: the run config's; with micro_batch_size 0, a fixed layout's per-replica
+        # share (G / DP) as before, and for a chosen layout upstream's --micro-batch-size 1
+        mmb = run.train.micro_batch_size or (max(1, G // (world // (m.tp * m.pp))) if m.tp and m.pp else 1)
         # Layout and recompute from the memory estimate, not a fixed TP8 PP8 + full recompute
         # (fullscale.model_info.choose_megatron_layout): upstream's layout for the model where
         # it fits without recompute (the 70B: MindSpeed-LLM examples/mcore/llama2/
@@ -254,7 +257,7 @@ def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatr
                 device_memory_gb=DEFAULTS.device_memory_gb, recompute=m.recompute, tp=m.tp, pp=m.pp)
         except ConfigError as e:
             raise ConfigError(f"Megatron: {e}{hint}") from None
-        launch.tp, launch.pp = choice["tp"], choice["pp"]
+        launch.tp, launch.pp, launch.megatron_micro_batch = choice["tp"], choice["pp"], mmb
         launch.vpp_layers, launch.recompute = choice["vpp_layers"], choice["recompute"]
         launch.layout_fits = choice["fits"]
         launch.layout_choice = {k: v for k, v in choice.items() if k != "memory"}
@@ -374,8 +377,7 @@ def megatron_args(launch: Launch) -> list[str]:
     cfg = resolve_model(run.model)
     o, t = run.optim, run.train
     s = t.loss_scale
-    dp = launch.world_size // (launch.tp * launch.pp)
-    mb = t.micro_batch_size or t.global_batch_size // dp
+    mb = launch.megatron_micro_batch
     ckpt = megatron_dir(launch) / "checkpoints"
     args = [
         f"--tensor-model-parallel-size {launch.tp}", f"--pipeline-model-parallel-size {launch.pp}",

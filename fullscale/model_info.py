@@ -323,7 +323,7 @@ def choose_megatron_layout(cfg: LlamaConfig, *, world_size: int, seq_len: int, m
                            global_batch: int, devices_per_node: int = 8, device_memory_gb: float = 64.0,
                            headroom: float = DEFAULTS.memory_headroom, grad_dtype: str = "fp32",
                            dtype: str = "bf16", recompute: str = "auto", tp: int = 0,
-                           pp: int = 0) -> dict[str, Any]:
+                           pp: int = 0, vpp_layers: int | None = None) -> dict[str, Any]:
     """The Megatron layout a run gets: upstream's reference layout for the architecture
     (UPSTREAM_LAYOUTS: the vendor ran and tuned it) when TP / PP are not fixed, it is valid
     for this world size and batch and its estimate fits without recompute; else the smallest
@@ -331,8 +331,8 @@ def choose_megatron_layout(cfg: LlamaConfig, *, world_size: int, seq_len: int, m
     card's memory; at equal size the larger TP
     (TP inside a node: no pipeline bubble; upstream's 70B uses TP 8); interleaved pipeline
     stages (_vpp_layers) where Megatron allows them. Recompute only when nothing fits without
-    it: none, then selective, then full ("auto"); a named recompute, TP or PP (non-zero) is
-    kept. When nothing fits, the layout of the largest model-parallel size with full
+    it: none, then selective, then full ("auto"); a named recompute, TP or PP (non-zero) or
+    vpp_layers (not None; 0 = not interleaved) is kept. When nothing fits, the layout of the largest model-parallel size with full
     recompute, "fits": False. Returns tp, pp, vpp_layers, recompute, sharding, memory,
     fits, usable_bytes, chosen_by (upstream | smallest fitting | none fits) and `tried`
     (each candidate's total)."""
@@ -349,7 +349,9 @@ def choose_megatron_layout(cfg: LlamaConfig, *, world_size: int, seq_len: int, m
             dp = world_size // (t * p)
             if global_batch % (dp * micro_batch):
                 continue
-            shapes.append((t * p, -t, t, p, _vpp_layers(cfg.num_layers // p, p, global_batch // (dp * micro_batch))))
+            v = vpp_layers if vpp_layers is not None else _vpp_layers(
+                cfg.num_layers // p, p, global_batch // (dp * micro_batch))
+            shapes.append((t * p, -t, t, p, v))
     if not shapes:
         raise ConfigError(f"no Megatron layout: no TP x PP (TP dividing {devices_per_node} devices per node "
                           f"and the {cfg.num_heads} heads / {cfg.num_kv_heads} kv heads, PP dividing "
@@ -358,7 +360,7 @@ def choose_megatron_layout(cfg: LlamaConfig, *, world_size: int, seq_len: int, m
     shapes.sort()
     tried = []
     ref = UPSTREAM_LAYOUTS.get((cfg.num_layers, cfg.dim, cfg.num_heads, cfg.num_kv_heads))
-    if ref and not tp and not pp and recompute in ("auto", "none"):
+    if ref and not tp and not pp and vpp_layers is None and recompute in ("auto", "none"):
         t, p, v = ref
         shape = next((x for x in shapes if x[2:4] == (t, p)), None)
         if shape is not None and shape[4] == v:   # valid here, and interleavable as upstream
@@ -499,13 +501,15 @@ def model_info(cfg: LlamaConfig, *, world_size: int = 1, seq_len: int | None = N
         recompute = recompute or ("full" if activation_checkpointing else "none")
         if sharding == "megatron:auto" or recompute == "auto":
             tp = pp = 0
+            vpp = None
             if sharding != "megatron:auto":
-                tp, pp, _ = parse_megatron(sharding, world_size)
+                tp, pp, v = parse_megatron(sharding, world_size)
+                vpp = v or None      # "megatron:tp8pp4": interleaving chosen; "...v2": kept
             choice = choose_megatron_layout(
                 cfg, world_size=world_size, seq_len=seq_len, micro_batch=micro_batch,
                 global_batch=global_batch, devices_per_node=assumptions.devices_per_node,
                 device_memory_gb=assumptions.device_memory_gb, headroom=assumptions.memory_headroom,
-                grad_dtype=grad_dtype, dtype=dtype, recompute=recompute, tp=tp, pp=pp)
+                grad_dtype=grad_dtype, dtype=dtype, recompute=recompute, tp=tp, pp=pp, vpp_layers=vpp)
             sharding, recompute = choice["sharding"], choice["recompute"]
         activation_checkpointing = recompute != "none"
     grad_dtype = grad_dtype or ("fp32" if layout == "fsdp2" else "bf16")

@@ -91,6 +91,12 @@ def test_model_info_honours_cluster_and_recompute(capsys):
     fixed = json.loads(capsys.readouterr().out)
     assert fixed["sharding"] == "megatron:tp8pp8" and fixed["recompute"] == "full"
     assert "layout_choice" not in fixed and fixed["memory_bytes"]["total"] < 10e9
+    # a named interleaving is kept under --recompute auto
+    assert adamspike(base + ["--json", "--sharding", "megatron:tp8pp4v2", "--recompute", "auto"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert kept["sharding"] == "megatron:tp8pp4v2" and kept["recompute"] == "none"
+    assert adamspike(base + ["--sharding", "megatron:tp8pp2v5"]) == 2
+    assert "needs PP > 2" in capsys.readouterr().err
     assert adamspike(base + ["--memory-headroom", "1.5"]) == 2
     assert "--memory-headroom" in capsys.readouterr().err
 
