@@ -243,6 +243,8 @@ def _megatron_shape(cfg: LlamaConfig, world_size: int, sharding: str, micro_batc
                           f"x --micro-batch {micro_batch}")
     m = (global_batch // (dp * micro_batch)) if global_batch is not None else pp
     if v and m % pp:
+        # core_v0.12.1 schedules.py forward_backward_pipelining_with_interleaving: micro-batches
+        # go in groups of PP; a remainder below PP is refused
         raise ConfigError(f"--sharding: the interleaved schedule needs the {m} micro-batches to be a "
                           f"multiple of PP {pp}")
     return tp, pp, dp, m, v
