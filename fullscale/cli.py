@@ -79,7 +79,8 @@ def model_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbs", type=float, default=DEFAULTS.inter_node_gbs,
                    help=f"bus bandwidth per card across nodes, GB/s (default {DEFAULTS.inter_node_gbs})")
     p.add_argument("--devices-per-node", type=int, help=f"default: --cluster's, else {DEFAULTS.devices_per_node}")
-    p.add_argument("--device-memory-gb", type=float, default=DEFAULTS.device_memory_gb)
+    p.add_argument("--device-memory-gb", type=float,
+                   help=f"default: --cluster's device_memory_gb, else {DEFAULTS.device_memory_gb}")
     p.add_argument("--memory-headroom", type=float, default=DEFAULTS.memory_headroom,
                    help="share of device memory the estimate must leave free "
                    f"(default {DEFAULTS.memory_headroom})")
@@ -133,6 +134,8 @@ def _apply_cluster(args) -> None:
             args.world_size = cl.cluster.nodes * cl.cluster.devices_per_node
         if args.devices_per_node is None:
             args.devices_per_node = cl.cluster.devices_per_node
+        if args.device_memory_gb is None:
+            args.device_memory_gb = cl.cluster.device_memory_gb
         if args.sharding is None:
             args.sharding = (f"megatron:tp{m.tp}pp{m.pp}" if m.tp and m.pp else "megatron:auto")
         if args.recompute is None and args.activation_checkpointing is None and args.sharding.startswith("megatron:"):
@@ -140,6 +143,8 @@ def _apply_cluster(args) -> None:
     args.world_size = 1 if args.world_size is None else args.world_size
     args.devices_per_node = DEFAULTS.devices_per_node if args.devices_per_node is None else args.devices_per_node
     args.sharding = args.sharding or "fsdp"
+    if args.device_memory_gb is None:
+        args.device_memory_gb = DEFAULTS.device_memory_gb
     if args.sharding == "megatron:auto" and (args.recompute is None and args.activation_checkpointing is None):
         args.recompute = "auto"
 

@@ -74,7 +74,7 @@ from adamspike.predictions import (PredictionsError, indistinguishable, load_pre
 from adamspike.train_config import RunConfig
 from fullscale.cli import _Parser, exit_status
 from fullscale.hf import resolve_model
-from fullscale.model_info import DEFAULTS, recompute_flags, choose_megatron_layout, memory_per_card
+from fullscale.model_info import choose_megatron_layout, memory_per_card, recompute_flags
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,6 +88,8 @@ class ClusterSection:
     master_addr: str = param("127.0.0.1", help="host of node rank 0")
     master_port: int = param(29500, lo=1, hi=65535)
     device: str = param("npu", choices=("npu", "cuda", "cpu"))
+    device_memory_gb: float = param(64.0, lo=1.0, help="memory per card the Megatron layout must fit "
+                                    "(910B: 64; the layout leaves fullscale.model_info's headroom free)")
 
 
 @dataclass
@@ -254,7 +256,7 @@ def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatr
             choice = choose_megatron_layout(
                 cfg, world_size=world, seq_len=run.train.seq_len, micro_batch=mmb, global_batch=G,
                 devices_per_node=c.devices_per_node, dtype=run.train.dtype,
-                device_memory_gb=DEFAULTS.device_memory_gb, recompute=m.recompute, tp=m.tp, pp=m.pp)
+                device_memory_gb=c.device_memory_gb, recompute=m.recompute, tp=m.tp, pp=m.pp)
         except ConfigError as e:
             raise ConfigError(f"Megatron: {e}{hint}") from None
         launch.tp, launch.pp, launch.megatron_micro_batch = choice["tp"], choice["pp"], mmb
@@ -710,6 +712,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-addr")
     p.add_argument("--master-port", type=int)
     p.add_argument("--device", choices=("npu", "cuda", "cpu"))
+    p.add_argument("--device-memory-gb", type=float, help="memory per card (cluster.device_memory_gb, default 64)")
     p.add_argument("--tp", type=int, help="Megatron tensor parallel size (0 = auto)")
     p.add_argument("--pp", type=int, help="Megatron pipeline parallel size (0 = auto)")
     p.add_argument("--recompute", choices=("auto", "none", "selective", "full"),
@@ -722,7 +725,8 @@ def _cluster(args) -> ClusterConfig:
     overrides = []
     for flag, key in (("nodes", "cluster.nodes"), ("devices_per_node", "cluster.devices_per_node"),
                       ("master_addr", "cluster.master_addr"), ("master_port", "cluster.master_port"),
-                      ("device", "cluster.device"), ("tp", "megatron.tp"), ("pp", "megatron.pp"),
+                      ("device", "cluster.device"), ("device_memory_gb", "cluster.device_memory_gb"),
+                      ("tp", "megatron.tp"), ("pp", "megatron.pp"),
                       ("recompute", "megatron.recompute")):
         v = getattr(args, flag)
         if v is not None:
@@ -788,13 +792,13 @@ def _launch(argv: list[str]) -> int:
 
 def _memory_warnings(prog: str, launch: Launch) -> None:
     """Warn when fullscale.model_info's estimate exceeds a 910B's 64 GB (npu only: the GPU
-    model is not known here)."""
-    if launch.cluster.cluster.device != "npu":
-        return
+    model is not known here) or no Megatron layout fits [cluster] device_memory_gb."""
     if not launch.layout_fits:
         print(f"{prog}: warning: megatron: no TP x PP fits the estimate even with full recompute; "
               f"using TP {launch.tp} PP {launch.pp} (see `adamspike model info --sharding megatron:auto`)",
               file=sys.stderr)
+    if launch.cluster.cluster.device != "npu":
+        return
     for engine, gb in launch.memory_gb.items():
         if gb > 64:
             print(f"{prog}: warning: {engine}: estimated {gb:.0f} GB per card exceeds the 910B's 64 GB "

@@ -128,3 +128,22 @@ def test_layout_flags_parse_against_every_stack(tmp_path, extra, vpp, recompute)
         if "selective" in extra:
             assert argv[argv.index("--recompute-granularity") + 1] == "selective"
             assert argv[argv.index("--pipeline-model-parallel-size") + 1] == "8"
+
+
+def test_launch_on_a_smaller_card_recomputes_and_says_so(tmp_path, capsys):
+    info, script = _launch(tmp_path, "small", "--device-memory-gb", "24")
+    assert (info["megatron_tp"], info["megatron_pp"], info["megatron_vpp_layers"]) == (8, 4, 5)
+    assert info["megatron_recompute"] == "full" and info["megatron_layout"]["chosen_by"] == "smallest fitting"
+    text = script.read_text()
+    assert "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" in text
+    assert "# Megatron layout: TP 8 x PP 4, 5 layers per virtual pipeline stage, recompute full" in text
+    info, script = _launch(tmp_path, "tiny", "--device-memory-gb", "2")
+    assert not info["megatron_layout"]["fits"]
+    assert "no TP x PP fits the estimate even with full recompute" in capsys.readouterr().err
+    # model info --cluster reads the same card size from the cluster config
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(CLUSTER.read_text().replace("device_memory_gb = 64.0", "device_memory_gb = 24.0"))
+    assert adamspike(["model", "info", "--config", str(BASE), "--cluster", str(cluster), "--no-meta-check",
+                      "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sharding"] == "megatron:tp8pp4v5" and out["recompute"] == "full"
