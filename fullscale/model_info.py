@@ -54,7 +54,7 @@ A layout "fits" when the total is at most (1 - headroom) of the card's memory: t
 (Assumptions.memory_headroom, 0.15) is for what the estimate leaves out (allocator
 fragmentation, HCCL buffers, kernel workspaces, the runtime; torch reports 62.4 of a 910B's
 64 GB as usable).
-Cost: compute x (1 + (PP-1)/m) (pipeline bubble); TP collectives with SP (all-gather +
+Cost: compute x (1 + (PP-1)/(m chunks)) (pipeline bubble; chunks = (L/PP)/V when interleaved); TP collectives with SP (all-gather +
 reduce-scatter twice per block in forward, backward and recompute: 12 x (TP-1)/TP x b T d B_c
 per block per micro-batch) at the intra-node bandwidth; PP sends 2 b T d B_c / TP per
 micro-batch and DP reduce-scatter of grads + all-gather of bf16 weights ((DP-1)/DP P_rank
@@ -330,11 +330,11 @@ def choose_megatron_layout(cfg: LlamaConfig, *, world_size: int, seq_len: int, m
     (UPSTREAM_LAYOUTS: the vendor ran and tuned it) when TP / PP are not fixed, it is valid
     for this world size and batch and its estimate fits without recompute; else the smallest
     model-parallel size TP x PP whose estimate (megatron_memory) fits (1 - headroom) x the
-    card's memory; at equal size the larger TP
-    (TP inside a node: no pipeline bubble; upstream's 70B uses TP 8); interleaved pipeline
-    stages (_vpp_layers) where Megatron allows them. Recompute only when nothing fits without
-    it: none, then selective, then full ("auto"); a named recompute, TP or PP (non-zero) or
-    vpp_layers (not None; 0 = not interleaved) is kept. When nothing fits, the layout of the largest model-parallel size with full
+    card's memory; at equal size the larger TP (TP inside a node: no pipeline bubble;
+    upstream's 70B uses TP 8); interleaved pipeline stages (_vpp_layers) where Megatron
+    allows them. Recompute only when nothing fits without it: none, then selective, then
+    full ("auto"); a named recompute, TP or PP (non-zero) or vpp_layers (not None; 0 = not
+    interleaved) is kept. When nothing fits, the largest model-parallel size with full
     recompute, "fits": False. Returns tp, pp, vpp_layers, recompute, sharding, memory,
     fits, usable_bytes, chosen_by (upstream | smallest fitting | none fits) and `tried`
     (each candidate's total)."""
