@@ -13,7 +13,7 @@ from adamspike.config import ConfigError
 from adamspike.llama import preset
 from fullscale.launch import OPTIONS_FILE, STACKS, launch_main
 from fullscale.model_info import (choose_megatron_layout, layer_microbatches_in_flight,
-                                  megatron_memory)
+                                  megatron_cost, megatron_memory)
 from study.cli import main as adamspike
 from tests.fullscale.test_launch_mindspeed import _cluster, _run_script
 
@@ -47,6 +47,9 @@ def test_70b_on_128x8_gets_upstreams_layout_and_it_fits():
     sel = megatron_memory(C70, sharding="megatron:tp8pp4v5", recompute="selective", **KW)
     full = megatron_memory(C70, sharding="megatron:tp8pp4v5", recompute="full", **KW)
     assert full["total"] < sel["total"] < none["total"]
+    # interleaving: the bubble (PP-1)/m shrinks by the 4 chunks per stage
+    c = megatron_cost(C70, sharding="megatron:tp8pp4v5", **KW)
+    assert c["vpp_layers"] == 5 and c["pipeline_bubble_s"] == pytest.approx(c["compute_s"] * 3 / 32 / 4)
 
 
 def test_a_card_too_small_forces_more_pp_or_recompute():
