@@ -74,7 +74,8 @@ from adamspike.predictions import (PredictionsError, indistinguishable, load_pre
 from adamspike.train_config import RunConfig
 from fullscale.cli import _Parser, exit_status
 from fullscale.hf import resolve_model
-from fullscale.model_info import choose_megatron_layout, memory_per_card, recompute_flags
+from fullscale.model_info import (UPSTREAM_LAYOUTS, choose_megatron_layout, megatron_sharding,
+                                  memory_per_card, recompute_flags)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -601,6 +602,7 @@ def mindspeed_script(launch: Launch) -> str:
     log = megatron_dir(launch) / "logs"
     tag = setting_tag(launch)
     probe_dir = megatron_dir(launch) / "telemetry"
+    cfg = resolve_model(run.model)
     lines = _header("MindSpeed-LLM / Megatron pretrain_gpt.py, same optimizer and schedule", launch,
                     "train_mindspeed.sh")
     if run.train.loss_scale != 1.0:
@@ -613,6 +615,12 @@ def mindspeed_script(launch: Launch) -> str:
                "smallest fitting": "the smallest TP x PP whose estimate fits, recompute only when "
                                    "nothing fits without it",
                "none fits": "NOTHING FITS the estimate; the largest layout with full recompute"}[ch["chosen_by"]]
+        up = next((t for t in ch["tried"] if t.get("upstream")), None)
+        ref = UPSTREAM_LAYOUTS.get((cfg.num_layers, cfg.dim, cfg.num_heads, cfg.num_kv_heads))
+        if ch["chosen_by"] != "upstream" and ref:
+            why += ("; differs from upstream's " + megatron_sharding(*ref) + " without recompute: "
+                    + (f"its estimate {up['total_gb']:.1f} GB does not fit" if up else
+                       "not valid for this world size / batch / fixed TP, PP or recompute"))
         lines.insert(5, f"# Megatron layout: TP {launch.tp} x PP {launch.pp}"
                         + (f", {launch.vpp_layers} layers per virtual pipeline stage" if launch.vpp_layers else "")
                         + f", recompute {launch.recompute}: {why} (estimate "

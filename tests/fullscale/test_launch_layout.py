@@ -140,6 +140,7 @@ def test_launch_on_a_smaller_card_recomputes_and_says_so(tmp_path, capsys):
     text = script.read_text()
     assert "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" in text
     assert "# Megatron layout: TP 8 x PP 4, 5 layers per virtual pipeline stage, recompute full" in text
+    assert "differs from upstream's megatron:tp8pp4v5 without recompute: its estimate 37.7 GB does not fit" in text
     info, script = _launch(tmp_path, "tiny", "--device-memory-gb", "2")
     assert not info["megatron_layout"]["fits"]
     assert "no TP x PP fits the estimate even with full recompute" in capsys.readouterr().err
