@@ -48,19 +48,27 @@ def model_parser() -> argparse.ArgumentParser:
                 description="Parameters, FLOPs/token, memory per card and step cost of a LLaMA model.")
     p.add_argument("--config", required=True,
                    help="preset name, RunConfig .toml, or HuggingFace config.json")
-    p.add_argument("--world-size", type=int, default=1, help="data-parallel cards (default 1)")
+    p.add_argument("--world-size", type=int, help="cards (default: --cluster's nodes x devices, else 1)")
+    p.add_argument("--cluster", help="cluster TOML (configs/cluster-128x8.toml): world size, devices per "
+                   "node and the Megatron layout ([megatron] tp / pp / recompute; 0 / auto: chosen)")
     p.add_argument("--seq-len", type=int, help="default: the run config's train.seq_len, else max_seq_len")
     p.add_argument("--micro-batch", type=int, help="sequences per card per forward (default: run config, else 1)")
     p.add_argument("--global-batch", type=int,
                    help="sequences per optimizer step (default: run config, else world x micro batch)")
-    p.add_argument("--sharding", default="fsdp", help="fsdp (shard over all cards), hsdp:K (shard within groups of K), or megatron:tpTppP (Megatron TP x PP x DP)")
+    p.add_argument("--sharding", help="fsdp (shard over all cards), hsdp:K (shard within groups of K), "
+                   "megatron:tpTppP[vV] (Megatron TP x PP x DP, V layers per virtual pipeline stage) or "
+                   "megatron:auto (the smallest TP x PP that fits); default: fsdp, with --cluster its "
+                   "Megatron layout")
     p.add_argument("--layout", default="fsdp2", choices=("fsdp2", "megatron"),
                    help="state layout: fsdp2 (fp32 sharded params, this trainer) or megatron (bf16 + fp32 master)")
     p.add_argument("--grad-dtype", choices=("fp32", "bf16"),
                    help="gradient / reduction dtype (default fp32 for fsdp2, bf16 for megatron)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="compute dtype (default: run config, else bf16)")
     p.add_argument("--activation-checkpointing", choices=("on", "off"),
-                   help="default: run config, else on")
+                   help="default: run config, else on (Megatron: on = --recompute full, off = none)")
+    p.add_argument("--recompute", choices=("auto", "none", "selective", "full"),
+                   help="Megatron activation recompute (auto: only when no layout fits without it; "
+                   "default: --cluster's [megatron] recompute, else from --activation-checkpointing)")
     p.add_argument("--no-prefetch", action="store_true", help="no all-gather prefetch of the next block")
     p.add_argument("--mfu", type=float, default=DEFAULTS.mfu, help=f"assumed MFU (default {DEFAULTS.mfu})")
     p.add_argument("--peak-tflops", type=float,
@@ -70,8 +78,12 @@ def model_parser() -> argparse.ArgumentParser:
                    help=f"bus bandwidth per card inside a node, GB/s (default {DEFAULTS.intra_node_gbs})")
     p.add_argument("--inter-node-gbs", type=float, default=DEFAULTS.inter_node_gbs,
                    help=f"bus bandwidth per card across nodes, GB/s (default {DEFAULTS.inter_node_gbs})")
-    p.add_argument("--devices-per-node", type=int, default=DEFAULTS.devices_per_node)
-    p.add_argument("--device-memory-gb", type=float, default=DEFAULTS.device_memory_gb)
+    p.add_argument("--devices-per-node", type=int, help=f"default: --cluster's, else {DEFAULTS.devices_per_node}")
+    p.add_argument("--device-memory-gb", type=float,
+                   help=f"default: --cluster's device_memory_gb, else {DEFAULTS.device_memory_gb}")
+    p.add_argument("--memory-headroom", type=float, default=DEFAULTS.memory_headroom,
+                   help="share of device memory the estimate must leave free "
+                   f"(default {DEFAULTS.memory_headroom})")
     p.add_argument("--no-meta-check", action="store_true",
                    help="skip building fullscale.model.Transformer on the meta device")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -87,6 +99,8 @@ def _assumptions(args):
             raise ConfigError(f"{flag}: must be > 0, got {v}")
     if args.mfu > 1:
         raise ConfigError(f"--mfu: must be <= 1, got {args.mfu}")
+    if not 0 <= args.memory_headroom < 1:
+        raise ConfigError(f"--memory-headroom: must be in [0, 1), got {args.memory_headroom}")
     if args.devices_per_node < 1:
         raise ConfigError(f"--devices-per-node: must be >= 1, got {args.devices_per_node}")
     if args.peak_tflops is not None:
@@ -103,7 +117,36 @@ def _assumptions(args):
                               "pass --peak-tflops")
     return Assumptions(mfu=args.mfu, peak_flops=peak, intra_node_gbs=args.intra_node_gbs,
                        inter_node_gbs=args.inter_node_gbs, devices_per_node=args.devices_per_node,
-                       device_memory_gb=args.device_memory_gb)
+                       device_memory_gb=args.device_memory_gb, memory_headroom=args.memory_headroom)
+
+
+def _apply_cluster(args) -> None:
+    """--cluster fills what the command line left out: the world size (nodes x devices per
+    node), devices per node, and a Megatron layout from its [megatron] section (tp / pp 0:
+    megatron:auto) with its recompute; explicit flags win."""
+    if args.cluster:
+        from fullscale.launch import ClusterConfig   # lazy: the cluster schema lives with launch
+        from adamspike.config import load_config
+
+        cl = load_config(ClusterConfig, args.cluster)
+        m = cl.megatron
+        if args.world_size is None:
+            args.world_size = cl.cluster.nodes * cl.cluster.devices_per_node
+        if args.devices_per_node is None:
+            args.devices_per_node = cl.cluster.devices_per_node
+        if args.device_memory_gb is None:
+            args.device_memory_gb = cl.cluster.device_memory_gb
+        if args.sharding is None:
+            args.sharding = (f"megatron:tp{m.tp}pp{m.pp}" if m.tp and m.pp else "megatron:auto")
+        if args.recompute is None and args.activation_checkpointing is None and args.sharding.startswith("megatron:"):
+            args.recompute = m.recompute
+    args.world_size = 1 if args.world_size is None else args.world_size
+    args.devices_per_node = DEFAULTS.devices_per_node if args.devices_per_node is None else args.devices_per_node
+    args.sharding = args.sharding or "fsdp"
+    if args.device_memory_gb is None:
+        args.device_memory_gb = DEFAULTS.device_memory_gb
+    if args.sharding == "megatron:auto" and (args.recompute is None and args.activation_checkpointing is None):
+        args.recompute = "auto"
 
 
 def model_main(argv: list[str]) -> int:
@@ -117,6 +160,7 @@ def _model_info(argv: list[str]) -> int:
     if argv[0] != "info":
         raise ConfigError(f"unknown subcommand {argv[0]!r} (known: info)")
     args = model_parser().parse_args(argv[1:])
+    _apply_cluster(args)
     cfg, run, source = resolve_config(args.config)
     train = run.train if run is not None else None
     seq_len = args.seq_len if args.seq_len is not None else (train.seq_len if train else None)
@@ -137,7 +181,7 @@ def _model_info(argv: list[str]) -> int:
                       global_batch=global_batch, sharding=args.sharding, layout=args.layout,
                       grad_dtype=args.grad_dtype, dtype=dtype, activation_checkpointing=ac,
                       prefetch=not args.no_prefetch, assumptions=_assumptions(args),
-                      meta_check=not args.no_meta_check)
+                      meta_check=not args.no_meta_check, recompute=args.recompute)
     info["source"] = source
     print(json.dumps(info) if args.json else format_info(info, source))
     return 0

@@ -21,6 +21,12 @@ Each script is ONE script for all nodes, parameterised by the node rank: on node
 `bash train_torchrun.sh k` (or with NODE_RANK=k in the environment). The scripts set the
 HCCL / Ascend environment for npu (sourcing the toolkit's set_env.sh) or NCCL's for cuda.
 
+The Megatron layout (TP, PP, layers per virtual pipeline stage, activation recompute) comes
+from the memory estimate (fullscale.model_info.choose_megatron_layout): upstream's layout for
+the model where it fits without recompute, else the smallest TP x PP that fits the card less
+a headroom, recompute only when nothing fits without it; [megatron] tp / pp / recompute in
+the cluster config (or --tp / --pp / --recompute) fix them.
+
 Checks (errors name the flag or key): nodes and devices per node >= 1, the world size
 divides train.global_batch_size, the per-rank batch is a multiple of the micro batch; for
 the Megatron script TP divides the heads and kv groups, PP divides the layers, TP x PP
@@ -70,7 +76,8 @@ from adamspike.predictions import (PredictionsError, indistinguishable, load_pre
 from adamspike.train_config import RunConfig
 from fullscale.cli import _Parser, exit_status
 from fullscale.hf import resolve_model
-from fullscale.model_info import megatron_memory, memory_per_card
+from fullscale.model_info import (UPSTREAM_LAYOUTS, choose_megatron_layout, megatron_sharding,
+                                  memory_per_card, recompute_flags)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,6 +91,8 @@ class ClusterSection:
     master_addr: str = param("127.0.0.1", help="host of node rank 0")
     master_port: int = param(29500, lo=1, hi=65535)
     device: str = param("npu", choices=("npu", "cuda", "cpu"))
+    device_memory_gb: float = param(64.0, lo=1.0, help="memory per card the Megatron layout must fit "
+                                    "(910B: 64; the layout leaves fullscale.model_info's headroom free)")
 
 
 @dataclass
@@ -102,8 +111,11 @@ class CudaSection:
 
 @dataclass
 class MegatronSection:
-    tp: int = param(0, lo=0, help="tensor parallel size, 0 = auto (8 for >= 30B params, else 1)")
-    pp: int = param(0, lo=0, help="pipeline parallel size, 0 = auto (8 for >= 30B params, else 1)")
+    tp: int = param(0, lo=0, help="tensor parallel size, 0 = auto (fullscale.model_info."
+                    "choose_megatron_layout: the smallest TP x PP whose memory estimate fits)")
+    pp: int = param(0, lo=0, help="pipeline parallel size, 0 = auto (as tp)")
+    recompute: str = param("auto", choices=("auto", "none", "selective", "full"),
+                           help="activation recompute; auto = only when no layout fits without it")
     sequence_parallel: bool = param(True)
     distributed_optimizer: bool = param(True)
 
@@ -182,10 +194,6 @@ def _abs(path: str) -> str:
     return str(Path(path).expanduser().resolve()) if path else path
 
 
-def _auto_parallel(num_params: int, n: int) -> int:
-    return n if n else (8 if num_params >= 30e9 else 1)
-
-
 def _num(x: float) -> str:
     """A number for a Megatron flag: integral values as integers (some flags are type=int)."""
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
@@ -256,8 +264,13 @@ class Launch:
     micro_batch: int = 0
     tp: int = 1
     pp: int = 1
+    vpp_layers: int = 0       # --num-layers-per-virtual-pipeline-stage (0: not interleaved)
+    megatron_micro_batch: int = 1   # --micro-batch-size (the one the memory estimate assumed)
+    recompute: str = "none"   # Megatron activation recompute: none | selective | full
+    layout_fits: bool = True  # the memory estimate of the Megatron layout fits the card
     notes: list[str] = field(default_factory=list)
     memory_gb: dict[str, float] = field(default_factory=dict)   # fullscale.model_info estimates
+    layout_choice: dict[str, Any] = field(default_factory=dict)  # choose_megatron_layout's answer
 
 
 def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatron")) -> Launch:
@@ -288,25 +301,39 @@ def prepare(run, cluster: ClusterConfig, run_dir: Path, engines=("fsdp", "megatr
             activation_checkpointing=run.train.activation_checkpointing)["total"] / 1e9
     if "megatron" in engines:
         m = cluster.megatron
-        tp, pp = _auto_parallel(num_params(cfg), m.tp), _auto_parallel(num_params(cfg), m.pp)
         hint = " (or --engine fsdp to write only the torchrun script)"
-        if cfg.num_heads % tp or cfg.num_kv_heads % tp:
-            raise ConfigError(f"--tp {tp} must divide num_heads {cfg.num_heads} and num_kv_heads "
+        if m.tp and (cfg.num_heads % m.tp or cfg.num_kv_heads % m.tp):
+            raise ConfigError(f"--tp {m.tp} must divide num_heads {cfg.num_heads} and num_kv_heads "
                               f"{cfg.num_kv_heads}{hint}")
-        if cfg.num_layers % pp:
-            raise ConfigError(f"--pp {pp} must divide num_layers {cfg.num_layers}{hint}")
-        if world % (tp * pp):
-            raise ConfigError(f"--tp x --pp = {tp * pp} must divide the world size {world}{hint}")
-        dp = world // (tp * pp)
-        mmb = run.train.micro_batch_size or max(1, G // dp)
-        if G % (dp * mmb):
-            raise ConfigError(f"Megatron: data-parallel size {dp} x micro batch {mmb} does not divide "
-                              f"train.global_batch_size {G}{hint}")
-        launch.tp, launch.pp = tp, pp
+        if m.pp and cfg.num_layers % m.pp:
+            raise ConfigError(f"--pp {m.pp} must divide num_layers {cfg.num_layers}{hint}")
+        if world % ((m.tp or 1) * (m.pp or 1)):
+            raise ConfigError(f"--tp x --pp = {(m.tp or 1) * (m.pp or 1)} must divide the world size "
+                              f"{world}{hint}")
+        # micro batch: the run config's; with micro_batch_size 0, a fixed layout's per-replica
+        # share (G / DP) as before, and for a chosen layout upstream's --micro-batch-size 1
+        mmb = run.train.micro_batch_size or (max(1, G // (world // (m.tp * m.pp))) if m.tp and m.pp else 1)
+        # Layout and recompute from the memory estimate, not a fixed TP8 PP8 + full recompute
+        # (fullscale.model_info.choose_megatron_layout): upstream's layout for the model where
+        # it fits without recompute (the 70B: MindSpeed-LLM examples/mcore/llama2/
+        # pretrain_llama2_70b_ptd.sh at 251f267c, TP8 PP4, 5 layers per virtual stage, no
+        # recompute), else the smallest TP x PP that fits 64 GB less the headroom, recompute
+        # only when nothing fits without it. Differences from upstream's layout have one of
+        # these reasons: a card too small for it (more PP / recompute), or a world size / batch
+        # it does not divide (launch.json: megatron_layout lists what was tried).
+        try:
+            choice = choose_megatron_layout(
+                cfg, world_size=world, seq_len=run.train.seq_len, micro_batch=mmb, global_batch=G,
+                devices_per_node=c.devices_per_node, dtype=run.train.dtype,
+                device_memory_gb=c.device_memory_gb, recompute=m.recompute, tp=m.tp, pp=m.pp)
+        except ConfigError as e:
+            raise ConfigError(f"Megatron: {e}{hint}") from None
+        launch.tp, launch.pp, launch.megatron_micro_batch = choice["tp"], choice["pp"], mmb
+        launch.vpp_layers, launch.recompute = choice["vpp_layers"], choice["recompute"]
+        launch.layout_fits = choice["fits"]
+        launch.layout_choice = {k: v for k, v in choice.items() if k != "memory"}
         launch.notes += _megatron_gaps(run)
-        launch.memory_gb["megatron"] = megatron_memory(
-            cfg, world_size=world, seq_len=run.train.seq_len, micro_batch=mmb,
-            sharding=f"megatron:tp{tp}pp{pp}", global_batch=G, dtype=run.train.dtype)["total"] / 1e9
+        launch.memory_gb["megatron"] = choice["memory"]["total"] / 1e9
     return launch
 
 
@@ -423,8 +450,7 @@ def megatron_args(launch: Launch) -> list[str]:
     cfg = resolve_model(run.model)
     o, t = run.optim, run.train
     s = t.loss_scale
-    dp = launch.world_size // (launch.tp * launch.pp)
-    mb = t.micro_batch_size or t.global_batch_size // dp
+    mb = launch.megatron_micro_batch
     ckpt = megatron_dir(launch) / "checkpoints"
     args = [
         f"--tensor-model-parallel-size {launch.tp}", f"--pipeline-model-parallel-size {launch.pp}",
@@ -448,8 +474,13 @@ def megatron_args(launch: Launch) -> list[str]:
     ]
     if t.dtype == "bf16":
         args.append("--bf16")
-    if t.activation_checkpointing:
-        args.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    if launch.vpp_layers:
+        # upstream's 70B: --num-layers-per-virtual-pipeline-stage 5 (MindSpeed-LLM 251f267c);
+        # every vendored stack parses it (fullscale/megatron_options.json)
+        args.append(f"--num-layers-per-virtual-pipeline-stage {launch.vpp_layers}")
+    # recompute from the layout choice (prepare), not train.activation_checkpointing (the FSDP
+    # trainer's switch): upstream's 70B passes no --recompute-* flag
+    args += recompute_flags(launch.recompute)
     m = launch.cluster.megatron
     if m.sequence_parallel and launch.tp > 1:
         args.append("--sequence-parallel")
@@ -564,6 +595,14 @@ def _stack_case(launch: Launch) -> list[str]:
              'if [[ -n "$CKPT_STEP" ]]; then RESTART_ARGS+=(--ckpt-step "$CKPT_STEP"); fi',
              '# shellcheck disable=SC2206',
              'if [[ -n "$ITERATIONS_TO_SKIP" ]]; then RESTART_ARGS+=(--iterations-to-skip $ITERATIONS_TO_SKIP); fi',
+             "# NO_SHARED_STORAGE=1: the nodes share no file system. MindSpeed-LLM gets its",
+             "# --no-shared-storage (each node builds its own dataset cache; features_manager/",
+             "# megatron_basic/megatron_basic.py, c77308a1); on every stack the probe writes its run",
+             "# directory on the last node's disk, says where, and takes the restart recipe's",
+             "# checkpoint from --save-interval (docs/mindspeed_probe.md). Copy data, tokenizer and",
+             "# predictions.json to every node at the same paths.",
+             'NO_SHARED_STORAGE="${NO_SHARED_STORAGE:-0}"',
+             'if [[ "$NO_SHARED_STORAGE" == 1 ]]; then export ADAMSPIKE_PROBE_NO_SHARED_STORAGE=1; fi',
              'case "$MEGATRON_STACK" in',
              "  mindspeed-llm)"] + need_hf + (
              # upstream: examples/mcore/llama2/pretrain_llama2_13b_ptd.sh (c77308a1) exports it
@@ -595,7 +634,9 @@ def _stack_case(launch: Launch) -> list[str]:
               + ("   # --rotary-base needs Megatron-LM core_r0.8 or newer" if rot else ""),
               "  *) echo \"MEGATRON_STACK must be one of " + ", ".join(STACKS)
               + ", got '$MEGATRON_STACK'\" >&2; exit 2 ;;",
-              "esac"]
+              "esac",
+              'if [[ "$NO_SHARED_STORAGE" == 1 && "$MEGATRON_STACK" == mindspeed-llm ]]; then '
+              "STACK_ARGS+=(--no-shared-storage); fi"]
     return lines
 
 
@@ -633,14 +674,34 @@ def mindspeed_script(launch: Launch) -> str:
     log = megatron_dir(launch) / "logs"
     tag = setting_tag(launch)
     probe_dir = megatron_dir(launch) / "telemetry"
+    cfg = resolve_model(run.model)
     lines = _header("MindSpeed-LLM / Megatron pretrain_gpt.py, same optimizer and schedule", launch,
                     "train_mindspeed.sh")
     if run.train.loss_scale != 1.0:
         lines.insert(5, f"# train.loss_scale = {run.train.loss_scale:g} folded in: --adam-eps = eps / s, "
                         "--clip-grad = grad_clip / s")
+    ch = launch.layout_choice
+    if ch:
+        why = {"upstream": "upstream's layout for this model (MindSpeed-LLM pretrain_llama2_70b_ptd.sh, "
+                           "251f267c), fits without recompute",
+               "smallest fitting": "the smallest TP x PP whose estimate fits, recompute only when "
+                                   "nothing fits without it",
+               "none fits": "NOTHING FITS the estimate; the largest layout with full recompute"}[ch["chosen_by"]]
+        up = next((t for t in ch["tried"] if t.get("upstream")), None)
+        ref = UPSTREAM_LAYOUTS.get((cfg.num_layers, cfg.dim, cfg.num_heads, cfg.num_kv_heads))
+        if ch["chosen_by"] != "upstream" and ref:
+            why += ("; differs from upstream's " + megatron_sharding(*ref) + " without recompute: "
+                    + (f"its estimate {up['total_gb']:.1f} GB does not fit" if up else
+                       "not valid for this world size / batch / fixed TP, PP or recompute"))
+        lines.insert(5, f"# Megatron layout: TP {launch.tp} x PP {launch.pp}"
+                        + (f", {launch.vpp_layers} layers per virtual pipeline stage" if launch.vpp_layers else "")
+                        + f", recompute {launch.recompute}: {why} (estimate "
+                        f"{launch.memory_gb['megatron']:.1f} GB of {ch['usable_bytes'] / 1e9:.1f} GB usable per card; "
+                        "adamspike model info --cluster)")
+    at0 = 6 if ch else 5
     for i, gap in enumerate(launch.notes):
-        lines.insert(5 + i, f"# NOTE: {gap}")
-    at = 5 + len(launch.notes)
+        lines.insert(at0 + i, f"# NOTE: {gap}")
+    at = at0 + len(launch.notes)
     lines[at:at] = [
         "# At a loss spike (docs/mindspeed_probe.md):",
         "#   the probe (ADAMSPIKE_PROBE=1): online loss / grad-norm rules, skip-step on every rank",
@@ -713,6 +774,8 @@ def write_launch(launch: Launch, out: Path, final: Path | None = None) -> dict[s
                 "nodes": c.nodes, "devices_per_node": c.devices_per_node, "world_size": launch.world_size,
                 "device": c.device, "master_addr": c.master_addr, "master_port": c.master_port,
                 "micro_batch": launch.micro_batch, "megatron_tp": launch.tp, "megatron_pp": launch.pp,
+                "megatron_vpp_layers": launch.vpp_layers, "megatron_recompute": launch.recompute,
+                "megatron_layout": launch.layout_choice,
                 "megatron_notes": launch.notes,
                 "estimated_memory_gb_per_card": launch.memory_gb,
                 "start": "on node k: bash SCRIPT k   (k = 0 .. nodes-1)",
@@ -730,8 +793,11 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-addr")
     p.add_argument("--master-port", type=int)
     p.add_argument("--device", choices=("npu", "cuda", "cpu"))
+    p.add_argument("--device-memory-gb", type=float, help="memory per card (cluster.device_memory_gb, default 64)")
     p.add_argument("--tp", type=int, help="Megatron tensor parallel size (0 = auto)")
     p.add_argument("--pp", type=int, help="Megatron pipeline parallel size (0 = auto)")
+    p.add_argument("--recompute", choices=("auto", "none", "selective", "full"),
+                   help="Megatron activation recompute (auto: only when no layout fits without it)")
     p.add_argument("--engine", choices=("both", "fsdp", "megatron"), default="both",
                    help="which scripts to write (default both)")
 
@@ -740,7 +806,9 @@ def _cluster(args) -> ClusterConfig:
     overrides = []
     for flag, key in (("nodes", "cluster.nodes"), ("devices_per_node", "cluster.devices_per_node"),
                       ("master_addr", "cluster.master_addr"), ("master_port", "cluster.master_port"),
-                      ("device", "cluster.device"), ("tp", "megatron.tp"), ("pp", "megatron.pp")):
+                      ("device", "cluster.device"), ("device_memory_gb", "cluster.device_memory_gb"),
+                      ("tp", "megatron.tp"), ("pp", "megatron.pp"),
+                      ("recompute", "megatron.recompute")):
         v = getattr(args, flag)
         if v is not None:
             overrides += [f"--{key}", str(v)]
@@ -806,7 +874,11 @@ def _launch(argv: list[str]) -> int:
 
 def _memory_warnings(prog: str, launch: Launch) -> None:
     """Warn when fullscale.model_info's estimate exceeds a 910B's 64 GB (npu only: the GPU
-    model is not known here)."""
+    model is not known here) or no Megatron layout fits [cluster] device_memory_gb."""
+    if not launch.layout_fits:
+        print(f"{prog}: warning: megatron: no TP x PP fits the estimate even with full recompute; "
+              f"using TP {launch.tp} PP {launch.pp} (see `adamspike model info --sharding megatron:auto`)",
+              file=sys.stderr)
     if launch.cluster.cluster.device != "npu":
         return
     for engine, gb in launch.memory_gb.items():

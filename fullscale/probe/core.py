@@ -23,7 +23,7 @@ from fullscale.probe.recipe import write_restart_recipe
 from fullscale.probe.rules import _SpikeRules, _loss_scale, _op
 from fullscale.probe.settings import ENV_PREFIX, ProbeError
 from fullscale.probe.tensorboard import GroupScalars
-from fullscale.probe.writer import open_writer
+from fullscale.probe.writer import open_writer, storage_info
 
 
 class _Slot:
@@ -96,6 +96,7 @@ class MegatronProbe:
         self.skips = 0                        # updates skipped by the probe
         self.loop = None                      # the running loop's facts (fullscale.probe.loop)
         self._tb = None                       # TensorBoard group scalars (writer rank)
+        self.storage: Optional[dict] = None   # where the run directory lives (writer rank)
         self._budget_alarm = False
         self._fired_text = ""
         self._skip_reason: Optional[str] = None
@@ -667,9 +668,11 @@ class MegatronProbe:
         return skip
 
     # -- writer ----------------------------------------------------------------------
-    def _open(self, optimizer, step: int, env_extra: dict) -> None:
+    def _open(self, optimizer, step: int, env_extra: dict, margs=None) -> None:
         if self.rank != self.writer_rank or self.writer is not None:
             return
+        # the first step this job runs: the loaded checkpoint is the iteration before it
+        self.storage = {**storage_info(margs, self.rank), "start_iteration": int(step) - 1}
         hp = hyper_params(optimizer)
         clip = _clip_grad(optimizer)
         config = {"optim": {"lr": hp["lr"], "b1": hp["b1"], "b2": hp["b2"], "eps": hp["eps"],
@@ -683,10 +686,15 @@ class MegatronProbe:
                "numpy": np.__version__, "world_size": self.world, **env_extra}
         resume = step - 1 if os.path.exists(os.path.join(self.out, "run.json")) else None
         self.writer = open_writer(self.out, config=config, env=env,
-                                  extra_meta={"probe": {"writer": "fullscale.megatron_probe"}},
+                                  extra_meta={"probe": {"writer": "fullscale.megatron_probe"},
+                                              "storage": self.storage},
                                   resume_from_step=resume, flush_every_s=self.flush_every_s,
                                   plain=self.plain)
-        self.writer.event("start", step=step, world_size=self.world)
+        self.writer.event("start", step=step, world_size=self.world, storage=self.storage)
+        if not self.storage["shared"]:
+            self._say(f"no shared storage: the run directory {self.out} is on node "
+                      f"{self.storage['host']} (rank {self.rank}) only; copy it from there to "
+                      "analyse it, and the restart recipe's checkpoints follow --save-interval")
 
     def after_train_step(self, chunks, optimizer, step: int, *, loss: float = math.nan,
                          skipped: bool = False, grad_norm: float = math.nan,
@@ -719,7 +727,7 @@ class MegatronProbe:
 
     def _write_step(self, optimizer, step, loss, skipped, grad_norm, step_time_s, tokens,
                     env_extra, skip_reason, margs) -> None:
-        self._open(optimizer, step, env_extra)
+        self._open(optimizer, step, env_extra, margs)
         pending, self._pending = self._pending, []
         if self.writer is None:
             return
@@ -733,7 +741,7 @@ class MegatronProbe:
         for kind, fields in pending:
             if kind == "_recipe":
                 info = write_restart_recipe(self.out, fields["step"], fields["reason"], margs,
-                                            self.actions, self.loop)
+                                            self.actions, self.loop, storage=self.storage)
                 self.writer.event("restart_recipe", **info)
             else:
                 self.writer.event(kind, **fields)

@@ -36,7 +36,21 @@ def _megatron_core_version() -> Optional[Tuple[int, int]]:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def restart_recipe(step: int, margs, actions: ProbeActions, loop=None) -> dict:
+def _scheduled_checkpoints(margs, start_iteration: int, step: int) -> List[int]:
+    """The checkpoints Megatron saved before `step` by its schedule, for a writer that cannot
+    list them (no shared storage): the loaded one (start_iteration, when > 0) and every
+    multiple of --save-interval after it (Megatron-LM core_v0.12.1 training.py and
+    MindSpeed-LLM c77308a1 mindspeed_llm/training/training.py: `iteration % args.save_interval
+    == 0`). Saves outside the schedule (--exit-interval, a signal) are not known here."""
+    every = int(getattr(margs, "save_interval", 0) or 0)
+    out = [start_iteration] if 0 < start_iteration < step else []
+    if every > 0 and getattr(margs, "save", None):
+        out += list(range((start_iteration // every + 1) * every, step, every))
+    return out
+
+
+def restart_recipe(step: int, margs, actions: ProbeActions, loop=None,
+                   storage: Optional[dict] = None) -> dict:
     """PaLM's rollback + batch skip for a spike at `step`, as Megatron arguments: the
     newest checkpoint at least `rollback_steps` before the spike (else the newest before
     it), and the iterations to skip after it: max(skip_batches, step - checkpoint), so
@@ -47,9 +61,17 @@ def restart_recipe(step: int, margs, actions: ProbeActions, loop=None) -> dict:
     ADAMSPIKE_PROBE_SKIP_ITERATIONS (logged numbers) works on every loop; where the loop has
     its own --iterations-to-skip its values are given in that loop's base: `loop` (the
     running loop's facts) when known, else megatron-core's version (0-based before
-    core_v0.17, 1-based from it, commit b4e4d9618e)."""
+    core_v0.17, 1-based from it, commit b4e4d9618e).
+
+    `storage` (the writer's storage_info with start_iteration): without shared storage the
+    checkpoints come from Megatron's save schedule (_scheduled_checkpoints), not from a
+    listing of this node's --save, which holds only the shards written on this node."""
     save = getattr(margs, "save", None) or getattr(margs, "load", None)
-    ckpts = [c for c in _checkpoints(save) if c < step]
+    shared = storage is None or storage.get("shared", True)
+    if shared:
+        ckpts = [c for c in _checkpoints(save) if c < step]
+    else:
+        ckpts = _scheduled_checkpoints(margs, int(storage.get("start_iteration", 0)), step)
     early = [c for c in ckpts if c <= step - actions.rollback_steps]
     ckpt = (early or ckpts or [None])[-1]
     base = ckpt or 0
@@ -70,7 +92,8 @@ def restart_recipe(step: int, margs, actions: ProbeActions, loop=None) -> dict:
             "probe_skip_iterations": f"{base + 1}-{last}",
             "num_skipped": last - base,
             "stack_has_iterations_to_skip": bool(has_skip),
-            "stack_has_rerun_state_machine": bool(margs is not None and hasattr(margs, "rerun_mode"))}
+            "stack_has_rerun_state_machine": bool(margs is not None and hasattr(margs, "rerun_mode")),
+            "checkpoints_from": "this node's --save" if shared else "--save-interval schedule (no shared storage)"}
 
 
 def _comment_safe(text: str) -> str:
@@ -79,10 +102,10 @@ def _comment_safe(text: str) -> str:
 
 
 def write_restart_recipe(out: str, step: int, reason: str, margs, actions: ProbeActions,
-                         loop=None) -> dict:
+                         loop=None, storage: Optional[dict] = None) -> dict:
     """RUN/restart_recipe.sh for the spike at `step` (replaced at every spike); returns
     the restart_recipe event's fields."""
-    r = restart_recipe(step, margs, actions, loop)
+    r = restart_recipe(step, margs, actions, loop, storage)
     # Megatron's --save is a path: quoted as a shell word, and shown in comments with its
     # control characters escaped (a newline would end the comment and start a command)
     load = _comment_safe(r["load"]) if r["load"] else "$CKPT_DIR"
@@ -100,6 +123,12 @@ def write_restart_recipe(out: str, step: int, reason: str, margs, actions: Probe
              "# loop has no --iterations-to-skip (MindSpeed-LLM); where the loop has it, the loop",
              "# skips them before train_step and the probe never sees them (never twice):",
              f"export ADAMSPIKE_PROBE_SKIP_ITERATIONS=\"{r['probe_skip_iterations']}\""]
+    if storage is not None and not storage.get("shared", True):
+        lines[4:4] = [
+            f"# no shared storage: this file is on node {_comment_safe(storage.get('host'))} only; the checkpoint is",
+            "# the newest that Megatron's --save-interval schedule saved since the loaded iteration",
+            f"# {storage.get('start_iteration')} (not a listing of this node's --save); every node holds the",
+            "# shards of its own ranks: check that iter_N is on every node, restart with the same node ranks"]
     restart = f"--load {load_word}" + (f" --ckpt-step {r['ckpt_step']}" if r["ckpt_step"] is not None else "")
     if r["stack_has_iterations_to_skip"]:
         lo, hi = r["iterations_to_skip"]

@@ -1,18 +1,42 @@
 """The run-directory writers the probe uses: adamspike.rundir.RunWriter (parquet) where pandas +
-pyarrow import, else PlainRunWriter (JSON lines, torch + numpy only)."""
+pyarrow import, else PlainRunWriter (JSON lines, torch + numpy only); and where the run
+directory lives (storage_info).
+
+Storage. One rank writes the whole run directory (the writer rank, the last: every row it
+writes is all-reduced to it, so it holds everything; nothing is written by other ranks).
+With shared storage every node sees it. With MindSpeed-LLM's --no-shared-storage ("if no
+shared storage, set it": mindspeed_llm/features_manager/megatron_basic/megatron_basic.py at
+c77308a1; upstream then builds the dataset cache on TP rank 0 of every node instead of
+global rank 0 only, mindspeed_llm/core/datasets/blended_megatron_dataset_builder.py;
+Megatron-LM has no such flag) or ADAMSPIKE_PROBE_NO_SHARED_STORAGE=1 (the stacks without
+the flag), the writer still writes the run directory, on its own node's disk, and says
+where: run.json "storage" (shared, host, rank), the start event, and one printed line. The
+one thing the probe reads that other ranks write is the checkpoint list of the restart
+recipe: without shared storage the writer's --save holds only the shards written on its
+node (and Megatron's tracker file is on rank 0's node), so the recipe takes the checkpoint
+iterations from Megatron's save schedule instead (fullscale.probe.recipe)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import socket
 import time
 from typing import Dict, List, Optional
 
 import numpy as np
 
 from adamspike.metrics import HIST_EDGES
-from fullscale.probe.settings import ProbeError
+from fullscale.probe.settings import ENV_PREFIX, ProbeError
+
+
+def storage_info(margs, rank: int, environ=os.environ) -> dict:
+    """Where the writer's run directory lives (module docstring): {"shared": bool, "host":
+    this node's name, "rank": the writer's rank}."""
+    no_shared = bool(getattr(margs, "no_shared_storage", False)) or \
+        environ.get(f"{ENV_PREFIX}NO_SHARED_STORAGE", "0") == "1"
+    return {"shared": not no_shared, "host": socket.gethostname(), "rank": int(rank)}
 
 
 def _atomic_write(path: str, data: bytes) -> None:
