@@ -41,10 +41,13 @@ from adamspike.depth_groups import depth_group
 from adamspike.llama import num_params, param_specs, preset
 from adamspike.plan import load_plan
 from adamspike.rundir import atomic_write_bytes
+from adamspike.spikes import detect_spikes
 from adamspike.tables import md_table
 from adamspike.train_config import RunConfig
 from analysis import sharpness as SH
-from analysis.spike_null import cells_table
+from analysis.claims import load as load_claims
+from analysis.spike_null import cells_table, class_params
+from analysis.stats import holm, sign_test
 from simulate.predict import load_profile, mechanism_inputs
 from simulate.sharpness import cell, plan_cells
 
@@ -369,6 +372,71 @@ def record_md(df: pd.DataFrame) -> list[str]:
     return L
 
 
+# ------------------------------------------------------------------------ claims
+EPS_FACTOR = {"*0.001": 1000.0, "*0.1": 10.0}    # an eps treatment's expected rho ratio
+
+
+def claims_under_plan(study_dir: Path, plan: Mapping[str, Any]) -> pd.DataFrame:
+    """The seed's claims (a finished `adamspike replicate` folder) under the plan's rule:
+    per claim the visible (and secondary) spikes per seed in each arm, the exact two-sided
+    sign test of the paired differences, Holm over the claims, the verdict ("supported":
+    fewer visible spikes, p_holm < alpha; "refuted": more; else "undetermined"), and each
+    group's rho ratio treatment / control against the ratio the 70B's eps change gives."""
+    meta, arms = load_claims(study_dir)
+    a = float(plan["claims"]["alpha"])
+    cls = {c: class_params(plan, c) for c in ("visible", "secondary")}
+
+    def counts(table: pd.DataFrame, c: str) -> np.ndarray:
+        return np.array([len(detect_spikes(g.sort_values("step")["loss"].to_numpy(float), cls[c]))
+                         for _, g in table.groupby("seed", sort=True)])
+    rows = []
+    for cl in meta["claims"]:
+        t, c = arms[cl["treatment_arm"]], arms[cl["control_arm"]]
+        row = {"id": cl["id"], "claim": cl["claim"], "seeds": int(t["seed"].nunique())}
+        for name in ("visible", "secondary"):
+            ct, cc = counts(t, name), counts(c, name)
+            row[f"{name}_control"], row[f"{name}_treatment"] = int(cc.sum()), int(ct.sum())
+            if name == plan["claims"]["spike_class"]:
+                p, n_pos, n_neg = sign_test(ct - cc)
+                row.update(p=p, seeds_more=n_pos, seeds_fewer=n_neg)
+        eps_mult = str(cl["treatment"].get("optim.eps", ""))
+        want = EPS_FACTOR.get(eps_mult, math.nan)
+        for g in GROUPS:
+            col = f"rho_{g}"
+            if col in t and col in c:
+                got = float(t[col].median() / c[col].median())
+                row[f"{col}_ratio"] = got
+                row[f"{col}_off"] = got / want if math.isfinite(want) else math.nan
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    df["p_holm"] = holm(df["p"].to_numpy(float))
+    vis = plan["claims"]["spike_class"]
+    df["verdict"] = ["supported" if r.p_holm < a and r[f"{vis}_treatment"] < r[f"{vis}_control"]
+                     else "refuted" if r.p_holm < a and r[f"{vis}_treatment"] > r[f"{vis}_control"]
+                     else "undetermined" for _, r in df.iterrows()]
+    return df
+
+
+def claims_md(df: pd.DataFrame, plan: Mapping[str, Any]) -> list[str]:
+    c = plan["claims"]
+    cols = ["id", "seeds", "visible_control", "visible_treatment", "secondary_control",
+            "secondary_treatment", "seeds_more", "seeds_fewer", "p", "p_holm", "verdict"]
+    off = [x for x in df.columns if x.endswith("_off")]
+    return ["## The seed's eps claims under the plan's rule", "",
+            f"Rule (plan [claims], fixed before the run): `{c['rule']}` of the {c['spike_class']} "
+            f"class, paired seeds, exact two-sided sign test, {c['correction']} over the claims, "
+            f"alpha {c['alpha']:g}: supported (fewer), refuted (more), else undetermined. "
+            "configs/claims_science4.toml's arms (lr x256, the in-band edge toy).", "",
+            md_table(df, cols), "",
+            "How far each arm moved every group's rho from the 70B's: the ratio treatment / "
+            "control over the ratio the eps change gives the 70B (1000 for eps 1e-5 -> 1e-8, "
+            "10 for -> 1e-6; 1 = as the 70B's would move):", "",
+            md_table(df, ["id"] + [x for x in df.columns if x.endswith("_ratio")] + off), "",
+            "Science 3's verdicts on the same three claims (rule `removes`, chosen after its "
+            "40-seed run, k = 4 class): not supported (spikes remain) for all three; kept in "
+            "docs/results/science3_2026-12-05.md.", ""]
+
+
 # ------------------------------------------------------------------------ report
 def report(out: Path, plan: Mapping[str, Any], parts: Mapping[str, list[str]]) -> str:
     L = ["# Science 4: the 70B answer under a written plan", "",
@@ -377,7 +445,7 @@ def report(out: Path, plan: Mapping[str, Any], parts: Mapping[str, list[str]]) -
          "is computed under this plan; changes after data: "
          + (f"this version supersedes v{plan['plan']['supersedes']} ({plan['plan']['reason']})."
             if plan["plan"].get("supersedes") else "none (version 1)."), ""]
-    for name in ("sharpness", "nulls", "match", "record", "adamw", "open"):
+    for name in ("sharpness", "nulls", "match", "claims", "record", "adamw", "open"):
         L += parts.get(name, [])
     return "\n".join(L) + "\n"
 
@@ -414,7 +482,8 @@ def open_items_md(plan: Mapping[str, Any]) -> list[str]:
 
 def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
         map_dir: Path | None = None, executor: str | None = None, jobs: int = 1,
-        address: str | None = None, progress: bool = True) -> dict:
+        address: str | None = None, progress: bool = True,
+        claims_dir: Path | None = None) -> dict:
 
     plan = load_plan("science4")
     out.mkdir(parents=True, exist_ok=True)
@@ -473,6 +542,15 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     record = public_record(plan, lam)
     atomic_write_bytes(out / "public_record.csv", record.to_csv(index=False).encode())
     parts["record"] = record_md(record)
+    if claims_dir:
+        cdf = claims_under_plan(claims_dir, plan)
+        atomic_write_bytes(out / "claims.csv", cdf.to_csv(index=False).encode())
+    elif (SHIPPED / "claims.csv").exists():
+        cdf = pd.read_csv(SHIPPED / "claims.csv")
+    else:
+        cdf = None
+    if cdf is not None:
+        parts["claims"] = claims_md(cdf, plan)
     parts["adamw"] = adamw_md()
     parts["open"] = open_items_md(plan)
     text = report(out, plan, parts)
@@ -485,7 +563,8 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     return summary
 
 
-def ship(store_dir: Path, map_dir: Path | None, dest: Path = SHIPPED) -> list[Path]:
+def ship(store_dir: Path, map_dir: Path | None, out: Path | None = None,
+         dest: Path = SHIPPED) -> list[Path]:
     """Copy the plan's verified sharpness cells (and the map's lanes as one table) into the
     package data, so the standard study re-derives the answer from them."""
     (dest / "cells" / "sharpness_rung").mkdir(parents=True, exist_ok=True)
@@ -501,6 +580,9 @@ def ship(store_dir: Path, map_dir: Path | None, dest: Path = SHIPPED) -> list[Pa
         lanes_from_map(map_dir).to_parquet(dest / LANES_FILE, index=False)
         map_summary(map_dir).to_csv(dest / CELLS_FILE, index=False)
         written += [dest / LANES_FILE, dest / CELLS_FILE]
+    if out is not None and (out / "claims.csv").exists():
+        shutil.copyfile(out / "claims.csv", dest / "claims.csv")
+        written.append(dest / "claims.csv")
     return written
 
 
@@ -513,6 +595,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     "else the cells shipped with the package)")
     ap.add_argument("--map", help="phase-map folder with the in-band cells (default: the "
                                   "shipped lanes)")
+    ap.add_argument("--claims", help="a finished `adamspike replicate --claims "
+                                     "configs/claims_science4.toml` folder (default: the "
+                                     "shipped claims table)")
     ap.add_argument("--executor", choices=("local", "ray"),
                     help="where missing cells run (default: $ADAMSPIKE_EXECUTOR, else local)")
     ap.add_argument("--jobs", type=int, default=1)
@@ -524,15 +609,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body(a) -> int:
         if a.jobs < 1:
             raise ConfigError(f"--jobs: must be >= 1, got {a.jobs}")
-        for flag, v in (("--map", a.map), ("--cells", None if a.compute else a.cells)):
+        for flag, v in (("--map", a.map), ("--cells", None if a.compute else a.cells),
+                        ("--claims", a.claims)):
             if v and not Path(v).is_dir():
                 raise ConfigError(f"{flag} {v}: not a directory")
         out = Path(a.out)
         s = run(out, compute=a.compute, cells_dir=Path(a.cells) if a.cells else None,
                 map_dir=Path(a.map) if a.map else None, executor=a.executor, jobs=a.jobs,
-                address=a.address, progress=not a.no_progress)
+                address=a.address, progress=not a.no_progress,
+                claims_dir=Path(a.claims) if a.claims else None)
         if a.ship:
-            ship(Path(a.cells) if a.cells else out / "cells", Path(a.map) if a.map else None)
+            ship(Path(a.cells) if a.cells else out / "cells", Path(a.map) if a.map else None, out)
         print((out / "science4.md").read_text(), end="")
         return 0 if s else 1
     return cli_main(ap, None if argv is None else list(argv), body, "adamspike science4")
