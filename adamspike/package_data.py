@@ -55,6 +55,7 @@ MODEL_FILE = "spike_rate_model.json"
 REGIME_MODEL_FILE = "spike_rate_regime_model.json"
 PREDICTIONS_FILE = "predictions.json"
 BATCH_SHARPNESS_FILE = "ladder/batch_sharpness.json"   # simulate.ladder.BATCH_SHARPNESS_FILE
+SCIENCE4 = "science4"     # study.science4's inputs: Lanczos rung cells, map lanes, claims
 STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate ladder`)",
           MODEL_FILE: "stage `spike_rate_mechanism` of configs/study.toml (`adamspike "
                       "spike-rate --map`; `spike_rate` in older study folders)",
@@ -62,7 +63,9 @@ STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate l
           BATCH_SHARPNESS_FILE: "stage `batch_sharpness` of configs/study.toml (`adamspike "
                                 "simulate batch-sharpness`: its summary.json)",
           PREDICTIONS_FILE: "`adamspike predict --profile llama2-70b` on the shipped ladder "
-                            "and model (adamspike package-data)"}
+                            "and model (adamspike package-data)",
+          SCIENCE4: "stages `phase_map_science4` and `science4` of configs/study.toml "
+                    "(`adamspike science4 --compute`: its cells, map lanes and claims table)"}
 
 
 class PackageDataError(ConfigError):
@@ -142,6 +145,20 @@ def predictions_path(profile: str = "llama2-70b", root: Path = DATA) -> Path | N
         else None
 
 
+def add_files(profile: str, paths, note: str, root: Path = DATA) -> dict:
+    """Add (or refresh) files under the profile's folder in its manifest: their sha256,
+    the version + 1 and a note in `source`; the other files are checked as ever."""
+    d = profile_dir(profile, root)
+    m = manifest(profile, root)
+    for p in paths:
+        m["files"][Path(p).resolve().relative_to(d.resolve()).as_posix()] = _sha(Path(p))
+    m["version"] = int(m["version"]) + 1
+    m["source"] = f"{m['source']}; v{m['version']}: {note}"
+    m["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    (d / "MANIFEST.json").write_text(json.dumps(m, indent=2) + "\n")
+    return m
+
+
 def describe(m: dict) -> str:
     """One line naming the shipped data and where it came from."""
     return (f"shipped fit v{m['version']} ({m['profile']}, from {m['source']}, "
@@ -189,6 +206,19 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
     shutil.copyfile(model, tmp / MODEL_FILE)
     if regime is not None:
         shutil.copyfile(regime, tmp / REGIME_MODEL_FILE)
+    # Science 4's cells: the study's own when it computed them (--full), else the shipped
+    s4 = study / "science4"
+    s4_cells = s4 / "cells" / "sharpness_rung"
+    if s4_cells.is_dir() and any(s4_cells.glob("*.json")):
+        (tmp / SCIENCE4 / "cells" / "sharpness_rung").mkdir(parents=True)
+        for c in s4_cells.glob("*.json"):
+            if not c.name.endswith(".prov.json"):
+                shutil.copyfile(c, tmp / SCIENCE4 / "cells" / "sharpness_rung" / c.name)
+        for f in ("claims.csv", "map_lanes.parquet", "map_cells.csv"):
+            if (s4 / f).is_file():
+                shutil.copyfile(s4 / f, tmp / SCIENCE4 / f)
+    elif (d / SCIENCE4).is_dir():
+        shutil.copytree(d / SCIENCE4, tmp / SCIENCE4)
     m: dict[str, Any] = {
         "schema": SCHEMA, "version": int(old["version"]) + 1 if old else 1,
         "profile": profile, "source": source or str(study.resolve()),
@@ -197,7 +227,8 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
                         **({BATCH_SHARPNESS_FILE: STAGES[BATCH_SHARPNESS_FILE]}
                            if bs.is_file() else {}),
                         **({REGIME_MODEL_FILE: STAGES[REGIME_MODEL_FILE]} if regime else {}),
-                        **({PREDICTIONS_FILE: STAGES[PREDICTIONS_FILE]} if predictions else {})},
+                        **({PREDICTIONS_FILE: STAGES[PREDICTIONS_FILE]} if predictions else {}),
+                        **({f"{SCIENCE4}/": STAGES[SCIENCE4]} if (tmp / SCIENCE4).is_dir() else {})},
         "files": {p.relative_to(tmp).as_posix(): _sha(p) for p in _files(tmp)}}
     (tmp / "MANIFEST.json").write_text(json.dumps(m, indent=2) + "\n")
     shutil.rmtree(d, ignore_errors=True)

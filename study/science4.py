@@ -514,8 +514,13 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     atomic_write_bytes(out / "sharpness_versions.csv", versions.to_csv(index=False).encode())
     atomic_write_bytes(out / "sharpness_hits.csv", extra["hits"].to_csv(index=False).encode())
     parts = {"sharpness": sharpness_md(rows, versions, extra["hits"], plan)}
-    lanes = lanes_from_map(map_dir) if map_dir else (
-        pd.read_parquet(SHIPPED / LANES_FILE) if (SHIPPED / LANES_FILE).exists() else None)
+    if map_dir:     # the map's cell tables, which package-data ships (adamspike.package_data)
+        lanes, summ = lanes_from_map(map_dir), map_summary(map_dir)
+        lanes.to_parquet(out / LANES_FILE, index=False)
+        summ.to_csv(out / CELLS_FILE, index=False)
+    else:
+        lanes = pd.read_parquet(SHIPPED / LANES_FILE) if (SHIPPED / LANES_FILE).exists() else None
+        summ = pd.read_csv(SHIPPED / CELLS_FILE) if (SHIPPED / CELLS_FILE).exists() else None
     nulls = None
     if lanes is not None:
         nulls = null_table(lanes, plan)
@@ -525,8 +530,6 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
         parts["nulls"] = ["## In-band spikes against their noise nulls", "",
                           "No map lanes: run `adamspike phase-map --config "
                           "configs/phase_map_science4.toml --out M` and pass `--map M`.", ""]
-    summ = map_summary(map_dir) if map_dir else (
-        pd.read_csv(SHIPPED / CELLS_FILE) if (SHIPPED / CELLS_FILE).exists() else None)
     last = versions.iloc[-1]
     if summ is not None and np.isfinite(last.get("S_after", math.nan)):
         match = match_table(summ, reference_70b(pred, float(last["S_after"])),
@@ -563,10 +566,10 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     return summary
 
 
-def ship(store_dir: Path, map_dir: Path | None, out: Path | None = None,
-         dest: Path = SHIPPED) -> list[Path]:
-    """Copy the plan's verified sharpness cells (and the map's lanes as one table) into the
-    package data, so the standard study re-derives the answer from them."""
+def ship(store_dir: Path, out: Path, dest: Path = SHIPPED) -> list[Path]:
+    """Copy the plan's verified sharpness cells and the tables run() wrote into OUT (map
+    lanes, map cells, claims) into the package data and add them to its manifest, so the
+    standard study re-derives the answer from them."""
     (dest / "cells" / "sharpness_rung").mkdir(parents=True, exist_ok=True)
     written = []
     for cfg, _ in SH.read_cells(store_dir):
@@ -576,13 +579,12 @@ def ship(store_dir: Path, map_dir: Path | None, out: Path | None = None,
         src = Path(store_dir) / c.kind / f"{c.key}.json"
         shutil.copyfile(src, dest / "cells" / c.kind / src.name)
         written.append(dest / "cells" / c.kind / src.name)
-    if map_dir:
-        lanes_from_map(map_dir).to_parquet(dest / LANES_FILE, index=False)
-        map_summary(map_dir).to_csv(dest / CELLS_FILE, index=False)
-        written += [dest / LANES_FILE, dest / CELLS_FILE]
-    if out is not None and (out / "claims.csv").exists():
-        shutil.copyfile(out / "claims.csv", dest / "claims.csv")
-        written.append(dest / "claims.csv")
+    for f in (LANES_FILE, CELLS_FILE, "claims.csv"):
+        if (out / f).exists():
+            shutil.copyfile(out / f, dest / f)
+            written.append(dest / f)
+    package_data.add_files("llama2-70b", written, "Science 4's cells and tables "
+                           "(adamspike science4 --ship)")
     return written
 
 
@@ -619,7 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 address=a.address, progress=not a.no_progress,
                 claims_dir=Path(a.claims) if a.claims else None)
         if a.ship:
-            ship(Path(a.cells) if a.cells else out / "cells", Path(a.map) if a.map else None, out)
+            ship(Path(a.cells) if a.cells else out / "cells", out)
         print((out / "science4.md").read_text(), end="")
         return 0 if s else 1
     return cli_main(ap, None if argv is None else list(argv), body, "adamspike science4")
