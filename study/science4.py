@@ -387,7 +387,7 @@ def claims_under_plan(study_dir: Path, plan: Mapping[str, Any]) -> pd.DataFrame:
     cls = {c: class_params(plan, c) for c in ("visible", "secondary")}
 
     def counts(table: pd.DataFrame, c: str) -> np.ndarray:
-        return np.array([len(detect_spikes(g.sort_values("step")["loss"].to_numpy(float), cls[c]))
+        return np.array([len(detect_spikes(g.sort_values("step")["loss"].to_numpy(float), params=cls[c]))
                          for _, g in table.groupby("seed", sort=True)])
     rows = []
     for cl in meta["claims"]:

@@ -53,3 +53,40 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--map" in err[0] and "not a directory" in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_claims_under_the_plans_rule_on_a_synthetic_replication(tmp_path):
+    """Paired seeds: the control arm has a visible spike in every seed, the treatment none
+    -> supported (sign test 10/10, p 0.002); equal arms -> undetermined; each group's rho
+    ratio is set against the 70B's eps change (x1000)."""
+    import numpy as np
+    from adamspike.plan import load_plan
+    from study.science4 import claims_under_plan
+
+    rng = np.random.default_rng(0)
+
+    def arm(spike: bool, rho_scale: float) -> pd.DataFrame:
+        rows = []
+        for seed in range(10):
+            loss = 4 + 2 * np.exp(-np.arange(400) / 80) + 0.02 * rng.standard_normal(400)
+            if spike:
+                loss[200 + seed:212 + seed] *= 2.0
+            rows.append(pd.DataFrame({"seed": seed, "step": np.arange(1, 401), "loss": loss,
+                                      "rho_embed": 0.7 * rho_scale, "rho_shallow": 0.9 * rho_scale,
+                                      "rho_deep": 0.2 * rho_scale, "rho_head": 3.0 * rho_scale}))
+        return pd.concat(rows, ignore_index=True)
+    (tmp_path / "arms").mkdir()
+    arm(True, 1.0).to_parquet(tmp_path / "arms" / "c.parquet")
+    arm(False, 500.0).to_parquet(tmp_path / "arms" / "t.parquet")
+    arm(True, 1.0).to_parquet(tmp_path / "arms" / "c2.parquet")
+    claims = [{"id": "lower", "claim": "x", "treatment": {"optim.eps": "*0.001"},
+               "treatment_arm": "t", "control_arm": "c"},
+              {"id": "same", "claim": "y", "treatment": {"optim.eps": "*0.1"},
+               "treatment_arm": "c2", "control_arm": "c"}]
+    (tmp_path / "replication.json").write_text(json.dumps(
+        {"claims": claims, "arms": {a: {"label": a, "base": "b"} for a in ("c", "t", "c2")}}))
+    df = claims_under_plan(tmp_path, load_plan("science4")).set_index("id")
+    assert df.loc["lower", "visible_control"] == 10 and df.loc["lower", "visible_treatment"] == 0
+    assert df.loc["lower", "p_holm"] < 0.01 and df.loc["lower", "verdict"] == "supported"
+    assert df.loc["same", "verdict"] == "undetermined"
+    assert df.loc["lower", "rho_shallow_off"] == pytest.approx(0.5)    # 500x, not 1000x
