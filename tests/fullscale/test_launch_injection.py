@@ -88,8 +88,9 @@ def test_hostile_paths_survive_and_nothing_runs(tmp_path):
         assert _launch(out, "--master-addr", "h0", "--alarms.predictions", str(pred)) == 0, value
         # run.toml is valid TOML whatever the path holds (non-BMP: no JSON surrogate escapes)
         assert tomllib.loads((out / "run.toml").read_text())["alarms"]["predictions"] == str(pred)
+        # the stack named: detecting it (python -m fullscale.stack) is not what is tested here
         env = {"PATH": f"{bin_}:/usr/bin:/bin", "TORCHRUN": "torchrun", "ADAMSPIKE_HOME": str(home),
-               "MINDSPEED_LLM_DIR": str(work)}
+               "MINDSPEED_LLM_DIR": str(work), "MEGATRON_STACK": "mindspeed-llm"}
         r = subprocess.run(["bash", str(out / "train_torchrun.sh"), "0"], capture_output=True,
                            text=True, env=env, cwd=work)
         assert r.returncode == 0, (value, r.stderr)
