@@ -109,6 +109,20 @@ def sharpness_md(rows: pd.DataFrame, versions: pd.DataFrame, hits: pd.DataFrame,
     if len(failed):
         L += ["Rung-seeds that failed:", "", md_table(failed, ["source", "dim", "layers", "lr", "eps",
               "steps", "seed", "lambda_inf", "why", "rerun"]), ""]
+        lz = rows[rows["source"] == "Lanczos"]
+        for r in failed[failed["source"] != "Lanczos"].itertuples():
+            m = lz[(lz["dim"] == r.dim) & (lz["layers"] == r.layers) & np.isclose(lz["lr"], r.lr)
+                   & (lz["steps"] == r.steps) & (lz["seed"] == r.seed)]
+            if len(m):    # the same rung-seed measured again by Lanczos (the plan's rerun)
+                x = m.iloc[-1]
+                L += [f"Measured again by Lanczos, ({r.dim}, {r.layers}) seed {r.seed}: "
+                      f"lambda_inf {x['lambda_inf']:.3g}, largest residual {x['max_residual']:.2g}, "
+                      f"smallest Ritz value {x['check']:.3g}: "
+                      + ("passes" if x["pass"] else f"fails ({x['why']})")
+                      + (f" (the Hessian has a negative eigenvalue of magnitude {abs(x['check']):.3g}: "
+                         "power iteration follows the largest magnitude, whatever its sign; "
+                         "Lanczos separates the ends of the spectrum)."
+                         if x["check"] < 0 else "."), ""]
     else:
         L += ["No rung-seed failed.", ""]
     L += ["The law log10 lambda_inf = c0 + c_d log10 dim + c_L log10 layers + c_lr log10 lr and "
