@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None, draw=None) -> int:
                      "(nothing was overwritten)")
     created = not out.exists()
     try:
-        rc = _analyze(args, params, out)
+        rc = _analyze(args, params, out, draw)
     except OSError as e:     # a read-only or full --out, a file vanished under us
         rc = _fail(f"--out {out}: cannot write ({e.strerror or e}"
                    + (f": {e.filename}" if e.filename else "") + ")")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None, draw=None) -> int:
     return rc
 
 
-def _analyze(args, params, out: Path) -> int:
+def _analyze(args, params, out: Path, draw=None) -> int:
     runs = [Path(r) for r in args.runs]
     if args.from_study:
         study = Path(args.from_study)
