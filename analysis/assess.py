@@ -154,6 +154,21 @@ def spike_lines(ra) -> list[str]:
     return L
 
 
+def attribution_lines(ra) -> list[str]:
+    """One verdict per spike with its evidence (analysis.attribution: what moved first
+    before the onset, the numerics, a re-run's recurrence)."""
+    at = ra.attribution
+    if at is None or at.empty:
+        return _wrap("no spikes to attribute")
+    L = []
+    for r in at.head(8).itertuples():
+        L += _wrap(f"- iteration {r.start}: {r.verdict.upper()}: {r.evidence}"
+                   + ("" if r.recurred == "not replayed" else f"; re-run: {r.recurred}"))
+    if len(at) > 8:
+        L += _wrap(f"... {len(at) - 8} more (attribution.csv: --out DIR)")
+    return L
+
+
 def numerics_lines(ra) -> list[str]:
     h = ra.numerics
     if h is None:
@@ -428,6 +443,7 @@ def render(ra, path: Path, pred, pred_path, model, model_path, out, shipped_note
                 f"settings stated: {stated}", ""),
          "", "REGIME", *regime_lines(ra),
          "", "SPIKES SO FAR", *spike_lines(ra),
+         "", "WHAT CAUSED EACH SPIKE", *attribution_lines(ra),
          "", "NUMERICS HEALTH", *numerics_lines(ra),
          "", "PREDICTED SPIKE RATE FOR THIS SETTING",
          *(_wrap(f"none given (--predictions, --rate-model): using {shipped_note}")

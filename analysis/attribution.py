@@ -1,0 +1,255 @@
+"""Spike attribution (pandas; reads a run directory's tables): for each loss spike of the
+one spike rule (adamspike.spikes, as `analyze` finds them), what moved first in the
+RULES["pre_steps"] steps before its onset, each series against its own pre-spike baseline,
+what the numerics did, and whether a rollback's re-run recorded a recurrence; then one
+verdict per spike: optimizer A, optimizer B, numerics, data or unknown, with its evidence.
+
+Series (where the run carries them):
+- per depth group (adamspike.depth_groups: embed, shallow, deep, head), from `layers`:
+  rho (group_rho of grad_rms / eps) and update_rms (numel-weighted rms of the unit-lr
+  Adam update);
+- from `steps`: the global grad norm, the lr (the factor of S = lr * lambda_P / 2 that a
+  run table carries), the applied update norm;
+- from `curvature`: the S proxy lr * precond_curvature / 2 per curvature group (the
+  Megatron probe's secant group "update"; the toys' depth groups).
+
+Row ordering of the tables: a steps row t holds the loss and gradient of step t's forward
+pass (before the update of step t); a layers row t the update applied at step t, which
+the loss of step t + 1 first sees. A series "moved first" at step u when it exceeds its
+baseline there; its lead is onset - u (0: at the onset itself).
+
+The rules are data (RULES, each threshold with its reason), fixed before the validation
+on injected causes (bench/attribution_validation.py, docs/results/attribution_*.md).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from adamspike.depth_groups import GROUPS, depth_group, group_rho, infer_num_layers
+
+VERDICTS = ("optimizer A", "optimizer B", "numerics", "data", "unknown")
+
+
+@dataclass(frozen=True)
+class Rule:
+    value: float
+    reason: str
+
+
+RULES: dict[str, Rule] = {
+    "pre_steps": Rule(10, "K: steps before the onset searched for the first mover; an Adam "
+                          "instability builds over ~1/(1-b1) = 10 steps at b1 0.9"),
+    "baseline_steps": Rule(30, "each series' own baseline: the median of its values in the "
+                               "30 steps before the search window (not overlapping it)"),
+    "min_baseline": Rule(5, "fewer finite baseline values: the series is not judged"),
+    "jump_ratio": Rule(2.0, "a jump: at least 2x the baseline median (rho, update_rms, grad "
+                            "norm: per-step noise of a healthy run is well inside 2x)"),
+    "jump_sigmas": Rule(6.0, "and 6 robust sigmas (1.4826 MAD of the log values) above it, "
+                             "the spike rule's own k, so a noisy series needs more"),
+    "rise_ratio": Rule(1.2, "lr or S proxy at the step before onset >= 1.2x its baseline: "
+                            "S = lr lambda_P / 2 crossing 1 is optimizer A; a 20% rise "
+                            "within ~40 steps is no schedule's decay"),
+    "near_numerics": Rule(1, "numerics events (loss-scale cut, overflow, skip, NaN, "
+                             "non-finite value) from K steps before to 1 step after onset"),
+}
+
+B_GROUPS = ("embed", "shallow")   # the dormant shallow side (design.md: depth groups)
+NUMERICS_EVENT_TYPES = ("nonfinite_loss", "nan_grad", "skip", "checkpoint_refused")
+COLUMNS = ["start", "peak_step", "height", "verdict", "first_mover", "first_lead",
+           "moved", "numerics", "recurred", "evidence"]
+
+
+def _r(name: str) -> float:
+    return RULES[name].value
+
+
+def group_series(layers: pd.DataFrame) -> dict[str, pd.Series]:
+    """{"rho:<group>", "update_rms:<group>"} -> value by step, from the layers table."""
+    if layers is None or layers.empty:
+        return {}
+    L = infer_num_layers(layers)
+    lay = layers.assign(group=[depth_group(d, L) for d in layers["depth"].to_numpy()])
+    out: dict[str, pd.Series] = {}
+    for g, part in lay.groupby("group"):
+        by = part.groupby("step")
+        if "rho" in part:
+            out[f"rho:{g}"] = by.apply(lambda p: float(group_rho(p["rho"].to_numpy(float),
+                                                                 p["numel"].to_numpy(float))))
+        if "update_rms" in part:
+            out[f"update_rms:{g}"] = by.apply(lambda p: float(group_rho(
+                p["update_rms"].to_numpy(float), p["numel"].to_numpy(float))))
+    return out
+
+
+def run_series(steps: pd.DataFrame, layers: pd.DataFrame | None,
+               curvature: pd.DataFrame | None) -> dict[str, pd.Series]:
+    """Every series the attribution reads, by name -> value indexed by step."""
+    st = steps.set_index("step")
+    out = {c: st[c].astype(float) for c in ("grad_norm", "lr", "update_norm") if c in st}
+    out.update(group_series(layers))
+    if curvature is not None and not curvature.empty and "precond_curvature" in curvature:
+        cv = curvature.copy()
+        lr = cv["lr"] if "lr" in cv else cv["step"].map(out.get("lr", pd.Series(dtype=float)))
+        cv["S"] = lr.astype(float) * cv["precond_curvature"].astype(float) / 2.0
+        for g, part in cv.groupby("group"):
+            out[f"S:{g}"] = part.groupby("step")["S"].median()
+    return {k: v.sort_index() for k, v in out.items()}
+
+
+def _baseline(s: pd.Series, onset: int) -> np.ndarray:
+    K, B = int(_r("pre_steps")), int(_r("baseline_steps"))
+    x = s[(s.index >= onset - K - B) & (s.index < onset - K)].to_numpy(float)
+    return x[np.isfinite(x) & (x > 0)]
+
+
+def first_jump(s: pd.Series, onset: int) -> tuple[int, float] | None:
+    """(step, ratio to baseline) of the first jump in [onset - K, onset], or None (also
+    when the baseline is too short to judge)."""
+    base = _baseline(s, onset)
+    if len(base) < _r("min_baseline"):
+        return None
+    lb = np.log(base)
+    med = float(np.median(lb))
+    sig = max(1.4826 * float(np.median(np.abs(lb - med))), 1e-12)
+    win = s[(s.index >= onset - _r("pre_steps")) & (s.index <= onset)]
+    for step, x in win.items():
+        if math.isfinite(x) and x > 0 and x >= _r("jump_ratio") * math.exp(med) \
+                and math.log(x) - med >= _r("jump_sigmas") * sig:
+            return int(step), float(x / math.exp(med))
+    return None
+
+
+def rise(s: pd.Series, onset: int) -> float | None:
+    """The series at the last step before onset over its baseline median (None: unjudged)."""
+    base = _baseline(s, onset)
+    before = s[(s.index < onset) & (s.index >= onset - _r("pre_steps"))].dropna()
+    if len(base) < _r("min_baseline") or before.empty:
+        return None
+    return float(before.iloc[-1] / np.median(base))
+
+
+def numerics_near(onset: int, series: dict[str, pd.Series], steps: pd.DataFrame,
+                  numerics_events: pd.DataFrame | None, events: pd.DataFrame | None) -> list[str]:
+    """Numerics evidence in [onset - K, onset + near]: numerics_health's events (loss-scale
+    cut, overflow, skipped, NaN iterations, non-finite loss), a non-finite grad norm or
+    group value, and the run's own numerics events."""
+    lo, hi = onset - _r("pre_steps"), onset + _r("near_numerics")
+    found: list[str] = []
+    if numerics_events is not None and len(numerics_events):
+        ne = numerics_events[(numerics_events["step"] >= lo) & (numerics_events["step"] <= hi)]
+        found += [f"{r.kind} at {int(r.step)}" for r in ne.itertuples()
+                  if r.kind != "loss_scale_raise"]
+    for name, s in series.items():
+        if name.startswith(("lr", "S:")):
+            continue
+        w = s[(s.index >= lo) & (s.index <= onset)]
+        bad = w[~np.isfinite(w.to_numpy(float))]
+        if len(bad):
+            found.append(f"non-finite {name} at {int(bad.index[0])}")
+    if events is not None and len(events) and "step" in events:
+        ev = events[events["type"].isin(NUMERICS_EVENT_TYPES)
+                    & (events["step"] >= lo) & (events["step"] <= hi)]
+        found += [f"event {r.type} at {int(r.step)}" for r in ev.itertuples()]
+    return list(dict.fromkeys(found))
+
+
+def recurrence(onset: int, events: pd.DataFrame | None) -> str:
+    """Whether a re-run of the spike's steps recorded it again: a guard rollback for this
+    spike followed by a spike or non-finite loss on a retry (or `reproduced_from`)."""
+    if events is None or events.empty or "step" not in events:
+        return "not replayed"
+    K = _r("pre_steps")
+    rb = events[(events["type"] == "rollback") & (events["step"] >= onset)
+                & (events["step"] <= onset + K)]
+    if rb.empty:
+        return "not replayed"
+    if "reproduced_from" in rb and rb["reproduced_from"].notna().any():
+        return "recurred"
+    again = events[events["type"].isin(("spike", "nonfinite_loss"))
+                   & (events.index > rb.index[0])]
+    if "retries" in again:
+        again = again[again["retries"].fillna(0) > 0]
+    return "recurred" if len(again) else "did not recur"
+
+
+def verdict(moved: dict[str, tuple[int, float]], rises: dict[str, float],
+            numerics: list[str], onset: int) -> tuple[str, list[str]]:
+    """(verdict, evidence lines) from the movers (series -> (step, ratio)), the rises of lr
+    / S and the numerics evidence. Order: numerics, then optimizer B, A, data, unknown."""
+    def line(n):
+        st, ratio = moved[n]
+        return f"{n} x{ratio:.3g} at {st} ({onset - st} step(s) before onset)"
+    if numerics:
+        return "numerics", numerics
+    before = {n: v for n, v in moved.items() if v[0] < onset}
+    b = [n for n in before if n.split(":")[0] in ("rho", "update_rms")
+         and n.split(":")[-1] in B_GROUPS]
+    if b:
+        return "optimizer B", [line(n) for n in sorted(b, key=lambda n: before[n][0])]
+    a = [n for n, x in rises.items() if x >= _r("rise_ratio")]
+    a += [n for n in before if n.startswith("S:")]
+    if a:
+        return "optimizer A", [f"{n} x{rises[n]:.3g} over its baseline before onset"
+                               if n in rises else line(n) for n in dict.fromkeys(a)]
+    at = [n for n, v in moved.items() if v[0] == onset]
+    if "grad_norm" in at and not before:
+        return "data", [line("grad_norm") + "; nothing moved before it"]
+    if before:
+        return "unknown", ["moved before onset, none of the rules' patterns: "
+                           + "; ".join(line(n) for n in before)]
+    return "unknown", ["no series moved in the window" if not at else
+                       "moved only at onset: " + "; ".join(line(n) for n in at)]
+
+
+def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | None = None,
+              curvature: pd.DataFrame | None = None, events: pd.DataFrame | None = None,
+              numerics_events: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per spike (COLUMNS): verdict, first mover, every mover, numerics evidence,
+    recurrence and the evidence lines joined by " | "."""
+    series = run_series(steps, layers, curvature)
+    rows = []
+    for sp in spikes.itertuples():
+        onset = int(sp.start)
+        moved = {n: j for n, s in series.items()
+                 if not n.startswith(("lr", "S:")) and (j := first_jump(s, onset))}
+        moved.update({n: j for n, s in series.items() if n.startswith("S:")
+                      and (j := first_jump(s, onset))})
+        rises = {n: x for n, s in series.items() if n == "lr" or n.startswith("S:")
+                 if (x := rise(s, onset)) is not None}
+        num = numerics_near(onset, series, steps, numerics_events, events)
+        v, ev = verdict(moved, rises, num, onset)
+        first = min(moved.items(), key=lambda kv: kv[1][0]) if moved else None
+        rows.append({"start": onset, "peak_step": int(sp.peak_step), "height": sp.height,
+                     "verdict": v, "first_mover": first[0] if first else "",
+                     "first_lead": onset - first[1][0] if first else math.nan,
+                     "moved": "; ".join(f"{n}@{s}" for n, (s, _) in
+                                        sorted(moved.items(), key=lambda kv: kv[1][0])),
+                     "numerics": "; ".join(num), "recurred": recurrence(onset, events),
+                     "evidence": " | ".join(ev)})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def attribute_run(ra) -> pd.DataFrame:
+    """attribute() on an analysed run (analysis.report.RunAnalysis)."""
+    run = ra.run
+    return attribute(ra.spikes, run.steps, run.layers, getattr(run, "curvature", None),
+                     run.events, None if ra.numerics is None else ra.numerics.events)
+
+
+def confusion(truth: list[str], verdicts: list[str]) -> pd.DataFrame:
+    """Counts of (true cause, verdict): rows the true causes in order of first appearance,
+    columns every verdict (VERDICTS)."""
+    if len(truth) != len(verdicts):
+        raise ValueError(f"{len(truth)} true causes but {len(verdicts)} verdicts")
+    bad = sorted(set(verdicts) - set(VERDICTS))
+    if bad:
+        raise ValueError(f"unknown verdict(s) {bad}; expected {list(VERDICTS)}")
+    rows = list(dict.fromkeys(truth))
+    m = pd.DataFrame(0, index=pd.Index(rows, name="true cause"), columns=list(VERDICTS))
+    for t, v in zip(truth, verdicts):
+        m.loc[t, v] += 1
+    return m
