@@ -59,7 +59,7 @@ RULES: dict[str, Rule] = {
 
 B_GROUPS = ("embed", "shallow")   # the dormant shallow side (design.md: depth groups)
 NUMERICS_EVENT_TYPES = ("nonfinite_loss", "nan_grad", "skip", "checkpoint_refused")
-COLUMNS = ["start", "peak_step", "height", "verdict", "first_mover", "first_lead",
+COLUMNS = ["start", "peak_step", "height", "source", "verdict", "first_mover", "first_lead",
            "moved", "numerics", "recurred", "evidence"]
 
 
@@ -143,13 +143,15 @@ def numerics_near(onset: int, series: dict[str, pd.Series], steps: pd.DataFrame,
         ne = numerics_events[(numerics_events["step"] >= lo) & (numerics_events["step"] <= hi)]
         found += [f"{r.kind} at {int(r.step)}" for r in ne.itertuples()
                   if r.kind != "loss_scale_raise"]
+    bad: dict[int, list[str]] = {}
     for name, s in series.items():
         if name.startswith(("lr", "S:")):
             continue
         w = s[(s.index >= lo) & (s.index <= onset)]
-        bad = w[~np.isfinite(w.to_numpy(float))]
-        if len(bad):
-            found.append(f"non-finite {name} at {int(bad.index[0])}")
+        nf = w[~np.isfinite(w.to_numpy(float))]
+        if len(nf):
+            bad.setdefault(int(nf.index[0]), []).append(name)
+    found += [f"non-finite at {st}: {', '.join(names)}" for st, names in sorted(bad.items())]
     if events is not None and len(events) and "step" in events:
         ev = events[events["type"].isin(NUMERICS_EVENT_TYPES)
                     & (events["step"] >= lo) & (events["step"] <= hi)]
@@ -205,13 +207,33 @@ def verdict(moved: dict[str, tuple[int, float]], rises: dict[str, float],
                        "moved only at onset: " + "; ".join(line(n) for n in at)]
 
 
+ONLINE_SPIKE_EVENTS = ("spike", "nonfinite_loss")
+
+
+def unlogged_spikes(steps: pd.DataFrame, events: pd.DataFrame | None) -> pd.DataFrame:
+    """Spikes the trainer's online guard saw on a step that has no steps row (a run that
+    aborted on a non-finite loss before logging it, a step a rollback discarded): start,
+    peak_step, height (NaN), source. The spike rule cannot see these; their events can."""
+    cols = ["start", "peak_step", "height", "source"]
+    if events is None or events.empty or "step" not in events:
+        return pd.DataFrame(columns=cols)
+    ev = events[events["type"].isin(ONLINE_SPIKE_EVENTS) & events["step"].notna()]
+    ev = ev[~ev["step"].astype(int).isin(set(steps["step"].astype(int)))]
+    rows = {int(r.step): {"start": int(r.step), "peak_step": int(r.step), "height": math.nan,
+                          "source": f"{r.type} event (no steps row)"} for r in ev.itertuples()}
+    return pd.DataFrame(list(rows.values()), columns=cols)
+
+
 def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | None = None,
               curvature: pd.DataFrame | None = None, events: pd.DataFrame | None = None,
               numerics_events: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per spike (COLUMNS): verdict, first mover, every mover, numerics evidence,
+    """One row per spike (COLUMNS; the spike rule's, then unlogged_spikes'): verdict, first mover, every mover, numerics evidence,
     recurrence and the evidence lines joined by " | "."""
     series = run_series(steps, layers, curvature)
     rows = []
+    spikes = pd.concat([spikes.assign(source="spike rule")[["start", "peak_step", "height",
+                                                            "source"]],
+                        unlogged_spikes(steps, events)], ignore_index=True)
     for sp in spikes.itertuples():
         onset = int(sp.start)
         moved = {n: j for n, s in series.items()
@@ -224,6 +246,7 @@ def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | 
         v, ev = verdict(moved, rises, num, onset)
         first = min(moved.items(), key=lambda kv: kv[1][0]) if moved else None
         rows.append({"start": onset, "peak_step": int(sp.peak_step), "height": sp.height,
+                     "source": sp.source,
                      "verdict": v, "first_mover": first[0] if first else "",
                      "first_lead": onset - first[1][0] if first else math.nan,
                      "moved": "; ".join(f"{n}@{s}" for n, (s, _) in
