@@ -9,7 +9,10 @@ attribution (analysis.attribution) on each run directory, and writes the confusi
 (true cause x verdict) with every scored spike:
 - data: `faults.poison_batches` [INJECT, INJECT] (constant targets for one batch);
 - optimizer B: `mitigation.v_reset_steps` [INJECT], groups embed + shallow (v <- 0 just
-  before the update of step INJECT: the shallow update jumps, the loss sees it at +1);
+  before the update of step INJECT: the shallow update jumps, the loss sees it at +1),
+  under a constant lr schedule: under the config's cosine decay the lr at step 130 is 5%
+  of its peak and the reset's update moved the loss by < 3% (no spike in seeds 0 and 1 of
+  the first attempt);
 - numerics: `faults.nan_grad_at_step` [INJECT] (every gradient NaN; guard off: the run
   stops at the non-finite loss of the next step);
 - optimizer A: an lr ramp (optim.lr 0.5, 167x the tiny config's, warmup over the whole run):
@@ -41,7 +44,7 @@ BASE = ["--config", "configs/tiny.toml", "--telemetry.hist_every", "0",
         "--train.num_steps", str(STEPS)]
 CAUSES = {
     "data": ["--faults.poison_batches", f"{INJECT},{INJECT}"],
-    "optimizer B": ["--mitigation.v_reset_steps", str(INJECT),
+    "optimizer B": ["--optim.schedule", "constant", "--mitigation.v_reset_steps", str(INJECT),
                     "--mitigation.v_reset_groups", "embed,shallow"],
     "numerics": ["--faults.nan_grad_at_step", str(INJECT)],
     "optimizer A": ["--optim.lr", "0.5", "--optim.warmup_steps", str(STEPS)],
