@@ -135,8 +135,9 @@ def rise(s: pd.Series, onset: int) -> float | None:
 def numerics_near(onset: int, series: dict[str, pd.Series], steps: pd.DataFrame,
                   numerics_events: pd.DataFrame | None, events: pd.DataFrame | None) -> list[str]:
     """Numerics evidence in [onset - K, onset + near]: numerics_health's events (loss-scale
-    cut, overflow, skipped, NaN iterations, non-finite loss), a non-finite grad norm or
-    group value, and the run's own numerics events."""
+    cut, overflow, skipped, NaN iterations, non-finite loss), a non-finite value of a
+    series measured in its baseline (grad norm, update norm, group rho / update_rms), and
+    the run's own numerics events."""
     lo, hi = onset - _r("pre_steps"), onset + _r("near_numerics")
     found: list[str] = []
     if numerics_events is not None and len(numerics_events):
@@ -147,6 +148,8 @@ def numerics_near(onset: int, series: dict[str, pd.Series], steps: pd.DataFrame,
     for name, s in series.items():
         if name.startswith(("lr", "S:")):
             continue
+        if not len(_baseline(s, onset)):
+            continue     # not measured here (a log's or the probe's NaN update norm)
         w = s[(s.index >= lo) & (s.index <= onset)]
         nf = w[~np.isfinite(w.to_numpy(float))]
         if len(nf):

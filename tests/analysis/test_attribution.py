@@ -147,3 +147,14 @@ def test_analyze_writes_attribution_csv_and_assess_prints_verdicts(synthetic_run
     body = text.split("WHAT CAUSED EACH SPIKE")[1].split("NUMERICS HEALTH")[0]
     for r in at.itertuples():
         assert f"- iteration {r.start}: {r.verdict.upper()}:" in body
+
+
+def test_a_series_never_measured_is_not_numerics_evidence():
+    """A log's or the probe's update norm is NaN on every row (not measured): no verdict
+    from it; a NaN grad norm in a run that measures it is."""
+    steps, layers = tables(grad_jump_at=ONSET)
+    steps["update_norm"] = math.nan
+    assert attribute(spike_at(), steps, layers).iloc[0].verdict == "data"
+    steps.loc[steps["step"] == ONSET - 3, "grad_norm"] = math.inf
+    r = attribute(spike_at(), steps, layers).iloc[0]
+    assert r.verdict == "numerics" and r.evidence == f"non-finite at {ONSET - 3}: grad_norm"
