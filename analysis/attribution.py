@@ -230,8 +230,9 @@ def unlogged_spikes(steps: pd.DataFrame, events: pd.DataFrame | None) -> pd.Data
 def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | None = None,
               curvature: pd.DataFrame | None = None, events: pd.DataFrame | None = None,
               numerics_events: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per spike (COLUMNS; the spike rule's, then unlogged_spikes'): verdict, first mover, every mover, numerics evidence,
-    recurrence and the evidence lines joined by " | "."""
+    """One row per spike (COLUMNS; the spike rule's, then unlogged_spikes'): verdict,
+    first mover, every mover, numerics evidence, recurrence and the evidence lines joined
+    by " | "."""
     series = run_series(steps, layers, curvature)
     rows = []
     spikes = pd.concat([spikes.assign(source="spike rule")[["start", "peak_step", "height",
