@@ -42,7 +42,9 @@ class Rule:
 
 RULES: dict[str, Rule] = {
     "pre_steps": Rule(10, "K: steps before the onset searched for the first mover; an Adam "
-                          "instability builds over ~1/(1-b1) = 10 steps at b1 0.9"),
+                          "instability builds over ~1/(1-b1) = 10 steps at b1 0.9. In a "
+                          "log of interval n every window rule counts lines (n x the "
+                          "iterations): a shorter window holds no line to judge"),
     "baseline_steps": Rule(30, "each series' own baseline: the median of its values in the "
                                "30 steps before the search window (not overlapping it)"),
     "min_baseline": Rule(5, "fewer finite baseline values: the series is not judged"),
@@ -65,6 +67,12 @@ COLUMNS = ["start", "peak_step", "height", "source", "verdict", "first_mover", "
 
 def _r(name: str) -> float:
     return RULES[name].value
+
+
+def _w(name: str, interval: int) -> float:
+    """A window rule in iterations: its value in logged lines times the log interval (a
+    run directory logs every step: interval 1)."""
+    return _r(name) * max(1, int(interval))
 
 
 def group_series(layers: pd.DataFrame) -> dict[str, pd.Series]:
@@ -100,22 +108,22 @@ def run_series(steps: pd.DataFrame, layers: pd.DataFrame | None,
     return {k: v.sort_index() for k, v in out.items()}
 
 
-def _baseline(s: pd.Series, onset: int) -> np.ndarray:
-    K, B = int(_r("pre_steps")), int(_r("baseline_steps"))
+def _baseline(s: pd.Series, onset: int, interval: int = 1) -> np.ndarray:
+    K, B = _w("pre_steps", interval), _w("baseline_steps", interval)
     x = s[(s.index >= onset - K - B) & (s.index < onset - K)].to_numpy(float)
     return x[np.isfinite(x) & (x > 0)]
 
 
-def first_jump(s: pd.Series, onset: int) -> tuple[int, float] | None:
+def first_jump(s: pd.Series, onset: int, interval: int = 1) -> tuple[int, float] | None:
     """(step, ratio to baseline) of the first jump in [onset - K, onset], or None (also
     when the baseline is too short to judge)."""
-    base = _baseline(s, onset)
+    base = _baseline(s, onset, interval)
     if len(base) < _r("min_baseline"):
         return None
     lb = np.log(base)
     med = float(np.median(lb))
     sig = max(1.4826 * float(np.median(np.abs(lb - med))), 1e-12)
-    win = s[(s.index >= onset - _r("pre_steps")) & (s.index <= onset)]
+    win = s[(s.index >= onset - _w("pre_steps", interval)) & (s.index <= onset)]
     for step, x in win.items():
         if math.isfinite(x) and x > 0 and x >= _r("jump_ratio") * math.exp(med) \
                 and math.log(x) - med >= _r("jump_sigmas") * sig:
@@ -123,22 +131,23 @@ def first_jump(s: pd.Series, onset: int) -> tuple[int, float] | None:
     return None
 
 
-def rise(s: pd.Series, onset: int) -> float | None:
+def rise(s: pd.Series, onset: int, interval: int = 1) -> float | None:
     """The series at the last step before onset over its baseline median (None: unjudged)."""
-    base = _baseline(s, onset)
-    before = s[(s.index < onset) & (s.index >= onset - _r("pre_steps"))].dropna()
+    base = _baseline(s, onset, interval)
+    before = s[(s.index < onset) & (s.index >= onset - _w("pre_steps", interval))].dropna()
     if len(base) < _r("min_baseline") or before.empty:
         return None
     return float(before.iloc[-1] / np.median(base))
 
 
 def numerics_near(onset: int, series: dict[str, pd.Series], steps: pd.DataFrame,
-                  numerics_events: pd.DataFrame | None, events: pd.DataFrame | None) -> list[str]:
+                  numerics_events: pd.DataFrame | None, events: pd.DataFrame | None,
+                  interval: int = 1) -> list[str]:
     """Numerics evidence in [onset - K, onset + near]: numerics_health's events (loss-scale
     cut, overflow, skipped, NaN iterations, non-finite loss), a non-finite value of a
     series measured in its baseline (grad norm, update norm, group rho / update_rms), and
     the run's own numerics events."""
-    lo, hi = onset - _r("pre_steps"), onset + _r("near_numerics")
+    lo, hi = onset - _w("pre_steps", interval), onset + _w("near_numerics", interval)
     found: list[str] = []
     if numerics_events is not None and len(numerics_events):
         ne = numerics_events[(numerics_events["step"] >= lo) & (numerics_events["step"] <= hi)]
@@ -148,7 +157,7 @@ def numerics_near(onset: int, series: dict[str, pd.Series], steps: pd.DataFrame,
     for name, s in series.items():
         if name.startswith(("lr", "S:")):
             continue
-        if not len(_baseline(s, onset)):
+        if not len(_baseline(s, onset, interval)):
             continue     # not measured here (a log's or the probe's NaN update norm)
         w = s[(s.index >= lo) & (s.index <= onset)]
         nf = w[~np.isfinite(w.to_numpy(float))]
@@ -162,12 +171,12 @@ def numerics_near(onset: int, series: dict[str, pd.Series], steps: pd.DataFrame,
     return list(dict.fromkeys(found))
 
 
-def recurrence(onset: int, events: pd.DataFrame | None) -> str:
+def recurrence(onset: int, events: pd.DataFrame | None, interval: int = 1) -> str:
     """Whether a re-run of the spike's steps recorded it again: a guard rollback for this
     spike followed by a spike or non-finite loss on a retry (or `reproduced_from`)."""
     if events is None or events.empty or "step" not in events:
         return "not replayed"
-    K = _r("pre_steps")
+    K = _w("pre_steps", interval)
     rb = events[(events["type"] == "rollback") & (events["step"] >= onset)
                 & (events["step"] <= onset + K)]
     if rb.empty:
@@ -229,10 +238,10 @@ def unlogged_spikes(steps: pd.DataFrame, events: pd.DataFrame | None) -> pd.Data
 
 def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | None = None,
               curvature: pd.DataFrame | None = None, events: pd.DataFrame | None = None,
-              numerics_events: pd.DataFrame | None = None) -> pd.DataFrame:
+              numerics_events: pd.DataFrame | None = None, interval: int = 1) -> pd.DataFrame:
     """One row per spike (COLUMNS; the spike rule's, then unlogged_spikes'): verdict,
     first mover, every mover, numerics evidence, recurrence and the evidence lines joined
-    by " | "."""
+    by " | ". interval: the log interval (windows are in logged lines)."""
     series = run_series(steps, layers, curvature)
     rows = []
     spikes = pd.concat([spikes.assign(source="spike rule")[["start", "peak_step", "height",
@@ -241,12 +250,12 @@ def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | 
     for sp in spikes.itertuples():
         onset = int(sp.start)
         moved = {n: j for n, s in series.items()
-                 if not n.startswith(("lr", "S:")) and (j := first_jump(s, onset))}
+                 if not n.startswith(("lr", "S:")) and (j := first_jump(s, onset, interval))}
         moved.update({n: j for n, s in series.items() if n.startswith("S:")
-                      and (j := first_jump(s, onset))})
+                      and (j := first_jump(s, onset, interval))})
         rises = {n: x for n, s in series.items() if n == "lr" or n.startswith("S:")
-                 if (x := rise(s, onset)) is not None}
-        num = numerics_near(onset, series, steps, numerics_events, events)
+                 if (x := rise(s, onset, interval)) is not None}
+        num = numerics_near(onset, series, steps, numerics_events, events, interval)
         v, ev = verdict(moved, rises, num, onset)
         first = min(moved.items(), key=lambda kv: kv[1][0]) if moved else None
         rows.append({"start": onset, "peak_step": int(sp.peak_step), "height": sp.height,
@@ -255,7 +264,7 @@ def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | 
                      "first_lead": onset - first[1][0] if first else math.nan,
                      "moved": "; ".join(f"{n}@{s}" for n, (s, _) in
                                         sorted(moved.items(), key=lambda kv: kv[1][0])),
-                     "numerics": "; ".join(num), "recurred": recurrence(onset, events),
+                     "numerics": "; ".join(num), "recurred": recurrence(onset, events, interval),
                      "evidence": " | ".join(ev)})
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -263,8 +272,10 @@ def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | 
 def attribute_run(ra) -> pd.DataFrame:
     """attribute() on an analysed run (analysis.report.RunAnalysis)."""
     run = ra.run
+    interval = (ra.meta.get("import") or {}).get("log_interval", 1) or 1
     return attribute(ra.spikes, run.steps, run.layers, getattr(run, "curvature", None),
-                     run.events, None if ra.numerics is None else ra.numerics.events)
+                     run.events, None if ra.numerics is None else ra.numerics.events,
+                     interval=int(interval))
 
 
 def confusion(truth: list[str], verdicts: list[str]) -> pd.DataFrame:

@@ -158,3 +158,15 @@ def test_a_series_never_measured_is_not_numerics_evidence():
     steps.loc[steps["step"] == ONSET - 3, "grad_norm"] = math.inf
     r = attribute(spike_at(), steps, layers).iloc[0]
     assert r.verdict == "numerics" and r.evidence == f"non-finite at {ONSET - 3}: grad_norm"
+
+
+def test_windows_count_logged_lines_in_a_log_with_an_interval():
+    """Every 10th iteration logged: the 10-line search window and 30-line baseline are
+    100 and 300 iterations; with interval 1 the baseline (20..50) is too short to judge."""
+    steps, layers = tables(shallow_update_jump_at=ONSET - 1)
+    for t in (steps, layers):
+        t["step"] = t["step"] * 10
+    sp = spike_at(ONSET * 10)
+    r = attribute(sp, steps, layers, interval=10).iloc[0]
+    assert r.verdict == "optimizer B" and r.first_lead == 10
+    assert attribute(sp, steps, layers).iloc[0].evidence == "no series moved in the window"
