@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from adamspike.depth_groups import GROUPS, depth_group, group_rho, infer_num_layers
+from adamspike.depth_groups import depth_group, infer_num_layers
 
 VERDICTS = ("optimizer A", "optimizer B", "numerics", "data", "unknown")
 
@@ -76,20 +76,27 @@ def _w(name: str, interval: int) -> float:
 
 
 def group_series(layers: pd.DataFrame) -> dict[str, pd.Series]:
-    """{"rho:<group>", "update_rms:<group>"} -> value by step, from the layers table."""
+    """{"rho:<group>", "update_rms:<group>"} -> value by step, from the layers table: per
+    (group, step) adamspike.depth_groups.group_rho's statistic (numel-weighted rms, NaN
+    tensors left out, NaN when none is finite), vectorized over the table."""
     if layers is None or layers.empty:
         return {}
     L = infer_num_layers(layers)
-    lay = layers.assign(group=[depth_group(d, L) for d in layers["depth"].to_numpy()])
+    groups = {d: depth_group(d, L) for d in layers["depth"].unique()}
+    key = [layers["depth"].map(groups).rename("group"), layers["step"]]
+    numel = layers["numel"].to_numpy(float)
     out: dict[str, pd.Series] = {}
-    for g, part in lay.groupby("group"):
-        by = part.groupby("step")
-        if "rho" in part:
-            out[f"rho:{g}"] = by.apply(lambda p: float(group_rho(p["rho"].to_numpy(float),
-                                                                 p["numel"].to_numpy(float))))
-        if "update_rms" in part:
-            out[f"update_rms:{g}"] = by.apply(lambda p: float(group_rho(
-                p["update_rms"].to_numpy(float), p["numel"].to_numpy(float))))
+    for metric in ("rho", "update_rms"):
+        if metric not in layers:
+            continue
+        x = layers[metric].to_numpy(float)
+        ok = np.isfinite(x)
+        sums = pd.DataFrame({"num": np.where(ok, x * x, 0.0) * numel,
+                             "den": np.where(ok, numel, 0.0)}).groupby(key).sum()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            val = np.sqrt(sums["num"] / sums["den"].where(sums["den"] > 0))
+        for g, part in val.groupby(level="group"):
+            out[f"{metric}:{g}"] = part.droplevel("group")
     return out
 
 
