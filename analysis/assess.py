@@ -191,6 +191,28 @@ def spike_lines(ra) -> list[str]:
     return L
 
 
+def has_group_series(ra) -> bool:
+    """A run with per-group telemetry (a layers table): only there can what moved first be
+    read (analysis.attribution); a log's spikes get their cause from its lines alone
+    (analysis.diagnosis, in SPIKES SO FAR)."""
+    return ra.run is not None and not getattr(ra.run, "layers", pd.DataFrame()).empty
+
+
+def attribution_lines(ra) -> list[str]:
+    """One verdict per spike with its evidence (analysis.attribution: what moved first
+    before the onset, the numerics, a re-run's recurrence)."""
+    at = ra.attribution
+    if at is None or at.empty:
+        return _wrap("no spikes to attribute")
+    L = []
+    for r in at.head(8).itertuples():
+        L += _wrap(f"- iteration {r.start}: {r.verdict.upper()}: {r.evidence}"
+                   + ("" if r.recurred == "not replayed" else f"; re-run: {r.recurred}"))
+    if len(at) > 8:
+        L += _wrap(f"... {len(at) - 8} more (attribution.csv: --out DIR)")
+    return L
+
+
 def numerics_lines(ra) -> list[str]:
     h = ra.numerics
     if h is None:
@@ -547,6 +569,8 @@ def render(ra, path: Path, pred, pred_path, model, model_path, out, shipped_note
          "", "SETTINGS (each with its source)", *settings_lines(ra, pred),
          "", "REGIME", *regime_lines(ra),
          "", "SPIKES SO FAR", *spike_lines(ra),
+         *(["", "WHAT MOVED FIRST (per-group telemetry)", *attribution_lines(ra)]
+           if has_group_series(ra) else []),
          "", "NUMERICS HEALTH", *numerics_lines(ra),
          "", "PREDICTED SPIKE RATE FOR THIS SETTING",
          *(_wrap(f"none given (--predictions, --rate-model): using {shipped_note}")

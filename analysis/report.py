@@ -31,6 +31,7 @@ from adamspike.spikes import (SpikeParams, anomaly_flags, detect_spikes, loss_sp
                               valued_rows)
 from analysis.alarms import fire_steps, online_alarms, score_alarms
 from analysis.diagnosis import LEAD_LINES, diagnose
+from analysis.attribution import attribute_run
 from analysis.numerics import health_markdown, numerics_health
 from analysis.fits import (check_rms_t, failing_assumption, fit_update_rms, fit_update_rms_heterogeneous,
                            optim_params, spike_regimes)
@@ -72,6 +73,7 @@ class RunAnalysis:
     coverage: dict = field(default_factory=dict)    # series -> judged_steps(...)
     grad_lead: pd.DataFrame | None = None           # grad_norm_leads(...)
     diagnosis: pd.DataFrame | None = None           # analysis.diagnosis.diagnose(...)
+    attribution: pd.DataFrame | None = None         # analysis.attribution.attribute_run
     notes: dict[str, str] = field(default_factory=dict)
     run: Any = field(default=None, repr=False)
 
@@ -145,6 +147,7 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
                 ra.notes["update_fit"] = str(e)
             ra.rms_t = check_rms_t(lay, op["b1"], op["b2"])
     _regime_and_hetero(ra, run, op, num_params, num_params_source)
+    ra.attribution = attribute_run(ra)
     if predictions is not None and predictions.alarm_rules:
         rules = predictions.alarm_rules
         if not lay.empty:
@@ -686,7 +689,8 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path) -> list[Path]:
     """report.md + CSV tables + summary.json into out_dir; returns the files. The tables
     are what the run figures read (`adamspike figures --analysis OUT`): spikes.csv,
     grad_norm_spikes.csv, precursor_trajectories.csv, update_rms_fit_rows.csv,
-    regime_trajectory.csv, summary.json (spike rule, fit, regime card)."""
+    regime_trajectory.csv, attribution.csv (a verdict per spike: analysis.attribution),
+    summary.json (spike rule, fit, regime card)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -698,6 +702,7 @@ def write_run_report(ra: RunAnalysis, out_dir: str | Path) -> list[Path]:
         _write_csv(ra.precursors.tensor_leads, out / "tensor_leads.csv", written)
         _write_csv(ra.precursors.trajectories, out / "precursor_trajectories.csv", written)
     _write_csv(ra.alarm_scores, out / "alarm_scores.csv", written)
+    _write_csv(ra.attribution, out / "attribution.csv", written)
     if ra.numerics is not None:
         _write_csv(ra.numerics.events, out / "numerics_events.csv", written)
     if ra.update_fit is not None:
