@@ -195,7 +195,8 @@ def has_group_series(ra) -> bool:
     """A run with per-group telemetry (a layers table): only there can what moved first be
     read (analysis.attribution); a log's spikes get their cause from its lines alone
     (analysis.diagnosis, in SPIKES SO FAR)."""
-    return ra.run is not None and not getattr(ra.run, "layers", pd.DataFrame()).empty
+    layers = getattr(ra.run, "layers", None) if ra.run is not None else None
+    return layers is not None and not layers.empty
 
 
 def attribution_lines(ra) -> list[str]:

@@ -144,7 +144,7 @@ def test_analyze_writes_attribution_csv_and_assess_prints_verdicts(synthetic_run
     at = pd.read_csv(next((tmp_path / "a").rglob("attribution.csv")))
     assert list(at["start"]) == [300, 450] and set(at["verdict"]) <= set(VERDICTS)
     text = assess(synthetic_run)
-    body = text.split("WHAT CAUSED EACH SPIKE")[1].split("NUMERICS HEALTH")[0]
+    body = text.split("WHAT MOVED FIRST (per-group telemetry)")[1].split("NUMERICS HEALTH")[0]
     for r in at.itertuples():
         assert f"- iteration {r.start}: {r.verdict.upper()}:" in body
 
