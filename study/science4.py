@@ -379,8 +379,9 @@ def record_md(df: pd.DataFrame) -> list[str]:
               f"gives them the same rate: {_fmt(float(seed['expected_v4'].iloc[0]))} spikes expected "
               f"in the seed's 1543 steps, {_fmt(float(meta['expected_v4'].iloc[0]))} in Meta's ~500k "
               "(0 reported). The model cannot tell them apart: what differs between them is outside "
-              "its inputs (hardware numerics: 910B vs A100, bf16 kernels, the seed stack's AdamW "
-              "(docs/results/seed_stack_adamw.md); data; the schedule actually run; init). A run "
+              "its inputs (hardware numerics: 910B vs A100, bf16 kernels; data; the schedule actually "
+              "run; init; the seed stack's AdamW differs from torch's only in its first ~50 steps, "
+              "below). A run "
               "that would separate them: the seed's recipe on the 910B stack with the probe's "
               "per-group telemetry for the first 2000 steps, against the same steps on GPUs.", ""]
     return L
