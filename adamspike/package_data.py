@@ -84,7 +84,8 @@ def _files(d: Path) -> list[Path]:
     return sorted([d / "ladder" / "ladder.json", *sorted((d / "ladder" / "cells").glob("*.parquet")),
                    d / MODEL_FILE, *(d / f for f in (REGIME_MODEL_FILE, PREDICTIONS_FILE,
                                                      BATCH_SHARPNESS_FILE)
-                                     if (d / f).is_file())],
+                                     if (d / f).is_file()),
+                   *(p for p in (d / SCIENCE4).rglob("*") if p.is_file())],
                   key=lambda p: p.relative_to(d).as_posix())
 
 

@@ -295,6 +295,8 @@ def test_package_data_round_trip_and_tamper_check(tmp_path):
     if (study / PD.BATCH_SHARPNESS_FILE).is_file():   # shipped in the ladder folder
         (study / "batch_sharpness").mkdir()
         (study / PD.BATCH_SHARPNESS_FILE).rename(study / "batch_sharpness" / "summary.json")
+    if (PD.profile_dir() / PD.SCIENCE4).is_dir():     # Science 4's cells and tables
+        shutil.copytree(PD.profile_dir() / PD.SCIENCE4, study / "science4")
     root = tmp_path / "data"
     m = PD.write(study, root=root)   # no predictor given: no predictions.json
     shipped = {k: v for k, v in PD.manifest()["files"].items() if k != "predictions.json"}
