@@ -110,7 +110,7 @@ def run_series(steps: pd.DataFrame, layers: pd.DataFrame | None,
         cv = curvature.copy()
         lr = cv["lr"] if "lr" in cv else cv["step"].map(out.get("lr", pd.Series(dtype=float)))
         cv["S"] = lr.astype(float) * cv["precond_curvature"].astype(float) / 2.0
-        for g, part in cv.groupby("group"):
+        for g, part in cv.groupby("group", observed=True):   # categorical: only groups present
             out[f"S:{g}"] = part.groupby("step")["S"].median()
     return {k: v.sort_index() for k, v in out.items()}
 
