@@ -241,7 +241,8 @@ def run_cells(store: CellStore, cells: Sequence[Cell], *, executor: str | None =
     address = address or os.environ.get("ADAMSPIKE_RAY_ADDRESS") or None
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-    todo = [c for c in _unique(cells) if store.get(c) is None]
+    have = {c.key: store.get(c) for c in _unique(cells)}      # each stored cell read once
+    todo = [c for c in _unique(cells) if have[c.key] is None]
     if todo:
         bar = tqdm(total=len(todo), desc=desc, unit="cell", file=sys.stderr,
                    disable=not progress or not sys.stderr.isatty())
@@ -255,9 +256,10 @@ def run_cells(store: CellStore, cells: Sequence[Cell], *, executor: str | None =
         else:
             _run_local(root, todo, jobs, bar)
         bar.close()
+        have.update({c.key: store.get(c) for c in todo})     # what the workers stored
     out = []
     for c in cells:
-        got = store.get(c)
+        got = have[c.key]
         if got is None:
             raise RuntimeError(f"cell {c.kind}/{c.key} was not stored by its worker")
         out.append(got)

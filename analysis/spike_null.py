@@ -64,10 +64,6 @@ def null_lanes(x: np.ndarray, kind: str, replicates: int, rng: np.random.Generat
     return trend[None, :] + draws
 
 
-def spikes_of(x: np.ndarray, params: SpikeParams) -> pd.DataFrame:
-    return detect_spikes(x, params=params)
-
-
 def cell_against_null(lanes: Sequence[np.ndarray], params: SpikeParams,
                       null: Mapping[str, Any], seed: int = 0) -> dict:
     """Observed spikes of a cell's lanes under one class and both nulls (module doc).
@@ -75,7 +71,7 @@ def cell_against_null(lanes: Sequence[np.ndarray], params: SpikeParams,
     null the replicate cells' mean count, their 95th percentile, p, and the null spikes'
     median duration; `beats` is True when p < alpha under every null."""
     reps, alpha, tw = int(null["replicates"]), float(null["alpha"]), int(null["trend_window"])
-    obs = [spikes_of(np.asarray(x, float), params) for x in lanes]
+    obs = [detect_spikes(np.asarray(x, float), params=params) for x in lanes]
     count = int(sum(len(s) for s in obs))
     allspk = pd.concat(obs, ignore_index=True) if obs else pd.DataFrame()
     out = {"count": count, "exposure": int(sum(len(x) for x in lanes)),
