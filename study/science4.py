@@ -39,7 +39,7 @@ from adamspike.cells import CellStore, run_cells
 from adamspike.config import ConfigError, cli_main, read_toml
 from adamspike.depth_groups import depth_group
 from adamspike.llama import num_params, param_specs, preset
-from adamspike.plan import load_plan
+from adamspike.plan import load_plan, plan_history
 from adamspike.rundir import atomic_write_bytes
 from adamspike.spikes import detect_spikes
 from adamspike.tables import md_table
@@ -453,14 +453,29 @@ def claims_md(df: pd.DataFrame, plan: Mapping[str, Any]) -> list[str]:
 
 
 # ------------------------------------------------------------------------ report
+def plan_versions_md(plan: Mapping[str, Any]) -> list[str]:
+    """Every version of the plan with its hash, and each later version's changes with the
+    reason (the list of changes after data)."""
+    L = []
+    for v in plan_history(plan["plan"]["name"]):
+        meta = v["plan"]
+        rel = Path(v["_path"]).relative_to(Path(v["_path"]).parents[2])
+        L.append(f"- `{rel}` version {meta['version']}, written {meta.get('written', '?')}, "
+                 f"sha256 `{v['_sha256']}`"
+                 + (f": supersedes `{meta['supersedes']}`. Reason: {' '.join(str(meta['reason']).split())}"
+                    if meta.get("supersedes") else ": the first version."))
+        L += [f"  - change: {c}" for c in meta.get("changes", [])]
+    return L
+
+
 def report(out: Path, plan: Mapping[str, Any], parts: Mapping[str, list[str]]) -> str:
     L = ["# Science 4: the 70B answer under a written plan", "",
          f"Plan: `{Path(plan['_path']).relative_to(Path(plan['_path']).parents[2])}` "
          f"version {plan['plan']['version']}, sha256 `{plan['_sha256']}`. Every verdict below "
-         "is computed under this plan; changes after data: "
-         + (f"this version supersedes v{plan['plan']['supersedes']} ({plan['plan']['reason']})."
-            if plan["plan"].get("supersedes") else "none (version 1)."), ""]
-    for name in ("sharpness", "nulls", "match", "claims", "record", "adamw", "open"):
+         "is computed under this version; the sections a later version did not change read "
+         "the same under every version. The versions, and every change after data with its "
+         "reason:", "", *plan_versions_md(plan), ""]
+    for name in ("sharpness", "nulls", "ratemodel", "match", "claims", "record", "adamw", "open"):
         L += parts.get(name, [])
     return "\n".join(L) + "\n"
 
