@@ -54,6 +54,7 @@ from simulate.sharpness import cell, plan_cells
 SHIPPED = package_data.DATA / "llama2_70b" / "science4"
 LANES_FILE = "map_lanes.parquet"
 CELLS_FILE = "map_cells.csv"
+RATE_ROWS_FILE = "rate_rows.parquet"   # the rate model's lane-phase rows (training + held out)
 RECORD = Path(__file__).resolve().parent.parent / "configs" / "public_record.toml"
 
 
@@ -139,8 +140,9 @@ def sharpness_md(rows: pd.DataFrame, versions: pd.DataFrame, hits: pd.DataFrame,
 
 
 # ------------------------------------------------------------------------ nulls
-def lanes_from_map(map_dir: Path) -> pd.DataFrame:
-    """A phase-map folder's lanes as one table (lr_mult, b2, batch_mult, seed, step, loss)."""
+def lanes_from_map(map_dir: Path, name: str = "map") -> pd.DataFrame:
+    """A phase-map folder's lanes as one table (map, lr_mult, b2, batch_mult, seed, step,
+    loss); `name` is the map's folder name (map, map_train, map_heldout, ...)."""
     meta = json.loads((map_dir / "map.json").read_text())
     parts = []
     for c in meta["cells"]:
@@ -150,14 +152,17 @@ def lanes_from_map(map_dir: Path) -> pd.DataFrame:
             parts.append(df.assign(lr_mult=c["lr_mult"], b2=c["b2"], batch_mult=c["batch_mult"]))
     if not parts:
         raise ConfigError(f"{map_dir}: no finished cell")
-    return pd.concat(parts, ignore_index=True)[["lr_mult", "b2", "batch_mult", "seed", "step", "loss"]]
+    return pd.concat(parts, ignore_index=True).assign(map=name)[
+        ["map", "lr_mult", "b2", "batch_mult", "seed", "step", "loss"]]
 
 
 def null_table(lanes: pd.DataFrame, plan: Mapping[str, Any]) -> pd.DataFrame:
+    if "map" not in lanes:          # lanes shipped before the map column existed
+        lanes = lanes.assign(map="map")
     cells = []
-    for (lr, b2, bm), g in lanes.groupby(["lr_mult", "b2", "batch_mult"], sort=True):
+    for (m, lr, b2, bm), g in lanes.groupby(["map", "lr_mult", "b2", "batch_mult"], sort=True):
         ls = [d.sort_values("step")["loss"].to_numpy(float) for _, d in g.groupby("seed")]
-        cells.append(({"lr_mult": lr, "b2": b2, "batch_mult": bm, "seeds": len(ls)}, ls))
+        cells.append(({"map": m, "lr_mult": lr, "b2": b2, "batch_mult": bm, "seeds": len(ls)}, ls))
     return cells_table(cells, plan)
 
 
@@ -172,11 +177,105 @@ def null_md(tab: pd.DataFrame, plan: Mapping[str, Any]) -> list[str]:
          f"residuals shuffled; {n['replicates']} replicate cells each; a cell spikes when its "
          f"count beats both (Monte-Carlo p < {n['alpha']:g}). Rates per 1k steps, exact Poisson "
          "95 % intervals; durations in steps (censored: cut off by the lane's end).", "",
-         md_table(tab, ["lr_mult", "b2", "batch_mult", "seeds", "class", "spikes", "rate_per_1k",
+         md_table(tab, ["map", "lr_mult", "b2", "batch_mult", "seeds", "class", "spikes", "rate_per_1k",
                         "rate_lo", "rate_hi", "null_t_per_1k", "p_t", "null_shuffle_per_1k",
                         "p_shuffle", "median_duration", "null_t_median_duration",
                         "median_height", "censored", "beats_null"]), ""]
     return L
+
+
+# ------------------------------------------------------------------------ rate model
+def plan_maps(plan: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The plan's maps by role as folder names: configs/phase_map_science4<suffix>.toml
+    runs into <root>/map<suffix> (the science4 map's own folder is <root>/map)."""
+    def name(cfg: str) -> str:
+        stem = Path(cfg).stem
+        return "map" + stem[len("phase_map_science4"):]
+    return {"training": [name(c) for c in plan["rate_model"]["training"]["maps"]],
+            "heldout": [name(c) for c in plan["heldout"]["maps"]]}
+
+
+def rate_rows_from_maps(root: Path, plan: Mapping[str, Any]) -> tuple[pd.DataFrame, list[str]]:
+    """Lane-phase rows of every plan map found under root, and the maps not found."""
+    from analysis.rate_threshold import map_rows
+    parts, missing = [], []
+    for role, names in plan_maps(plan).items():
+        for n in names:
+            d = root / n
+            if (d / "map.json").exists():
+                parts.append(map_rows(d, plan, n).assign(role=role))
+            else:
+                missing.append(n)
+    return (pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()), missing
+
+
+def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
+                       plan: Mapping[str, Any], S70: Mapping[str, float] | None,
+                       out: Path) -> list[str]:
+    """The plan's held-out test of the threshold model (analysis/rate_threshold.py)."""
+    from analysis.rate_threshold import MODELS, judge
+    H = ["## A rate model that can say zero, on a held-out map", ""]
+    if rows is None or rows.empty or not (rows["role"] == "heldout").any():
+        return H + ["Not run: the plan's maps " + ", ".join(f"`{m}`" for m in missing)
+                    + " are missing (`adamspike phase-map --config configs/phase_map_science4"
+                    "<suffix>.toml --out ROOT/map<suffix>`, then `--map ROOT/map`).", ""]
+    train = rows[rows["role"] == "training"]
+    held_all = rows[rows["role"] == "heldout"]
+    held = held_all[held_all["cell_in_band"]]
+    excluded = held_all[~held_all["cell_in_band"]].groupby(["source", "lr_mult", "batch_mult"]).size()
+    r = judge(train.reset_index(drop=True), held.reset_index(drop=True), plan,
+              seed=int(plan["spikes"]["null"]["seed"]))
+    r["bins"].to_csv(out / "rate_bins.csv", index=False)
+    keep = {k: v for k, v in r.items() if k != "bins"}
+    atomic_write_bytes(out / "rate_model.json", json.dumps(keep, indent=1, default=float).encode())
+    th = r["models"]["threshold"]
+    cells = (rows.groupby(["role", "source", "lr_mult", "batch_mult", "init_std", "dim", "layers"])
+             .agg(lanes=("seed", "nunique"), S_median=("S", "median"), spikes=("spikes", "sum"),
+                  steps=("steps", "sum"), in_band=("cell_in_band", "all"),
+                  rho_shallow=("rho_shallow", "median"), rho_deep=("rho_deep", "median"))
+             .reset_index())
+    cells.to_csv(out / "rate_cells.csv", index=False)
+    L = H + [f"Rows: lane-phases (warmup / after) of the plan's maps; the count is the plan's "
+             f"VISIBLE class. Training: {r['train_rows']} rows of {r['train_cells']} cells, "
+             f"{r['train_spikes']} visible spikes. Held out (the third map, in-band cells only): "
+             f"{r['held_rows']} rows of {r['held_cells']} cells, {r['observed']} visible spikes"
+             + (f"; excluded as out of band (rho alone, before any count): "
+                + ", ".join(f"{s} lr x{lr:g} batch x{b:g}" for (s, lr, b) in excluded.index)
+                if len(excluded) else "") + "."
+             + (f" Maps not found: {', '.join(missing)}." if missing else ""), "",
+             md_table(cells, ["role", "source", "lr_mult", "batch_mult", "init_std", "dim",
+                              "layers", "lanes", "S_median", "rho_shallow", "rho_deep",
+                              "in_band", "spikes", "steps"]), ""]
+    if math.isfinite(th["S_c"]):
+        L.append(f"Threshold model: S_c = {_fmt(th['S_c'])} (the smallest S of a training row with "
+                 f"a visible spike: the maximum-likelihood boundary; cell bootstrap: finite in "
+                 f"{r['S_c_boot']['finite_share']:.0%} of draws, 90 % [{_fmt(r['S_c_boot']['p5'])}, "
+                 f"{_fmt(r['S_c_boot']['p95'])}]); {th['spiking_rows']} training rows spike.")
+    else:
+        L.append("Threshold model: no visible spike in any training row, so S_c = inf: the "
+                 "model says zero everywhere (and so does the constant).")
+    L += ["", "Held-out Poisson deviance (lower is better; inf: a spike where the model said "
+          "zero) and expected visible spikes in all held-out rows [cell-bootstrap 90 %]:", "",
+          md_table(pd.DataFrame([{"model": m, "deviance": r["deviance"][m],
+                                  "expected": r["total_expected"][m],
+                                  "expected_lo": r["total_expected_interval"][m][0],
+                                  "expected_hi": r["total_expected_interval"][m][1],
+                                  "observed": r["observed"]} for m in MODELS])), "",
+          "Per S bin (threshold model; judged where >= "
+          f"{plan['heldout']['min_expected_per_bin']:g} are expected):", "",
+          md_table(r["bins"], ["S_lo", "S_hi", "rows", "observed", "threshold_expected",
+                               "threshold_expected_lo", "threshold_expected_hi",
+                               "constant_expected", "lr_eps_expected", "s_bins_expected",
+                               "judged", "holds"]), "",
+          f"**Verdict under the plan: {r['verdict']}** ({r['why']})."]
+    if S70 and math.isfinite(th["S_c"]):
+        lo, hi = S70["lo"], S70["hi"]
+        where = ("entirely below S_c: the model says zero for the 70B" if hi < th["S_c"] else
+                 "entirely above S_c" if lo >= th["S_c"] else "straddles S_c: the model "
+                 "cannot say whether the 70B's rate is zero")
+        L.append(f"The 70B at the seed's setting ({S70['reading']}): S after the warmup "
+                 f"{_fmt(S70['S'])} [{_fmt(lo)}, {_fmt(hi)}], {where}.")
+    return L + [""]
 
 
 # ------------------------------------------------------------------------ toys matched
@@ -560,7 +659,32 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
         parts["nulls"] = ["## In-band spikes against their noise nulls", "",
                           "No map lanes: run `adamspike phase-map --config "
                           "configs/phase_map_science4.toml --out M` and pass `--map M`.", ""]
+    # the rate model's rows: from the plan's map folders beside --map, else shipped
+    rate_missing: list[str] = []
+    if map_dir:
+        rate_rows, rate_missing = rate_rows_from_maps(Path(map_dir).parent, plan)
+        if not rate_rows.empty:
+            rate_rows.to_parquet(out / RATE_ROWS_FILE, index=False)
+            extra_lanes = [lanes_from_map(Path(map_dir).parent / n, n)
+                           for ns in plan_maps(plan).values() for n in ns
+                           if n != Path(map_dir).name
+                           and (Path(map_dir).parent / n / "map.json").exists()]
+            if extra_lanes:      # every map's rates beside their nulls
+                more = null_table(pd.concat(extra_lanes, ignore_index=True), plan)
+                nulls = pd.concat([nulls, more], ignore_index=True) if nulls is not None else more
+                atomic_write_bytes(out / "null_cells.csv", nulls.to_csv(index=False).encode())
+                parts["nulls"] = null_md(nulls, plan)
+    else:
+        rate_rows = (pd.read_parquet(SHIPPED / RATE_ROWS_FILE)
+                     if (SHIPPED / RATE_ROWS_FILE).exists() else None)
+        rate_missing = [] if rate_rows is not None else sum(plan_maps(plan).values(), [])
     last = versions.iloc[-1]
+    S70 = None
+    if np.isfinite(last.get("S_after", math.nan)):
+        S70 = {"reading": str(last["reading"]), "S": float(last["S_after"]),
+               "lo": float(last.get("S_lo", math.nan)),
+               "hi": float(last.get("S_hi", math.nan))}
+    parts["ratemodel"] = rate_model_section(rate_rows, rate_missing, plan, S70, out)
     if summ is not None and np.isfinite(last.get("S_after", math.nan)):
         match = match_table(summ, reference_70b(pred, float(last["S_after"])),
                             float(plan["match"]["factor"]))
@@ -609,7 +733,7 @@ def ship(store_dir: Path, out: Path, dest: Path = SHIPPED) -> list[Path]:
         src = Path(store_dir) / c.kind / f"{c.key}.json"
         shutil.copyfile(src, dest / "cells" / c.kind / src.name)
         written.append(dest / "cells" / c.kind / src.name)
-    for f in (LANES_FILE, CELLS_FILE, "claims.csv"):
+    for f in (LANES_FILE, CELLS_FILE, "claims.csv", RATE_ROWS_FILE):
         if (out / f).exists():
             shutil.copyfile(out / f, dest / f)
             written.append(dest / f)
