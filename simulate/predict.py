@@ -95,6 +95,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import copy
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -112,6 +113,7 @@ from adamspike.megatron_log import MegatronLogError, read_megatron_log
 from adamspike.predictions import (AlarmRule, Predictions, PredictionsError, indistinguishable,
                                    model_key, model_label, not_in_model, save_predictions)
 from adamspike.rundir import RunFormatError, json_clean, load_run, read_json
+from adamspike.sharpness_law import label as law_label, law_at
 from adamspike.train_config import RunConfig
 from simulate import ladder as LD
 from theory.adam_moments import grad_mom_cos
@@ -207,6 +209,18 @@ def _llama70b_profile(L: int, eps_ref: float, clip: float, rho: Mapping[int, flo
             "by_depth": _by_depth(L, rho, lo, hi), **extra}
 
 
+def _with_law(ext: Mapping[str, Any]) -> dict:
+    """The ladder's 70B reading with the shipped sharpness law under Science 4's plan QC
+    (package data science4/law.json, adamspike.sharpness_law) put in its sharpness: the
+    law's regression prediction interval replaces the batch-sharpness reading's
+    leave-one-rung-out range (mechanism_inputs)."""
+    ext = copy.deepcopy(dict(ext))
+    law = package_data.sharpness_law("llama2-70b")
+    if law is not None and ext.get("sharpness"):
+        ext["sharpness"]["law"] = law
+    return ext
+
+
 def ladder_profile(ladder_dir: str | Path, batch_sharpness: str | Path | None = None) -> dict:
     """The LLaMA2-70B profile from a ladder directory (module docstring); batch_sharpness:
     simulate.ladder.ladder_70b's."""
@@ -223,7 +237,7 @@ def ladder_profile(ladder_dir: str | Path, batch_sharpness: str | Path | None = 
                  "to dim 8192, 80 layers"))
     return _llama70b_profile(int(ext["num_layers"]), s["eps_ref"], s["clip"], by["rho"],
                              by["rho_lo"], by["rho_hi"],
-                             ladder={"fit": LD.public(fit), "llama2_70b": dict(LD.public(ext))},
+                             ladder={"fit": LD.public(fit), "llama2_70b": _with_law(LD.public(ext))},
                              inputs=inputs, source=_ladder_source(ladder_dir, fit, ext))
 
 
@@ -330,7 +344,7 @@ def with_70b_sharpness(profile: dict, ladder: str | None = None) -> None:
     numel = profile_numel(profile)
     rho = profile["rho_by_depth"]
     mean = math.sqrt(sum(numel[d] * rho[d] ** 2 for d in rho) / sum(numel[d] for d in rho))
-    lad = dict(LD.public(ext))
+    lad = _with_law(LD.public(ext))
     lad["mean_rho"] = mean
     profile["ladder"] = {"fit": LD.public(fit), "llama2_70b": lad}
     profile.setdefault("inputs", profile_inputs(
@@ -631,7 +645,12 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
     S = None
     if sh:
         pick = {"mid": "lambda_max", "lo": "lambda_max_lo", "hi": "lambda_max_hi"}[which]
-        if "full_data" in sh:       # the measured end of the batch fall (batch-sharpness)
+        if "law" in sh:             # the plan-QC law at the candidate's lr, its prediction interval
+            law = sh["law"]
+            lam = dict(zip(("mid", "lo", "hi"), law_at(law, law["target"]["dim"],
+                                                         law["target"]["layers"],
+                                                         float(cand["optim.lr"]))))[which]
+        elif "full_data" in sh:     # the measured end of the batch fall (batch-sharpness)
             fd = sh["full_data"]
             lam = fd[pick]
             if fd.get("lr_exponent") is not None:   # the law's lr term, at this lr
@@ -645,22 +664,27 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
     return {"rho_min": rho_min, "stability": S, "warmup": float(phase == "warmup")}
 
 
-def mechanism(S: float | None, rho_min: float, S_hi: float | None = None) -> str:
-    """Which mechanism a setting is exposed to, from the map's reading: A (the edge of
-    stability: S >= 1; in the eps band when the furthest group has rho_min < 1) or B
-    (dormancy: a group deep in its band, rho_min < RHO_FROZEN), both, or neither; "A
-    possible" when S is below 1 but the upper end of its range, S_hi, is not."""
-    a = S is not None and S >= 1
-    maybe = not a and S_hi is not None and S_hi >= 1
-    b = rho_min < RHO_FROZEN
-    where = "eps-band edge of stability" if rho_min < 1 else "Adam's edge, out of the eps band"
-    if a or maybe:
-        tag = f"A ({where})" if a else f"A possible (S {S:.2g}, up to {S_hi:.2g}: {where})"
-        return tag + (" and B" if b else "")
-    if b:
-        return "B (dormant group: rho_min < 0.1)"
-    return ("neither (below the edge, no dormant group)" if S is not None
-            else "B not indicated; A unknown (no sharpness fit)")
+def mechanism(S: float | None, rho_min: float, S_hi: float | None = None,
+              S_lo: float | None = None) -> str:
+    """Which mechanism a setting is exposed to, in the plan's labels
+    (adamspike.sharpness_law.label, docs/plan/science4_v*.toml [labels]): "A" when the
+    lower end of S's interval reaches the edge (S_lo >= 1), "below the edge" when its
+    upper end does not (S_hi < 1), "undetermined (A)" when the interval straddles it;
+    " + B" when a group is dormant (rho_min < 0.1). Where A applies it says whether in the
+    eps band (rho_min < 1) or at Adam's own edge. Without a sharpness reading (S None):
+    only B can be said."""
+    if S is None:
+        return ("B (dormant group: rho_min < 0.1); A unknown (no sharpness fit)"
+                if rho_min < RHO_FROZEN else "B not indicated; A unknown (no sharpness fit)")
+    lo = S if S_lo is None else S_lo
+    hi = S if S_hi is None else S_hi
+    tag = law_label(S, lo, hi, rho_min, dormant_rho=RHO_FROZEN)
+    if not tag.startswith("below"):
+        where = "eps-band edge of stability" if rho_min < 1 else "Adam's edge, out of the eps band"
+        tag += f" (S {S:.2g} [{lo:.2g}, {hi:.2g}]: {where})"
+    else:
+        tag += f" (S {S:.2g} [{lo:.2g}, {hi:.2g}])"
+    return tag
 
 
 def candidate_features(profile: Mapping[str, Any], cand: Mapping[str, Any],
@@ -801,13 +825,16 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
                 "stability": m["stability"],
                 "stability_range": [lo_["stability"], hi_["stability"]],
                 "rho_min": m["rho_min"],
-                "mechanism": mechanism(m["stability"], m["rho_min"], hi_["stability"]),
+                "mechanism": mechanism(m["stability"], m["rho_min"], hi_["stability"],
+                                       lo_["stability"]),
                 "extrapolation_reasons": v["outside"], "features": json_clean(v["feats"]["mid"])}
         S_max = max((v["stability"] for v in out["phases"].values() if v["stability"] is not None),
                     default=None)
         S_hi = max((v["stability_range"][1] for v in out["phases"].values()
                     if v["stability_range"][1] is not None), default=None)
-        out["mechanism"] = mechanism(S_max, out["phases"]["after"]["rho_min"], S_hi)
+        S_lo = max((v["stability_range"][0] for v in out["phases"].values()
+                    if v["stability_range"][0] is not None), default=None)
+        out["mechanism"] = mechanism(S_max, out["phases"]["after"]["rho_min"], S_hi, S_lo)
         out["rationale"] = (f"mechanism {out['mechanism']}; warmup {per['warmup']['rate']:.3g} "
                             f"[{per['warmup']['lo']:.3g}, {per['warmup']['hi']:.3g}], after "
                             f"{rate:.3g} [{lo:.3g}, {hi:.3g}] spikes / 1k steps; " + rationale)

@@ -46,6 +46,7 @@ from adamspike.tables import md_table
 from adamspike.train_config import RunConfig
 from analysis import sharpness as SH
 from analysis.claims import load as load_claims
+from analysis.phase_map import poisson_interval
 from analysis.spike_null import cells_table, class_params
 from analysis.stats import holm, sign_test
 from simulate.predict import load_profile, mechanism_inputs
@@ -54,7 +55,8 @@ from simulate.sharpness import cell, plan_cells
 SHIPPED = package_data.DATA / "llama2_70b" / "science4"
 LANES_FILE = "map_lanes.parquet"
 CELLS_FILE = "map_cells.csv"
-RATE_ROWS_FILE = "rate_rows.parquet"   # the rate model's lane-phase rows (training + held out)
+RATE_ROWS_FILE = "rate_rows.parquet"
+LAW_FILE = "law.json"    # the sharpness law under the plan's QC, read by `predict`   # the rate model's lane-phase rows (training + held out)
 RECORD = Path(__file__).resolve().parent.parent / "configs" / "public_record.toml"
 
 
@@ -78,10 +80,11 @@ def sharpness_versions(plan: Mapping[str, Any], summary_v4: Mapping[str, Any],
     if len(new):
         readings.append((f"v5: v4 + Lanczos rungs under plan QC", pd.concat([v4, new],
                          ignore_index=True), ms))
-    rows = []
+    rows, laws = [], {}
     for name, tab, m in readings:
         rungs = SH.rung_table(tab, m)
         law = SH.fit_law(rungs)
+        laws[name] = law
         r = SH.reading_70b(law, plan, rho_min)
         rows.append({"reading": name, "rungs_in_law": int(rungs["enters"].sum()),
                      "max_layers": int(rungs.loc[rungs["enters"], "layers"].max())
@@ -94,7 +97,7 @@ def sharpness_versions(plan: Mapping[str, Any], summary_v4: Mapping[str, Any],
     # the plan's new rungs are judged on their own Lanczos measurements only
     hits = SH.hits(plan, SH.rung_table(new, ms) if len(new) else
                    SH.rung_table(v4.iloc[:0], ms))
-    return allrows, pd.DataFrame(rows), {"hits": hits}
+    return allrows, pd.DataFrame(rows), {"hits": hits, "laws": laws}
 
 
 def sharpness_md(rows: pd.DataFrame, versions: pd.DataFrame, hits: pd.DataFrame,
@@ -202,7 +205,7 @@ def rate_rows_from_maps(root: Path, plan: Mapping[str, Any]) -> tuple[pd.DataFra
     for role, names in plan_maps(plan).items():
         for n in names:
             d = root / n
-            if (d / "map.json").exists():
+            if (d / "map.json").exists() and any((d / "cells").glob("*.parquet")):
                 parts.append(map_rows(d, plan, n).assign(role=role))
             else:
                 missing.append(n)
@@ -305,6 +308,8 @@ def map_summary(map_dir: Path) -> pd.DataFrame:
         llama = cfg.model.llama()
         n = num_params(llama)
         rows.append({"lr_mult": c["lr_mult"], "b2": c["b2"], "batch_mult": c["batch_mult"],
+                     "dim": llama.dim, "layers": llama.num_layers,
+                     "init_std": cfg.model.init_std,
                      "lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay,
                      "num_params": n, "theta_rms_init": theta_rms_init(llama),
                      **{f"rho_{g}": float(df[f"rho_{g}"].median()) for g in GROUPS},
@@ -349,11 +354,30 @@ def match_table(cells: pd.DataFrame, ref: Mapping[str, Any], factor: float) -> p
         ratios["rel_update"] = (c["update_rms"] / c["theta_rms_init"]) / rel70
         ratios["lr_wd"] = (c["lr"] * c["weight_decay"]) / (ref["lr"] * ref["weight_decay"])
         ok = [k for k, v in ratios.items() if 1 / factor <= v <= factor]
-        rows.append({"lr_mult": c["lr_mult"], "b2": c["b2"], "batch_mult": c["batch_mult"],
+        toy = {k: c[k] for k in ("map", "dim", "layers", "init_std") if k in c and pd.notna(c[k])}
+        seen = {k: c[k] for k in ("visible_spikes", "steps") if k in c and pd.notna(c[k])}
+        rows.append({**toy, "lr_mult": c["lr_mult"], "b2": c["b2"], "batch_mult": c["batch_mult"],
                      **{f"{k}_ratio": v for k, v in ratios.items()},
                      "matches": ", ".join(ok) or "none",
-                     "all_match": len(ok) == len(ratios)})
+                     "all_match": len(ok) == len(ratios), **seen})
     return pd.DataFrame(rows)
+
+
+def _unmatched(match: pd.DataFrame) -> str:
+    """Which quantities the toys match and which none does (from the table)."""
+    qs = [c[:-len("_ratio")] for c in match.columns if c.endswith("_ratio")]
+    hit = {q: int(match["matches"].str.split(", ").apply(lambda m: q in m).sum()) for q in qs}
+    never = [q for q in qs if hit[q] == 0]
+    said = ", ".join(f"{q} in {hit[q]} of {len(match)}" for q in qs)
+    if not never:
+        return (f"Each quantity is matched somewhere ({said}), never all at once: the toy that "
+                "matches all of them is still to be found.")
+    side = {q: ("too large" if (match[f"{q}_ratio"] > 1).all() else "too small"
+                if (match[f"{q}_ratio"] < 1).all() else "on both sides") for q in never}
+    return (f"Matched: {said}. Left unmatched in every cell: "
+            + ", ".join(f"{q} ({side[q]})" for q in never)
+            + ". The toys do not stand for the 70B on these until a model reaches the 70B's S "
+              "with them in range; the visible-spike answer is undetermined there.")
 
 
 def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str) -> list[str]:
@@ -367,15 +391,17 @@ def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str) -> list
          "the warmup x the profile's unit-lr update rms); lr x weight decay at the peak lr.", "",
          md_table(match, list(match.columns)), ""]
     full = match[match["all_match"]]
+    if len(full) and "visible_spikes" in full:
+        k, n = float(full["visible_spikes"].sum()), float(full["steps"].sum())
+        lo, hi = poisson_interval(int(k), n / 1000.0)
+        rate = (f" Visible spikes where every quantity matches: {k:.0f} in {n:.0f} lane-steps, "
+                f"{1000 * k / n:.3g} [{lo:.3g}, {hi:.3g}] per 1k.")
+    else:
+        rate = ""
     L.append(("Cells where every quantity matches: " + ", ".join(
-        f"lr x{r.lr_mult:g}" for r in full.itertuples()) + ".") if len(full) else
-        "No toy cell matches every quantity: rho is matched by calibration in every cell; "
-        "raising lr to move S toward the 70B's multiplies the relative update and lr wd by "
-        "the same factor. The group left unmatched is the update size and weight-decay time: "
-        "the toys' spikes at the 70B's S come with updates and decay far larger than the "
-        "70B's, so they do not stand for the 70B until a model with a larger curvature at "
-        "the same gradient level (deeper, wider, longer sequences) reaches that S at the "
-        "70B's lr.")
+        f"{getattr(r, 'map', 'map')} lr x{r.lr_mult:g} batch x{r.batch_mult:g}"
+        for r in full.itertuples()) + "." + rate) if len(full) else
+        "No toy cell matches every quantity. " + _unmatched(match))
     return L + [""]
 
 
@@ -642,6 +668,16 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     atomic_write_bytes(out / "sharpness_rungseeds.csv", rows.to_csv(index=False).encode())
     atomic_write_bytes(out / "sharpness_versions.csv", versions.to_csv(index=False).encode())
     atomic_write_bytes(out / "sharpness_hits.csv", extra["hits"].to_csv(index=False).encode())
+    # the law `predict` uses (adamspike.sharpness_law): the last reading under the plan's QC
+    qc_name = next((n for n in reversed(list(extra["laws"])) if "plan QC" in n
+                    and extra["laws"][n] is not None), None)
+    if qc_name:
+        t = plan["sharpness"]["target"]
+        law_doc = {"schema": "adamspike.sharpness_law", "reading": qc_name,
+                   "plan": Path(plan["_path"]).name, "plan_sha256": plan["_sha256"],
+                   "target": {"dim": t["dim"], "layers": t["layers"]},
+                   **{k: v for k, v in extra["laws"][qc_name].items()}}
+        atomic_write_bytes(out / LAW_FILE, json.dumps(law_doc, indent=1).encode())
     parts = {"sharpness": sharpness_md(rows, versions, extra["hits"], plan)}
     if map_dir:     # the map's cell tables, which package-data ships (adamspike.package_data)
         lanes, summ = lanes_from_map(map_dir), map_summary(map_dir)
@@ -668,7 +704,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
             extra_lanes = [lanes_from_map(Path(map_dir).parent / n, n)
                            for ns in plan_maps(plan).values() for n in ns
                            if n != Path(map_dir).name
-                           and (Path(map_dir).parent / n / "map.json").exists()]
+                           and any((Path(map_dir).parent / n / "cells").glob("*.parquet"))]
             if extra_lanes:      # every map's rates beside their nulls
                 more = null_table(pd.concat(extra_lanes, ignore_index=True), plan)
                 nulls = pd.concat([nulls, more], ignore_index=True) if nulls is not None else more
@@ -685,6 +721,17 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
                "lo": float(last.get("S_lo", math.nan)),
                "hi": float(last.get("S_hi", math.nan))}
     parts["ratemodel"] = rate_model_section(rate_rows, rate_missing, plan, S70, out)
+    if map_dir and summ is not None:       # every plan map's toys, with their visible spikes
+        more = [map_summary(Path(map_dir).parent / n).assign(map=n)
+                for ns in plan_maps(plan).values() for n in ns if n != Path(map_dir).name
+                and any((Path(map_dir).parent / n / "cells").glob("*.parquet"))]
+        summ = pd.concat([summ.assign(map=Path(map_dir).name), *more], ignore_index=True)
+        if rate_rows is not None and not rate_rows.empty:
+            seen = (rate_rows.groupby(["source", "lr_mult", "b2", "batch_mult"])
+                    .agg(visible_spikes=("spikes", "sum"), steps=("steps", "sum")).reset_index()
+                    .rename(columns={"source": "map"}))
+            summ = summ.merge(seen, on=["map", "lr_mult", "b2", "batch_mult"], how="left")
+        summ.to_csv(out / CELLS_FILE, index=False)
     if summ is not None and np.isfinite(last.get("S_after", math.nan)):
         match = match_table(summ, reference_70b(pred, float(last["S_after"])),
                             float(plan["match"]["factor"]))
@@ -733,7 +780,7 @@ def ship(store_dir: Path, out: Path, dest: Path = SHIPPED) -> list[Path]:
         src = Path(store_dir) / c.kind / f"{c.key}.json"
         shutil.copyfile(src, dest / "cells" / c.kind / src.name)
         written.append(dest / "cells" / c.kind / src.name)
-    for f in (LANES_FILE, CELLS_FILE, "claims.csv", RATE_ROWS_FILE):
+    for f in (LANES_FILE, CELLS_FILE, "claims.csv", RATE_ROWS_FILE, LAW_FILE):
         if (out / f).exists():
             shutil.copyfile(out / f, dest / f)
             written.append(dest / f)
