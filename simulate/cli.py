@@ -129,7 +129,7 @@ def _toy(name: str, argv: list[str]) -> int:
     save = {"quadratic": SP.save_quadratic, "mlp": SP.save_mlp}[name]
     out = save(flatten(to_dict(cfg)), cfg.train.seed, a.out, progress=not a.no_progress)
     if name == "quadratic":
-        from simulate.quadratic import count_spikes, eps_star
+        from simulate.quadratic import count_spikes, eps_star   # jax, as above
         spikes = count_spikes(out["log10_loss"])
         summary = {"eps_star": eps_star(cfg.optim.lr, cfg.quadratic.lam_max, cfg.optim.b1),
                    "num_spikes": int(len(spikes)),

@@ -33,33 +33,6 @@ def _check(run_dir, eps):
     return ra
 
 
-def test_simulate_cli_quadratic(tmp_path):
-    out = tmp_path / "q"
-    assert cli(["simulate", "quadratic", "--optim.eps", "1e-4", "--steps", "200", "--out",
-                str(out), "--no-progress"]) == 0
-    _check(out, 1e-4)
-    raw = json.loads((out / "run.json").read_text())["config"]
-    assert raw["optim"]["eps"] == 1e-4 and raw["problem"]["kind"] == "quadratic"
-
-
-@pytest.mark.parametrize("problem, extra", [
-    ("quadratic", "[fixed]\ntrain.num_steps = 200\n"),
-    ("mlp", "[fixed]\ntrain.num_steps = 40\n"),
-])
-def test_sweep_save_runs(tmp_path, problem, extra):
-    g = tmp_path / "g.toml"
-    g.write_text(f"[sweep]\nproblem = '{problem}'\nseeds = 1\n{extra}"
-                 "[grid]\noptim.eps = [1e-6]\n")
-    out = tmp_path / "o"
-    assert cli(["sweep", "run", "--grid", str(g), "--out", str(out), "--save-runs", "1",
-                "--no-progress"]) == 0
-    (run_dir,) = (out / "runs").iterdir()
-    _check(run_dir, 1e-6)
-    raw = json.loads((run_dir / "run.json").read_text())["config"]
-    assert raw["problem"]["kind"] == problem and raw["optim"]["eps"] == 1e-6   # one shape
-    assert cli(["analyze", str(run_dir), "--out", str(tmp_path / "an")]) == 0
-
-
 def test_older_sweep_shape_and_a_log_import(tmp_path):
     """A run.json written before the sweep wrote the nested shape (dotted keys, `problem`
     a bare name) is read in the one shape (normalize_config), so analyze does not raise."""
@@ -122,6 +95,7 @@ def test_one_config_per_toy_cli_and_sweep_write_the_same_run_json(tmp_path):
     assert "schedule" not in ca["optim"] or problem == "mlp"
 
 
+@pytest.mark.slow
 def test_every_run_directory_writer_is_analysed(tmp_path):
     """Every writer of run directories, on tiny settings, then `analyze` on each."""
     py = [sys.executable]
