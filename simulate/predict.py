@@ -21,8 +21,9 @@ rho_ref(depth) = rms(g) / eps_ref of the gradient Adam consumes, at the eps it r
     R^2 (log) per group and the interval.
   - --profile-from-log LOG (Megatron / ModelLink / MindSpeed training log; --ladder for the
     depth shape, else the shipped ladder): rho_bar(t) = min(grad_norm_t, clip) / (sqrt(N) eps)
-    (N: --num-params, the logged model's, else the llama2-70b preset's; --clip, --eps-ref;
-    the depth shape, numel per depth and candidates stay the llama2-70b's), its median over
+    (N: --num-params, else the count the log prints, else the llama2-70b preset's; clip and
+    eps: --clip / --eps-ref, else the log's argument dump (adamspike.log_facts), else the 70B
+    run's, each input said with its source; the depth shape, numel per depth and candidates stay the llama2-70b's), its median over
     the second half of the log,
     spread over depth by the ladder's shape rho_g / mean_rho (the N-weighted rms of the
     result is rho_bar); the interval is the shipped profile's computation (rho_from_level:
@@ -110,6 +111,7 @@ from adamspike.config import (ConfigError, cli_main, flatten, parse_setting_text
 from adamspike.depth_groups import depth_group, group_rho
 from adamspike.depth_groups import shallow_depths as group_shallow_depths
 from adamspike.llama import PRESETS, num_params, param_specs, preset
+from adamspike.log_facts import log_facts
 from adamspike.megatron_log import MegatronLogError, read_megatron_log
 from adamspike.predictions import (AlarmRule, Predictions, PredictionsError, indistinguishable,
                                    model_key, model_label, not_in_model, save_predictions)
@@ -280,9 +282,24 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float | None
                      eps_ref: float | None = None, num_params_log: int | None = None) -> dict:
     """LLaMA2-70B profile from a training log's grad norms, shaped by the ladder (module
     docstring)."""
-    clip_given, eps_ref_given = clip is not None, eps_ref is not None
-    clip = LLAMA2_70B_SETTINGS["clip"] if clip is None else clip
-    eps_ref = LLAMA2_70B_SETTINGS["eps_ref"] if eps_ref is None else eps_ref
+    # each input: the flag, else what the log states (adamspike.log_facts: the argument
+    # dump's adam_eps / clip_grad, the printed parameter count), else the 70B run's, said so
+    facts = log_facts(log)
+
+    def stated(flag_value, arg: str, flag: str, default: float) -> tuple[float, str]:
+        if flag_value is not None:
+            return flag_value, f"given by flag {flag}"
+        text, line = facts.args.get(arg, (None, None))
+        try:
+            v = float(text) if text is not None else math.nan
+        except ValueError:
+            v = math.nan
+        if math.isfinite(v) and v > 0:
+            return v, f"read from the log: line {line}, {facts.printed.get(arg, arg)}"
+        return default, f"assumed: the 70B run's ({flag} not given, the log states none)"
+
+    clip, clip_src = stated(clip, "clip_grad", "--clip", LLAMA2_70B_SETTINGS["clip"])
+    eps_ref, eps_src = stated(eps_ref, "adam_eps", "--eps-ref", LLAMA2_70B_SETTINGS["eps_ref"])
     check_positive("--clip", clip)
     check_positive("--eps-ref", eps_ref)
     try:
@@ -296,7 +313,13 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float | None
     late = gn[len(gn) // 2:]
     # N of the logged model (--num-params): the clip bound clip / (sqrt(N) eps) and the
     # mean rho both depend on it; without it, the llama2-70b preset's
-    N = int(num_params_log) if num_params_log else num_params(preset("llama2-70b"))
+    if num_params_log:
+        N, n_src = int(num_params_log), "given by flag --num-params"
+    elif facts.num_params:
+        N, n_src = int(facts.num_params), f"read from the log: {facts.num_params_source}"
+    else:
+        N, n_src = (num_params(preset("llama2-70b")), "assumed: the llama2-70b preset's "
+                    "(--num-params not given, the log prints no count)")
     if N < 1:
         raise ConfigError(f"--num-params: must be >= 1, got {num_params_log}")
     with np.errstate(all="ignore"):      # an extreme input is refused just below
@@ -315,12 +338,7 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float | None
     lad = dict(LD.public(ext))
     ladder_rho = float(lad.get("mean_rho", math.nan))
     lad["mean_rho"] = rho_bar
-    inputs = profile_inputs(eps_ref=(eps_ref, "given by flag --eps-ref" if eps_ref_given else
-                                     "assumed (--eps-ref not given)"),
-                            clip=(clip, "given by flag --clip" if clip_given else
-                                  "assumed (--clip not given)"),
-                            N=(N, "given by flag --num-params" if num_params_log else
-                               "assumed: the llama2-70b preset's (--num-params not given)"),
+    inputs = profile_inputs(eps_ref=(eps_ref, eps_src), clip=(clip, clip_src), N=(N, n_src),
                             rho_bar=(rho_bar, f"measured: median over the last {len(late)} "
                                      f"logged grad norms of {log}"),
                             rho_bar_interval=([q_lo, q_hi], f"the {100 * a:g}-"
@@ -345,6 +363,7 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float | None
                 f"(sqrt(N) eps) over its last {len(late)} logged iterations = "
                 f"{rho_bar:.3g} ({100 * a:g}-{100 * (1 - a):g} %: {q_lo:.3g}-{q_hi:.3g}), N {N} ("
                 + ("--num-params, the logged model" if num_params_log else
+                   "the log's printed count" if facts.num_params else
                    "the llama2-70b preset: give --num-params for another model") +
                 f"), eps {eps_ref:g}; "
                 f"depth shape from the " + _ladder_source(ladder_dir, fit, ext)))
@@ -1093,12 +1112,14 @@ def main(argv: list[str] | None = None) -> int:
                          "batch-sharpness; default: batch_sharpness.json in the ladder folder): "
                          "the full-data sharpness reading")
     ap.add_argument("--clip", type=float, help="--profile-from-log: grad clip (default: the "
-                    "70B run's 1.0, said as assumed)")
+                    "log's clip_grad / gradient_clipping, else the 70B run's 1.0, said as "
+                    "assumed)")
     ap.add_argument("--eps-ref", type=float, help="--profile-from-log: the run's eps (default: "
-                    "the 70B run's 1e-5, said as assumed)")
+                    "the log's adam_eps / optimizer eps, else the 70B run's 1e-5, said as "
+                    "assumed)")
     ap.add_argument("--num-params", type=_count, metavar="N",
                     help="--profile-from-log: parameters of the logged model (176e9 accepted; "
-                         "default: the llama2-70b preset's)")
+                         "default: the count the log prints, else the llama2-70b preset's)")
     ap.add_argument("--sweep", action="append", default=[],
                     help="sweep table (runs.parquet / .csv or a sweep directory; repeatable): "
                          "the alarm thresholds, and the GLM's data without --rate-model")
