@@ -786,6 +786,16 @@ def ship(store_dir: Path, out: Path, dest: Path = SHIPPED) -> list[Path]:
             written.append(dest / f)
     package_data.add_files("llama2-70b", written, "Science 4's cells and tables "
                            "(adamspike science4 --ship)")
+    if (dest / LAW_FILE).exists() and dest == SHIPPED:
+        # predictions.json from the law just shipped (predict reads it: simulate.predict._with_law)
+        from simulate.predict import main as predict_main
+        pred = package_data.predictions_path("llama2-70b")
+        if pred is not None:
+            if predict_main(["--profile", "llama2-70b", "--out", str(pred)]):
+                raise ConfigError("adamspike predict failed on the shipped data")
+            package_data.add_files("llama2-70b", [pred], "predictions.json from Science 4's "
+                                   "sharpness law under the plan's QC")
+            written.append(pred)
     return written
 
 
