@@ -132,3 +132,15 @@ def compute(config: Mapping[str, Any]) -> dict:
                      **{f"eps_{g}": float(eps[i]) for i, g in enumerate(groups)}})
     return {"checkpoints": rows, "seconds": time.perf_counter() - t0,
             "eval_tokens": int(held.shape[0] * held.shape[1] * (held.shape[2] - 1))}
+
+
+def map_cells(meta: Mapping[str, Any], lanes: int = 2) -> list[Cell]:
+    """The One-S cells of a phase map (its map.json): the first `lanes` lane seeds of every
+    cell, checkpoints at the end of the warmup, half-way after it, and the last step."""
+    out = []
+    for i in range(int(lanes)):
+        for c in meta["cells"]:
+            T = int(c["config"]["train.num_steps"])
+            w = int(c["config"]["optim.warmup_steps"])
+            out.append(cell(c["config"], meta["seeds"][i], [w, (w + T) // 2, T]))
+    return out

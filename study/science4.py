@@ -56,7 +56,8 @@ SHIPPED = package_data.DATA / "llama2_70b" / "science4"
 LANES_FILE = "map_lanes.parquet"
 CELLS_FILE = "map_cells.csv"
 RATE_ROWS_FILE = "rate_rows.parquet"
-LAW_FILE = "law.json"    # the sharpness law under the plan's QC, read by `predict`   # the rate model's lane-phase rows (training + held out)
+LAW_FILE = "law.json"    # the sharpness law under the plan's QC, read by `predict`
+ONE_S_FILE = "one_s.csv"  # the One-S cells' checkpoints, labelled with their map cells   # the rate model's lane-phase rows (training + held out)
 RECORD = Path(__file__).resolve().parent.parent / "configs" / "public_record.toml"
 
 
@@ -279,6 +280,41 @@ def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
         L.append(f"The 70B at the seed's setting ({S70['reading']}): S after the warmup "
                  f"{_fmt(S70['S'])} [{_fmt(lo)}, {_fmt(hi)}], {where}.")
     return L + [""]
+
+
+def one_s_section(tab: pd.DataFrame | None, S70: Mapping[str, float] | None,
+                  out: Path) -> tuple[list[str], dict | None]:
+    """The calibration of the 70B's S estimator against the toys' tracker operator
+    (analysis/one_s.py) and the 70B's S carried onto the toys' scale."""
+    from analysis import one_s as OS
+    H = ["## One S: the 70B's estimator against the toys' tracker", ""]
+    if tab is None or tab.empty:
+        return H + ["Not measured: no `one_s` cells (simulate/one_s.py; `adamspike science4 "
+                    "--compute --map ROOT/map` runs them for the plan's in-band map).", ""], None
+    cal = OS.calibration(tab)
+    cells = OS.per_cell(tab)
+    cells.to_csv(out / "one_s_cells.csv", index=False)
+    L = H + ["Per map cell and checkpoint (medians over lanes): S_P = lr lambda_max(P^1/2 H "
+             "P^1/2) / 2 of the step's minibatch (Lanczos: the operator the tracker follows), "
+             "S_70 = lr lambda_max(H_full) / (38 min_g eps_g (1 + rho_g)) (the 70B's reading "
+             "applied to the toy: full data = 32 held-out batches of the lane's data).", "",
+             md_table(cells, ["map", "lr_mult", "batch_mult", "step", "lanes", "S_P", "S_70",
+                              "ratio", "lambda_full", "lambda_batch"]), ""]
+    if not math.isfinite(cal["ratio"]):
+        return L + ["No checkpoint with both S positive: no calibration.", ""], None
+    L.append(f"Calibration S_P / S_70: median {_fmt(cal['ratio'])} [{_fmt(cal['lo'])}, "
+             f"{_fmt(cal['hi'])}] (90 %, bootstrap over {cal['lanes']} lanes; {cal['n']} "
+             f"checkpoints, spread {cal['spread_decades']:.2f} decades; {cal['dropped']} "
+             "left out with a non-positive S).")
+    S_cal = None
+    if S70:
+        S_cal = {"reading": S70["reading"] + ", on the toys' scale (One S)",
+                 "S": S70["S"] * cal["ratio"], "lo": S70["lo"] * cal["lo"],
+                 "hi": S70["hi"] * cal["hi"]}
+        L.append(f"The 70B's S after the warmup on the toys' scale: {_fmt(S_cal['S'])} "
+                 f"[{_fmt(S_cal['lo'])}, {_fmt(S_cal['hi'])}] (the reading's prediction "
+                 "interval times the calibration's interval).")
+    return L + [""], S_cal
 
 
 # ------------------------------------------------------------------------ toys matched
@@ -600,7 +636,8 @@ def report(out: Path, plan: Mapping[str, Any], parts: Mapping[str, list[str]]) -
          "is computed under this version; the sections a later version did not change read "
          "the same under every version. The versions, and every change after data with its "
          "reason:", "", *plan_versions_md(plan), ""]
-    for name in ("sharpness", "nulls", "ratemodel", "match", "claims", "record", "adamw", "open"):
+    for name in ("sharpness", "nulls", "ones", "ratemodel", "match", "claims", "record", "adamw",
+                 "open"):
         L += parts.get(name, [])
     return "\n".join(L) + "\n"
 
@@ -658,6 +695,11 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
                       executor=executor, jobs=jobs, address=address, progress=progress,
                       desc="sharpness reruns")
         cells = SH.read_cells(store_dir)
+        if map_dir:     # One S on the in-band map's lanes (simulate/one_s.py)
+            from simulate.one_s import map_cells
+            run_cells(store, map_cells(json.loads((Path(map_dir) / "map.json").read_text())),
+                      executor=executor, jobs=jobs, address=address, progress=progress,
+                      desc="one-S cells")
     else:
         cells = SH.read_cells(cells_dir if cells_dir else SHIPPED / "cells")
     # rho_min of the 70B (the profile's most dormant group at eps 1e-5), as predict reads it
@@ -720,7 +762,18 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
         S70 = {"reading": str(last["reading"]), "S": float(last["S_after"]),
                "lo": float(last.get("S_lo", math.nan)),
                "hi": float(last.get("S_hi", math.nan))}
-    parts["ratemodel"] = rate_model_section(rate_rows, rate_missing, plan, S70, out)
+    # One S: the cells in the store when computing, else the shipped table
+    one_tab = None
+    if map_dir and (store_dir / "one_s").is_dir():
+        from analysis import one_s as OS
+        one_tab = OS.read_table(store_dir, {n: Path(map_dir).parent / n
+                                            for ns in plan_maps(plan).values() for n in ns})
+        if not one_tab.empty:
+            one_tab.to_csv(out / ONE_S_FILE, index=False)
+    elif (SHIPPED / ONE_S_FILE).exists():
+        one_tab = pd.read_csv(SHIPPED / ONE_S_FILE)
+    parts["ones"], S70_cal = one_s_section(one_tab, S70, out)
+    parts["ratemodel"] = rate_model_section(rate_rows, rate_missing, plan, S70_cal or S70, out)
     if map_dir and summ is not None:       # every plan map's toys, with their visible spikes
         more = [map_summary(Path(map_dir).parent / n).assign(map=n)
                 for ns in plan_maps(plan).values() for n in ns if n != Path(map_dir).name
@@ -780,7 +833,7 @@ def ship(store_dir: Path, out: Path, dest: Path = SHIPPED) -> list[Path]:
         src = Path(store_dir) / c.kind / f"{c.key}.json"
         shutil.copyfile(src, dest / "cells" / c.kind / src.name)
         written.append(dest / "cells" / c.kind / src.name)
-    for f in (LANES_FILE, CELLS_FILE, "claims.csv", RATE_ROWS_FILE, LAW_FILE):
+    for f in (LANES_FILE, CELLS_FILE, "claims.csv", RATE_ROWS_FILE, LAW_FILE, ONE_S_FILE):
         if (out / f).exists():
             shutil.copyfile(out / f, dest / f)
             written.append(dest / f)
