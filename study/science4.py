@@ -720,7 +720,25 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
                    "target": {"dim": t["dim"], "layers": t["layers"]},
                    **{k: v for k, v in extra["laws"][qc_name].items()}}
         atomic_write_bytes(out / LAW_FILE, json.dumps(law_doc, indent=1).encode())
-    parts = {"sharpness": sharpness_md(rows, versions, extra["hits"], plan)}
+        # the shipped law (what `predict` reads) re-derived from the shipped cells: same?
+        # (rtol 1e-9: the same fit on the same cells; only BLAS rounding may differ)
+        shipped = package_data.sharpness_law("llama2-70b")
+        if shipped is not None:
+            same = (shipped.get("reading") == law_doc["reading"]
+                    and np.allclose(shipped["coef"], law_doc["coef"], rtol=1e-9, atol=0)
+                    and np.allclose(shipped["cov"], law_doc["cov"], rtol=1e-9, atol=0))
+            parts_law = (f"The law `predict` reads (package data science4/{LAW_FILE}, "
+                         f"'{shipped.get('reading')}') "
+                         + ("is re-derived here from the cells: the same coefficients and "
+                            "covariance." if same else
+                            "differs from the one derived here (cells added since it shipped: "
+                            "`adamspike science4 --ship` refreshes it)."))
+        else:
+            parts_law = ("No law is shipped yet: `predict` reads the batch-sharpness reading "
+                         "(v4); `adamspike science4 --ship` ships this one.")
+    else:
+        parts_law = "No law under the plan's QC (too few passing rungs)."
+    parts = {"sharpness": sharpness_md(rows, versions, extra["hits"], plan) + [parts_law, ""]}
     if map_dir:     # the map's cell tables, which package-data ships (adamspike.package_data)
         lanes, summ = lanes_from_map(map_dir), map_summary(map_dir)
         lanes.to_parquet(out / LANES_FILE, index=False)
