@@ -1,0 +1,90 @@
+"""Optional W&B: the trainer (`telemetry.wandb = true`) and the probe (ADAMSPIKE_WANDB=1)
+write their per-group telemetry to a W&B run when wandb is installed (offline by default,
+in RUN/wandb); asked for without wandb: one line (the trainer: exit 2 before any file; the
+probe: said, and the job goes on); not asked for: wandb is never imported."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from adamspike.metrics import METRIC_NAMES
+from fullscale.probe.tensorboard import GroupScalars, group_medians
+from tests.fullscale.test_bad_inputs import CONFIG
+
+
+def _columns():
+    cols = {"name": ["a", "b", "c"], "kind": ["wq", "wq", "w2"],
+            **{m: np.array([1.0, 3.0, 5.0]) for m in METRIC_NAMES}}
+    return cols
+
+
+def _train(tmp_path, *extra):
+    from fullscale.train import main
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(CONFIG)
+    out = tmp_path / "run"
+    return main(["--config", str(cfg), "--out", str(out), "--telemetry.wandb", "true",
+                 *extra]), out
+
+
+def test_the_trainer_asking_without_wandb_is_one_line_and_writes_nothing(tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)            # import wandb -> ImportError
+    rc, out = _train(tmp_path)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("adamspike train: error:"), err
+    assert "telemetry.wandb = true asks for W&B but the wandb package is not installed" in err
+    assert not out.exists()
+
+
+def test_the_probe_asking_without_wandb_says_one_line_and_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setenv("ADAMSPIKE_WANDB", "1")
+    gs = GroupScalars(str(tmp_path), enabled=False)
+    assert gs.wandb is None and "\n" not in gs.wandb_error
+    assert gs.wandb_error.startswith("ADAMSPIKE_WANDB=1 asks for W&B but the wandb package "
+                                     "is not installed")
+    gs.log(1, _columns())                                      # no W&B, no crash
+    gs.close()
+
+
+def test_not_asked_wandb_is_not_imported(tmp_path, monkeypatch):
+    monkeypatch.delenv("ADAMSPIKE_WANDB", raising=False)
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    gs = GroupScalars(str(tmp_path), enabled=False)
+    gs.log(1, _columns())
+    gs.close()
+    assert gs.wandb_error == "" and "wandb" not in sys.modules
+
+
+def _offline_runs(run_dir: Path):
+    return sorted((run_dir / "wandb").glob("offline-run-*"))
+
+
+def test_probe_and_trainer_write_wandb_offline(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)           # offline is the default
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("ADAMSPIKE_WANDB", "1")
+    probe_dir = tmp_path / "probe"
+    probe_dir.mkdir()
+    gs = GroupScalars(str(probe_dir), enabled=False)
+    assert gs.wandb is not None and gs.wandb.mode == "offline", gs.wandb_error
+    cols = _columns()
+    gs.wandb.run.log({"probe_check": 1.0}, step=0)
+    gs.log(3, cols)
+    summary = dict(gs.wandb.run.summary)
+    gs.close()
+    assert summary["adamspike/wq/rho"] == group_medians(cols)["adamspike/wq/rho"] == 2.0
+    assert len(_offline_runs(probe_dir)) == 1
+    monkeypatch.delenv("ADAMSPIKE_WANDB")
+    rc, out = _train(tmp_path)
+    assert rc == 0
+    (run,) = _offline_runs(out)
+    assert any(run.glob("*.wandb")) and wandb.run is None      # finished
