@@ -59,7 +59,7 @@ def one(**kw):
 
 def test_poisoned_batch_is_data():
     r = one(grad_jump_at=ONSET)
-    assert r.verdict == "data"
+    assert r.verdict == "data or loading"
     assert r.first_mover == "grad_norm" and r.first_lead == 0
     assert "nothing moved before it" in r.evidence
 
@@ -113,7 +113,7 @@ def test_nothing_moving_is_unknown_and_recurrence_comes_from_a_rollback():
 def test_confusion_matrix_on_a_fixed_set():
     truth, cases = [], []
     for seed in range(3):
-        for cause, kw in (("data", {"grad_jump_at": ONSET}),
+        for cause, kw in (("data or loading", {"grad_jump_at": ONSET}),
                           ("optimizer B", {"shallow_update_jump_at": ONSET - 1}),
                           ("optimizer A", {"lr_rise": True}),
                           ("numerics", {"nan_grad_at": ONSET - 2})):
@@ -122,17 +122,18 @@ def test_confusion_matrix_on_a_fixed_set():
             truth.append(cause)
     m = confusion(truth, cases)
     assert list(m.columns) == list(VERDICTS)
-    assert list(m.index) == ["data", "optimizer B", "optimizer A", "numerics"]
+    assert list(m.index) == ["data or loading", "optimizer B", "optimizer A", "numerics"]
     for cause in m.index:
         assert m.loc[cause, cause] == 3 and m.loc[cause].sum() == 3
     # the counting itself, on a hand-made list with off-diagonal cells
-    m2 = confusion(["data", "data", "numerics"], ["data", "unknown", "data"])
-    assert m2.loc["data", "data"] == 1 and m2.loc["data", "unknown"] == 1
-    assert m2.loc["numerics", "data"] == 1 and int(m2.to_numpy().sum()) == 3
+    d = "data or loading"
+    m2 = confusion([d, d, "numerics"], [d, "unknown", d])
+    assert m2.loc[d, d] == 1 and m2.loc[d, "unknown"] == 1
+    assert m2.loc["numerics", d] == 1 and int(m2.to_numpy().sum()) == 3
     with pytest.raises(ValueError, match="unknown verdict"):
         confusion(["data"], ["weather"])
     with pytest.raises(ValueError, match="1 true causes but 2 verdicts"):
-        confusion(["data"], ["data", "data"])
+        confusion([d], [d, d])
 
 
 def test_rules_carry_their_reasons():
@@ -144,9 +145,11 @@ def test_analyze_writes_attribution_csv_and_assess_prints_verdicts(synthetic_run
     at = pd.read_csv(next((tmp_path / "a").rglob("attribution.csv")))
     assert list(at["start"]) == [300, 450] and set(at["verdict"]) <= set(VERDICTS)
     text = assess(synthetic_run)
-    body = text.split("WHAT MOVED FIRST (per-group telemetry)")[1].split("NUMERICS HEALTH")[0]
-    for r in at.itertuples():
-        assert f"- iteration {r.start}: {r.verdict.upper()}:" in body
+    body = " ".join(text.split("SPIKES SO FAR")[1].split("NUMERICS HEALTH")[0].split())
+    for r in at.itertuples():     # one verdict per spike: the attribution's, in SPIKES SO FAR
+        assert f"- iteration {r.start}:" in body
+        assert f"cause: {r.verdict.upper()}: {' '.join(r.evidence.split())}" in body
+    assert "WHAT MOVED FIRST" not in text
 
 
 def test_a_series_never_measured_is_not_numerics_evidence():
@@ -154,7 +157,7 @@ def test_a_series_never_measured_is_not_numerics_evidence():
     from it; a NaN grad norm in a run that measures it is."""
     steps, layers = tables(grad_jump_at=ONSET)
     steps["update_norm"] = math.nan
-    assert attribute(spike_at(), steps, layers).iloc[0].verdict == "data"
+    assert attribute(spike_at(), steps, layers).iloc[0].verdict == "data or loading"
     steps.loc[steps["step"] == ONSET - 3, "grad_norm"] = math.inf
     r = attribute(spike_at(), steps, layers).iloc[0]
     assert r.verdict == "numerics" and r.evidence == f"non-finite at {ONSET - 3}: grad_norm"
