@@ -173,3 +173,37 @@ def test_windows_count_logged_lines_in_a_log_with_an_interval():
     r = attribute(sp, steps, layers, interval=10).iloc[0]
     assert r.verdict == "optimizer B" and r.first_lead == 10
     assert attribute(sp, steps, layers).iloc[0].evidence == "no series moved in the window"
+
+
+def test_one_rule_weighs_the_logs_facts_and_the_telemetry():
+    """analysis.attribution.decide is the one spike-cause rule: the log's facts
+    (analysis.diagnosis.log_facts) and the telemetry's movers go into the same decision;
+    the telemetry's evidence where the run has group series, the log's otherwise."""
+    steps, layers = tables(shallow_update_jump_at=ONSET - 1)
+    facts = {"numerics": [], "data": [], "grad_note": "grad norm left its band at iteration "
+             f"{ONSET - 2}, 2 iteration(s) before", "grad_lead": 2, "unknown": []}
+    r = attribute(spike_at(), steps, layers, log_facts={ONSET: facts}).iloc[0]
+    assert r.verdict == "optimizer B" and r.grad_note == facts["grad_note"]
+    # a numerics event the log shows next to the spike wins over the telemetry
+    cut = {**facts, "numerics": [f"loss scale 65536 -> 8192 (x0.125) at iteration {ONSET}"]}
+    r = attribute(spike_at(), steps, layers, log_facts={ONSET: cut}).iloc[0]
+    assert r.verdict == "numerics" and r.evidence.startswith("loss scale 65536 -> 8192")
+    # a resume just before the onset: data or loading, before the optimizer rules
+    res = {**facts, "data": [f"checkpoint loaded at iteration {ONSET - 1} (log line 70)"]}
+    r = attribute(spike_at(), steps, layers, log_facts={ONSET: res}).iloc[0]
+    assert r.verdict == "data or loading" and "checkpoint loaded" in r.evidence
+    # the same lead without group series (a log): unknown with the lead, no guessed A / B
+    steps, _ = tables(grad_jump_at=ONSET - 2)
+    r = attribute(spike_at(), steps, None, log_facts={ONSET: facts}).iloc[0]
+    assert r.verdict == "unknown"
+    assert r.evidence.startswith(facts["grad_note"] + ": an optimizer spike's signature; "
+                                 "telling mechanism A from B needs per-group telemetry")
+    assert "none of the rules' patterns" not in r.evidence
+    assert set(VERDICTS) == {"optimizer A", "optimizer B", "numerics", "data or loading",
+                             "unknown"}
+
+
+def test_the_report_and_attribution_csv_are_one_table(synthetic_run, tmp_path):
+    from analysis.report import analyze_run
+    ra = analyze_run(synthetic_run)
+    assert ra.attribution is ra.diagnosis and list(ra.diagnosis["start"]) == [300, 450]
