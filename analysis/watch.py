@@ -1038,8 +1038,11 @@ def watch(path: str | Path, *, params: SpikeParams = SpikeParams(), once: bool =
         judge = OnlineJudge(params, config, num_params=num_params, eps=eps, clip=clip)
     rep = Reporter(str(path), judge, as_json=as_json, on_event=on_event,
                    hook_timeout=hook_timeout, quiet=quiet, notes=notes)
-    say(f"following {path} (rule: {judge.rule.describe()}; grad norm: the same on log grad "
-        "norm); Ctrl-C to stop")        # stderr: stdout stays one line (or JSON) per event
+    say(f"following {path}"
+        + (" as a TensorBoard log directory (an iteration is reported once the next one's "
+           "first scalar is written)" if tensorboard else "")
+        + f" (rule: {judge.rule.describe()}; grad norm: the same on log grad norm); Ctrl-C "
+        "to stop")        # stderr: stdout stays one line (or JSON) per event
     if ready:
         ready()
     try:

@@ -100,3 +100,32 @@ def test_the_cli_refuses_a_folder_with_neither_run_json_nor_events(tmp_path, cap
     from analysis.watch import main
     assert main([str(tmp_path), "--once"]) == 2
     assert "nor a TensorBoard log directory" in capsys.readouterr().err
+
+
+def test_a_restarted_job_in_a_new_events_file_rewinds_as_its_text_log_does(tmp_path):
+    """The first job writes iterations 1-260 (spikes at 151 and 241); a restarted job
+    writes a new events file from its checkpoint at 230 without the spike at 241: watch on
+    the directory reports what the text log of the same two jobs (appended) gives: the
+    same spikes and restart, and analyze keeps the restarted job's lines."""
+    first, second = megatron_series(), megatron_series()
+    second["loss"][240] = second["loss"][239]          # the re-run does not spike at 241
+    second["grad_norm"][240] = second["grad_norm"][239]
+    tb = tmp_path / "tb"
+    for series, steps in ((first, range(1, 261)), (second, range(231, N + 1))):
+        w = SummaryWriter(str(tb))
+        write_tb(w, series, steps)
+        w.close()
+    text = tmp_path / "train.log"
+    a = text_log(first, tmp_path / "a.log").read_text().splitlines(keepends=True)
+    b = text_log(second, tmp_path / "b.log").read_text().splitlines(keepends=True)
+    text.write_text("".join(a[:260] + b[230:]))
+    key = ("loss_spike", "grad_norm_spike", "restart")
+    got, want = (
+        [(e["kind"], e["step"]) for e in watch(p, once=True, quiet=True) if e["kind"] in key]
+        for p in (tb, text))
+    assert got == want
+    # 231-240 are re-run with the same values (taken as repeated prints, as in the text
+    # log); 241 differs: the restart, after the first job's spike at 241 was reported live
+    assert got.index(("loss_spike", 241)) < got.index(("restart", 241))
+    assert offline(tb, tmp_path / "o1")["loss_spike"] == offline(text, tmp_path / "o2")[
+        "loss_spike"] == [151]                                         # the later lines win
