@@ -102,3 +102,19 @@ def test_probe_and_trainer_write_wandb_offline(tmp_path, monkeypatch):
     (run,) = _offline_runs(out)
     assert _records_hold(run, b"train/loss", b"adamspike/embed/rho")
     assert wandb.run is None                                   # finished
+
+
+def test_the_probe_in_a_job_says_it_once_and_its_run_is_complete(tmp_path, monkeypatch,
+                                                                  capsys):
+    """The probe on a plain AdamW loop (tests/compat/probe_adamw.py) with ADAMSPIKE_WANDB=1
+    and no wandb: one line on stdout, and telemetry on every step as without W&B."""
+    from adamspike.rundir import load_run
+    from tests.fullscale.test_megatron_probe_plain import _demo
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setenv("ADAMSPIKE_WANDB", "1")
+    run_dir = _demo().run(str(tmp_path), steps=4, plain=True)
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "W&B" in ln]
+    assert len(said) == 1 and said[0].startswith(
+        "adamspike probe: ADAMSPIKE_WANDB=1 asks for W&B but the wandb package is not "
+        "installed"), said
+    assert sorted(set(load_run(run_dir).layers["step"])) == [1, 2, 3, 4]
