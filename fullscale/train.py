@@ -262,6 +262,14 @@ def parser() -> argparse.ArgumentParser:
 
 # ----------------------------------------------------------------------------- helpers
 
+def _check_wandb() -> None:
+    """telemetry.wandb = true needs the wandb package (rank 0 writes the W&B run)."""
+    try:
+        import_wandb("telemetry.wandb = true")
+    except WandbUnavailable as e:
+        raise ConfigError(str(e)) from None
+
+
 def _rank0_call(rank: int, fn):
     """Run fn on rank 0 and give every rank the same outcome (a user error raised on rank 0
     is raised on all ranks, so none is left waiting in a collective)."""
@@ -515,11 +523,8 @@ class Trainer:
             raise ConfigError(f"train.seq_len: {cfg.train.seq_len} exceeds model "
                               f"max_seq_len={arch.max_seq_len}")
         self.plan = batch_plan(cfg, world)
-        if cfg.telemetry.wandb and rank == 0:     # asked for: refused now, before any file
-            try:
-                import_wandb("telemetry.wandb = true")
-            except WandbUnavailable as e:
-                raise ConfigError(str(e)) from None
+        if cfg.telemetry.wandb:       # asked for: refused now, before any file, on every rank
+            _rank0_call(rank, _check_wandb)
         if cfg.alarms.predictions and not cfg.telemetry.enabled:
             raise ConfigError("alarms.predictions: the alarm rules read per-tensor telemetry; "
                               "set telemetry.enabled = true")
