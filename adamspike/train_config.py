@@ -129,6 +129,9 @@ class TelemetrySection:
     hist_every: int = param(10, lo=0, help="r histograms every K steps, 0 = off")
     flush_every_s: float = param(30.0, lo=0.0)
     tensorboard: bool = param(False)
+    wandb: bool = param(False, help="torch trainer: the steps row and per-group medians to "
+                        "a W&B run in RUN/wandb (needs the wandb package; offline unless "
+                        "WANDB_MODE says otherwise)")
     enabled: bool = param(True)
     precision: str = param("float32", choices=("float32", "float64"),
                            help="torch trainer: compute dtype of the metrics (npu: float32)")

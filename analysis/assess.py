@@ -171,8 +171,10 @@ def spike_lines(ra) -> list[str]:
                       f"CENSORED: still above its band when the log ends ({r.duration} "
                       "iteration(s) observed; the duration is at least that)"))
         if d is not None:
-            L += _wrap(f"cause: {d.cause.upper()}: {d.evidence}", "      ")
-            if d.cause != "optimizer" and d.grad_note not in d.evidence:
+            L += _wrap(f"cause: {d.verdict.upper()}: {d.evidence}"
+                       + ("" if d.recurred == "not replayed" else f"; re-run: {d.recurred}"),
+                       "      ")
+            if d.grad_note and d.grad_note not in d.evidence:
                 L += _wrap(f"grad norm: {d.grad_note}", "      ")
     if len(sp) > 8:
         L += _wrap(f"... {len(sp) - 8} more (the full table: --out DIR)")
@@ -188,29 +190,6 @@ def spike_lines(ra) -> list[str]:
                    "iterations" + ("; last: " + ", ".join(
                        f"{v.get('name')} {_f(v.get('value'), 4)} at iteration {v.get('step')}"
                        for v in val.tail(1).to_dict("records")) if "value" in val else ""))
-    return L
-
-
-def has_group_series(ra) -> bool:
-    """A run with per-group telemetry (a layers table): only there can what moved first be
-    read (analysis.attribution); a log's spikes get their cause from its lines alone
-    (analysis.diagnosis, in SPIKES SO FAR)."""
-    layers = getattr(ra.run, "layers", None) if ra.run is not None else None
-    return layers is not None and not layers.empty
-
-
-def attribution_lines(ra) -> list[str]:
-    """One verdict per spike with its evidence (analysis.attribution: what moved first
-    before the onset, the numerics, a re-run's recurrence)."""
-    at = ra.attribution
-    if at is None or at.empty:
-        return _wrap("no spikes to attribute")
-    L = []
-    for r in at.head(8).itertuples():
-        L += _wrap(f"- iteration {r.start}: {r.verdict.upper()}: {r.evidence}"
-                   + ("" if r.recurred == "not replayed" else f"; re-run: {r.recurred}"))
-    if len(at) > 8:
-        L += _wrap(f"... {len(at) - 8} more (attribution.csv: --out DIR)")
     return L
 
 
@@ -549,11 +528,11 @@ def settings_lines(ra, pred=None) -> list[str]:
 def bottom_lines(ra) -> list[str]:
     """What to change, the expected effect with its interval and the evidence behind it
     (the lower-rate setting prediction_lines chose), and which of the run's spikes a
-    setting change can address at all (analysis.diagnosis: optimizer spikes only)."""
+    setting change can address at all (analysis.attribution.decide: optimizer spikes only)."""
     L = _wrap(ra.notes.get("bottom_line") or "no setting change the model supports (see above)")
     dg = ra.diagnosis
     if dg is not None and len(dg):
-        counts = dg["cause"].value_counts()
+        counts = dg["verdict"].value_counts()
         L += _wrap("this run's spikes: " + ", ".join(f"{int(n)} {c}" for c, n in counts.items())
                    + "; a setting change addresses optimizer spikes only"
                    + ("; fix the numerics / data / loading causes first"
@@ -570,8 +549,6 @@ def render(ra, path: Path, pred, pred_path, model, model_path, out, shipped_note
          "", "SETTINGS (each with its source)", *settings_lines(ra, pred),
          "", "REGIME", *regime_lines(ra),
          "", "SPIKES SO FAR", *spike_lines(ra),
-         *(["", "WHAT MOVED FIRST (per-group telemetry)", *attribution_lines(ra)]
-           if has_group_series(ra) else []),
          "", "NUMERICS HEALTH", *numerics_lines(ra),
          "", "PREDICTED SPIKE RATE FOR THIS SETTING",
          *(_wrap(f"none given (--predictions, --rate-model): using {shipped_note}")

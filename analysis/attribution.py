@@ -2,7 +2,12 @@
 one spike rule (adamspike.spikes, as `analyze` finds them), what moved first in the
 RULES["pre_steps"] steps before its onset, each series against its own pre-spike baseline,
 what the numerics did, and whether a rollback's re-run recorded a recurrence; then one
-verdict per spike: optimizer A, optimizer B, numerics, data or unknown, with its evidence.
+verdict per spike (VERDICTS: optimizer A, optimizer B, numerics, data or loading, unknown)
+with its evidence, decided by `decide`: the project's one spike-cause rule. What a log's
+lines say (analysis.diagnosis.log_facts: numerics events next to the spike, a learning rate
+too small to move the model, a resume just before, the grad norm's lead) goes into the same
+decision, so a log, a run directory with a layers table and one without get one verdict
+from one function: the telemetry's evidence where the run has it, the log's otherwise.
 
 Series (where the run carries them):
 - per depth group (adamspike.depth_groups: embed, shallow, deep, head), from `layers`:
@@ -31,7 +36,7 @@ import pandas as pd
 
 from adamspike.depth_groups import depth_group, infer_num_layers
 
-VERDICTS = ("optimizer A", "optimizer B", "numerics", "data", "unknown")
+VERDICTS = ("optimizer A", "optimizer B", "numerics", "data or loading", "unknown")
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ RULES: dict[str, Rule] = {
 B_GROUPS = ("embed", "shallow")   # the dormant shallow side (design.md: depth groups)
 NUMERICS_EVENT_TYPES = ("nonfinite_loss", "nan_grad", "skip", "checkpoint_refused")
 COLUMNS = ["start", "peak_step", "height", "source", "verdict", "first_mover", "first_lead",
-           "moved", "numerics", "recurred", "evidence"]
+           "moved", "numerics", "recurred", "evidence", "grad_note"]
 
 
 def _r(name: str) -> float:
@@ -197,15 +202,27 @@ def recurrence(onset: int, events: pd.DataFrame | None, interval: int = 1) -> st
     return "recurred" if len(again) else "did not recur"
 
 
-def verdict(moved: dict[str, tuple[int, float]], rises: dict[str, float],
-            numerics: list[str], onset: int) -> tuple[str, list[str]]:
-    """(verdict, evidence lines) from the movers (series -> (step, ratio)), the rises of lr
-    / S and the numerics evidence. Order: numerics, then optimizer B, A, data, unknown."""
+def decide(moved: dict[str, tuple[int, float]], rises: dict[str, float],
+           numerics: list[str], onset: int, log: dict | None = None,
+           groups: bool = True) -> tuple[str, list[str]]:
+    """The one spike-cause rule: (verdict in VERDICTS, evidence lines) from the telemetry's
+    movers (series -> (step, ratio)), the rises of lr / S and its numerics evidence, and
+    the log's facts (`log`, analysis.diagnosis.log_facts: "numerics" and "data" lines,
+    "grad_note", "grad_lead"; None: a table without a log reading). `groups`: the run has
+    per-group series (a layers table). Order: numerics (either source), data or loading
+    (the log's: a step too small, a resume), optimizer B, optimizer A, data or loading (the
+    grad norm jumped at the onset, nothing before it), unknown."""
+    log = log or {}
+
     def line(n):
         st, ratio = moved[n]
         return f"{n} x{ratio:.3g} at {st} ({onset - st} step(s) before onset)"
-    if numerics:
-        return "numerics", numerics
+    num = list(log.get("numerics") or []) + [x for x in numerics
+                                             if x not in (log.get("numerics") or [])]
+    if num:
+        return "numerics", num
+    if log.get("data"):
+        return "data or loading", list(log["data"])
     before = {n: v for n, v in moved.items() if v[0] < onset}
     b = [n for n in before if n.split(":")[0] in ("rho", "update_rms")
          and n.split(":")[-1] in B_GROUPS]
@@ -218,12 +235,23 @@ def verdict(moved: dict[str, tuple[int, float]], rises: dict[str, float],
                                if n in rises else line(n) for n in dict.fromkeys(a)]
     at = [n for n, v in moved.items() if v[0] == onset]
     if "grad_norm" in at and not before:
-        return "data", [line("grad_norm") + "; nothing moved before it"]
-    if before:
-        return "unknown", ["moved before onset, none of the rules' patterns: "
-                           + "; ".join(line(n) for n in before)]
-    return "unknown", ["no series moved in the window" if not at else
-                       "moved only at onset: " + "; ".join(line(n) for n in at)]
+        return "data or loading", [line("grad_norm") + "; nothing moved before it: the "
+                                   "batch of the onset step, not an optimizer build-up"]
+    why: list[str] = []
+    if log.get("grad_note"):
+        lead = log.get("grad_lead")
+        why.append(log["grad_note"] + ("" if lead is None or lead <= 0 or groups else
+                                       ": an optimizer spike's signature; telling mechanism "
+                                       "A from B needs per-group telemetry (the probe's run "
+                                       "directory)"))
+    if before and not (not groups and log.get("grad_note") and set(before) <= {"grad_norm"}):
+        why.append("moved before onset, none of the rules' patterns: "
+                   + "; ".join(line(n) for n in before))
+    elif groups or not why:
+        why.append("no series moved in the window" if not at else
+                   "moved only at onset: " + "; ".join(line(n) for n in at))
+    why += list(log.get("unknown") or [])
+    return "unknown", why
 
 
 ONLINE_SPIKE_EVENTS = ("spike", "nonfinite_loss")
@@ -245,11 +273,14 @@ def unlogged_spikes(steps: pd.DataFrame, events: pd.DataFrame | None) -> pd.Data
 
 def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | None = None,
               curvature: pd.DataFrame | None = None, events: pd.DataFrame | None = None,
-              numerics_events: pd.DataFrame | None = None, interval: int = 1) -> pd.DataFrame:
-    """One row per spike (COLUMNS; the spike rule's, then unlogged_spikes'): verdict,
-    first mover, every mover, numerics evidence, recurrence and the evidence lines joined
-    by " | ". interval: the log interval (windows are in logged lines)."""
+              numerics_events: pd.DataFrame | None = None, interval: int = 1,
+              log_facts: dict[int, dict] | None = None) -> pd.DataFrame:
+    """One row per spike (COLUMNS; the spike rule's, then unlogged_spikes'): verdict
+    (`decide`), first mover, every mover, numerics evidence, recurrence and the evidence
+    lines joined by " | ". interval: the log interval (windows are in logged lines).
+    log_facts: onset -> what the log's lines say (analysis.diagnosis.log_facts)."""
     series = run_series(steps, layers, curvature)
+    groups = any(n.startswith(("rho:", "update_rms:")) for n in series)
     rows = []
     spikes = pd.concat([spikes.assign(source="spike rule")[["start", "peak_step", "height",
                                                             "source"]],
@@ -263,7 +294,8 @@ def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | 
         rises = {n: x for n, s in series.items() if n == "lr" or n.startswith("S:")
                  if (x := rise(s, onset, interval)) is not None}
         num = numerics_near(onset, series, steps, numerics_events, events, interval)
-        v, ev = verdict(moved, rises, num, onset)
+        facts = (log_facts or {}).get(onset)
+        v, ev = decide(moved, rises, num, onset, facts, groups)
         first = min(moved.items(), key=lambda kv: kv[1][0]) if moved else None
         rows.append({"start": onset, "peak_step": int(sp.peak_step), "height": sp.height,
                      "source": sp.source,
@@ -272,17 +304,19 @@ def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | 
                      "moved": "; ".join(f"{n}@{s}" for n, (s, _) in
                                         sorted(moved.items(), key=lambda kv: kv[1][0])),
                      "numerics": "; ".join(num), "recurred": recurrence(onset, events, interval),
-                     "evidence": " | ".join(ev)})
+                     "evidence": " | ".join(ev),
+                     "grad_note": (facts or {}).get("grad_note", "")})
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def attribute_run(ra) -> pd.DataFrame:
-    """attribute() on an analysed run (analysis.report.RunAnalysis)."""
+def attribute_run(ra, log_facts: dict[int, dict] | None = None) -> pd.DataFrame:
+    """attribute() on an analysed run (analysis.report.RunAnalysis); log_facts: what its
+    lines say per onset (analysis.diagnosis.diagnose passes them)."""
     run = ra.run
     interval = (ra.meta.get("import") or {}).get("log_interval", 1) or 1
     return attribute(ra.spikes, run.steps, run.layers, getattr(run, "curvature", None),
                      run.events, None if ra.numerics is None else ra.numerics.events,
-                     interval=int(interval))
+                     interval=int(interval), log_facts=log_facts)
 
 
 def confusion(truth: list[str], verdicts: list[str]) -> pd.DataFrame:

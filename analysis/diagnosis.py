@@ -1,7 +1,9 @@
-"""A verdict per loss spike from the evidence the run carries (pandas; reads the analysis
-of analysis.report only), with the lines that decided it.
+"""What a log's lines say about each loss spike (pandas; reads the analysis of
+analysis.report only), as facts for the one spike-cause rule (analysis.attribution.decide,
+which also weighs a run's per-group telemetry where it has a layers table). `diagnose(ra)`
+is the one verdict per spike: analysis.attribution.attribute_run with these facts.
 
-Causes, the first that applies:
+Facts per spike, each with the lines that show it:
   numerics         a loss-scale cut, an overflowed / skipped / NaN iteration or a NaN step
                    (`grad norm: nan`, no loss printed) within NEAR_LINES logged lines of the
                    spike (analysis.numerics), or a non-finite loss in it;
@@ -11,14 +13,13 @@ Causes, the first that applies:
                    checkpoint, a batch, a loading or a dtype fault must; or the onset comes
                    within NEAR_LINES logged lines after a resume (a checkpoint load the log
                    prints, or a repeated iteration: a restarted job appending to the log);
-  optimizer        the grad norm was measured before the onset and left its band at most
-                   LEAD_LINES logged lines before it (or at it) with no numerics event near:
-                   the signature of an Adam spike;
-  unknown          anything else, with what is missing (no grad norm in the log, too few
-                   lines before the onset, a grad norm that stayed in its band).
+  grad note        what the grad norm shows: its lead (it left its band at most LEAD_LINES
+                   logged lines before the onset), no measured value, too few lines.
 Nothing is claimed from a series the run does not have: the grad-norm note says how many
 measured values precede the onset, and "no grad-norm spike before it" only where at least
-one was measured.
+one was measured. A grad-norm lead alone is an optimizer spike's signature, but which
+mechanism (A: stability, B: dormant shallow groups) needs the per-group telemetry, so a log
+without it gets "unknown" with that note, not a guess.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ import math
 import numpy as np
 import pandas as pd
 
+from analysis.attribution import attribute_run
 from analysis.numerics import NEAR_LINES, NUMERICS_KINDS
 
 LR_TOO_SMALL = 1e-7          # absolute: Adam moves each coordinate by ~lr per step
 LR_TOO_SMALL_FRAC = 1e-3     # relative to the largest learning rate the run logged
 LEAD_LINES = 10              # logged lines before a loss spike in which a grad-norm spike
                              # leads it (analysis.report.grad_norm_leads)
-DIAGNOSIS_COLUMNS = ["start", "cause", "evidence", "grad_note"]
 
 
 def _line_of(steps: pd.DataFrame) -> dict[int, int]:
@@ -49,12 +50,19 @@ def _at(step: int, lines: dict[int, int]) -> str:
 
 
 def diagnose(ra) -> pd.DataFrame:
-    """One row per loss spike of `ra` (analysis.report.RunAnalysis): start, cause (module
-    doc), evidence (the lines that decided it), grad_note (what the grad norm shows)."""
+    """One row per loss spike of `ra` (analysis.report.RunAnalysis; analysis.attribution
+    COLUMNS): its verdict and evidence from analysis.attribution.decide, given the
+    telemetry the run has and what its lines say (log_facts)."""
+    return attribute_run(ra, log_facts(ra))
+
+
+def log_facts(ra) -> dict[int, dict]:
+    """onset -> {"numerics": [...], "data": [...], "grad_note": str, "grad_lead": int |
+    None, "unknown": [...]}: what the lines show about each spike (module doc)."""
     st = ra.run.steps if ra.run is not None else pd.DataFrame()
     sp = ra.spikes
     if sp is None or not len(sp) or st.empty:
-        return pd.DataFrame(columns=DIAGNOSIS_COLUMNS)
+        return {}
     imp = ra.meta.get("import") or {}
     interval = max(int(imp.get("log_interval") or 1), 1)
     near = NEAR_LINES * interval
@@ -68,7 +76,7 @@ def diagnose(ra) -> pd.DataFrame:
         if ra.grad_lead is not None and len(ra.grad_lead) else {}
     resumes = [(int(r["iteration"]), int(r["line"])) for r in imp.get("resumes") or []]
     restarts = [int(s) for s in imp.get("duplicate_steps") or []]
-    rows = []
+    out: dict[int, dict] = {}
     for r in sp.itertuples():
         a = int(r.start)
         end = int(r.end)
@@ -76,37 +84,32 @@ def diagnose(ra) -> pd.DataFrame:
         before = slice(max(0, i0 - LEAD_LINES), i0)
         measured_before = int(np.isfinite(gn[before]).sum())
         lines_before = i0
-        evidence: list[str] = []
-        cause = None
+        numerics: list[str] = []
+        data: list[str] = []
         # numerics
         near_ev = ev[(ev["step"] >= a - near) & (ev["step"] <= end + near)
                      & ev["kind"].isin(NUMERICS_KINDS)] if len(ev) else ev
-        if len(near_ev) or bool(getattr(r, "nonfinite", False)):
-            cause = "numerics"
-            evidence += [f"{e.detail} at {_at(int(e.step), lines)}"
-                         for e in near_ev.head(4).itertuples()]
-            if bool(getattr(r, "nonfinite", False)):
-                evidence.append(f"non-finite loss in the spike ({_at(a, lines)})")
+        numerics += [f"{e.detail} at {_at(int(e.step), lines)}"
+                     for e in near_ev.head(4).itertuples()]
+        if bool(getattr(r, "nonfinite", False)):
+            numerics.append(f"non-finite loss in the spike ({_at(a, lines)})")
         # data or loading: a step too small, or a resume just before
         lr_a = lr[i0] if i0 < len(lr) else math.nan
-        if cause is None and math.isfinite(lr_a) and (
+        if math.isfinite(lr_a) and (
                 lr_a < LR_TOO_SMALL or (math.isfinite(lr_max) and lr_a < LR_TOO_SMALL_FRAC * lr_max)):
-            cause = "data or loading"
-            evidence.append(f"learning rate {lr_a:.3g} at {_at(a, lines)} ({lr_a / lr_max:.2g} of "
-                            f"the run's largest, {lr_max:.3g}): a step that small cannot move a "
-                            "trained model this far; look for a checkpoint, batch, loading or "
-                            "dtype fault")
-        if cause is None:
-            rs = [(it, ln) for it, ln in resumes if a - near <= it <= a]
-            rr = [s for s in restarts if a - near <= s <= a]
-            if rs or rr:
-                cause = "data or loading"
-                evidence += [f"checkpoint loaded at iteration {it} (log line {ln}), "
-                             f"{a - it} iteration(s) before the onset" for it, ln in rs[:2]]
-                evidence += [f"iteration {s} repeated (a restarted job appending to the log), "
-                             f"{a - s} iteration(s) before the onset" for s in rr[:2]]
-                evidence.append("a jump right after a resume points to the checkpoint or the "
-                                "data position, not to the optimizer")
+            data.append(f"learning rate {lr_a:.3g} at {_at(a, lines)} ({lr_a / lr_max:.2g} of "
+                        f"the run's largest, {lr_max:.3g}): a step that small cannot move a "
+                        "trained model this far; look for a checkpoint, batch, loading or "
+                        "dtype fault")
+        rs = [(it, ln) for it, ln in resumes if a - near <= it <= a]
+        rr = [s for s in restarts if a - near <= s <= a]
+        if rs or rr:
+            data += [f"checkpoint loaded at iteration {it} (log line {ln}), "
+                     f"{a - it} iteration(s) before the onset" for it, ln in rs[:2]]
+            data += [f"iteration {s} repeated (a restarted job appending to the log), "
+                     f"{a - s} iteration(s) before the onset" for s in rr[:2]]
+            data.append("a jump right after a resume points to the checkpoint or the "
+                        "data position, not to the optimizer")
         # the grad norm, where it was measured
         lead = leads.get(a)
         if "grad_norm" not in st or not np.isfinite(gn).any():
@@ -123,18 +126,12 @@ def diagnose(ra) -> pd.DataFrame:
             gnote = (f"no grad-norm spike in the {measured_before} measured line(s) before it"
                      + (f" (only {lines_before} logged line(s) precede it)"
                         if lines_before < LEAD_LINES else ""))
-        if cause is None and lead is not None and lead.lead == lead.lead:
-            cause = "optimizer"
-            evidence.append(gnote + "; no loss-scale cut, overflow, skip or NaN within "
-                            f"{near} iteration(s)")
-        if cause is None:
-            cause = "unknown"
-            why = [gnote]
-            if not (ra.numerics is not None and ra.numerics.signals):
-                why.append("no numerics signal in the log (loss scale, overflow, counters)")
-            else:
-                why.append(f"no numerics event within {near} iteration(s)")
-            evidence += why
-        rows.append({"start": a, "cause": cause, "evidence": "; ".join(evidence),
-                     "grad_note": gnote})
-    return pd.DataFrame(rows, columns=DIAGNOSIS_COLUMNS)
+        why = []
+        if not (ra.numerics is not None and ra.numerics.signals):
+            why.append("no numerics signal in the log (loss scale, overflow, counters)")
+        else:
+            why.append(f"no numerics event within {near} iteration(s)")
+        out[a] = {"numerics": numerics, "data": data, "grad_note": gnote,
+                  "grad_lead": (int(lead.lead) if lead is not None and lead.lead == lead.lead
+                                else None), "unknown": why}
+    return out

@@ -31,7 +31,6 @@ from adamspike.spikes import (SpikeParams, anomaly_flags, detect_spikes, loss_sp
                               valued_rows)
 from analysis.alarms import fire_steps, online_alarms, score_alarms
 from analysis.diagnosis import LEAD_LINES, diagnose
-from analysis.attribution import attribute_run
 from analysis.numerics import health_markdown, numerics_health
 from analysis.fits import (check_rms_t, failing_assumption, fit_update_rms, fit_update_rms_heterogeneous,
                            optim_params, spike_regimes)
@@ -72,8 +71,8 @@ class RunAnalysis:
     numerics: Any = None             # analysis.numerics.NumericsHealth
     coverage: dict = field(default_factory=dict)    # series -> judged_steps(...)
     grad_lead: pd.DataFrame | None = None           # grad_norm_leads(...)
-    diagnosis: pd.DataFrame | None = None           # analysis.diagnosis.diagnose(...)
-    attribution: pd.DataFrame | None = None         # analysis.attribution.attribute_run
+    diagnosis: pd.DataFrame | None = None           # analysis.diagnosis.diagnose: one verdict
+    attribution: pd.DataFrame | None = None         # per spike; the same table (attribution.csv)
     notes: dict[str, str] = field(default_factory=dict)
     run: Any = field(default=None, repr=False)
 
@@ -147,7 +146,7 @@ def analyze_run(path: str | Path, *, predictions=None, horizon: int | None = Non
                 ra.notes["update_fit"] = str(e)
             ra.rms_t = check_rms_t(lay, op["b1"], op["b2"])
     _regime_and_hetero(ra, run, op, num_params, num_params_source)
-    ra.attribution = attribute_run(ra)
+    ra.attribution = ra.diagnosis        # one verdict per spike (analysis.attribution.decide)
     if predictions is not None and predictions.alarm_rules:
         rules = predictions.alarm_rules
         if not lay.empty:
@@ -393,8 +392,8 @@ def render_markdown(ra: RunAnalysis, out_dir: Path | None = None) -> str:
           + "."]
     dg = ra.diagnosis
     if dg is not None and len(dg):
-        L += ["", "Per spike, the cause the evidence points to (analysis.diagnosis):", ""]
-        L += [f"- loss spike at step {r.start}: **{r.cause}**: {r.evidence}"
+        L += ["", "Per spike, the cause the evidence points to (analysis.attribution.decide):", ""]
+        L += [f"- loss spike at step {r.start}: **{r.verdict}**: {r.evidence}"
               + ("" if r.grad_note in r.evidence else f"; grad norm: {r.grad_note}") + "."
               for r in dg.itertuples()]
     if ra.coverage:

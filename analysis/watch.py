@@ -4,6 +4,7 @@ numerics event as it happens (reads files only).
     adamspike watch megatron.log [--on-event CMD] [--once] [--new-only] [--json]
                     [--num-params N | --model PRESET] [--eps E] [--clip C] [--poll S]
     adamspike watch RUN_DIR ...          (a probe / trainer run directory: steps + events)
+    adamspike watch TB_DIR ...           (a Megatron / MindSpeed-LLM --tensorboard-dir)
 
 A log is followed with `tail -F` semantics: complete lines are read as they are appended;
 a rotated file (renamed away, a new one created under PATH) is drained and then the new
@@ -22,6 +23,18 @@ permission, an I/O error) is said once on stderr and looked at again every poll;
 resumes when it can be read. A line longer than MAX_LINE_BYTES (1 MiB) without a newline is
 dropped (said once): memory stays bounded and each byte is scanned once. `--once` on a log
 it cannot read is an error in one line (exit 2).
+
+A TensorBoard log directory (Megatron's `--tensorboard-dir`: events.out.tfevents.* files,
+no run.json) is followed the same way, by the same follower: its events files are read
+incrementally (analysis.megatron_tb.EventTail, the offline import's reader) and each
+complete iteration becomes the text log's iteration line, so the rule, the numerics events,
+restarts and episodes are the text log's. A new events file in the directory (a restarted
+job) continues the stream: its iterations that repeat earlier ones rewind the rule as a
+restarted job's text log does. An iteration is reported when it is complete: when the next
+iteration's first scalar (or a newer events file) is on disk, i.e. one logged iteration
+(and the writer's flush: Megatron's --tensorboard-queue-size) after Megatron wrote it;
+`--once` reads every iteration there. TensorBoard has no skipped / nan iteration counters
+(analysis.megatron_tb): an fp16 overflow is seen as its loss-scale cut.
 
 Decisions are the offline analysis's, one row at a time: lines are parsed by the one
 parser (adamspike.megatron_log.iter_megatron_log, the import's streaming parser, here one
@@ -92,6 +105,7 @@ import pyarrow.parquet as pq
 from adamspike.rundir import RunFormatError, flushed_step, read_meta, read_plain_part
 from adamspike.spikes import SpikeParams, add_spike_flags
 from analysis.cli import check_log_flags
+from analysis.megatron_tb import EventTail, event_files, iteration_line
 from analysis.numerics import numerics_events
 from analysis.regime import log_arguments, num_params_from_args, rho_bar
 from analysis.report import grad_norm_rule
@@ -416,8 +430,10 @@ class LogFollower:
     partial line kept in memory is bounded, and each byte is scanned once."""
 
     def __init__(self, path: Path, stop: _Stop, notes: _Notes, *, once: bool = False,
-                 poll: float = POLL_S):
+                 poll: float = POLL_S, tensorboard: bool = False):
         self.path, self.stop, self.notes, self.once, self.poll = path, stop, notes, once, poll
+        # a TensorBoard log directory: its events files as iteration lines (module doc)
+        self.tail = EventTail(path) if tensorboard else None
         self.fh = None
         self.ident: tuple | None = None
         self.new_content: str | None = None     # why the current segment is new content
@@ -495,6 +511,9 @@ class LogFollower:
         self.pieces, self.partial, self.dropping = [], 0, False
 
     def _lines(self) -> Iterator[str]:
+        if self.tail is not None:
+            yield from self._event_lines()
+            return
         while not self.stop:
             if self.fh is None:
                 if not self._open():
@@ -547,6 +566,40 @@ class LogFollower:
                 return
             time.sleep(self.poll)
         self._close()
+        self.ended = True
+
+    def _event_lines(self) -> Iterator[str]:
+        """A TensorBoard log directory's complete iterations as iteration lines, one
+        segment: a new events file continues the stream (a restart rewinds the rule)."""
+        while not self.stop:
+            try:
+                if not self.path.is_dir():
+                    raise FileNotFoundError(2, "no such directory")
+                rows = self.tail.poll(final=self.once)
+                if not rows and not event_files(self.path):
+                    self.notes.trouble("read", f"{self.path}: no TensorBoard events file "
+                                               "(yet): waiting for one")
+                else:
+                    self.notes.clear("read", f"{self.path}: reading its TensorBoard events")
+            except MegatronLogError as e:
+                if self.once:
+                    raise
+                self.notes.trouble("read", f"{e}: still watching")
+                rows = []
+            except OSError as e:
+                if self.once:
+                    raise MegatronLogError(f"{self.path}: cannot read ({_why(e)})") from None
+                self.notes.trouble("read", f"cannot read {self.path} ({_why(e)}): still "
+                                           "watching; reading resumes when it can be read")
+                rows = []
+            last = self.tail.max_step or 0
+            for step, values in rows:
+                line = iteration_line(step, values, last)
+                if line is not None:
+                    yield line.rstrip("\n")
+            if self.once:
+                break
+            time.sleep(self.poll)
         self.ended = True
 
     def _tell(self) -> int | None:
@@ -956,6 +1009,7 @@ def watch(path: str | Path, *, params: SpikeParams = SpikeParams(), once: bool =
     kind = _kind(path)
     if kind == "no-folder":
         raise MegatronLogError(f"{path}: its folder {path.absolute().parent} does not exist")
+    tensorboard = kind == "dir" and not (path / "run.json").exists()
     if once and kind != "dir":            # nothing to follow: an error in one line
         try:
             open(path, "rb").close()
@@ -966,7 +1020,7 @@ def watch(path: str | Path, *, params: SpikeParams = SpikeParams(), once: bool =
     say = ((lambda s: None) if quiet else
            (lambda s: print(f"adamspike watch: {s}", file=sys.stderr, flush=True)))
     notes = _Notes(say)
-    if kind == "dir":
+    if kind == "dir" and not tensorboard:
         meta = read_meta(path)
         config = meta.get("config") or {}
         o = config.get("optim") or {}
@@ -984,15 +1038,19 @@ def watch(path: str | Path, *, params: SpikeParams = SpikeParams(), once: bool =
         judge = OnlineJudge(params, config, num_params=num_params, eps=eps, clip=clip)
     rep = Reporter(str(path), judge, as_json=as_json, on_event=on_event,
                    hook_timeout=hook_timeout, quiet=quiet, notes=notes)
-    say(f"following {path} (rule: {judge.rule.describe()}; grad norm: the same on log grad "
-        "norm); Ctrl-C to stop")        # stderr: stdout stays one line (or JSON) per event
+    say(f"following {path}"
+        + (" as a TensorBoard log directory (an iteration is reported once the next one's "
+           "first scalar is written)" if tensorboard else "")
+        + f" (rule: {judge.rule.describe()}; grad norm: the same on log grad norm); Ctrl-C "
+        "to stop")        # stderr: stdout stays one line (or JSON) per event
     if ready:
         ready()
     try:
-        if kind == "dir":
+        if kind == "dir" and not tensorboard:
             _follow_run(path, judge, rep, notes, stop, once=once, new_only=new_only, poll=poll)
         else:
-            _follow_log(path, judge, rep, notes, stop, once=once, new_only=new_only, poll=poll)
+            _follow_log(path, judge, rep, notes, stop, once=once, new_only=new_only, poll=poll,
+                        tensorboard=tensorboard)
     except OutputClosed:
         say("stdout was closed: stopped")
         try:                              # no second BrokenPipeError at the exit's flush
@@ -1036,16 +1094,18 @@ def _follow_run(path: Path, judge: OnlineJudge, rep: Reporter, notes: _Notes, st
 
 
 def _follow_log(path: Path, judge: OnlineJudge, rep: Reporter, notes: _Notes, stop: _Stop, *,
-                once: bool, new_only: bool, poll: float) -> None:
+                once: bool, new_only: bool, poll: float, tensorboard: bool = False) -> None:
     """The log, one segment (file content) at a time, each through its own parser: a new
-    content whose first iteration does not continue the job seen so far is a new job."""
+    content whose first iteration does not continue the job seen so far is a new job. A
+    TensorBoard log directory is one segment of iteration lines (LogFollower)."""
     history_lines = 0
     if new_only:
         try:
-            history_lines = _count_lines(path)
-        except OSError:
+            history_lines = (len(EventTail(path).poll()) if tensorboard else
+                             _count_lines(path))
+        except (OSError, MegatronLogError):
             pass
-    fol = LogFollower(path, stop, notes, once=once, poll=poll)
+    fol = LogFollower(path, stop, notes, once=once, poll=poll, tensorboard=tensorboard)
     malformed_said = 0
     for seg, lines in enumerate(fol.segments()):
         new_content = fol.new_content if seg else None
@@ -1140,7 +1200,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="adamspike watch", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("path", help="a Megatron / MindSpeed training log, or a run directory")
+    ap.add_argument("path", help="a Megatron / MindSpeed training log, its TensorBoard log "
+                    "directory (--tensorboard-dir), or a run directory")
     ap.add_argument("--on-event", metavar="CMD", help="shell command run once per episode "
                     "of events, beside watching (the episode's first event as JSON on stdin "
                     "and in ADAMSPIKE_EVENT_JSON)")
@@ -1180,8 +1241,9 @@ def _main(args) -> int:
                               f"{', '.join(PRESETS)}")
         n = n or llama_num_params(PRESETS[args.model])
     path = Path(args.path)
-    if _kind(path) == "dir" and not (path / "run.json").is_file():
-        raise RunFormatError(f"{path}: not a run directory (no run.json)")
+    if _kind(path) == "dir" and not (path / "run.json").is_file() and not event_files(path):
+        raise RunFormatError(f"{path}: neither a run directory (no run.json) nor a "
+                             "TensorBoard log directory (no events.out.tfevents.* file)")
     stop = _Stop()
 
     def handler(signum, frame):   # noqa: ARG001

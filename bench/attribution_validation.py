@@ -55,7 +55,9 @@ CAUSES = {
 
 
 def true_cause(label: str) -> str:
-    return label.removesuffix(" hi")
+    """The injected cause in the verdicts' vocabulary (analysis.attribution.VERDICTS)."""
+    cause = label.removesuffix(" hi")
+    return "data or loading" if cause == "data" else cause
 
 
 def run_dir(runs: Path, cause: str, seed: int) -> Path:

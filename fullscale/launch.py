@@ -555,7 +555,8 @@ def _stack_case(launch: Launch) -> list[str]:
              "# on this node from the checkout and the installed python, torch, torch_npu, CANN and",
              "# Megatron core (python -m fullscale.stack; a combination it does not know stops here,",
              "# naming what it found). The seed's stack (CANN 7.0.1, torch 2.1.0, python 3.8,",
-             "# ModelLink of 2024 with AscendSpeed) is modellink-2024.",
+             "# ModelLink of 2024 with AscendSpeed) is modellink-2024; there AUTO_RECOMPUTE_DEVICE_SIZE",
+             "# (MB) maps the seed's auto_recompute_device_size onto --adaptive-recompute-device-size.",
              'MEGATRON_STACK="${MEGATRON_STACK:-}" MEGATRON_CORE="${MEGATRON_CORE:-}"',
              'if [[ -z "$MEGATRON_STACK" ]]; then',
              '  DETECTED="$(PYTHONPATH="${ADAMSPIKE_HOME:?set MEGATRON_STACK, or ADAMSPIKE_HOME to detect it}" '
@@ -624,10 +625,31 @@ def _stack_case(launch: Launch) -> list[str]:
                   'data.source = indexed" >&2; exit 2 ;;')
     else:
         # --accumulate-allreduce-grads-in-fp32: the seed's own argument dump has it True (an
-        # AscendSpeed / Megatron option of that time); its recompute flags
-        # (checkpoint_block_layer, auto_recompute_device_size) are not in the vendored option
-        # list of ModelLink 0df09cd1 / AscendSpeed 5310714d, so they are not passed
-        ml += need_sp + [f"    STACK_ARGS=({' '.join(([f for f in fused if 'swiglu' not in f] if npu else []) + ['--accumulate-allreduce-grads-in-fp32'] + sp_tok)}) ;;"]
+        # AscendSpeed / Megatron option of that time).
+        # The seed's AscendSpeed recompute flags (its code: AscendSpeed 64b1937a, 2023-12, the
+        # `seed_reference` list of fullscale/megatron_options.json) are not options of
+        # ModelLink 0df09cd1 / AscendSpeed 5310714d, so they are mapped, not passed:
+        # - auto_recompute_device_size (MB; > 0: auto selective recompute, AscendSpeed
+        #   arguments.py 821, core/memory/auto_recomputing/autorecompute.py 192) became
+        #   --adaptive-recompute-device-size, switched on by ADAPTIVE_RECOMPUTING=1 (AscendSpeed
+        #   5310714d arguments.py 92, megatron_adaptor.py 238-245), and refuses any
+        #   --recompute-granularity / --recompute-method (adaptive_recompute.py 639-642). The
+        #   seed's value is not in its notes: AUTO_RECOMPUTE_DEVICE_SIZE (MB) passes it.
+        # - checkpoint_policy / checkpoint_block_layer (block, 25) are parsed by AscendSpeed
+        #   64b1937a (arguments.py 1336-1339) and read nowhere else in its tree: they changed
+        #   nothing in the seed's job, so nothing stands for them here.
+        adaptive = ["    if [[ -n \"${AUTO_RECOMPUTE_DEVICE_SIZE:-}\" ]]; then",
+                    '      if ! [[ "$AUTO_RECOMPUTE_DEVICE_SIZE" =~ ^[1-9][0-9]*$ ]]; then echo '
+                    '"AUTO_RECOMPUTE_DEVICE_SIZE must be a positive integer (MB), got '
+                    '\'$AUTO_RECOMPUTE_DEVICE_SIZE\'" >&2; exit 2; fi']
+        if launch.recompute != "none":
+            adaptive += ['      echo "AUTO_RECOMPUTE_DEVICE_SIZE: adaptive recompute refuses the layout\'s '
+                         f'--recompute-granularity ({launch.recompute}); set [megatron] recompute = '
+                         '\"none\" (--recompute none) to use it" >&2; exit 2']
+        adaptive += ['      export ADAPTIVE_RECOMPUTING=1',
+                     '      STACK_ARGS+=(--adaptive-recompute-device-size "$AUTO_RECOMPUTE_DEVICE_SIZE")',
+                     "    fi ;;"]
+        ml += need_sp + [f"    STACK_ARGS=({' '.join(([f for f in fused if 'swiglu' not in f] if npu else []) + ['--accumulate-allreduce-grads-in-fp32'] + sp_tok)})"] + adaptive
     lines += ml
     lines += ["  megatron-lm)"] + need_sp + [
               f"    STACK_ARGS=(--use-mcore-models {' '.join(rot + sp_tok + [guard])}) ;;"

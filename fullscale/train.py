@@ -110,6 +110,7 @@ from fullscale.model import Transformer
 from fullscale.optim import apply_mitigations, build_optimizer, build_scheduler, clip_gradients
 from fullscale.parallelize import parallelize
 from fullscale.sampler import DataPosition, batch_plan, is_skipped, local_batch
+from fullscale.probe.tensorboard import WandbScalars, WandbUnavailable, import_wandb
 from fullscale.telemetry import (Telemetry, TensorBoardScalars, shard_group, telemetry_vhists,
                                  write_vhists)
 
@@ -260,6 +261,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+def _check_wandb() -> None:
+    """telemetry.wandb = true needs the wandb package (rank 0 writes the W&B run)."""
+    try:
+        import_wandb("telemetry.wandb = true")
+    except WandbUnavailable as e:
+        raise ConfigError(str(e)) from None
+
 
 def _rank0_call(rank: int, fn):
     """Run fn on rank 0 and give every rank the same outcome (a user error raised on rank 0
@@ -483,7 +492,7 @@ class Trainer:
             return None
 
         self.lock = _rank0_call(self.rank, own)
-        self.writer = self.tb = None
+        self.writer = self.tb = self.wb = None
         self._fired: set[tuple[str, int]] = set()     # injected faults already fired
         # the checkpoint the last rollback of this incident restored (None once a newer one
         # is saved) and the checkpoints the fault recurred from (see _rollback)
@@ -514,6 +523,8 @@ class Trainer:
             raise ConfigError(f"train.seq_len: {cfg.train.seq_len} exceeds model "
                               f"max_seq_len={arch.max_seq_len}")
         self.plan = batch_plan(cfg, world)
+        if cfg.telemetry.wandb:       # asked for: refused now, before any file, on every rank
+            _rank0_call(rank, _check_wandb)
         if cfg.alarms.predictions and not cfg.telemetry.enabled:
             raise ConfigError("alarms.predictions: the alarm rules read per-tensor telemetry; "
                               "set telemetry.enabled = true")
@@ -607,6 +618,9 @@ class Trainer:
                       f"({writer.repaired_events_tail} bytes); moved to events.discarded.jsonl")
         if cfg.telemetry.tensorboard:
             self.tb = TensorBoardScalars(out / "tensorboard")
+        if cfg.telemetry.wandb:
+            self.wb = WandbScalars(str(out), asked_by="telemetry.wandb = true",
+                                   config=to_dict(cfg))
         if self.replay_from is not None:
             writer.event("replay_from", step=restored[0], checkpoint=str(self.replay_from))
         writer.event("start", step=self.start_step, world_size=world, device=info.name,
@@ -713,6 +727,8 @@ class Trainer:
                         raise
                 if self.tb is not None:
                     self.tb.close()
+                if self.wb is not None:
+                    self.wb.close()
         return 0
 
     # ------------------------------------------------------------------------- steps
@@ -805,6 +821,8 @@ class Trainer:
             write_vhists(self.telemetry, self.writer, step, vhists)
         if self.tb is not None:
             self.tb.log(step, row, stats)
+        if self.wb is not None:
+            self.wb.log(step, stats.columns if stats is not None else None, row)
 
     # ------------------------------------------------------------------------- recovery
     def _checkpoint_if_due(self, step: int) -> None:

@@ -375,6 +375,8 @@ class MegatronProbe:
         self.writer.log_layers(step, columns=columns)
         if self._tb is None:
             self._tb = GroupScalars(self.out)
+            if self._tb.wandb_error:          # asked for (ADAMSPIKE_WANDB=1): said once
+                self._say(self._tb.wandb_error)
         self._tb.log(step, columns)
         if tab.shape[1] > NUM_SUMS:
             for i in sel:

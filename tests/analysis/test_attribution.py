@@ -59,7 +59,7 @@ def one(**kw):
 
 def test_poisoned_batch_is_data():
     r = one(grad_jump_at=ONSET)
-    assert r.verdict == "data"
+    assert r.verdict == "data or loading"
     assert r.first_mover == "grad_norm" and r.first_lead == 0
     assert "nothing moved before it" in r.evidence
 
@@ -113,7 +113,7 @@ def test_nothing_moving_is_unknown_and_recurrence_comes_from_a_rollback():
 def test_confusion_matrix_on_a_fixed_set():
     truth, cases = [], []
     for seed in range(3):
-        for cause, kw in (("data", {"grad_jump_at": ONSET}),
+        for cause, kw in (("data or loading", {"grad_jump_at": ONSET}),
                           ("optimizer B", {"shallow_update_jump_at": ONSET - 1}),
                           ("optimizer A", {"lr_rise": True}),
                           ("numerics", {"nan_grad_at": ONSET - 2})):
@@ -122,17 +122,18 @@ def test_confusion_matrix_on_a_fixed_set():
             truth.append(cause)
     m = confusion(truth, cases)
     assert list(m.columns) == list(VERDICTS)
-    assert list(m.index) == ["data", "optimizer B", "optimizer A", "numerics"]
+    assert list(m.index) == ["data or loading", "optimizer B", "optimizer A", "numerics"]
     for cause in m.index:
         assert m.loc[cause, cause] == 3 and m.loc[cause].sum() == 3
     # the counting itself, on a hand-made list with off-diagonal cells
-    m2 = confusion(["data", "data", "numerics"], ["data", "unknown", "data"])
-    assert m2.loc["data", "data"] == 1 and m2.loc["data", "unknown"] == 1
-    assert m2.loc["numerics", "data"] == 1 and int(m2.to_numpy().sum()) == 3
+    d = "data or loading"
+    m2 = confusion([d, d, "numerics"], [d, "unknown", d])
+    assert m2.loc[d, d] == 1 and m2.loc[d, "unknown"] == 1
+    assert m2.loc["numerics", d] == 1 and int(m2.to_numpy().sum()) == 3
     with pytest.raises(ValueError, match="unknown verdict"):
         confusion(["data"], ["weather"])
     with pytest.raises(ValueError, match="1 true causes but 2 verdicts"):
-        confusion(["data"], ["data", "data"])
+        confusion([d], [d, d])
 
 
 def test_rules_carry_their_reasons():
@@ -144,9 +145,11 @@ def test_analyze_writes_attribution_csv_and_assess_prints_verdicts(synthetic_run
     at = pd.read_csv(next((tmp_path / "a").rglob("attribution.csv")))
     assert list(at["start"]) == [300, 450] and set(at["verdict"]) <= set(VERDICTS)
     text = assess(synthetic_run)
-    body = text.split("WHAT MOVED FIRST (per-group telemetry)")[1].split("NUMERICS HEALTH")[0]
-    for r in at.itertuples():
-        assert f"- iteration {r.start}: {r.verdict.upper()}:" in body
+    body = " ".join(text.split("SPIKES SO FAR")[1].split("NUMERICS HEALTH")[0].split())
+    for r in at.itertuples():     # one verdict per spike: the attribution's, in SPIKES SO FAR
+        assert f"- iteration {r.start}:" in body
+        assert f"cause: {r.verdict.upper()}: {' '.join(r.evidence.split())}" in body
+    assert "WHAT MOVED FIRST" not in text
 
 
 def test_a_series_never_measured_is_not_numerics_evidence():
@@ -154,7 +157,7 @@ def test_a_series_never_measured_is_not_numerics_evidence():
     from it; a NaN grad norm in a run that measures it is."""
     steps, layers = tables(grad_jump_at=ONSET)
     steps["update_norm"] = math.nan
-    assert attribute(spike_at(), steps, layers).iloc[0].verdict == "data"
+    assert attribute(spike_at(), steps, layers).iloc[0].verdict == "data or loading"
     steps.loc[steps["step"] == ONSET - 3, "grad_norm"] = math.inf
     r = attribute(spike_at(), steps, layers).iloc[0]
     assert r.verdict == "numerics" and r.evidence == f"non-finite at {ONSET - 3}: grad_norm"
@@ -170,3 +173,37 @@ def test_windows_count_logged_lines_in_a_log_with_an_interval():
     r = attribute(sp, steps, layers, interval=10).iloc[0]
     assert r.verdict == "optimizer B" and r.first_lead == 10
     assert attribute(sp, steps, layers).iloc[0].evidence == "no series moved in the window"
+
+
+def test_one_rule_weighs_the_logs_facts_and_the_telemetry():
+    """analysis.attribution.decide is the one spike-cause rule: the log's facts
+    (analysis.diagnosis.log_facts) and the telemetry's movers go into the same decision;
+    the telemetry's evidence where the run has group series, the log's otherwise."""
+    steps, layers = tables(shallow_update_jump_at=ONSET - 1)
+    facts = {"numerics": [], "data": [], "grad_note": "grad norm left its band at iteration "
+             f"{ONSET - 2}, 2 iteration(s) before", "grad_lead": 2, "unknown": []}
+    r = attribute(spike_at(), steps, layers, log_facts={ONSET: facts}).iloc[0]
+    assert r.verdict == "optimizer B" and r.grad_note == facts["grad_note"]
+    # a numerics event the log shows next to the spike wins over the telemetry
+    cut = {**facts, "numerics": [f"loss scale 65536 -> 8192 (x0.125) at iteration {ONSET}"]}
+    r = attribute(spike_at(), steps, layers, log_facts={ONSET: cut}).iloc[0]
+    assert r.verdict == "numerics" and r.evidence.startswith("loss scale 65536 -> 8192")
+    # a resume just before the onset: data or loading, before the optimizer rules
+    res = {**facts, "data": [f"checkpoint loaded at iteration {ONSET - 1} (log line 70)"]}
+    r = attribute(spike_at(), steps, layers, log_facts={ONSET: res}).iloc[0]
+    assert r.verdict == "data or loading" and "checkpoint loaded" in r.evidence
+    # the same lead without group series (a log): unknown with the lead, no guessed A / B
+    steps, _ = tables(grad_jump_at=ONSET - 2)
+    r = attribute(spike_at(), steps, None, log_facts={ONSET: facts}).iloc[0]
+    assert r.verdict == "unknown"
+    assert r.evidence.startswith(facts["grad_note"] + ": an optimizer spike's signature; "
+                                 "telling mechanism A from B needs per-group telemetry")
+    assert "none of the rules' patterns" not in r.evidence
+    assert set(VERDICTS) == {"optimizer A", "optimizer B", "numerics", "data or loading",
+                             "unknown"}
+
+
+def test_the_report_and_attribution_csv_are_one_table(synthetic_run, tmp_path):
+    from analysis.report import analyze_run
+    ra = analyze_run(synthetic_run)
+    assert ra.attribution is ra.diagnosis and list(ra.diagnosis["start"]) == [300, 450]

@@ -15,32 +15,68 @@ from analysis.megatron_tb import tensorboard_lines  # noqa: E402
 N = 300
 
 
-def _logs(tmp_path):
-    """The same 300 iterations as TensorBoard events (Megatron's tags, with the `vs samples`
-    twins) and as a Megatron text log (float32 values: what TensorBoard stores)."""
-    rng = np.random.default_rng(0)
-    loss = 3.0 * np.exp(-np.arange(N) / 400) + 0.02 * rng.standard_normal(N)
+def megatron_series(n=N, seed=0, cuts=()):
+    """n logged iterations of a bf16-like run with loss spikes at 151 and 241 (grad-norm
+    spikes with them); `cuts`: iterations whose update an fp16 overflow skipped (the loss
+    scale halves there and stays halved; no grad norm)."""
+    rng = np.random.default_rng(seed)
+    loss = 3.0 * np.exp(-np.arange(n) / 400) + 0.02 * rng.standard_normal(n)
     loss[150:154] += [1.5, 0.9, 0.4, 0.1]
     loss[240] += 2.0
-    gn = 0.5 + 0.05 * rng.standard_normal(N)
+    gn = 0.5 + 0.05 * rng.standard_normal(n)
     gn[150], gn[240] = 4.0, 6.0
-    lr = np.minimum(1e-4, 1e-4 * np.arange(1, N + 1) / 50)
-    w = SummaryWriter(str(tmp_path / "tb"))
+    lr = np.minimum(1e-4, 1e-4 * np.arange(1, n + 1) / 50)
+    scale = np.full(n, 1.0 if not cuts else 65536.0)
+    for c in cuts:
+        scale[c - 1:] /= 2
+    gn[[c - 1 for c in cuts]] = np.nan
+    return {"loss": loss, "grad_norm": gn, "lr": lr, "loss_scale": scale}
+
+
+def write_tb(writer, series, steps):
+    """Iterations `steps` (1-based) through a SummaryWriter as Megatron's training_log
+    writes them (its tag order, the `vs samples` twins; no grad-norm when it is None)."""
+    for s in steps:
+        i = s - 1
+        for tag, v in (("learning-rate", series["lr"][i]), ("batch-size", 1024),
+                       ("lm loss", series["loss"][i]), ("loss-scale", series["loss_scale"][i]),
+                       ("grad-norm", series["grad_norm"][i])):
+            if np.isnan(v):
+                continue
+            writer.add_scalar(tag, v, s)
+            writer.add_scalar(tag + " vs samples", v, s * 1024)
+    writer.flush()
+
+
+def text_log(series, path):
+    """The same iterations as Megatron's text log prints them (float32 values: what
+    TensorBoard stores); a skipped iteration with the counters and no loss / grad norm, as
+    training_log prints an interval of skipped iterations only."""
+    n = len(series["loss"])
     lines = []
-    for i in range(N):
+    for i in range(n):
         s = i + 1
-        for tag, v in (("learning-rate", lr[i]), ("batch-size", 1024), ("lm loss", loss[i]),
-                       ("loss-scale", 1.0), ("grad-norm", gn[i])):
-            w.add_scalar(tag, v, s)
-            w.add_scalar(tag + " vs samples", v, s * 1024)
-        lv, gv, lrv = (float(np.float32(x)) for x in (loss[i], gn[i], lr[i]))
-        lines.append(f" iteration {s:8d}/{N:8d} | consumed samples: {s * 1024:12d} | "
-                     f"learning rate: {lrv!r} | global batch size:  1024 | lm loss: {lv!r} | "
-                     f"loss scale: 1.0 | grad norm: {gv!r} | number of skipped iterations:   0 | "
+        lv, gv, lrv = (float(np.float32(series[k][i])) for k in ("loss", "grad_norm", "lr"))
+        skipped = np.isnan(gv)
+        lines.append(f" iteration {s:8d}/{n:8d} | consumed samples: {s * 1024:12d} | "
+                     f"learning rate: {lrv!r} | global batch size:  1024 | "
+                     + ("" if skipped else f"lm loss: {lv!r} | ")
+                     + f"loss scale: {float(series['loss_scale'][i])!r} | "
+                     + ("" if skipped else f"grad norm: {gv!r} | ")
+                     + f"number of skipped iterations: {int(skipped):3d} | "
                      "number of nan iterations:   0 |\n")
+    path.write_text("".join(lines))
+    return path
+
+
+def _logs(tmp_path):
+    """The same 300 iterations as TensorBoard events (Megatron's tags, with the `vs samples`
+    twins) and as a Megatron text log."""
+    series = megatron_series()
+    w = SummaryWriter(str(tmp_path / "tb"))
+    write_tb(w, series, range(1, N + 1))
     w.close()
-    (tmp_path / "train.log").write_text("".join(lines))
-    return tmp_path / "tb", tmp_path / "train.log"
+    return tmp_path / "tb", text_log(series, tmp_path / "train.log")
 
 
 def test_tensorboard_dir_gives_the_text_logs_steps_and_spikes(tmp_path):

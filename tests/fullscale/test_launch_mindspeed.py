@@ -295,3 +295,45 @@ def test_the_script_refuses_a_stack_it_does_not_know(tmp_path):
                                MINDSPEED_LLM_DIR=str(_checkout(tmp_path, "mindspeed_llm", "0.12.1")),
                                ADAMSPIKE_CANN_VERSION="7.0.1")
     assert code == 2 and "MindSpeed-LLM needs CANN 8 or newer" in err and "CANN 7.0.1" in err
+
+
+def test_the_seeds_recompute_flags_on_modellink_2024(tmp_path):
+    """The seed's AscendSpeed recompute flags (its own parser, AscendSpeed 64b1937a, vendored
+    as `seed_reference`) are not ModelLink 0df09cd1's: auto_recompute_device_size maps onto
+    --adaptive-recompute-device-size (+ ADAPTIVE_RECOMPUTING=1), which that stack parses;
+    checkpoint_policy / checkpoint_block_layer change nothing in the seed's code and are not
+    passed. Every flag the modellink-2024 script passes is in that stack's list."""
+    vendored = json.loads(OPTIONS_FILE.read_text())
+    seed = set(vendored["seed_reference"]["options"])
+    ml = set(vendored["stacks"]["modellink-2024"]["options"])
+    assert vendored["seed_reference"]["sources"][0]["commit"].startswith("64b1937a")
+    for f in ("--auto-recompute-device-size", "--checkpoint-policy", "--checkpoint_block_layer"):
+        assert f in seed and f not in ml
+    for f in ("--accumulate-allreduce-grads-in-fp32", "--recompute-granularity"):
+        assert f in seed and f in ml
+    assert "--adaptive-recompute-device-size" in ml
+    out = tmp_path / "l"
+    assert launch_main(["--config", str(BASE), "--cluster", str(_cluster(tmp_path)),
+                        "--master-addr", "n0", "--out", str(out)]) == 0
+    script = out / "train_mindspeed.sh"
+    assert "      export ADAPTIVE_RECOMPUTING=1" in script.read_text()
+    code, argv, err = _run_script(script, tmp_path, MEGATRON_STACK="modellink-2024",
+                                  AUTO_RECOMPUTE_DEVICE_SIZE="48000")
+    assert code == 0, err
+    flags = [a for a in argv if a.startswith("--")]
+    assert not sorted(set(flags) - ml)
+    assert argv[argv.index("--adaptive-recompute-device-size") + 1] == "48000"
+    assert "--accumulate-allreduce-grads-in-fp32" in flags and "--attention-softmax-in-fp32" in flags
+    assert not any(f.startswith("--recompute") for f in flags)
+    code, argv, _ = _run_script(script, tmp_path, MEGATRON_STACK="modellink-2024")
+    assert code == 0 and "--adaptive-recompute-device-size" not in argv      # not asked: off
+    code, _, err = _run_script(script, tmp_path, MEGATRON_STACK="modellink-2024",
+                               AUTO_RECOMPUTE_DEVICE_SIZE="lots")
+    assert code == 2 and "must be a positive integer (MB)" in err
+    # a layout with recompute: adaptive recompute refuses --recompute-granularity
+    full = tmp_path / "full"
+    assert launch_main(["--config", str(BASE), "--cluster", str(_cluster(tmp_path)),
+                        "--master-addr", "n0", "--out", str(full), "--recompute", "full"]) == 0
+    code, _, err = _run_script(full / "train_mindspeed.sh", tmp_path,
+                               MEGATRON_STACK="modellink-2024", AUTO_RECOMPUTE_DEVICE_SIZE="48000")
+    assert code == 2 and "adaptive recompute refuses the layout's --recompute-granularity" in err
