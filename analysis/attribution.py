@@ -4,7 +4,7 @@ RULES["pre_steps"] steps before its onset, each series against its own pre-spike
 what the numerics did, and whether a rollback's re-run recorded a recurrence; then one
 verdict per spike (VERDICTS: optimizer A, optimizer B, numerics, data or loading, unknown)
 with its evidence, decided by `decide`: the project's one spike-cause rule. What a log's
-lines say (analysis.diagnosis.log_facts: numerics events next to the spike, a learning rate
+lines say (analysis.diagnosis.spike_log_evidence: numerics events next to the spike, a learning rate
 too small to move the model, a resume just before, the grad norm's lead) goes into the same
 decision, so a log, a run directory with a layers table and one without get one verdict
 from one function: the telemetry's evidence where the run has it, the log's otherwise.
@@ -207,7 +207,7 @@ def decide(moved: dict[str, tuple[int, float]], rises: dict[str, float],
            groups: bool = True) -> tuple[str, list[str]]:
     """The one spike-cause rule: (verdict in VERDICTS, evidence lines) from the telemetry's
     movers (series -> (step, ratio)), the rises of lr / S and its numerics evidence, and
-    the log's facts (`log`, analysis.diagnosis.log_facts: "numerics" and "data" lines,
+    the log's facts (`log`, analysis.diagnosis.spike_log_evidence: "numerics" and "data" lines,
     "grad_note", "grad_lead"; None: a table without a log reading). `groups`: the run has
     per-group series (a layers table). Order: numerics (either source), data or loading
     (the log's: a step too small, a resume), optimizer B, optimizer A, data or loading (the
@@ -278,7 +278,7 @@ def attribute(spikes: pd.DataFrame, steps: pd.DataFrame, layers: pd.DataFrame | 
     """One row per spike (COLUMNS; the spike rule's, then unlogged_spikes'): verdict
     (`decide`), first mover, every mover, numerics evidence, recurrence and the evidence
     lines joined by " | ". interval: the log interval (windows are in logged lines).
-    log_facts: onset -> what the log's lines say (analysis.diagnosis.log_facts)."""
+    log_facts: onset -> what the log's lines say (analysis.diagnosis.spike_log_evidence)."""
     series = run_series(steps, layers, curvature)
     groups = any(n.startswith(("rho:", "update_rms:")) for n in series)
     rows = []

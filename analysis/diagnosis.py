@@ -52,11 +52,11 @@ def _at(step: int, lines: dict[int, int]) -> str:
 def diagnose(ra) -> pd.DataFrame:
     """One row per loss spike of `ra` (analysis.report.RunAnalysis; analysis.attribution
     COLUMNS): its verdict and evidence from analysis.attribution.decide, given the
-    telemetry the run has and what its lines say (log_facts)."""
-    return attribute_run(ra, log_facts(ra))
+    telemetry the run has and what its lines say (spike_log_evidence)."""
+    return attribute_run(ra, spike_log_evidence(ra))
 
 
-def log_facts(ra) -> dict[int, dict]:
+def spike_log_evidence(ra) -> dict[int, dict]:
     """onset -> {"numerics": [...], "data": [...], "grad_note": str, "grad_lead": int |
     None, "unknown": [...]}: what the lines show about each spike (module doc)."""
     st = ra.run.steps if ra.run is not None else pd.DataFrame()

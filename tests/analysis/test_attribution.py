@@ -177,7 +177,7 @@ def test_windows_count_logged_lines_in_a_log_with_an_interval():
 
 def test_one_rule_weighs_the_logs_facts_and_the_telemetry():
     """analysis.attribution.decide is the one spike-cause rule: the log's facts
-    (analysis.diagnosis.log_facts) and the telemetry's movers go into the same decision;
+    (analysis.diagnosis.spike_log_evidence) and the telemetry's movers go into the same decision;
     the telemetry's evidence where the run has group series, the log's otherwise."""
     steps, layers = tables(shallow_update_jump_at=ONSET - 1)
     facts = {"numerics": [], "data": [], "grad_note": "grad norm left its band at iteration "
