@@ -222,7 +222,7 @@ def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
     if rows is None or rows.empty or not (rows["role"] == "heldout").any():
         return H + ["Not run: the plan's maps " + ", ".join(f"`{m}`" for m in missing)
                     + " are missing (`adamspike phase-map --config configs/phase_map_science4"
-                    "<suffix>.toml --out ROOT/map<suffix>`, then `--map ROOT/map`).", ""]
+                    "<suffix>.toml --out ROOT/map<suffix>`, then `--map ROOT/map`).", ""], None
     train = rows[rows["role"] == "training"]
     held_all = rows[rows["role"] == "heldout"]
     held = held_all[held_all["cell_in_band"]]
@@ -279,7 +279,7 @@ def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
                  "cannot say whether the 70B's rate is zero")
         L.append(f"The 70B at the seed's setting ({S70['reading']}): S after the warmup "
                  f"{_fmt(S70['S'])} [{_fmt(lo)}, {_fmt(hi)}], {where}.")
-    return L + [""]
+    return L + [""], r
 
 
 def one_s_section(tab: pd.DataFrame | None, S70: Mapping[str, float] | None,
@@ -442,7 +442,8 @@ def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str) -> list
 
 
 # ------------------------------------------------------------------------ public record
-def public_record(plan: Mapping[str, Any], lam_reading: Mapping[str, Any] | None) -> pd.DataFrame:
+def public_record(plan: Mapping[str, Any], lam_reading: Mapping[str, Any] | None,
+                  threshold: Mapping[str, Any] | None = None, calib: float = 1.0) -> pd.DataFrame:
     """Expected spikes of each public run under the shipped mechanism model (its own class:
     the toys' k = 4, >= 10 % spikes) with the shipped sharpness law and, when given, the
     plan-QC law, beside what was reported; Poisson log-likelihoods against a constant rate
@@ -487,6 +488,21 @@ def public_record(plan: Mapping[str, Any], lam_reading: Mapping[str, Any] | None
                 exp[which] = tot
             row[f"expected_{tag}"], row[f"expected_lo_{tag}"], row[f"expected_hi_{tag}"] = \
                 exp["mid"], min(exp.values()), max(exp.values())
+        if threshold is not None:     # the model that can say zero, on the visible class
+            from analysis.rate_threshold import rates as threshold_rates
+            prof = profiles.get("qc", prof_v4)
+            exp = {}
+            for which in ("mid", "lo", "hi"):
+                ph = [(mechanism_inputs(prof, cand, phase, which), steps)
+                      for phase, steps in (("warmup", W), ("after", H - W))]
+                x = pd.DataFrame({"S": [m["stability"] * calib for m, _ in ph],
+                                  "warmup": [m["warmup"] for m, _ in ph],
+                                  "lr": r["lr"], "eps_median": r["eps"]})
+                rt = threshold_rates(threshold, x)["threshold"].to_numpy()
+                exp[which] = float(sum(v * st / 1000.0 for v, (_, st) in zip(rt, ph)))
+            row["expected_threshold"] = exp["mid"]
+            row["expected_lo_threshold"], row["expected_hi_threshold"] = \
+                min(exp.values()), max(exp.values())
         rows.append(row)
     df = pd.DataFrame(rows)
     counted = df[df["reported"].notna() & df["expected_v4"].notna()] if "expected_v4" in df else df.iloc[:0]
@@ -504,23 +520,26 @@ def public_record(plan: Mapping[str, Any], lam_reading: Mapping[str, Any] | None
             return ll
         df.loc[counted.index, "loglik_const"] = loglik(const * H)
         df.loc[counted.index, "expected_const"] = const * H
-        for tag in profiles:
+        for tag in [*profiles, *(["threshold"] if "expected_threshold" in df else [])]:
             df.loc[counted.index, f"loglik_{tag}"] = loglik(counted[f"expected_{tag}"].to_numpy(float))
     return df
 
 
 def record_md(df: pd.DataFrame) -> list[str]:
-    tags = [t for t in ("v4", "qc") if f"expected_{t}" in df]
+    tags = [t for t in ("v4", "qc", "threshold") if f"expected_{t}" in df]
     cols = ["run", "eps", "b2", "lr", "horizon_steps", "reported"]
     for t in tags:
-        cols += [f"S_after_{t}", f"expected_{t}", f"expected_lo_{t}", f"expected_hi_{t}"]
+        cols += [c for c in (f"S_after_{t}", f"expected_{t}", f"expected_lo_{t}",
+                             f"expected_hi_{t}") if c in df]
     cols += ["expected_const"] + [f"loglik_{t}" for t in tags] + ["loglik_const"]
     L = ["## The public record as a test", "",
          "Expected spikes over each run's horizon under the shipped mechanism model (rate = "
          "f(S, warmup), trained on the toys' k = 4 / >= 10 % class; the 70B profile's rho and "
          "sharpness law, the run's eps, b2, lr and warmup), once with the shipped law (v4) and "
          "once with the plan-QC law (qc); the interval combines the model's rate interval and "
-         "the law's range. `reported`: visible spikes the authors reported (at least, where "
+         "the law's range. `threshold`: the model that can say zero (trained on the plan's "
+         "visible class, the 70B's S carried onto the toys' scale by One S where measured; "
+         "its interval is the law's range only). `reported`: visible spikes the authors reported (at least, where "
          "they only said spikes happened). Log-likelihoods (Poisson; at-least counts as P(N >= "
          "k)) against a constant rate fitted to the same record.", "",
          md_table(df, [c for c in cols if c in df]), ""]
@@ -791,7 +810,9 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     elif (SHIPPED / ONE_S_FILE).exists():
         one_tab = pd.read_csv(SHIPPED / ONE_S_FILE)
     parts["ones"], S70_cal = one_s_section(one_tab, S70, out)
-    parts["ratemodel"] = rate_model_section(rate_rows, rate_missing, plan, S70_cal or S70, out)
+    parts["ratemodel"], rate_fit = rate_model_section(rate_rows, rate_missing, plan,
+                                                      S70_cal or S70, out)
+    calib = (S70_cal["S"] / S70["S"]) if S70_cal and S70 else 1.0
     if map_dir and summ is not None:       # every plan map's toys, with their visible spikes
         more = [map_summary(Path(map_dir).parent / n).assign(map=n)
                 for ns in plan_maps(plan).values() for n in ns if n != Path(map_dir).name
@@ -814,7 +835,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     lam = None
     if len(qc_read) and "lambda_inf" in qc_read and np.isfinite(qc_read["lambda_inf"].iloc[0]):
         lam = qc_read.iloc[0].to_dict()
-    record = public_record(plan, lam)
+    record = public_record(plan, lam, rate_fit["models"] if rate_fit else None, calib)
     atomic_write_bytes(out / "public_record.csv", record.to_csv(index=False).encode())
     parts["record"] = record_md(record)
     if claims_dir:
