@@ -44,6 +44,8 @@ from adamspike.rundir import atomic_write_bytes
 from adamspike.spikes import detect_spikes
 from adamspike.tables import md_table
 from adamspike.train_config import RunConfig
+from analysis import one_s as OS
+from analysis import rate_threshold as RT
 from analysis import sharpness as SH
 from analysis.claims import load as load_claims
 from analysis.phase_map import poisson_interval
@@ -201,13 +203,12 @@ def plan_maps(plan: Mapping[str, Any]) -> dict[str, list[str]]:
 
 def rate_rows_from_maps(root: Path, plan: Mapping[str, Any]) -> tuple[pd.DataFrame, list[str]]:
     """Lane-phase rows of every plan map found under root, and the maps not found."""
-    from analysis.rate_threshold import map_rows
     parts, missing = [], []
     for role, names in plan_maps(plan).items():
         for n in names:
             d = root / n
             if (d / "map.json").exists() and any((d / "cells").glob("*.parquet")):
-                parts.append(map_rows(d, plan, n).assign(role=role))
+                parts.append(RT.map_rows(d, plan, n).assign(role=role))
             else:
                 missing.append(n)
     return (pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()), missing
@@ -217,7 +218,6 @@ def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
                        plan: Mapping[str, Any], S70: Mapping[str, float] | None,
                        out: Path) -> list[str]:
     """The plan's held-out test of the threshold model (analysis/rate_threshold.py)."""
-    from analysis.rate_threshold import MODELS, judge
     H = ["## A rate model that can say zero, on a held-out map", ""]
     if rows is None or rows.empty or not (rows["role"] == "heldout").any():
         return H + ["Not run: the plan's maps " + ", ".join(f"`{m}`" for m in missing)
@@ -227,7 +227,7 @@ def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
     held_all = rows[rows["role"] == "heldout"]
     held = held_all[held_all["cell_in_band"]]
     excluded = held_all[~held_all["cell_in_band"]].groupby(["source", "lr_mult", "batch_mult"]).size()
-    r = judge(train.reset_index(drop=True), held.reset_index(drop=True), plan,
+    r = RT.judge(train.reset_index(drop=True), held.reset_index(drop=True), plan,
               seed=int(plan["spikes"]["null"]["seed"]))
     r["bins"].to_csv(out / "rate_bins.csv", index=False)
     keep = {k: v for k, v in r.items() if k != "bins"}
@@ -264,7 +264,7 @@ def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
                                   "expected": r["total_expected"][m],
                                   "expected_lo": r["total_expected_interval"][m][0],
                                   "expected_hi": r["total_expected_interval"][m][1],
-                                  "observed": r["observed"]} for m in MODELS])), "",
+                                  "observed": r["observed"]} for m in RT.MODELS])), "",
           "Per S bin (threshold model; judged where >= "
           f"{plan['heldout']['min_expected_per_bin']:g} are expected):", "",
           md_table(r["bins"], ["S_lo", "S_hi", "rows", "observed", "threshold_expected",
@@ -286,7 +286,6 @@ def one_s_section(tab: pd.DataFrame | None, S70: Mapping[str, float] | None,
                   out: Path) -> tuple[list[str], dict | None]:
     """The calibration of the 70B's S estimator against the toys' tracker operator
     (analysis/one_s.py) and the 70B's S carried onto the toys' scale."""
-    from analysis import one_s as OS
     H = ["## One S: the 70B's estimator against the toys' tracker", ""]
     if tab is None or tab.empty:
         return H + ["Not measured: no `one_s` cells (simulate/one_s.py; `adamspike science4 "
@@ -489,7 +488,6 @@ def public_record(plan: Mapping[str, Any], lam_reading: Mapping[str, Any] | None
             row[f"expected_{tag}"], row[f"expected_lo_{tag}"], row[f"expected_hi_{tag}"] = \
                 exp["mid"], min(exp.values()), max(exp.values())
         if threshold is not None:     # the model that can say zero, on the visible class
-            from analysis.rate_threshold import rates as threshold_rates
             prof = profiles.get("qc", prof_v4)
             exp = {}
             for which in ("mid", "lo", "hi"):
@@ -498,7 +496,7 @@ def public_record(plan: Mapping[str, Any], lam_reading: Mapping[str, Any] | None
                 x = pd.DataFrame({"S": [m["stability"] * calib for m, _ in ph],
                                   "warmup": [m["warmup"] for m, _ in ph],
                                   "lr": r["lr"], "eps_median": r["eps"]})
-                rt = threshold_rates(threshold, x)["threshold"].to_numpy()
+                rt = RT.rates(threshold, x)["threshold"].to_numpy()
                 exp[which] = float(sum(v * st / 1000.0 for v, (_, st) in zip(rt, ph)))
             row["expected_threshold"] = exp["mid"]
             row["expected_lo_threshold"], row["expected_hi_threshold"] = \
@@ -802,8 +800,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     # One S: the cells in the store when computing, else the shipped table
     one_tab = None
     if map_dir and (store_dir / "one_s").is_dir():
-        from analysis import one_s as OS
-        one_tab = OS.read_table(store_dir, {n: Path(map_dir).parent / n
+            one_tab = OS.read_table(store_dir, {n: Path(map_dir).parent / n
                                             for ns in plan_maps(plan).values() for n in ns})
         if not one_tab.empty:
             one_tab.to_csv(out / ONE_S_FILE, index=False)
