@@ -800,7 +800,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     # One S: the cells in the store when computing, else the shipped table
     one_tab = None
     if map_dir and (store_dir / "one_s").is_dir():
-            one_tab = OS.read_table(store_dir, {n: Path(map_dir).parent / n
+        one_tab = OS.read_table(store_dir, {n: Path(map_dir).parent / n
                                             for ns in plan_maps(plan).values() for n in ns})
         if not one_tab.empty:
             one_tab.to_csv(out / ONE_S_FILE, index=False)
