@@ -212,7 +212,9 @@ def judge(train: pd.DataFrame, held: pd.DataFrame, plan: Mapping[str, Any],
     """The plan's held-out test (module doc): models, deviances, per-bin table, verdict."""
     rm, ho = plan["rate_model"], plan["heldout"]
     s_bins = rm["s_bins"]
-    train = train[np.isfinite(train["S"]) & (train["S"] > 0)].reset_index(drop=True)
+    no_S = ~(np.isfinite(train["S"]) & (train["S"] > 0))
+    train_dropped = train[no_S]
+    train = train[~no_S].reset_index(drop=True)
     dropped = held[~(np.isfinite(held["S"]) & (held["S"] > 0))]
     held = held[np.isfinite(held["S"]) & (held["S"] > 0)].reset_index(drop=True)
     models = fit_models(train, s_bins)
@@ -270,5 +272,7 @@ def judge(train: pd.DataFrame, held: pd.DataFrame, plan: Mapping[str, Any],
                 boot["expected"][m][:, -1], [5, 95])] for m in MODELS},
             "observed": int(k.sum()), "train_rows": int(len(train)),
             "train_spikes": int(train["spikes"].sum()), "train_cells": int(train["cell"].nunique()),
+            "train_dropped_no_S": int(len(train_dropped)),
+            "train_dropped_spikes": int(train_dropped["spikes"].sum()),
             "held_rows": int(len(held)), "held_cells": int(held["cell"].nunique()),
             "held_dropped_no_S": int(len(dropped))}

@@ -250,14 +250,20 @@ def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
              md_table(cells, ["role", "source", "lr_mult", "batch_mult", "init_std", "dim",
                               "layers", "lanes", "S_median", "rho_shallow", "rho_deep",
                               "in_band", "spikes", "steps"]), ""]
+    if r["train_dropped_no_S"]:
+        L.append(f"{r['train_dropped_no_S']} training rows have no positive tracker S (the "
+                 "tracker's signed power iteration settled on a negative eigenvalue larger in "
+                 "magnitude than the top positive one, or no evaluation): S is not measured "
+                 f"there, so they cannot enter an S model; they hold {r['train_dropped_spikes']} "
+                 "of the training's visible spikes.")
     if math.isfinite(th["S_c"]):
         L.append(f"Threshold model: S_c = {_fmt(th['S_c'])} (the smallest S of a training row with "
                  f"a visible spike: the maximum-likelihood boundary; cell bootstrap: finite in "
                  f"{r['S_c_boot']['finite_share']:.0%} of draws, 90 % [{_fmt(r['S_c_boot']['p5'])}, "
                  f"{_fmt(r['S_c_boot']['p95'])}]); {th['spiking_rows']} training rows spike.")
     else:
-        L.append("Threshold model: no visible spike in any training row, so S_c = inf: the "
-                 "model says zero everywhere (and so does the constant).")
+        L.append("Threshold model: no visible spike in any training row with a measured S, so "
+                 "S_c = inf: the model says zero everywhere.")
     L += ["", "Held-out Poisson deviance (lower is better; inf: a spike where the model said "
           "zero) and expected visible spikes in all held-out rows [cell-bootstrap 90 %]:", "",
           md_table(pd.DataFrame([{"model": m, "deviance": r["deviance"][m],
