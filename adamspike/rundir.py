@@ -71,6 +71,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from adamspike.config import ConfigError
 from adamspike.faults import kill_point
 from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_VHIST_BINS, VHIST_EDGES
 
@@ -302,6 +303,47 @@ def environment(**extra: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- ownership
 
+class OutputPathError(ConfigError):
+    """An output path a command must not write to (check_out); a ConfigError, so every
+    CLI's one-line error path (adamspike.config.cli_main) reports it."""
+
+
+def check_out(path: str | Path, *, flag: str = "--out", kind: str = "dir",
+              keep_existing: bool = False) -> Path:
+    """Where a command may write its output, checked before it computes anything (one rule
+    for every command that writes): the nearest existing folder on the way is a directory,
+    on a file system mounted read-write and writable by this user (a check, not a probe
+    write: nothing is created here); the path itself is absent or, for kind="dir", an empty
+    folder, so nothing the command did not write is overwritten. keep_existing: an existing
+    folder is the command's own to continue (a resumable sweep, `reproduce --resume`).
+    OutputPathError, one line naming the flag and the path, otherwise."""
+    path = Path(path)
+    where = f"{flag} {path}" if flag else str(path)
+    if path.exists() or path.is_symlink():
+        if kind == "file" or not path.is_dir():
+            raise OutputPathError(f"{where}: exists{' and is not a directory' if kind == 'dir' else ''}"
+                                  " (nothing was overwritten; choose a new path)")
+        if not keep_existing and any(p.name != LOCK_FILE for p in path.iterdir()):
+            raise OutputPathError(f"{where}: exists and is not an empty directory; choose a "
+                                  "new one (nothing was overwritten)")
+        target = path
+    else:
+        target = next((p for p in path.absolute().parents if p.exists()), Path("/"))
+        if not target.is_dir():
+            raise OutputPathError(f"{where}: {target} is a file, not a directory")
+    try:
+        read_only = bool(os.statvfs(target).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        raise OutputPathError(f"{where}: {target} is on a read-only file system (nothing was "
+                              "written)")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{where}: {target} is not writable by this user (nothing was "
+                              "written)")
+    return path
+
+
 def check_new_run_dir(path: str | Path, *, hint: str = "resume it or choose a new directory"
                       ) -> Path:
     """A path a new run may be written to: absent, or an empty directory (a lock file alone
@@ -321,6 +363,10 @@ def check_new_run_dir(path: str | Path, *, hint: str = "resume it or choose a ne
             raise RunFormatError(
                 f"{path}: run directory exists and is not empty; {hint} (nothing was "
                 "overwritten)")
+    try:
+        check_out(path, flag="", keep_existing=True)      # a read-only or unwritable place
+    except OutputPathError as e:
+        raise RunFormatError(str(e)) from None
     return path
 
 

@@ -34,7 +34,8 @@ from typing import Iterable
 
 from adamspike.parallel import process_map
 from adamspike.report_html import markdown_to_html
-from adamspike.rundir import RunFormatError, atomic_write_bytes, find_runs, load_run, run_names
+from adamspike.rundir import (OutputPathError, RunFormatError, atomic_write_bytes, check_out,
+                              find_runs, load_run, run_names)
 from figures import style
 from figures._common import run_analysis
 
@@ -298,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    try:    # an existing --out is kept (the study's two figure stages share OUT/figures)
+        check_out(args.out, keep_existing=True)
+    except OutputPathError as e:
+        print(f"adamspike figures: {e}", file=sys.stderr)
+        return 2
     if args.only_theory:
         if args.no_theory:
             print("adamspike figures: --only-theory and --no-theory exclude each other",

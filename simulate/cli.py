@@ -24,7 +24,7 @@ from pathlib import Path
 from adamspike import mitigations
 from adamspike.config import (check_finite_args, flatten, from_dict, merge, nest, parse_overrides,
                               to_dict)
-from adamspike.rundir import atomic_write_bytes
+from adamspike.rundir import OutputPathError, atomic_write_bytes, check_out
 from simulate import ladder, matched   # numpy / pandas only: the ladder fit and the report run without jax
 from theory.adam_moments import update_stats
 
@@ -69,8 +69,7 @@ def _check_run(a) -> None:
     for k in ("steps", "layers_every"):
         if getattr(a, k) < 1:
             raise ValueError(f"{k}: must be >= 1, got {getattr(a, k)}")
-    if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):
-        raise ValueError(f"out: {a.out} exists and is not an empty directory (nothing was overwritten)")
+    check_out(a.out)      # new or empty, on a writable file system: before computing
 
 
 # ----------------------------------------------------------------------------- quadratic
@@ -200,8 +199,8 @@ def _streams(argv) -> int:
     a = p.parse_args(argv)
     if a.record not in ("last", "all"):
         raise ValueError(f"record: must be 'last' or 'all', got {a.record!r}")
-    if a.out is not None and a.out.exists():
-        raise ValueError(f"out: {a.out} exists (nothing was overwritten)")
+    if a.out is not None:
+        check_out(a.out, kind="file")
     cfg = {k: getattr(a, k) for k in ("b1", "b2", "eps", "sigma", "mu", "phi")}
     stats = streams.simulate_streams([cfg], a.steps, a.coords, seed=a.seed, record=a.record)
     res = {"config": cfg, "steps": a.steps, "coords": a.coords, "seed": a.seed,

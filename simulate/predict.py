@@ -111,7 +111,7 @@ from adamspike.llama import PRESETS, num_params, param_specs, preset
 from adamspike.megatron_log import MegatronLogError, read_megatron_log
 from adamspike.predictions import (AlarmRule, Predictions, PredictionsError, indistinguishable,
                                    model_key, model_label, not_in_model, save_predictions)
-from adamspike.rundir import RunFormatError, json_clean, load_run, read_json
+from adamspike.rundir import OutputPathError, RunFormatError, check_out, json_clean, load_run, read_json
 from adamspike.train_config import RunConfig
 from simulate import ladder as LD
 from theory.adam_moments import grad_mom_cos
@@ -1086,6 +1086,8 @@ def _main(args) -> int:
     if args.out and Path(args.out).exists():
         raise ConfigError(f"{args.out}: exists (a pre-registered predictions file is never "
                           "overwritten); choose a new --out")
+    if args.out:
+        check_out(args.out, kind="file")   # a read-only or unwritable place, before computing
     if args.horizon_steps < 1:
         raise ConfigError(f"--horizon-steps: must be >= 1, got {args.horizon_steps}")
     if args.profile_from_log:

@@ -71,7 +71,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from adamspike.config import ConfigError, cli_main, flatten, from_dict, merge, nest, read_toml, to_dict
-from adamspike.rundir import (CorruptCellFile, atomic_write_bytes, atomic_write_frame, cached_cell,
+from adamspike.rundir import (CorruptCellFile, check_out, atomic_write_bytes, atomic_write_frame, cached_cell,
                               read_cell_frame)
 from adamspike.spikes import SpikeParams, detect_spikes
 
@@ -531,6 +531,7 @@ def _main(args, problems: Mapping[str, Problem]) -> int:
         grid = load_grid(args.grid, problems, quick=args.quick)
         if args.save_runs < 0:
             raise ConfigError(f"--save-runs: must be >= 0, got {args.save_runs}")
+        check_out(args.out, keep_existing=True)    # resumable: its own sweep folder is kept
         table = run_sweep(grid, args.out, shard, progress=not args.no_progress,
                           save_runs=args.save_runs)
         print(f"{len(table)} runs -> {args.out}")

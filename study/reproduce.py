@@ -61,7 +61,7 @@ from tqdm import tqdm
 from adamspike import package_data
 from adamspike.cells import cache_home
 from adamspike.config import ConfigError, read_toml
-from adamspike.rundir import RunFormatError, RunLock
+from adamspike.rundir import OutputPathError, RunFormatError, RunLock, check_out
 from adamspike.tables import fmt, md_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -746,6 +746,11 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and any(out.iterdir()) and not args.resume:
         print(f"adamspike reproduce: {out} exists and is not empty; use --resume or a new "
               "--out (nothing was overwritten)", file=sys.stderr)
+        return 2
+    try:      # a read-only or unwritable --out: one line before anything runs
+        check_out(out, keep_existing=True)
+    except OutputPathError as e:
+        print(f"adamspike reproduce: {e}", file=sys.stderr)
         return 2
     try:
         args.scale = args.scale or "standard"
