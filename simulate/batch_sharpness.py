@@ -55,7 +55,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from adamspike.config import ConfigError, cli_main
-from adamspike.rundir import atomic_write_bytes
+from adamspike.rundir import atomic_write_bytes, check_out
 from adamspike.synthdata import SyntheticTokens
 from adamspike.tables import md_table
 from simulate import ladder as LD
@@ -268,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
 
     def body(a) -> int:
+        check_out(a.out, keep_existing=True)    # resumable: its own folder is kept
         print(report_md(run(a.out, "quick" if a.quick else "full", progress=not a.no_progress,
                             lr_scaling=a.lr_scaling)), end="")
         return 0

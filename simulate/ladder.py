@@ -84,7 +84,7 @@ from adamspike.config import ConfigError, cli_main
 from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.llama import LlamaConfig, ffn_dim_for, param_specs, preset
 from adamspike.order import sample_indices
-from adamspike.rundir import (CorruptCellFile, atomic_write_bytes, atomic_write_frame, cached_cell,
+from adamspike.rundir import (CorruptCellFile, check_out, atomic_write_bytes, atomic_write_frame, cached_cell,
                               read_cell_frame)
 from adamspike.synthdata import SyntheticTokens
 from adamspike.tables import md_table
@@ -835,8 +835,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
-    if args.out.exists() and not args.out.is_dir():
-        raise ConfigError(f"--out {args.out}: exists and is not a directory")
+    check_out(args.out, keep_existing=True)     # resumable: its own ladder folder is kept
     spec = SPECS[args.spec](args.lr_scaling)
     t0 = time.perf_counter()
     if args.cells_from:

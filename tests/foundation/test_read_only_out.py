@@ -44,6 +44,14 @@ def _commands(ro: Path, log: Path) -> dict[str, list[str]]:
         "sweep": ["sweep", "run", "--grid", GRID, "--quick", "--out", str(ro / "sw")],
         "simulate quadratic": ["simulate", "quadratic", "--steps", "10", "--out", str(ro / "q")],
         "simulate streams": ["simulate", "streams", "--out", str(ro / "st.json")],
+        "simulate mlp": ["simulate", "mlp", "--kind", "sin", "--out", str(ro / "m")],
+        "simulate llama": ["simulate", "llama", "--config", str(ROOT / "configs" / "tiny.toml"),
+                           "--out", str(ro / "l")],
+        "simulate ladder": ["simulate", "ladder", "--quick", "--out", str(ro / "ld")],
+        "simulate batch-sharpness": ["simulate", "batch-sharpness", "--quick", "--out",
+                                     str(ro / "bs")],
+        "simulate matched": ["simulate", "matched", "--runs", str(log), "--predictions",
+                             str(log), "--out", str(ro / "mt")],
     }
 
 
