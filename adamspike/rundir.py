@@ -308,24 +308,45 @@ class OutputPathError(ConfigError):
     CLI's one-line error path (adamspike.config.cli_main) reports it."""
 
 
+OWNER_FILE = ".adamspike-out"    # in an output folder: the command that writes it
+
+
+def _in_study(path: Path) -> bool:
+    """Inside the study folder of the `adamspike reproduce` running this stage (its stages
+    own their folders there: reproduce holds the folder's lock and sets aside what an
+    interrupted stage left)."""
+    study = os.environ.get("ADAMSPIKE_STUDY")
+    try:
+        return bool(study) and path.resolve().is_relative_to(Path(study).resolve())
+    except (OSError, AttributeError):     # AttributeError: python < 3.9
+        return bool(study) and str(path.resolve()).startswith(str(Path(study).resolve()) + os.sep)
+
+
 def check_out(path: str | Path, *, flag: str = "--out", kind: str = "dir",
-              keep_existing: bool = False) -> Path:
+              keep_existing: bool = False, owner: str | None = None) -> Path:
     """Where a command may write its output, checked before it computes anything (one rule
     for every command that writes): the nearest existing folder on the way is a directory,
     on a file system mounted read-write and writable by this user (a check, not a probe
     write: nothing is created here); the path itself is absent or, for kind="dir", an empty
     folder, so nothing the command did not write is overwritten. keep_existing: an existing
     folder is the command's own to continue (a resumable sweep, `reproduce --resume`).
-    OutputPathError, one line naming the flag and the path, otherwise."""
+    owner: a command that fills a folder with fixed names (figures, science4) may write
+    into a non-empty one that it claimed before (`claim_out`), or one inside the study
+    folder of the reproduce running it. OutputPathError, one line naming the flag and the
+    path, otherwise."""
     path = Path(path)
     where = f"{flag} {path}" if flag else str(path)
     if path.exists() or path.is_symlink():
         if kind == "file" or not path.is_dir():
             raise OutputPathError(f"{where}: exists{' and is not a directory' if kind == 'dir' else ''}"
                                   " (nothing was overwritten; choose a new path)")
-        if not keep_existing and any(p.name != LOCK_FILE for p in path.iterdir()):
-            raise OutputPathError(f"{where}: exists and is not an empty directory; choose a "
-                                  "new one (nothing was overwritten)")
+        own = keep_existing or (owner is not None and (
+            _owner_of(path) == owner or _in_study(path)))
+        if not own and any(p.name != LOCK_FILE for p in path.iterdir()):
+            raise OutputPathError(
+                f"{where}: exists and is not an empty directory"
+                + (f" that `adamspike {owner}` wrote" if owner else "")
+                + "; choose a new one (nothing was overwritten)")
         target = path
     else:
         target = next((p for p in path.absolute().parents if p.exists()), Path("/"))
@@ -341,6 +362,23 @@ def check_out(path: str | Path, *, flag: str = "--out", kind: str = "dir",
     if not os.access(target, os.W_OK | os.X_OK):
         raise OutputPathError(f"{where}: {target} is not writable by this user (nothing was "
                               "written)")
+    return path
+
+
+def _owner_of(path: Path) -> str | None:
+    try:
+        return (path / OWNER_FILE).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def claim_out(path: str | Path, owner: str) -> Path:
+    """Create the output folder checked by check_out(owner=...) and mark it as `owner`'s,
+    so that its next run may write there again (and no other command's)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if _owner_of(path) != owner:
+        atomic_write_bytes(path / OWNER_FILE, (owner + "\n").encode())
     return path
 
 

@@ -98,3 +98,38 @@ def test_an_existing_output_file_is_never_overwritten(tmp_path, capsys, argv):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(f) in err[0] and "exists" in err[0], err
     assert f.read_text() == "not theirs"
+
+
+@pytest.mark.parametrize("argv", [["figures", "--only-theory", "--out", "{d}"],
+                                  ["science4", "--out", "{d}"]])
+def test_a_folder_another_command_wrote_is_never_written_into(tmp_path, capsys, argv):
+    """figures and science4 rewrite their own files in a folder they claimed (their next
+    run, the study's two figure stages); a non-empty folder they did not claim is refused
+    before anything is computed, and what it holds is untouched."""
+    d = tmp_path / "theirs"
+    d.mkdir()
+    (d / "loss_spikes.png").write_bytes(b"someone's figure")
+    assert main([a.replace("{d}", str(d)) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(d) in err[0] and "not an empty directory that `adamspike" in err[0]
+    assert sorted(p.name for p in d.iterdir()) == ["loss_spikes.png"]
+    assert (d / "loss_spikes.png").read_bytes() == b"someone's figure"
+
+
+def test_claimed_folders_and_study_folders_are_their_owners(tmp_path, monkeypatch):
+    from adamspike.rundir import OWNER_FILE, claim_out
+    d = claim_out(check_out(tmp_path / "f", owner="figures"), "figures")
+    (d / "a.png").write_bytes(b"png")
+    assert (d / OWNER_FILE).read_text() == "figures\n"
+    check_out(d, owner="figures")                         # its next run: allowed
+    with pytest.raises(OutputPathError, match="that `adamspike science4` wrote"):
+        check_out(d, owner="science4")
+    other = tmp_path / "study" / "figures"
+    other.mkdir(parents=True)
+    (other / "theory.png").write_bytes(b"png")            # a stage of an older study
+    with pytest.raises(OutputPathError):
+        check_out(other, owner="figures")
+    monkeypatch.setenv("ADAMSPIKE_STUDY", str(tmp_path / "study"))
+    check_out(other, owner="figures")                     # reproduce's stage: its folder
+    with pytest.raises(OutputPathError):
+        check_out(other)                                  # no owner: never
