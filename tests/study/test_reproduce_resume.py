@@ -1,7 +1,10 @@
 """`adamspike reproduce` on a shared machine (issue 40, defects 3 and 4), with real
 processes: one writer per study folder, stages that die with reproduce (SIGTERM: their
-process groups; kill -9: PR_SET_PDEATHSIG), a run stage killed mid-way that --resume
-reruns (its partial run set aside), and torn stage marks that rerun their stage."""
+process groups; kill -9: the guard leading each stage's group, told by PR_SET_PDEATHSIG,
+kills the group, the stage's own workers too), a kill -9 inside each kind of stage that
+--resume finishes (a run stage: its partial run set aside; a cell stage: only the missing
+cells computed; a report stage: its partial output set aside, no orphan worker), and torn
+stage marks that rerun their stage."""
 
 from __future__ import annotations
 
@@ -201,6 +204,7 @@ FIRST_STAGE = '[stages.info]\nargs = ["model", "info", "--config", "tiny", "--js
               'stdout_to = "info.json"\noutputs = ["info.json"]\n\n'
 
 
+@pytest.mark.slow
 def test_cell_stage_killed_mid_way_resumes_without_recomputing_stored_cells(tmp_path):
     """A sweep stage (simulate.sweep.run_cells: one cell file per finished cell) killed with
     kill -9 of reproduce's process group after its first cell is stored, the second still
@@ -238,6 +242,7 @@ def test_cell_stage_killed_mid_way_resumes_without_recomputing_stored_cells(tmp_
         assert (out / rel).read_bytes() == (ref / rel).read_bytes(), rel
 
 
+@pytest.mark.slow
 def test_report_stage_killed_mid_way_resumes_with_no_orphan(tmp_path):
     """An analyze stage with --jobs 2 (its runs in forked worker processes) killed with kill
     -9 of reproduce's process group once the small run's tables exist and the large run's
