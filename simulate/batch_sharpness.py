@@ -268,7 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
 
     def body(a) -> int:
-        check_out(a.out, keep_existing=True)    # resumable: its own folder is kept
+        # resumable: its own folder (cells/, summary.json) is kept, any other non-empty one
+        # refused
+        check_out(a.out, keep_existing=(Path(a.out) / "cells").is_dir())
         print(report_md(run(a.out, "quick" if a.quick else "full", progress=not a.no_progress,
                             lr_scaling=a.lr_scaling)), end="")
         return 0
