@@ -40,7 +40,8 @@ import pandas as pd
 
 from adamspike.config import cli_main
 from adamspike.depth_groups import GROUPS, depth_group, group_rho
-from adamspike.rundir import OutputPathError, RunFormatError, atomic_write_bytes, check_out, load_run
+from adamspike.rundir import (OutputPathError, RunFormatError, atomic_write_bytes, check_out,
+                              claim_out, load_run)
 from adamspike.spikes import detect_spikes
 from adamspike.tables import md_table
 
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
-    check_out(args.out, keep_existing=True)   # a rerun replaces its own report
+    claim_out(check_out(args.out, owner="matched"), "matched")   # new, empty or its own
     profile = json.loads(args.predictions.read_text())["profile"]
     sums = [summarize(r, profile) for r in args.runs]
     args.out.mkdir(parents=True, exist_ok=True)
