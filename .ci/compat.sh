@@ -2,7 +2,8 @@
 # CI compatibility jobs (called by .ci/run after `make test`; also `make compat`):
 #   py38   python 3.8 + torch 2.1.0 (the 910B seed stack: CANN 7.0.1, torch/torch_npu 2.1.0):
 #          the Megatron probe on a plain torch.optim.AdamW model (torch + numpy only: the
-#          plain run-directory writer), the config loader, `model info`, `launch` and
+#          plain run-directory writer), the DCP metadata allowlist against a checkpoint
+#          torch 2.1 writes (tests/compat/dcp_metadata_check.py), the config loader, `model info`, `launch` and
 #          `analyze --log` (with that python's pandas / pyarrow / scipy), then `adamspike
 #          analyze` of the probe's run directory in the main environment.
 #          Then `pip install -e .[cluster]` (torch 2.1.0 pinned) into a clean python 3.8
@@ -81,6 +82,9 @@ for mod in ("pandas", "pyarrow", "scipy", "jax"):
 PY
   PYTHONPATH="$ROOT" "$env/bin/python" tests/compat/probe_adamw.py "$TMP/py38" --steps 12 --skip 5
   ls "$TMP/py38/run/layers" | grep -q 'part-000000.jsonl'   # the plain writer was used
+  # every global torch 2.1 writes into a DCP checkpoint's .metadata is one the restricted
+  # unpickler admits (fullscale/dcp_metadata.py derives its allowlist from the torch installed)
+  PYTHONPATH="$ROOT" "$env/bin/python" tests/compat/dcp_metadata_check.py "$TMP/dcp38"
   rc=0; PYTHONPATH="$ROOT" "$env/bin/python" -m fullscale.megatron_probe 2>/dev/null || rc=$?
   [[ $rc == 2 ]]                                   # the launcher's usage error
   # the config loader, model info, launch and analyze (--log) on 3.8, with that python's

@@ -22,9 +22,13 @@ RUN/flushed.json records its host and pid and the last step whose rows are all o
 after every flush (a flush the writer triggers itself, by time or rows, may fall inside a
 step: it records the step before); a resume records its checkpoint step there before it
 truncates, and a guard's rollback (`RunWriter.rewind`) records its checkpoint step until
-the re-run's rows are on disk. While that writer lives, `load_run` reads only rows and
+the re-run's rows are on disk. The record also names the writer's session and, per table,
+how many part files hold those rows (parts a session wrote never change while it lives).
+While that writer lives, `load_run` reads only those parts, and in them only rows and
 per-step events up to that step (lifecycle events whole), skips a part deleted under it,
-and reads again if the record moved meanwhile, so its tables describe one moment. A
+and reads again if a new session (a resume) began meanwhile, so its tables describe one
+moment however far the writer moved during the read (a step bound alone did not: a read
+that outlived a rollback and its re-run to the same step mixed both trajectories). A
 closed or killed writer's run is read whole (a kill loses at most the last flush
 interval).
 
@@ -67,6 +71,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from adamspike.config import ConfigError
 from adamspike.faults import kill_point
 from adamspike.metrics import HIST_EDGES, METRIC_NAMES, NUM_VHIST_BINS, VHIST_EDGES
 
@@ -298,6 +303,85 @@ def environment(**extra: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- ownership
 
+class OutputPathError(ConfigError):
+    """An output path a command must not write to (check_out); a ConfigError, so every
+    CLI's one-line error path (adamspike.config.cli_main) reports it."""
+
+
+OWNER_FILE = ".adamspike-out"    # in an output folder: the command that writes it
+
+
+def _in_study(path: Path) -> bool:
+    """Inside the study folder of the `adamspike reproduce` running this stage (its stages
+    own their folders there: reproduce holds the folder's lock and sets aside what an
+    interrupted stage left)."""
+    study = os.environ.get("ADAMSPIKE_STUDY")
+    try:
+        return bool(study) and path.resolve().is_relative_to(Path(study).resolve())
+    except (OSError, AttributeError):     # AttributeError: python < 3.9
+        return bool(study) and str(path.resolve()).startswith(str(Path(study).resolve()) + os.sep)
+
+
+def check_out(path: str | Path, *, flag: str = "--out", kind: str = "dir",
+              keep_existing: bool = False, owner: str | None = None) -> Path:
+    """Where a command may write its output, checked before it computes anything (one rule
+    for every command that writes): the nearest existing folder on the way is a directory,
+    on a file system mounted read-write and writable by this user (a check, not a probe
+    write: nothing is created here); the path itself is absent or, for kind="dir", an empty
+    folder, so nothing the command did not write is overwritten. keep_existing: an existing
+    folder is the command's own to continue (a resumable sweep, `reproduce --resume`).
+    owner: a command that fills a folder with fixed names (figures, science4) may write
+    into a non-empty one that it claimed before (`claim_out`), or one inside the study
+    folder of the reproduce running it. OutputPathError, one line naming the flag and the
+    path, otherwise."""
+    path = Path(path)
+    where = f"{flag} {path}" if flag else str(path)
+    if path.exists() or path.is_symlink():
+        if kind == "file" or not path.is_dir():
+            raise OutputPathError(f"{where}: exists{' and is not a directory' if kind == 'dir' else ''}"
+                                  " (nothing was overwritten; choose a new path)")
+        own = keep_existing or (owner is not None and (
+            _owner_of(path) == owner or _in_study(path)))
+        if not own and any(p.name != LOCK_FILE for p in path.iterdir()):
+            raise OutputPathError(
+                f"{where}: exists and is not an empty directory"
+                + (f" that `adamspike {owner}` wrote" if owner else "")
+                + "; choose a new one (nothing was overwritten)")
+        target = path
+    else:
+        target = next((p for p in path.absolute().parents if p.exists()), Path("/"))
+        if not target.is_dir():
+            raise OutputPathError(f"{where}: {target} is a file, not a directory")
+    try:
+        read_only = bool(os.statvfs(target).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        raise OutputPathError(f"{where}: {target} is on a read-only file system (nothing was "
+                              "written)")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{where}: {target} is not writable by this user (nothing was "
+                              "written)")
+    return path
+
+
+def _owner_of(path: Path) -> str | None:
+    try:
+        return (path / OWNER_FILE).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def claim_out(path: str | Path, owner: str) -> Path:
+    """Create the output folder checked by check_out(owner=...) and mark it as `owner`'s,
+    so that its next run may write there again (and no other command's)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if _owner_of(path) != owner:
+        atomic_write_bytes(path / OWNER_FILE, (owner + "\n").encode())
+    return path
+
+
 def check_new_run_dir(path: str | Path, *, hint: str = "resume it or choose a new directory"
                       ) -> Path:
     """A path a new run may be written to: absent, or an empty directory (a lock file alone
@@ -317,6 +401,10 @@ def check_new_run_dir(path: str | Path, *, hint: str = "resume it or choose a ne
             raise RunFormatError(
                 f"{path}: run directory exists and is not empty; {hint} (nothing was "
                 "overwritten)")
+    try:
+        check_out(path, flag="", keep_existing=True)      # a read-only or unwritable place
+    except OutputPathError as e:
+        raise RunFormatError(str(e)) from None
     return path
 
 
@@ -512,6 +600,7 @@ class RunWriter:
         self._last_flush = time.monotonic()
         self._buffers = {t: _Buffer(t, s) for t, s in TABLES.items()}
         self._closed = False
+        self._session = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
         self.repaired_events_tail = 0   # bytes of a torn last event line moved aside on open
         new_run = resume_from_step is None
         if new_run:
@@ -552,6 +641,7 @@ class RunWriter:
             self._flushed_step = self._written_step = int(resume_from_step)
             self._record_flushed()      # before truncating: readers stop at the checkpoint
             self._next_part = {t: self._truncate(t, int(resume_from_step)) for t in TABLES}
+            self._record_flushed()      # truncated: the cut's part files are known again
             dropped = self._truncate_events(int(resume_from_step))
             self.event("resume", step=int(resume_from_step), discarded_events=dropped)
         for record in self.lock.unlogged:
@@ -645,7 +735,15 @@ class RunWriter:
         self._record_flushed()
 
     def _record_flushed(self, closed: bool = False) -> None:
-        rec = {"step": self._flushed_step, "host": socket.gethostname(), "pid": os.getpid()}
+        # `writer` names this writer's session and `parts` the part files (per table) that
+        # hold every row up to `step`: parts below those indices never change while the
+        # session lives (new rows go to new parts; only a new session's resume rewrites),
+        # so a reader that finds the same session before and after its read has one cut.
+        # `parts` is left out while a resume is still truncating (the step bounds it then).
+        rec = {"step": self._flushed_step, "host": socket.gethostname(), "pid": os.getpid(),
+               "writer": self._session}
+        if getattr(self, "_next_part", None) is not None:
+            rec["parts"] = dict(self._next_part)
         atomic_write_bytes(self.path / FLUSHED_FILE,
                            json.dumps({**rec, "closed": True} if closed else rec).encode())
 
@@ -903,27 +1001,66 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
+def _flushed_record(path: str | Path) -> dict | None:
+    try:
+        rec = json.loads((Path(path) / FLUSHED_FILE).read_text())
+        int(rec["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _live(rec: dict | None) -> bool:
+    """The record's writer is open and alive (not closed, not a killed process here)."""
+    if rec is None or rec.get("closed"):
+        return False
+    try:
+        return not (rec.get("host") == socket.gethostname()
+                    and not _pid_alive(int(rec.get("pid", -1))))
+    except (TypeError, ValueError):
+        return False
+
+
 def flushed_step(path: str | Path) -> int | None:
     """The last step whose rows are all on disk (RUN/flushed.json) while its writer is
     open and alive; None otherwise (closed, killed, an older writer, plain parts)."""
+    rec = _flushed_record(path)
+    return int(rec["step"]) if _live(rec) else None
+
+
+def _snapshot(path: str | Path) -> tuple[Any, int | None, dict[str, int] | None]:
+    """What one consistent read of the run is bounded by: (the writer session it belongs
+    to, the last step to read, per table the part files to read; None: unbounded)."""
+    rec = _flushed_record(path)
+    if rec is None:
+        return None, None, None
+    # a writer of an older format records no session: its record itself stands for it
+    session = rec.get("writer") or json.dumps(rec, sort_keys=True)
+    if not _live(rec):
+        return session, None, None
+    parts = rec.get("parts")
+    ok = isinstance(parts, dict) and all(isinstance(v, int) for v in parts.values())
+    return session, int(rec["step"]), parts if ok else None
+
+
+def _part_index(p: Path) -> int:
     try:
-        rec = json.loads((Path(path) / FLUSHED_FILE).read_text())
-        step = int(rec["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if rec.get("closed"):
-        return None
-    if rec.get("host") == socket.gethostname() and not _pid_alive(int(rec.get("pid", -1))):
-        return None
-    return step
+        return int(p.name.split(".")[0].split("-")[1])
+    except (IndexError, ValueError):
+        return -1
 
 
 def _read_table(path: Path, table: str, columns: list[str] | None = None,
-                upto: int | None = None) -> pd.DataFrame:
+                upto: int | None = None, num_parts: int | None = None) -> pd.DataFrame:
+    """One table's rows (step <= upto; only parts with an index below num_parts: those a
+    live writer's flushed.json names, never one written after it)."""
     schema = TABLES[table]
     d = path / table
     parts = sorted(d.glob("part-*.parquet")) if d.is_dir() else []
     plain = sorted(d.glob("part-*.jsonl")) if d.is_dir() else []   # read_plain_part
+    if num_parts is not None:
+        parts = [p for p in parts if _part_index(p) < num_parts]
+        plain = [p for p in plain if _part_index(p) < num_parts]
     if not parts and not plain:
         return pd.DataFrame({c: pd.Series(dtype=schema[c].to_pandas_dtype()) for c in schema
                              if columns is None or c in columns})
@@ -1058,18 +1195,20 @@ def load_run(path: str | Path, *, tables: Iterable[str] = ("steps", "layers", "h
     `tables` limits what is read (unread tables come back empty); `layer_columns` reads
     a subset of the layers columns (the key columns are always included). A live or
     resuming run is read as of its flushed.json step (`Run.snapshot_step`; see the
-    module doc), retried while a writer moves it.
+    module doc), read again when a new writer session (a resume) began meanwhile.
     """
-    for _ in range(5):
-        upto = flushed_step(path)
-        run = _load_run(path, tables=tables, layer_columns=layer_columns, upto=upto)
-        if flushed_step(path) == upto:
-            break
-    return run
+    for _ in range(20):
+        session, upto, parts = _snapshot(path)
+        run = _load_run(path, tables=tables, layer_columns=layer_columns, upto=upto,
+                        parts=parts)
+        if _snapshot(path)[0] == session:
+            return run
+    raise RunFormatError(f"{path}: its writer restarted during each of 20 reads; read it "
+                         "again once it runs")
 
 
 def _load_run(path: str | Path, *, tables: Iterable[str], layer_columns: list[str] | None,
-              upto: int | None) -> Run:
+              upto: int | None, parts: Mapping[str, int] | None = None) -> Run:
     path = Path(path)
     meta = read_meta(path)
     tables = set(tables)
@@ -1085,7 +1224,8 @@ def _load_run(path: str | Path, *, tables: Iterable[str], layer_columns: list[st
     frames = {}
     for t in TABLES:
         if t in tables:
-            frames[t] = _read_table(path, t, cols if t == "layers" else None, upto)
+            frames[t] = _read_table(path, t, cols if t == "layers" else None, upto,
+                                    None if parts is None else parts.get(t, 0))
         else:
             frames[t] = pd.DataFrame({c: pd.Series(dtype=TABLES[t][c].to_pandas_dtype())
                                       for c in TABLES[t]})

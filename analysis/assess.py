@@ -52,7 +52,7 @@ from adamspike.llama import PRESETS
 from adamspike.llama import num_params as llama_num_params
 from adamspike.megatron_log import MegatronLogError
 from adamspike.predictions import PredictionsError, load_predictions, model_key, model_label
-from adamspike.rundir import RunFormatError
+from adamspike.rundir import OutputPathError, RunFormatError, check_out
 from adamspike.spikes import SpikeParams, add_spike_flags
 from analysis.cli import check_log_flags, count_arg
 from analysis.megatron_log import import_megatron_log
@@ -596,8 +596,11 @@ def _main(args) -> int:
         raise RunFormatError(f"{path}: no such run directory or log")
     if path.is_dir() and not is_tensorboard_dir(path) and not (path / "run.json").is_file():
         raise RunFormatError(f"{path}: not a run directory (no run.json)")
-    if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
-        raise ConfigError(f"--out: {args.out} exists and is not empty (nothing was overwritten)")
+    if args.out:
+        try:
+            check_out(args.out)       # before anything is computed: new or empty, writable
+        except OutputPathError as e:
+            raise ConfigError(str(e)) from None
     n, src = args.num_params, "--num-params" if args.num_params else ""
     if args.model:
         if args.model not in PRESETS:

@@ -47,7 +47,7 @@ from adamspike.llama import PRESETS
 from adamspike.llama import num_params as llama_num_params
 from adamspike.parallel import process_map
 from adamspike.predictions import PredictionsError, load_predictions
-from adamspike.rundir import RunFormatError, find_runs, run_names
+from adamspike.rundir import OutputPathError, RunFormatError, check_out, find_runs, run_names
 from adamspike.spikes import SpikeParams, add_spike_flags
 from analysis.controls import study_sections
 from analysis.megatron_log import MegatronLogError, import_megatron_log
@@ -195,9 +195,10 @@ def main(argv: list[str] | None = None, draw=None) -> int:
     except ConfigError as e:
         return _fail(str(e))
     out = Path(args.out) if args.out else _free_default_out()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        return _fail(f"--out: {out} exists and is not an empty directory; choose a new one "
-                     "(nothing was overwritten)")
+    try:
+        check_out(out)                # before anything is computed: new or empty, writable
+    except OutputPathError as e:
+        return _fail(str(e))
     created = not out.exists()
     try:
         rc = _analyze(args, params, out, draw)

@@ -34,7 +34,8 @@ from typing import Iterable
 
 from adamspike.parallel import process_map
 from adamspike.report_html import markdown_to_html
-from adamspike.rundir import RunFormatError, atomic_write_bytes, find_runs, load_run, run_names
+from adamspike.rundir import (OutputPathError, RunFormatError, atomic_write_bytes, check_out,
+                              claim_out, find_runs, load_run, run_names)
 from figures import style
 from figures._common import run_analysis
 
@@ -297,11 +298,24 @@ def main(argv: list[str] | None = None) -> int:
         return _main(args)
 
 
+def _claim_out(out: str) -> bool:
+    """--out new, empty or figures' own (it rewrites its files there; the study's two figure
+    stages share OUT/figures), writable; claimed before drawing. False: said in one line."""
+    try:
+        claim_out(check_out(out, owner="figures"), "figures")
+    except (OutputPathError, OSError) as e:
+        print(f"adamspike figures: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def _main(args: argparse.Namespace) -> int:
     if args.only_theory:
         if args.no_theory:
             print("adamspike figures: --only-theory and --no-theory exclude each other",
                   file=sys.stderr)
+            return 2
+        if not _claim_out(args.out):
             return 2
         _, outcomes = generate([], args.out, quick=args.quick,
                                registry=[(n, k) for n, k in REGISTRY if k == "theory"])
@@ -335,6 +349,8 @@ def _main(args: argparse.Namespace) -> int:
     # only what is asked: RUN... / --analysis draw the run figures (and whatever input is
     # named), not the theory figures or the all-runs study figure
     asked_runs = bool(args.runs or args.analysis) and not args.from_study
+    if not _claim_out(args.out):
+        return 2
     theory = not args.no_theory and (args.theory or not asked_runs)
     _, outcomes = generate(runs, args.out, sweep=sweep, replication=replication,
                            quick=args.quick, theory=theory, study=args.from_study,

@@ -63,6 +63,7 @@ from torch.distributed.checkpoint import metadata as _dcp_metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from adamspike.faults import kill_point
+from fullscale.dcp_metadata import MetadataUnpickler
 from fullscale.device import local_shard as _local
 
 FORMAT = "adamspike-torch-ckpt/1"
@@ -376,29 +377,8 @@ def _one_line(e: BaseException) -> str:
 # non-tensor entries of a state dict with torch.load(weights_only=False): whoever can write
 # the directory (shared scratch space) could run code in every rank that loads it, and the
 # manifest's sha256 does not help (they rewrite it too). So `.metadata` goes through an
-# unpickler that builds only DCP's metadata classes (the globals torch 2.1 .. 2.13 write:
-# listed with pickletools from real checkpoints), and byte entries load weights_only.
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
-_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                     ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                     ("collections", "OrderedDict"),
-                     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-                     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module in _METADATA_MODULES:
-            obj = getattr(_dcp_metadata, name, None)
-            if isinstance(obj, type):        # its dataclasses and enums, never a function
-                return obj
-        if module == "torch":                # dtypes, layouts, memory formats
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which is not a DCP metadata class")
+# unpickler that builds only DCP's metadata classes (fullscale/dcp_metadata.py: the
+# installed torch's), and byte entries load weights_only.
 
 
 def read_metadata(path: str | Path) -> Any:
@@ -407,7 +387,7 @@ def read_metadata(path: str | Path) -> Any:
     f = Path(path) / ".metadata"
     try:
         with open(f, "rb") as fh:
-            md = _MetadataUnpickler(fh).load()
+            md = MetadataUnpickler(fh).load()
     except OSError as e:
         raise CheckpointError(path, f".metadata is unreadable ({_errno_text(e)})") from None
     except Exception as e:  # noqa: BLE001 - a refused global or a damaged pickle

@@ -55,7 +55,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from adamspike.config import ConfigError, cli_main
-from adamspike.rundir import atomic_write_bytes
+from adamspike.rundir import atomic_write_bytes, check_out
 from adamspike.synthdata import SyntheticTokens
 from adamspike.tables import md_table
 from simulate import ladder as LD
@@ -268,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
 
     def body(a) -> int:
+        # resumable: its own folder (cells/, summary.json) is kept, any other non-empty one
+        # refused
+        check_out(a.out, keep_existing=(Path(a.out) / "cells").is_dir())
         print(report_md(run(a.out, "quick" if a.quick else "full", progress=not a.no_progress,
                             lr_scaling=a.lr_scaling)), end="")
         return 0

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from adamspike.config import check_finite_args, flatten, parse_overrides, to_dict
-from adamspike.rundir import atomic_write_bytes
+from adamspike.rundir import atomic_write_bytes, check_out
 from simulate import ladder, matched   # numpy / pandas only: the ladder fit and the report run without jax
 from theory.adam_moments import update_stats
 
@@ -123,9 +123,7 @@ def _toy(name: str, argv: list[str]) -> int:
     _FLAG_OF_KEY.update({v if isinstance(v, str) else v[0]: k for k, v in flags.items()})
     over = flatten(parse_overrides(problem.schema, _dotted(rest, flags)))
     cfg = problem.config(over)          # validated: ConfigError names the key
-    if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):
-        raise ValueError(f"out: {a.out} exists and is not an empty directory (nothing was "
-                         "overwritten)")
+    check_out(a.out)      # new or empty, on a writable file system: before computing
     save = {"quadratic": SP.save_quadratic, "mlp": SP.save_mlp}[name]
     out = save(flatten(to_dict(cfg)), cfg.train.seed, a.out, progress=not a.no_progress)
     if name == "quadratic":
@@ -169,8 +167,8 @@ def _streams(argv) -> int:
     a = p.parse_args(argv)
     if a.record not in ("last", "all"):
         raise ValueError(f"record: must be 'last' or 'all', got {a.record!r}")
-    if a.out is not None and a.out.exists():
-        raise ValueError(f"out: {a.out} exists (nothing was overwritten)")
+    if a.out is not None:
+        check_out(a.out, kind="file")
     cfg = {k: getattr(a, k) for k in ("b1", "b2", "eps", "sigma", "mu", "phi")}
     stats = streams.simulate_streams([cfg], a.steps, a.coords, seed=a.seed, record=a.record)
     res = {"config": cfg, "steps": a.steps, "coords": a.coords, "seed": a.seed,

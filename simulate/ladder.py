@@ -86,6 +86,7 @@ from adamspike.llama import LlamaConfig, ffn_dim_for, param_specs, preset
 from adamspike.order import sample_indices
 from adamspike.rundir import (CorruptCellFile, atomic_write_bytes, atomic_write_frame, cached_cell,
                               read_cell_frame)
+from adamspike.rundir import check_out
 from adamspike.synthdata import SyntheticTokens
 from adamspike.tables import md_table
 
@@ -835,8 +836,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
-    if args.out.exists() and not args.out.is_dir():
-        raise ConfigError(f"--out {args.out}: exists and is not a directory")
+    # resumable: a ladder folder (its ladder.json or cells/: --cells-from copies cells
+    # first) is kept, any other non-empty one refused
+    check_out(args.out, keep_existing=(args.out / "ladder.json").is_file()
+              or (args.out / "cells").is_dir())
     spec = SPECS[args.spec](args.lr_scaling)
     t0 = time.perf_counter()
     if args.cells_from:

@@ -85,7 +85,7 @@ from adamspike.config import ConfigError, load_config, to_dict
 from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.llama import LlamaConfig, spec_by_name
 from adamspike.order import sample_indices
-from adamspike.rundir import RunFormatError, RunWriter, environment
+from adamspike.rundir import RunFormatError, RunWriter, check_out, environment
 from adamspike.synthdata import SyntheticTokens
 from adamspike.train_config import RunConfig
 from simulate import optim as jopt
@@ -296,9 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = ap.parse_known_args(argv)
     try:
         cfg = load_config(RunConfig, args.config, overrides)
-        if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
-            raise RunFormatError(f"--out {args.out}: exists and is not an empty directory "
-                                 "(nothing was overwritten)")
+        check_out(args.out)     # new or empty, writable: before anything is compiled
         out = train(cfg, args.out, progress=not args.no_progress)
     except (ConfigError, RunFormatError) as e:
         print(f"adamspike simulate llama: error: {e}", file=sys.stderr)

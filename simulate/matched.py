@@ -40,7 +40,8 @@ import pandas as pd
 
 from adamspike.config import cli_main
 from adamspike.depth_groups import GROUPS, depth_group, group_rho
-from adamspike.rundir import RunFormatError, atomic_write_bytes, load_run
+from adamspike.rundir import (OutputPathError, RunFormatError, atomic_write_bytes, check_out,
+                              claim_out, load_run)
 from adamspike.spikes import detect_spikes
 from adamspike.tables import md_table
 
@@ -211,10 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predictions", required=True, type=Path, help="predictions_70b.json")
     ap.add_argument("--out", required=True, type=Path)
     return cli_main(ap, argv, _main, "adamspike simulate matched: error",
-                    (OSError, json.JSONDecodeError, KeyError, RunFormatError))
+                    (OSError, json.JSONDecodeError, KeyError, RunFormatError, OutputPathError))
 
 
 def _main(args) -> int:
+    claim_out(check_out(args.out, owner="matched"), "matched")   # new, empty or its own
     profile = json.loads(args.predictions.read_text())["profile"]
     sums = [summarize(r, profile) for r in args.runs]
     args.out.mkdir(parents=True, exist_ok=True)

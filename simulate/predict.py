@@ -116,7 +116,7 @@ from adamspike.log_facts import log_facts
 from adamspike.megatron_log import MegatronLogError, read_megatron_log
 from adamspike.predictions import (AlarmRule, Predictions, PredictionsError, indistinguishable,
                                    model_key, model_label, not_in_model, save_predictions)
-from adamspike.rundir import RunFormatError, json_clean, load_run, read_json
+from adamspike.rundir import OutputPathError, RunFormatError, check_out, json_clean, load_run, read_json
 from adamspike.sharpness_law import label as law_label, law_at
 from adamspike.train_config import RunConfig
 from simulate import ladder as LD
@@ -1174,6 +1174,8 @@ def _main(args) -> int:
     if args.out and Path(args.out).exists():
         raise ConfigError(f"{args.out}: exists (a pre-registered predictions file is never "
                           "overwritten); choose a new --out")
+    if args.out:
+        check_out(args.out, kind="file")   # a read-only or unwritable place, before computing
     if args.horizon_steps < 1:
         raise ConfigError(f"--horizon-steps: must be >= 1, got {args.horizon_steps}")
     if args.profile_from_log:

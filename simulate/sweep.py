@@ -73,6 +73,7 @@ from tqdm import tqdm
 from adamspike.config import ConfigError, cli_main, flatten, from_dict, merge, nest, read_toml, to_dict
 from adamspike.rundir import (CorruptCellFile, atomic_write_bytes, atomic_write_frame, cached_cell,
                               read_cell_frame)
+from adamspike.rundir import check_out
 from adamspike.spikes import SpikeParams, detect_spikes
 
 PRE_WINDOW = 8            # Wortsman 2023a: rms_t leads loss spikes by 1-8 steps
@@ -531,10 +532,13 @@ def _main(args, problems: Mapping[str, Problem]) -> int:
         grid = load_grid(args.grid, problems, quick=args.quick)
         if args.save_runs < 0:
             raise ConfigError(f"--save-runs: must be >= 0, got {args.save_runs}")
+        # resumable: a sweep folder (its sweep.json) is kept, any other non-empty one refused
+        check_out(args.out, keep_existing=(Path(args.out) / "sweep.json").is_file())
         table = run_sweep(grid, args.out, shard, progress=not args.no_progress,
                           save_runs=args.save_runs)
         print(f"{len(table)} runs -> {args.out}")
     else:
+        check_out(args.out, keep_existing=True)    # --force decides about its runs table
         table = merge_shards(args.dirs, args.out, force=args.force)
         print(f"{len(table)} runs -> {Path(args.out) / 'runs.parquet'}")
     return 0

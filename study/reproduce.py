@@ -30,8 +30,9 @@ error: nothing already written is overwritten.
 
 One writer per study folder: `reproduce` holds OUT/writer.lock (adamspike.rundir.RunLock:
 flock, host and pid); a second one on a live folder is refused in one line. Each stage runs
-in its own process group and dies with `reproduce` (PR_SET_PDEATHSIG on Linux for kill -9;
-SIGTERM / SIGINT stop every stage's group, then `reproduce` itself). A stage killed
+in its own process group and dies with `reproduce`, with all it started (kill -9: a guard
+leading the group gets PR_SET_PDEATHSIG on Linux and kills the group; SIGTERM / SIGINT stop
+every stage's group, then `reproduce` itself). A stage killed
 mid-way left partial outputs: its `fresh` paths (run stages: their run folder) are set
 aside to OUT/.stale/ before it reruns. A stage mark holds its result's sha256; a torn or
 altered one reruns its stage, with one line.
@@ -60,7 +61,7 @@ from tqdm import tqdm
 from adamspike import package_data
 from adamspike.cells import cache_home
 from adamspike.config import ConfigError, read_toml
-from adamspike.rundir import RunFormatError, RunLock
+from adamspike.rundir import OutputPathError, RunFormatError, RunLock, check_out
 from adamspike.tables import fmt, md_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -213,8 +214,12 @@ def _set_aside(st: Stage, out: Path) -> str | None:
 
 # ----------------------------------------------------------------------------- stage processes
 # Every stage is its own process group (a signal to reproduce stops the stage and whatever
-# it started) and gets SIGKILL when reproduce dies (PR_SET_PDEATHSIG: a kill -9 leaves no
-# orphan running beside the next --resume).
+# it started) and that whole group dies when reproduce dies (a kill -9 leaves no orphan
+# running beside the next --resume). PR_SET_PDEATHSIG alone reaches only the process it is
+# set in: the processes a stage starts (analyze's and figures' --jobs workers, fork pool
+# workers that wait forever on a dead parent's queue) would live on with ppid 1. So each
+# stage runs under a small guard, the group's leader: the kernel tells it (SIGHUP, its
+# PDEATHSIG) that reproduce died and it SIGKILLs its group, the stage and all it started.
 _LIVE: dict[int, subprocess.Popen] = {}
 _LIVE_LOCK = threading.Lock()
 _PR_SET_PDEATHSIG = 1
@@ -222,21 +227,42 @@ try:
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 except (OSError, AttributeError):
     _PRCTL = None
+_STAGE_ARGV = "ADAMSPIKE_STAGE_ARGV"     # the guarded stage's command (JSON), not in argv:
+                                         # the guard's command line does not pose as the stage
+_STAGE_GUARD = """
+import json, os, signal, subprocess, sys
+def gone(signum, frame):               # reproduce died: the stage's whole group goes
+    os.killpg(0, signal.SIGKILL)
+signal.signal(signal.SIGHUP, gone)
+signal.signal(signal.SIGTERM, lambda s, f: None)   # sent to the group: the stage's to handle
+if os.getppid() != int(sys.argv[1]):
+    gone(0, None)
+env = dict(os.environ)
+cmd = json.loads(env.pop("%s"))
+rc = subprocess.Popen(cmd, env=env).wait()
+if rc < 0:                             # end as the stage ended: by its signal
+    signal.signal(-rc, signal.SIG_DFL)
+    os.kill(os.getpid(), -rc)
+sys.exit(rc)
+""" % _STAGE_ARGV
 
 
-def _die_with_parent(parent: int):
-    """preexec_fn: SIGKILL this stage when `parent` (reproduce) dies, also if it died
+def _die_with_parent(parent: int, sig: int = signal.SIGKILL):
+    """preexec_fn: `sig` to this process when `parent` (reproduce) dies, also if it died
     between the fork and this call. Only async-signal-safe work: prctl resolved above."""
     def set_up() -> None:
         if _PRCTL is not None:
-            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
             if os.getppid() != parent:
                 os._exit(137)
     return set_up
 
 
-def _spawn(cmd: list[str], **kw) -> int:
-    p = subprocess.Popen(cmd, process_group=0, preexec_fn=_die_with_parent(os.getpid()), **kw)
+def _spawn(cmd: list[str], env: dict, **kw) -> int:
+    """Run a stage's command under the guard, in its own process group; its exit status."""
+    guard = [sys.executable, "-c", _STAGE_GUARD, str(os.getpid())]
+    p = subprocess.Popen(guard, process_group=0, env={**env, _STAGE_ARGV: json.dumps(cmd)},
+                         preexec_fn=_die_with_parent(os.getpid(), signal.SIGHUP), **kw)
     with _LIVE_LOCK:
         _LIVE[p.pid] = p
     try:
@@ -720,6 +746,11 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and any(out.iterdir()) and not args.resume:
         print(f"adamspike reproduce: {out} exists and is not empty; use --resume or a new "
               "--out (nothing was overwritten)", file=sys.stderr)
+        return 2
+    try:      # a read-only or unwritable --out: one line before anything runs
+        check_out(out, keep_existing=True)
+    except OutputPathError as e:
+        print(f"adamspike reproduce: {e}", file=sys.stderr)
         return 2
     try:
         args.scale = args.scale or "standard"

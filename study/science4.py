@@ -40,7 +40,7 @@ from adamspike.config import ConfigError, cli_main, read_toml
 from adamspike.depth_groups import depth_group
 from adamspike.llama import num_params, param_specs, preset
 from adamspike.plan import load_plan, plan_history
-from adamspike.rundir import atomic_write_bytes
+from adamspike.rundir import atomic_write_bytes, check_out, claim_out
 from adamspike.spikes import detect_spikes
 from adamspike.tables import md_table
 from adamspike.train_config import RunConfig
@@ -922,6 +922,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if v and not Path(v).is_dir():
                 raise ConfigError(f"{flag} {v}: not a directory")
         out = Path(a.out)
+        # new, empty or science4's own (a rerun rewrites its files; --compute resumes the
+        # cell store under it), writable: refused before anything is computed
+        claim_out(check_out(out, owner="science4"), "science4")
         s = run(out, compute=a.compute, cells_dir=Path(a.cells) if a.cells else None,
                 map_dir=Path(a.map) if a.map else None, executor=a.executor, jobs=a.jobs,
                 address=a.address, progress=not a.no_progress,

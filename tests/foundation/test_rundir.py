@@ -263,3 +263,43 @@ def test_append_event_starts_its_own_line_after_a_torn_one(tmp_path):
     ev, torn = read_events(tmp_path)
     assert list(ev["type"]) == ["start", "checkpoint", "fault"] and torn == 1
     assert ev["path"].iloc[1] == "x" and ev["signal"].iloc[2] == "SIGINT"
+
+
+def test_a_read_outliving_a_rollback_and_its_rerun_is_one_moment(tmp_path, monkeypatch):
+    """The live-read race of tests/fullscale/test_faults_part2.py made deterministic: a
+    reader takes flushed.json's cut (step 6), reads the steps table, and before it reads
+    the layers table the writer rolls back to step 4 and re-runs to step 6 again. flushed.json
+    says 6 again, so a bound on the step alone took the re-run's layers with the first
+    trajectory's steps; the cut's part files keep the read to one trajectory."""
+    import adamspike.rundir as rd
+    run = tmp_path / "run"
+    w = RunWriter(run, backend="torch", config={}, flush_every_s=1e9)
+
+    def step(s: int, v: float) -> None:
+        w.log_step(step=s, tokens=s, loss=v, lr=1.0, grad_norm=1.0, clipped=False,
+                   update_norm=1.0, step_time_s=0.0, skipped=False)
+        w.log_layers(s, [{"name": "t", "depth": 0, "kind": "param", "numel": 1, "rho": v}])
+        w.flush()
+
+    for s in range(1, 7):
+        step(s, float(s))
+    read_table = rd._read_table
+    moved = []
+
+    def read_then_move(path, table, *a, **kw):
+        df = read_table(path, table, *a, **kw)
+        if table == "steps" and not moved:        # the writer moves between two tables
+            w.rewind(4)
+            for s in (5, 6):
+                step(s, 1000.0 + s)
+            moved.append(True)
+        return df
+
+    monkeypatch.setattr(rd, "_read_table", read_then_move)
+    r = rd.load_run(run, tables=("steps", "layers"))
+    assert r.snapshot_step == 6 and r.steps["loss"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert r.layers["rho"].tolist() == r.steps["loss"].tolist()
+    monkeypatch.setattr(rd, "_read_table", read_table)
+    again = rd.load_run(run, tables=("steps", "layers"))       # the next read: the re-run
+    assert again.steps["loss"].tolist() == again.layers["rho"].tolist() == [1, 2, 3, 4, 1005, 1006]
+    w.close()

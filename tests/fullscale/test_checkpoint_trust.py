@@ -114,3 +114,23 @@ def test_train_resume_refuses_a_crafted_metadata(tmp_path):
     err = [l for l in r.stderr.splitlines() if "error" in l]
     assert len(err) == 1 and str(newest / ".metadata") in err[0] and "posix.system" in err[0], r.stderr
     assert "Traceback" not in r.stderr and not mark.exists()
+
+
+def test_the_allowlist_admits_every_global_the_installed_torch_writes(tmp_path, monkeypatch):
+    """A real DCP checkpoint written by the installed torch (every kind of entry the trainer
+    saves): each global its `.metadata` names is admitted and the restricted read equals
+    DCP's own; the allowlist is this torch's (derived at import), and a global it lacks is
+    named with the torch version (the same script runs on torch 2.1: .ci/compat.sh py38)."""
+    from fullscale import dcp_metadata as dm
+    from tests.compat import dcp_metadata_check as chk
+
+    problems, used = chk.check(tmp_path / "ok")
+    assert problems == [], "\n".join(problems)
+    assert ("torch.distributed.checkpoint.metadata", "Metadata") in used
+    assert not dm.admitted("torch.distributed.checkpoint.metadata", "Enum")   # imported there
+    assert not dm.admitted("builtins", "eval") and not dm.admitted("torch", "load")
+    monkeypatch.setattr(dm, "OTHER_GLOBALS", dm.OTHER_GLOBALS - {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo")})
+    problems, _ = chk.check(tmp_path / "lacking")
+    assert len(problems) == 1 and f"torch {torch.__version__} writes torch.distributed." \
+        "checkpoint.filesystem._StorageInfo into .metadata" in problems[0]

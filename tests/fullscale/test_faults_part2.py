@@ -753,12 +753,6 @@ def _consistent_reads_while(proc: subprocess.Popen, run: Path) -> int:
     return reads
 
 
-# A known race, not yet found: at the session-start commit cf7fb49 this test failed 1 of
-# 10 runs on the 2-core box (2 of 7 after the 2026-12-06 merges, which do not touch the run
-# writer or load_run), once with a read whose layers' rho did not match its steps' loss,
-# once with only 3 reads before the writer ended. It still runs and reports (XPASS when it
-# holds); marked so that a CI run does not hinge on it until the race is fixed.
-@pytest.mark.xfail(strict=False, reason="known intermittent live-read race (1 in 10 at cf7fb49)")
 @pytest.mark.slow
 def test_reads_of_a_live_and_a_resuming_run_are_one_moment(tmp_path):
     """A writer flushes inside steps (every 7 rows: a step row, then its layer rows), logs

@@ -1,7 +1,10 @@
 """`adamspike reproduce` on a shared machine (issue 40, defects 3 and 4), with real
 processes: one writer per study folder, stages that die with reproduce (SIGTERM: their
-process groups; kill -9: PR_SET_PDEATHSIG), a run stage killed mid-way that --resume
-reruns (its partial run set aside), and torn stage marks that rerun their stage."""
+process groups; kill -9: the guard leading each stage's group, told by PR_SET_PDEATHSIG,
+kills the group, the stage's own workers too), a kill -9 inside each kind of stage that
+--resume finishes (a run stage: its partial run set aside; a cell stage: only the missing
+cells computed; a report stage: its partial output set aside, no orphan worker), and torn
+stage marks that rerun their stage."""
 
 from __future__ import annotations
 
@@ -161,3 +164,117 @@ def test_torn_stage_mark_reruns_its_stage(tmp_path, monkeypatch, capsys, damage)
     err = [l for l in capsys.readouterr().err.splitlines() if "rerunning" in l]
     assert len(err) == 1 and f"{mark}:" in err[0] and "rerunning stage a" in err[0]
     assert reproduce.read_mark(marks, "a") is not None          # rewritten whole
+
+
+# ------------------------------------------------ kill -9 inside a cell stage and a report stage
+def _reproduce(out: Path, study: Path, *extra: str) -> subprocess.Popen:
+    """reproduce in its own process group (the test kills that whole group with -9)."""
+    return subprocess.Popen([sys.executable, "-m", "study", "reproduce", "--study", str(study),
+                             "--out", str(out), "--jobs", "1", *extra], env=ENV, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _kill_group_when(a: subprocess.Popen, cond, what: str) -> None:
+    """kill -9 reproduce's process group once cond() holds (the stage is mid-way)."""
+    try:
+        _wait(lambda: cond() or a.poll() is not None, 300, what)
+        assert a.poll() is None, "the study finished before the kill: " + a.stderr.read()[-2000:]
+        os.killpg(a.pid, signal.SIGKILL)
+        a.wait(30)
+    finally:
+        if a.poll() is None:
+            a.kill()
+
+
+def _finish(out: Path, study: Path, *extra: str) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "study", "reproduce", "--study", str(study),
+                        "--out", str(out), "--jobs", "1", *extra], env=ENV, cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _stamp(p: Path) -> tuple:
+    st = p.stat()
+    return st.st_ino, st.st_mtime_ns, p.read_bytes()
+
+
+FIRST_STAGE = '[stages.info]\nargs = ["model", "info", "--config", "tiny", "--json"]\n' \
+              'stdout_to = "info.json"\noutputs = ["info.json"]\n\n'
+
+
+@pytest.mark.slow
+def test_cell_stage_killed_mid_way_resumes_without_recomputing_stored_cells(tmp_path):
+    """A sweep stage (simulate.sweep.run_cells: one cell file per finished cell) killed with
+    kill -9 of reproduce's process group after its first cell is stored, the second still
+    computing: the stage dies with it; --resume computes only the missing cell (the stored
+    one keeps its inode, time and bytes; the finished stage before it is not rerun) and the
+    sweep's tables are byte-identical to an uninterrupted study's."""
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[sweep]\nproblem = "quadratic"\nseeds = 2\n\n[fixed]\nquadratic.lam_min = 1.0\n'
+                    'quadratic.lam_max = 1.0\nquadratic.noise = 1e-9\n\n[grid]\n'
+                    # two static groups, run in this order: a short one, then a long one
+                    'train.num_steps = [300, 400000]\noptim.eps = [1e-8]\n')
+    study = tmp_path / "study.toml"
+    study.write_text(FIRST_STAGE + f'[stages.sweep]\nargs = ["sweep", "run", "--grid", "{grid}", '
+                     '"--out", "{out}/sweep", "--no-progress"]\nafter = ["info"]\n'
+                     'outputs = ["sweep/runs.csv"]\n')
+    ref = tmp_path / "ref"
+    _finish(ref, study)
+    out = tmp_path / "study"
+    cells = out / "sweep" / "cells"
+    a = _reproduce(out, study)
+    _kill_group_when(a, lambda: cells.is_dir() and any(cells.glob("*.parquet")),
+                     "the first cell file")
+    _wait(lambda: not _pids_with(str(out / "sweep")), 10, "the stage to die with reproduce")
+    stored = sorted(cells.glob("*.parquet"))
+    assert len(stored) == 1 and not (out / "sweep" / "runs.csv").exists()
+    assert not (out / ".stages" / "sweep.json").exists()
+    before = {p.name: _stamp(p) for p in stored + [out / "info.json", out / "logs" / "info.log"]}
+    _finish(out, study, "--resume")
+    for p in stored + [out / "info.json", out / "logs" / "info.log"]:
+        assert _stamp(p) == before[p.name], f"{p} was written again"
+    res = json.loads((out / "stages.json").read_text())
+    assert [(s["name"], s["status"]) for s in res] == [("info", "ok"), ("sweep", "ok")]
+    for rel in ("sweep/runs.csv", "sweep/runs.parquet", *(f"sweep/cells/{p.name}" for p in
+                                                          sorted((ref / "sweep" / "cells").iterdir()))):
+        assert (out / rel).read_bytes() == (ref / rel).read_bytes(), rel
+
+
+@pytest.mark.slow
+def test_report_stage_killed_mid_way_resumes_with_no_orphan(tmp_path):
+    """An analyze stage with --jobs 2 (its runs in forked worker processes) killed with kill
+    -9 of reproduce's process group once the small run's tables exist and the large run's
+    worker still computes: no stage process and no worker survives (fork pool workers of a
+    dead parent otherwise wait forever, ppid 1); --resume sets the partial analysis aside in
+    one line, reruns only that stage, and its tables are byte-identical to an uninterrupted
+    study's."""
+    from analysis.synthetic import write_synthetic_run
+    small = write_synthetic_run(tmp_path / "runs" / "small", num_steps=200, spikes=(100,))
+    large = write_synthetic_run(tmp_path / "runs" / "large", num_steps=6000,
+                                spikes=(1000, 3000, 5000), seed=1)
+    study = tmp_path / "study.toml"
+    study.write_text(FIRST_STAGE + f'[stages.analyze]\nargs = ["analyze", "{small}", "{large}", '
+                     '"--jobs", "2", "--no-figures", "--out", "{out}/analysis"]\n'
+                     'after = ["info"]\noutputs = ["analysis"]\nfresh = ["analysis"]\n')
+    ref = tmp_path / "ref"
+    _finish(ref, study)
+    out = tmp_path / "study"
+    analysis = out / "analysis"
+    a = _reproduce(out, study)
+    _kill_group_when(a, lambda: (analysis / "small" / "summary.json").exists()
+                     and not (analysis / "large" / "summary.json").exists()
+                     and len(_pids_with(str(analysis))) >= 2, "the small run's tables")
+    _wait(lambda: not _pids_with(str(analysis)), 10, "the stage and its workers to die")
+    assert not (out / ".stages" / "analyze.json").exists()
+    before = {p.name: _stamp(p) for p in (out / "info.json", out / "logs" / "info.log")}
+    r = _finish(out, study, "--resume")
+    assert "analyze: an interrupted attempt left analysis; moved to .stale/analyze-0/" in r.stderr
+    for p in (out / "info.json", out / "logs" / "info.log"):
+        assert _stamp(p) == before[p.name], f"{p} was written again"
+    tables = sorted(p.relative_to(ref) for p in (ref / "analysis").rglob("*.csv"))
+    assert len(tables) > 5
+    assert tables == sorted(p.relative_to(out) for p in analysis.rglob("*.csv"))
+    for rel in tables:
+        assert (out / rel).read_bytes() == (ref / rel).read_bytes(), rel
