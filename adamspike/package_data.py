@@ -103,9 +103,11 @@ def _read_manifest(mpath: Path) -> dict:
     return m
 
 
-def manifest(profile: str = "llama2-70b", root: Path = DATA) -> dict:
+def manifest(profile: str = "llama2-70b", root: Path = DATA,
+             refreshing: frozenset[str] = frozenset()) -> dict:
     """The manifest of the shipped data of `profile`, after checking every file's sha256
-    (PackageDataError when one is missing or differs)."""
+    (PackageDataError when one is missing or differs); `refreshing`: paths relative to the
+    profile folder that add_files is replacing (their old hashes are not checked)."""
     d = profile_dir(profile, root)
     mpath = d / "MANIFEST.json"
     if not mpath.is_file():
@@ -115,6 +117,8 @@ def manifest(profile: str = "llama2-70b", root: Path = DATA) -> dict:
     if m.get("schema") != SCHEMA:
         raise PackageDataError(f"{mpath}: not a package-data manifest")
     for rel, sha in m["files"].items():
+        if rel in refreshing:
+            continue
         p = d / rel
         if not p.is_file():
             raise PackageDataError(f"{p}: listed in {mpath} but missing")
@@ -163,7 +167,8 @@ def add_files(profile: str, paths, note: str, root: Path = DATA) -> dict:
     """Add (or refresh) files under the profile's folder in its manifest: their sha256,
     the version + 1 and a note in `source`; the other files are checked as ever."""
     d = profile_dir(profile, root)
-    m = manifest(profile, root)
+    rels = [Path(p).resolve().relative_to(d.resolve()).as_posix() for p in paths]
+    m = manifest(profile, root, refreshing=frozenset(rels))
     for p in paths:
         m["files"][Path(p).resolve().relative_to(d.resolve()).as_posix()] = _sha(Path(p))
     m["version"] = int(m["version"]) + 1
