@@ -551,7 +551,9 @@ def record_md(df: pd.DataFrame) -> list[str]:
     if "loglik_const" in df:
         tot = {c: float(df[c].sum()) for c in df if c.startswith("loglik_")}
         L += ["Total log-likelihood over the runs with a count: " + ", ".join(
-            f"{k.removeprefix('loglik_')} {v:.1f}" for k, v in tot.items()) + ".", ""]
+            f"{k.removeprefix('loglik_')} {v:.1f}" for k, v in tot.items())
+            + ". A model that expects 0 where spikes were reported has likelihood 0 there "
+              "(shown floored at log 1e-300 = -691 per such run).", ""]
     notes = df[df.get("note", pd.Series(dtype=object)).notna()] if "note" in df else df.iloc[:0]
     for _, r in notes.iterrows():
         L.append(f"- {r['run']}: {r['note']}.")
