@@ -192,20 +192,23 @@ def null_md(tab: pd.DataFrame, plan: Mapping[str, Any]) -> list[str]:
 
 
 # ------------------------------------------------------------------------ rate model
-def plan_maps(plan: Mapping[str, Any]) -> dict[str, list[str]]:
-    """The plan's maps by role as folder names: configs/phase_map_science4<suffix>.toml
-    runs into <root>/map<suffix> (the science4 map's own folder is <root>/map)."""
+def plan_maps(plan: Mapping[str, Any], base: str = "map") -> dict[str, list[str]]:
+    """The plan's maps by role as folder names: configs/phase_map_science4<suffix>.toml runs
+    into the folder <base><suffix> beside the in-band map's own folder <base> (`--map
+    ROOT/map` -> ROOT/map_train, ...; the full study's phase_map_science4 ->
+    phase_map_science4_train, ...)."""
     def name(cfg: str) -> str:
-        stem = Path(cfg).stem
-        return "map" + stem[len("phase_map_science4"):]
+        return base + Path(cfg).stem[len("phase_map_science4"):]
     return {"training": [name(c) for c in plan["rate_model"]["training"]["maps"]],
             "heldout": [name(c) for c in plan["heldout"]["maps"]]}
 
 
-def rate_rows_from_maps(root: Path, plan: Mapping[str, Any]) -> tuple[pd.DataFrame, list[str]]:
-    """Lane-phase rows of every plan map found under root, and the maps not found."""
+def rate_rows_from_maps(map_dir: Path, plan: Mapping[str, Any]) -> tuple[pd.DataFrame, list[str]]:
+    """Lane-phase rows of every plan map found beside the in-band map folder `map_dir`,
+    and the maps not found."""
+    root = Path(map_dir).parent
     parts, missing = [], []
-    for role, names in plan_maps(plan).items():
+    for role, names in plan_maps(plan, Path(map_dir).name).items():
         for n in names:
             d = root / n
             if (d / "map.json").exists() and any((d / "cells").glob("*.parquet")):
@@ -784,11 +787,11 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     # the rate model's rows: from the plan's map folders beside --map, else shipped
     rate_missing: list[str] = []
     if map_dir:
-        rate_rows, rate_missing = rate_rows_from_maps(Path(map_dir).parent, plan)
+        rate_rows, rate_missing = rate_rows_from_maps(Path(map_dir), plan)
         if not rate_rows.empty:
             rate_rows.to_parquet(out / RATE_ROWS_FILE, index=False)
             extra_lanes = [lanes_from_map(Path(map_dir).parent / n, n)
-                           for ns in plan_maps(plan).values() for n in ns
+                           for ns in plan_maps(plan, Path(map_dir).name).values() for n in ns
                            if n != Path(map_dir).name
                            and any((Path(map_dir).parent / n / "cells").glob("*.parquet"))]
             if extra_lanes:      # every map's rates beside their nulls
@@ -810,7 +813,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     one_tab = None
     if map_dir and (store_dir / "one_s").is_dir():
         one_tab = OS.read_table(store_dir, {n: Path(map_dir).parent / n
-                                            for ns in plan_maps(plan).values() for n in ns})
+                                            for ns in plan_maps(plan, Path(map_dir).name).values() for n in ns})
         if not one_tab.empty:
             one_tab.to_csv(out / ONE_S_FILE, index=False)
     elif (SHIPPED / ONE_S_FILE).exists():
@@ -821,7 +824,8 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     calib = (S70_cal["S"] / S70["S"]) if S70_cal and S70 else 1.0
     if map_dir and summ is not None:       # every plan map's toys, with their visible spikes
         more = [map_summary(Path(map_dir).parent / n).assign(map=n)
-                for ns in plan_maps(plan).values() for n in ns if n != Path(map_dir).name
+                for ns in plan_maps(plan, Path(map_dir).name).values() for n in ns
+                if n != Path(map_dir).name
                 and any((Path(map_dir).parent / n / "cells").glob("*.parquet"))]
         summ = pd.concat([summ.assign(map=Path(map_dir).name), *more], ignore_index=True)
         if rate_rows is not None and not rate_rows.empty:

@@ -42,13 +42,14 @@ def test_the_plans_maps_are_found_by_name_and_judged(tmp_path):
     names = plan_maps(PLAN)
     assert names["training"][0] == "map" and "map_train" in names["training"]
     assert "map_heldout" in names["heldout"]
+    assert plan_maps(PLAN, "phase_map_science4")["training"][1] == "phase_map_science4_train"
     write_map(tmp_path / "map", [("a", 1, 0.05, [], 1.0), ("b", 64, 0.3, [], 1.0)])
     write_map(tmp_path / "map_train", [("c", 512, 3.0, [0, 1], 1.0),
                                        ("d", 1024, 8.0, [0, 1, 2, 3], 1.0)])
     # held out: one in-band cell below every training spike, one out of band (rho 10x)
     write_map(tmp_path / "map_heldout", [("h", 64, 0.5, [], 1.0), ("x", 256, 0.9, [0], 10.0)],
               seed0=100)
-    rows, missing = rate_rows_from_maps(tmp_path, PLAN)
+    rows, missing = rate_rows_from_maps(tmp_path / "map", PLAN)
     assert set(missing) == set(names["heldout"]) - {"map_heldout"}
     assert rows.loc[rows["source"] == "map_train", "spikes"].sum() == 6
     lines, r = rate_model_section(rows, missing, PLAN, {"reading": "test", "S": 0.3,
