@@ -1,6 +1,6 @@
 """Sharpness against the evaluation batch: where the minibatch lambda_max(H) stops falling.
 
-    adamspike simulate batch-sharpness --out DIR [--quick]     (cached per rung and seed)
+    adamspike simulate batch-sharpness --out DIR [--quick]     (one cell per rung and seed)
 
 The sharpness ladder (simulate.ladder) measures lambda_max(H) of the training minibatch
 (16 x 32 tokens) and finds it falls with the batch as tokens^-1.18. Carried to the 70B's 4M
@@ -35,9 +35,10 @@ LLaMA2's, and far below their edge (S 0.004-0.04), so lambda is not pinned at 2 
 150 steps (the full ladder's) is early training; 5 rungs over 1.6 decades of width would
 be needed for more than a rough exponent, and the full size has dims 32-128.
 
-Storage (DIR): cells/<dim>x<layers>-lr<lr>-s<seed>.json (written once a rung and seed is done, so
-a killed run resumes there), then batch_sharpness.csv (one row per rung, seed, n),
-summary.json and batch_sharpness.md.
+Storage (DIR): cells/batch_sharpness/ (the one cell store, adamspike.cells: one cell per
+rung, lr and seed, keyed by the ladder spec, rung, seed and evaluation sizes, so a killed run
+resumes there and a changed setting recomputes only its cells), then batch_sharpness.csv
+(one row per rung, seed, n), summary.json and batch_sharpness.md.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from adamspike.cells import Cell, CellStore, run_cells
 from adamspike.config import ConfigError, cli_main
 from adamspike.rundir import atomic_write_bytes
 from adamspike.synthdata import SyntheticTokens
@@ -64,6 +66,8 @@ CHUNK_SEQS = 256          # sequences per chunk of a large evaluation batch (mem
 COLD_ITERS = 20
 WARM_ITERS = 10
 EPS_70B = 1e-5
+KIND = "batch_sharpness"
+CODE = "power-1"          # bump when `measure` changes meaning
 SIZES = {
     "full": {"rungs": [(32, 4), (64, 4), (128, 4), (64, 2), (64, 8)], "seeds": 2,
              "eval_tokens": [512, 2048, 8192, 32768], "spec": "full"},
@@ -132,6 +136,20 @@ def measure(rung: tuple[int, int], seed: int, spec: LD.LadderSpec,
             "num_steps": spec.num_steps, "train_tokens": batch * spec.seq_len,
             "final_loss": float(np.mean(losses[-10:])), "eval": rows,
             "seconds": time.perf_counter() - t0}
+
+
+def cell(rung: Sequence[int], seed: int, spec: LD.LadderSpec, eval_tokens: Sequence[int]) -> Cell:
+    """One rung and seed as a cell of the one store (the spec without its rung list)."""
+    shared = {k: v for k, v in spec.to_json().items() if k not in ("rungs", "seeds")}
+    return Cell(KIND, CODE, {"rung": [int(x) for x in rung], "seed": int(seed),
+                             "spec": shared, "eval_tokens": [int(n) for n in eval_tokens]},
+                "simulate.batch_sharpness:compute")
+
+
+def compute(config: dict) -> dict:
+    """The cell's computation (`cell`): `measure` on its resolved input."""
+    spec = LD.spec_from_json({**config["spec"], "rungs": [], "seeds": 1})
+    return measure(tuple(config["rung"]), config["seed"], spec, config["eval_tokens"])
 
 
 def fit_noise(tokens: np.ndarray, lam: np.ndarray) -> tuple[float, float]:
@@ -227,27 +245,16 @@ def run(out: str | Path, size: str = "full", progress: bool = True,
     out = Path(out)
     cfg = SIZES[size]
     rules = ("inverse_width", "constant") if lr_scaling == "both" else (lr_scaling,)
-    (out / "cells").mkdir(parents=True, exist_ok=True)
-    jobs, seen = [], set()
+    cells, seen = [], set()
     for rule in rules:     # a rung at the same lr under both rules runs once
         spec_r = LD.SPECS[cfg["spec"]](rule)
         for r in cfg["rungs"]:
             for sd in range(cfg["seeds"]):
+                c = cell(r, sd, spec_r, cfg["eval_tokens"])
                 if (tuple(r), spec_r.lr_for(r[0]), sd) not in seen:
                     seen.add((tuple(r), spec_r.lr_for(r[0]), sd))
-                    jobs.append((spec_r, r, sd))
-    cells = []
-    for spec, rung, seed in tqdm(jobs, desc="batch sharpness", unit="rung",
-                                 disable=not progress, file=sys.stderr):
-        path = out / "cells" / f"{rung[0]}x{rung[1]}-lr{spec.lr_for(rung[0]):.4g}-s{seed}.json"
-        cell = json.loads(path.read_text()) if path.exists() else None
-        want = {"num_steps": spec.num_steps, "eval_tokens": list(cfg["eval_tokens"]),
-                "lr": spec.lr_for(rung[0])}
-        if cell is None or {"num_steps": cell["num_steps"], "lr": cell["lr"],
-                            "eval_tokens": [r["tokens"] for r in cell["eval"]]} != want:
-            cell = measure(tuple(rung), seed, spec, cfg["eval_tokens"])
-            atomic_write_bytes(path, json.dumps(cell, indent=1).encode())
-        cells.append(cell)
+                    cells.append(c)
+    cells = run_cells(CellStore(out / "cells"), cells, progress=progress, desc="batch sharpness")
     long, summary = summarize(cells)
     summary["size"], summary["lr_scaling"] = size, lr_scaling
     atomic_write_bytes(out / "batch_sharpness.csv", long.to_csv(index=False).encode())

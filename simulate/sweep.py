@@ -32,12 +32,14 @@ called once per chunk under `jax.vmap` (scalar hyperparameters and seeds are vma
 
 Storage (DIR):
     sweep.json                    the resolved grid (a restart with another grid is refused)
-    cells/<cell_id>.parquet       one row per seed of a finished cell, written atomically
+    cells/sweep_cell/             the one cell store (adamspike.cells): one cell per grid
+                                  point (its problem, parameters, seeds and spike settings),
+                                  its table one row per seed
     runs.parquet, runs.csv        the tidy table of this invocation's cells (unsharded), or
     runs.shard-K-of-N.parquet     ... of one shard
     runs/<cell_id>-s<seed>/       with --save-runs N: full run directories of the first N
                                   cells at the first seed (simulate.runner / the trainer)
-A restarted run skips cells whose file exists: no recomputation.  `--shard k/n` (1 <= k <= n)
+A restarted run skips cells that are stored: no recomputation.  `--shard k/n` (1 <= k <= n)
 keeps the cells with int(cell_id, 16) % n == k-1; merging the shards' cells gives the same
 table as an unsharded run.
 
@@ -71,8 +73,8 @@ import pandas as pd
 from tqdm import tqdm
 
 from adamspike.config import ConfigError, cli_main, flatten, from_dict, merge, nest, read_toml, to_dict
-from adamspike.rundir import (CorruptCellFile, atomic_write_bytes, atomic_write_frame, cached_cell,
-                              read_cell_frame)
+from adamspike.cells import Cell, CellStore, CorruptCell
+from adamspike.rundir import atomic_write_bytes, atomic_write_frame
 from adamspike.spikes import SpikeParams, detect_spikes
 
 PRE_WINDOW = 8            # Wortsman 2023a: rms_t leads loss spikes by 1-8 steps
@@ -388,16 +390,40 @@ def _check_sweep_json(out: Path, grid_json: dict) -> None:
         atomic_write_bytes(meta, json.dumps({"grid": grid_json}, indent=2).encode())
 
 
+KIND = "sweep_cell"
+CODE = "vmap-1"          # bump when a problem's run or summarize_run changes meaning
+
+
+def store_cell(problem: Problem, params: Mapping[str, Any], seeds: Sequence[int],
+               spikes: Mapping[str, Any]) -> Cell:
+    """One grid point x seeds as a cell of the one store (payload `rows`)."""
+    return Cell(KIND, CODE, {"problem": problem.name, "params": dict(params),
+                             "seeds": [int(s) for s in seeds], "spikes": dict(spikes)},
+                "simulate.sweep:compute_cell")
+
+
+def compute_cell(config: Mapping[str, Any]) -> dict:
+    """A cell alone (an executor's worker); run_cells computes the missing cells of one
+    static group together, vmapped."""
+    from simulate.sweep_problems import PROBLEMS
+    params = dict(config["params"])
+    problem = PROBLEMS[config["problem"]]
+    cid = cell_id(problem.name, params)
+    return {"rows": run_group(problem, [(cid, params)], list(config["seeds"]),
+                              config["spikes"])[cid]}
+
+
 def run_cells(problem: Problem, cells: Sequence[Mapping[str, Any]], seeds: Sequence[int], out: str | Path,
               spikes: Mapping[str, Any] | None = None, progress: bool = True,
               desc: str | None = None) -> pd.DataFrame:
-    """Run (or resume) explicit cells (full parameter dicts) x seeds into out/cells/; returns
-    their rows in the given cell order. Cells sharing static params are vmapped together."""
-    cells_dir = Path(out) / "cells"
-    cells_dir.mkdir(parents=True, exist_ok=True)
+    """Run (or resume) explicit cells (full parameter dicts) x seeds into the cell store
+    out/cells; returns their rows in the given cell order. The missing cells that share
+    static params are vmapped together."""
+    store = CellStore(Path(out) / "cells")
     spikes = dict(problem.spikes if spikes is None else spikes)
     ids = [(cell_id(problem.name, p), dict(p)) for p in cells]
-    todo = [(c, p) for c, p in dict(ids).items() if cached_cell(cells_dir / f"{c}.parquet") is None]
+    stored = {c: store.get(store_cell(problem, p, seeds, spikes)) for c, p in dict(ids).items()}
+    todo = [(c, p) for c, p in dict(ids).items() if stored[c] is None]
     groups: dict[tuple, list] = {}
     for c, p in todo:
         groups.setdefault(_static_key(problem, p), []).append((c, p))
@@ -407,11 +433,13 @@ def run_cells(problem: Problem, cells: Sequence[Mapping[str, Any]], seeds: Seque
     for members in groups.values():
         for lo in range(0, len(members), per_call):
             part = members[lo:lo + per_call]
+            params = dict(part)
             for c, df in run_group(problem, part, list(seeds), spikes).items():
-                atomic_write_frame(cells_dir / f"{c}.parquet", df)
+                stored[c] = store.put(store_cell(problem, params[c], seeds, spikes), {"rows": df})
             bar.update(len(part) * len(seeds))
     bar.close()
-    return read_cells(Path(out), [c for c, _ in ids])
+    frames = [stored[c]["rows"] for c, _ in ids]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 def run_sweep(grid: Grid, out: str | Path, shard: tuple[int, int] | None = None,
@@ -450,17 +478,14 @@ def save_run_dirs(grid: Grid, cells: Sequence[Mapping[str, Any]], runs_dir: Path
     return paths
 
 
-def read_cells(out: Path, ids: Sequence[str] | None = None) -> pd.DataFrame:
-    cells_dir = Path(out) / "cells"
-    paths = sorted(cells_dir.glob("*.parquet")) if ids is None else [cells_dir / f"{c}.parquet" for c in ids]
-    frames = []
-    for p in paths:
-        try:
-            frames.append(read_cell_frame(p))
-        except CorruptCellFile as e:
-            raise ConfigError(f"{e}; rerun the sweep on the same --out to recompute it") from None
-        except Exception as e:  # noqa: BLE001 - any unreadable cell file is a format error
-            raise ConfigError(f"{p}: unreadable cell file ({e}); delete it to recompute") from None
+def read_cells(out: Path) -> pd.DataFrame:
+    """Every stored cell of a sweep directory (merge's input), verified: a missing or
+    corrupt one is a ConfigError naming it."""
+    store = CellStore(Path(out) / "cells")
+    try:
+        frames = [store.read(KIND, k)["rows"] for k in store.keys(KIND)]
+    except CorruptCell as e:
+        raise ConfigError(f"{e} (rerun the sweep on the same --out to recompute it)") from None
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 

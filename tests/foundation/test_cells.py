@@ -63,7 +63,9 @@ def test_store_round_trip_and_every_corruption_is_detected_and_set_aside(tmp_pat
     data[len(data) // 2] ^= 0x10
     tp.write_bytes(bytes(data))
     assert store.get(c) is None and "table 'table'" in capsys.readouterr().err
-    assert len(list(js.parent.glob("*.corrupt*"))) == 3       # nothing lost
+    # nothing lost: each set-aside cell's JSON and table kept
+    assert len(list(js.parent.glob("*.json.corrupt*"))) == 3
+    assert len(list(js.parent.glob("*.parquet.corrupt*"))) == 3
     assert store.compute(c)["top"] == got["top"]
 
 
