@@ -175,6 +175,10 @@ class CellStore:
         except (CorruptCell, OSError, ValueError, KeyError, TypeError) as e:
             raise CorruptCell(f"{p}: corrupt cell ({e}); rerun the stage that writes it") from None
 
+    def has(self, kind: str, key: str) -> bool:
+        """Whether a cell of `kind` and `key` is stored (not verified: `read` does that)."""
+        return (self.root / kind / f"{key}.json").is_file()
+
     def keys(self, kind: str) -> list[str]:
         """The keys of the cells of `kind` stored under this root (sorted; not verified)."""
         d = self.root / kind

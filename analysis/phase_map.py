@@ -59,7 +59,8 @@ import numpy as np
 import pandas as pd
 from scipy import optimize, stats
 
-from adamspike.rundir import atomic_write_bytes, read_cell_frame
+from adamspike.cells import CellStore
+from adamspike.rundir import atomic_write_bytes
 from adamspike.spikes import SpikeParams, detect_spikes
 from adamspike.tables import md_table
 
@@ -109,6 +110,26 @@ def _window_stats(S: np.ndarray, wake: np.ndarray, steps: np.ndarray, t: int, le
             "wake": bool(wake[sel].any())}
 
 
+def cell_ref(c: dict, out: Path) -> dict:
+    """A map.json cell's {kind, key} in the map's cell store (ValueError for a map written
+    before the one cell store)."""
+    ref = c.get("cell")
+    if not isinstance(ref, dict) or "kind" not in ref or "key" not in ref:
+        raise ValueError(f"{out}/map.json: cell {c.get('id')} names no stored cell (a map from "
+                         "before the one cell store; rerun `adamspike phase-map` on it)")
+    return ref
+
+
+def read_cell(out: str | Path, c: dict) -> pd.DataFrame | None:
+    """A map.json cell's table (verified), or None when it is not stored yet (a map still
+    running); CorruptCell (a ValueError) names a damaged one."""
+    out = Path(out)
+    ref, store = cell_ref(c, out), CellStore(out / "cells")
+    if not store.has(ref["kind"], ref["key"]):
+        return None
+    return store.read(ref["kind"], ref["key"])["rows"]
+
+
 def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(cells table, onsets table, summary) of a map directory."""
     out = Path(out)
@@ -118,10 +139,9 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     heights, lead, dormant = [float(h) for h in st["heights"]], int(st["lead"]), int(st["dormant_steps"])
     cells, onsets, lanes, frames = [], [], [], []
     for c in meta["cells"]:
-        path = out / "cells" / f"{c['id']}.parquet"
-        if not path.exists():
-            continue
-        df = read_cell_frame(path)           # CorruptCellFile (a ValueError) names it
+        df = read_cell(out, c)               # CorruptCell (a ValueError) names a damaged one
+        if df is None:
+            continue                         # not run yet: a map still running
         frames.append(df.filter(["seed", "S", "S_secant"]).assign(cell=c["id"]))
         rho_cols = [k for k in df.columns if k.startswith("rho_")]
         per = {}

@@ -162,8 +162,9 @@ def fit_noise(tokens: np.ndarray, lam: np.ndarray) -> tuple[float, float]:
 def summarize(cells: list[dict]) -> tuple[pd.DataFrame, dict]:
     """The long table and the summary (per rung and seed: lambda at each n, the 1/n fit;
     across rungs: the power law of lambda_inf and the 70B's Pi_eps)."""
-    long = pd.DataFrame([{k: c[k] for k in ("dim", "layers", "seed", "lr", "final_loss")} | r
-                         for c in cells for r in c["eval"]])
+    long = pd.DataFrame([{k: c[k] for k in ("dim", "layers", "seed", "lr", "final_loss")}
+                         | {k: r[k] for k in ("tokens", "lambda", "change")}
+                         for c in cells for r in c["eval"]])      # the columns in this order
     per = []
     for (dim, layers, lr, seed), d in long.groupby(["dim", "layers", "lr", "seed"], sort=True):
         d = d.sort_values("tokens")

@@ -1,6 +1,6 @@
 """Width/depth ladder of tiny LLaMAs: how per-depth-group gradient RMS scales, and the 70B.
 
-    adamspike simulate ladder --out DIR [--spec full|quick] [--quick]   (cells cached in DIR/cells,
+    adamspike simulate ladder --out DIR [--spec full|quick] [--quick]   (cells in the store DIR/cells,
                                                                           resumable; --quick = --spec quick)
                               [--cells-from LADDER_DIR]   (reuse that ladder's measured cells)
 
@@ -31,8 +31,9 @@ clipping, is reduced per depth (-1 embedding, 0..L-1 blocks, L final norm + head
 of squares; groups follow adamspike.depth_groups (embed, shallow, deep, head).
 
 Storage (DIR), as simulate.sweep: ladder.json (the resolved ladder; a restart with another is
-refused), cells/<cell_id>.parquet (one row per seed x logged step x depth, written
-atomically once a cell is done), so an interrupted ladder resumes at the first missing cell;
+refused), cells/, the one cell store (adamspike.cells): a `ladder_rung` cell per rung (the
+spec's shared settings, seeds and the rung), its table one row per seed x logged step x
+depth, so an interrupted ladder resumes at the first missing cell;
 then fit.json, responses.csv, band.csv, depth_rms.csv (`write_outputs`, read by
 figures/fig_ladder.py and `adamspike predict --ladder`).
 
@@ -78,14 +79,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
 from adamspike.config import ConfigError, cli_main
 from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.llama import LlamaConfig, ffn_dim_for, param_specs, preset
 from adamspike.order import sample_indices
-from adamspike.rundir import (CorruptCellFile, atomic_write_bytes, atomic_write_frame, cached_cell,
-                              read_cell_frame)
+from adamspike.cells import Cell, CellStore, CorruptCell, run_cells
+from adamspike.rundir import atomic_write_bytes
 from adamspike.synthdata import SyntheticTokens
 from adamspike.tables import md_table
 
@@ -170,6 +170,29 @@ def cell_id(spec: LadderSpec, rung: Sequence[int]) -> str:
         shared.pop("curvature_iters", None)
     blob = json.dumps({"rung": list(rung), **shared}, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+KIND = "ladder_rung"
+CODE = "program-run-1"    # bump when train_seeds / cell_table change meaning
+
+
+def store_cell(spec: LadderSpec, rung: Sequence[int]) -> Cell:
+    """A rung of `spec` as a cell of the one store: every setting of the spec but its rung
+    list, and the rung."""
+    return Cell(KIND, CODE, {"spec": {k: v for k, v in spec.to_json().items() if k != "rungs"},
+                             "rung": [int(x) for x in rung]}, "simulate.ladder:compute_cell")
+
+
+def compute_cell(config: Mapping[str, Any]) -> dict:
+    """Train a rung's seeds (one vmapped program) and tabulate them (`cell_table`)."""
+    spec = spec_from_json({**config["spec"], "rungs": [config["rung"]]})
+    dim, L, B = rung = tuple(config["rung"])
+    seeds = list(range(spec.seeds))
+    tokens = batches(spec, B, seeds)
+    t0 = time.perf_counter()
+    res = train_seeds(llama_config(dim, L, spec), spec, tokens, seeds)
+    return {"rows": cell_table(rung, spec, seeds, res, cell_id(spec, rung),
+                               time.perf_counter() - t0)}
 
 
 # ----------------------------------------------------------------------------- data
@@ -262,10 +285,9 @@ def cell_table(rung: Sequence[int], spec: LadderSpec, seeds: Sequence[int],
 
 
 def run_ladder(spec: LadderSpec, out: str | Path, progress: bool = True) -> pd.DataFrame:
-    """Run every rung not yet cached under out/cells; return all cells' rows."""
+    """Run every rung not yet in the store out/cells; return all cells' rows."""
     out = Path(out)
-    cells = out / "cells"
-    cells.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     meta = out / "ladder.json"
     if not _refuse_another(out, spec):
         atomic_write_bytes(meta, json.dumps({"ladder": spec.to_json()}, indent=2).encode())
@@ -273,23 +295,8 @@ def run_ladder(spec: LadderSpec, out: str | Path, progress: bool = True) -> pd.D
                                  or spec.num_steps % spec.curvature_every):
         raise ConfigError(f"curvature_every {spec.curvature_every}: must be a multiple of "
                           f"{LOG_EVERY} that divides num_steps {spec.num_steps}")
-    seeds = list(range(spec.seeds))
-    todo = [r for r in spec.rungs if cached_cell(cells / f"{cell_id(spec, r)}.parquet") is None]
-    data: dict[int, np.ndarray] = {}
-    bar = tqdm(total=len(spec.rungs), initial=len(spec.rungs) - len(todo), desc="ladder",
-               unit="cell", disable=not progress, file=sys.stderr)
-    for rung in todo:
-        dim, L, B = rung
-        bar.set_postfix(dim=dim, layers=L, batch=B, refresh=True)
-        if B not in data:
-            data[B] = batches(spec, B, seeds)
-        t0 = time.perf_counter()
-        res = train_seeds(llama_config(dim, L, spec), spec, data[B], seeds)
-        cid = cell_id(spec, rung)
-        df = cell_table(rung, spec, seeds, res, cid, time.perf_counter() - t0)
-        atomic_write_frame(cells / f"{cid}.parquet", df)
-        bar.update(1)
-    bar.close()
+    run_cells(CellStore(out / "cells"), [store_cell(spec, r) for r in spec.rungs],
+              progress=progress, desc="ladder")
     return read_ladder(out, spec)
 
 
@@ -306,13 +313,8 @@ def seed_cells(spec: LadderSpec, out: str | Path, source: str | Path) -> int:
         diff = sorted(k for k in theirs if theirs[k] != mine.get(k))
         raise ConfigError(f"--cells-from {source}: another ladder (differs in {', '.join(diff)}); "
                           "nothing copied")
-    (out / "cells").mkdir(parents=True, exist_ok=True)
-    copied = 0
-    for rung in spec.rungs:
-        name = f"{cell_id(spec, rung)}.parquet"
-        if (source / "cells" / name).is_file() and not (out / "cells" / name).exists():
-            atomic_write_bytes(out / "cells" / name, (source / "cells" / name).read_bytes())
-            copied += 1
+    mine_store, theirs_store = CellStore(out / "cells"), CellStore(source / "cells")
+    copied = sum(mine_store.copy_from(theirs_store, store_cell(spec, r)) for r in spec.rungs)
     bs = source / BATCH_SHARPNESS_FILE
     if bs.is_file() and not (out / BATCH_SHARPNESS_FILE).exists():
         atomic_write_bytes(out / BATCH_SHARPNESS_FILE, bs.read_bytes())
@@ -343,11 +345,12 @@ def read_ladder(out: str | Path, spec: LadderSpec | None = None) -> pd.DataFrame
     if not (out / "ladder.json").is_file():
         raise ConfigError(f"{out}: not a ladder directory (no ladder.json)")
     spec = stored_spec(out) if spec is None else spec
-    paths = [out / "cells" / f"{cell_id(spec, r)}.parquet" for r in spec.rungs]
+    store = CellStore(out / "cells")
+    cells = [store_cell(spec, r) for r in spec.rungs]
     try:
-        frames = [read_cell_frame(p) for p in paths if p.exists()]
-    except CorruptCellFile as e:
-        raise ConfigError(f"{e}; rerun `adamspike simulate ladder` on {out} to recompute it") from None
+        frames = [store.read(c.kind, c.key)["rows"] for c in cells if store.has(c.kind, c.key)]
+    except CorruptCell as e:
+        raise ConfigError(f"{e}: `adamspike simulate ladder` on {out} recomputes it") from None
     if not frames:
         raise ConfigError(f"{out}: no finished ladder cells")
     return pd.concat(frames, ignore_index=True)

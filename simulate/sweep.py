@@ -74,7 +74,7 @@ from tqdm import tqdm
 
 from adamspike.config import ConfigError, cli_main, flatten, from_dict, merge, nest, read_toml, to_dict
 from adamspike.cells import Cell, CellStore, CorruptCell
-from adamspike.rundir import atomic_write_bytes, atomic_write_frame
+from adamspike.rundir import atomic_write_bytes
 from adamspike.spikes import SpikeParams, detect_spikes
 
 PRE_WINDOW = 8            # Wortsman 2023a: rms_t leads loss spikes by 1-8 steps
@@ -371,7 +371,7 @@ def _sort_table(df: pd.DataFrame, grid_json: Mapping[str, Any]) -> pd.DataFrame:
 
 def _write_table(df: pd.DataFrame, out_dir: Path, stem: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_frame(out_dir / f"{stem}.parquet", df)
+    atomic_write_bytes(out_dir / f"{stem}.parquet", df.to_parquet(index=False))
     atomic_write_bytes(out_dir / f"{stem}.csv", df.to_csv(index=False).encode())
 
 
@@ -405,7 +405,7 @@ def store_cell(problem: Problem, params: Mapping[str, Any], seeds: Sequence[int]
 def compute_cell(config: Mapping[str, Any]) -> dict:
     """A cell alone (an executor's worker); run_cells computes the missing cells of one
     static group together, vmapped."""
-    from simulate.sweep_problems import PROBLEMS
+    from simulate.sweep_problems import PROBLEMS   # it imports this module: a cycle at the top
     params = dict(config["params"])
     problem = PROBLEMS[config["problem"]]
     cid = cell_id(problem.name, params)

@@ -44,6 +44,7 @@ from adamspike.rundir import atomic_write_bytes
 from adamspike.spikes import detect_spikes
 from adamspike.tables import md_table
 from adamspike.train_config import RunConfig
+from analysis import phase_map as PMA
 from analysis import sharpness as SH
 from analysis.claims import load as load_claims
 from analysis.spike_null import cells_table, class_params
@@ -144,9 +145,9 @@ def lanes_from_map(map_dir: Path) -> pd.DataFrame:
     meta = json.loads((map_dir / "map.json").read_text())
     parts = []
     for c in meta["cells"]:
-        p = map_dir / "cells" / f"{c['id']}.parquet"
-        if p.exists():
-            df = pd.read_parquet(p, columns=["seed", "step", "loss"])
+        df = PMA.read_cell(map_dir, c)
+        if df is not None:
+            df = df[["seed", "step", "loss"]]
             parts.append(df.assign(lr_mult=c["lr_mult"], b2=c["b2"], batch_mult=c["batch_mult"]))
     if not parts:
         raise ConfigError(f"{map_dir}: no finished cell")
@@ -198,10 +199,9 @@ def map_summary(map_dir: Path) -> pd.DataFrame:
     meta = json.loads((map_dir / "map.json").read_text())
     rows = []
     for c in meta["cells"]:
-        p = map_dir / "cells" / f"{c['id']}.parquet"
-        if not p.exists():
+        df = PMA.read_cell(map_dir, c)
+        if df is None:
             continue
-        df = pd.read_parquet(p)
         cfg = RunConfig.from_dict(c["config"])
         llama = cfg.model.llama()
         n = num_params(llama)

@@ -25,6 +25,14 @@ def cells(n, **extra):
             for s in range(n)]
 
 
+def store_table(root: Path, name: str, df: pd.DataFrame, kind: str) -> dict:
+    """A synthetic table stored as a cell (payload `rows`) under `root`, as the experiments'
+    drivers store theirs; returns the {kind, key} their metadata names it by."""
+    c = Cell(kind, "test", {"name": name})
+    CellStore(root).put(c, {"rows": df})
+    return {"kind": kind, "key": c.key}
+
+
 def files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file() and not p.name.endswith(".prov.json")}

@@ -89,7 +89,7 @@ def test_fit_recovers_known_power_law():
 def test_cells_cached_and_resumed(synthetic_ladder):
     out, spec, calls = synthetic_ladder
     assert len(calls) == len(spec.rungs)
-    cells = sorted((out / "cells").glob("*.parquet"))
+    cells = sorted((out / "cells" / LD.KIND).glob("*[0-9a-f].json"))
     assert len(cells) == len(spec.rungs)
     cells[0].unlink()                                   # an interrupted ladder
     LD.run_ladder(spec, out, progress=False)
@@ -109,8 +109,10 @@ def test_cells_from_another_ladder_directory(synthetic_ladder, tmp_path):
     assert LD.seed_cells(spec, dst, src) == len(spec.rungs)
     LD.run_ladder(spec, dst, progress=False)
     assert len(calls) == len(spec.rungs)                 # nothing trained
-    for c in (src / "cells").glob("*.parquet"):
-        assert (dst / "cells" / c.name).read_bytes() == c.read_bytes()
+    copied = [c for c in (src / "cells" / LD.KIND).iterdir() if not c.name.endswith(".prov.json")]
+    assert len(copied) == 2 * len(spec.rungs)
+    for c in copied:
+        assert (dst / "cells" / LD.KIND / c.name).read_bytes() == c.read_bytes()
     assert (dst / LD.BATCH_SHARPNESS_FILE).read_text() == '{"llama2_70b": {}}'
     assert LD.seed_cells(spec, dst, src) == 0            # all there: none copied again
     other = LD.LadderSpec(rungs=spec.rungs, seeds=3, num_steps=30)

@@ -5,6 +5,7 @@ arms are stubbed here, the matched stage itself runs in tests/study)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -58,7 +59,7 @@ def test_claims_file_errors_name_the_claim_and_key(tmp_path, capsys, text, needl
     assert replicate_main(["--out", str(tmp_path / "o"), "--claims", str(p)]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
-    assert not (tmp_path / "o" / "arms").exists() or not any((tmp_path / "o" / "arms").iterdir())
+    assert not (tmp_path / "o" / "cells").exists() or not any((tmp_path / "o" / "cells").rglob("*"))
 
 
 def test_cli_bad_seeds(tmp_path, capsys):
@@ -86,9 +87,10 @@ def test_small_real_replication(tmp_path):
     from figures import fig_replication as F
     table.to_csv(tmp_path / "replication.csv", index=False)
     assert F.main(["--table", str(tmp_path), "--out", str(tmp_path / "fig")]) == 0
-    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "arms").iterdir()}
+    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cells").rglob("*")}
+    assert len(stamps) >= 3
     C.run_study(st, tmp_path, quick=True, progress=False)     # every arm on disk: nothing reruns
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "arms").iterdir()} == stamps
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cells").rglob("*")} == stamps
     pd.testing.assert_frame_equal(table, report_md(tmp_path)[1])
 
 
@@ -100,15 +102,21 @@ def test_full_replication_runs_the_llama_claims(tmp_path, monkeypatch):
     st = _subset(TOY, ("report.batch_skip", "report.glm_shrink"))
     seen = {}
 
+    from adamspike.cells import CellStore
+
     def fake_run_cells(problem, cell_list, seeds, out, progress=True, desc=None):
         seen[problem.name] = (cell_list, list(seeds))
-        rows = []
-        for cell in cell_list:
+        frames = []
+        for cell in cell_list:      # stored as the sweep stores its cells: the arms' tables
             spikes = 1 if cell["guard.enabled"] else (1 if cell["mitigation.embed_grad_shrink"] < 1 else 3)
-            rows += [{"cell_id": S.cell_id(problem.name, cell), "seed": s, "num_spikes": spikes + (s % 2),
-                      "final_loss": 2.1, "max_spike_height": 0.3, "guard_rollbacks": 2.0 * cell["guard.enabled"],
-                      "guard_aborted": 0.0} for s in seeds]
-        return pd.DataFrame(rows)
+            df = pd.DataFrame([{"cell_id": S.cell_id(problem.name, cell), "seed": s,
+                                "num_spikes": spikes + (s % 2), "final_loss": 2.1,
+                                "max_spike_height": 0.3, "guard_rollbacks": 2.0 * cell["guard.enabled"],
+                                "guard_aborted": 0.0} for s in seeds])
+            CellStore(Path(out) / "cells").put(S.store_cell(problem, cell, seeds, problem.spikes),
+                                               {"rows": df})
+            frames.append(df)
+        return pd.concat(frames, ignore_index=True)
 
     monkeypatch.setattr(C, "run_cells", fake_run_cells)
     C.run_study(st, tmp_path, progress=False)
