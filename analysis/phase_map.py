@@ -337,7 +337,8 @@ def report_md(table: pd.DataFrame, onsets: pd.DataFrame, summary: dict) -> str:
     meta, st = summary["meta"], summary["settings"]
     tags = [f"{round(float(h) * 100)}" for h in st["heights"]]
     lines = [f"# {meta.get('title') or 'Phase map'}", "",
-             f"Config `{meta['config_file']}`{' (--quick)' if meta['quick'] else ''}: "
+             f"Config `{meta['config_file']}`"
+             f"{' (sizes: ' + ', '.join(meta['sets']) + ')' if meta.get('sets') else ''}: "
              f"{len(meta['seeds'])} paired seeds per cell, grid lr_mult {meta['grid']['lr_mult']}, "
              f"b2 {meta['grid']['b2']}, batch_mult {meta['grid']['batch_mult']}; stability number "
              f"S = lr lambda_max(P H) / 2 every {meta['curvature_every']} steps (S = 1: Adam's "

@@ -1,6 +1,8 @@
 """Sharpness against the evaluation batch: where the minibatch lambda_max(H) stops falling.
 
-    adamspike simulate batch-sharpness --out DIR [--quick]     (one cell per rung and seed)
+    adamspike simulate batch-sharpness --out DIR [--rungs DxL ...] [--seeds N]
+                                       [--eval-tokens N ...] [--num-steps N]
+                                       (one cell per rung and seed)
 
 The sharpness ladder (simulate.ladder) measures lambda_max(H) of the training minibatch
 (16 x 32 tokens) and finds it falls with the batch as tokens^-1.18. Carried to the 70B's 4M
@@ -46,14 +48,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
 from adamspike.cells import Cell, CellStore, run_cells
 from adamspike.config import ConfigError, cli_main
@@ -68,12 +68,10 @@ WARM_ITERS = 10
 EPS_70B = 1e-5
 KIND = "batch_sharpness"
 CODE = "power-1"          # bump when `measure` changes meaning
-SIZES = {
-    "full": {"rungs": [(32, 4), (64, 4), (128, 4), (64, 2), (64, 8)], "seeds": 2,
-             "eval_tokens": [512, 2048, 8192, 32768], "spec": "full"},
-    "quick": {"rungs": [(32, 2)], "seeds": 1, "eval_tokens": [512, 2048, 8192],
-              "spec": "quick"},
-}
+# the full study's sizes; smaller ones are explicit (run's arguments, the CLI's flags), e.g.
+# --rungs 32x2 --seeds 1 --eval-tokens 512 2048 8192 --num-steps 60 --warmup-steps 6
+SIZES = {"rungs": [(32, 4), (64, 4), (128, 4), (64, 2), (64, 8)], "seeds": 2,
+         "eval_tokens": [512, 2048, 8192, 32768]}
 
 
 def eval_batches(spec: LD.LadderSpec, seed: int, eval_tokens: Sequence[int]) -> list[np.ndarray]:
@@ -241,14 +239,19 @@ def report_md(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(out: str | Path, size: str = "full", progress: bool = True,
-        lr_scaling: str = "inverse_width") -> dict:
+def run(out: str | Path, progress: bool = True, lr_scaling: str = "inverse_width", *,
+        rungs: Sequence[Sequence[int]] | None = None, seeds: int | None = None,
+        eval_tokens: Sequence[int] | None = None, **spec_sizes) -> dict:
+    """Every rung x seed (SIZES unless given; `spec_sizes`: the ladder recipe's num_steps,
+    warmup_steps ... replacing the full ladder's), then the tables and the summary."""
     out = Path(out)
-    cfg = SIZES[size]
+    cfg = {"rungs": [tuple(r) for r in (rungs or SIZES["rungs"])],
+           "seeds": int(seeds or SIZES["seeds"]),
+           "eval_tokens": [int(n) for n in (eval_tokens or SIZES["eval_tokens"])]}
     rules = ("inverse_width", "constant") if lr_scaling == "both" else (lr_scaling,)
     cells, seen = [], set()
     for rule in rules:     # a rung at the same lr under both rules runs once
-        spec_r = LD.SPECS[cfg["spec"]](rule)
+        spec_r = LD.sized_spec(rule, **spec_sizes)
         for r in cfg["rungs"]:
             for sd in range(cfg["seeds"]):
                 c = cell(r, sd, spec_r, cfg["eval_tokens"])
@@ -257,7 +260,10 @@ def run(out: str | Path, size: str = "full", progress: bool = True,
                     cells.append(c)
     cells = run_cells(CellStore(out / "cells"), cells, progress=progress, desc="batch sharpness")
     long, summary = summarize(cells)
-    summary["size"], summary["lr_scaling"] = size, lr_scaling
+    summary["lr_scaling"] = lr_scaling
+    summary["size"] = {"rungs": [list(r) for r in cfg["rungs"]], "seeds": cfg["seeds"],
+                       "eval_tokens": cfg["eval_tokens"],
+                       **{k: v for k, v in spec_sizes.items() if v is not None}}
     atomic_write_bytes(out / "batch_sharpness.csv", long.to_csv(index=False).encode())
     atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=2).encode())
     atomic_write_bytes(out / "batch_sharpness.md", report_md(summary).encode())
@@ -268,7 +274,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike simulate batch-sharpness",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory (resumable)")
-    ap.add_argument("--quick", action="store_true", help="1 rung, 1 seed, up to 8192 tokens")
+    ap.add_argument("--rungs", nargs="+", type=LD.rung_arg, metavar="DxL",
+                    help="rungs, dim x layers (default: 32x4 64x4 128x4 64x2 64x8)")
+    ap.add_argument("--seeds", type=int, help="seeds per rung (default 2)")
+    ap.add_argument("--eval-tokens", type=int, nargs="+", metavar="N",
+                    help="evaluation batch sizes in tokens (default 512 2048 8192 32768)")
+    ap.add_argument("--num-steps", type=int, help="training steps (default: the ladder's 150)")
+    ap.add_argument("--warmup-steps", type=int, help="lr warmup steps (default: the ladder's 20)")
     ap.add_argument("--lr-scaling", choices=("inverse_width", "constant", "both"),
                     default="inverse_width",
                     help="the rungs' lr rule (simulate.ladder: 3e-3 x 64 / dim, or 3e-3 on "
@@ -276,8 +288,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
 
     def body(a) -> int:
-        print(report_md(run(a.out, "quick" if a.quick else "full", progress=not a.no_progress,
-                            lr_scaling=a.lr_scaling)), end="")
+        if a.rungs and any(len(r) != 2 for r in a.rungs):
+            raise ConfigError("--rungs: expected DIMxLAYERS (the batch is 16)")
+        print(report_md(run(a.out, progress=not a.no_progress, lr_scaling=a.lr_scaling,
+                            rungs=a.rungs, seeds=a.seeds, eval_tokens=a.eval_tokens,
+                            num_steps=a.num_steps, warmup_steps=a.warmup_steps)), end="")
         return 0
     return cli_main(ap, None if argv is None else list(argv), body,
                     "adamspike simulate batch-sharpness")

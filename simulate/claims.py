@@ -1,7 +1,8 @@
 """Run the arms of a claims study (adamspike.claims): paired seeds per arm, resumable.
 
-    adamspike replicate --out DIR [--quick] [--seeds N] [--claims configs/claims.toml] [--skip-llama]
-    adamspike replicate matched --ladder LADDER_DIR --out DIR [--quick] [--seeds 10]
+    adamspike replicate --out DIR [--seeds N] [--claims configs/claims.toml] [--skip-llama]
+                        [--only ID ...] [--set base.NAME.KEY=VALUE ...]
+    adamspike replicate matched --ladder LADDER_DIR --out DIR [--seeds 10]
                                 (= --claims configs/claims_matched.toml --ladder LADDER_DIR)
 
 Runners, by the base's kind (seed k of every arm has the same init and batches: paired):
@@ -60,8 +61,8 @@ from simulate.sweep_problems import PROBLEMS
 EPS_KEYS = {"embed": "mitigation.eps_embed", "shallow": "mitigation.eps_shallow",
             "deep": "mitigation.eps_deep", "head": "mitigation.eps_head"}
 NOT_RUN = {
-    "quick": "not run in --quick (full_only base or claim): `adamspike replicate` without "
-             "--quick runs it",
+    "only": "not run at this size (the study's size table, configs/study.toml, runs a subset "
+            "with --only): `adamspike replicate` without --only runs it",
     "skip_llama": "not run in this study (--skip-llama, for the reproduce budget): batch "
                   "skipping is tested causally in replay/ (skip_window) and GLM shrink in the "
                   "matched-regime table; `adamspike replicate --out DIR` runs these rows"}
@@ -179,11 +180,11 @@ def next_eps(group: str, rounds: Sequence[Mapping[str, Mapping[str, float]]], ta
     return math.exp(e1 + max(-cap, min(cap, (math.log(target) - r1) / slope)))
 
 
-def base_config(study: Study, name: str, quick: bool, ladder: str | Path | None, meta: dict,
+def base_config(study: Study, name: str, ladder: str | Path | None, meta: dict,
                 progress: bool, store: CellStore) -> dict:
     """A base's full dotted config (sweep problem: its cell; RunConfig: calibrated)."""
     b = study.bases[name]
-    over = {**flatten(b.get("overrides", {})), **(flatten(b.get("quick", {})) if quick else {})}
+    over = flatten(b.get("overrides", {}))
     if "problem" in b:
         if b["problem"] not in PROBLEMS:
             raise ConfigError(f"base.{name}.problem: unknown {b['problem']!r} (known: {', '.join(PROBLEMS)})")
@@ -191,7 +192,7 @@ def base_config(study: Study, name: str, quick: bool, ladder: str | Path | None,
         return prob.values(cell_settings(prob, over, f"base.{name}"))
     flat = resolve(flatten(to_dict(RunConfig.from_dict(read_toml(REPO / b["config"])))), over)
     _config(flat)
-    cal = b.get("calibrate_quick" if quick and "calibrate_quick" in b else "calibrate")
+    cal = b.get("calibrate")
     if not cal:
         return flat
     if ladder is None:
@@ -227,26 +228,29 @@ def arm_table(res: Mapping[str, np.ndarray], seeds: Sequence[int]) -> pd.DataFra
     return df
 
 
-def run_study(study: Study, out: str | Path, quick: bool = False, num_seeds: int | None = None,
-              ladder: str | Path | None = None, skip_llama: bool = False,
-              progress: bool = True) -> Path:
+def run_study(study: Study, out: str | Path, only: Sequence[str] | None = None,
+              num_seeds: int | None = None, ladder: str | Path | None = None,
+              skip_llama: bool = False, progress: bool = True) -> Path:
     """Resolve every claim's arms, run those not yet under out/arms, write replication.json."""
     out = Path(out)
     seeds = list(range(num_seeds or study.seeds))
     meta_path = out / "replication.json"
     store = CellStore(out / "cells")
     meta = {"claims_file": study.path, "title": study.title, "description": study.description,
-            "quick": quick, "seeds": seeds, "spike_k": study.spike_k, "calibration": {},
+            "sets": list(study.sets), "only": None if only is None else list(only), "seeds": seeds, "spike_k": study.spike_k, "calibration": {},
             "claims": [], "arms": {}, "arm_configs": {}}
+    unknown = sorted(set(only or ()) - {c.id for c in study.claims})
+    if unknown:
+        raise ConfigError(f"{study.path}: --only {unknown[0]}: no such claim")
     bases = {}
     for c in study.claims:
         b = study.bases[c.base]
-        skip = ("quick" if quick and (b.get("full_only") or not c.quick) else
+        skip = ("only" if only is not None and c.id not in only else
                 "skip_llama" if skip_llama and b.get("problem") == "llama" else None)
         row = {**asdict(c), "rule_text": c.rule_text(), "not_run": NOT_RUN[skip] if skip else ""}
         if not skip:
             if c.base not in bases:
-                bases[c.base] = base_config(study, c.base, quick, ladder, meta, progress, store)
+                bases[c.base] = base_config(study, c.base, ladder, meta, progress, store)
             for arm in ("treatment", "control"):
                 over = getattr(c, arm)
                 if over is None:

@@ -1,7 +1,9 @@
 """Width/depth ladder of tiny LLaMAs: how per-depth-group gradient RMS scales, and the 70B.
 
-    adamspike simulate ladder --out DIR [--spec full|quick] [--quick]   (cells in the store DIR/cells,
-                                                                          resumable; --quick = --spec quick)
+    adamspike simulate ladder --out DIR [--rungs DxLxB ...] [--seeds N] [--num-steps N]
+                              [--warmup-steps N] [--curvature-every K] [--curvature-iters N]
+                              (cells in the store DIR/cells, resumable; the flags replace the
+                              full ladder's values, e.g. a CI-sized one)
                               [--cells-from LADDER_DIR]   (reuse that ladder's measured cells)
 
 The ladder trains the JAX LLaMA through simulate.program's one step (the trainer's: same
@@ -12,11 +14,10 @@ synthetic data set (adamspike.synthdata Markov task, data seed 0) at every rung:
            (256, 8) (alone ~30 % of the ladder's CPU time; left out for the reproduce budget),
            plus batch {4, 32} x 32 tokens at dim 64, 4 layers (the tokens-per-step axis;
            {4, 64} with the constant lr), 3 seeds, 150 steps
-    quick  (dim, layers, batch) = (32, 2, 16), (64, 2, 16), (32, 4, 16), (32, 2, 4): two
-           values per axis around one corner (4 cells, each axis identified); 2 seeds,
-           60 steps
-    and, both, the sharpness ladder: lambda_max(H) and Adam's S every 15 steps with 5
-    warm-started Hessian-vector products each (quick: every 20 with 3)
+    and the sharpness ladder: lambda_max(H) and Adam's S every 15 steps with 5 warm-started
+    Hessian-vector products each. A smaller ladder is the same with explicit values, e.g.
+    --rungs 32x2x16 64x2x16 32x4x16 32x2x4 --seeds 2 --num-steps 60 --warmup-steps 6
+    --curvature-every 20 --curvature-iters 3 (two values per axis around one corner)
 
 Learning rate per rung (`lr_scaling`): "inverse_width" (default) lr = 3e-3 * 64 / dim, the
 muP rule for Adam's hidden layers (LLaMA's own lrs fall with width: 3e-4 at 7B, 1.5e-4 at
@@ -139,13 +140,18 @@ def full_spec(lr_scaling: str = "inverse_width") -> LadderSpec:
     return LadderSpec(rungs=rungs, num_steps=150, lr_scaling=lr_scaling, curvature_every=15)
 
 
-def quick_spec(lr_scaling: str = "inverse_width") -> LadderSpec:
-    rungs = [(32, 2, 16), (64, 2, 16), (32, 4, 16), (32, 2, 4)]
-    return LadderSpec(rungs=rungs, seeds=2, num_steps=60, warmup_steps=6, lr_scaling=lr_scaling,
-                      curvature_every=20, curvature_iters=3)
+def sized_spec(lr_scaling: str = "inverse_width", **sizes: Any) -> LadderSpec:
+    """The full ladder with explicit sizes replacing its own (rungs, seeds, num_steps,
+    warmup_steps, curvature_every, curvature_iters; None: the full ladder's)."""
+    spec = full_spec(lr_scaling)
+    given = {k: v for k, v in sizes.items() if v is not None}
+    if "rungs" in given:
+        given["rungs"] = [tuple(int(x) for x in r) for r in given["rungs"]]
+    return replace_spec(spec, **given)
 
 
-SPECS = {"full": full_spec, "quick": quick_spec}
+def replace_spec(spec: LadderSpec, **changes: Any) -> LadderSpec:
+    return spec_from_json({**spec.to_json(), **changes})
 
 
 def llama_config(dim: int, num_layers: int, spec: LadderSpec):
@@ -819,13 +825,30 @@ def sharpness_md(sf: Mapping[str, Any], s70: Mapping[str, Any], pct: int,
 
 # ----------------------------------------------------------------------------- CLI
 
+def rung_arg(text: str) -> tuple[int, ...]:
+    """'64x4x16' (dim x layers x batch; batch_sharpness: dim x layers) as integers."""
+    try:
+        vals = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        vals = ()
+    if len(vals) not in (2, 3) or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected DIMxLAYERS[xBATCH], e.g. 64x4x16")
+    return vals
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike simulate ladder",
                                  description="Width/depth ladder of tiny LLaMAs (simulate.ladder)")
     ap.add_argument("--out", type=Path, required=True, help="ladder directory (resumable)")
-    ap.add_argument("--spec", choices=sorted(SPECS), default="full", help="the ladder's rungs, seeds and steps")
-    ap.add_argument("--quick", action="store_const", const="quick", dest="spec",
-                    help="--spec quick: the reduced ladder (CI)")
+    ap.add_argument("--rungs", nargs="+", type=rung_arg, metavar="DxLxB",
+                    help="the rungs (dim x layers x batch; default: the full ladder's 13)")
+    ap.add_argument("--seeds", type=int, help="seeds per rung (default 3)")
+    ap.add_argument("--num-steps", type=int, help="training steps (default 150)")
+    ap.add_argument("--warmup-steps", type=int, help="lr warmup steps (default 20)")
+    ap.add_argument("--curvature-every", type=int,
+                    help="the sharpness ladder's interval (default 15; 0: off)")
+    ap.add_argument("--curvature-iters", type=int,
+                    help="warm-started products per evaluation (default 5)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--eps", type=float, default=1e-5, help="eps of the 70B profile written")
     ap.add_argument("--lr-scaling", choices=("constant", "inverse_width"), default="inverse_width",
@@ -840,7 +863,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args) -> int:
     if args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out}: exists and is not a directory")
-    spec = SPECS[args.spec](args.lr_scaling)
+    spec = sized_spec(args.lr_scaling, rungs=args.rungs, seeds=args.seeds,
+                      num_steps=args.num_steps, warmup_steps=args.warmup_steps,
+                      curvature_every=args.curvature_every, curvature_iters=args.curvature_iters)
     t0 = time.perf_counter()
     if args.cells_from:
         n = seed_cells(spec, args.out, args.cells_from)

@@ -1,7 +1,7 @@
 """Phase map of loss spikes in the 70B's rho band: run the cells (JAX; analysis/phase_map.py
 reads what this writes).
 
-    adamspike phase-map --config configs/phase_map.toml --out DIR [--ladder L] [--quick]
+    adamspike phase-map --config configs/phase_map.toml --out DIR [--ladder L] [--set map.KEY=VALUE ...]
 
 A cell is (lr_mult, b2, batch_mult) of the map's toy (configs/phase_map.toml): `seeds` lanes
 of simulate.program's one step, `Program.run` with the stability number every
@@ -37,14 +37,14 @@ import json
 import sys
 from itertools import product
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
 from adamspike.claims import REPO
-from adamspike.config import ConfigError, flatten, read_toml, to_dict
+from adamspike.config import ConfigError, apply_sets, flatten, read_toml, to_dict
 from adamspike.cells import Cell, CellStore, run_cells
 from adamspike.rundir import atomic_write_bytes
 from adamspike.train_config import RunConfig, id_settings
@@ -52,32 +52,30 @@ from simulate.claims import EPS_KEYS, arm_table, calibration_cell, ladder_target
 
 MAP_FIELDS = {"title", "base", "overrides", "seeds", "lr_mult", "b2", "batch_mult",
               "curvature_every", "calibrate", "check"}
-QUICK_FIELDS = MAP_FIELDS - {"title", "base", "curvature_every"}
 POWER_ITERS = 30     # the cold power iteration the tracker is checked against
 KIND = "phase_map_cell"
 CODE = "run-arm-1"   # bump when run_cell changes meaning
 
 
-def read_map(path: str | Path, quick: bool = False) -> dict:
-    """The map file with [quick] applied, checked (ConfigError names the field)."""
+def read_map(path: str | Path, sets: Sequence[str] = ()) -> dict:
+    """The map file with `--set map.KEY=VALUE` applied (a smaller map: the study's size
+    table, configs/study.toml, gives its sizes this way), checked (ConfigError names the
+    field)."""
     data = read_toml(path)
-    bad = sorted(set(data) - {"map", "quick", "targets", "spikes"})
+    bad = sorted(set(data) - {"map", "targets", "spikes"})
     if bad or "map" not in data:
-        raise ConfigError(f"{path}: expected [map], [quick], [targets], [spikes]"
+        raise ConfigError(f"{path}: expected [map], [targets], [spikes]"
                           + (f" (unknown {bad[0]!r})" if bad else ""))
-    m, q = dict(data["map"]), data.get("quick", {})
-    for table, fields, allowed in (("map", m, MAP_FIELDS), ("quick", q, QUICK_FIELDS)):
-        extra = sorted(set(fields) - allowed)
-        if extra:
-            raise ConfigError(f"{path}: [{table}] unknown field {extra[0]!r}")
-    if quick:
-        m.update(q)
+    m = dict(apply_sets(data, sets, {"map"})["map"])
+    extra = sorted(set(m) - MAP_FIELDS)
+    if extra:
+        raise ConfigError(f"{path}: [map] unknown field {extra[0]!r}")
     for key in ("lr_mult", "b2", "batch_mult"):
         if not isinstance(m.get(key), list) or not m[key]:
             raise ConfigError(f"{path}: [map] {key}: a non-empty list")
     if int(m.get("seeds", 0)) < 2:
         raise ConfigError(f"{path}: [map] seeds: >= 2")
-    return {"path": str(path), "quick": quick, "map": m, "targets": data.get("targets", {}),
+    return {"path": str(path), "sets": list(sets), "map": m, "targets": data.get("targets", {}),
             "spikes": data.get("spikes", {})}
 
 
@@ -154,7 +152,7 @@ def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
         raise ConfigError(f"train.num_steps {flat['train.num_steps']}: not a multiple of "
                           f"curvature_every {every}")
     cal_spec = dict(m.get("calibrate", {"rounds": 2, "seeds": 2, "steps": 300}))
-    meta = {"title": m.get("title", ""), "config_file": spec["path"], "quick": spec["quick"],
+    meta = {"title": m.get("title", ""), "config_file": spec["path"], "sets": spec["sets"],
             "seeds": seeds, "curvature_every": every, "targets": targets,
             "spikes": spec["spikes"], "grid": {k: m[k] for k in ("lr_mult", "b2", "batch_mult")},
             "calibration": {}, "cells": []}

@@ -2,7 +2,7 @@
 batches with exactly one intervention, and count how often the spike comes back.
 
     adamspike replay --config configs/toy_spike.toml --out DIR [--seeds N]
-                     [--min-incidents K] [--max-spikes M] [--train.num_steps S] [--quick]
+                     [--min-incidents K] [--max-spikes M] [--train.num_steps S]
                      [--spike-k K]
 
 1. Base runs. Seeds 0, 1, ... of the config (default configs/toy_spike.toml; with
@@ -551,10 +551,8 @@ def write_outputs(out: Path, table: pd.DataFrame, spec: ReplaySpec, seconds: flo
 
 # ----------------------------------------------------------------------------- CLI
 
-# the study's sizes, and --quick's (CI: 1 seed of 400 steps, one spike replayed; it may find
-# none, and says so); flags given explicitly win
+# the default sizes (the full study's); smaller ones are explicit flags (configs/study.toml)
 SIZES = {"seeds": 40, "min_incidents": 20, "max_spikes": 0}
-QUICK = {"seeds": 1, "min_incidents": 0, "max_spikes": 1, "train.num_steps": 400}
 
 
 def main(argv: list[str] | None = None, torch_replay=None) -> int:
@@ -570,15 +568,12 @@ def main(argv: list[str] | None = None, torch_replay=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="study directory (resumable)")
     ap.add_argument("--seeds", type=int, default=None,
                     help="base seeds 0 .. N-1 (with --min-incidents: the most that are run; "
-                         "default 40; --quick 1)")
+                         "default 40)")
     ap.add_argument("--min-incidents", type=int, default=None,
                     help="run seeds in order until this many spike incidents are found "
-                         "(default 20; --quick 0: every seed); 0 runs every seed")
+                         "(default 20); 0 runs every seed")
     ap.add_argument("--max-spikes", type=int, default=None,
-                    help="replay at most this many spikes, in seed order (default 0: all; --quick 1)")
-    ap.add_argument("--quick", action="store_true",
-                    help="the CI sizes: --seeds 1 --min-incidents 0 --max-spikes 1 "
-                         "--train.num_steps 400 (flags given win)")
+                    help="replay at most this many spikes, in seed order (default 0: all)")
     ap.add_argument("--torch-spikes", type=int, default=0,
                     help="also replay this many spikes through the torch trainer (its DCP "
                          "checkpoints; adamspike replay only)")
@@ -590,15 +585,13 @@ def main(argv: list[str] | None = None, torch_replay=None) -> int:
     try:
         if not args.config.is_file():
             raise ConfigError(f"--config {args.config}: no such file")
-        size = {**SIZES, **(QUICK if args.quick else {}),
-                **{k: v for k, v in vars(args).items() if k in SIZES and v is not None}}
+        size = {**SIZES, **{k: v for k, v in vars(args).items() if k in SIZES and v is not None}}
         if size["seeds"] < 1:
             raise ConfigError(f"--seeds: must be >= 1, got {size['seeds']}")
         for k in ("min_incidents", "max_spikes"):
             if size[k] < 0:
                 raise ConfigError(f"--{k.replace('_', '-')}: must be >= 0, got {size[k]}")
-        steps = ["--train.num_steps", str(size["train.num_steps"])] if "train.num_steps" in size else []
-        spec = ReplaySpec(config=to_dict(load_config(RunConfig, args.config, steps + overrides)),
+        spec = ReplaySpec(config=to_dict(load_config(RunConfig, args.config, overrides)),
                           seeds=list(range(size["seeds"])), max_spikes=size["max_spikes"],
                           min_incidents=size["min_incidents"], det_k=args.spike_k)
         t0 = time.perf_counter()

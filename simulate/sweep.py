@@ -1,8 +1,9 @@
 """`adamspike sweep`: resumable, shardable, vmapped grids over eps x b2 x batch x lr x seed.
 
-    adamspike sweep run --grid configs/sweep_quadratic.toml --out DIR [--shard k/n] [--quick]
+    adamspike sweep run --grid configs/sweep_quadratic.toml --out DIR [--shard k/n]
+                        [--set SECTION.KEY=VALUE ...]
     adamspike sweep merge DIR... --out TABLE_DIR
-    adamspike replicate --out DIR [--quick] [--seeds 10]           (simulate.claims)
+    adamspike replicate --out DIR [--seeds 10]           (simulate.claims)
 
 A grid TOML names a problem (simulate.sweep_problems.PROBLEMS) and the values to cross, as
 dotted keys of the problem's config schema (RunConfig keys such as optim.eps, plus the
@@ -19,8 +20,10 @@ table, which is the same thing:
     optim.b2 = [0.95, 0.99, 0.999]
     [spikes]                     # adamspike.spikes.SpikeParams fields (optional)
     window = 50
-    [quick]                      # --quick: these tables replace the ones above, key by key
-    fixed = {train.num_steps = 3000}
+
+`--set SECTION.KEY=VALUE` replaces one key of [sweep], [fixed], [grid] or [spikes] (a TOML
+value): the study's size table (configs/study.toml) gives a smaller grid this way, e.g.
+`--set fixed.train.num_steps=3000 --set "grid.optim.b2=[0.95, 0.999]"`.
 
 Cells and runs. A cell is one point of the grid (every problem parameter except the seed);
 a run is a cell x seed.  `cell_id` is a hash of the cell's resolved parameters, so it is
@@ -72,7 +75,8 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from adamspike.config import ConfigError, cli_main, flatten, from_dict, merge, nest, read_toml, to_dict
+from adamspike.config import (ConfigError, apply_sets, cli_main, flatten, from_dict, merge, nest,
+                              read_toml, to_dict)
 from adamspike.cells import Cell, CellStore, CorruptCell
 from adamspike.rundir import atomic_write_bytes
 from adamspike.spikes import SpikeParams, detect_spikes
@@ -176,27 +180,21 @@ class Grid:
                 "seeds": self.seeds, "spikes": self.spikes}
 
 
-def load_grid(path: str | Path, problems: Mapping[str, Problem], quick: bool = False) -> Grid:
-    """Read and validate a grid TOML; every problem raises ConfigError naming the key."""
-    data = read_toml(path)
-    if quick:
-        over = data.get("quick", {})
-        if not isinstance(over, Mapping):
-            raise ConfigError("quick: expected a table")
-        for sec, val in over.items():
-            if sec not in ("sweep", "fixed", "grid", "spikes"):
-                raise ConfigError(f"quick.{sec}: unknown section (known: sweep, fixed, grid, spikes)")
-            if not isinstance(val, Mapping):
-                raise ConfigError(f"quick.{sec}: expected a table")
-            data[sec] = {**flatten(data.get(sec, {})), **flatten(val)}
-    return grid_from_dict(data, problems, source=str(path))
+GRID_SECTIONS = ("sweep", "fixed", "grid", "spikes")
+
+
+def load_grid(path: str | Path, problems: Mapping[str, Problem], sets: Sequence[str] = ()) -> Grid:
+    """Read and validate a grid TOML with `--set SECTION.KEY=VALUE` applied (module doc);
+    every problem raises ConfigError naming the key."""
+    return grid_from_dict(apply_sets(read_toml(path), sets, GRID_SECTIONS), problems,
+                          source=str(path))
 
 
 def grid_from_dict(data: Mapping[str, Any], problems: Mapping[str, Problem], source: str = "") -> Grid:
-    unknown = sorted(set(data) - {"sweep", "fixed", "grid", "spikes", "quick"})
+    unknown = sorted(set(data) - set(GRID_SECTIONS))
     if unknown:
         raise ConfigError(f"unknown grid section(s): {', '.join(unknown)} "
-                          "(known: sweep, fixed, grid, spikes, quick)")
+                          f"(known: {', '.join(GRID_SECTIONS)})")
     sweep = dict(data.get("sweep", {}))
     bad = sorted(set(sweep) - {"problem", "seeds"})
     if bad:
@@ -533,7 +531,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--grid", required=True, help="grid TOML (configs/sweep_*.toml)")
     r.add_argument("--out", required=True, help="sweep directory (cells/, runs.parquet)")
     r.add_argument("--shard", help="k/n: this process runs the k-th of n deterministic slices")
-    r.add_argument("--quick", action="store_true", help="apply the grid's [quick] overrides")
+    r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="replace one grid value (a TOML value; repeatable), e.g. "
+                        "--set sweep.seeds=3 (module doc)")
     r.add_argument("--save-runs", type=int, default=0, metavar="N",
                    help="also write full run directories (DIR/runs/) for the first N cells, seed 0")
     r.add_argument("--no-progress", action="store_true")
@@ -553,7 +553,7 @@ def main(argv: list[str] | None, problems: Mapping[str, Problem]) -> int:
 def _main(args, problems: Mapping[str, Problem]) -> int:
     if args.cmd == "run":
         shard = parse_shard(args.shard)
-        grid = load_grid(args.grid, problems, quick=args.quick)
+        grid = load_grid(args.grid, problems, args.set)
         if args.save_runs < 0:
             raise ConfigError(f"--save-runs: must be >= 0, got {args.save_runs}")
         table = run_sweep(grid, args.out, shard, progress=not args.no_progress,

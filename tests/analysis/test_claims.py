@@ -45,7 +45,7 @@ def study(tmp_path):
               claim("wrong", "base", "more", "decrease"), claim("weak", "base", "same", "weak"),
               claim("none", "quiet", "quiet", "decrease"),
               claim("toy", "tc", "tt", "removes", metric="num_spikes"),
-              claim("skipped", None, None, "decrease", not_run="not run in --quick")]
+              claim("skipped", None, None, "decrease", not_run="not run at this size")]
     for name, n in (("tc", 4.0), ("tt", 0.0)):
         refs[name] = store_table(tmp_path / "cells", name,
                                  pd.DataFrame({"seed": range(NUM_SEEDS), "num_spikes": n}), "sweep_cell")

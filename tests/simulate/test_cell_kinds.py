@@ -77,12 +77,11 @@ def test_batch_sharpness_cells(tmp_path, monkeypatch, capsys):
                 "eval": [{"tokens": int(n), "lambda": 1.0 + 100.0 / n, "change": 0.0}
                          for n in eval_tokens], "seconds": 0.0}
     monkeypatch.setattr(BS, "measure", fake)
-    monkeypatch.setitem(BS.SIZES, "tiny", {"rungs": [(32, 2), (64, 2)], "seeds": 2,
-                                           "eval_tokens": [512, 2048], "spec": "quick"})
     out = tmp_path / "bs"
 
     def run():
-        BS.run(out, "tiny", progress=False)
+        BS.run(out, progress=False, rungs=[(32, 2), (64, 2)], seeds=2, eval_tokens=[512, 2048],
+               num_steps=60, warmup_steps=6)
         return pd.read_csv(out / "batch_sharpness.csv")
     check_kind(run, out / "cells", BS.KIND, capsys)
 

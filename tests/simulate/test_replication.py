@@ -30,7 +30,7 @@ def test_shipped_claim_files_parse_into_one_schema():
     assert len(toy.claims) >= 15 and len(matched.claims) >= 8 and toy.seeds == matched.seeds == 10
     assert {c.base for c in toy.claims} == {"mlp", "mlp_deep", "quadratic", "llama"}
     lower = next(c for c in matched.claims if c.id == "seed.lower_eps")
-    assert lower.control == {} and lower.treatment_name == "eps_div1000" and lower.quick
+    assert lower.control == {} and lower.treatment_name == "eps_div1000"
     for c in toy.claims + matched.claims:
         assert all("." in k for k in {**c.treatment, **(c.control or {})}), c.id
 
@@ -70,9 +70,10 @@ def test_cli_bad_seeds(tmp_path, capsys):
 
 def test_small_real_replication(tmp_path):
     """Two Bai claims on the real quadratic (10 paired seeds): rows, intervals, verdicts;
-    resumable (arm files reused); --quick leaves the llama row "not run"."""
+    resumable (arm cells reused); --only leaves the llama row "not run"."""
     st = _subset(TOY, ("bai.lower_b2", "bai.eps_star", "report.glm_shrink"))
-    C.run_study(st, tmp_path, quick=True, progress=False)
+    only = ["bai.lower_b2", "bai.eps_star"]
+    C.run_study(st, tmp_path, only=only, progress=False)
     md, table = report_md(tmp_path)
     rows = table.set_index("id")
     b2 = rows.loc["bai.lower_b2"]
@@ -89,13 +90,13 @@ def test_small_real_replication(tmp_path):
     assert F.main(["--table", str(tmp_path), "--out", str(tmp_path / "fig")]) == 0
     stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cells").rglob("*")}
     assert len(stamps) >= 3
-    C.run_study(st, tmp_path, quick=True, progress=False)     # every arm on disk: nothing reruns
+    C.run_study(st, tmp_path, only=only, progress=False)     # every arm on disk: nothing reruns
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cells").rglob("*")} == stamps
     pd.testing.assert_frame_equal(table, report_md(tmp_path)[1])
 
 
 def test_full_replication_runs_the_llama_claims(tmp_path, monkeypatch):
-    """Without --quick the two llama claims have runnable cells that differ from their
+    """Without --only the two llama claims have runnable cells that differ from their
     shared control only by the treatment; their rows come from the (stubbed) sweep table,
     with the also-metrics in the note."""
     import simulate.sweep as S

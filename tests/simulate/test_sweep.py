@@ -59,8 +59,9 @@ def main(argv):
     return S.main(argv, ALL)
 
 
-def load_grid(path, quick=False):
-    return S.load_grid(path, ALL, quick=quick)
+def load_grid(path, sets=()):
+    return S.load_grid(path, ALL, sets)
+
 
 GRID = """
 [sweep]
@@ -72,9 +73,8 @@ train.num_steps = 200
 optim.eps = [1e-8, 1e-6, 1e-3]
 optim.b2 = [0.9, 0.99]
 toy.batch = [4, 8]
-[quick]
-grid = {optim.eps = [1e-8, 1e-3]}
 """
+SMALLER = ["grid.optim.eps=[1e-8, 1e-3]"]       # a caller's explicit size (configs/study.toml)
 
 
 @pytest.fixture
@@ -91,7 +91,11 @@ def test_cells_ids_stable_and_unique(grid_file):
     ids = [S.cell_id("toy", c) for c in cells]
     assert len(set(ids)) == len(ids)
     assert ids == [S.cell_id("toy", c) for c in load_grid(grid_file).cells()]
-    assert len(load_grid(grid_file, quick=True).cells()) == 2 * 2 * 2
+    small = load_grid(grid_file, SMALLER)
+    assert len(small.cells()) == 2 * 2 * 2 and small.axes["optim.eps"] == [1e-8, 1e-3]
+    assert list(small.axes) == list(g.axes)                  # the grid's own axis order
+    with pytest.raises(S.ConfigError, match="SECTION.KEY"):
+        load_grid(grid_file, ["nope.x=1"])
 
 
 def test_run_table_and_spike_summary(grid_file, tmp_path):
@@ -206,7 +210,8 @@ def test_bad_shard_exits_2(grid_file, tmp_path, capsys, spec):
 
 def test_other_grid_into_same_dir_refused(grid_file, tmp_path, capsys):
     out = tmp_path / "o"
-    assert main(["run", "--grid", str(grid_file), "--out", str(out), "--quick", "--no-progress"]) == 0
+    assert main(["run", "--grid", str(grid_file), "--out", str(out), "--set", SMALLER[0],
+                 "--no-progress"]) == 0
     before = sorted(p.name for p in (out / "cells").rglob("*"))
     assert main(["run", "--grid", str(grid_file), "--out", str(out), "--no-progress"]) == 2
     assert "another grid" in capsys.readouterr().err
