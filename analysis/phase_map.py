@@ -116,8 +116,17 @@ def cell_ref(c: dict, out: Path) -> dict:
     ref = c.get("cell")
     if not isinstance(ref, dict) or "kind" not in ref or "key" not in ref:
         raise ValueError(f"{out}/map.json: cell {c.get('id')} names no stored cell (a map from "
-                         "before the one cell store; rerun `adamspike phase-map` on it)")
+                         "before the one cell store: `python -m study.legacy_cells "
+                         f"{out}` adopts its cells)")
     return ref
+
+
+def has_cells(out: str | Path) -> bool:
+    """Whether a map folder holds any cell (in the store, or legacy files that
+    `study.legacy_cells` adopts: reading those says so)."""
+    cells = Path(out) / "cells"
+    return (Path(out) / "map.json").is_file() and (
+        any((cells / "phase_map_cell").glob("*.json")) or any(cells.glob("*.parquet")))
 
 
 def read_cell(out: str | Path, c: dict) -> pd.DataFrame | None:
