@@ -133,6 +133,19 @@ def manifest(profile: str = "llama2-70b", root: Path = DATA) -> dict:
     return m
 
 
+LAW_FILE = "law.json"      # Science 4's sharpness law under the plan's QC (adamspike.sharpness_law)
+
+
+def sharpness_law(profile: str = "llama2-70b", root: Path = DATA) -> dict | None:
+    """The shipped sharpness law under the plan's QC (science4/law.json), None when the
+    package data has none (then predict reads the ladder's batch-sharpness reading)."""
+    m = manifest(profile, root)
+    rel = f"{SCIENCE4}/{LAW_FILE}"
+    if rel not in m["files"]:
+        return None
+    return json.loads((profile_dir(profile, root) / rel).read_text())
+
+
 def ladder_dir(profile: str = "llama2-70b", root: Path = DATA) -> Path:
     manifest(profile, root)
     return profile_dir(profile, root) / "ladder"
@@ -224,7 +237,8 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
         for c in s4_cells.glob("*.json"):
             if not c.name.endswith(".prov.json"):
                 shutil.copyfile(c, tmp / SCIENCE4 / "cells" / "sharpness_rung" / c.name)
-        for f in ("claims.csv", "map_lanes.parquet", "map_cells.csv"):
+        for f in ("claims.csv", "map_lanes.parquet", "map_cells.csv", "rate_rows.parquet",
+                  LAW_FILE):
             if (s4 / f).is_file():
                 shutil.copyfile(s4 / f, tmp / SCIENCE4 / f)
     elif (d / SCIENCE4).is_dir():

@@ -46,3 +46,11 @@ def load_plan(name: str = "science4", version: int | None = None) -> dict[str, A
     data["_path"] = str(p)
     data["_sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
     return data
+
+
+def plan_history(name: str = "science4") -> list[dict[str, Any]]:
+    """Every version of a plan, oldest first (each as load_plan returns it): a report lists
+    them all, so a result under an older version stays readable beside the newer one."""
+    versions = sorted(int(m.group(1)) for p in PLAN_DIR.glob(f"{name}_v*.toml")
+                      if (m := re.fullmatch(rf"{re.escape(name)}_v(\d+)\.toml", p.name)))
+    return [load_plan(name, v) for v in versions]

@@ -121,7 +121,7 @@ def log_settings(facts: LogFacts, optim: dict, clip: float | None, seq_len: int 
             v = math.nan
         if math.isfinite(v):
             config[sec][name] = int(v) if sec == "train" and v == int(v) else v
-            sources[key] = f"log line {line}: {arg}"
+            sources[key] = f"log line {line}: {facts.printed.get(arg, arg)}"
     for key, v in given.items():        # flags outside LOG_SETTING_ARGS (none today)
         sec, name = key.split(".")
         config[sec].setdefault(name, v)

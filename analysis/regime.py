@@ -66,6 +66,7 @@ import numpy as np
 import pandas as pd
 
 from adamspike.depth_groups import GROUPS, depth_group, group_rho
+from adamspike.log_facts import NEOX_NAMES, LogFacts, log_arguments, log_facts  # noqa: F401 (re-exported)
 from adamspike.llama import PRESETS, LlamaConfig
 from adamspike.llama import num_params as llama_num_params
 from adamspike.rundir import load_run
@@ -404,126 +405,9 @@ def curvature_card(curv: pd.DataFrame, b1: float | None, eps: float | None) -> p
 
 # ------------------------------------------------------------------ logs
 
-_ARG_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s\.{2,}\s(.*?)\s*$")
-# GPT-NeoX's NeoXArgs.print (megatron/neox_arguments/arguments.py): `  name ..... value`
-# padded with dots to 64 characters, then `updated` or `default`
-_NEOX_TAIL = re.compile(r"\.*(?:updated|default)$")
-# GPT-NeoX names -> the Megatron names the rest of the module reads
-NEOX_NAMES = {"gradient_clipping": "clip_grad", "train_batch_size": "global_batch_size"}
-# the parameter count frameworks print: Megatron-LM's theoretical memory report
-# (`Total number of parameters in billions: 8.03`), the model builders' per-rank count
-# (Megatron / Megatron-DeepSpeed / MindSpeed-LLM: ` > number of parameters on (tensor,
-# pipeline) model parallel rank (0, 0): 354871296`; GPT-NeoX megatron/utils.py
-# get_total_params: ` > number of parameters on model parallel rank 0: 125000000`)
-_PARAMS_TOTAL_RE = re.compile(r"Total number of parameters in billions:\s*([0-9.]+(?:[eE][-+]?\d+)?)")
-_PARAMS_RANK_RE = re.compile(
-    r"number of parameters on (?:\(tensor, pipeline\) )?model parallel rank\s*"
-    r"\(?\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)?\s*:\s*([0-9.]+)\s*([KMBT]?)\b")
-_SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
-# Megatron's checkpoint load (` loading checkpoint from DIR at iteration N`,
-# `  successfully loaded checkpoint from DIR [ t 0, p 0 ] at iteration N`): a resume
-_RESUME_RE = re.compile(r"(?:successfully loaded checkpoint|loading checkpoint) from .*?"
-                        r"at iteration\s+(\d+)")
-
-
-@dataclass
-class LogFacts:
-    """What a log states besides its iteration lines, each with its line number."""
-    args: dict = field(default_factory=dict)          # name -> (value text, line)
-    num_params: int | None = None
-    num_params_source: str = ""
-    resumes: list = field(default_factory=list)       # (line, iteration)
-
-
-def _neox_optimizer(value: str, line: int, out: dict) -> None:
-    """GPT-NeoX's `optimizer` argument, a dict ({'type': 'Adam', 'params': {'lr': ...,
-    'betas': [b1, b2], 'eps': ...}}): its Adam settings as Megatron's argument names."""
-    import ast   # lazy: only GPT-NeoX logs carry a dict-valued optimizer argument
-    try:
-        d = ast.literal_eval(value)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return
-    params = d.get("params") if isinstance(d, dict) else None
-    if not isinstance(params, dict):
-        return
-    betas = params.get("betas")
-    pairs = {"adam_eps": params.get("eps"), "lr": params.get("lr")}
-    if isinstance(betas, (list, tuple)) and len(betas) == 2:
-        pairs.update(adam_beta1=betas[0], adam_beta2=betas[1])
-    for k, v in pairs.items():
-        if isinstance(v, (int, float)) and k not in out:
-            out[k] = (repr(float(v)), line)
-
-
-def log_facts(path: str | Path, args_only: bool = False) -> LogFacts:
-    """The argument dump (Megatron / Megatron-DeepSpeed / MindSpeed-LLM `  name ..... value`,
-    GPT-NeoX's NeoXArgs dump with its `updated` / `default` tail; GPT-NeoX names mapped to
-    Megatron's, NEOX_NAMES), the printed parameter count and the checkpoint loads of a log,
-    each with its line number. The whole file is read (a count is printed after the first
-    iterations, a resume anywhere; args_only: stop where the training lines start); lines
-    are prefiltered by substring."""
-    facts = LogFacts()
-    ranks: dict = {}
-    total = None
-    in_args = True
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            # lines read in pieces of at most 1 Mi characters: a log without newlines
-            # (binary garbage) does not come into memory whole
-            for lineno, line in enumerate(iter(lambda: fh.readline(1 << 20), ""), start=1):
-                if in_args and "..." in line:
-                    m = _ARG_RE.match(line.rstrip("\r\n"))
-                    if m:
-                        name, value = m.group(1), _NEOX_TAIL.sub("", m.group(2)).strip()
-                        name = NEOX_NAMES.get(name, name)
-                        if name == "optimizer" and value.startswith("{"):
-                            _neox_optimizer(value, lineno, facts.args)
-                        facts.args.setdefault(name, (value, lineno))
-                        continue
-                if in_args and facts.args and "iteration" in line and "|" in line:
-                    in_args = False          # the training lines have started
-                    if args_only:
-                        break
-                if "parameters" in line:
-                    m = _PARAMS_TOTAL_RE.search(line)
-                    if m and total is None:
-                        total = (float(m.group(1)) * 1e9, lineno)
-                    m = _PARAMS_RANK_RE.search(line)
-                    if m:
-                        key = (int(m.group(1)), int(m.group(2) or 0))
-                        ranks.setdefault(key, (float(m.group(3)) * _SUFFIX[m.group(4)], lineno))
-                if "checkpoint" in line:
-                    m = _RESUME_RE.search(line)
-                    if m:
-                        facts.resumes.append((lineno, int(m.group(1))))
-    except OSError:
-        return facts
-    if total is not None:
-        facts.num_params = int(round(total[0]))
-        facts.num_params_source = (f"log line {total[1]}: `Total number of parameters in "
-                                   "billions` (2 decimals)")
-    elif ranks:
-        n = sum(v for v, _ in ranks.values())
-        lines = sorted(ln for _, ln in ranks.values())
-        tp = _num(facts.args.get("tensor_model_parallel_size", (None,))[0]) or 1
-        pp = _num(facts.args.get("pipeline_model_parallel_size", (None,))[0]) or 1
-        want = int(tp * pp)
-        if len(ranks) < want:
-            n = n * want / len(ranks)
-            how = (f"extrapolated: {len(ranks)} of {want} model-parallel ranks printed "
-                   f"(lines {', '.join(map(str, lines[:4]))}), scaled by {want}/{len(ranks)}")
-        else:
-            how = (f"log line{'s' if len(lines) > 1 else ''} {', '.join(map(str, lines[:4]))}"
-                   f"{' ...' if len(lines) > 4 else ''}: `number of parameters on ... model "
-                   f"parallel rank`, summed over {len(ranks)} rank(s)")
-        facts.num_params, facts.num_params_source = int(round(n)), how
-    return facts
-
-
-def log_arguments(path: str | Path) -> dict[str, str]:
-    """The argument block a log prints at start-up (log_facts), as strings; {} when the log
-    has none."""
-    return {k: v for k, (v, _) in log_facts(path, args_only=True).args.items()}
+# log_facts / log_arguments / LogFacts (imported above): the one reader of what a log
+# states besides its iteration lines lives in the floor (adamspike.log_facts), so that
+# simulate's `predict --profile-from-log` reads the same facts
 
 
 def _num(s: str | None) -> float | None:

@@ -31,6 +31,7 @@ import pandas as pd
 from scipy import stats
 
 from adamspike.cells import Cell, CellStore
+from adamspike.sharpness_law import label as law_label, law_at  # noqa: F401 (law_at re-exported)
 
 PI_THRESHOLD = 38.0      # 2 (1+b1)/(1-b1) at b1 0.9
 LR_AFTER_WARMUP = 0.55   # median lr after the warmup as a fraction of the peak (predict.PHASE_LR)
@@ -144,19 +145,9 @@ def fit_law(rungs: pd.DataFrame, level: float = 0.90) -> dict | None:
             "t": float(stats.t.ppf(0.5 + level / 2, dof))}
 
 
-def law_at(law: Mapping[str, Any], dim: float, layers: float, lr: float) -> tuple[float, float, float]:
-    """(point, lo, hi) of lambda_inf at a rung or target: the regression prediction interval."""
-    x = np.array([1.0, math.log10(dim), math.log10(layers), math.log10(lr)])
-    mu = float(x @ np.asarray(law["coef"]))
-    se = math.sqrt(law["s2"] * (1 + float(x @ np.asarray(law["cov"]) @ x) / law["s2"]))
-    return 10 ** mu, 10 ** (mu - law["t"] * se), 10 ** (mu + law["t"] * se)
-
-
 def label(S: float, lo: float, hi: float, rho_min: float, plan: Mapping[str, Any]) -> str:
-    """The plan's mechanism label (module doc)."""
-    edge, dormant = plan["labels"]["edge"], plan["labels"]["dormant_rho"]
-    a = "A" if lo >= edge else "below the edge" if hi < edge else "undetermined (A)"
-    return a + (" + B" if rho_min < dormant else "")
+    """The plan's mechanism label (adamspike.sharpness_law.label at the plan's edge)."""
+    return law_label(S, lo, hi, rho_min, plan["labels"]["edge"], plan["labels"]["dormant_rho"])
 
 
 def reading_70b(law: Mapping[str, Any] | None, plan: Mapping[str, Any], rho_min: float) -> dict | None:

@@ -120,6 +120,8 @@ def run_row(path: str | Path) -> dict:
     prob = run.config.get("problem")
     kind = (prob.get("kind") if isinstance(prob, dict) else prob) or (
         "llama" if run.config.get("model") else run.meta.get("backend", "run"))
+    if kind == "mlp" and flat.get("mlp.kind"):      # the MLP's networks are different toys
+        kind = f"mlp-{flat['mlp.kind']}"
     # one source per problem kind: widths of different problems are not comparable
     return {"source": f"run:{kind}", "run": str(path),
             "seed": float(seed) if seed is not None else math.nan,

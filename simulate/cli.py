@@ -1,7 +1,9 @@
 """`adamspike simulate <problem> ...`: run one simulated problem, write a run directory.
 
-    adamspike simulate quadratic --optim.eps 1e-4 --steps 30000 --out RUN [--dim 8 --lam-min 0.01 ...]
-    adamspike simulate mlp --kind sin|deep --steps 20000 --out RUN [--optim.lr ... --train.loss_scale ...]
+    adamspike simulate quadratic --optim.eps 1e-4 --steps 20000 --out RUN [--dim 8 --lam-min 0.01 ...]
+    adamspike simulate mlp --kind sin|deep --steps 5000 --out RUN [--optim.lr ... --train.loss_scale ...]
+      (the quadratic and the MLP: the sweep's config and defaults, simulate.sweep_problems;
+      every flag is a dotted key of it, --steps = --train.num_steps; `--help` lists them)
     adamspike simulate streams --b2 0.95 --phi 0.9 --steps 200 [--out stats.json]
     adamspike simulate llama --config configs/tiny.toml --out RUN [--key value overrides]
     adamspike simulate ladder --out DIR [--rungs ...]   (width/depth ladder, 70B profile fit)
@@ -21,9 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from adamspike import mitigations
-from adamspike.config import (check_finite_args, flatten, from_dict, merge, nest, parse_overrides,
-                              to_dict)
+from adamspike.config import check_finite_args, flatten, parse_overrides, to_dict
 from adamspike.rundir import atomic_write_bytes
 from simulate import ladder, matched   # numpy / pandas only: the ladder fit and the report run without jax
 from theory.adam_moments import update_stats
@@ -48,136 +48,105 @@ class _UsageError(Exception):
 
 
 def _flag_name(msg: str) -> str:
-    """'grad_clip: must be ...' -> '--grad-clip: must be ...'."""
+    """'grad_clip: must be ...' -> '--grad-clip: must be ...'; a toy's dotted key gets the
+    flag it was given by: 'train.num_steps (--steps): ...', 'quadratic.lam_min (--lam-min)'."""
     m = re.match(r"^([a-z0-9_]+):", msg)
-    return f"--{m.group(1).replace('_', '-')}{msg[m.end() - 1:]}" if m else msg
+    if m:
+        return f"--{m.group(1).replace('_', '-')}{msg[m.end() - 1:]}"
+    m = re.match(r"^((?:quadratic|mlp|train|telemetry)\.([a-z0-9_]+)):", msg)
+    if m:
+        flag = _FLAG_OF_KEY.get(m.group(1), "--" + m.group(2).replace("_", "-"))
+        return f"{m.group(1)} ({flag}){msg[m.end() - 1:]}"
+    return msg
 
 
-def _run_parser(prog: str, description: str, steps: int) -> _Parser:
-    """The options of a subcommand that writes a run directory (quadratic, mlp)."""
-    p = _Parser(prog=f"adamspike simulate {prog}", description=description)
+# The toys' own flags, as the dotted keys of the one config each toy has
+# (simulate.sweep_problems.QuadraticConfig / MLPConfig, the sweep's): a flag not listed
+# here is a key itself or the unique last part of one (--eps, --dim, --lam-min, --seed,
+# --kind, --width, --hist-every, ...). A switch (no value) sets the value given here.
+TOY_FLAGS = {
+    "quadratic": {"--steps": "train.num_steps", "--layers-every": "telemetry.every",
+                  "--rotate": ("quadratic.rotate", "true"),
+                  "--no-rescale": ("quadratic.rescale", "false")},
+    "mlp": {"--steps": "train.num_steps", "--layers-every": "telemetry.every",
+            "--batch-size": "mlp.batch", "--curvature": ("mlp.curvature", "true")},
+}
+_FLAG_OF_KEY: dict[str, str] = {}
+
+
+def _dotted(argv: list[str], flags: dict) -> list[str]:
+    """The toy's own flags rewritten as the dotted keys they set (TOY_FLAGS)."""
+    out = []
+    for tok in argv:
+        name, eq, val = tok.partition("=")
+        key = flags.get(name)
+        if key is None:
+            out.append(tok)
+        elif isinstance(key, tuple):
+            if eq:
+                raise ValueError(f"{key[0]} ({name}): a switch, takes no value")
+            out += [f"--{key[0]}", key[1]]
+        else:
+            out.append(f"--{key}{eq}{val}")
+    return out
+
+
+def _keys_help(problem) -> str:
+    """Every key of the toy's config with its default (the problem's base over the schema)."""
+    flat = flatten(to_dict(problem.config({})))
+    rev = {v if isinstance(v, str) else v[0]: k for k, v in TOY_FLAGS[problem.name].items()}
+    keys = [k for k in flat if k.split(".")[0] in ("optim", problem.name, "telemetry")
+            and k not in ("telemetry.flush_every_s", "telemetry.tensorboard",
+                          "telemetry.enabled", "telemetry.precision", "telemetry.compile",
+                          "telemetry.curvature_every", "telemetry.curvature_iters")]
+    keys += ["train.num_steps", "train.seed", "train.loss_scale"]
+    return "; ".join(f"{k} {flat[k]!r}" + (f" ({rev[k]})" if k in rev else "") for k in keys)
+
+
+def _toy(name: str, argv: list[str]) -> int:
+    """`simulate quadratic|mlp`: the toy's one config (its sweep problem's schema and base,
+    simulate.sweep_problems) from dotted flags, written by the problem's one run writer."""
+    from simulate import sweep_problems as SP   # lazy: jax (imported at its top)
+    problem = SP.PROBLEMS[name]
+    p = _Parser(prog=f"adamspike simulate {name}", allow_abbrev=False,
+                description={"quadratic": "Adam on a 1-D / N-D quadratic (Bai et al.); see "
+                                          "simulate.quadratic",
+                             "mlp": "2-layer FNN on sin x + sin 4x (mlp.kind sin) or a deep "
+                                    "tanh MLP (deep); see simulate.mlp"}[name])
     p.add_argument("--out", type=Path, required=True, help="run directory (must not exist)")
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers-every", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
-    return p
-
-
-def _check_run(a) -> None:
-    """--steps, --layers-every in range; --out new or empty."""
-    for k in ("steps", "layers_every"):
-        if getattr(a, k) < 1:
-            raise ValueError(f"{k}: must be >= 1, got {getattr(a, k)}")
+    p.epilog = ("Settings are the dotted keys of the config the sweep uses (a unique last part "
+                "may stand alone, e.g. --eps 1e-4); keys and defaults: " + _keys_help(problem))
+    a, rest = p.parse_known_args(argv)
+    flags = TOY_FLAGS[name]
+    _FLAG_OF_KEY.clear()
+    _FLAG_OF_KEY.update({v if isinstance(v, str) else v[0]: k for k, v in flags.items()})
+    over = flatten(parse_overrides(problem.schema, _dotted(rest, flags)))
+    cfg = problem.config(over)          # validated: ConfigError names the key
     if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):
-        raise ValueError(f"out: {a.out} exists and is not an empty directory (nothing was overwritten)")
+        raise ValueError(f"out: {a.out} exists and is not an empty directory (nothing was "
+                         "overwritten)")
+    save = {"quadratic": SP.save_quadratic, "mlp": SP.save_mlp}[name]
+    out = save(flatten(to_dict(cfg)), cfg.train.seed, a.out, progress=not a.no_progress)
+    if name == "quadratic":
+        from simulate.quadratic import count_spikes, eps_star   # jax, as above
+        spikes = count_spikes(out["log10_loss"])
+        summary = {"eps_star": eps_star(cfg.optim.lr, cfg.quadratic.lam_max, cfg.optim.b1),
+                   "num_spikes": int(len(spikes)),
+                   "first_spike": int(spikes.start.min()) if len(spikes) else None,
+                   "final_log10_loss": float(out["log10_loss"][-1])}
+    else:
+        summary = {"final_loss": float(out["loss"][-1]), "min_loss": float(out["loss"].min())}
+    print(json.dumps({"out": str(a.out), **summary}))
+    return 0
 
-
-# ----------------------------------------------------------------------------- quadratic
 
 def _quadratic(argv) -> int:
-    p = _run_parser("quadratic", "Adam on a 1-D / N-D quadratic (Bai et al.); see "
-                    "simulate.quadratic", 30_000)
-    p.add_argument("--dim", type=int, default=1)
-    p.add_argument("--lam-min", type=float, default=None, help="default: lam-max")
-    p.add_argument("--lam-max", type=float, default=1.0)
-    p.add_argument("--rotate", action="store_true", help="random orthogonal eigenbasis")
-    p.add_argument("--no-rescale", action="store_true",
-                   help="plain floating point (theta may underflow; see simulate.quadratic)")
-    p.add_argument("--dtype", default="float64")
-    p.epilog = ("Adam and problem settings: dotted config keys, e.g. --optim.lr 1e-2 "
-                "--optim.eps 1e-4 --optim.b2 0.95 --quadratic.noise 1e-9 --quadratic.theta0 1 "
-                "(a unique last part may stand alone: --eps 1e-4).")
-    a, rest = p.parse_known_args(argv)
-    # lazy: jax (these modules import it at their top), only this subcommand needs it
-    from simulate.quadratic import QuadraticSpec, count_spikes, eps_star, run_quadratic
-    from simulate.runner import quadratic_traces, write_run
-    from simulate.sweep_problems import QUADRATIC, QuadraticConfig
-    over = parse_overrides(QuadraticConfig, rest)
-    shape = sorted(k for k in flatten(over) if k.startswith(("train.", "quadratic."))
-                   and k not in ("quadratic.noise", "quadratic.theta0"))
-    if shape:
-        raise ValueError(f"{shape[0]}: set it with this command's own flag (--steps, --dim, "
-                         "--lam-min, --lam-max, --rotate)")
-    settings = from_dict(QuadraticConfig, merge(nest(QUADRATIC.base), over))
-    o, q = settings.optim, settings.quadratic
-    _check_run(a)
-    spec = QuadraticSpec(num_steps=a.steps, dim=a.dim, lam_min=a.lam_max if a.lam_min is None
-                         else a.lam_min, lam_max=a.lam_max, rotate=a.rotate,
-                         rescale=not a.no_rescale, dtype=a.dtype)
-    hp = {"lr": o.lr, "eps": o.eps, "b1": o.b1, "b2": o.b2, "noise": q.noise,
-          "theta0": q.theta0, "seed": a.seed}
-    t0 = time.perf_counter()
-    out = run_quadratic(hp, spec)
-    wall = time.perf_counter() - t0
-    es = eps_star(o.lr, spec.lam_max, o.b1)
-    problem = {"kind": "quadratic", **hp, "dim": spec.dim, "lam_min": spec.lam_min,
-               "lam_max": spec.lam_max, "rotate": spec.rotate, "rescale": spec.rescale,
-               "dtype": spec.dtype, "eps_star": es}
-    config = {"problem": problem, "num_steps": a.steps,
-              "optim": {"lr": o.lr, "eps": o.eps, "b1": o.b1, "b2": o.b2},
-              "train": {"num_steps": a.steps}}
-    write_run(a.out, quadratic_traces(out, spec, hp, wall), config=config, problem=problem,
-              layers_every=a.layers_every, progress=not a.no_progress)
-    spikes = count_spikes(out["log10_loss"])
-    print(json.dumps({"out": str(a.out), "eps_star": es, "num_spikes": int(len(spikes)),
-                      "first_spike": int(spikes.start.min()) if len(spikes) else None,
-                      "final_log10_loss": float(out["log10_loss"][-1])}))
-    return 0
+    return _toy("quadratic", argv)
 
-
-# ----------------------------------------------------------------------------- mlp
 
 def _mlp(argv) -> int:
-    p = _run_parser("mlp", "2-layer FNN on sin x + sin 4x ('sin') or a deep tanh MLP ('deep')",
-                    20_000)
-    p.add_argument("--kind", default="sin", help="sin | deep")
-    p.add_argument("--width", type=int, default=None, help="default 256 (sin) / 64 (deep)")
-    p.add_argument("--depth", type=int, default=None, help="hidden layers; default 1 (sin) / 8 (deep)")
-    p.add_argument("--num-points", type=int, default=None, help="default 256 (sin) / 1024 (deep)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="0 = full batch; default 0 (sin) / 128 (deep)")
-    p.add_argument("--init-gain", type=float, default=1.0)
-    p.add_argument("--input-scale", type=float, default=1.0)
-    p.add_argument("--hist-every", type=int, default=100, help="0 = no histograms")
-    p.add_argument("--curvature", action="store_true",
-                   help="log lam_hat_grad (one Hessian-vector product per step) and 2/lr")
-    p.epilog = ("Optimizer and mitigation settings: dotted config keys, e.g. --optim.lr 1e-2 "
-                "--optim.b2 0.95 --train.loss_scale 1e-3, mitigation.* keys whose hook the MLP has (a "
-                "unique last part may stand alone: --lr 1e-2).")
-    a, rest = p.parse_known_args(argv)
-    # lazy: jax (these modules import it at their top), only this subcommand needs it
-    from simulate.mlp import HOOKS, KINDS, MLPSpec, train
-    from simulate.runner import write_run
-    from simulate.sweep_problems import MLP, MLPConfig
-    settings = from_dict(MLPConfig, merge(nest(MLP.base), parse_overrides(MLPConfig, rest)))
-    mitigations.require_hooks(settings, HOOKS, "adamspike simulate mlp")
-    optim = settings.optim
-    if a.kind not in KINDS:
-        raise ValueError(f"kind: must be one of {list(KINDS)}, got {a.kind!r}")
-    deep = a.kind == "deep"
-    spec = MLPSpec(kind=a.kind, width=a.width or (64 if deep else 256),
-                   depth=a.depth or (8 if deep else 1),
-                   num_points=a.num_points or (1024 if deep else 256),
-                   batch_size=(128 if deep else 0) if a.batch_size is None else a.batch_size,
-                   init_gain=a.init_gain, input_scale=a.input_scale, seed=a.seed)
-    if a.hist_every < 0:
-        raise ValueError(f"hist_every: must be >= 0, got {a.hist_every}")
-    _check_run(a)
-    loss_scale = settings.train.loss_scale
-    traces = train(spec, optim, a.steps, loss_scale=loss_scale,
-                   plan=mitigations.plan(settings, {}, 1), hist_every=a.hist_every,
-                   curvature=a.curvature, progress=not a.no_progress)
-    problem = {"kind": f"mlp-{a.kind}", **{k: getattr(spec, k) for k in spec.__dataclass_fields__},
-               "loss_scale": loss_scale}
-    config = {"problem": problem, "optim": to_dict(optim),
-              "mitigation": to_dict(settings.mitigation), "num_steps": a.steps,
-              "telemetry": {"every": a.layers_every, "hist_every": a.hist_every}}
-    write_run(a.out, traces, config=config, problem=problem, layers_every=a.layers_every,
-              progress=not a.no_progress)
-    print(json.dumps({"out": str(a.out), "final_loss": float(traces["loss"][-1]),
-                      "min_loss": float(traces["loss"].min())}))
-    return 0
+    return _toy("mlp", argv)
 
 
 # ----------------------------------------------------------------------------- streams

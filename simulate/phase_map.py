@@ -50,8 +50,8 @@ from adamspike.rundir import atomic_write_bytes
 from adamspike.train_config import RunConfig, id_settings
 from simulate.claims import EPS_KEYS, arm_table, calibration_cell, ladder_targets, with_group_eps
 
-MAP_FIELDS = {"title", "base", "overrides", "seeds", "lr_mult", "b2", "batch_mult",
-              "curvature_every", "calibrate", "check"}
+MAP_FIELDS = {"title", "base", "overrides", "seeds", "first_seed", "lr_mult", "b2",
+              "batch_mult", "curvature_every", "calibrate", "check"}
 POWER_ITERS = 30     # the cold power iteration the tracker is checked against
 KIND = "phase_map_cell"
 CODE = "run-arm-1"   # bump when run_cell changes meaning
@@ -145,7 +145,10 @@ def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
     targets = ladder_targets(ladder) if ladder else {g: float(v) for g, v in spec["targets"].items()}
     if not targets:
         raise ConfigError(f"{spec['path']}: no [targets] and no --ladder: the 70B's rho per group is needed")
-    seeds = list(range(int(m["seeds"])))
+    # lane seeds first_seed .. first_seed + seeds - 1: a lane's seed draws its init and its
+    # data (the Zipf-Markov source), so a held-out map takes seeds no training map used
+    first = int(m.get("first_seed", 0))
+    seeds = list(range(first, first + int(m["seeds"])))
     every = int(m.get("curvature_every", 10))
     flat = base_flat(spec)
     if flat["train.num_steps"] % every:

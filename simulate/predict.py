@@ -21,12 +21,15 @@ rho_ref(depth) = rms(g) / eps_ref of the gradient Adam consumes, at the eps it r
     R^2 (log) per group and the interval.
   - --profile-from-log LOG (Megatron / ModelLink / MindSpeed training log; --ladder for the
     depth shape, else the shipped ladder): rho_bar(t) = min(grad_norm_t, clip) / (sqrt(N) eps)
-    (N: --num-params, the logged model's, else the llama2-70b preset's; --clip, --eps-ref;
-    the depth shape, numel per depth and candidates stay the llama2-70b's), its median over
+    (N: --num-params, else the count the log prints, else the llama2-70b preset's; clip and
+    eps: --clip / --eps-ref, else the log's argument dump (adamspike.log_facts), else the 70B
+    run's, each input said with its source; the depth shape, numel per depth and candidates stay the llama2-70b's), its median over
     the second half of the log,
     spread over depth by the ladder's shape rho_g / mean_rho (the N-weighted rms of the
-    result is rho_bar); the interval combines the log's 10-90 % range of rho_bar with the
-    shape's bootstrap interval. This replaces the ladder's absolute level by a measurement.
+    result is rho_bar); the interval is the shipped profile's computation (rho_from_level:
+    each ladder draw's shape times a level, the log's grad norms standing in for the
+    ladder's extrapolated level by quantile mapping), so a log whose inputs equal the
+    shipped profile's gives its numbers. This replaces the ladder's absolute level by a measurement.
   - --profile-from-run RUN / RUN_DIR: a run directory (either backend; a telemetry run of the
     70B replaces the ladder entirely): per logged step and depth the numel-weighted rms of
     grad_rms over the depth's tensors (adamspike.depth_groups.group_rho, numel from the
@@ -95,6 +98,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import copy
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -108,10 +112,12 @@ from adamspike.config import (ConfigError, cli_main, flatten, parse_setting_text
 from adamspike.depth_groups import depth_group, group_rho
 from adamspike.depth_groups import shallow_depths as group_shallow_depths
 from adamspike.llama import PRESETS, num_params, param_specs, preset
+from adamspike.log_facts import log_facts
 from adamspike.megatron_log import MegatronLogError, read_megatron_log
 from adamspike.predictions import (AlarmRule, Predictions, PredictionsError, indistinguishable,
                                    model_key, model_label, not_in_model, save_predictions)
 from adamspike.rundir import RunFormatError, json_clean, load_run, read_json
+from adamspike.sharpness_law import label as law_label, law_at
 from adamspike.train_config import RunConfig
 from simulate import ladder as LD
 from theory.adam_moments import grad_mom_cos
@@ -207,24 +213,77 @@ def _llama70b_profile(L: int, eps_ref: float, clip: float, rho: Mapping[int, flo
             "by_depth": _by_depth(L, rho, lo, hi), **extra}
 
 
+def _with_law(ext: Mapping[str, Any]) -> dict:
+    """The ladder's 70B reading with the shipped sharpness law under Science 4's plan QC
+    (package data science4/law.json, adamspike.sharpness_law) put in its sharpness: the
+    law's regression prediction interval replaces the batch-sharpness reading's
+    leave-one-rung-out range (mechanism_inputs)."""
+    ext = copy.deepcopy(dict(ext))
+    law = package_data.sharpness_law("llama2-70b")
+    if law is not None and ext.get("sharpness"):
+        ext["sharpness"]["law"] = law
+    return ext
+
+
 def ladder_profile(ladder_dir: str | Path, batch_sharpness: str | Path | None = None) -> dict:
     """The LLaMA2-70B profile from a ladder directory (module docstring); batch_sharpness:
     simulate.ladder.ladder_70b's."""
     s = LLAMA2_70B_SETTINGS
     fit, ext = LD.ladder_70b(ladder_dir, eps=s["eps_ref"], clip=s["clip"],
                              batch_sharpness=batch_sharpness)
-    rows = LD.profile_by_depth(ext)
-    by = {k: {r["depth"]: r[k] for r in rows} for k in ("rho", "rho_lo", "rho_hi")}
+    level = ladder_level_draws(ext)
+    rho, lo, hi, level_ci = rho_from_level(fit, ext, float(ext["mean_rho"]), level)
     inputs = profile_inputs(
         eps_ref=(s["eps_ref"], "the 70B run's (configs/llama2-70b.toml)"),
         clip=(s["clip"], "the 70B run's (configs/llama2-70b.toml)"),
         N=(int(num_params(preset("llama2-70b"))), "the llama2-70b preset"),
         rho_bar=(float(ext.get("mean_rho", math.nan)), "extrapolated: the ladder's fit carried "
-                 "to dim 8192, 80 layers"))
-    return _llama70b_profile(int(ext["num_layers"]), s["eps_ref"], s["clip"], by["rho"],
-                             by["rho_lo"], by["rho_hi"],
-                             ladder={"fit": LD.public(fit), "llama2_70b": dict(LD.public(ext))},
+                 "to dim 8192, 80 layers"),
+        rho_bar_interval=(level_ci, f"the ladder's {int(100 * fit['ci'])} % bootstrap "
+                          "interval of it"))
+    return _llama70b_profile(int(ext["num_layers"]), s["eps_ref"], s["clip"], rho, lo, hi,
+                             ladder={"fit": LD.public(fit), "llama2_70b": _with_law(LD.public(ext))},
                              inputs=inputs, source=_ladder_source(ladder_dir, fit, ext))
+
+
+def ladder_level_draws(ext: Mapping[str, Any]) -> np.ndarray:
+    """The ladder's bootstrap draws of the 70B's level, the N-weighted rms of rho over the
+    groups (min(raw grad norm, clip) / (sqrt(N) eps) of each draw)."""
+    Ng = np.array([ext["group_numel"][g] for g in ext["_groups"]], float)
+    return np.sqrt((ext["_draws_rho"] ** 2 * Ng).sum(1) / Ng.sum())
+
+
+def rho_from_level(fit: Mapping[str, Any], ext: Mapping[str, Any], level: float,
+                   level_samples: np.ndarray) -> tuple[dict, dict, dict, list]:
+    """Per depth rho and its interval from a level (the N-weighted rms of rho: the
+    ladder's extrapolation, or a log's measured rho_bar) and samples of it, spread over depth
+    by the ladder's shape: the one computation of every llama2-70b profile source. Each
+    bootstrap draw of the ladder is (its shape) x (its level); the samples replace the
+    levels by quantile mapping (the draw of rank k gets the samples' quantile k / (m - 1)),
+    so the ladder's pairing of level and shape is kept, and with the ladder's own level draws
+    this is the ladder's interval exactly. Interval: the fit's ci (e.g. 5-95 %) over the
+    draws. Returns rho, rho_lo, rho_hi by depth and the level's interval at that ci."""
+    groups = ext["_groups"]
+    draws = ext["_draws_rho"]
+    own = ladder_level_draws(ext)
+    shape_draws = draws / own[:, None]
+    m = len(own)
+    rank = np.empty(m, int)
+    rank[np.argsort(own, kind="stable")] = np.arange(m)
+    samples = np.asarray(level_samples, float)
+    mapped = samples if samples.shape == own.shape and np.array_equal(samples, own) else \
+        np.quantile(samples, rank / max(m - 1, 1))
+    a = (1 - fit["ci"]) / 2
+    joint = shape_draws * mapped[:, None]
+    g_lo = dict(zip(groups, np.quantile(joint, a, axis=0)))
+    g_hi = dict(zip(groups, np.quantile(joint, 1 - a, axis=0)))
+    shape = {g: ext["rho"][g] / ext["mean_rho"] for g in groups}
+    L = int(ext["num_layers"])
+    depths = range(-1, L + 1)
+    rho = {d: level * shape[depth_group(d, L)] for d in depths}
+    lo = {d: float(g_lo[depth_group(d, L)]) for d in depths}
+    hi = {d: float(g_hi[depth_group(d, L)]) for d in depths}
+    return rho, lo, hi, [float(np.quantile(samples, a)), float(np.quantile(samples, 1 - a))]
 
 
 def profile_inputs(**kv: tuple[Any, str]) -> dict:
@@ -237,9 +296,24 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float | None
                      eps_ref: float | None = None, num_params_log: int | None = None) -> dict:
     """LLaMA2-70B profile from a training log's grad norms, shaped by the ladder (module
     docstring)."""
-    clip_given, eps_ref_given = clip is not None, eps_ref is not None
-    clip = LLAMA2_70B_SETTINGS["clip"] if clip is None else clip
-    eps_ref = LLAMA2_70B_SETTINGS["eps_ref"] if eps_ref is None else eps_ref
+    # each input: the flag, else what the log states (adamspike.log_facts: the argument
+    # dump's adam_eps / clip_grad, the printed parameter count), else the 70B run's, said so
+    facts = log_facts(log)
+
+    def stated(flag_value, arg: str, flag: str, default: float) -> tuple[float, str]:
+        if flag_value is not None:
+            return flag_value, f"given by flag {flag}"
+        text, line = facts.args.get(arg, (None, None))
+        try:
+            v = float(text) if text is not None else math.nan
+        except ValueError:
+            v = math.nan
+        if math.isfinite(v) and v > 0:
+            return v, f"read from the log: line {line}, {facts.printed.get(arg, arg)}"
+        return default, f"assumed: the 70B run's ({flag} not given, the log states none)"
+
+    clip, clip_src = stated(clip, "clip_grad", "--clip", LLAMA2_70B_SETTINGS["clip"])
+    eps_ref, eps_src = stated(eps_ref, "adam_eps", "--eps-ref", LLAMA2_70B_SETTINGS["eps_ref"])
     check_positive("--clip", clip)
     check_positive("--eps-ref", eps_ref)
     try:
@@ -253,43 +327,36 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float | None
     late = gn[len(gn) // 2:]
     # N of the logged model (--num-params): the clip bound clip / (sqrt(N) eps) and the
     # mean rho both depend on it; without it, the llama2-70b preset's
-    N = int(num_params_log) if num_params_log else num_params(preset("llama2-70b"))
+    if num_params_log:
+        N, n_src = int(num_params_log), "given by flag --num-params"
+    elif facts.num_params:
+        N, n_src = int(facts.num_params), f"read from the log: {facts.num_params_source}"
+    else:
+        N, n_src = (num_params(preset("llama2-70b")), "assumed: the llama2-70b preset's "
+                    "(--num-params not given, the log prints no count)")
     if N < 1:
         raise ConfigError(f"--num-params: must be >= 1, got {num_params_log}")
     with np.errstate(all="ignore"):      # an extreme input is refused just below
         rho_bar_t = np.minimum(late, clip) / (math.sqrt(N) * eps_ref)
         rho_bar = float(np.median(rho_bar_t))
-        q10, q90 = (float(np.quantile(rho_bar_t, q)) for q in (0.1, 0.9))
-    for v in (q10, rho_bar, q90):
+    for v in (float(rho_bar_t.min()), rho_bar, float(rho_bar_t.max())):
         check_rho(f"{log}", v, f"rho_bar = min(grad norm, --clip {clip:g}) / (sqrt(N {N}) "
                   f"--eps-ref {eps_ref:g}): check --eps-ref, --clip and --num-params")
     fit, ext = LD.ladder_70b(ladder_dir, eps=eps_ref, clip=clip)
-    groups = ext["_groups"]
-    shape = {g: ext["rho"][g] / ext["mean_rho"] for g in groups}
-    draws = ext["_draws_rho"]
-    Ng = np.array([ext["group_numel"][g] for g in groups], float)
-    mean_d = np.sqrt((draws ** 2 * Ng).sum(1) / Ng.sum())
     a = (1 - fit["ci"]) / 2
-    shape_lo = dict(zip(groups, np.quantile(draws / mean_d[:, None], a, axis=0)))
-    shape_hi = dict(zip(groups, np.quantile(draws / mean_d[:, None], 1 - a, axis=0)))
     L = int(ext["num_layers"])
-    depths = range(-1, L + 1)
-    rho = {d: rho_bar * shape[depth_group(d, L)] for d in depths}
-    lo = {d: q10 * shape_lo[depth_group(d, L)] for d in depths}
-    hi = {d: q90 * shape_hi[depth_group(d, L)] for d in depths}
+    # the one computation of the shipped profile's rho and interval, with the measured level
+    rho, lo, hi, (q_lo, q_hi) = rho_from_level(fit, ext, rho_bar, rho_bar_t)
     # the ladder's extrapolation with its level replaced by the measurement: the same
     # sharpness (so the same mechanism model as --profile llama2-70b), the measured mean rho
     lad = dict(LD.public(ext))
     ladder_rho = float(lad.get("mean_rho", math.nan))
     lad["mean_rho"] = rho_bar
-    inputs = profile_inputs(eps_ref=(eps_ref, "given by flag --eps-ref" if eps_ref_given else
-                                     "assumed (--eps-ref not given)"),
-                            clip=(clip, "given by flag --clip" if clip_given else
-                                  "assumed (--clip not given)"),
-                            N=(N, "given by flag --num-params" if num_params_log else
-                               "assumed: the llama2-70b preset's (--num-params not given)"),
+    inputs = profile_inputs(eps_ref=(eps_ref, eps_src), clip=(clip, clip_src), N=(N, n_src),
                             rho_bar=(rho_bar, f"measured: median over the last {len(late)} "
                                      f"logged grad norms of {log}"),
+                            rho_bar_interval=([q_lo, q_hi], f"the {100 * a:g}-"
+                                              f"{100 * (1 - a):g} % range of those"),
                             ladder_mean_rho=(ladder_rho, "the ladder's extrapolation, replaced "
                                              "by the measured rho_bar"))
     s70 = LLAMA2_70B_SETTINGS
@@ -298,16 +365,19 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float | None
     shipped_inputs = profile_inputs(
         eps_ref=(s70["eps_ref"], "the 70B run's"), clip=(s70["clip"], "the 70B run's"),
         N=(int(num_params(preset("llama2-70b"))), "the llama2-70b preset"),
-        rho_bar=(ladder_rho, f"the ladder's extrapolation at eps {eps_ref:g}, clip {clip:g}"))
+        rho_bar=(ladder_rho, f"the ladder's extrapolation at eps {eps_ref:g}, clip {clip:g}"),
+        rho_bar_interval=(rho_from_level(fit, ext, ladder_rho, ladder_level_draws(ext))[3],
+                          "the ladder's bootstrap interval of it"))
     return _llama70b_profile(
-        L, eps_ref, clip, rho, lo, hi, rho_bar=rho_bar, rho_bar_q10_q90=[q10, q90],
+        L, eps_ref, clip, rho, lo, hi, rho_bar=rho_bar, rho_bar_interval=[q_lo, q_hi],
         ladder={"fit": LD.public(fit), "llama2_70b": lad}, inputs=inputs,
         shipped_inputs=shipped_inputs,
         num_params_log=N,
         source=(f"measured log {log}: rho_bar = median of min(grad_norm, {clip:g}) / "
                 f"(sqrt(N) eps) over its last {len(late)} logged iterations = "
-                f"{rho_bar:.3g} (10-90 %: {q10:.3g}-{q90:.3g}), N {N} ("
+                f"{rho_bar:.3g} ({100 * a:g}-{100 * (1 - a):g} %: {q_lo:.3g}-{q_hi:.3g}), N {N} ("
                 + ("--num-params, the logged model" if num_params_log else
+                   "the log's printed count" if facts.num_params else
                    "the llama2-70b preset: give --num-params for another model") +
                 f"), eps {eps_ref:g}; "
                 f"depth shape from the " + _ladder_source(ladder_dir, fit, ext)))
@@ -330,7 +400,7 @@ def with_70b_sharpness(profile: dict, ladder: str | None = None) -> None:
     numel = profile_numel(profile)
     rho = profile["rho_by_depth"]
     mean = math.sqrt(sum(numel[d] * rho[d] ** 2 for d in rho) / sum(numel[d] for d in rho))
-    lad = dict(LD.public(ext))
+    lad = _with_law(LD.public(ext))
     lad["mean_rho"] = mean
     profile["ladder"] = {"fit": LD.public(fit), "llama2_70b": lad}
     profile.setdefault("inputs", profile_inputs(
@@ -631,7 +701,12 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
     S = None
     if sh:
         pick = {"mid": "lambda_max", "lo": "lambda_max_lo", "hi": "lambda_max_hi"}[which]
-        if "full_data" in sh:       # the measured end of the batch fall (batch-sharpness)
+        if "law" in sh:             # the plan-QC law at the candidate's lr, its prediction interval
+            law = sh["law"]
+            lam = dict(zip(("mid", "lo", "hi"), law_at(law, law["target"]["dim"],
+                                                         law["target"]["layers"],
+                                                         float(cand["optim.lr"]))))[which]
+        elif "full_data" in sh:     # the measured end of the batch fall (batch-sharpness)
             fd = sh["full_data"]
             lam = fd[pick]
             if fd.get("lr_exponent") is not None:   # the law's lr term, at this lr
@@ -645,22 +720,27 @@ def mechanism_inputs(profile: Mapping[str, Any], cand: Mapping[str, Any], phase:
     return {"rho_min": rho_min, "stability": S, "warmup": float(phase == "warmup")}
 
 
-def mechanism(S: float | None, rho_min: float, S_hi: float | None = None) -> str:
-    """Which mechanism a setting is exposed to, from the map's reading: A (the edge of
-    stability: S >= 1; in the eps band when the furthest group has rho_min < 1) or B
-    (dormancy: a group deep in its band, rho_min < RHO_FROZEN), both, or neither; "A
-    possible" when S is below 1 but the upper end of its range, S_hi, is not."""
-    a = S is not None and S >= 1
-    maybe = not a and S_hi is not None and S_hi >= 1
-    b = rho_min < RHO_FROZEN
-    where = "eps-band edge of stability" if rho_min < 1 else "Adam's edge, out of the eps band"
-    if a or maybe:
-        tag = f"A ({where})" if a else f"A possible (S {S:.2g}, up to {S_hi:.2g}: {where})"
-        return tag + (" and B" if b else "")
-    if b:
-        return "B (dormant group: rho_min < 0.1)"
-    return ("neither (below the edge, no dormant group)" if S is not None
-            else "B not indicated; A unknown (no sharpness fit)")
+def mechanism(S: float | None, rho_min: float, S_hi: float | None = None,
+              S_lo: float | None = None) -> str:
+    """Which mechanism a setting is exposed to, in the plan's labels
+    (adamspike.sharpness_law.label, docs/plan/science4_v*.toml [labels]): "A" when the
+    lower end of S's interval reaches the edge (S_lo >= 1), "below the edge" when its
+    upper end does not (S_hi < 1), "undetermined (A)" when the interval straddles it;
+    " + B" when a group is dormant (rho_min < 0.1). Where A applies it says whether in the
+    eps band (rho_min < 1) or at Adam's own edge. Without a sharpness reading (S None):
+    only B can be said."""
+    if S is None:
+        return ("B (dormant group: rho_min < 0.1); A unknown (no sharpness fit)"
+                if rho_min < RHO_FROZEN else "B not indicated; A unknown (no sharpness fit)")
+    lo = S if S_lo is None else S_lo
+    hi = S if S_hi is None else S_hi
+    tag = law_label(S, lo, hi, rho_min, dormant_rho=RHO_FROZEN)
+    if not tag.startswith("below"):
+        where = "eps-band edge of stability" if rho_min < 1 else "Adam's edge, out of the eps band"
+        tag += f" (S {S:.2g} [{lo:.2g}, {hi:.2g}]: {where})"
+    else:
+        tag += f" (S {S:.2g} [{lo:.2g}, {hi:.2g}])"
+    return tag
 
 
 def candidate_features(profile: Mapping[str, Any], cand: Mapping[str, Any],
@@ -801,13 +881,16 @@ def assess(profile: Mapping[str, Any], cand: Mapping[str, Any], model: SR.RateMo
                 "stability": m["stability"],
                 "stability_range": [lo_["stability"], hi_["stability"]],
                 "rho_min": m["rho_min"],
-                "mechanism": mechanism(m["stability"], m["rho_min"], hi_["stability"]),
+                "mechanism": mechanism(m["stability"], m["rho_min"], hi_["stability"],
+                                       lo_["stability"]),
                 "extrapolation_reasons": v["outside"], "features": json_clean(v["feats"]["mid"])}
         S_max = max((v["stability"] for v in out["phases"].values() if v["stability"] is not None),
                     default=None)
         S_hi = max((v["stability_range"][1] for v in out["phases"].values()
                     if v["stability_range"][1] is not None), default=None)
-        out["mechanism"] = mechanism(S_max, out["phases"]["after"]["rho_min"], S_hi)
+        S_lo = max((v["stability_range"][0] for v in out["phases"].values()
+                    if v["stability_range"][0] is not None), default=None)
+        out["mechanism"] = mechanism(S_max, out["phases"]["after"]["rho_min"], S_hi, S_lo)
         out["rationale"] = (f"mechanism {out['mechanism']}; warmup {per['warmup']['rate']:.3g} "
                             f"[{per['warmup']['lo']:.3g}, {per['warmup']['hi']:.3g}], after "
                             f"{rate:.3g} [{lo:.3g}, {hi:.3g}] spikes / 1k steps; " + rationale)
@@ -953,7 +1036,7 @@ def predict(profile: dict, candidates: Sequence[Mapping[str, Any]], table: pd.Da
             "source": profile["source"]}
     if profile.get("numel_source"):
         prof["numel_source"] = profile["numel_source"]
-    for k in ("by_depth", "ladder", "rho_bar", "rho_bar_q10_q90", "seq_len", "clip",
+    for k in ("by_depth", "ladder", "rho_bar", "rho_bar_interval", "seq_len", "clip",
               "num_params", "num_params_log", "inputs", "shipped_inputs", "lr", "b1", "b2",
               "global_batch_size"):
         if k in profile and profile[k] is not None:
@@ -1000,10 +1083,9 @@ def settings_text(pred: Predictions) -> str:
     if ref:
         diff = [f"{k} {_g(inputs[k]['value'])} here vs {_g(v['value'])} ({v['source']})"
                 for k, v in ref.items() if k in inputs and not _same(inputs[k]["value"], v["value"])]
-        diff.append("the rho interval (here the log's 10-90 % range of rho_bar x the ladder's "
-                    "shape interval, there the ladder's bootstrap interval)")
-        L.append("inputs that differ from --profile llama2-70b (the same model): "
-                 + "; ".join(diff))
+        L.append("inputs that differ from --profile llama2-70b (the same model and the same "
+                 "computation): " + ("; ".join(diff) if diff else
+                                     "none, so the same numbers"))
     if blind:
         L.append(f"not in the model: {', '.join(blind)} (the model gives the same number at any "
                  "value of them: not a measurement of no effect)")
@@ -1027,6 +1109,8 @@ def settings_text(pred: Predictions) -> str:
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     try:
         return math.isclose(float(a), float(b), rel_tol=1e-9)
     except (TypeError, ValueError):
@@ -1034,6 +1118,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _g(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_g(x) for x in v) + "]"
     return f"{v:.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
 
 
@@ -1053,12 +1139,14 @@ def main(argv: list[str] | None = None) -> int:
                          "batch-sharpness; default: batch_sharpness.json in the ladder folder): "
                          "the full-data sharpness reading")
     ap.add_argument("--clip", type=float, help="--profile-from-log: grad clip (default: the "
-                    "70B run's 1.0, said as assumed)")
+                    "log's clip_grad / gradient_clipping, else the 70B run's 1.0, said as "
+                    "assumed)")
     ap.add_argument("--eps-ref", type=float, help="--profile-from-log: the run's eps (default: "
-                    "the 70B run's 1e-5, said as assumed)")
+                    "the log's adam_eps / optimizer eps, else the 70B run's 1e-5, said as "
+                    "assumed)")
     ap.add_argument("--num-params", type=_count, metavar="N",
                     help="--profile-from-log: parameters of the logged model (176e9 accepted; "
-                         "default: the llama2-70b preset's)")
+                         "default: the count the log prints, else the llama2-70b preset's)")
     ap.add_argument("--sweep", action="append", default=[],
                     help="sweep table (runs.parquet / .csv or a sweep directory; repeatable): "
                          "the alarm thresholds, and the GLM's data without --rate-model")

@@ -29,6 +29,13 @@ llama      the JAX tiny LLaMA (simulate.llama_train.train, with LLAMA_BASE: copy
            max of rms_t / sat_frac / grad_mom_cos, median of bimodality). With
            guard.enabled the loss trace is the kept trajectory, and the table
            gets online_spikes, guard_rollbacks, guard_skipped_batches, guard_aborted.
+
+The quadratic and the MLP have one config each (QuadraticConfig, MLPConfig: one set of
+defaults, the schema's under the problem's `base`) and one run-directory writer
+(save_quadratic, save_mlp; run.json's config from run_config): the sweep's --save-runs and
+`adamspike simulate quadratic|mlp` (whose flags are these dotted keys) both go through them.
+Keys outside `knobs` (quadratic.rescale / dtype, mlp.input_scale / curvature, telemetry.*)
+only shape a written run directory, never a sweep cell.
 """
 
 from __future__ import annotations
@@ -46,20 +53,20 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
-from adamspike.config import ConfigError, param
+from adamspike.config import ConfigError, flatten, nest, param, to_dict
 from adamspike.depth_groups import depth_group, group_rho, shallow_depths
 from adamspike.metrics import finalize, shape_stats
 from adamspike.mitigations import REGISTRY, MitigationSection, require_hooks
 from adamspike.mitigations import all_keys as all_mitigation_keys
 from adamspike.mitigations import plan as mitigation_plan
-from adamspike.rundir import load_run, normalize_config
-from adamspike.train_config import OptimSection, RunConfig, TrainSection
+from adamspike.rundir import load_run
+from adamspike.train_config import OptimSection, RunConfig, TelemetrySection, TrainSection
 from simulate import optim as O
 from simulate.llama_train import train as train_llama
 from simulate.mlp import HOOKS as MLP_HOOKS
 from simulate.mlp import MLPSpec, dataset, init_params, make_step, tensor_meta
 from simulate.mlp import train as train_mlp
-from simulate.quadratic import (QuadraticSpec, count_spikes, run_quadratic,
+from simulate.quadratic import (QuadraticSpec, count_spikes, eps_star, run_quadratic,
                                 simulate_quadratic)
 from simulate.runner import quadratic_traces, write_run
 from simulate.sweep import Problem
@@ -73,6 +80,9 @@ class QuadraticSection:
     rotate: bool = param(False)
     noise: float = param(0.0, lo=0.0, help="gradient noise std")
     theta0: float = param(1.0)
+    rescale: bool = param(True, help="exact power-of-two rescaling (false: plain floating "
+                                     "point, theta may underflow; simulate.quadratic)")
+    dtype: str = param("float64", choices=("float32", "float64"))
 
 
 @dataclass
@@ -80,6 +90,7 @@ class QuadraticConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     quadratic: QuadraticSection = field(default_factory=QuadraticSection)
+    telemetry: TelemetrySection = field(default_factory=TelemetrySection)   # every: layers rows
 
 
 @dataclass
@@ -90,6 +101,10 @@ class MLPSection:
     num_points: int = param(256, lo=1)
     batch: int = param(0, lo=0, help="minibatch size, 0 = full batch")
     init_gain: float = param(1.0, lo=0.0, lo_open=True)
+    input_scale: float = param(1.0, lo=0.0, lo_open=True,
+                               help="'deep': x is multiplied by this (small: small W0 gradients)")
+    curvature: bool = param(False, help="run directories: lam_hat_grad (one Hessian-vector "
+                                        "product per step) and 2/lr as steps columns")
 
 
 @dataclass
@@ -98,6 +113,7 @@ class MLPConfig:
     train: TrainSection = field(default_factory=TrainSection)
     mitigation: MitigationSection = field(default_factory=MitigationSection)
     mlp: MLPSection = field(default_factory=MLPSection)
+    telemetry: TelemetrySection = field(default_factory=TelemetrySection)   # every, hist_every
 
 
 # ----------------------------------------------------------------------------- quadratic
@@ -125,24 +141,23 @@ QUADRATIC_HP = {"lr": "optim.lr", "eps": "optim.eps", "b1": "optim.b1", "b2": "o
                 "noise": "quadratic.noise", "theta0": "quadratic.theta0"}
 
 
-def _quadratic_spec(p: dict):
-    return QuadraticSpec(num_steps=p["train.num_steps"], dim=p["quadratic.dim"],
-                         lam_min=p["quadratic.lam_min"], lam_max=p["quadratic.lam_max"],
-                         rotate=p["quadratic.rotate"], record_sums=True)
+def _quadratic_spec(cfg: QuadraticConfig) -> QuadraticSpec:
+    q = cfg.quadratic
+    return QuadraticSpec(num_steps=cfg.train.num_steps, dim=q.dim, lam_min=q.lam_min,
+                         lam_max=q.lam_max, rotate=q.rotate, rescale=q.rescale, dtype=q.dtype,
+                         record_sums=True)
 
 
 def _check_quadratic(cfg: QuadraticConfig) -> None:
-    q = cfg.quadratic
     try:
-        QuadraticSpec(num_steps=cfg.train.num_steps, dim=q.dim, lam_min=q.lam_min,
-                      lam_max=q.lam_max, rotate=q.rotate)
+        _quadratic_spec(cfg)
     except ValueError as e:
         raise ConfigError(f"quadratic.{e}") from None
 
 
 def _run_quadratic(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
 
-    spec = _quadratic_spec(static)
+    spec = _quadratic_spec(QUADRATIC.config(static))
     hp = {k: np.asarray(scalars[key], np.float64) for k, key in QUADRATIC_HP.items()}
     hp["seed"] = np.asarray(seeds, np.uint32)
     with jax.enable_x64(True):
@@ -157,16 +172,20 @@ def _detect_quadratic(signal: np.ndarray, **kw):
     return sp
 
 
-def _save_quadratic(p: dict, seed: int, path: Path) -> None:
-
-
-    spec = _quadratic_spec(p)
-    hp = {k: p[key] for k, key in QUADRATIC_HP.items()} | {"seed": seed}
+def save_quadratic(p: Mapping[str, Any], seed: int, path: Path, progress: bool = False) -> dict:
+    """One run directory of the quadratic at dotted settings `p` over the problem's base
+    (the sweep's --save-runs and `adamspike simulate quadratic`: one config, one writer);
+    returns simulate.quadratic's output."""
+    cfg = QUADRATIC.config({**p, "train.seed": seed})
+    spec = _quadratic_spec(cfg)
+    flat = flatten(to_dict(cfg))
+    hp = {k: flat[key] for k, key in QUADRATIC_HP.items()} | {"seed": seed}
     t0 = time.perf_counter()
     out = run_quadratic(hp, spec)
-    write_run(path, quadratic_traces(out, spec, hp, time.perf_counter() - t0),
-              config=run_config("quadratic", p, seed),
-              problem={"kind": "quadratic", **p, "seed": seed}, progress=False)
+    meta = run_config(QUADRATIC, cfg, eps_star=eps_star(hp["lr"], spec.lam_max, hp["b1"]))
+    write_run(path, quadratic_traces(out, spec, hp, time.perf_counter() - t0), config=meta,
+              problem=meta["problem"], layers_every=cfg.telemetry.every, progress=progress)
+    return out
 
 
 QUADRATIC = Problem(
@@ -184,24 +203,23 @@ QUADRATIC = Problem(
     spike_keys=("window", "min_decades", "detect_window", "k"),
     height_unit="decades",
     check=_check_quadratic,
-    save=_save_quadratic,
+    save=save_quadratic,
 )
 
 
 # ----------------------------------------------------------------------------- mlp
 
-def _mlp_spec(p: dict, seed: int = 0):
-    return MLPSpec(kind=p["mlp.kind"], width=p["mlp.width"], depth=p["mlp.depth"],
-                   num_points=p["mlp.num_points"], batch_size=p["mlp.batch"],
-                   init_gain=p["mlp.init_gain"], seed=seed)
+def _mlp_spec(cfg: MLPConfig, seed: int = 0) -> MLPSpec:
+    m = cfg.mlp
+    return MLPSpec(kind=m.kind, width=m.width, depth=m.depth, num_points=m.num_points,
+                   batch_size=m.batch, init_gain=m.init_gain, input_scale=m.input_scale,
+                   seed=seed)
 
 
 def _check_mlp(cfg: MLPConfig) -> None:
     require_hooks(cfg, MLP_HOOKS, "the mlp problem")
-    m = cfg.mlp
     try:
-        MLPSpec(kind=m.kind, width=m.width, depth=m.depth, num_points=m.num_points,
-                batch_size=m.batch, init_gain=m.init_gain)
+        _mlp_spec(cfg)
     except ValueError as e:
         raise ConfigError(f"mlp.{e}") from None
 
@@ -218,7 +236,7 @@ def mlp_shallow(spec) -> list[int]:
 def _mlp_fn(static_items: tuple):
     """jit(vmap(run_one)) for one static setting: simulate.mlp.make_step under lax.scan."""
     st = dict(static_items)
-    spec = _mlp_spec(st)
+    spec = _mlp_spec(MLP.config(st))
     scale = float(st["train.loss_scale"])
     shallow = jnp.asarray(mlp_shallow(spec))
     plan = mitigation_plan(MLP.config(st), {}, spec.depth)   # the `direction` hook only
@@ -243,7 +261,8 @@ def _mlp_fn(static_items: tuple):
 def _run_mlp(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
 
 
-    specs = [_mlp_spec(static, int(s)) for s in seeds]
+    cfg = MLP.config(static)
+    specs = [_mlp_spec(cfg, int(s)) for s in seeds]
     inits = [init_params(sp) for sp in specs]
     params = {k: np.stack([p[k] for p in inits]) for k in inits[0]}
     data = [dataset(sp) for sp in specs]
@@ -269,23 +288,44 @@ def _run_mlp(static: dict, scalars: dict, seeds: np.ndarray) -> dict:
     return {"loss": out["loss"], **{k: np.asarray(v) for k, v in traces.items()}}
 
 
-def run_config(kind: str, p: Mapping[str, Any], seed: int) -> dict:
-    """run.json's config of a saved sweep run in the shape the simulate CLI writes (one
-    shape per toy: sections nested, `problem` a table with its kind; adamspike.rundir
-    .normalize_config reads older runs' dotted keys)."""
-    return {**normalize_config(dict(p)), "problem": {"kind": kind, **p, "seed": seed},
-            "seed": seed}
+# the keys of a toy's config its run directory states: those the toy reads (the quadratic
+# has a constant lr, no clipping and no batch: its optim.schedule / grad_clip and train.*
+# batch keys would state settings it never applied)
+RUN_KEYS = {
+    "quadratic": ("optim.lr", "optim.eps", "optim.b1", "optim.b2", "train.num_steps",
+                  "train.seed", "quadratic.", "telemetry.every"),
+    "mlp": ("optim.", "train.num_steps", "train.seed", "train.loss_scale", "mitigation.",
+            "mlp.", "telemetry.every", "telemetry.hist_every"),
+}
 
 
-def _save_mlp(p: dict, seed: int, path: Path) -> None:
+def run_config(problem: "Problem", cfg: Any, **derived: Any) -> dict:
+    """run.json's config of a toy run, whichever command wrote it (the sweep's --save-runs,
+    `adamspike simulate quadratic|mlp`): the validated config's keys the toy reads
+    (RUN_KEYS), sections nested (train.seed the run's seed), and `problem` a table: the
+    toy's name as `kind`, its seed and numbers derived from the config (e.g. the
+    quadratic's eps_star). adamspike.rundir.normalize_config reads the shapes older runs
+    have."""
+    keep = RUN_KEYS[problem.name]
+    flat = {k: v for k, v in flatten(to_dict(cfg)).items()
+            if any(k == p or (p.endswith(".") and k.startswith(p)) for p in keep)}
+    return {**nest(flat), "problem": {"kind": problem.name, "seed": cfg.train.seed, **derived}}
 
-    cfg = MLP.config(p)
-    if cfg.train.loss_scale != 1.0:
-        raise ConfigError("--save-runs: mlp run directories support train.loss_scale = 1 only")
-    traces = train_mlp(_mlp_spec(p, seed), cfg.optim, cfg.train.num_steps,
-                       plan=mitigation_plan(cfg, {}, cfg.mlp.depth), progress=False)
-    write_run(path, traces, config=run_config("mlp", p, seed),
-              problem={"kind": "mlp", **p, "seed": seed}, progress=False)
+
+def save_mlp(p: Mapping[str, Any], seed: int, path: Path, progress: bool = False) -> dict:
+    """One run directory of the MLP at dotted settings `p` over the problem's base (the
+    sweep's --save-runs and `adamspike simulate mlp`: one config, one writer); returns
+    simulate.mlp.train's traces."""
+    cfg = MLP.config({**p, "train.seed": seed})
+    traces = train_mlp(_mlp_spec(cfg, seed), cfg.optim, cfg.train.num_steps,
+                       loss_scale=cfg.train.loss_scale,
+                       plan=mitigation_plan(cfg, {}, cfg.mlp.depth),
+                       hist_every=cfg.telemetry.hist_every, curvature=cfg.mlp.curvature,
+                       progress=progress)
+    meta = run_config(MLP, cfg)
+    write_run(path, traces, config=meta, problem=meta["problem"],
+              layers_every=cfg.telemetry.every, progress=progress)
+    return traces
 
 
 MLP = Problem(
@@ -297,12 +337,12 @@ MLP = Problem(
            **{k: True for m in REGISTRY.values() if m.hook in MLP_HOOKS for k in m.keys},
            "optim.lr": False, "optim.eps": False, "optim.b1": False, "optim.b2": False},
     base={"train.num_steps": 5000, "optim.lr": 1e-3, "optim.b2": 0.999, "optim.grad_clip": 0.0,
-          "optim.schedule": "constant"},
+          "optim.schedule": "constant", "telemetry.hist_every": 100},
     run=_run_mlp,
     spikes={"window": 50, "k": 6.0, "min_rel_jump": 0.5, "log": True},
     max_vmap=32,
     check=_check_mlp,
-    save=_save_mlp,
+    save=save_mlp,
 )
 
 

@@ -39,7 +39,7 @@ from adamspike.cells import CellStore, run_cells
 from adamspike.config import ConfigError, cli_main, read_toml
 from adamspike.depth_groups import depth_group
 from adamspike.llama import num_params, param_specs, preset
-from adamspike.plan import load_plan
+from adamspike.plan import load_plan, plan_history
 from adamspike.rundir import atomic_write_bytes
 from adamspike.spikes import detect_spikes
 from adamspike.tables import md_table
@@ -47,6 +47,7 @@ from adamspike.train_config import RunConfig
 from analysis import phase_map as PMA
 from analysis import sharpness as SH
 from analysis.claims import load as load_claims
+from analysis.phase_map import poisson_interval
 from analysis.spike_null import cells_table, class_params
 from analysis.stats import holm, sign_test
 from simulate.predict import load_profile, mechanism_inputs
@@ -55,6 +56,9 @@ from simulate.sharpness import cell, plan_cells
 SHIPPED = package_data.DATA / "llama2_70b" / "science4"
 LANES_FILE = "map_lanes.parquet"
 CELLS_FILE = "map_cells.csv"
+RATE_ROWS_FILE = "rate_rows.parquet"
+LAW_FILE = "law.json"    # the sharpness law under the plan's QC, read by `predict`
+ONE_S_FILE = "one_s.csv"  # the One-S cells' checkpoints, labelled with their map cells   # the rate model's lane-phase rows (training + held out)
 RECORD = Path(__file__).resolve().parent.parent / "configs" / "public_record.toml"
 
 
@@ -78,10 +82,11 @@ def sharpness_versions(plan: Mapping[str, Any], summary_v4: Mapping[str, Any],
     if len(new):
         readings.append((f"v5: v4 + Lanczos rungs under plan QC", pd.concat([v4, new],
                          ignore_index=True), ms))
-    rows = []
+    rows, laws = [], {}
     for name, tab, m in readings:
         rungs = SH.rung_table(tab, m)
         law = SH.fit_law(rungs)
+        laws[name] = law
         r = SH.reading_70b(law, plan, rho_min)
         rows.append({"reading": name, "rungs_in_law": int(rungs["enters"].sum()),
                      "max_layers": int(rungs.loc[rungs["enters"], "layers"].max())
@@ -94,7 +99,7 @@ def sharpness_versions(plan: Mapping[str, Any], summary_v4: Mapping[str, Any],
     # the plan's new rungs are judged on their own Lanczos measurements only
     hits = SH.hits(plan, SH.rung_table(new, ms) if len(new) else
                    SH.rung_table(v4.iloc[:0], ms))
-    return allrows, pd.DataFrame(rows), {"hits": hits}
+    return allrows, pd.DataFrame(rows), {"hits": hits, "laws": laws}
 
 
 def sharpness_md(rows: pd.DataFrame, versions: pd.DataFrame, hits: pd.DataFrame,
@@ -140,8 +145,9 @@ def sharpness_md(rows: pd.DataFrame, versions: pd.DataFrame, hits: pd.DataFrame,
 
 
 # ------------------------------------------------------------------------ nulls
-def lanes_from_map(map_dir: Path) -> pd.DataFrame:
-    """A phase-map folder's lanes as one table (lr_mult, b2, batch_mult, seed, step, loss)."""
+def lanes_from_map(map_dir: Path, name: str = "map") -> pd.DataFrame:
+    """A phase-map folder's lanes as one table (map, lr_mult, b2, batch_mult, seed, step,
+    loss); `name` is the map's folder name (map, map_train, map_heldout, ...)."""
     meta = json.loads((map_dir / "map.json").read_text())
     parts = []
     for c in meta["cells"]:
@@ -151,14 +157,17 @@ def lanes_from_map(map_dir: Path) -> pd.DataFrame:
             parts.append(df.assign(lr_mult=c["lr_mult"], b2=c["b2"], batch_mult=c["batch_mult"]))
     if not parts:
         raise ConfigError(f"{map_dir}: no finished cell")
-    return pd.concat(parts, ignore_index=True)[["lr_mult", "b2", "batch_mult", "seed", "step", "loss"]]
+    return pd.concat(parts, ignore_index=True).assign(map=name)[
+        ["map", "lr_mult", "b2", "batch_mult", "seed", "step", "loss"]]
 
 
 def null_table(lanes: pd.DataFrame, plan: Mapping[str, Any]) -> pd.DataFrame:
+    if "map" not in lanes:          # lanes shipped before the map column existed
+        lanes = lanes.assign(map="map")
     cells = []
-    for (lr, b2, bm), g in lanes.groupby(["lr_mult", "b2", "batch_mult"], sort=True):
+    for (m, lr, b2, bm), g in lanes.groupby(["map", "lr_mult", "b2", "batch_mult"], sort=True):
         ls = [d.sort_values("step")["loss"].to_numpy(float) for _, d in g.groupby("seed")]
-        cells.append(({"lr_mult": lr, "b2": b2, "batch_mult": bm, "seeds": len(ls)}, ls))
+        cells.append(({"map": m, "lr_mult": lr, "b2": b2, "batch_mult": bm, "seeds": len(ls)}, ls))
     return cells_table(cells, plan)
 
 
@@ -173,11 +182,140 @@ def null_md(tab: pd.DataFrame, plan: Mapping[str, Any]) -> list[str]:
          f"residuals shuffled; {n['replicates']} replicate cells each; a cell spikes when its "
          f"count beats both (Monte-Carlo p < {n['alpha']:g}). Rates per 1k steps, exact Poisson "
          "95 % intervals; durations in steps (censored: cut off by the lane's end).", "",
-         md_table(tab, ["lr_mult", "b2", "batch_mult", "seeds", "class", "spikes", "rate_per_1k",
+         md_table(tab, ["map", "lr_mult", "b2", "batch_mult", "seeds", "class", "spikes", "rate_per_1k",
                         "rate_lo", "rate_hi", "null_t_per_1k", "p_t", "null_shuffle_per_1k",
                         "p_shuffle", "median_duration", "null_t_median_duration",
                         "median_height", "censored", "beats_null"]), ""]
     return L
+
+
+# ------------------------------------------------------------------------ rate model
+def plan_maps(plan: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The plan's maps by role as folder names: configs/phase_map_science4<suffix>.toml
+    runs into <root>/map<suffix> (the science4 map's own folder is <root>/map)."""
+    def name(cfg: str) -> str:
+        stem = Path(cfg).stem
+        return "map" + stem[len("phase_map_science4"):]
+    return {"training": [name(c) for c in plan["rate_model"]["training"]["maps"]],
+            "heldout": [name(c) for c in plan["heldout"]["maps"]]}
+
+
+def rate_rows_from_maps(root: Path, plan: Mapping[str, Any]) -> tuple[pd.DataFrame, list[str]]:
+    """Lane-phase rows of every plan map found under root, and the maps not found."""
+    from analysis.rate_threshold import map_rows
+    parts, missing = [], []
+    for role, names in plan_maps(plan).items():
+        for n in names:
+            d = root / n
+            if PMA.has_cells(d):
+                parts.append(map_rows(d, plan, n).assign(role=role))
+            else:
+                missing.append(n)
+    return (pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()), missing
+
+
+def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
+                       plan: Mapping[str, Any], S70: Mapping[str, float] | None,
+                       out: Path) -> list[str]:
+    """The plan's held-out test of the threshold model (analysis/rate_threshold.py)."""
+    from analysis.rate_threshold import MODELS, judge
+    H = ["## A rate model that can say zero, on a held-out map", ""]
+    if rows is None or rows.empty or not (rows["role"] == "heldout").any():
+        return H + ["Not run: the plan's maps " + ", ".join(f"`{m}`" for m in missing)
+                    + " are missing (`adamspike phase-map --config configs/phase_map_science4"
+                    "<suffix>.toml --out ROOT/map<suffix>`, then `--map ROOT/map`).", ""]
+    train = rows[rows["role"] == "training"]
+    held_all = rows[rows["role"] == "heldout"]
+    held = held_all[held_all["cell_in_band"]]
+    excluded = held_all[~held_all["cell_in_band"]].groupby(["source", "lr_mult", "batch_mult"]).size()
+    r = judge(train.reset_index(drop=True), held.reset_index(drop=True), plan,
+              seed=int(plan["spikes"]["null"]["seed"]))
+    r["bins"].to_csv(out / "rate_bins.csv", index=False)
+    keep = {k: v for k, v in r.items() if k != "bins"}
+    atomic_write_bytes(out / "rate_model.json", json.dumps(keep, indent=1, default=float).encode())
+    th = r["models"]["threshold"]
+    cells = (rows.groupby(["role", "source", "lr_mult", "batch_mult", "init_std", "dim", "layers"])
+             .agg(lanes=("seed", "nunique"), S_median=("S", "median"), spikes=("spikes", "sum"),
+                  steps=("steps", "sum"), in_band=("cell_in_band", "all"),
+                  rho_shallow=("rho_shallow", "median"), rho_deep=("rho_deep", "median"))
+             .reset_index())
+    cells.to_csv(out / "rate_cells.csv", index=False)
+    L = H + [f"Rows: lane-phases (warmup / after) of the plan's maps; the count is the plan's "
+             f"VISIBLE class. Training: {r['train_rows']} rows of {r['train_cells']} cells, "
+             f"{r['train_spikes']} visible spikes. Held out (the third map, in-band cells only): "
+             f"{r['held_rows']} rows of {r['held_cells']} cells, {r['observed']} visible spikes"
+             + (f"; excluded as out of band (rho alone, before any count): "
+                + ", ".join(f"{s} lr x{lr:g} batch x{b:g}" for (s, lr, b) in excluded.index)
+                if len(excluded) else "") + "."
+             + (f" Maps not found: {', '.join(missing)}." if missing else ""), "",
+             md_table(cells, ["role", "source", "lr_mult", "batch_mult", "init_std", "dim",
+                              "layers", "lanes", "S_median", "rho_shallow", "rho_deep",
+                              "in_band", "spikes", "steps"]), ""]
+    if math.isfinite(th["S_c"]):
+        L.append(f"Threshold model: S_c = {_fmt(th['S_c'])} (the smallest S of a training row with "
+                 f"a visible spike: the maximum-likelihood boundary; cell bootstrap: finite in "
+                 f"{r['S_c_boot']['finite_share']:.0%} of draws, 90 % [{_fmt(r['S_c_boot']['p5'])}, "
+                 f"{_fmt(r['S_c_boot']['p95'])}]); {th['spiking_rows']} training rows spike.")
+    else:
+        L.append("Threshold model: no visible spike in any training row, so S_c = inf: the "
+                 "model says zero everywhere (and so does the constant).")
+    L += ["", "Held-out Poisson deviance (lower is better; inf: a spike where the model said "
+          "zero) and expected visible spikes in all held-out rows [cell-bootstrap 90 %]:", "",
+          md_table(pd.DataFrame([{"model": m, "deviance": r["deviance"][m],
+                                  "expected": r["total_expected"][m],
+                                  "expected_lo": r["total_expected_interval"][m][0],
+                                  "expected_hi": r["total_expected_interval"][m][1],
+                                  "observed": r["observed"]} for m in MODELS])), "",
+          "Per S bin (threshold model; judged where >= "
+          f"{plan['heldout']['min_expected_per_bin']:g} are expected):", "",
+          md_table(r["bins"], ["S_lo", "S_hi", "rows", "observed", "threshold_expected",
+                               "threshold_expected_lo", "threshold_expected_hi",
+                               "constant_expected", "lr_eps_expected", "s_bins_expected",
+                               "judged", "holds"]), "",
+          f"**Verdict under the plan: {r['verdict']}** ({r['why']})."]
+    if S70 and math.isfinite(th["S_c"]):
+        lo, hi = S70["lo"], S70["hi"]
+        where = ("entirely below S_c: the model says zero for the 70B" if hi < th["S_c"] else
+                 "entirely above S_c" if lo >= th["S_c"] else "straddles S_c: the model "
+                 "cannot say whether the 70B's rate is zero")
+        L.append(f"The 70B at the seed's setting ({S70['reading']}): S after the warmup "
+                 f"{_fmt(S70['S'])} [{_fmt(lo)}, {_fmt(hi)}], {where}.")
+    return L + [""]
+
+
+def one_s_section(tab: pd.DataFrame | None, S70: Mapping[str, float] | None,
+                  out: Path) -> tuple[list[str], dict | None]:
+    """The calibration of the 70B's S estimator against the toys' tracker operator
+    (analysis/one_s.py) and the 70B's S carried onto the toys' scale."""
+    from analysis import one_s as OS
+    H = ["## One S: the 70B's estimator against the toys' tracker", ""]
+    if tab is None or tab.empty:
+        return H + ["Not measured: no `one_s` cells (simulate/one_s.py; `adamspike science4 "
+                    "--compute --map ROOT/map` runs them for the plan's in-band map).", ""], None
+    cal = OS.calibration(tab)
+    cells = OS.per_cell(tab)
+    cells.to_csv(out / "one_s_cells.csv", index=False)
+    L = H + ["Per map cell and checkpoint (medians over lanes): S_P = lr lambda_max(P^1/2 H "
+             "P^1/2) / 2 of the step's minibatch (Lanczos: the operator the tracker follows), "
+             "S_70 = lr lambda_max(H_full) / (38 min_g eps_g (1 + rho_g)) (the 70B's reading "
+             "applied to the toy: full data = 32 held-out batches of the lane's data).", "",
+             md_table(cells, ["map", "lr_mult", "batch_mult", "step", "lanes", "S_P", "S_70",
+                              "ratio", "lambda_full", "lambda_batch"]), ""]
+    if not math.isfinite(cal["ratio"]):
+        return L + ["No checkpoint with both S positive: no calibration.", ""], None
+    L.append(f"Calibration S_P / S_70: median {_fmt(cal['ratio'])} [{_fmt(cal['lo'])}, "
+             f"{_fmt(cal['hi'])}] (90 %, bootstrap over {cal['lanes']} lanes; {cal['n']} "
+             f"checkpoints, spread {cal['spread_decades']:.2f} decades; {cal['dropped']} "
+             "left out with a non-positive S).")
+    S_cal = None
+    if S70:
+        S_cal = {"reading": S70["reading"] + ", on the toys' scale (One S)",
+                 "S": S70["S"] * cal["ratio"], "lo": S70["lo"] * cal["lo"],
+                 "hi": S70["hi"] * cal["hi"]}
+        L.append(f"The 70B's S after the warmup on the toys' scale: {_fmt(S_cal['S'])} "
+                 f"[{_fmt(S_cal['lo'])}, {_fmt(S_cal['hi'])}] (the reading's prediction "
+                 "interval times the calibration's interval).")
+    return L + [""], S_cal
 
 
 # ------------------------------------------------------------------------ toys matched
@@ -206,6 +344,8 @@ def map_summary(map_dir: Path) -> pd.DataFrame:
         llama = cfg.model.llama()
         n = num_params(llama)
         rows.append({"lr_mult": c["lr_mult"], "b2": c["b2"], "batch_mult": c["batch_mult"],
+                     "dim": llama.dim, "layers": llama.num_layers,
+                     "init_std": cfg.model.init_std,
                      "lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay,
                      "num_params": n, "theta_rms_init": theta_rms_init(llama),
                      **{f"rho_{g}": float(df[f"rho_{g}"].median()) for g in GROUPS},
@@ -250,11 +390,30 @@ def match_table(cells: pd.DataFrame, ref: Mapping[str, Any], factor: float) -> p
         ratios["rel_update"] = (c["update_rms"] / c["theta_rms_init"]) / rel70
         ratios["lr_wd"] = (c["lr"] * c["weight_decay"]) / (ref["lr"] * ref["weight_decay"])
         ok = [k for k, v in ratios.items() if 1 / factor <= v <= factor]
-        rows.append({"lr_mult": c["lr_mult"], "b2": c["b2"], "batch_mult": c["batch_mult"],
+        toy = {k: c[k] for k in ("map", "dim", "layers", "init_std") if k in c and pd.notna(c[k])}
+        seen = {k: c[k] for k in ("visible_spikes", "steps") if k in c and pd.notna(c[k])}
+        rows.append({**toy, "lr_mult": c["lr_mult"], "b2": c["b2"], "batch_mult": c["batch_mult"],
                      **{f"{k}_ratio": v for k, v in ratios.items()},
                      "matches": ", ".join(ok) or "none",
-                     "all_match": len(ok) == len(ratios)})
+                     "all_match": len(ok) == len(ratios), **seen})
     return pd.DataFrame(rows)
+
+
+def _unmatched(match: pd.DataFrame) -> str:
+    """Which quantities the toys match and which none does (from the table)."""
+    qs = [c[:-len("_ratio")] for c in match.columns if c.endswith("_ratio")]
+    hit = {q: int(match["matches"].str.split(", ").apply(lambda m: q in m).sum()) for q in qs}
+    never = [q for q in qs if hit[q] == 0]
+    said = ", ".join(f"{q} in {hit[q]} of {len(match)}" for q in qs)
+    if not never:
+        return (f"Each quantity is matched somewhere ({said}), never all at once: the toy that "
+                "matches all of them is still to be found.")
+    side = {q: ("too large" if (match[f"{q}_ratio"] > 1).all() else "too small"
+                if (match[f"{q}_ratio"] < 1).all() else "on both sides") for q in never}
+    return (f"Matched: {said}. Left unmatched in every cell: "
+            + ", ".join(f"{q} ({side[q]})" for q in never)
+            + ". The toys do not stand for the 70B on these until a model reaches the 70B's S "
+              "with them in range; the visible-spike answer is undetermined there.")
 
 
 def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str) -> list[str]:
@@ -268,15 +427,17 @@ def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str) -> list
          "the warmup x the profile's unit-lr update rms); lr x weight decay at the peak lr.", "",
          md_table(match, list(match.columns)), ""]
     full = match[match["all_match"]]
+    if len(full) and "visible_spikes" in full:
+        k, n = float(full["visible_spikes"].sum()), float(full["steps"].sum())
+        lo, hi = poisson_interval(int(k), n / 1000.0)
+        rate = (f" Visible spikes where every quantity matches: {k:.0f} in {n:.0f} lane-steps, "
+                f"{1000 * k / n:.3g} [{lo:.3g}, {hi:.3g}] per 1k.")
+    else:
+        rate = ""
     L.append(("Cells where every quantity matches: " + ", ".join(
-        f"lr x{r.lr_mult:g}" for r in full.itertuples()) + ".") if len(full) else
-        "No toy cell matches every quantity: rho is matched by calibration in every cell; "
-        "raising lr to move S toward the 70B's multiplies the relative update and lr wd by "
-        "the same factor. The group left unmatched is the update size and weight-decay time: "
-        "the toys' spikes at the 70B's S come with updates and decay far larger than the "
-        "70B's, so they do not stand for the 70B until a model with a larger curvature at "
-        "the same gradient level (deeper, wider, longer sequences) reaches that S at the "
-        "70B's lr.")
+        f"{getattr(r, 'map', 'map')} lr x{r.lr_mult:g} batch x{r.batch_mult:g}"
+        for r in full.itertuples()) + "." + rate) if len(full) else
+        "No toy cell matches every quantity. " + _unmatched(match))
     return L + [""]
 
 
@@ -453,14 +614,30 @@ def claims_md(df: pd.DataFrame, plan: Mapping[str, Any]) -> list[str]:
 
 
 # ------------------------------------------------------------------------ report
+def plan_versions_md(plan: Mapping[str, Any]) -> list[str]:
+    """Every version of the plan with its hash, and each later version's changes with the
+    reason (the list of changes after data)."""
+    L = []
+    for v in plan_history(plan["plan"]["name"]):
+        meta = v["plan"]
+        rel = Path(v["_path"]).relative_to(Path(v["_path"]).parents[2])
+        L.append(f"- `{rel}` version {meta['version']}, written {meta.get('written', '?')}, "
+                 f"sha256 `{v['_sha256']}`"
+                 + (f": supersedes `{meta['supersedes']}`. Reason: {' '.join(str(meta['reason']).split())}"
+                    if meta.get("supersedes") else ": the first version."))
+        L += [f"  - change: {c}" for c in meta.get("changes", [])]
+    return L
+
+
 def report(out: Path, plan: Mapping[str, Any], parts: Mapping[str, list[str]]) -> str:
     L = ["# Science 4: the 70B answer under a written plan", "",
          f"Plan: `{Path(plan['_path']).relative_to(Path(plan['_path']).parents[2])}` "
          f"version {plan['plan']['version']}, sha256 `{plan['_sha256']}`. Every verdict below "
-         "is computed under this plan; changes after data: "
-         + (f"this version supersedes v{plan['plan']['supersedes']} ({plan['plan']['reason']})."
-            if plan["plan"].get("supersedes") else "none (version 1)."), ""]
-    for name in ("sharpness", "nulls", "match", "claims", "record", "adamw", "open"):
+         "is computed under this version; the sections a later version did not change read "
+         "the same under every version. The versions, and every change after data with its "
+         "reason:", "", *plan_versions_md(plan), ""]
+    for name in ("sharpness", "nulls", "ones", "ratemodel", "match", "claims", "record", "adamw",
+                 "open"):
         L += parts.get(name, [])
     return "\n".join(L) + "\n"
 
@@ -518,6 +695,11 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
                       executor=executor, jobs=jobs, address=address, progress=progress,
                       desc="sharpness reruns")
         cells = SH.read_cells(store_dir)
+        if map_dir:     # One S on the in-band map's lanes (simulate/one_s.py)
+            from simulate.one_s import map_cells
+            run_cells(store, map_cells(json.loads((Path(map_dir) / "map.json").read_text())),
+                      executor=executor, jobs=jobs, address=address, progress=progress,
+                      desc="one-S cells")
     else:
         cells = SH.read_cells(cells_dir if cells_dir else SHIPPED / "cells")
     # rho_min of the 70B (the profile's most dormant group at eps 1e-5), as predict reads it
@@ -528,6 +710,16 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     atomic_write_bytes(out / "sharpness_rungseeds.csv", rows.to_csv(index=False).encode())
     atomic_write_bytes(out / "sharpness_versions.csv", versions.to_csv(index=False).encode())
     atomic_write_bytes(out / "sharpness_hits.csv", extra["hits"].to_csv(index=False).encode())
+    # the law `predict` uses (adamspike.sharpness_law): the last reading under the plan's QC
+    qc_name = next((n for n in reversed(list(extra["laws"])) if "plan QC" in n
+                    and extra["laws"][n] is not None), None)
+    if qc_name:
+        t = plan["sharpness"]["target"]
+        law_doc = {"schema": "adamspike.sharpness_law", "reading": qc_name,
+                   "plan": Path(plan["_path"]).name, "plan_sha256": plan["_sha256"],
+                   "target": {"dim": t["dim"], "layers": t["layers"]},
+                   **{k: v for k, v in extra["laws"][qc_name].items()}}
+        atomic_write_bytes(out / LAW_FILE, json.dumps(law_doc, indent=1).encode())
     parts = {"sharpness": sharpness_md(rows, versions, extra["hits"], plan)}
     if map_dir:     # the map's cell tables, which package-data ships (adamspike.package_data)
         lanes, summ = lanes_from_map(map_dir), map_summary(map_dir)
@@ -545,7 +737,54 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
         parts["nulls"] = ["## In-band spikes against their noise nulls", "",
                           "No map lanes: run `adamspike phase-map --config "
                           "configs/phase_map_science4.toml --out M` and pass `--map M`.", ""]
+    # the rate model's rows: from the plan's map folders beside --map, else shipped
+    rate_missing: list[str] = []
+    if map_dir:
+        rate_rows, rate_missing = rate_rows_from_maps(Path(map_dir).parent, plan)
+        if not rate_rows.empty:
+            rate_rows.to_parquet(out / RATE_ROWS_FILE, index=False)
+            extra_lanes = [lanes_from_map(Path(map_dir).parent / n, n)
+                           for ns in plan_maps(plan).values() for n in ns
+                           if n != Path(map_dir).name
+                           and PMA.has_cells(Path(map_dir).parent / n)]
+            if extra_lanes:      # every map's rates beside their nulls
+                more = null_table(pd.concat(extra_lanes, ignore_index=True), plan)
+                nulls = pd.concat([nulls, more], ignore_index=True) if nulls is not None else more
+                atomic_write_bytes(out / "null_cells.csv", nulls.to_csv(index=False).encode())
+                parts["nulls"] = null_md(nulls, plan)
+    else:
+        rate_rows = (pd.read_parquet(SHIPPED / RATE_ROWS_FILE)
+                     if (SHIPPED / RATE_ROWS_FILE).exists() else None)
+        rate_missing = [] if rate_rows is not None else sum(plan_maps(plan).values(), [])
     last = versions.iloc[-1]
+    S70 = None
+    if np.isfinite(last.get("S_after", math.nan)):
+        S70 = {"reading": str(last["reading"]), "S": float(last["S_after"]),
+               "lo": float(last.get("S_lo", math.nan)),
+               "hi": float(last.get("S_hi", math.nan))}
+    # One S: the cells in the store when computing, else the shipped table
+    one_tab = None
+    if map_dir and (store_dir / "one_s").is_dir():
+        from analysis import one_s as OS
+        one_tab = OS.read_table(store_dir, {n: Path(map_dir).parent / n
+                                            for ns in plan_maps(plan).values() for n in ns})
+        if not one_tab.empty:
+            one_tab.to_csv(out / ONE_S_FILE, index=False)
+    elif (SHIPPED / ONE_S_FILE).exists():
+        one_tab = pd.read_csv(SHIPPED / ONE_S_FILE)
+    parts["ones"], S70_cal = one_s_section(one_tab, S70, out)
+    parts["ratemodel"] = rate_model_section(rate_rows, rate_missing, plan, S70_cal or S70, out)
+    if map_dir and summ is not None:       # every plan map's toys, with their visible spikes
+        more = [map_summary(Path(map_dir).parent / n).assign(map=n)
+                for ns in plan_maps(plan).values() for n in ns if n != Path(map_dir).name
+                and PMA.has_cells(Path(map_dir).parent / n)]
+        summ = pd.concat([summ.assign(map=Path(map_dir).name), *more], ignore_index=True)
+        if rate_rows is not None and not rate_rows.empty:
+            seen = (rate_rows.groupby(["source", "lr_mult", "b2", "batch_mult"])
+                    .agg(visible_spikes=("spikes", "sum"), steps=("steps", "sum")).reset_index()
+                    .rename(columns={"source": "map"}))
+            summ = summ.merge(seen, on=["map", "lr_mult", "b2", "batch_mult"], how="left")
+        summ.to_csv(out / CELLS_FILE, index=False)
     if summ is not None and np.isfinite(last.get("S_after", math.nan)):
         match = match_table(summ, reference_70b(pred, float(last["S_after"])),
                             float(plan["match"]["factor"]))
@@ -594,12 +833,22 @@ def ship(store_dir: Path, out: Path, dest: Path = SHIPPED) -> list[Path]:
         src = Path(store_dir) / c.kind / f"{c.key}.json"
         shutil.copyfile(src, dest / "cells" / c.kind / src.name)
         written.append(dest / "cells" / c.kind / src.name)
-    for f in (LANES_FILE, CELLS_FILE, "claims.csv"):
+    for f in (LANES_FILE, CELLS_FILE, "claims.csv", RATE_ROWS_FILE, LAW_FILE, ONE_S_FILE):
         if (out / f).exists():
             shutil.copyfile(out / f, dest / f)
             written.append(dest / f)
     package_data.add_files("llama2-70b", written, "Science 4's cells and tables "
                            "(adamspike science4 --ship)")
+    if (dest / LAW_FILE).exists() and dest == SHIPPED:
+        # predictions.json from the law just shipped (predict reads it: simulate.predict._with_law)
+        from simulate.predict import main as predict_main
+        pred = package_data.predictions_path("llama2-70b")
+        if pred is not None:
+            if predict_main(["--profile", "llama2-70b", "--out", str(pred)]):
+                raise ConfigError("adamspike predict failed on the shipped data")
+            package_data.add_files("llama2-70b", [pred], "predictions.json from Science 4's "
+                                   "sharpness law under the plan's QC")
+            written.append(pred)
     return written
 
 

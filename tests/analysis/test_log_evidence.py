@@ -119,16 +119,97 @@ def test_gpt_neox_args_count_and_validation_are_read(tmp_path):
                       "2.950000E+00 | lm_loss_ppl value: 1.910522E+01 | ", "-" * 80]
     log = _write(tmp_path, "neox.log", lines)
     body = _body(assess(log, shipped=False, out=tmp_path / "o"))
-    assert "optim.eps 1e-08: log line 4: adam_eps" in body
-    assert "optim.b2 0.95: log line 4: adam_beta2" in body
-    assert "optim.grad_clip 1: log line 2: clip_grad" in body
-    assert "train.global_batch_size 64: log line 6: global_batch_size" in body
+    assert "optim.eps 1e-08: log line 4: optimizer[eps]" in body
+    assert "optim.b2 0.95: log line 4: optimizer[betas[1]]" in body
+    assert "optim.grad_clip 1: log line 2: gradient_clipping" in body
+    assert "train.global_batch_size 64: log line 6: train_batch_size" in body
     assert "train.seq_len 2048: log line 5: seq_length" in body
     assert "N (parameters) 162,322,944: log line 9" in body
     assert "not stated" not in body.lower().replace("optim.b1", "") or True
     assert "validation: 1 value(s) read as validation" in body and "lm_loss 2.95" in body
     run = json.loads((tmp_path / "o" / "neox.log.run" / "run.json").read_text())
     assert run["import"]["num_malformed"] == 0 and run["import"]["num_validation_lines"] == 1
+
+
+def deepspeed_config_lines(cfg: dict, attrs: dict, stamp="[2024-03-01 10:00:00,100] [INFO] "):
+    """DeepSpeed's engine configuration as its logger prints it: DeepSpeedConfig.print and
+    print_user_config (deepspeed/runtime/config.py at 38327e07: `  name <29 - len dots>
+    value` per attribute, sorted, then `  json = ` and the ds_config as json.dumps(indent=4,
+    sort_keys=True, separators=(",", ":"))), each logger line behind deepspeed/utils/
+    logging.py's `[asctime] [levelname] [filename:lineno:funcName] ` prefix."""
+    import json as _json
+    out = [f"{stamp}[config.py:1000:print] DeepSpeedEngine configuration:"]
+    for k in sorted(attrs):
+        out.append(f"{stamp}[config.py:1004:print]   {k} {'.' * (29 - len(k))} {attrs[k]}")
+    text = _json.dumps(cfg, sort_keys=True, indent=4, separators=(",", ":"))
+    out.append(f"{stamp}[config.py:990:print_user_config]   json = {text}")
+    return "\n".join(out).splitlines()
+
+
+DS_CONFIG = {"train_batch_size": 512, "train_micro_batch_size_per_gpu": 4,
+             "gradient_clipping": 1.0,
+             "optimizer": {"type": "Adam", "params": {"lr": 0.0003, "betas": [0.9, 0.95],
+                                                      "eps": 1e-08}},
+             "bf16": {"enabled": True}}
+
+
+def test_deepspeed_engine_configuration_is_read_with_its_lines(tmp_path):
+    """A GPT-NeoX log whose NeoXArgs dump does not state the optimizer (only the model
+    shape): eps, betas, lr, batch and clip come from DeepSpeed's engine configuration dump
+    (`optimizer_params ..... {...}`, `train_batch_size`, `gradient_clipping`, behind the
+    DeepSpeed logger's prefix), each with its line and the name the log printed."""
+    attrs = {"gradient_clipping": 1.0, "optimizer_name": "adam",
+             "optimizer_params": "{'lr': 0.0003, 'betas': [0.9, 0.95], 'eps': 1e-08}",
+             "train_batch_size": 512, "train_micro_batch_size_per_gpu": 4,
+             "zero_allow_untested_optimizer": False, "loss_scale": 0}
+    lines = ["-------------------- arguments --------------------",
+             "  hidden_size ..................... 768.............................updated",
+             "  seq_length ...................... 2048............................updated",
+             "---------------- end of arguments ----------------",
+             *deepspeed_config_lines(DS_CONFIG, attrs)]
+    # (a name of 29+ characters gets no dots, as in DeepSpeed: not an argument line here)
+    at = {k: 1 + next(i for i, x in enumerate(lines) if f"]   {k} ." in x)
+          for k in attrs if len(k) < 29}
+    lines += [neox_line(i + 1, x) for i, x in enumerate(_losses(60))]
+    log = _write(tmp_path, "neox_ds.log", lines)
+    body = _body(assess(log, shipped=False))
+    p = at["optimizer_params"]
+    assert f"optim.eps 1e-08: log line {p}: optimizer_params[eps]" in body
+    assert f"optim.b2 0.95: log line {p}: optimizer_params[betas[1]]" in body
+    assert f"optim.lr 0.0003: log line {p}: optimizer_params[lr]" in body
+    assert (f"optim.grad_clip 1: log line {at['gradient_clipping']}: gradient_clipping"
+            in body)
+    assert (f"train.global_batch_size 512: log line {at['train_batch_size']}: "
+            "train_batch_size") in body
+    assert "train.seq_len 2048: log line 3: seq_length" in body
+    from analysis.regime import log_facts
+    facts = log_facts(log)
+    assert facts.args["global_batch_size"] == ("512", at["train_batch_size"])
+    assert "loss_scale" in facts.args     # every attribute read; consumers pick theirs
+
+
+def test_deepspeed_ds_config_json_alone_is_read(tmp_path):
+    """Only the ds_config JSON that print_user_config writes (e.g. a log cut to the
+    engine's last lines): the optimizer's eps / betas / lr, train_batch_size and
+    gradient_clipping, each with the line of its key; the JSON's end is found without
+    reading the training lines as arguments."""
+    lines = deepspeed_config_lines(DS_CONFIG, {})[1:]     # the `json = {` block alone
+    key = {k: 1 + next(i for i, x in enumerate(lines) if f'"{k}"' in x)
+           for k in ("eps", "betas", "train_batch_size", "gradient_clipping")}
+    lines += [neox_line(i + 1, x) for i, x in enumerate(_losses(60))]
+    log = _write(tmp_path, "ds_json.log", lines)
+    from analysis.regime import log_facts
+    f = log_facts(log)
+    assert f.args["adam_eps"] == ("1e-08", key["eps"])
+    assert f.args["adam_beta2"] == ("0.95", key["betas"])
+    assert f.args["global_batch_size"] == ("512", key["train_batch_size"])
+    assert f.args["clip_grad"] == ("1.0", key["gradient_clipping"])
+    assert f.printed["adam_eps"] == "ds_config optimizer.params[eps]"
+    body = _body(assess(log, shipped=False))
+    assert (f"optim.eps 1e-08: log line {key['eps']}: ds_config optimizer.params[eps]"
+            in body)
+    assert (f"train.global_batch_size 512: log line {key['train_batch_size']}: ds_config "
+            "train_batch_size") in body
 
 
 def test_megatron_args_and_printed_count_with_their_lines(tmp_path):

@@ -30,7 +30,9 @@ def test_quadratic_run_directory(tmp_path, capsys):
     run = load_run(out)
     _cols_ok(run, 2000, 1)
     assert {"log10_loss", "lam_hat_grad", "lam_hat_max", "threshold"} <= set(run.steps.columns)
-    assert run.meta["backend"] == "jax" and run.config["problem"]["eps"] == 1e-4
+    assert run.meta["backend"] == "jax" and run.config["optim"]["eps"] == 1e-4
+    assert run.config["problem"] == {"kind": "quadratic", "seed": 0,
+                                     "eps_star": pytest.approx(summary["eps_star"])}
     assert (run.steps.tokens == run.steps.step).all()
     assert run.layers.name.astype(str).unique().tolist() == ["theta"]
     np.testing.assert_allclose(run.layers.rho, run.layers.grad_rms / 1e-4, rtol=1e-6)
@@ -68,14 +70,18 @@ def test_streams_json(tmp_path):
 @pytest.mark.parametrize("argv,needle", [
     (["quadratic", "--eps", "-1"], "optim.eps: must be >= 0"),
     (["quadratic", "--b2", "1.0"], "optim.b2: must be < 1"),
-    (["quadratic", "--quadratic.dim", "4"], "quadratic.dim: set it with this command's own flag"),
-    (["quadratic", "--steps", "0"], "--steps"),
+    (["quadratic", "--quadratic.dim", "0"], "quadratic.dim (--dim): must be >= 1"),
+    (["quadratic", "--steps", "0"], "train.num_steps (--steps): must be >= 1"),
+    (["quadratic", "--rotate=yes"], "--rotate"),
+    (["quadratic", "--dtype", "float16"], "quadratic.dtype"),
+    (["quadratic", "--stepz", "5"], "unknown config key: stepz"),
     (["quadratic", "--dim", "2", "--lam-min", "3"], "--lam-min"),
     (["mlp", "--kind", "cnn"], "--kind"),
     (["mlp", "--lr", "0"], "optim.lr: must be > 0"),
     (["mlp", "--schedule", "step"], "optim.schedule"),
     (["mlp", "--loss-scale", "0"], "train.loss_scale"),
     (["mlp", "--steps", "x"], "--steps"),
+    (["mlp", "--batch-size", "-1"], "mlp.batch (--batch-size)"),
     (["mlp", "--mitigation.v_reset_steps", "5"], "mitigation.v_reset_steps"),
     (["streams", "--record", "some"], "--record"),
     (["nope"], "problem"),

@@ -133,13 +133,18 @@ def test_70b_candidates_get_phases_and_a_mechanism(maps):
     assert ph["warmup"]["rate_ci"][0] <= ph["warmup"]["rate_per_1k"] <= ph["warmup"]["rate_ci"][1]
     assert s["mechanism"] == P.mechanism(max(ph["warmup"]["stability"], ph["after"]["stability"]),
                                          ph["after"]["rho_min"],
-                                         max(ph["warmup"]["stability_range"][1], hi))
+                                         max(ph["warmup"]["stability_range"][1], hi),
+                                         max(ph["warmup"]["stability_range"][0], lo))
     # out of the eps band S no longer grows as eps falls (Adam's own edge: lr lambda / 38 rms)
     s8 = next(x for x in pred.settings if x["id"].startswith("eps1e-08-b2_0.95-lr0.00015-b1_0.9-bs1024"))
     assert s8["phases"]["after"]["stability"] < ph["after"]["stability"] * 1000 / 100
-    assert P.mechanism(2.0, 0.5).startswith("A (eps-band") and P.mechanism(0.1, 0.05).startswith("B")
-    assert P.mechanism(0.1, 0.5, 3.0).startswith("A possible")
-    assert P.mechanism(0.1, 0.5, 0.5).startswith("neither")
+    # the plan's labels (docs/plan/science4_v*.toml [labels]) from S and its interval
+    assert P.mechanism(2.0, 0.5).startswith("A (S 2 [2, 2]: eps-band")
+    assert P.mechanism(2.0, 0.5, 3.0, 1.2).startswith("A (")
+    assert P.mechanism(0.1, 0.05).startswith("below the edge + B")
+    assert P.mechanism(0.1, 0.5, 3.0, 0.05).startswith("undetermined (A)")
+    assert P.mechanism(0.1, 0.5, 0.5, 0.05).startswith("below the edge (")
+    assert P.mechanism(None, 0.05).startswith("B (dormant")
 
 
 def test_the_full_data_reading_replaces_the_minibatch_bracket(tmp_path):

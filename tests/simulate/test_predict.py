@@ -480,10 +480,12 @@ def test_one_predictor_from_the_shipped_profile_and_from_a_log(tmp_path, capsys)
             if x.startswith("eps1e-05-b2_0.95-")]
     assert len(rate) == 2 and rate[0] == rate[1], rate
     text = "\n".join(fromlog)
-    assert "eps_ref 1e-05 (assumed (--eps-ref not given))" in text
+    assert "eps_ref 1e-05 (assumed: the 70B run's (--eps-ref not given, the log states none))" in text
     assert "N 68,976,648,192 (assumed: the llama2-70b preset's" in text
     assert "rho_bar 0.3808 (measured: median over the last 20 logged grad norms" in text
-    assert "inputs that differ from --profile llama2-70b (the same model): the rho interval" in text
+    # a log clipped at every step sits at the ladder's level, without its spread: named
+    assert ("inputs that differ from --profile llama2-70b (the same model and the same "
+            "computation): rho_bar_interval [0.3808, 0.3808] here vs [0.3654, 0.3808]") in text
     sh = "\n".join(shipped)
     assert "rho_bar 0.3808 (extrapolated: the ladder's fit" in sh
     assert "not in the model: optim.b2, optim.b1, train.global_batch_size" in sh
@@ -515,3 +517,85 @@ def test_a_llama2_70b_profile_json_runs_the_same_mechanism_model(tmp_path, capsy
     assert "model: mechanism model (log10_stability" in text
     line = [x for x in text.splitlines() if x.startswith("eps1e-05-b2_0.95-")][0]
     assert line.split(": ", 1)[1].startswith(f"{p.settings[0]['rate_per_1k']:.3g} spikes")
+
+
+def _bloom_style_log(path, grad_norms, lead=None, header=()):
+    """A synthetic log in the BigScience Megatron-DeepSpeed line format of the real logs
+    (`[default7]: iteration N/ T | consumed samples ... | grad norm: X | num zeros ...`),
+    with the grad norms given (more digits than the real logs print: the same grammar);
+    `lead` grad norms come first (predict reads the second half); `header` lines (an
+    argument dump, a parameter count) before them."""
+    gns = list(lead if lead is not None else [2.0] * len(grad_norms)) + list(grad_norms)
+    path.write_text("".join(f"{h}\n" for h in header) + "".join(
+        f"[default7]: iteration {i:8d}/  115311 | consumed samples: {i * 2048:12d} | consumed "
+        f"tokens: {i * 2048 * 2048:12d} | elapsed time per iteration (s): 106.46 | learning "
+        f"rate: 1.500E-04 | global batch size:  1024 | lm loss: 2.198845E+00 | grad norm: "
+        f"{g!r} | num zeros: 0.0 | number of skipped iterations:   0 | number of nan "
+        f"iterations:   0 | samples per second: 19.238 | TFLOPs: 147.29 |\n"
+        for i, g in enumerate(gns, start=1)))
+    return path
+
+
+def test_a_log_with_the_shipped_profiles_inputs_gives_its_numbers(tmp_path, capsys):
+    """Issue 39 item 1 (must show): `predict --profile llama2-70b` and `predict
+    --profile-from-log LOG` go through one computation (rho_from_level): a log whose inputs
+    equal the shipped profile's (eps 1e-5, clip 1, the 70B's N, grad norms whose level
+    matches the ladder's level draw for draw) gives the same model, the same rate and the
+    same interval, and says that no input differs; a log that differs in its level only
+    gets a line naming exactly that."""
+    from adamspike import package_data
+    from simulate import ladder as LD
+    fit, ext = LD.ladder_70b(package_data.ladder_dir("llama2-70b"), eps=1e-5, clip=1.0)
+    n70 = P.num_params(P.preset("llama2-70b"))
+    level = P.ladder_level_draws(ext)
+    bound = 1.0 / (n70 ** 0.5 * 1e-5)
+    # a draw at the clip bound is a clipped step (any grad norm above 1); the others the
+    # grad norm that gives the draw's level
+    gns = [1.7 if v >= bound * (1 - 1e-12) else float(v * n70 ** 0.5 * 1e-5) for v in level]
+    assert 0 < sum(g < 1 for g in gns) < len(gns)
+    # the log states the shipped profile's inputs: Megatron-DeepSpeed's argument dump (rank
+    # tag as in the real logs) and the builder's per-rank parameter count
+    header = ["[default0]: ------------------------ arguments ------------------------",
+              "[default0]:   adam_beta1 ...................................... 0.9",
+              "[default0]:   adam_beta2 ...................................... 0.95",
+              "[default0]:   adam_eps ........................................ 1e-05",
+              "[default0]:   clip_grad ....................................... 1.0",
+              "[default0]: -------------------- end of arguments ---------------------",
+              f"[default0]:  > number of parameters on (tensor, pipeline) model parallel rank "
+              f"(0, 0): {n70}"]
+    log = _bloom_style_log(tmp_path / "same.log", gns, header=header)
+    flags = []
+    setting = ["--setting", "eps=1e-5,b2=0.95", "--setting", "eps=1e-6,b2=0.95"]
+    out = {}
+    for name, src in (("shipped", ["--profile", "llama2-70b"]),
+                      ("log", ["--profile-from-log", str(log), *flags])):
+        assert P.main([*src, *setting]) == 0
+        out[name] = capsys.readouterr().out.splitlines()
+        assert P.main([*src, *setting, "--out", str(tmp_path / f"{name}.json")]) == 0
+        capsys.readouterr()
+    model = [x for x in out["shipped"] if x.startswith("model: ")]
+    assert model == [x for x in out["log"] if x.startswith("model: ")]
+    rates = {k: [x.split(": ", 1)[1] for x in v if x.startswith("eps1e-0")]
+             for k, v in out.items()}
+    assert len(rates["log"]) == 2 and rates["log"] == rates["shipped"], rates
+    a, b = (load_predictions(tmp_path / f"{k}.json") for k in ("shipped", "log"))
+    for sa, sb in zip(a.settings, b.settings):
+        assert sb["rate_per_1k"] == pytest.approx(sa["rate_per_1k"], rel=1e-9)
+        assert sb["rate_ci"] == pytest.approx(sa["rate_ci"], rel=1e-9)
+    assert b.profile["rho_bar_interval"] == pytest.approx(
+        a.profile["inputs"]["rho_bar_interval"]["value"], rel=1e-12)
+    text = "\n".join(out["log"])
+    assert ("inputs that differ from --profile llama2-70b (the same model and the same "
+            "computation): none, so the same numbers") in text
+    assert "eps_ref 1e-05 (read from the log: line 4, adam_eps)" in text
+    assert "clip 1 (read from the log: line 5, clip_grad)" in text
+    assert "N 68,976,648,192 (read from the log: log line 7" in text
+    # one input differs (the level: every step at grad norm 0.2, under the clip)
+    low = _bloom_style_log(tmp_path / "low.log", [0.2] * 50, header=header)
+    assert P.main(["--profile-from-log", str(low), *flags, *setting]) == 0
+    diff = [x for x in capsys.readouterr().out.splitlines()
+            if x.startswith("inputs that differ")]
+    assert len(diff) == 1
+    assert f"rho_bar {0.2 * bound:.4g} here vs 0.3808" in diff[0]
+    named = [item.split(" ", 1)[0] for item in diff[0].split(": ", 1)[1].split("; ")]
+    assert named == ["rho_bar", "rho_bar_interval"], diff[0]
