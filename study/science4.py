@@ -202,7 +202,7 @@ def plan_maps(plan: Mapping[str, Any]) -> dict[str, list[str]]:
 
 def rate_rows_from_maps(root: Path, plan: Mapping[str, Any]) -> tuple[pd.DataFrame, list[str]]:
     """Lane-phase rows of every plan map found under root, and the maps not found."""
-    from analysis.rate_threshold import map_rows
+    from analysis.rate_threshold import map_rows   # only where the plan maps are read
     parts, missing = [], []
     for role, names in plan_maps(plan).items():
         for n in names:
@@ -218,7 +218,7 @@ def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
                        plan: Mapping[str, Any], S70: Mapping[str, float] | None,
                        out: Path) -> list[str]:
     """The plan's held-out test of the threshold model (analysis/rate_threshold.py)."""
-    from analysis.rate_threshold import MODELS, judge
+    from analysis.rate_threshold import MODELS, judge   # only for this section
     H = ["## A rate model that can say zero, on a held-out map", ""]
     if rows is None or rows.empty or not (rows["role"] == "heldout").any():
         return H + ["Not run: the plan's maps " + ", ".join(f"`{m}`" for m in missing)
@@ -287,7 +287,7 @@ def one_s_section(tab: pd.DataFrame | None, S70: Mapping[str, float] | None,
                   out: Path) -> tuple[list[str], dict | None]:
     """The calibration of the 70B's S estimator against the toys' tracker operator
     (analysis/one_s.py) and the 70B's S carried onto the toys' scale."""
-    from analysis import one_s as OS
+    from analysis import one_s as OS   # only for this section
     H = ["## One S: the 70B's estimator against the toys' tracker", ""]
     if tab is None or tab.empty:
         return H + ["Not measured: no `one_s` cells (simulate/one_s.py; `adamspike science4 "
@@ -765,7 +765,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     # One S: the cells in the store when computing, else the shipped table
     one_tab = None
     if map_dir and (store_dir / "one_s").is_dir():
-        from analysis import one_s as OS
+        from analysis import one_s as OS   # only when the One-S cells are there
         one_tab = OS.read_table(store_dir, {n: Path(map_dir).parent / n
                                             for ns in plan_maps(plan).values() for n in ns})
         if not one_tab.empty:

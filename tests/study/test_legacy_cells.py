@@ -21,8 +21,10 @@ def _legacy_map(tmp_path, monkeypatch):
     from simulate import claims as C
     from simulate import phase_map as PM
     monkeypatch.setattr(C, "calibrate", _calibrated)
-    monkeypatch.setattr(PM, "run_cell", lambda cfg, seeds, every, tokens: C.arm_table(
-        _arm_result(cfg, seeds), seeds))
+    def cell(cfg, seeds, every, tokens):
+        df = C.arm_table(_arm_result(cfg, seeds), seeds)
+        return df.assign(S=np.where(df["step"] % every == 0, 0.5, np.nan), S_secant=np.nan)
+    monkeypatch.setattr(PM, "run_cell", cell)
     monkeypatch.setattr("simulate.seeds.arm_tokens", lambda cfg, seeds: None)
     cfg = tmp_path / "map.toml"
     cfg.write_text("[map]\nbase = 'configs/matched_replication.toml'\nseeds = 2\n"
