@@ -339,3 +339,18 @@ def test_sharpness_ladder_fit_and_the_70b_pi(tmp_path, monkeypatch):
     with pytest.raises(Exception, match="curvature_every"):
         LD.run_ladder(LD.LadderSpec(rungs=[(32, 2, 16)], num_steps=20, curvature_every=7),
                       tmp_path / "bad", progress=False)
+
+
+def test_a_smaller_ladder_is_explicit_sizes_over_the_full_one():
+    """No named reduced ladder: a caller (the study's size table) gives explicit sizes; the
+    rest is the full ladder's."""
+    small = LD.sized_spec(rungs=[(32, 2, 16), (64, 2, 16)], seeds=2, num_steps=60,
+                          curvature_every=20, curvature_iters=None)
+    full = LD.full_spec()
+    assert small.rungs == [(32, 2, 16), (64, 2, 16)] and small.seeds == 2
+    assert small.num_steps == 60 and small.curvature_every == 20
+    assert small.curvature_iters == full.curvature_iters and small.lr == full.lr
+    assert LD.sized_spec() == full
+    assert LD.rung_arg("64x4x16") == (64, 4, 16)
+    with pytest.raises(Exception, match="DIMxLAYERS"):
+        LD.rung_arg("64x")
