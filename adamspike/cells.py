@@ -6,15 +6,19 @@ A cell is `Cell(kind, code, config, fn)`:
   that matters for its result (bumped by hand when the computation changes meaning);
   `config` is the cell's fully resolved input, JSON-able (no defaults left to the code);
 - `fn` is "module:function", called as fn(config) in whatever process runs the cell; it
-  returns the payload: a JSON-able dict whose values may also be pandas DataFrames.
+  returns the payload: a JSON-able dict whose values may also be pandas DataFrames or
+  numpy arrays (stored bit for bit). A driver whose cells need what only it holds (a
+  snapshot of another cell, cells computed together in one vmapped call) computes them
+  itself through `CellStore.compute(cell, compute=...)`: the same keys, files and checks.
 
 Key = sha256 of the canonical JSON of {kind, code, config}, first 20 hex digits. On disk:
 
     ROOT/<kind>/<key>.json                 {key, kind, code, config, payload, tables}
     ROOT/<kind>/<key>.<table>.parquet      one file per DataFrame of the payload
+    ROOT/<kind>/<key>.<array>.npy          one file per numpy array of the payload
     ROOT/<kind>/<key>.prov.json            where and when it ran, how long (not hashed)
 
-`tables` maps each DataFrame's name to the sha256 of its parquet bytes, and the JSON file
+`tables` (`arrays`) maps each DataFrame's (array's) name to the sha256 of its file, and the JSON file
 itself carries `sha256` of its own canonical body, so a torn, truncated or bit-flipped cell
 is detected on read: it is moved aside (`*.corrupt`, nothing is deleted), one line says so
 on stderr, and the cell is computed again. Writes are atomic (temp file, fsync, rename),
@@ -111,8 +115,9 @@ class Cell:
         return getattr(importlib.import_module(mod), name)(dict(self.config))
 
 
-class CorruptCell(Exception):
-    """A stored cell failed verification (the message says why)."""
+class CorruptCell(ValueError):
+    """A stored cell failed verification, or is missing where a reader needs it (the
+    message says why)."""
 
 
 class CellStore:
@@ -130,7 +135,10 @@ class CellStore:
 
     # -------------------------------------------------------------------- read
     def _read(self, cell: Cell) -> dict:
-        p = self.path(cell)
+        return self._read_key(cell.kind, cell.key)
+
+    def _read_key(self, kind: str, key: str) -> dict:
+        p = self.root / kind / f"{key}.json"
         raw = p.read_bytes()
         try:
             doc = json.loads(raw)
@@ -141,18 +149,60 @@ class CellStore:
         body = {k: v for k, v in doc.items() if k != "sha256"}
         if _sha(canonical(body)) != doc["sha256"]:
             raise CorruptCell("content hash mismatch")
-        if body.get("key") != cell.key or body.get("kind") != cell.kind:
+        if body.get("key") != key or body.get("kind") != kind:
             raise CorruptCell("key or kind differs from its file name")
         payload = dict(body["payload"])
-        for name, digest in body.get("tables", {}).items():
-            tp = p.with_name(f"{cell.key}.{name}.parquet")
-            if not tp.is_file():
-                raise CorruptCell(f"table {name!r} missing")
-            data = tp.read_bytes()
-            if _sha(data) != digest:
-                raise CorruptCell(f"table {name!r}: content hash mismatch")
-            payload[name] = pd.read_parquet(io.BytesIO(data))
+        for what, ext, load in (("tables", "parquet", pd.read_parquet),
+                                ("arrays", "npy", lambda b: np.load(b, allow_pickle=False))):
+            for name, digest in body.get(what, {}).items():
+                tp = p.with_name(f"{key}.{name}.{ext}")
+                if not tp.is_file():
+                    raise CorruptCell(f"{what[:-1]} {name!r} missing")
+                data = tp.read_bytes()
+                if _sha(data) != digest:
+                    raise CorruptCell(f"{what[:-1]} {name!r}: content hash mismatch")
+                payload[name] = load(io.BytesIO(data))
         return payload
+
+    def read(self, kind: str, key: str) -> dict:
+        """A stored cell's payload by kind and key, verified, for readers that must not
+        compute (analysis/): CorruptCell naming the file when it is missing or fails."""
+        p = self.root / kind / f"{key}.json"
+        if not p.is_file():
+            raise CorruptCell(f"{p}: missing cell ({kind})")
+        try:
+            return self._read_key(kind, key)
+        except (CorruptCell, OSError, ValueError, KeyError, TypeError) as e:
+            raise CorruptCell(f"{p}: corrupt cell ({e}); rerun the stage that writes it") from None
+
+    def has(self, kind: str, key: str) -> bool:
+        """Whether a cell of `kind` and `key` is stored (not verified: `read` does that)."""
+        return (self.root / kind / f"{key}.json").is_file()
+
+    def keys(self, kind: str) -> list[str]:
+        """The keys of the cells of `kind` stored under this root (sorted; not verified)."""
+        d = self.root / kind
+        return sorted(p.name[:-5] for p in d.glob("*.json")
+                      if not p.name.endswith(".prov.json")) if d.is_dir() else []
+
+    def config(self, kind: str, key: str) -> dict:
+        """The resolved config a stored cell was computed from (verified)."""
+        self.read(kind, key)
+        return json.loads((self.root / kind / f"{key}.json").read_bytes())["config"]
+
+    def copy_from(self, source: "CellStore", cell: Cell) -> bool:
+        """Copy `cell` from another store when it is there (verified) and missing here;
+        whether it was copied. Every file but the provenance is taken as it is, so the
+        copy verifies exactly as the original."""
+        if source.get(cell) is None or self.get(cell) is not None:
+            return False
+        src, dest = source.path(cell), self.path(cell)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        for f in sorted(src.parent.glob(f"{cell.key}.*")):
+            if f != src and not f.name.endswith((".prov.json", ".json")) and ".corrupt" not in f.name:
+                atomic_write_bytes(dest.parent / f.name, f.read_bytes())
+        atomic_write_bytes(dest, src.read_bytes())       # the JSON that names them: last
+        return True
 
     def get(self, cell: Cell) -> dict | None:
         """The stored payload, or None when the cell is missing. A cell that fails
@@ -166,36 +216,49 @@ class CellStore:
             return None
 
     def _set_aside(self, cell: Cell, why: str) -> None:
+        """Move the cell's JSON and its table / array files aside (`*.corrupt[-n]`, the
+        same n for all), nothing deleted; one line says so."""
         p = self.path(cell)
         n = 0
         while True:
-            dest = p.with_name(f"{p.name}.corrupt" + (f"-{n}" if n else ""))
+            suffix = ".corrupt" + (f"-{n}" if n else "")
+            dest = p.with_name(p.name + suffix)
             if not dest.exists():
                 break
             n += 1
-        try:
-            os.replace(p, dest)
-        except OSError:
-            pass
+        for f in sorted(p.parent.glob(f"{cell.key}.*")):
+            if f.name.endswith(".prov.json") or ".corrupt" in f.name:
+                continue
+            try:
+                os.replace(f, f.with_name(f.name + suffix))
+            except OSError:
+                pass
         self._log(f"adamspike cells: {p}: {why}; set aside as {dest.name}, computing it again")
 
     # -------------------------------------------------------------------- write
     def put(self, cell: Cell, payload: Mapping[str, Any], seconds: float = math.nan) -> dict:
-        """Store a payload (atomic; tables first); returns it as `get` would."""
+        """Store a payload (atomic; tables and arrays first); returns it as `get` would."""
         d = self.root / cell.kind
         d.mkdir(parents=True, exist_ok=True)
-        plain, tables = {}, {}
+        plain, tables, arrays = {}, {}, {}
         for name, v in payload.items():
+            buf = io.BytesIO()
             if isinstance(v, pd.DataFrame):
-                buf = io.BytesIO()
                 v.to_parquet(buf, index=False)
-                data = buf.getvalue()
-                atomic_write_bytes(d / f"{cell.key}.{name}.parquet", data)
-                tables[name] = _sha(data)
+                path, into = d / f"{cell.key}.{name}.parquet", tables
+            elif isinstance(v, np.ndarray):
+                np.save(buf, v, allow_pickle=False)
+                path, into = d / f"{cell.key}.{name}.npy", arrays
             else:
                 plain[name] = v
+                continue
+            data = buf.getvalue()
+            atomic_write_bytes(path, data)
+            into[name] = _sha(data)
         body = {"key": cell.key, "kind": cell.kind, "code": cell.code,
                 "config": _plain(cell.config), "payload": _plain(plain), "tables": tables}
+        if arrays:         # absent otherwise: the bytes of cells without arrays as before
+            body["arrays"] = arrays
         body = json.loads(canonical(body))     # what will be read back
         doc = dict(body, sha256=_sha(canonical(body)))
         atomic_write_bytes(d / f"{cell.key}.prov.json", json.dumps(
@@ -204,13 +267,14 @@ class CellStore:
         atomic_write_bytes(self.path(cell), canonical(doc))
         return self._read(cell)
 
-    def compute(self, cell: Cell) -> dict:
-        """The stored payload, computing and storing it first when missing."""
+    def compute(self, cell: Cell, compute: Callable[[], Mapping[str, Any]] | None = None) -> dict:
+        """The stored payload, computing and storing it first when missing: by the cell's
+        `fn`, or by `compute()` when the driver holds what the cell needs (module doc)."""
         got = self.get(cell)
         if got is not None:
             return got
         t0 = time.perf_counter()
-        payload = cell.compute()
+        payload = cell.compute() if compute is None else compute()
         return self.put(cell, payload, seconds=time.perf_counter() - t0)
 
 

@@ -5,15 +5,18 @@ A claims file is a study (docs/design.md, "Claims: one system"):
     [study]           title, description, seeds (paired seeds per arm, >= 10)
     [base.<name>]     problem = a simulate.sweep_problems problem (the "sweep" runner), or
                       config = a RunConfig TOML (the "seeds" runner: tiny LLaMA, vmapped seeds);
-                      overrides / quick: dotted keys (quick: applied in --quick);
-                      full_only = true: not run in --quick; calibrate / calibrate_quick =
-                      {rounds, seeds}: per-group eps calibrated to a ladder's 70B rho
+                      overrides: dotted keys; calibrate = {rounds, seeds}: per-group eps
+                      calibrated to a ladder's 70B rho
     [arms]            optional names: <name> = {dotted overrides}
     [[claim]]         id, source, claim, base, treatment, control (dicts of dotted keys over
                       the base, or names of [arms]; no control = a one-cell claim), metric,
                       rule (RULES), arg (X of at_least, [a, b] of within), experiment, note,
-                      only_spiking, also (more metrics: arm means in the note), quick
+                      only_spiking, also (more metrics: arm means in the note)
 
+The file holds the full study. A caller gives it other sizes with `--set base.NAME.KEY=VALUE`
+(`read_study(path, sets)`: e.g. base.matched.overrides.train.num_steps=40) and runs a subset
+of its claims with `--only ID` (the others are listed as not run): the study's size table,
+configs/study.toml, does both.
 An override value "*k" multiplies the base's value (the calibrated eps of the matched base).
 Running the arms is simulate.claims; the verdicts and the report are analysis.claims.
 """
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from adamspike.config import ConfigError, flatten, read_toml
+from adamspike.config import ConfigError, apply_sets, flatten, read_toml
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = {
@@ -36,8 +39,8 @@ RULES = {
     "within": "CI of the mean inside [{a}, {b}]",
 }
 CLAIM_FIELDS = {"id", "source", "claim", "base", "treatment", "control", "metric", "rule", "arg",
-                "experiment", "note", "only_spiking", "also", "quick"}
-BASE_FIELDS = {"problem", "config", "overrides", "quick", "full_only", "calibrate", "calibrate_quick"}
+                "experiment", "note", "only_spiking", "also"}
+BASE_FIELDS = {"problem", "config", "overrides", "calibrate"}
 MIN_SEEDS = 10
 
 
@@ -58,7 +61,6 @@ class Claim:
     note: str = ""
     only_spiking: bool = False
     also: tuple = ()
-    quick: bool = True
 
     def rule_text(self) -> str:
         a = self.arg if isinstance(self.arg, (list, tuple)) else (None, None)
@@ -75,6 +77,7 @@ class Study:
     bases: dict[str, dict]
     claims: list[Claim] = field(default_factory=list)
     spike_k: float | None = None     # the spike rule's MAD multiple (None: the project's)
+    sets: tuple = ()                 # the `--set` values applied to the file
 
 
 def arm_label(overrides: Mapping[str, Any], name: str = "") -> str:
@@ -94,10 +97,13 @@ def resolve(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:
     return out
 
 
-def read_study(path: str | Path) -> Study:
-    """A claims file, checked: fields, bases, arm names, rules (ConfigError names the table
-    and the field). The runners check the dotted keys themselves (simulate.claims)."""
+def read_study(path: str | Path, sets: tuple | list = ()) -> Study:
+    """A claims file with `--set base.NAME.KEY=VALUE` applied, checked: fields, bases, arm
+    names, rules (ConfigError names the table and the field). The runners check the dotted
+    keys themselves (simulate.claims)."""
     data = read_toml(path)
+    if sets:
+        data = apply_sets(data, sets, {"base"})
     bad = sorted(set(data) - {"study", "base", "arms", "claim"})
     if bad or not data.get("claim") or not data.get("base"):
         raise ConfigError(f"{path}: expected [study], [base.<name>], [arms] and [[claim]] tables"
@@ -151,4 +157,4 @@ def read_study(path: str | Path) -> Study:
         raise ConfigError(f"{path}: study.spike_k: a positive number, got {k!r}")
     return Study(str(path), st.get("title", "Replication of the literature's claims"),
                  st.get("description", ""), seeds, bases, claims,
-                 None if k is None else float(k))
+                 None if k is None else float(k), tuple(sets))

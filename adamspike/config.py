@@ -412,6 +412,43 @@ def merge(base: dict, over: dict) -> dict:
     return out
 
 
+def parse_set(text: str) -> tuple[str, Any]:
+    """One `--set KEY=VALUE`: the dotted KEY and VALUE read as a TOML value (3, 1e-4,
+    [1, 2], "text", {a = 1}); ConfigError naming it otherwise."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE")
+    try:
+        return key, tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--set {text!r}: the value is not a TOML value ({e})") from None
+
+
+def apply_sets(data: typing.Mapping[str, Any], sets: typing.Sequence[str],
+               sections: typing.Collection[str]) -> dict[str, Any]:
+    """A config file's tables with `--set SECTION.KEY=VALUE` applied, each replacing one
+    (dotted) key of one of `sections`, in order: how a caller (the study's size table,
+    configs/study.toml) gives a file's experiment explicit sizes. The sections it touches
+    come back as nested tables (the file's own shape); ConfigError names a bad one."""
+    out = dict(data)
+    for text in sets:
+        key, value = parse_set(text)
+        sec, _, rest = key.partition(".")
+        if sec not in sections or not rest:
+            raise ConfigError(f"--set {text!r}: expected SECTION.KEY with SECTION one of "
+                              f"{', '.join(sorted(sections))}")
+        table = out.get(sec, {})
+        if not isinstance(table, typing.Mapping):
+            raise ConfigError(f"--set {text!r}: {sec} is not a table")
+        flat = flatten(table)
+        for k in [k for k in flat if k.startswith(rest + ".")]:
+            del flat[k]                          # a table replaced by the value as a whole
+        flat[rest] = value
+        out[sec] = nest(flat)
+    return out
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():

@@ -6,8 +6,9 @@ fresh install without a study run (no jax needed to read them).
                               and the `adamspike reproduce` stage that writes it), its
                               sha256; checked on every load
       ladder/ladder.json      the width/depth ladder's spec   } stage `ladder`
-      ladder/cells/*.parquet  its finished cells (per rung x  } (`adamspike simulate ladder`):
-                              seed gradient RMS rows)         } simulate.ladder refits them
+      ladder/cells/ladder_rung/  its finished cells (one cell } (`adamspike simulate ladder`):
+                              store, adamspike.cells: per     } simulate.ladder refits them
+                              rung x seed gradient RMS rows)  }
       ladder/batch_sharpness.json  the full-data sharpness    stage `batch_sharpness`
                               reading (its summary.json)      (`adamspike simulate
                                                               batch-sharpness`), when run
@@ -55,6 +56,7 @@ MODEL_FILE = "spike_rate_model.json"
 REGIME_MODEL_FILE = "spike_rate_regime_model.json"
 PREDICTIONS_FILE = "predictions.json"
 BATCH_SHARPNESS_FILE = "ladder/batch_sharpness.json"   # simulate.ladder.BATCH_SHARPNESS_FILE
+LADDER_KIND = "ladder_rung"   # simulate.ladder.KIND: its cells' kind in the one store
 SCIENCE4 = "science4"     # study.science4's inputs: Lanczos rung cells, map lanes, claims
 STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate ladder`)",
           MODEL_FILE: "stage `spike_rate_mechanism` of configs/study.toml (`adamspike "
@@ -80,8 +82,15 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _ladder_cells(lad: Path) -> list[Path]:
+    """A ladder folder's stored cells (JSON and tables; not their provenance or cells set
+    aside as corrupt)."""
+    return sorted(p for p in (lad / "cells" / LADDER_KIND).glob("*")
+                  if p.is_file() and not p.name.endswith(".prov.json") and ".corrupt" not in p.name)
+
+
 def _files(d: Path) -> list[Path]:
-    return sorted([d / "ladder" / "ladder.json", *sorted((d / "ladder" / "cells").glob("*.parquet")),
+    return sorted([d / "ladder" / "ladder.json", *_ladder_cells(d / "ladder"),
                    d / MODEL_FILE, *(d / f for f in (REGIME_MODEL_FILE, PREDICTIONS_FILE,
                                                      BATCH_SHARPNESS_FILE)
                                      if (d / f).is_file()),
@@ -203,7 +212,7 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
         if not p.is_file():
             raise PackageDataError(f"{p}: missing (a finished `adamspike reproduce` folder has "
                                    "ladder/ and spike_rate_mechanism/model.json)")
-    cells = sorted((lad / "cells").glob("*.parquet"))
+    cells = _ladder_cells(lad)
     if not cells:
         raise PackageDataError(f"{lad}/cells: no finished ladder cells")
     d = profile_dir(profile, root)
@@ -215,10 +224,10 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
             old = None               # a damaged manifest is replaced, not read
     tmp = d.with_name(d.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "ladder" / "cells").mkdir(parents=True)
+    (tmp / "ladder" / "cells" / LADDER_KIND).mkdir(parents=True)
     shutil.copyfile(lad / "ladder.json", tmp / "ladder" / "ladder.json")
     for c in cells:
-        shutil.copyfile(c, tmp / "ladder" / "cells" / c.name)
+        shutil.copyfile(c, tmp / "ladder" / "cells" / LADDER_KIND / c.name)
     bs = study / "batch_sharpness" / "summary.json"
     if bs.is_file():
         shutil.copyfile(bs, tmp / BATCH_SHARPNESS_FILE)

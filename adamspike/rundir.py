@@ -51,8 +51,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
-import io
 import json
 import math
 import os
@@ -152,74 +150,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-
-
-CELL_SHA_KEY = b"adamspike.content_sha256"
-
-
-class CorruptCellFile(ValueError):
-    """A cached cell file that cannot be read or whose content does not match its sha256."""
-
-
-def frame_sha256(df: pd.DataFrame) -> str:
-    """sha256 of a table's content: column names and dtypes, then every value (pandas'
-    per-row hashes, which see every bit of a float)."""
-    h = hashlib.sha256(json.dumps([[str(c), str(t)] for c, t in df.dtypes.items()]).encode())
-    try:
-        h.update(pd.util.hash_pandas_object(df, index=False).to_numpy().tobytes())
-    except TypeError:        # unhashable values (lists): their text
-        h.update(df.to_csv(index=False).encode())
-    return h.hexdigest()
-
-
-def atomic_write_frame(path: Path, df: pd.DataFrame) -> None:
-    """A DataFrame as parquet (no index) carrying its content's sha256 in the file's
-    key-value metadata, written atomically (`atomic_write_bytes`): the study's cell and
-    arm files, which `read_cell_frame` verifies."""
-    table = pa.Table.from_pandas(df, preserve_index=False)
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}),
-                                           CELL_SHA_KEY: frame_sha256(df).encode()})
-    buf = io.BytesIO()
-    pq.write_table(table, buf)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def read_cell_frame(path: Path) -> pd.DataFrame:
-    """A cell file written by `atomic_write_frame`, verified against its sha256
-    (CorruptCellFile naming the file otherwise). Files from before the hash was kept
-    (no key) are read as they are."""
-    try:
-        table = pq.read_table(path)
-        want = (table.schema.metadata or {}).get(CELL_SHA_KEY)
-        df = table.to_pandas()
-        have = frame_sha256(df) if want is not None else None
-    except OSError as e:
-        if e.errno is not None:     # the file system's error, not the file's content
-            raise
-        raise CorruptCellFile(f"{path}: unreadable cell file ({str(e).splitlines()[0]})") from None
-    except Exception as e:  # noqa: BLE001 - any parquet / arrow decoding failure
-        raise CorruptCellFile(f"{path}: unreadable cell file ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    if want is not None and have != want.decode(errors="replace"):
-        raise CorruptCellFile(f"{path}: cell file does not match its content sha256 (corrupt)")
-    return df
-
-
-def cached_cell(path: Path) -> pd.DataFrame | None:
-    """The cached cell at `path`, or None when it must be computed: absent, or corrupt (then
-    it is moved aside to `<name>.corrupt[-n]`, kept, and one stderr line says so)."""
-    if not path.exists():
-        return None
-    try:
-        return read_cell_frame(path)
-    except CorruptCellFile as e:
-        aside, n = path.with_name(path.name + ".corrupt"), 0
-        while aside.exists():
-            n += 1
-            aside = path.with_name(f"{path.name}.corrupt-{n}")
-        os.replace(path, aside)
-        print(f"adamspike: {e}; moved to {aside.name}, computing it again", file=sys.stderr)
-        return None
 
 
 def _atomic_write_table(path: Path, table: pa.Table) -> None:

@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 
 from adamspike.claims import MIN_SEEDS
-from adamspike.rundir import read_cell_frame
+from adamspike.cells import CellStore
 from adamspike.tables import md_table
 from adamspike.spikes import SpikeParams, loss_spikes
 from analysis.stats import bca_interval, correct_rows, equal_progress, paired_test
@@ -62,13 +62,16 @@ def load(study: str | Path) -> tuple[dict, dict[str, pd.DataFrame]]:
         meta = json.loads((study / "replication.json").read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{study}: not a replication study ({e})") from None
-    arms = {}
-    for a in meta["arms"]:
-        path = study / "arms" / f"{a}.parquet"
-        if not path.exists():
-            raise ValueError(f"{path}: missing (the study did not finish; rerun "
-                             "`adamspike replicate` with the same --out to resume)")
-        arms[a] = read_cell_frame(path)      # CorruptCellFile (a ValueError) names it
+    arms, store = {}, CellStore(study / "cells")
+    for a, m in meta["arms"].items():
+        try:
+            arms[a] = store.read(m["cell"]["kind"], m["cell"]["key"])["rows"]
+        except (KeyError, TypeError):
+            raise ValueError(f"{study}: arm {a} names no cell (a study from before the "
+                             "one cell store; rerun `adamspike replicate`)") from None
+        except ValueError as e:              # CorruptCell (a ValueError) names the file
+            raise ValueError(f"{e} (arm {a}; rerun `adamspike replicate` with the same "
+                             "--out to resume)") from None
     return meta, arms
 
 

@@ -59,7 +59,8 @@ import numpy as np
 import pandas as pd
 from scipy import optimize, stats
 
-from adamspike.rundir import atomic_write_bytes, read_cell_frame
+from adamspike.cells import CellStore
+from adamspike.rundir import atomic_write_bytes
 from adamspike.spikes import SpikeParams, detect_spikes
 from adamspike.tables import md_table
 
@@ -109,6 +110,35 @@ def _window_stats(S: np.ndarray, wake: np.ndarray, steps: np.ndarray, t: int, le
             "wake": bool(wake[sel].any())}
 
 
+def cell_ref(c: dict, out: Path) -> dict:
+    """A map.json cell's {kind, key} in the map's cell store (ValueError for a map written
+    before the one cell store)."""
+    ref = c.get("cell")
+    if not isinstance(ref, dict) or "kind" not in ref or "key" not in ref:
+        raise ValueError(f"{out}/map.json: cell {c.get('id')} names no stored cell (a map from "
+                         "before the one cell store: `python -m study.legacy_cells "
+                         f"{out}` adopts its cells)")
+    return ref
+
+
+def has_cells(out: str | Path) -> bool:
+    """Whether a map folder holds any cell (in the store, or legacy files that
+    `study.legacy_cells` adopts: reading those says so)."""
+    cells = Path(out) / "cells"
+    return (Path(out) / "map.json").is_file() and (
+        any((cells / "phase_map_cell").glob("*.json")) or any(cells.glob("*.parquet")))
+
+
+def read_cell(out: str | Path, c: dict) -> pd.DataFrame | None:
+    """A map.json cell's table (verified), or None when it is not stored yet (a map still
+    running); CorruptCell (a ValueError) names a damaged one."""
+    out = Path(out)
+    ref, store = cell_ref(c, out), CellStore(out / "cells")
+    if not store.has(ref["kind"], ref["key"]):
+        return None
+    return store.read(ref["kind"], ref["key"])["rows"]
+
+
 def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(cells table, onsets table, summary) of a map directory."""
     out = Path(out)
@@ -118,10 +148,9 @@ def analyze(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     heights, lead, dormant = [float(h) for h in st["heights"]], int(st["lead"]), int(st["dormant_steps"])
     cells, onsets, lanes, frames = [], [], [], []
     for c in meta["cells"]:
-        path = out / "cells" / f"{c['id']}.parquet"
-        if not path.exists():
-            continue
-        df = read_cell_frame(path)           # CorruptCellFile (a ValueError) names it
+        df = read_cell(out, c)               # CorruptCell (a ValueError) names a damaged one
+        if df is None:
+            continue                         # not run yet: a map still running
         frames.append(df.filter(["seed", "S", "S_secant"]).assign(cell=c["id"]))
         rho_cols = [k for k in df.columns if k.startswith("rho_")]
         per = {}
@@ -317,7 +346,8 @@ def report_md(table: pd.DataFrame, onsets: pd.DataFrame, summary: dict) -> str:
     meta, st = summary["meta"], summary["settings"]
     tags = [f"{round(float(h) * 100)}" for h in st["heights"]]
     lines = [f"# {meta.get('title') or 'Phase map'}", "",
-             f"Config `{meta['config_file']}`{' (--quick)' if meta['quick'] else ''}: "
+             f"Config `{meta['config_file']}`"
+             f"{' (sizes: ' + ', '.join(meta['sets']) + ')' if meta.get('sets') else ''}: "
              f"{len(meta['seeds'])} paired seeds per cell, grid lr_mult {meta['grid']['lr_mult']}, "
              f"b2 {meta['grid']['b2']}, batch_mult {meta['grid']['batch_mult']}; stability number "
              f"S = lr lambda_max(P H) / 2 every {meta['curvature_every']} steps (S = 1: Adam's "

@@ -51,6 +51,7 @@ from scipy import stats
 
 from adamspike.spike_rate import RIDGE, poisson_irls
 from adamspike.spikes import detect_spikes
+from analysis.phase_map import read_cell
 from analysis.spike_null import class_params
 
 GROUPS = ("embed", "shallow", "deep", "head")
@@ -69,10 +70,9 @@ def map_rows(map_dir: Path, plan: Mapping[str, Any], source: str) -> pd.DataFram
     targets = meta["targets"]
     rows = []
     for c in meta["cells"]:
-        path = map_dir / "cells" / f"{c['id']}.parquet"
-        if not path.exists():
+        df = read_cell(map_dir, c)           # verified; None: not run yet
+        if df is None:
             continue
-        df = pd.read_parquet(path)
         cfg = c["config"]
         warm = int(cfg["optim.warmup_steps"])
         eps_med = float(np.median([float(v) for v in c["eps"].values()]))

@@ -49,19 +49,23 @@ from adamspike import spike_rate as SR
 from adamspike.config import ConfigError, cli_main, flatten
 from adamspike.depth_groups import GROUPS, depth_group, group_rho, infer_num_layers, is_shallow
 from adamspike.llama import spec_by_name
-from adamspike.rundir import (CorruptCellFile, RunFormatError, atomic_write_bytes, json_clean,
-                              load_run, read_cell_frame)
+from adamspike.cells import CellStore, CorruptCell
+from adamspike.rundir import RunFormatError, atomic_write_bytes, json_clean, load_run
 from adamspike.spikes import loss_spikes
 from adamspike.tables import md_table
 from adamspike.train_config import RunConfig
 
 
-def _cell(path: Path) -> pd.DataFrame:
-    """A phase-map cell or claims arm file, verified against its content hash."""
+def _cell(root: Path, ref: dict | None) -> pd.DataFrame:
+    """A phase-map cell's or claims arm's table from the study's cell store (`ref`: its
+    {kind, key}), verified against its content hash."""
     try:
-        return read_cell_frame(path)
-    except CorruptCellFile as e:
-        raise SR.SpikeRateError(f"{e}; rerun the stage that wrote it to recompute it") from None
+        return CellStore(root).read(ref["kind"], ref["key"])["rows"]
+    except (KeyError, TypeError):
+        raise SR.SpikeRateError(f"{root.parent}: names no cell (written before the one cell "
+                                "store; rerun the stage that wrote it)") from None
+    except CorruptCell as e:
+        raise SR.SpikeRateError(str(e)) from None
 
 
 def _median_over_steps(per_step) -> float:
@@ -142,10 +146,7 @@ def matched_rows(study: str | Path) -> pd.DataFrame:
         raise SR.SpikeRateError(f"{study}: not a matched replication ({e})") from None
     rows = []
     for arm, c in configs.items():
-        path = study / "arms" / f"{arm}.parquet"
-        if not path.exists():
-            raise SR.SpikeRateError(f"{path}: missing (unfinished study)")
-        t = _cell(path)
+        t = _cell(study / "cells", meta["arms"].get(arm, {}).get("cell"))
         try:
             numel = group_numel(c)
         except ConfigError as e:
@@ -184,12 +185,14 @@ def map_rows(out: str | Path) -> pd.DataFrame:
               {k: g["start"].to_numpy() for k, g in onsets.groupby(["cell", "seed"])})
     rows = []
     for c in summary["meta"]["cells"]:
-        path = out / "cells" / f"{c['id']}.parquet"
-        if not path.exists():
-            continue
+        try:
+            t = PM.read_cell(out, c)
+        except ValueError as e:
+            raise SR.SpikeRateError(str(e)) from None
+        if t is None:
+            continue                         # not run yet (analyze skipped it too)
         numel = group_numel(c["config"])
         W = int(c["config"]["optim.warmup_steps"])
-        t = _cell(path)
         groups = [g for g in GROUPS if f"rho_{g}" in t]
         for seed, d in t.groupby("seed", sort=True):
             steps = d["step"].to_numpy()

@@ -1,7 +1,8 @@
 """`adamspike figures`: regenerate every figure of the study.
 
     adamspike figures [RUN...] [--analysis DIR] [--from-study DIR] [--sweep TABLE]
-                      [--replication DIR] [--out DIR] [--quick]
+                      [--replication DIR] [--out DIR] [--formats png pdf]
+                      [--set FIGURE.KEY=VALUE ...]
 
 Run figures (one set per run directory, in OUT/<run name>/), theory figures (OUT/theory/)
 and sweep figures (OUT/sweep/, when a sweep table is given or found in the study folder).
@@ -30,7 +31,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from adamspike.parallel import process_map
 from adamspike.report_html import markdown_to_html
@@ -40,7 +41,7 @@ from figures import style
 from figures._common import run_analysis
 
 # (module, kind): kind "run" figures take RUN... --out [--tables DIR] (prepare(run,
-# tables), figures._common); "theory" take --out [--quick]
+# tables), figures._common); "theory" take --out [--set KEY=VALUE ...]
 # (figures.style.computed_figure_main);
 # "sweep" take --table SWEEP --out; "replication" take --table REPLICATION (or the sweep
 # folder, next to which a study keeps replication/) --out; "study" take --tables DIR --out
@@ -196,7 +197,7 @@ def draw_run_figures(runs: Iterable[str | Path], names: Iterable[str], analysis:
 
 def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *,
              sweep: str | Path | None = None, replication: str | Path | None = None,
-             quick: bool = False,
+             sets: Sequence[str] = (),
              theory: bool = True, registry=None, study: str | Path | None = None,
              ladder: str | Path | None = None,
              spike_rate: str | Path | None = None, analysis: str | Path | None = None,
@@ -237,7 +238,9 @@ def generate(runs: Iterable[str | Path] = (), out: str | Path = "figures_out", *
     for m, kind in mods.values():
         if kind == "theory" and theory:
             d = out / "theory"
-            argv = ["--out", str(d)] + (["--quick"] if quick else [])
+            short = m.__name__.rsplit(".", 1)[-1]
+            argv = ["--out", str(d)] + [a for t in sets if t.startswith(short + ".")
+                                        for a in ("--set", t[len(short) + 1:])]
             outcomes.append(_call_main(m, argv, d, "theory"))
         elif kind == "study":
             if not study_figures:
@@ -282,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sharpness", metavar="DIR",
                     help="adamspike simulate batch-sharpness output directory")
     ap.add_argument("--out", default="figures_out", help="output directory")
-    ap.add_argument("--quick", action="store_true",
-                    help="CI scale where a figure supports it, PNG only (no PDF)")
+    ap.add_argument("--formats", nargs="+", choices=("png", "pdf"), default=["png", "pdf"],
+                    help="the files each figure writes (default: png pdf)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIGURE.KEY=VALUE",
+                    help="a theory figure's Monte-Carlo size (repeatable), e.g. "
+                         "--set fig_galton.draws=20000")
     ap.add_argument("--no-theory", action="store_true", help="skip the theory figures")
     ap.add_argument("--theory", action="store_true",
                     help="also the theory figures when RUN... or --analysis is given (drawn by "
@@ -294,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the theory figures (they read no runs: the study draws them "
                          "early, beside the training stages)")
     args = ap.parse_args(argv)
-    with style.only_formats("png") if args.quick else contextlib.nullcontext():
+    with style.only_formats(*args.formats):
         return _main(args)
 
 
@@ -317,7 +323,7 @@ def _main(args: argparse.Namespace) -> int:
             return 2
         if not _claim_out(args.out):
             return 2
-        _, outcomes = generate([], args.out, quick=args.quick,
+        _, outcomes = generate([], args.out, sets=args.set,
                                registry=[(n, k) for n, k in REGISTRY if k == "theory"])
         return _print_outcomes(outcomes)
     runs = [Path(r) for r in args.runs]
@@ -353,7 +359,7 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     theory = not args.no_theory and (args.theory or not asked_runs)
     _, outcomes = generate(runs, args.out, sweep=sweep, replication=replication,
-                           quick=args.quick, theory=theory, study=args.from_study,
+                           sets=args.set, theory=theory, study=args.from_study,
                            study_figures=not asked_runs,
                            ladder=args.ladder, spike_rate=args.spike_rate,
                            analysis=args.analysis, phase_map=args.phase_map,

@@ -6,7 +6,7 @@ and 0.5, and the Markov-persistent board (persist = 0.9); lines are the exact pm
 direct numpy simulation.  Right: Sarle's bimodality coefficient of the exchangeable board vs
 icc for several n, with the 5/9 line and the U-shape threshold icc = 1/3.
 
-    python -m figures.fig_galton --out DIR [--quick]
+    python -m figures.fig_galton --out DIR [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ def _simulate_markov(rng, n, persist, draws):
     return np.bincount(tot, minlength=n + 1) / draws
 
 
-# Monte-Carlo sizes, and the --quick (CI) reductions merged into them (figures.style)
+# Monte-Carlo sizes (smaller ones: --set KEY=VALUE, figures.style)
 SIZES = {"draws": 200_000, "icc_points": 300}
-QUICK = {"draws": 20_000, "icc_points": 100}
 
 
 def prepare(sizes: dict = SIZES, seed: int = 0) -> dict:
@@ -88,7 +87,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    return computed_figure_main(__doc__, prepare, plot, argv, SIZES, QUICK)
+    return computed_figure_main(__doc__, prepare, plot, argv, SIZES)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ b1 = 0.9, b2 = 0.999, eps = 1e-8, i.i.d. noise), with the theory's Sarle coeffic
 (second order) and the MC's, and the 'v at its mean' Gaussian-mixture density as a line.
 Bottom-right: BC vs SNR for phi = 0 and 0.5 (theory line, MC points), with 5/9.
 
-    python -m figures.fig_r_hist_bimodal --out DIR [--quick]
+    python -m figures.fig_r_hist_bimodal --out DIR [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ B1, B2, EPS, T = 0.9, 0.999, 1e-8, 3000
 SNRS = (0.0, 0.3, 1.0, 3.0)
 
 
-# Monte-Carlo sizes, and the --quick (CI) reductions merged into them (figures.style)
+# Monte-Carlo sizes (smaller ones: --set KEY=VALUE, figures.style)
 SIZES = {"coords": 131072, "steps": T, "snr_points": 31}
-QUICK = {"coords": 16384, "steps": 800, "snr_points": 13}
 
 
 def prepare(sizes: dict = SIZES, seed: int = 0) -> dict:
@@ -89,7 +88,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    return computed_figure_main(__doc__, prepare, plot, argv, SIZES, QUICK)
+    return computed_figure_main(__doc__, prepare, plot, argv, SIZES)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ points with 3-SE bars); dotted: the dormant bound 1/sqrt(1-b2).  Right: a consta
 after dormancy, |r_k| = (1-b1^k)/sqrt(1-b2^k), with its peaks (6.57 at k = 12, 2.13 at 13,
 1.10 at 20), and the expected rms r of the noisy step-up from the left panel.
 
-    python -m figures.fig_rms_t_transient --out DIR [--quick]
+    python -m figures.fig_rms_t_transient --out DIR [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ B1, KAPPA = 0.9, 10.0
 B2S = (0.95, 0.99, 0.999)
 
 
-# Monte-Carlo sizes, and the --quick (CI) reductions merged into them (figures.style)
+# Monte-Carlo sizes (smaller ones: --set KEY=VALUE, figures.style)
 SIZES = {"quiet": 4000, "steps": 60, "coords": 32768}
-QUICK = {"quiet": 500, "steps": 20, "coords": 4096}
 
 
 def prepare(sizes: dict = SIZES, seed: int = 0) -> dict:
@@ -77,7 +76,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    return computed_figure_main(__doc__, prepare, plot, argv, SIZES, QUICK)
+    return computed_figure_main(__doc__, prepare, plot, argv, SIZES)
 
 
 if __name__ == "__main__":

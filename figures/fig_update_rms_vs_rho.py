@@ -5,7 +5,7 @@ high-SNR stream (phi = 0.5, SNR = 1), rho from 100 down to 0.01; Monte-Carlo poi
 3-SE bars; dashed: the frozen asymptote rho sqrt(E m_hat^2)/rms(g) (= rho sqrt((1-b1)/(1+b1))
 for i.i.d.); shaded: the frozen (< 0.1) and transition (0.1..10) regimes.
 
-    python -m figures.fig_update_rms_vs_rho --out DIR [--quick]
+    python -m figures.fig_update_rms_vs_rho --out DIR [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from theory import eps_regime as E
 CASES = ((0.9, 0.95, 0.0, 0.0), (0.9, 0.999, 0.0, 0.0), (0.9, 0.95, 0.5, 1.0))
 
 
-# Monte-Carlo sizes, and the --quick (CI) reductions merged into them (figures.style)
+# Monte-Carlo sizes (smaller ones: --set KEY=VALUE, figures.style)
 SIZES = {"rho_points": 41, "mc_points": 9, "steps": 3000, "coords": 32768}
-QUICK = {"rho_points": 17, "mc_points": 5, "steps": 400, "coords": 8192}
 
 
 def prepare(sizes: dict = SIZES, seed: int = 0) -> dict:
@@ -66,7 +65,7 @@ def plot(data: dict, out_dir):
 
 
 def main(argv=None) -> int:
-    return computed_figure_main(__doc__, prepare, plot, argv, SIZES, QUICK)
+    return computed_figure_main(__doc__, prepare, plot, argv, SIZES)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import matplotlib
 
-from adamspike.config import cli_main
+from adamspike.config import ConfigError, cli_main, parse_set
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -74,17 +74,25 @@ def save(fig, out_dir: str | Path, name: str) -> list[Path]:
     return paths
 
 
-def computed_figure_main(doc: str, prepare, plot, argv=None, sizes: dict | None = None,
-                         quick: dict | None = None) -> int:
-    """`main` of a figure computed from theory / Monte-Carlo: --out DIR, --quick.
-    prepare(sizes) gets the figure's Monte-Carlo sizes, with its `quick` reductions merged
-    in under --quick (the one place --quick acts)."""
-
+def computed_figure_main(doc: str, prepare, plot, argv=None, sizes: dict | None = None) -> int:
+    """`main` of a figure computed from theory / Monte-Carlo: --out DIR, --set KEY=VALUE.
+    prepare(sizes) gets the figure's Monte-Carlo sizes, each `--set` replacing one of them
+    (the study's size table, configs/study.toml, gives smaller ones this way)."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--out", default="figures_out")
-    ap.add_argument("--quick", action="store_true", help="smaller Monte-Carlo sizes")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help=f"replace a Monte-Carlo size ({', '.join(sizes or {})}; repeatable)")
     args = ap.parse_args(argv)
-    for p in plot(prepare({**(sizes or {}), **((quick or {}) if args.quick else {})}), args.out):
+    sizes = dict(sizes or {})
+    for text in args.set:
+        try:
+            key, value = parse_set(text)
+        except ConfigError as e:
+            ap.error(str(e))
+        if key not in sizes:
+            ap.error(f"--set {text!r}: unknown size {key!r} (known: {', '.join(sizes)})")
+        sizes[key] = value
+    for p in plot(prepare(sizes), args.out):
         print(p)
     return 0
 

@@ -1,6 +1,8 @@
 """Sharpness against the evaluation batch: where the minibatch lambda_max(H) stops falling.
 
-    adamspike simulate batch-sharpness --out DIR [--quick]     (cached per rung and seed)
+    adamspike simulate batch-sharpness --out DIR [--rungs DxL ...] [--seeds N]
+                                       [--eval-tokens N ...] [--num-steps N]
+                                       (one cell per rung and seed)
 
 The sharpness ladder (simulate.ladder) measures lambda_max(H) of the training minibatch
 (16 x 32 tokens) and finds it falls with the batch as tokens^-1.18. Carried to the 70B's 4M
@@ -35,9 +37,10 @@ LLaMA2's, and far below their edge (S 0.004-0.04), so lambda is not pinned at 2 
 150 steps (the full ladder's) is early training; 5 rungs over 1.6 decades of width would
 be needed for more than a rough exponent, and the full size has dims 32-128.
 
-Storage (DIR): cells/<dim>x<layers>-lr<lr>-s<seed>.json (written once a rung and seed is done, so
-a killed run resumes there), then batch_sharpness.csv (one row per rung, seed, n),
-summary.json and batch_sharpness.md.
+Storage (DIR): cells/batch_sharpness/ (the one cell store, adamspike.cells: one cell per
+rung, lr and seed, keyed by the ladder spec, rung, seed and evaluation sizes, so a killed run
+resumes there and a changed setting recomputes only its cells), then batch_sharpness.csv
+(one row per rung, seed, n), summary.json and batch_sharpness.md.
 """
 
 from __future__ import annotations
@@ -45,15 +48,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
+from adamspike.cells import Cell, CellStore, run_cells
 from adamspike.config import ConfigError, cli_main
 from adamspike.rundir import atomic_write_bytes, check_out
 from adamspike.synthdata import SyntheticTokens
@@ -64,12 +66,12 @@ CHUNK_SEQS = 256          # sequences per chunk of a large evaluation batch (mem
 COLD_ITERS = 20
 WARM_ITERS = 10
 EPS_70B = 1e-5
-SIZES = {
-    "full": {"rungs": [(32, 4), (64, 4), (128, 4), (64, 2), (64, 8)], "seeds": 2,
-             "eval_tokens": [512, 2048, 8192, 32768], "spec": "full"},
-    "quick": {"rungs": [(32, 2)], "seeds": 1, "eval_tokens": [512, 2048, 8192],
-              "spec": "quick"},
-}
+KIND = "batch_sharpness"
+CODE = "power-1"          # bump when `measure` changes meaning
+# the full study's sizes; smaller ones are explicit (run's arguments, the CLI's flags), e.g.
+# --rungs 32x2 --seeds 1 --eval-tokens 512 2048 8192 --num-steps 60 --warmup-steps 6
+SIZES = {"rungs": [(32, 4), (64, 4), (128, 4), (64, 2), (64, 8)], "seeds": 2,
+         "eval_tokens": [512, 2048, 8192, 32768]}
 
 
 def eval_batches(spec: LD.LadderSpec, seed: int, eval_tokens: Sequence[int]) -> list[np.ndarray]:
@@ -134,6 +136,20 @@ def measure(rung: tuple[int, int], seed: int, spec: LD.LadderSpec,
             "seconds": time.perf_counter() - t0}
 
 
+def cell(rung: Sequence[int], seed: int, spec: LD.LadderSpec, eval_tokens: Sequence[int]) -> Cell:
+    """One rung and seed as a cell of the one store (the spec without its rung list)."""
+    shared = {k: v for k, v in spec.to_json().items() if k not in ("rungs", "seeds")}
+    return Cell(KIND, CODE, {"rung": [int(x) for x in rung], "seed": int(seed),
+                             "spec": shared, "eval_tokens": [int(n) for n in eval_tokens]},
+                "simulate.batch_sharpness:compute")
+
+
+def compute(config: dict) -> dict:
+    """The cell's computation (`cell`): `measure` on its resolved input."""
+    spec = LD.spec_from_json({**config["spec"], "rungs": [], "seeds": 1})
+    return measure(tuple(config["rung"]), config["seed"], spec, config["eval_tokens"])
+
+
 def fit_noise(tokens: np.ndarray, lam: np.ndarray) -> tuple[float, float]:
     """lambda(n) = lambda_inf + a / n by least squares: (lambda_inf, a)."""
     X = np.stack([np.ones_like(tokens, dtype=float), 1.0 / np.asarray(tokens, float)], 1)
@@ -144,8 +160,9 @@ def fit_noise(tokens: np.ndarray, lam: np.ndarray) -> tuple[float, float]:
 def summarize(cells: list[dict]) -> tuple[pd.DataFrame, dict]:
     """The long table and the summary (per rung and seed: lambda at each n, the 1/n fit;
     across rungs: the power law of lambda_inf and the 70B's Pi_eps)."""
-    long = pd.DataFrame([{k: c[k] for k in ("dim", "layers", "seed", "lr", "final_loss")} | r
-                         for c in cells for r in c["eval"]])
+    long = pd.DataFrame([{k: c[k] for k in ("dim", "layers", "seed", "lr", "final_loss")}
+                         | {k: r[k] for k in ("tokens", "lambda", "change")}
+                         for c in cells for r in c["eval"]])      # the columns in this order
     per = []
     for (dim, layers, lr, seed), d in long.groupby(["dim", "layers", "lr", "seed"], sort=True):
         d = d.sort_values("tokens")
@@ -222,34 +239,31 @@ def report_md(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(out: str | Path, size: str = "full", progress: bool = True,
-        lr_scaling: str = "inverse_width") -> dict:
+def run(out: str | Path, progress: bool = True, lr_scaling: str = "inverse_width", *,
+        rungs: Sequence[Sequence[int]] | None = None, seeds: int | None = None,
+        eval_tokens: Sequence[int] | None = None, **spec_sizes) -> dict:
+    """Every rung x seed (SIZES unless given; `spec_sizes`: the ladder recipe's num_steps,
+    warmup_steps ... replacing the full ladder's), then the tables and the summary."""
     out = Path(out)
-    cfg = SIZES[size]
+    cfg = {"rungs": [tuple(r) for r in (rungs or SIZES["rungs"])],
+           "seeds": int(seeds or SIZES["seeds"]),
+           "eval_tokens": [int(n) for n in (eval_tokens or SIZES["eval_tokens"])]}
     rules = ("inverse_width", "constant") if lr_scaling == "both" else (lr_scaling,)
-    (out / "cells").mkdir(parents=True, exist_ok=True)
-    jobs, seen = [], set()
+    cells, seen = [], set()
     for rule in rules:     # a rung at the same lr under both rules runs once
-        spec_r = LD.SPECS[cfg["spec"]](rule)
+        spec_r = LD.sized_spec(rule, **spec_sizes)
         for r in cfg["rungs"]:
             for sd in range(cfg["seeds"]):
+                c = cell(r, sd, spec_r, cfg["eval_tokens"])
                 if (tuple(r), spec_r.lr_for(r[0]), sd) not in seen:
                     seen.add((tuple(r), spec_r.lr_for(r[0]), sd))
-                    jobs.append((spec_r, r, sd))
-    cells = []
-    for spec, rung, seed in tqdm(jobs, desc="batch sharpness", unit="rung",
-                                 disable=not progress, file=sys.stderr):
-        path = out / "cells" / f"{rung[0]}x{rung[1]}-lr{spec.lr_for(rung[0]):.4g}-s{seed}.json"
-        cell = json.loads(path.read_text()) if path.exists() else None
-        want = {"num_steps": spec.num_steps, "eval_tokens": list(cfg["eval_tokens"]),
-                "lr": spec.lr_for(rung[0])}
-        if cell is None or {"num_steps": cell["num_steps"], "lr": cell["lr"],
-                            "eval_tokens": [r["tokens"] for r in cell["eval"]]} != want:
-            cell = measure(tuple(rung), seed, spec, cfg["eval_tokens"])
-            atomic_write_bytes(path, json.dumps(cell, indent=1).encode())
-        cells.append(cell)
+                    cells.append(c)
+    cells = run_cells(CellStore(out / "cells"), cells, progress=progress, desc="batch sharpness")
     long, summary = summarize(cells)
-    summary["size"], summary["lr_scaling"] = size, lr_scaling
+    summary["lr_scaling"] = lr_scaling
+    summary["size"] = {"rungs": [list(r) for r in cfg["rungs"]], "seeds": cfg["seeds"],
+                       "eval_tokens": cfg["eval_tokens"],
+                       **{k: v for k, v in spec_sizes.items() if v is not None}}
     atomic_write_bytes(out / "batch_sharpness.csv", long.to_csv(index=False).encode())
     atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=2).encode())
     atomic_write_bytes(out / "batch_sharpness.md", report_md(summary).encode())
@@ -260,7 +274,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike simulate batch-sharpness",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory (resumable)")
-    ap.add_argument("--quick", action="store_true", help="1 rung, 1 seed, up to 8192 tokens")
+    ap.add_argument("--rungs", nargs="+", type=LD.rung_arg, metavar="DxL",
+                    help="rungs, dim x layers (default: 32x4 64x4 128x4 64x2 64x8)")
+    ap.add_argument("--seeds", type=int, help="seeds per rung (default 2)")
+    ap.add_argument("--eval-tokens", type=int, nargs="+", metavar="N",
+                    help="evaluation batch sizes in tokens (default 512 2048 8192 32768)")
+    ap.add_argument("--num-steps", type=int, help="training steps (default: the ladder's 150)")
+    ap.add_argument("--warmup-steps", type=int, help="lr warmup steps (default: the ladder's 20)")
     ap.add_argument("--lr-scaling", choices=("inverse_width", "constant", "both"),
                     default="inverse_width",
                     help="the rungs' lr rule (simulate.ladder: 3e-3 x 64 / dim, or 3e-3 on "
@@ -271,8 +291,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # resumable: its own folder (cells/, summary.json) is kept, any other non-empty one
         # refused
         check_out(a.out, keep_existing=(Path(a.out) / "cells").is_dir())
-        print(report_md(run(a.out, "quick" if a.quick else "full", progress=not a.no_progress,
-                            lr_scaling=a.lr_scaling)), end="")
+        if a.rungs and any(len(r) != 2 for r in a.rungs):
+            raise ConfigError("--rungs: expected DIMxLAYERS (the batch is 16)")
+        print(report_md(run(a.out, progress=not a.no_progress, lr_scaling=a.lr_scaling,
+                            rungs=a.rungs, seeds=a.seeds, eval_tokens=a.eval_tokens,
+                            num_steps=a.num_steps, warmup_steps=a.warmup_steps)), end="")
         return 0
     return cli_main(ap, None if argv is None else list(argv), body,
                     "adamspike simulate batch-sharpness")

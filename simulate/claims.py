@@ -1,16 +1,18 @@
 """Run the arms of a claims study (adamspike.claims): paired seeds per arm, resumable.
 
-    adamspike replicate --out DIR [--quick] [--seeds N] [--claims configs/claims.toml] [--skip-llama]
-    adamspike replicate matched --ladder LADDER_DIR --out DIR [--quick] [--seeds 10]
+    adamspike replicate --out DIR [--seeds N] [--claims configs/claims.toml] [--skip-llama]
+                        [--only ID ...] [--set base.NAME.KEY=VALUE ...]
+    adamspike replicate matched --ladder LADDER_DIR --out DIR [--seeds 10]
                                 (= --claims configs/claims_matched.toml --ladder LADDER_DIR)
 
 Runners, by the base's kind (seed k of every arm has the same init and batches: paired):
   problem = P    a spiking toy of simulate.sweep_problems (mlp, mlp_deep, quadratic, llama)
-                 through simulate.sweep.run_cells (vmapped, cached per cell under DIR/cells/);
-                 arm file: one row per seed, the sweep table's metrics.
+                 through simulate.sweep.run_cells (vmapped; its `sweep_cell` cells): one row
+                 per seed, the sweep table's metrics.
   config = TOML  the tiny LLaMA of a RunConfig, one vmapped program per arm
-                 (simulate.seeds.run_arm); arm file: one row per seed x step (loss, grad_norm,
-                 update_norm, rho_<group>); the metrics come from analysis.claims.
+                 (simulate.seeds.run_arm; a `claims_arm` cell): one row per seed x step
+                 (loss, grad_norm, update_norm, rho_<group>); the metrics come from
+                 analysis.claims.
 
 Calibration (a base with `calibrate`, e.g. the matched regime): one Adam eps per depth group
 (mitigation.eps_embed / eps_shallow / eps_deep / eps_head, optim.eps = eps_shallow) such
@@ -25,11 +27,13 @@ is marked "diverged"). Each group keeps the eps of the pilot that came closest t
 (`verified`): the last step is not trusted unmeasured.
 An arm's "*k" value then scales the calibrated eps.
 
-Storage (DIR): replication.json (the resolved study: claims, every arm's full config,
-calibration; arm_configs: the RunConfig arms, which `adamspike spike-rate --matched` reads),
-arms/<arm>.parquet written atomically when the arm is done. <arm> = base name + a hash of
-its config and seeds, so a killed study resumes at the first missing arm and a changed claim
-reruns only its own arms. Verdicts and the report: analysis.claims (reads these files).
+Storage (DIR): replication.json (the resolved study: claims, every arm's full config and
+the cell that holds its table, `arms[<arm>]["cell"]` = {kind, key}; calibration; arm_configs:
+the RunConfig arms, which `adamspike spike-rate --matched` reads), and cells/, the one cell
+store (adamspike.cells): arm tables, sweep cells and calibrations, keyed by their configs
+and seeds, so a killed study resumes at the first missing cell and a changed claim reruns
+only its own arms. <arm> = base name + a hash of its config and seeds. Verdicts and the
+report: analysis.claims (reads these files).
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ import hashlib
 import json
 import math
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -47,18 +50,19 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from adamspike.cells import Cell, CellStore, run_cells as run_store_cells
 from adamspike.claims import REPO, Study, arm_label, resolve
 from adamspike.config import ConfigError, flatten, read_toml, to_dict
-from adamspike.rundir import atomic_write_bytes, atomic_write_frame, cached_cell
+from adamspike.rundir import atomic_write_bytes
 from adamspike.train_config import RunConfig, id_settings
-from simulate.sweep import cell_id, cell_settings, run_cells
+from simulate.sweep import cell_id, cell_settings, run_cells, store_cell
 from simulate.sweep_problems import PROBLEMS
 
 EPS_KEYS = {"embed": "mitigation.eps_embed", "shallow": "mitigation.eps_shallow",
             "deep": "mitigation.eps_deep", "head": "mitigation.eps_head"}
 NOT_RUN = {
-    "quick": "not run in --quick (full_only base or claim): `adamspike replicate` without "
-             "--quick runs it",
+    "only": "not run at this size (the study's size table, configs/study.toml, runs a subset "
+            "with --only): `adamspike replicate` without --only runs it",
     "skip_llama": "not run in this study (--skip-llama, for the reproduce budget): batch "
                   "skipping is tested causally in replay/ (skip_window) and GLM shrink in the "
                   "matched-regime table; `adamspike replicate --out DIR` runs these rows"}
@@ -79,6 +83,35 @@ def ladder_targets(ladder_dir: str | Path) -> dict[str, float]:
 
 def _config(flat: Mapping[str, Any]) -> RunConfig:
     return RunConfig.from_dict(dict(flat))
+
+
+ARM_KIND, CAL_KIND = "claims_arm", "calibration"
+CODE = "seeds-1"        # bump when run_arm / arm_table / calibrate change meaning
+
+
+def arm_cell(cfg: Mapping[str, Any], seeds: Sequence[int]) -> Cell:
+    """A RunConfig arm (full dotted config) x seeds as a cell of the one store."""
+    return Cell(ARM_KIND, CODE, {"config": dict(cfg), "seeds": [int(s) for s in seeds]},
+                "simulate.claims:compute_arm")
+
+
+def compute_arm(config: Mapping[str, Any]) -> dict:
+    seeds = list(config["seeds"])
+    return {"rows": arm_table(run_arm(_config(config["config"]), seeds), seeds)}
+
+
+def calibration_cell(pilot: Mapping[str, Any], targets: Mapping[str, float], rounds: int,
+                     seeds: int) -> Cell:
+    """A calibration (`calibrate`) as a cell: the claims' calibrated bases and the phase
+    map's (lr_mult, batch_mult) pairs."""
+    return Cell(CAL_KIND, CODE, {"pilot": dict(pilot), "targets": dict(targets),
+                                 "rounds": int(rounds), "seeds": int(seeds)},
+                "simulate.claims:compute_calibration")
+
+
+def compute_calibration(config: Mapping[str, Any]) -> dict:
+    return calibrate(config["pilot"], config["targets"], config["rounds"], config["seeds"],
+                     progress=False)
 
 
 def run_arm(cfg: RunConfig, seeds: Sequence[int]) -> dict:
@@ -147,11 +180,11 @@ def next_eps(group: str, rounds: Sequence[Mapping[str, Mapping[str, float]]], ta
     return math.exp(e1 + max(-cap, min(cap, (math.log(target) - r1) / slope)))
 
 
-def base_config(study: Study, name: str, quick: bool, ladder: str | Path | None, meta: dict,
-                progress: bool) -> dict:
+def base_config(study: Study, name: str, ladder: str | Path | None, meta: dict,
+                progress: bool, store: CellStore) -> dict:
     """A base's full dotted config (sweep problem: its cell; RunConfig: calibrated)."""
     b = study.bases[name]
-    over = {**flatten(b.get("overrides", {})), **(flatten(b.get("quick", {})) if quick else {})}
+    over = flatten(b.get("overrides", {}))
     if "problem" in b:
         if b["problem"] not in PROBLEMS:
             raise ConfigError(f"base.{name}.problem: unknown {b['problem']!r} (known: {', '.join(PROBLEMS)})")
@@ -159,18 +192,15 @@ def base_config(study: Study, name: str, quick: bool, ladder: str | Path | None,
         return prob.values(cell_settings(prob, over, f"base.{name}"))
     flat = resolve(flatten(to_dict(RunConfig.from_dict(read_toml(REPO / b["config"])))), over)
     _config(flat)
-    cal = b.get("calibrate_quick" if quick and "calibrate_quick" in b else "calibrate")
+    cal = b.get("calibrate")
     if not cal:
         return flat
     if ladder is None:
         raise ConfigError(f"base.{name}: calibrated to a ladder's 70B rho: give --ladder LADDER_DIR")
     key = {"base": flat, "targets": ladder_targets(ladder), "calibrate": cal}
-    have = meta.get("calibration", {}).get(name, {})
-    if {k: have.get(k) for k in key} != json.loads(json.dumps(key)):   # else resumed
-        t0 = time.perf_counter()
-        have = {**key, **calibrate(flat, key["targets"], int(cal["rounds"]), int(cal["seeds"]), progress),
-                "seconds": time.perf_counter() - t0}
-        meta.setdefault("calibration", {})[name] = have
+    cell = calibration_cell(flat, key["targets"], int(cal["rounds"]), int(cal["seeds"]))
+    have = {**key, **run_store_cells(store, [cell], progress=progress, desc="calibrate")[0]}
+    meta.setdefault("calibration", {})[name] = have
     return with_group_eps(flat, have["eps"])
 
 
@@ -198,27 +228,29 @@ def arm_table(res: Mapping[str, np.ndarray], seeds: Sequence[int]) -> pd.DataFra
     return df
 
 
-def run_study(study: Study, out: str | Path, quick: bool = False, num_seeds: int | None = None,
-              ladder: str | Path | None = None, skip_llama: bool = False,
-              progress: bool = True) -> Path:
+def run_study(study: Study, out: str | Path, only: Sequence[str] | None = None,
+              num_seeds: int | None = None, ladder: str | Path | None = None,
+              skip_llama: bool = False, progress: bool = True) -> Path:
     """Resolve every claim's arms, run those not yet under out/arms, write replication.json."""
     out = Path(out)
     seeds = list(range(num_seeds or study.seeds))
     meta_path = out / "replication.json"
-    old = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    store = CellStore(out / "cells")
     meta = {"claims_file": study.path, "title": study.title, "description": study.description,
-            "quick": quick, "seeds": seeds, "spike_k": study.spike_k,
-            "calibration": old.get("calibration", {}),
-            "claims": [], "arms": {}, "arm_configs": {}, "arm_seconds": old.get("arm_seconds", {})}
+            "sets": list(study.sets), "only": None if only is None else list(only), "seeds": seeds, "spike_k": study.spike_k, "calibration": {},
+            "claims": [], "arms": {}, "arm_configs": {}}
+    unknown = sorted(set(only or ()) - {c.id for c in study.claims})
+    if unknown:
+        raise ConfigError(f"{study.path}: --only {unknown[0]}: no such claim")
     bases = {}
     for c in study.claims:
         b = study.bases[c.base]
-        skip = ("quick" if quick and (b.get("full_only") or not c.quick) else
+        skip = ("only" if only is not None and c.id not in only else
                 "skip_llama" if skip_llama and b.get("problem") == "llama" else None)
         row = {**asdict(c), "rule_text": c.rule_text(), "not_run": NOT_RUN[skip] if skip else ""}
         if not skip:
             if c.base not in bases:
-                bases[c.base] = base_config(study, c.base, quick, ladder, meta, progress)
+                bases[c.base] = base_config(study, c.base, ladder, meta, progress, store)
             for arm in ("treatment", "control"):
                 over = getattr(c, arm)
                 if over is None:
@@ -231,33 +263,25 @@ def run_study(study: Study, out: str | Path, quick: bool = False, num_seeds: int
                                   default=repr)
                 aid = f"{c.base}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
                 row[f"{arm}_arm"] = aid
+                cell = (store_cell(PROBLEMS[b["problem"]], cfg, seeds, PROBLEMS[b["problem"]].spikes)
+                        if "problem" in b else arm_cell(cfg, seeds))
                 meta["arms"][aid] = {"base": c.base, "label": arm_label(over, getattr(c, f"{arm}_name")),
-                                     "config": cfg}
+                                     "config": cfg, "cell": {"kind": cell.kind, "key": cell.key}}
                 if "config" in b:
                     meta["arm_configs"][aid] = cfg
         meta["claims"].append(row)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "arms").mkdir(exist_ok=True)
     atomic_write_bytes(meta_path, json.dumps(meta, indent=2, default=repr).encode())
-    todo = {a: m for a, m in meta["arms"].items() if cached_cell(out / "arms" / f"{a}.parquet") is None}
     by_problem: dict[str, list] = {}
-    bar = tqdm(total=len(todo), desc="arms", unit="arm", disable=not progress, file=sys.stderr)
-    for aid, m in todo.items():
+    config_arms = {}
+    for aid, m in meta["arms"].items():
         b = study.bases[m["base"]]
         if "problem" in b:
-            by_problem.setdefault(b["problem"], []).append((aid, m["config"]))
-            continue
-        t0 = time.perf_counter()
-        atomic_write_frame(out / "arms" / f"{aid}.parquet", arm_table(run_arm(_config(m["config"]), seeds), seeds))
-        meta["arm_seconds"][aid] = time.perf_counter() - t0
-        atomic_write_bytes(meta_path, json.dumps(meta, indent=2, default=repr).encode())
-        bar.update(1)
-    for name, arms in by_problem.items():   # one pass per problem: vmapped groups, cached cells
-        uniq = list({cell_id(name, c): c for _, c in arms}.values())
-        table = run_cells(PROBLEMS[name], uniq, seeds, out, progress=progress, desc=f"replicate {name}")
-        for aid, cfg in arms:
-            atomic_write_frame(out / "arms" / f"{aid}.parquet",
-                   table[table["cell_id"] == cell_id(name, cfg)].reset_index(drop=True))
-            bar.update(1)
-    bar.close()
+            by_problem.setdefault(b["problem"], []).append(m["config"])
+        else:
+            config_arms.setdefault(m["cell"]["key"], arm_cell(m["config"], seeds))
+    run_store_cells(store, list(config_arms.values()), progress=progress, desc="arms")
+    for name, cfgs in by_problem.items():   # one pass per problem: vmapped groups, stored cells
+        uniq = list({cell_id(name, c): c for c in cfgs}.values())
+        run_cells(PROBLEMS[name], uniq, seeds, out, progress=progress, desc=f"replicate {name}")
     return out

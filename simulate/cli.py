@@ -6,8 +6,8 @@
       every flag is a dotted key of it, --steps = --train.num_steps; `--help` lists them)
     adamspike simulate streams --b2 0.95 --phi 0.9 --steps 200 [--out stats.json]
     adamspike simulate llama --config configs/tiny.toml --out RUN [--key value overrides]
-    adamspike simulate ladder --out DIR [--quick]   (width/depth ladder, 70B profile fit)
-    adamspike simulate batch-sharpness --out DIR [--quick]   (lambda_max(H) vs the evaluation batch)
+    adamspike simulate ladder --out DIR [--rungs ...]   (width/depth ladder, 70B profile fit)
+    adamspike simulate batch-sharpness --out DIR [--rungs ...]   (lambda_max(H) vs the evaluation batch)
     adamspike simulate matched --runs RUN... --predictions P --out DIR   (rho-matched toy report)
 
 Exit status: 0 ok, 2 bad input (the message names the parameter; nothing existing is

@@ -1,7 +1,9 @@
 """Width/depth ladder of tiny LLaMAs: how per-depth-group gradient RMS scales, and the 70B.
 
-    adamspike simulate ladder --out DIR [--spec full|quick] [--quick]   (cells cached in DIR/cells,
-                                                                          resumable; --quick = --spec quick)
+    adamspike simulate ladder --out DIR [--rungs DxLxB ...] [--seeds N] [--num-steps N]
+                              [--warmup-steps N] [--curvature-every K] [--curvature-iters N]
+                              (cells in the store DIR/cells, resumable; the flags replace the
+                              full ladder's values, e.g. a CI-sized one)
                               [--cells-from LADDER_DIR]   (reuse that ladder's measured cells)
 
 The ladder trains the JAX LLaMA through simulate.program's one step (the trainer's: same
@@ -12,11 +14,10 @@ synthetic data set (adamspike.synthdata Markov task, data seed 0) at every rung:
            (256, 8) (alone ~30 % of the ladder's CPU time; left out for the reproduce budget),
            plus batch {4, 32} x 32 tokens at dim 64, 4 layers (the tokens-per-step axis;
            {4, 64} with the constant lr), 3 seeds, 150 steps
-    quick  (dim, layers, batch) = (32, 2, 16), (64, 2, 16), (32, 4, 16), (32, 2, 4): two
-           values per axis around one corner (4 cells, each axis identified); 2 seeds,
-           60 steps
-    and, both, the sharpness ladder: lambda_max(H) and Adam's S every 15 steps with 5
-    warm-started Hessian-vector products each (quick: every 20 with 3)
+    and the sharpness ladder: lambda_max(H) and Adam's S every 15 steps with 5 warm-started
+    Hessian-vector products each. A smaller ladder is the same with explicit values, e.g.
+    --rungs 32x2x16 64x2x16 32x4x16 32x2x4 --seeds 2 --num-steps 60 --warmup-steps 6
+    --curvature-every 20 --curvature-iters 3 (two values per axis around one corner)
 
 Learning rate per rung (`lr_scaling`): "inverse_width" (default) lr = 3e-3 * 64 / dim, the
 muP rule for Adam's hidden layers (LLaMA's own lrs fall with width: 3e-4 at 7B, 1.5e-4 at
@@ -31,8 +32,9 @@ clipping, is reduced per depth (-1 embedding, 0..L-1 blocks, L final norm + head
 of squares; groups follow adamspike.depth_groups (embed, shallow, deep, head).
 
 Storage (DIR), as simulate.sweep: ladder.json (the resolved ladder; a restart with another is
-refused), cells/<cell_id>.parquet (one row per seed x logged step x depth, written
-atomically once a cell is done), so an interrupted ladder resumes at the first missing cell;
+refused), cells/, the one cell store (adamspike.cells): a `ladder_rung` cell per rung (the
+spec's shared settings, seeds and the rung), its table one row per seed x logged step x
+depth, so an interrupted ladder resumes at the first missing cell;
 then fit.json, responses.csv, band.csv, depth_rms.csv (`write_outputs`, read by
 figures/fig_ladder.py and `adamspike predict --ladder`).
 
@@ -78,14 +80,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
 from adamspike.config import ConfigError, cli_main
 from adamspike.depth_groups import GROUPS, depth_group
 from adamspike.llama import LlamaConfig, ffn_dim_for, param_specs, preset
 from adamspike.order import sample_indices
-from adamspike.rundir import (CorruptCellFile, atomic_write_bytes, atomic_write_frame, cached_cell,
-                              read_cell_frame)
+from adamspike.cells import Cell, CellStore, CorruptCell, run_cells
+from adamspike.rundir import atomic_write_bytes
 from adamspike.rundir import check_out
 from adamspike.synthdata import SyntheticTokens
 from adamspike.tables import md_table
@@ -140,13 +141,18 @@ def full_spec(lr_scaling: str = "inverse_width") -> LadderSpec:
     return LadderSpec(rungs=rungs, num_steps=150, lr_scaling=lr_scaling, curvature_every=15)
 
 
-def quick_spec(lr_scaling: str = "inverse_width") -> LadderSpec:
-    rungs = [(32, 2, 16), (64, 2, 16), (32, 4, 16), (32, 2, 4)]
-    return LadderSpec(rungs=rungs, seeds=2, num_steps=60, warmup_steps=6, lr_scaling=lr_scaling,
-                      curvature_every=20, curvature_iters=3)
+def sized_spec(lr_scaling: str = "inverse_width", **sizes: Any) -> LadderSpec:
+    """The full ladder with explicit sizes replacing its own (rungs, seeds, num_steps,
+    warmup_steps, curvature_every, curvature_iters; None: the full ladder's)."""
+    spec = full_spec(lr_scaling)
+    given = {k: v for k, v in sizes.items() if v is not None}
+    if "rungs" in given:
+        given["rungs"] = [tuple(int(x) for x in r) for r in given["rungs"]]
+    return replace_spec(spec, **given)
 
 
-SPECS = {"full": full_spec, "quick": quick_spec}
+def replace_spec(spec: LadderSpec, **changes: Any) -> LadderSpec:
+    return spec_from_json({**spec.to_json(), **changes})
 
 
 def llama_config(dim: int, num_layers: int, spec: LadderSpec):
@@ -171,6 +177,29 @@ def cell_id(spec: LadderSpec, rung: Sequence[int]) -> str:
         shared.pop("curvature_iters", None)
     blob = json.dumps({"rung": list(rung), **shared}, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+KIND = "ladder_rung"
+CODE = "program-run-1"    # bump when train_seeds / cell_table change meaning
+
+
+def store_cell(spec: LadderSpec, rung: Sequence[int]) -> Cell:
+    """A rung of `spec` as a cell of the one store: every setting of the spec but its rung
+    list, and the rung."""
+    return Cell(KIND, CODE, {"spec": {k: v for k, v in spec.to_json().items() if k != "rungs"},
+                             "rung": [int(x) for x in rung]}, "simulate.ladder:compute_cell")
+
+
+def compute_cell(config: Mapping[str, Any]) -> dict:
+    """Train a rung's seeds (one vmapped program) and tabulate them (`cell_table`)."""
+    spec = spec_from_json({**config["spec"], "rungs": [config["rung"]]})
+    dim, L, B = rung = tuple(config["rung"])
+    seeds = list(range(spec.seeds))
+    tokens = batches(spec, B, seeds)
+    t0 = time.perf_counter()
+    res = train_seeds(llama_config(dim, L, spec), spec, tokens, seeds)
+    return {"rows": cell_table(rung, spec, seeds, res, cell_id(spec, rung),
+                               time.perf_counter() - t0)}
 
 
 # ----------------------------------------------------------------------------- data
@@ -263,10 +292,9 @@ def cell_table(rung: Sequence[int], spec: LadderSpec, seeds: Sequence[int],
 
 
 def run_ladder(spec: LadderSpec, out: str | Path, progress: bool = True) -> pd.DataFrame:
-    """Run every rung not yet cached under out/cells; return all cells' rows."""
+    """Run every rung not yet in the store out/cells; return all cells' rows."""
     out = Path(out)
-    cells = out / "cells"
-    cells.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     meta = out / "ladder.json"
     if not _refuse_another(out, spec):
         atomic_write_bytes(meta, json.dumps({"ladder": spec.to_json()}, indent=2).encode())
@@ -274,23 +302,8 @@ def run_ladder(spec: LadderSpec, out: str | Path, progress: bool = True) -> pd.D
                                  or spec.num_steps % spec.curvature_every):
         raise ConfigError(f"curvature_every {spec.curvature_every}: must be a multiple of "
                           f"{LOG_EVERY} that divides num_steps {spec.num_steps}")
-    seeds = list(range(spec.seeds))
-    todo = [r for r in spec.rungs if cached_cell(cells / f"{cell_id(spec, r)}.parquet") is None]
-    data: dict[int, np.ndarray] = {}
-    bar = tqdm(total=len(spec.rungs), initial=len(spec.rungs) - len(todo), desc="ladder",
-               unit="cell", disable=not progress, file=sys.stderr)
-    for rung in todo:
-        dim, L, B = rung
-        bar.set_postfix(dim=dim, layers=L, batch=B, refresh=True)
-        if B not in data:
-            data[B] = batches(spec, B, seeds)
-        t0 = time.perf_counter()
-        res = train_seeds(llama_config(dim, L, spec), spec, data[B], seeds)
-        cid = cell_id(spec, rung)
-        df = cell_table(rung, spec, seeds, res, cid, time.perf_counter() - t0)
-        atomic_write_frame(cells / f"{cid}.parquet", df)
-        bar.update(1)
-    bar.close()
+    run_cells(CellStore(out / "cells"), [store_cell(spec, r) for r in spec.rungs],
+              progress=progress, desc="ladder")
     return read_ladder(out, spec)
 
 
@@ -307,13 +320,8 @@ def seed_cells(spec: LadderSpec, out: str | Path, source: str | Path) -> int:
         diff = sorted(k for k in theirs if theirs[k] != mine.get(k))
         raise ConfigError(f"--cells-from {source}: another ladder (differs in {', '.join(diff)}); "
                           "nothing copied")
-    (out / "cells").mkdir(parents=True, exist_ok=True)
-    copied = 0
-    for rung in spec.rungs:
-        name = f"{cell_id(spec, rung)}.parquet"
-        if (source / "cells" / name).is_file() and not (out / "cells" / name).exists():
-            atomic_write_bytes(out / "cells" / name, (source / "cells" / name).read_bytes())
-            copied += 1
+    mine_store, theirs_store = CellStore(out / "cells"), CellStore(source / "cells")
+    copied = sum(mine_store.copy_from(theirs_store, store_cell(spec, r)) for r in spec.rungs)
     bs = source / BATCH_SHARPNESS_FILE
     if bs.is_file() and not (out / BATCH_SHARPNESS_FILE).exists():
         atomic_write_bytes(out / BATCH_SHARPNESS_FILE, bs.read_bytes())
@@ -344,11 +352,12 @@ def read_ladder(out: str | Path, spec: LadderSpec | None = None) -> pd.DataFrame
     if not (out / "ladder.json").is_file():
         raise ConfigError(f"{out}: not a ladder directory (no ladder.json)")
     spec = stored_spec(out) if spec is None else spec
-    paths = [out / "cells" / f"{cell_id(spec, r)}.parquet" for r in spec.rungs]
+    store = CellStore(out / "cells")
+    cells = [store_cell(spec, r) for r in spec.rungs]
     try:
-        frames = [read_cell_frame(p) for p in paths if p.exists()]
-    except CorruptCellFile as e:
-        raise ConfigError(f"{e}; rerun `adamspike simulate ladder` on {out} to recompute it") from None
+        frames = [store.read(c.kind, c.key)["rows"] for c in cells if store.has(c.kind, c.key)]
+    except CorruptCell as e:
+        raise ConfigError(f"{e}: `adamspike simulate ladder` on {out} recomputes it") from None
     if not frames:
         raise ConfigError(f"{out}: no finished ladder cells")
     return pd.concat(frames, ignore_index=True)
@@ -817,13 +826,30 @@ def sharpness_md(sf: Mapping[str, Any], s70: Mapping[str, Any], pct: int,
 
 # ----------------------------------------------------------------------------- CLI
 
+def rung_arg(text: str) -> tuple[int, ...]:
+    """'64x4x16' (dim x layers x batch; batch_sharpness: dim x layers) as integers."""
+    try:
+        vals = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        vals = ()
+    if len(vals) not in (2, 3) or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected DIMxLAYERS[xBATCH], e.g. 64x4x16")
+    return vals
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adamspike simulate ladder",
                                  description="Width/depth ladder of tiny LLaMAs (simulate.ladder)")
     ap.add_argument("--out", type=Path, required=True, help="ladder directory (resumable)")
-    ap.add_argument("--spec", choices=sorted(SPECS), default="full", help="the ladder's rungs, seeds and steps")
-    ap.add_argument("--quick", action="store_const", const="quick", dest="spec",
-                    help="--spec quick: the reduced ladder (CI)")
+    ap.add_argument("--rungs", nargs="+", type=rung_arg, metavar="DxLxB",
+                    help="the rungs (dim x layers x batch; default: the full ladder's 13)")
+    ap.add_argument("--seeds", type=int, help="seeds per rung (default 3)")
+    ap.add_argument("--num-steps", type=int, help="training steps (default 150)")
+    ap.add_argument("--warmup-steps", type=int, help="lr warmup steps (default 20)")
+    ap.add_argument("--curvature-every", type=int,
+                    help="the sharpness ladder's interval (default 15; 0: off)")
+    ap.add_argument("--curvature-iters", type=int,
+                    help="warm-started products per evaluation (default 5)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--eps", type=float, default=1e-5, help="eps of the 70B profile written")
     ap.add_argument("--lr-scaling", choices=("constant", "inverse_width"), default="inverse_width",
@@ -840,7 +866,9 @@ def _main(args) -> int:
     # first) is kept, any other non-empty one refused
     check_out(args.out, keep_existing=(args.out / "ladder.json").is_file()
               or (args.out / "cells").is_dir())
-    spec = SPECS[args.spec](args.lr_scaling)
+    spec = sized_spec(args.lr_scaling, rungs=args.rungs, seeds=args.seeds,
+                      num_steps=args.num_steps, warmup_steps=args.warmup_steps,
+                      curvature_every=args.curvature_every, curvature_iters=args.curvature_iters)
     t0 = time.perf_counter()
     if args.cells_from:
         n = seed_cells(spec, args.out, args.cells_from)

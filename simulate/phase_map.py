@@ -1,7 +1,7 @@
 """Phase map of loss spikes in the 70B's rho band: run the cells (JAX; analysis/phase_map.py
 reads what this writes).
 
-    adamspike phase-map --config configs/phase_map.toml --out DIR [--ladder L] [--quick]
+    adamspike phase-map --config configs/phase_map.toml --out DIR [--ladder L] [--set map.KEY=VALUE ...]
 
 A cell is (lr_mult, b2, batch_mult) of the map's toy (configs/phase_map.toml): `seeds` lanes
 of simulate.program's one step, `Program.run` with the stability number every
@@ -19,11 +19,13 @@ each group sits against its eps.
 
 Storage (DIR, resumable: a killed map restarts at the first missing cell):
   map.json               the resolved map: grid, spike settings, targets, calibration per
-                         (lr_mult, batch_mult), every cell's settings and full config
-  cells/<id>.parquet     one row per seed x step: loss, grad_norm, update_norm, rho_<group>
-                         (the consumed gradient's rms / the group's eps), S and S_secant
-                         (the online proxy of the K steps before; both NaN off the
-                         evaluation steps); <id> hashes the cell's config, seeds and K
+                         (lr_mult, batch_mult), every cell's settings, full config, id (a
+                         hash of its config, seeds and K) and `cell` ({kind, key} in cells/)
+  cells/                 the one cell store (adamspike.cells): a `phase_map_cell` per cell,
+                         its table `rows` one row per seed x step: loss, grad_norm,
+                         update_norm, rho_<group> (the consumed gradient's rms / the group's
+                         eps), S and S_secant (the online proxy of the K steps before; both
+                         NaN off the evaluation steps); and a `calibration` cell per pair
   stability_check.csv    the warm-started tracker and the online proxy against cold power
                          iteration (30 products, simulate.curvature) at the same parameters
 """
@@ -33,47 +35,47 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import time
 from itertools import product
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
 from adamspike.claims import REPO
-from adamspike.config import ConfigError, flatten, read_toml, to_dict
-from adamspike.rundir import atomic_write_bytes, atomic_write_frame, cached_cell
+from adamspike.config import ConfigError, apply_sets, flatten, read_toml, to_dict
+from adamspike.cells import Cell, CellStore, run_cells
+from adamspike.rundir import atomic_write_bytes
 from adamspike.train_config import RunConfig, id_settings
-from simulate.claims import EPS_KEYS, arm_table, calibrate, ladder_targets, with_group_eps
+from simulate.claims import EPS_KEYS, arm_table, calibration_cell, ladder_targets, with_group_eps
 
 MAP_FIELDS = {"title", "base", "overrides", "seeds", "first_seed", "lr_mult", "b2",
               "batch_mult", "curvature_every", "calibrate", "check"}
-QUICK_FIELDS = MAP_FIELDS - {"title", "base", "curvature_every"}
 POWER_ITERS = 30     # the cold power iteration the tracker is checked against
+KIND = "phase_map_cell"
+CODE = "run-arm-1"   # bump when run_cell changes meaning
 
 
-def read_map(path: str | Path, quick: bool = False) -> dict:
-    """The map file with [quick] applied, checked (ConfigError names the field)."""
+def read_map(path: str | Path, sets: Sequence[str] = ()) -> dict:
+    """The map file with `--set map.KEY=VALUE` applied (a smaller map: the study's size
+    table, configs/study.toml, gives its sizes this way), checked (ConfigError names the
+    field)."""
     data = read_toml(path)
-    bad = sorted(set(data) - {"map", "quick", "targets", "spikes"})
+    bad = sorted(set(data) - {"map", "targets", "spikes"})
     if bad or "map" not in data:
-        raise ConfigError(f"{path}: expected [map], [quick], [targets], [spikes]"
+        raise ConfigError(f"{path}: expected [map], [targets], [spikes]"
                           + (f" (unknown {bad[0]!r})" if bad else ""))
-    m, q = dict(data["map"]), data.get("quick", {})
-    for table, fields, allowed in (("map", m, MAP_FIELDS), ("quick", q, QUICK_FIELDS)):
-        extra = sorted(set(fields) - allowed)
-        if extra:
-            raise ConfigError(f"{path}: [{table}] unknown field {extra[0]!r}")
-    if quick:
-        m.update(q)
+    m = dict(apply_sets(data, sets, {"map"})["map"])
+    extra = sorted(set(m) - MAP_FIELDS)
+    if extra:
+        raise ConfigError(f"{path}: [map] unknown field {extra[0]!r}")
     for key in ("lr_mult", "b2", "batch_mult"):
         if not isinstance(m.get(key), list) or not m[key]:
             raise ConfigError(f"{path}: [map] {key}: a non-empty list")
     if int(m.get("seeds", 0)) < 2:
         raise ConfigError(f"{path}: [map] seeds: >= 2")
-    return {"path": str(path), "quick": quick, "map": m, "targets": data.get("targets", {}),
+    return {"path": str(path), "sets": list(sets), "map": m, "targets": data.get("targets", {}),
             "spikes": data.get("spikes", {})}
 
 
@@ -104,6 +106,20 @@ def cell_id(cfg: Mapping[str, Any], seeds: list[int], every: int) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
+def store_cell(flat: Mapping[str, Any], seeds: list[int], every: int) -> Cell:
+    """A map cell in the one store: its full config, seeds and K."""
+    return Cell(KIND, CODE, {"config": dict(flat), "seeds": [int(s) for s in seeds],
+                             "curvature_every": int(every)}, "simulate.phase_map:compute_cell")
+
+
+def compute_cell(config: Mapping[str, Any]) -> dict:
+    """The cell's computation: its lanes read arm_tokens of its batch size (the same
+    batches for seed k in every cell of that size)."""
+    from simulate.seeds import arm_tokens   # jax: only when cells run
+    cfg, seeds = _config(config["config"]), list(config["seeds"])
+    return {"rows": run_cell(cfg, seeds, int(config["curvature_every"]), arm_tokens(cfg, seeds))}
+
+
 def run_cell(cfg: RunConfig, seeds: list[int], every: int, tokens: np.ndarray) -> pd.DataFrame:
     """One cell: the lanes as one program (simulate.seeds.run_arm with the stability number
     every `every` steps), the claims' arm table plus S and the online proxy S_secant of the
@@ -120,13 +136,12 @@ def run_cell(cfg: RunConfig, seeds: list[int], every: int, tokens: np.ndarray) -
 
 def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
             progress: bool = True) -> Path:
-    """Calibrate, then run every cell not yet under out/cells (module docstring)."""
-    from simulate.seeds import arm_tokens   # jax: only when cells run
+    """Calibrate, then run every cell not yet in the store out/cells (module docstring)."""
     out = Path(out)
-    (out / "cells").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    store = CellStore(out / "cells")
     m = spec["map"]
     meta_path = out / "map.json"
-    old = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     targets = ladder_targets(ladder) if ladder else {g: float(v) for g, v in spec["targets"].items()}
     if not targets:
         raise ConfigError(f"{spec['path']}: no [targets] and no --ladder: the 70B's rho per group is needed")
@@ -140,11 +155,10 @@ def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
         raise ConfigError(f"train.num_steps {flat['train.num_steps']}: not a multiple of "
                           f"curvature_every {every}")
     cal_spec = dict(m.get("calibrate", {"rounds": 2, "seeds": 2, "steps": 300}))
-    meta = {"title": m.get("title", ""), "config_file": spec["path"], "quick": spec["quick"],
+    meta = {"title": m.get("title", ""), "config_file": spec["path"], "sets": spec["sets"],
             "seeds": seeds, "curvature_every": every, "targets": targets,
             "spikes": spec["spikes"], "grid": {k: m[k] for k in ("lr_mult", "b2", "batch_mult")},
-            "calibration": old.get("calibration", {}), "cells": [],
-            "cell_seconds": old.get("cell_seconds", {})}
+            "calibration": {}, "cells": []}
 
     def save():
         atomic_write_bytes(meta_path, json.dumps(meta, indent=2, default=repr).encode())
@@ -155,7 +169,6 @@ def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
     pairs = sorted(product(m["lr_mult"], m["batch_mult"]), key=lambda p: p[1])   # lr as listed
     bar = tqdm(total=len(pairs) * len(m["b2"]), desc="phase-map cells", unit="cell",
                disable=not progress, file=sys.stderr)
-    tokens: dict[int, np.ndarray] = {}
     last_eps = {g: float(flat[k]) for g, k in EPS_KEYS.items() if flat.get(k) is not None}
     for lr_mult, batch_mult in pairs:
         key = f"lr_mult={lr_mult:g},batch_mult={batch_mult:g}"
@@ -165,37 +178,27 @@ def run_map(spec: dict, out: str | Path, ladder: str | Path | None = None,
                           "optim.warmup_steps": int(cal_spec["steps"]) // 3})
         want = {"pilot": pilot, "targets": targets, "rounds": int(cal_spec["rounds"]),
                 "seeds": int(cal_spec["seeds"])}
-        have = meta["calibration"].get(key, {})
-        if {k: have.get(k) for k in want} != json.loads(json.dumps(want)):
-            t0 = time.perf_counter()
-            res = calibrate(pilot, targets, want["rounds"], want["seeds"], progress=False)
-            eps, rho = res["eps"], res["rho"]
-            note = ""
-            if not eps:     # every pilot diverged: the previous (smaller) lr's eps
-                eps, note = last_eps, "every pilot diverged; eps of the previous lr_mult"
-            have = {**want, "eps": eps, "pilot_rho": rho, "note": note,
-                    "rounds_done": res["rounds"], "seconds": time.perf_counter() - t0}
-            meta["calibration"][key] = have
-            save()
+        res = run_cells(store, [calibration_cell(**want)], progress=False)[0]
+        eps, note = res["eps"], ""
+        if not eps:     # every pilot diverged: the previous (smaller) lr's eps
+            eps, note = last_eps, "every pilot diverged; eps of the previous lr_mult"
+        have = meta["calibration"][key] = {**want, "eps": eps, "pilot_rho": res["rho"],
+                                           "note": note, "rounds_done": res["rounds"]}
         last_eps = have["eps"]
+        pair = []
         for b2 in m["b2"]:
             flat_cell = with_group_eps(scaled(flat, lr_mult, batch_mult, b2), have["eps"])
             cfg = _config(flat_cell)
-            cell = {"id": cell_id(flat_cell, seeds, every), "lr_mult": lr_mult, "b2": b2,
-                    "batch_mult": batch_mult, "lr": flat_cell["optim.lr"],
-                    "global_batch_size": cfg.train.global_batch_size, "eps": have["eps"],
-                    "config": flat_cell}
-            meta["cells"].append(cell)
-            path = out / "cells" / f"{cell['id']}.parquet"
-            if cached_cell(path) is None:
-                B = cfg.train.global_batch_size
-                if B not in tokens:     # seed k reads the same batches in every cell of B
-                    tokens = {B: arm_tokens(cfg, seeds)}
-                t0 = time.perf_counter()
-                atomic_write_frame(path, run_cell(cfg, seeds, every, tokens[B]))
-                meta["cell_seconds"][cell["id"]] = time.perf_counter() - t0
-            save()
-            bar.update(1)
+            c = store_cell(flat_cell, seeds, every)
+            meta["cells"].append({"id": cell_id(flat_cell, seeds, every), "lr_mult": lr_mult,
+                                  "b2": b2, "batch_mult": batch_mult, "lr": flat_cell["optim.lr"],
+                                  "global_batch_size": cfg.train.global_batch_size,
+                                  "eps": have["eps"], "config": flat_cell,
+                                  "cell": {"kind": c.kind, "key": c.key}})
+            pair.append(c)
+        run_cells(store, pair, progress=False)
+        save()
+        bar.update(len(pair))
     bar.close()
     return out
 

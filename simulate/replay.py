@@ -2,7 +2,7 @@
 batches with exactly one intervention, and count how often the spike comes back.
 
     adamspike replay --config configs/toy_spike.toml --out DIR [--seeds N]
-                     [--min-incidents K] [--max-spikes M] [--train.num_steps S] [--quick]
+                     [--min-incidents K] [--max-spikes M] [--train.num_steps S]
                      [--spike-k K]
 
 1. Base runs. Seeds 0, 1, ... of the config (default configs/toy_spike.toml; with
@@ -42,9 +42,10 @@ batches with exactly one intervention, and count how often the spike comes back.
    (scipy.stats.binomtest(k, n).proportion_ci(method="exact")), median height ratio.
 
 Storage (DIR, as simulate.sweep): replay.json (the resolved study; a different one is
-refused), cache/base-s<seed>.npz (loss trace, spikes, the spikes' snapshots, written once a
-seed is done), cache/replay-s<seed>-t<step>.npz (each intervention's loss trace and
-row), so a killed study resumes at the first missing file; then replay.csv and replay.md.
+refused), cells/ (the one cell store, adamspike.cells): a `replay_base` cell per seed (loss
+trace, spikes, the spikes' snapshots) and a `replay_spike` cell per (seed, spike) (each
+intervention's loss trace and row), so a killed study resumes at the first missing cell;
+then replay.csv and replay.md.
 Lanes run one after another through the one step program (`Program.step_fn`, one step per
 call): XLA's results change with the vmap width and with lax.scan, and the determinism
 control and the trainer identity need the base run's exact program. Cost: the step is
@@ -69,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
+from adamspike.cells import Cell, CellStore
 from adamspike.config import ConfigError, flatten, load_config, to_dict
 from adamspike.rundir import atomic_write_bytes
 from adamspike.train_config import RunConfig
@@ -218,16 +220,28 @@ def _unflat_state(prog: Program, seed: int, arrays: Mapping[str, np.ndarray], pr
     return jax.tree.unflatten(tree, [jnp.asarray(g, dtype=t.dtype) for g, t in zip(got, leaves)])
 
 
-def _spike_key(seed: int, step: int) -> str:
-    return f"s{seed}-t{step}"
+CODE = "step-fn-1"     # bump when the base run or the replay changes meaning
+
+
+def base_cell(spec: ReplaySpec, seed: int) -> Cell:
+    """Seed `seed`'s base run (its payload `base`: the npz of loss, spikes, snapshots)."""
+    return Cell("replay_base", CODE, {"replay": spec.to_json(), "seed": int(seed)})
+
+
+def spike_cell(spec: ReplaySpec, seed: int, step: int) -> Cell:
+    """Every intervention of the spike starting at `step` of seed `seed` (rows, traces).
+    Both kinds are computed by run_study, which holds the compiled program and the
+    base's snapshot they start from."""
+    return Cell("replay_spike", CODE, {"replay": spec.to_json(), "seed": int(seed),
+                                       "spike_step": int(step)})
 
 
 # ----------------------------------------------------------------------------- phase 1
 
-def run_base(spec: ReplaySpec, prog: Program, seeds: Sequence[int], cache: Path,
-             bar=None) -> None:
-    """Train `seeds` as lanes, detect spikes online, write cache/base-s<seed>.npz
-    for each (loss trace, spikes, the snapshot before each spike)."""
+def run_base(spec: ReplaySpec, prog: Program, seeds: Sequence[int],
+             bar=None) -> dict[int, bytes]:
+    """Train `seeds` as lanes, detect spikes online; per seed an npz (loss trace, spikes,
+    the snapshot before each spike)."""
     cfg = spec.run_config()
     num = cfg.train.num_steps
     cfgs = [RunConfig.from_dict({**flatten(to_dict(cfg)), "train.seed": int(k)}) for k in seeds]
@@ -266,6 +280,7 @@ def run_base(spec: ReplaySpec, prog: Program, seeds: Sequence[int], cache: Path,
                 pass   # a diverged lane keeps running; its spike was recorded above
         if bar is not None:
             bar.update(CHUNK * len(seeds))
+    done = {}
     for j, k in enumerate(seeds):
         trace = np.asarray(losses[j])
         sp = spec.detect(trace, np.arange(1, len(trace) + 1))
@@ -274,11 +289,13 @@ def run_base(spec: ReplaySpec, prog: Program, seeds: Sequence[int], cache: Path,
         for t, (s0, st) in kept[j].items():
             arrays[f"t{t}_s0"] = np.array(s0)
             arrays.update({f"t{t}_{n}": a for n, a in _flat_state(*st).items()})
-        atomic_write_bytes(cache / f"base-s{k}.npz", _npz_bytes(**arrays))
+        done[int(k)] = _npz_bytes(**arrays)
+    return done
 
 
-def read_base(path: Path) -> tuple[np.ndarray, pd.DataFrame, dict]:
-    z = np.load(path)
+def read_base(payload: Mapping[str, Any]) -> tuple[np.ndarray, pd.DataFrame, dict]:
+    """A `replay_base` cell's payload as (loss, spikes, the npz of its snapshots)."""
+    z = np.load(io.BytesIO(payload["base"].tobytes()))
     spikes = pd.read_json(io.StringIO(bytes(z["spikes"]).decode()), orient="records")
     return z["loss"], spikes, z
 
@@ -380,15 +397,16 @@ def run_study(spec: ReplaySpec, out: str | Path, progress: bool = True) -> pd.Da
     if (out / "run.json").exists():
         raise ConfigError(f"{out}: is a run directory, not a replay directory")
     _check_meta(out, spec)
-    cache = out / "cache"
-    cache.mkdir(exist_ok=True)
+    store = CellStore(out / "cells")
     prog = program(spec.run_config())
     num = spec.run_config().train.num_steps
-    done = [k for k in spec.seeds if (cache / f"base-s{k}.npz").exists()]
+    done = [k for k in spec.seeds if store.path(base_cell(spec, k)).is_file()]
     jobs: list = []
 
-    def add_jobs(k: int) -> None:
-        loss, spikes, z = read_base(cache / f"base-s{k}.npz")
+    def add_jobs(k: int, bar) -> None:
+        def compute():
+            return {"base": np.frombuffer(run_base(spec, prog, [k], bar)[k], np.uint8)}
+        loss, spikes, z = read_base(store.compute(base_cell(spec, k), compute))
         for _, sp in spec.incidents(spikes).iterrows():
             t = int(sp["start"])
             if f"t{t}_s0" in z.files:
@@ -402,25 +420,17 @@ def run_study(spec: ReplaySpec, out: str | Path, progress: bool = True) -> pd.Da
         for k in spec.seeds:
             if spec.min_incidents and len(jobs) >= spec.min_incidents:
                 break
-            if k not in done:
-                run_base(spec, prog, [k], cache, bar)
-            add_jobs(k)
+            add_jobs(k, bar)
     if spec.max_spikes:
         jobs = jobs[:spec.max_spikes]
     frames = []
     with tqdm(total=len(jobs), desc="replay: spikes", unit="spike", disable=not progress,
               file=sys.stderr) as bar:
         for k, t, loss, sp, z in jobs:
-            path = cache / f"replay-{_spike_key(k, t)}.npz"
-            if path.exists():
-                rows = pd.read_json(io.StringIO(bytes(np.load(path)["rows"]).decode()),
-                                    orient="records")
-            else:
+            def compute():
                 rows, traces = replay_spike(spec, prog, k, t, loss, sp, z)
-                atomic_write_bytes(path, _npz_bytes(
-                    traces=traces, rows=np.frombuffer(rows.to_json(orient="records", double_precision=15).encode(),
-                                                      np.uint8)))
-            frames.append(rows)
+                return {"rows": rows, "traces": np.asarray(traces)}
+            frames.append(store.compute(spike_cell(spec, k, t), compute)["rows"])
             bar.update(1)
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=[
         "backend", "seed", "spike_step", "intervention", "recurred", "height"])
@@ -529,7 +539,7 @@ def write_outputs(out: Path, table: pd.DataFrame, spec: ReplaySpec, seconds: flo
     if extra is not None and not extra.empty:
         table = pd.concat([table, extra], ignore_index=True)
     cfg = spec.run_config()
-    ran = [k for k in spec.seeds if (out / "cache" / f"base-s{k}.npz").exists()]
+    ran = [k for k in spec.seeds if CellStore(out / "cells").path(base_cell(spec, k)).is_file()]
     why = (f": seeds run in order until {spec.min_incidents} incidents were found, at most "
            f"{len(spec.seeds)}" if spec.min_incidents else "")
     regime = regime_note(config_name, cfg, len(ran), why)
@@ -541,10 +551,8 @@ def write_outputs(out: Path, table: pd.DataFrame, spec: ReplaySpec, seconds: flo
 
 # ----------------------------------------------------------------------------- CLI
 
-# the study's sizes, and --quick's (CI: 1 seed of 400 steps, one spike replayed; it may find
-# none, and says so); flags given explicitly win
+# the default sizes (the full study's); smaller ones are explicit flags (configs/study.toml)
 SIZES = {"seeds": 40, "min_incidents": 20, "max_spikes": 0}
-QUICK = {"seeds": 1, "min_incidents": 0, "max_spikes": 1, "train.num_steps": 400}
 
 
 def main(argv: list[str] | None = None, torch_replay=None) -> int:
@@ -560,15 +568,12 @@ def main(argv: list[str] | None = None, torch_replay=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="study directory (resumable)")
     ap.add_argument("--seeds", type=int, default=None,
                     help="base seeds 0 .. N-1 (with --min-incidents: the most that are run; "
-                         "default 40; --quick 1)")
+                         "default 40)")
     ap.add_argument("--min-incidents", type=int, default=None,
                     help="run seeds in order until this many spike incidents are found "
-                         "(default 20; --quick 0: every seed); 0 runs every seed")
+                         "(default 20); 0 runs every seed")
     ap.add_argument("--max-spikes", type=int, default=None,
-                    help="replay at most this many spikes, in seed order (default 0: all; --quick 1)")
-    ap.add_argument("--quick", action="store_true",
-                    help="the CI sizes: --seeds 1 --min-incidents 0 --max-spikes 1 "
-                         "--train.num_steps 400 (flags given win)")
+                    help="replay at most this many spikes, in seed order (default 0: all)")
     ap.add_argument("--torch-spikes", type=int, default=0,
                     help="also replay this many spikes through the torch trainer (its DCP "
                          "checkpoints; adamspike replay only)")
@@ -580,15 +585,13 @@ def main(argv: list[str] | None = None, torch_replay=None) -> int:
     try:
         if not args.config.is_file():
             raise ConfigError(f"--config {args.config}: no such file")
-        size = {**SIZES, **(QUICK if args.quick else {}),
-                **{k: v for k, v in vars(args).items() if k in SIZES and v is not None}}
+        size = {**SIZES, **{k: v for k, v in vars(args).items() if k in SIZES and v is not None}}
         if size["seeds"] < 1:
             raise ConfigError(f"--seeds: must be >= 1, got {size['seeds']}")
         for k in ("min_incidents", "max_spikes"):
             if size[k] < 0:
                 raise ConfigError(f"--{k.replace('_', '-')}: must be >= 0, got {size[k]}")
-        steps = ["--train.num_steps", str(size["train.num_steps"])] if "train.num_steps" in size else []
-        spec = ReplaySpec(config=to_dict(load_config(RunConfig, args.config, steps + overrides)),
+        spec = ReplaySpec(config=to_dict(load_config(RunConfig, args.config, overrides)),
                           seeds=list(range(size["seeds"])), max_spikes=size["max_spikes"],
                           min_incidents=size["min_incidents"], det_k=args.spike_k)
         t0 = time.perf_counter()

@@ -1,8 +1,9 @@
 """`adamspike sweep`: resumable, shardable, vmapped grids over eps x b2 x batch x lr x seed.
 
-    adamspike sweep run --grid configs/sweep_quadratic.toml --out DIR [--shard k/n] [--quick]
+    adamspike sweep run --grid configs/sweep_quadratic.toml --out DIR [--shard k/n]
+                        [--set SECTION.KEY=VALUE ...]
     adamspike sweep merge DIR... --out TABLE_DIR
-    adamspike replicate --out DIR [--quick] [--seeds 10]           (simulate.claims)
+    adamspike replicate --out DIR [--seeds 10]           (simulate.claims)
 
 A grid TOML names a problem (simulate.sweep_problems.PROBLEMS) and the values to cross, as
 dotted keys of the problem's config schema (RunConfig keys such as optim.eps, plus the
@@ -19,8 +20,10 @@ table, which is the same thing:
     optim.b2 = [0.95, 0.99, 0.999]
     [spikes]                     # adamspike.spikes.SpikeParams fields (optional)
     window = 50
-    [quick]                      # --quick: these tables replace the ones above, key by key
-    fixed = {train.num_steps = 3000}
+
+`--set SECTION.KEY=VALUE` replaces one key of [sweep], [fixed], [grid] or [spikes] (a TOML
+value): the study's size table (configs/study.toml) gives a smaller grid this way, e.g.
+`--set fixed.train.num_steps=3000 --set "grid.optim.b2=[0.95, 0.999]"`.
 
 Cells and runs. A cell is one point of the grid (every problem parameter except the seed);
 a run is a cell x seed.  `cell_id` is a hash of the cell's resolved parameters, so it is
@@ -32,12 +35,14 @@ called once per chunk under `jax.vmap` (scalar hyperparameters and seeds are vma
 
 Storage (DIR):
     sweep.json                    the resolved grid (a restart with another grid is refused)
-    cells/<cell_id>.parquet       one row per seed of a finished cell, written atomically
+    cells/sweep_cell/             the one cell store (adamspike.cells): one cell per grid
+                                  point (its problem, parameters, seeds and spike settings),
+                                  its table one row per seed
     runs.parquet, runs.csv        the tidy table of this invocation's cells (unsharded), or
     runs.shard-K-of-N.parquet     ... of one shard
     runs/<cell_id>-s<seed>/       with --save-runs N: full run directories of the first N
                                   cells at the first seed (simulate.runner / the trainer)
-A restarted run skips cells whose file exists: no recomputation.  `--shard k/n` (1 <= k <= n)
+A restarted run skips cells that are stored: no recomputation.  `--shard k/n` (1 <= k <= n)
 keeps the cells with int(cell_id, 16) % n == k-1; merging the shards' cells gives the same
 table as an unsharded run.
 
@@ -70,9 +75,10 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from adamspike.config import ConfigError, cli_main, flatten, from_dict, merge, nest, read_toml, to_dict
-from adamspike.rundir import (CorruptCellFile, atomic_write_bytes, atomic_write_frame, cached_cell,
-                              read_cell_frame)
+from adamspike.config import (ConfigError, apply_sets, cli_main, flatten, from_dict, merge, nest,
+                              read_toml, to_dict)
+from adamspike.cells import Cell, CellStore, CorruptCell
+from adamspike.rundir import atomic_write_bytes
 from adamspike.rundir import check_out
 from adamspike.spikes import SpikeParams, detect_spikes
 
@@ -175,27 +181,21 @@ class Grid:
                 "seeds": self.seeds, "spikes": self.spikes}
 
 
-def load_grid(path: str | Path, problems: Mapping[str, Problem], quick: bool = False) -> Grid:
-    """Read and validate a grid TOML; every problem raises ConfigError naming the key."""
-    data = read_toml(path)
-    if quick:
-        over = data.get("quick", {})
-        if not isinstance(over, Mapping):
-            raise ConfigError("quick: expected a table")
-        for sec, val in over.items():
-            if sec not in ("sweep", "fixed", "grid", "spikes"):
-                raise ConfigError(f"quick.{sec}: unknown section (known: sweep, fixed, grid, spikes)")
-            if not isinstance(val, Mapping):
-                raise ConfigError(f"quick.{sec}: expected a table")
-            data[sec] = {**flatten(data.get(sec, {})), **flatten(val)}
-    return grid_from_dict(data, problems, source=str(path))
+GRID_SECTIONS = ("sweep", "fixed", "grid", "spikes")
+
+
+def load_grid(path: str | Path, problems: Mapping[str, Problem], sets: Sequence[str] = ()) -> Grid:
+    """Read and validate a grid TOML with `--set SECTION.KEY=VALUE` applied (module doc);
+    every problem raises ConfigError naming the key."""
+    return grid_from_dict(apply_sets(read_toml(path), sets, GRID_SECTIONS), problems,
+                          source=str(path))
 
 
 def grid_from_dict(data: Mapping[str, Any], problems: Mapping[str, Problem], source: str = "") -> Grid:
-    unknown = sorted(set(data) - {"sweep", "fixed", "grid", "spikes", "quick"})
+    unknown = sorted(set(data) - set(GRID_SECTIONS))
     if unknown:
         raise ConfigError(f"unknown grid section(s): {', '.join(unknown)} "
-                          "(known: sweep, fixed, grid, spikes, quick)")
+                          f"(known: {', '.join(GRID_SECTIONS)})")
     sweep = dict(data.get("sweep", {}))
     bad = sorted(set(sweep) - {"problem", "seeds"})
     if bad:
@@ -370,7 +370,7 @@ def _sort_table(df: pd.DataFrame, grid_json: Mapping[str, Any]) -> pd.DataFrame:
 
 def _write_table(df: pd.DataFrame, out_dir: Path, stem: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_frame(out_dir / f"{stem}.parquet", df)
+    atomic_write_bytes(out_dir / f"{stem}.parquet", df.to_parquet(index=False))
     atomic_write_bytes(out_dir / f"{stem}.csv", df.to_csv(index=False).encode())
 
 
@@ -389,16 +389,40 @@ def _check_sweep_json(out: Path, grid_json: dict) -> None:
         atomic_write_bytes(meta, json.dumps({"grid": grid_json}, indent=2).encode())
 
 
+KIND = "sweep_cell"
+CODE = "vmap-1"          # bump when a problem's run or summarize_run changes meaning
+
+
+def store_cell(problem: Problem, params: Mapping[str, Any], seeds: Sequence[int],
+               spikes: Mapping[str, Any]) -> Cell:
+    """One grid point x seeds as a cell of the one store (payload `rows`)."""
+    return Cell(KIND, CODE, {"problem": problem.name, "params": dict(params),
+                             "seeds": [int(s) for s in seeds], "spikes": dict(spikes)},
+                "simulate.sweep:compute_cell")
+
+
+def compute_cell(config: Mapping[str, Any]) -> dict:
+    """A cell alone (an executor's worker); run_cells computes the missing cells of one
+    static group together, vmapped."""
+    from simulate.sweep_problems import PROBLEMS   # it imports this module: a cycle at the top
+    params = dict(config["params"])
+    problem = PROBLEMS[config["problem"]]
+    cid = cell_id(problem.name, params)
+    return {"rows": run_group(problem, [(cid, params)], list(config["seeds"]),
+                              config["spikes"])[cid]}
+
+
 def run_cells(problem: Problem, cells: Sequence[Mapping[str, Any]], seeds: Sequence[int], out: str | Path,
               spikes: Mapping[str, Any] | None = None, progress: bool = True,
               desc: str | None = None) -> pd.DataFrame:
-    """Run (or resume) explicit cells (full parameter dicts) x seeds into out/cells/; returns
-    their rows in the given cell order. Cells sharing static params are vmapped together."""
-    cells_dir = Path(out) / "cells"
-    cells_dir.mkdir(parents=True, exist_ok=True)
+    """Run (or resume) explicit cells (full parameter dicts) x seeds into the cell store
+    out/cells; returns their rows in the given cell order. The missing cells that share
+    static params are vmapped together."""
+    store = CellStore(Path(out) / "cells")
     spikes = dict(problem.spikes if spikes is None else spikes)
     ids = [(cell_id(problem.name, p), dict(p)) for p in cells]
-    todo = [(c, p) for c, p in dict(ids).items() if cached_cell(cells_dir / f"{c}.parquet") is None]
+    stored = {c: store.get(store_cell(problem, p, seeds, spikes)) for c, p in dict(ids).items()}
+    todo = [(c, p) for c, p in dict(ids).items() if stored[c] is None]
     groups: dict[tuple, list] = {}
     for c, p in todo:
         groups.setdefault(_static_key(problem, p), []).append((c, p))
@@ -408,11 +432,13 @@ def run_cells(problem: Problem, cells: Sequence[Mapping[str, Any]], seeds: Seque
     for members in groups.values():
         for lo in range(0, len(members), per_call):
             part = members[lo:lo + per_call]
+            params = dict(part)
             for c, df in run_group(problem, part, list(seeds), spikes).items():
-                atomic_write_frame(cells_dir / f"{c}.parquet", df)
+                stored[c] = store.put(store_cell(problem, params[c], seeds, spikes), {"rows": df})
             bar.update(len(part) * len(seeds))
     bar.close()
-    return read_cells(Path(out), [c for c, _ in ids])
+    frames = [stored[c]["rows"] for c, _ in ids]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 def run_sweep(grid: Grid, out: str | Path, shard: tuple[int, int] | None = None,
@@ -451,17 +477,14 @@ def save_run_dirs(grid: Grid, cells: Sequence[Mapping[str, Any]], runs_dir: Path
     return paths
 
 
-def read_cells(out: Path, ids: Sequence[str] | None = None) -> pd.DataFrame:
-    cells_dir = Path(out) / "cells"
-    paths = sorted(cells_dir.glob("*.parquet")) if ids is None else [cells_dir / f"{c}.parquet" for c in ids]
-    frames = []
-    for p in paths:
-        try:
-            frames.append(read_cell_frame(p))
-        except CorruptCellFile as e:
-            raise ConfigError(f"{e}; rerun the sweep on the same --out to recompute it") from None
-        except Exception as e:  # noqa: BLE001 - any unreadable cell file is a format error
-            raise ConfigError(f"{p}: unreadable cell file ({e}); delete it to recompute") from None
+def read_cells(out: Path) -> pd.DataFrame:
+    """Every stored cell of a sweep directory (merge's input), verified: a missing or
+    corrupt one is a ConfigError naming it."""
+    store = CellStore(Path(out) / "cells")
+    try:
+        frames = [store.read(KIND, k)["rows"] for k in store.keys(KIND)]
+    except CorruptCell as e:
+        raise ConfigError(f"{e} (rerun the sweep on the same --out to recompute it)") from None
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
@@ -509,7 +532,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--grid", required=True, help="grid TOML (configs/sweep_*.toml)")
     r.add_argument("--out", required=True, help="sweep directory (cells/, runs.parquet)")
     r.add_argument("--shard", help="k/n: this process runs the k-th of n deterministic slices")
-    r.add_argument("--quick", action="store_true", help="apply the grid's [quick] overrides")
+    r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="replace one grid value (a TOML value; repeatable), e.g. "
+                        "--set sweep.seeds=3 (module doc)")
     r.add_argument("--save-runs", type=int, default=0, metavar="N",
                    help="also write full run directories (DIR/runs/) for the first N cells, seed 0")
     r.add_argument("--no-progress", action="store_true")
@@ -529,7 +554,7 @@ def main(argv: list[str] | None, problems: Mapping[str, Problem]) -> int:
 def _main(args, problems: Mapping[str, Problem]) -> int:
     if args.cmd == "run":
         shard = parse_shard(args.shard)
-        grid = load_grid(args.grid, problems, quick=args.quick)
+        grid = load_grid(args.grid, problems, args.set)
         if args.save_runs < 0:
             raise ConfigError(f"--save-runs: must be >= 0, got {args.save_runs}")
         # resumable: a sweep folder (its sweep.json) is kept, any other non-empty one refused

@@ -89,7 +89,12 @@ def replicate_main(argv: list[str]) -> int:
     ap.add_argument("--claims", default=f"configs/claims{'_matched' * matched}.toml",
                     help="claims TOML (docs/design.md, 'Claims: one system')")
     ap.add_argument("--ladder", required=matched, help="ladder directory (fit.json: the 70B's rho per group)")
-    ap.add_argument("--quick", action="store_true", help="CI scale: the bases' quick overrides, no full_only rows")
+    ap.add_argument("--only", action="append", default=None, metavar="ID",
+                    help="run only this claim (repeatable; the others are listed as not run)")
+    ap.add_argument("--set", action="append", default=[], metavar="base.NAME.KEY=VALUE",
+                    help="replace one value of a base (a TOML value; repeatable): the study's "
+                         "size table gives smaller arms this way, e.g. "
+                         "--set base.matched.overrides.train.num_steps=40")
     ap.add_argument("--seeds", type=int, default=None, help="paired seeds per arm (default: the file's; >= 10 for the tests)")
     ap.add_argument("--skip-llama", action="store_true", help="leave out the tiny-LLaMA toy rows (their note says so)")
     ap.add_argument("--no-progress", action="store_true")
@@ -109,7 +114,7 @@ def replicate_main(argv: list[str]) -> int:
     from simulate.claims import run_study
     try:
         path = Path(a.claims) if Path(a.claims).exists() else REPO / a.claims
-        out = run_study(read_study(path), a.out, quick=a.quick, num_seeds=a.seeds, ladder=a.ladder,
+        out = run_study(read_study(path, a.set), a.out, only=a.only, num_seeds=a.seeds, ladder=a.ladder,
                         skip_llama=a.skip_llama, progress=not a.no_progress)
         md, table = report_md(out)
     except (ConfigError, ValueError) as e:
@@ -134,16 +139,18 @@ def package_data_main(argv: list[str]) -> int:
 
 
 def phase_map_main(argv: list[str]) -> int:
-    """`adamspike phase-map --out DIR [--config FILE] [--ladder L] [--quick]`: the cells
-    (simulate.phase_map, cached per cell), the stability tracker's check, then the tables and
-    report (analysis.phase_map, from the files)."""
+    """`adamspike phase-map --out DIR [--config FILE] [--ladder L] [--set map.KEY=VALUE ...]`:
+    the cells (simulate.phase_map, one cell store), the stability tracker's check, then the
+    tables and report (analysis.phase_map, from the files)."""
     ap = argparse.ArgumentParser(prog="adamspike phase-map",
                                  description="phase map of spikes in the 70B's rho band")
     ap.add_argument("--out", required=True, help="map directory (resumes at the first missing cell)")
     ap.add_argument("--config", default="configs/phase_map.toml", help="map TOML")
     ap.add_argument("--ladder", help="ladder directory (fit.json: the 70B's rho per group); "
                                      "default: the file's [targets]")
-    ap.add_argument("--quick", action="store_true", help="the file's [quick] reductions (CI)")
+    ap.add_argument("--set", action="append", default=[], metavar="map.KEY=VALUE",
+                    help="replace one [map] value (a TOML value; repeatable): the study's size "
+                         "table gives a smaller map this way, e.g. --set map.seeds=4")
     ap.add_argument("--no-check", action="store_true",
                     help="skip the tracker-vs-power-iteration check (the file's [map] check)")
     ap.add_argument("--no-progress", action="store_true")
@@ -159,7 +166,7 @@ def phase_map_main(argv: list[str]) -> int:
     from simulate import phase_map
     try:
         path = Path(a.config) if Path(a.config).exists() else REPO / a.config
-        spec = phase_map.read_map(path, quick=a.quick)
+        spec = phase_map.read_map(path, a.set)
         out = phase_map.run_map(spec, a.out, ladder=a.ladder, progress=not a.no_progress)
         if not a.no_check and not (out / "stability_check.csv").exists():
             phase_map.check_stability(spec, out, progress=not a.no_progress)

@@ -92,11 +92,15 @@ _PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
 
 
 def _size_flags(sizes: dict) -> list[str]:
-    """`key = value` -> `--key value`; true: `--key` alone; false: left out."""
+    """`key = value` -> `--key value`; true: `--key` alone; false: left out; a list:
+    `--key item` per item (`set = ["fixed.train.num_steps=3000", ...]`: each stage's
+    explicit sizes, the modules' `--set`)."""
     out: list[str] = []
     for k, v in sizes.items():
         if v is True:
             out.append(f"--{k}")
+        elif isinstance(v, list):
+            out += [a for item in v for a in (f"--{k}", str(item))]
         elif v is not False:
             out += [f"--{k}", str(v)]
     return out
@@ -486,9 +490,9 @@ def answer_section(out: Path) -> list[str]:
         n = int(t[f"spikes_{tags[0]}"].sum()) if tags and len(t) else 0
         lanes = int(t["num_seeds"].sum()) if len(t) else 0
         meta = out / "phase_map" / "map.json"     # a reduced map draws no conclusion
-        reduced = meta.exists() and bool(json.loads(meta.read_text()).get("quick"))
-        reduced_note = ("No cell spiked in this reduced map (configs/phase_map.toml's [quick] "
-                        "sizes): too few and too short runs to test either mechanism; "
+        reduced = meta.exists() and bool(json.loads(meta.read_text()).get("sets"))
+        reduced_note = ("No cell spiked in this reduced map (its sizes in configs/study.toml's "
+                        "size table): too few and too short runs to test either mechanism; "
                         "`adamspike reproduce --full` runs the full map.")
         L.append(f"- **Toys held in that band** ([phase map](#phase-map-spikes-in-the-70bs-rho-band)): "
                  f"{n} loss spike(s) >= {tags[0] if tags else '?'} % in {lanes} runs of "

@@ -46,6 +46,7 @@ from adamspike.spikes import detect_spikes
 from adamspike.tables import md_table
 from adamspike.train_config import RunConfig
 from analysis import one_s as OS
+from analysis import phase_map as PMA
 from analysis import rate_threshold as RT
 from analysis import sharpness as SH
 from analysis.claims import load as load_claims
@@ -153,9 +154,9 @@ def lanes_from_map(map_dir: Path, name: str = "map") -> pd.DataFrame:
     meta = json.loads((map_dir / "map.json").read_text())
     parts = []
     for c in meta["cells"]:
-        p = map_dir / "cells" / f"{c['id']}.parquet"
-        if p.exists():
-            df = pd.read_parquet(p, columns=["seed", "step", "loss"])
+        df = PMA.read_cell(map_dir, c)
+        if df is not None:
+            df = df[["seed", "step", "loss"]]
             parts.append(df.assign(lr_mult=c["lr_mult"], b2=c["b2"], batch_mult=c["batch_mult"]))
     if not parts:
         raise ConfigError(f"{map_dir}: no finished cell")
@@ -211,7 +212,7 @@ def rate_rows_from_maps(map_dir: Path, plan: Mapping[str, Any]) -> tuple[pd.Data
     for role, names in plan_maps(plan, Path(map_dir).name).items():
         for n in names:
             d = root / n
-            if (d / "map.json").exists() and any((d / "cells").glob("*.parquet")):
+            if PMA.has_cells(d):
                 parts.append(RT.map_rows(d, plan, n).assign(role=role))
             else:
                 missing.append(n)
@@ -345,10 +346,9 @@ def map_summary(map_dir: Path) -> pd.DataFrame:
     meta = json.loads((map_dir / "map.json").read_text())
     rows = []
     for c in meta["cells"]:
-        p = map_dir / "cells" / f"{c['id']}.parquet"
-        if not p.exists():
+        df = PMA.read_cell(map_dir, c)
+        if df is None:
             continue
-        df = pd.read_parquet(p)
         cfg = RunConfig.from_dict(c["config"])
         llama = cfg.model.llama()
         n = num_params(llama)
@@ -793,7 +793,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
             extra_lanes = [lanes_from_map(Path(map_dir).parent / n, n)
                            for ns in plan_maps(plan, Path(map_dir).name).values() for n in ns
                            if n != Path(map_dir).name
-                           and any((Path(map_dir).parent / n / "cells").glob("*.parquet"))]
+                           and PMA.has_cells(Path(map_dir).parent / n)]
             if extra_lanes:      # every map's rates beside their nulls
                 more = null_table(pd.concat(extra_lanes, ignore_index=True), plan)
                 nulls = pd.concat([nulls, more], ignore_index=True) if nulls is not None else more
@@ -826,7 +826,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
         more = [map_summary(Path(map_dir).parent / n).assign(map=n)
                 for ns in plan_maps(plan, Path(map_dir).name).values() for n in ns
                 if n != Path(map_dir).name
-                and any((Path(map_dir).parent / n / "cells").glob("*.parquet"))]
+                and PMA.has_cells(Path(map_dir).parent / n)]
         summ = pd.concat([summ.assign(map=Path(map_dir).name), *more], ignore_index=True)
         if rate_rows is not None and not rate_rows.empty:
             seen = (rate_rows.groupby(["source", "lr_mult", "b2", "batch_mult"])

@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from tests.foundation.test_cells import store_table
 from analysis.claims import arms_table, claims_table, load, report_md, verdict
 from analysis.spike_rate import group_numel, matched_rows
 
@@ -32,9 +33,8 @@ def study(tmp_path):
     rng = np.random.default_rng(0)
     arms = {"base": _arm(rng, 1, 0.9), "more": _arm(rng, 3, 900.0), "quiet": _arm(rng, 0, 0.5),
             "same": _arm(rng, 1, 0.9)}
-    (tmp_path / "arms").mkdir()
-    for name, df in arms.items():
-        df.to_parquet(tmp_path / "arms" / f"{name}.parquet")
+    refs = {name: store_table(tmp_path / "cells", name, df, "claims_arm")
+            for name, df in arms.items()}
 
     def claim(id, control, treatment, rule, **kw):
         return {"id": id, "source": "s", "claim": id, "base": "matched", "metric": "num_spikes",
@@ -45,11 +45,13 @@ def study(tmp_path):
               claim("wrong", "base", "more", "decrease"), claim("weak", "base", "same", "weak"),
               claim("none", "quiet", "quiet", "decrease"),
               claim("toy", "tc", "tt", "removes", metric="num_spikes"),
-              claim("skipped", None, None, "decrease", not_run="not run in --quick")]
-    pd.DataFrame({"seed": range(NUM_SEEDS), "num_spikes": 4.0}).to_parquet(tmp_path / "arms" / "tc.parquet")
-    pd.DataFrame({"seed": range(NUM_SEEDS), "num_spikes": 0.0}).to_parquet(tmp_path / "arms" / "tt.parquet")
+              claim("skipped", None, None, "decrease", not_run="not run at this size")]
+    for name, n in (("tc", 4.0), ("tt", 0.0)):
+        refs[name] = store_table(tmp_path / "cells", name,
+                                 pd.DataFrame({"seed": range(NUM_SEEDS), "num_spikes": n}), "sweep_cell")
     meta = {"title": "T", "description": "D", "seeds": list(range(NUM_SEEDS)),
-            "arms": {n: {"base": "matched", "label": n} for n in [*arms, "tc", "tt"]}, "claims": claims,
+            "arms": {n: {"base": "matched", "label": n, "cell": refs[n]} for n in [*arms, "tc", "tt"]},
+            "claims": claims,
             "calibration": {"matched": {"targets": {"shallow": 0.94}, "eps": {"shallow": 1e-3},
                                         "rounds": [{"rho": {"shallow": 0.9}}]}}}
     meta["arm_configs"] = {n: {"optim.b2": 0.95, "optim.lr": 1e-3, "optim.eps": 1e-3,
@@ -124,6 +126,7 @@ def test_arms_table_and_markdown(study):
 
 
 def test_an_unfinished_study_names_the_missing_arm(study):
-    (study / "arms" / "quiet.parquet").unlink()
-    with pytest.raises(ValueError, match="quiet.parquet: missing"):
+    ref = json.loads((study / "replication.json").read_text())["arms"]["quiet"]["cell"]
+    (study / "cells" / ref["kind"] / f"{ref['key']}.json").unlink()
+    with pytest.raises(ValueError, match=f"{ref['key']}.json: missing cell.*arm quiet"):
         load(study)

@@ -55,11 +55,11 @@ def test_a_map_directory_read_back(tmp_path):
     a = pd.concat([_lane(s, T, spike_at=100 + 30 * s, cross_before=True) if s < 5 else _lane(s, T)
                    for s in range(7)])
     b = pd.concat([_lane(s, T) for s in range(7)])
-    (tmp_path / "cells").mkdir()
+    from tests.foundation.test_cells import store_table
     for cid, df, lr in (("a", a, 64), ("b", b, 1)):
-        df.to_parquet(tmp_path / "cells" / f"{cid}.parquet")
         cells.append({"id": cid, "lr_mult": lr, "b2": 0.95, "batch_mult": 1, "lr": 1e-3 * lr,
-                      "global_batch_size": 8})
+                      "global_batch_size": 8,
+                      "cell": store_table(tmp_path / "cells", cid, df, "phase_map_cell")})
     (tmp_path / "map.json").write_text(json.dumps({
         "title": "t", "config_file": "x.toml", "quick": False, "seeds": list(range(7)),
         "curvature_every": 10, "targets": {"shallow": 0.9}, "grid": {"lr_mult": [1, 64],

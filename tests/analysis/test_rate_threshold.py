@@ -97,14 +97,14 @@ def test_map_rows_count_a_visible_spike_in_its_phase_and_flag_the_band(tmp_path)
         lanes.append(pd.DataFrame({"seed": seed, "step": steps, "loss": loss, "S": S,
                                    "rho_embed": 0.7, "rho_shallow": 0.9, "rho_deep": 0.17,
                                    "rho_head": 2.8}))
-    (tmp_path / "cells").mkdir()
-    pd.concat(lanes).to_parquet(tmp_path / "cells" / "c1.parquet")
+    from tests.foundation.test_cells import store_table
+    ref = store_table(tmp_path / "cells", "c1", pd.concat(lanes), "phase_map_cell")
     cfg = {"optim.warmup_steps": 200, "model.init_std": 0.02, "model.dim": 48,
            "model.num_layers": 6}
     meta = {"targets": {"embed": 0.714, "shallow": 0.944, "deep": 0.166, "head": 2.817},
             "cells": [{"id": "c1", "lr_mult": 64, "b2": 0.95, "batch_mult": 1, "lr": 0.064,
                        "eps": {"embed": 1e-3, "shallow": 2e-3, "deep": 1e-2, "head": 2e-4},
-                       "config": cfg}]}
+                       "config": cfg, "cell": ref}]}
     (tmp_path / "map.json").write_text(json.dumps(meta))
     r = map_rows(tmp_path, PLAN, "map_heldout").set_index(["seed", "phase"])
     assert r.loc[(1, "after"), "spikes"] == 1 and r["spikes"].sum() == 1

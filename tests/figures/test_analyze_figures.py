@@ -41,7 +41,7 @@ def test_figures_does_only_what_it_is_asked(tmp_path, capsys):
     assert cli(["analyze", "--log", str(log), "--out", str(tmp_path / "an"), "--no-figures"]) == 0
     capsys.readouterr()
     assert cli(["figures", str(tmp_path / "an" / "m.log.run"), "--analysis",
-                str(tmp_path / "an"), "--out", str(tmp_path / "f"), "--quick"]) == 0
+                str(tmp_path / "an"), "--out", str(tmp_path / "f"), "--formats", "png"]) == 0
     err = capsys.readouterr().err
     assert "fig_loss_spikes" in err and "[theory]" not in err and "fig_regime_map" not in err
     assert "no sweep table" not in err

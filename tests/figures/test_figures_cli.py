@@ -74,20 +74,21 @@ def test_registry_calls_main_with_inputs(tmp_path, monkeypatch):
         "import sys, pathlib\n"
         "def main(argv):\n"
         "    i = argv.index('--out'); d = pathlib.Path(argv[i + 1]); d.mkdir(parents=True)\n"
-        "    (d / 'fake.png').write_text(' '.join(argv)); return 0  # accepts \"--quick\"\n")
+        "    (d / 'fake.png').write_text(' '.join(argv)); return 0  # accepts \"--set\"\n")
     (mod_dir / "fake_broken_fig.py").write_text(
         "def main(argv):\n    raise RuntimeError('boom')\n")
     monkeypatch.syspath_prepend(str(mod_dir))
     table = tmp_path / "replication"
     table.mkdir()
-    files, outcomes = generate([], tmp_path / "o", replication=table, quick=True,
+    files, outcomes = generate([], tmp_path / "o", replication=table,
+                               sets=["fake_theory_fig.draws=10", "fig_other.draws=5"],
                                registry=[("fake_theory_fig", "theory"),
                                          ("fake_broken_fig", "replication")])
     st = {o.module: (o.status, o.detail) for o in outcomes}
     assert st["fake_theory_fig"] == ("ok", "")
     assert st["fake_broken_fig"] == ("failed", "RuntimeError: boom")
     assert [f.name for f in files] == ["fake.png"]
-    assert files[0].read_text().endswith("--quick")
+    assert files[0].read_text().endswith("--set draws=10")        # its own sizes only
 
 
 def test_calibration_figure_from_a_spike_rate_directory(tmp_path, capsys):

@@ -120,7 +120,7 @@ CASES = [
     # sweep
     ("sweep-missing-grid", lambda w, o: ["sweep", "run", "--grid", str(w["dir"] / "nope.toml"),
                                          "--out", o], ["nope.toml"]),
-    ("sweep-into-a-run-dir", lambda w, o: ["sweep", "run", "--grid", GRID, "--quick",
+    ("sweep-into-a-run-dir", lambda w, o: ["sweep", "run", "--grid", GRID, "--set", "sweep.seeds=1",
                                            "--out", w["run"]], ["is a run directory"]),
     ("sweep-bad-shard", lambda w, o: ["sweep", "run", "--grid", GRID, "--shard", "3/2",
                                       "--out", o], ["shard"]),

@@ -25,6 +25,14 @@ def cells(n, **extra):
             for s in range(n)]
 
 
+def store_table(root: Path, name: str, df: pd.DataFrame, kind: str) -> dict:
+    """A synthetic table stored as a cell (payload `rows`) under `root`, as the experiments'
+    drivers store theirs; returns the {kind, key} their metadata names it by."""
+    c = Cell(kind, "test", {"name": name})
+    CellStore(root).put(c, {"rows": df})
+    return {"kind": kind, "key": c.key}
+
+
 def files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file() and not p.name.endswith(".prov.json")}
@@ -63,7 +71,9 @@ def test_store_round_trip_and_every_corruption_is_detected_and_set_aside(tmp_pat
     data[len(data) // 2] ^= 0x10
     tp.write_bytes(bytes(data))
     assert store.get(c) is None and "table 'table'" in capsys.readouterr().err
-    assert len(list(js.parent.glob("*.corrupt*"))) == 3       # nothing lost
+    # nothing lost: each set-aside cell's JSON and table kept
+    assert len(list(js.parent.glob("*.json.corrupt*"))) == 3
+    assert len(list(js.parent.glob("*.parquet.corrupt*"))) == 3
     assert store.compute(c)["top"] == got["top"]
 
 

@@ -98,3 +98,22 @@ def test_bias_correction_offset_setting_and_ids_of_configs_without_it():
     assert set(flat) - set(id_settings(flat)) == {"optim.bias_correction_offset"}
     seed = flatten(to_dict(RunConfig.from_dict({"optim.bias_correction_offset": 1})))
     assert id_settings(seed) == seed
+
+
+def test_apply_sets_replaces_one_key_of_a_section_in_place():
+    """`--set SECTION.KEY=VALUE` (the study's size table's explicit sizes): TOML values,
+    dotted keys inside a section (quoted or nested alike), a table replaced whole, the
+    section's key order kept; a bad one is one ConfigError naming it."""
+    from adamspike.config import apply_sets
+    data = {"map": {"overrides": {"train.num_steps": 600, "optim.warmup_steps": 200},
+                    "seeds": 10, "check": {"steps": 300, "lr_mult": [1, 64]}},
+            "targets": {"embed": 0.7}}
+    got = apply_sets(data, ["map.overrides.train.num_steps=200", "map.seeds=4",
+                            "map.check={steps = 60}", "map.lr_mult=[1, 256]"], {"map"})
+    assert got["map"] == {"overrides": {"train": {"num_steps": 200}, "optim": {"warmup_steps": 200}},
+                          "seeds": 4, "check": {"steps": 60}, "lr_mult": [1, 256]}
+    assert got["targets"] is data["targets"] and data["map"]["seeds"] == 10   # not mutated
+    for bad, needle in (("map.seeds", "KEY=VALUE"), ("targets.embed=1", "SECTION.KEY"),
+                        ("map.seeds=[1,", "not a TOML value")):
+        with pytest.raises(ConfigError, match=needle):
+            apply_sets(data, [bad], {"map"})

@@ -89,7 +89,7 @@ def test_fit_recovers_known_power_law():
 def test_cells_cached_and_resumed(synthetic_ladder):
     out, spec, calls = synthetic_ladder
     assert len(calls) == len(spec.rungs)
-    cells = sorted((out / "cells").glob("*.parquet"))
+    cells = sorted((out / "cells" / LD.KIND).glob("*[0-9a-f].json"))
     assert len(cells) == len(spec.rungs)
     cells[0].unlink()                                   # an interrupted ladder
     LD.run_ladder(spec, out, progress=False)
@@ -109,8 +109,10 @@ def test_cells_from_another_ladder_directory(synthetic_ladder, tmp_path):
     assert LD.seed_cells(spec, dst, src) == len(spec.rungs)
     LD.run_ladder(spec, dst, progress=False)
     assert len(calls) == len(spec.rungs)                 # nothing trained
-    for c in (src / "cells").glob("*.parquet"):
-        assert (dst / "cells" / c.name).read_bytes() == c.read_bytes()
+    copied = [c for c in (src / "cells" / LD.KIND).iterdir() if not c.name.endswith(".prov.json")]
+    assert len(copied) == 2 * len(spec.rungs)
+    for c in copied:
+        assert (dst / "cells" / LD.KIND / c.name).read_bytes() == c.read_bytes()
     assert (dst / LD.BATCH_SHARPNESS_FILE).read_text() == '{"llama2_70b": {}}'
     assert LD.seed_cells(spec, dst, src) == 0            # all there: none copied again
     other = LD.LadderSpec(rungs=spec.rungs, seeds=3, num_steps=30)
@@ -337,3 +339,18 @@ def test_sharpness_ladder_fit_and_the_70b_pi(tmp_path, monkeypatch):
     with pytest.raises(Exception, match="curvature_every"):
         LD.run_ladder(LD.LadderSpec(rungs=[(32, 2, 16)], num_steps=20, curvature_every=7),
                       tmp_path / "bad", progress=False)
+
+
+def test_a_smaller_ladder_is_explicit_sizes_over_the_full_one():
+    """No named reduced ladder: a caller (the study's size table) gives explicit sizes; the
+    rest is the full ladder's."""
+    small = LD.sized_spec(rungs=[(32, 2, 16), (64, 2, 16)], seeds=2, num_steps=60,
+                          curvature_every=20, curvature_iters=None)
+    full = LD.full_spec()
+    assert small.rungs == [(32, 2, 16), (64, 2, 16)] and small.seeds == 2
+    assert small.num_steps == 60 and small.curvature_every == 20
+    assert small.curvature_iters == full.curvature_iters and small.lr == full.lr
+    assert LD.sized_spec() == full
+    assert LD.rung_arg("64x4x16") == (64, 4, 16)
+    with pytest.raises(Exception, match="DIMxLAYERS"):
+        LD.rung_arg("64x")

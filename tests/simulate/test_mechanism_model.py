@@ -33,7 +33,7 @@ def _config(dim: int, lr: float, b2: float) -> dict:
 def _write_map(out, dim, rng, injected):
     """A map directory (map.json + cells) whose lanes spike at a rate that grows with S:
     rate per 1k = 1.5 S^2 (S the lane's stability level), single-step 60 % jumps."""
-    (out / "cells").mkdir(parents=True)
+    from tests.foundation.test_cells import store_table
     cells = []
     for i, (lr_mult, b2) in enumerate([(1, 0.95), (8, 0.95), (32, 0.99), (64, 0.999)]):
         cid = f"w{dim}c{i}"
@@ -55,10 +55,10 @@ def _write_map(out, dim, rng, injected):
                                       "update_norm": 1e-3, "S": S,
                                       **{f"rho_{g}": v * np.exp(0.05 * rng.standard_normal(STEPS))
                                          for g, v in rho.items()}}))
-        pd.concat(rows).to_parquet(out / "cells" / f"{cid}.parquet")
         cells.append({"id": cid, "lr_mult": lr_mult, "b2": b2, "batch_mult": 1,
                       "lr": 1e-3 * lr_mult, "global_batch_size": 8,
-                      "config": _config(dim, 1e-3 * lr_mult, b2)})
+                      "config": _config(dim, 1e-3 * lr_mult, b2),
+                      "cell": store_table(out / "cells", cid, pd.concat(rows), "phase_map_cell")})
     (out / "map.json").write_text(json.dumps({
         "title": f"synthetic {dim}", "quick": False, "seeds": list(range(SEEDS)),
         "curvature_every": 20, "targets": {"embed": 0.7, "shallow": 0.9, "deep": 0.2, "head": 2.8},

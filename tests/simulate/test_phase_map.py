@@ -231,15 +231,18 @@ window = 10
     assert "Phase map" in (out / "phase_map.md").read_text() or "tiny map" in (out / "phase_map.md").read_text()
     # resumed: nothing reruns (the cells' files are kept as they are; calibrating, a cell or
     # the check would fail the call)
-    mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()}
-    from simulate import phase_map
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "cells").rglob("*")}
+    assert {p.parent.name for p in (out / "cells").rglob("*.json")} == {"phase_map_cell",
+                                                                      "calibration"}
+    from simulate import claims, phase_map
 
     def recomputed(*args, **kwargs):
         raise AssertionError("the resumed map recomputed")
-    for name in ("calibrate", "run_cell", "check_stability"):
+    monkeypatch.setattr(claims, "calibrate", recomputed)     # the calibration cells' computation
+    for name in ("run_cell", "check_stability"):
         monkeypatch.setattr(phase_map, name, recomputed)
     assert cli(["phase-map", "--config", str(cfg), "--out", str(out), "--no-progress"]) == 0
-    assert {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()} == mtimes
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "cells").rglob("*")} == mtimes
 
 
 def test_a_bad_map_file_is_one_line(tmp_path, capsys):

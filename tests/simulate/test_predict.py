@@ -302,7 +302,7 @@ def test_package_data_round_trip_and_tamper_check(tmp_path):
     shipped = {k: v for k, v in PD.manifest()["files"].items() if k != "predictions.json"}
     assert m["files"] == shipped and m["version"] == 1
     assert PD.manifest(root=root)["files"] == m["files"]
-    cell = next((PD.profile_dir(root=root) / "ladder" / "cells").glob("*.parquet"))
+    cell = next((PD.profile_dir(root=root) / "ladder" / "cells" / "ladder_rung").glob("*.parquet"))
     cell.write_bytes(cell.read_bytes() + b"\0")
     with pytest.raises(PD.PackageDataError, match="sha256 differs"):
         PD.ladder_dir(root=root)

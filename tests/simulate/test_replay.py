@@ -155,7 +155,7 @@ def test_min_incidents_stops_running_seeds_once_enough_are_found(tmp_path):
                         max_lead=150, horizon=10, recur_window=5, skip_window=5,
                         min_incidents=1, interventions=("none",))
     table = R.run_study(spec, tmp_path, progress=False)
-    assert sorted(p.name for p in (tmp_path / "cache").glob("base-*")) == ["base-s0.npz"]
+    assert len(list((tmp_path / "cells" / "replay_base").glob("*[0-9a-f].json"))) == 1
     assert table["spike_step"].tolist() == [80]
     md = R.write_outputs(tmp_path, table, spec, 1.0, "test")
     assert "1 seeds x 100 steps: seeds run in order until 1 incidents were found, at most 3" in md

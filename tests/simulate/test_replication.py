@@ -5,6 +5,7 @@ arms are stubbed here, the matched stage itself runs in tests/study)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -29,7 +30,7 @@ def test_shipped_claim_files_parse_into_one_schema():
     assert len(toy.claims) >= 15 and len(matched.claims) >= 8 and toy.seeds == matched.seeds == 10
     assert {c.base for c in toy.claims} == {"mlp", "mlp_deep", "quadratic", "llama"}
     lower = next(c for c in matched.claims if c.id == "seed.lower_eps")
-    assert lower.control == {} and lower.treatment_name == "eps_div1000" and lower.quick
+    assert lower.control == {} and lower.treatment_name == "eps_div1000"
     for c in toy.claims + matched.claims:
         assert all("." in k for k in {**c.treatment, **(c.control or {})}), c.id
 
@@ -58,7 +59,7 @@ def test_claims_file_errors_name_the_claim_and_key(tmp_path, capsys, text, needl
     assert replicate_main(["--out", str(tmp_path / "o"), "--claims", str(p)]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
-    assert not (tmp_path / "o" / "arms").exists() or not any((tmp_path / "o" / "arms").iterdir())
+    assert not (tmp_path / "o" / "cells").exists() or not any((tmp_path / "o" / "cells").rglob("*"))
 
 
 def test_cli_bad_seeds(tmp_path, capsys):
@@ -69,9 +70,10 @@ def test_cli_bad_seeds(tmp_path, capsys):
 
 def test_small_real_replication(tmp_path):
     """Two Bai claims on the real quadratic (10 paired seeds): rows, intervals, verdicts;
-    resumable (arm files reused); --quick leaves the llama row "not run"."""
+    resumable (arm cells reused); --only leaves the llama row "not run"."""
     st = _subset(TOY, ("bai.lower_b2", "bai.eps_star", "report.glm_shrink"))
-    C.run_study(st, tmp_path, quick=True, progress=False)
+    only = ["bai.lower_b2", "bai.eps_star"]
+    C.run_study(st, tmp_path, only=only, progress=False)
     md, table = report_md(tmp_path)
     rows = table.set_index("id")
     b2 = rows.loc["bai.lower_b2"]
@@ -86,29 +88,36 @@ def test_small_real_replication(tmp_path):
     from figures import fig_replication as F
     table.to_csv(tmp_path / "replication.csv", index=False)
     assert F.main(["--table", str(tmp_path), "--out", str(tmp_path / "fig")]) == 0
-    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "arms").iterdir()}
-    C.run_study(st, tmp_path, quick=True, progress=False)     # every arm on disk: nothing reruns
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "arms").iterdir()} == stamps
+    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cells").rglob("*")}
+    assert len(stamps) >= 3
+    C.run_study(st, tmp_path, only=only, progress=False)     # every arm on disk: nothing reruns
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cells").rglob("*")} == stamps
     pd.testing.assert_frame_equal(table, report_md(tmp_path)[1])
 
 
 def test_full_replication_runs_the_llama_claims(tmp_path, monkeypatch):
-    """Without --quick the two llama claims have runnable cells that differ from their
+    """Without --only the two llama claims have runnable cells that differ from their
     shared control only by the treatment; their rows come from the (stubbed) sweep table,
     with the also-metrics in the note."""
     import simulate.sweep as S
     st = _subset(TOY, ("report.batch_skip", "report.glm_shrink"))
     seen = {}
 
+    from adamspike.cells import CellStore
+
     def fake_run_cells(problem, cell_list, seeds, out, progress=True, desc=None):
         seen[problem.name] = (cell_list, list(seeds))
-        rows = []
-        for cell in cell_list:
+        frames = []
+        for cell in cell_list:      # stored as the sweep stores its cells: the arms' tables
             spikes = 1 if cell["guard.enabled"] else (1 if cell["mitigation.embed_grad_shrink"] < 1 else 3)
-            rows += [{"cell_id": S.cell_id(problem.name, cell), "seed": s, "num_spikes": spikes + (s % 2),
-                      "final_loss": 2.1, "max_spike_height": 0.3, "guard_rollbacks": 2.0 * cell["guard.enabled"],
-                      "guard_aborted": 0.0} for s in seeds]
-        return pd.DataFrame(rows)
+            df = pd.DataFrame([{"cell_id": S.cell_id(problem.name, cell), "seed": s,
+                                "num_spikes": spikes + (s % 2), "final_loss": 2.1,
+                                "max_spike_height": 0.3, "guard_rollbacks": 2.0 * cell["guard.enabled"],
+                                "guard_aborted": 0.0} for s in seeds])
+            CellStore(Path(out) / "cells").put(S.store_cell(problem, cell, seeds, problem.spikes),
+                                               {"rows": df})
+            frames.append(df)
+        return pd.concat(frames, ignore_index=True)
 
     monkeypatch.setattr(C, "run_cells", fake_run_cells)
     C.run_study(st, tmp_path, progress=False)

@@ -59,8 +59,9 @@ def main(argv):
     return S.main(argv, ALL)
 
 
-def load_grid(path, quick=False):
-    return S.load_grid(path, ALL, quick=quick)
+def load_grid(path, sets=()):
+    return S.load_grid(path, ALL, sets)
+
 
 GRID = """
 [sweep]
@@ -72,9 +73,8 @@ train.num_steps = 200
 optim.eps = [1e-8, 1e-6, 1e-3]
 optim.b2 = [0.9, 0.99]
 toy.batch = [4, 8]
-[quick]
-grid = {optim.eps = [1e-8, 1e-3]}
 """
+SMALLER = ["grid.optim.eps=[1e-8, 1e-3]"]       # a caller's explicit size (configs/study.toml)
 
 
 @pytest.fixture
@@ -91,7 +91,11 @@ def test_cells_ids_stable_and_unique(grid_file):
     ids = [S.cell_id("toy", c) for c in cells]
     assert len(set(ids)) == len(ids)
     assert ids == [S.cell_id("toy", c) for c in load_grid(grid_file).cells()]
-    assert len(load_grid(grid_file, quick=True).cells()) == 2 * 2 * 2
+    small = load_grid(grid_file, SMALLER)
+    assert len(small.cells()) == 2 * 2 * 2 and small.axes["optim.eps"] == [1e-8, 1e-3]
+    assert list(small.axes) == list(g.axes)                  # the grid's own axis order
+    with pytest.raises(S.ConfigError, match="SECTION.KEY"):
+        load_grid(grid_file, ["nope.x=1"])
 
 
 def test_run_table_and_spike_summary(grid_file, tmp_path):
@@ -130,12 +134,13 @@ def test_resume_skips_finished_cells(grid_file, tmp_path):
 
 
 def test_a_corrupt_cell_is_set_aside_and_recomputed(grid_file, tmp_path, capsys):
-    """Cells carry their content sha256 (issue 40, defect 7): a flipped bit in a cached
-    cell's numbers is caught on read, the file kept as .corrupt, the cell recomputed (one
-    line), and the table is the uncorrupted one."""
+    """Cells live in the one store (adamspike.cells) and carry their content sha256 (issue
+    40, defect 7): a flipped bit in a stored cell's numbers is caught on read, the cell
+    kept as .corrupt, recomputed (one line), and the table is the uncorrupted one."""
     out, g = tmp_path / "out", load_grid(grid_file)
     first = S.run_sweep(g, out, progress=False)
-    cell = sorted((out / "cells").glob("*.parquet"))[0]
+    cell = sorted((out / "cells" / S.KIND).glob("*.rows.parquet"))[0]
+    stamps = {p.name: p.stat().st_mtime_ns for p in (out / "cells" / S.KIND).glob("*.json")}
     good = cell.read_bytes()
     # a flip inside the first float column's data page: decodes fine, different numbers
     df = pd.read_parquet(cell)
@@ -150,13 +155,16 @@ def test_a_corrupt_cell_is_set_aside_and_recomputed(grid_file, tmp_path, capsys)
     capsys.readouterr()
     CALLS.update(runs=0, calls=0)
     again = S.run_sweep(g, out, progress=False)
-    err = [l for l in capsys.readouterr().err.splitlines() if "sha256" in l]
-    assert len(err) == 1 and cell.name in err[0] and "computing it again" in err[0]
-    assert CALLS["calls"] >= 1 and (out / "cells" / (cell.name + ".corrupt")).read_bytes() == bytes(bad)
+    err = [l for l in capsys.readouterr().err.splitlines() if "set aside" in l]
+    key = cell.name.split(".")[0]
+    assert len(err) == 1 and key in err[0] and "computing it again" in err[0]
+    assert CALLS["calls"] >= 1 and cell.with_name(cell.name + ".corrupt").read_bytes() == bytes(bad)
     pd.testing.assert_frame_equal(first, again)
     assert cell.read_bytes() == good                      # the same computation, the same bytes
+    after = {p.name: p.stat().st_mtime_ns for p in (out / "cells" / S.KIND).glob("*.json")}
+    assert {k for k in stamps if after.get(k) != stamps[k]} <= {f"{key}.json", f"{key}.prov.json"}
     cell.write_bytes(bytes(bad))                          # a reader alone refuses it in one line
-    with pytest.raises(S.ConfigError, match="does not match its content sha256"):
+    with pytest.raises(S.ConfigError, match="content hash mismatch"):
         S.read_cells(out)
 
 
@@ -202,11 +210,12 @@ def test_bad_shard_exits_2(grid_file, tmp_path, capsys, spec):
 
 def test_other_grid_into_same_dir_refused(grid_file, tmp_path, capsys):
     out = tmp_path / "o"
-    assert main(["run", "--grid", str(grid_file), "--out", str(out), "--quick", "--no-progress"]) == 0
-    before = sorted(p.name for p in (out / "cells").iterdir())
+    assert main(["run", "--grid", str(grid_file), "--out", str(out), "--set", SMALLER[0],
+                 "--no-progress"]) == 0
+    before = sorted(p.name for p in (out / "cells").rglob("*"))
     assert main(["run", "--grid", str(grid_file), "--out", str(out), "--no-progress"]) == 2
     assert "another grid" in capsys.readouterr().err
-    assert sorted(p.name for p in (out / "cells").iterdir()) == before
+    assert sorted(p.name for p in (out / "cells").rglob("*")) == before
 
 
 def test_shard_assignment_is_a_partition():

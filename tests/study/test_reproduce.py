@@ -159,7 +159,10 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
         assert f"{shipped}/spike_rate_model.json" in plan["predict_70b"].argv
         assert plan["predict_70b"].needs == ["sweep", "ladder"]
     assert "--cells-from" not in f["ladder"].argv and shipped not in " ".join(f["predict_70b"].argv)
-    assert d["phase_map"].argv[-1] == "--quick" and "--quick" not in f["phase_map"].argv
+    # the reduced map's explicit sizes (the module knows no scale); --full: the file as written
+    assert "map.seeds=4" in d["phase_map"].argv and "--set" not in f["phase_map"].argv
+    assert all("quick" not in a for plan in (f, q, d) for s in plan.values() for a in s.argv
+               if not a.startswith(str(tmp_path)))
     # Science 4: the full study computes its cells and map; the others read the shipped ones
     assert "--compute" in f["science4"].argv and f["science4"].needs == ["phase_map_science4"]
     assert "--compute" not in q["science4"].argv and q["science4"].needs == []

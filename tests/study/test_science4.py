@@ -76,16 +76,16 @@ def test_claims_under_the_plans_rule_on_a_synthetic_replication(tmp_path):
                                       "rho_embed": 0.7 * rho_scale, "rho_shallow": 0.9 * rho_scale,
                                       "rho_deep": 0.2 * rho_scale, "rho_head": 3.0 * rho_scale}))
         return pd.concat(rows, ignore_index=True)
-    (tmp_path / "arms").mkdir()
-    arm(True, 1.0).to_parquet(tmp_path / "arms" / "c.parquet")
-    arm(False, 500.0).to_parquet(tmp_path / "arms" / "t.parquet")
-    arm(True, 1.0).to_parquet(tmp_path / "arms" / "c2.parquet")
+    from tests.foundation.test_cells import store_table
+    refs = {n: store_table(tmp_path / "cells", n, arm(spike, scale), "claims_arm")
+            for n, spike, scale in (("c", True, 1.0), ("t", False, 500.0), ("c2", True, 1.0))}
     claims = [{"id": "lower", "claim": "x", "treatment": {"optim.eps": "*0.001"},
                "treatment_arm": "t", "control_arm": "c"},
               {"id": "same", "claim": "y", "treatment": {"optim.eps": "*0.1"},
                "treatment_arm": "c2", "control_arm": "c"}]
     (tmp_path / "replication.json").write_text(json.dumps(
-        {"claims": claims, "arms": {a: {"label": a, "base": "b"} for a in ("c", "t", "c2")}}))
+        {"claims": claims, "arms": {a: {"label": a, "base": "b", "cell": refs[a]}
+                                   for a in ("c", "t", "c2")}}))
     df = claims_under_plan(tmp_path, load_plan("science4")).set_index("id")
     assert df.loc["lower", "visible_control"] == 10 and df.loc["lower", "visible_treatment"] == 0
     assert df.loc["lower", "p_holm"] < 0.01 and df.loc["lower", "verdict"] == "supported"
