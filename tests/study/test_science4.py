@@ -31,6 +31,15 @@ def test_report_carries_the_plans_hash(s4):
     assert json.loads((s4 / "science4.json").read_text())["plan_sha256"] in text
 
 
+def test_the_law_predict_reads_is_rederived_and_the_v2_sections_are_there(s4):
+    text = (s4 / "science4.md").read_text()
+    assert "is re-derived here from the cells: the same coefficients" in text
+    for section in ("## One S", "## A rate model that can say zero", "Verdict under the plan"):
+        assert section in text
+    # (the comparison is science4's own, rtol 1e-9: the shipped law was fitted on another
+    # machine's BLAS, so bytes are not compared)
+
+
 def test_sharpness_readings_before_and_after_qc(s4):
     v = pd.read_csv(s4 / "sharpness_versions.csv").set_index("reading")
     shipped = v.loc["v4 as shipped (no QC)"]
