@@ -864,7 +864,12 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     summary = {"plan": plan["_path"], "plan_sha256": plan["_sha256"],
                "versions": versions.to_dict("records"),
                "hits": extra["hits"].to_dict("records"),
-               "nulls": None if nulls is None else nulls.to_dict("records")}
+               "nulls": None if nulls is None else nulls.to_dict("records"),
+               "plan_version": int(plan["plan"]["version"]),
+               "rate_model": None if rate_fit is None else {
+                   k: rate_fit[k] for k in ("verdict", "why", "S_c", "observed", "held_cells",
+                                            "train_spikes", "train_dropped_spikes")},
+               "S_70b_toy_scale": S70_cal}
     atomic_write_bytes(out / "science4.json", json.dumps(summary, indent=1, default=str).encode())
     return summary
 
