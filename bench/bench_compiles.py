@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
+
 REPO = Path(__file__).resolve().parent.parent
 _COMPILED = re.compile(r"Finished XLA compilation of (\S+) in ([0-9.]+) sec")
 _HIT = re.compile(r"Persistent compilation cache hit for '([^']+)'")
@@ -72,7 +74,6 @@ _TIMING = re.compile(r"time|seconds|wall|_s$")     # measured durations: differ 
 def _digest(path: Path) -> str:
     """sha256 of a data file; of a table's columns other than its timings."""
     if path.suffix in (".csv", ".parquet"):
-        import pandas as pd
         t = pd.read_csv(path) if path.suffix == ".csv" else pd.read_parquet(path)
         t = t[[c for c in t.columns if not _TIMING.search(str(c))]]
         return hashlib.sha256(t.to_csv(index=False).encode()).hexdigest()
