@@ -502,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     # JAX's persistent compilation cache, per user (not per study): a second study into a
     # new folder, and the next --resume, load every program the first compiled
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_home() / "jax"))
+    # every program, not only those that took >= 1 s (JAX's default): the stages compile
+    # many small ones, each again in every process and study, and a load costs milliseconds
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env["ADAMSPIKE_EXECUTOR"] = args.executor          # adamspike.cells.run_cells' default
     if args.address:
         env["ADAMSPIKE_RAY_ADDRESS"] = args.address
