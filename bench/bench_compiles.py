@@ -73,17 +73,28 @@ _TIMING = re.compile(r"time|seconds|wall|_s$")     # measured durations: differ 
 
 def _digest(path: Path) -> str:
     """sha256 of a data file; of a table's columns other than its timings."""
-    if path.suffix in (".csv", ".parquet"):
-        t = pd.read_csv(path) if path.suffix == ".csv" else pd.read_parquet(path)
+    if path.suffix in (".csv", ".parquet") or path.is_dir():
+        try:
+            t = pd.read_csv(path) if path.suffix == ".csv" else pd.read_parquet(path)
+        except pd.errors.EmptyDataError:          # an empty CSV (no rows, no header)
+            return hashlib.sha256(path.read_bytes()).hexdigest()
         t = t[[c for c in t.columns if not _TIMING.search(str(c))]]
         return hashlib.sha256(t.to_csv(index=False).encode()).hexdigest()
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def data_files(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): _digest(p)
-            for p in sorted(root.rglob("*")) if p.suffix in _DATA and p.is_file()
-            and ".cache" not in p.parts and ".stale" not in p.parts}
+    """Digest per data file; a run's parquet table (its part-*.parquet files, whose split
+    depends on when rows were flushed) as one table."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.suffix not in _DATA or not p.is_file() or {".cache", ".stale"} & set(p.parts):
+            continue
+        if p.suffix == ".parquet" and p.name.startswith("part-"):
+            out.setdefault(str(p.parent.relative_to(root)), _digest(p.parent))
+        else:
+            out[str(p.relative_to(root))] = _digest(p)
+    return out
 
 
 def main() -> int:
