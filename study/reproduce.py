@@ -16,7 +16,8 @@ default, `standard`, merges in each stage's `standard` values (the multi-hour me
 read from the fit shipped with the package, adamspike/data/llama2_70b, placeholder
 {shipped}: the ladder's cells are refitted, the phase maps and the batch-sharpness stage are
 left out or small); `--quick` (CI) merges in the `quick` values instead (smaller sizes; a few
-stages left out). This module only fills in the paths and runs the plan.
+stages left out). This module only fills in the paths and runs the plan; STUDY.md is written
+by study/study_md.py from each stage's `report` and `answer` entries in the same tables.
 
 Independent stages overlap (`--jobs`, default 2): a stage can start once the stages it
 needs have succeeded and those it reads after have finished, and a free slot takes the
@@ -55,14 +56,13 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
 from tqdm import tqdm
 
 from adamspike import package_data
 from adamspike.cells import cache_home
 from adamspike.config import ConfigError, read_toml
 from adamspike.rundir import OutputPathError, RunFormatError, RunLock, check_out
-from adamspike.tables import fmt, md_table
+from study.study_md import contributions, write_study_report
 
 REPO = Path(__file__).resolve().parent.parent
 NOT_BUILT = 3
@@ -86,7 +86,7 @@ STUDY = REPO / "configs" / "study.toml"
 SCALES = ("quick", "standard", "full")    # full: the tables as written; else their overlay
 OVERLAYS = ("quick", "standard")
 STAGE_KEYS = {"title", "args", "sizes", "run", "needs", "after", "outputs", "stdout_to", "fresh",
-              *OVERLAYS}
+              "report", "answer", *OVERLAYS}    # report, answer: STUDY.md (study/study_md.py)
 OVERLAY_KEYS = STAGE_KEYS - set(OVERLAYS) | {"skip"}
 _PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
 
@@ -262,15 +262,23 @@ def _die_with_parent(parent: int, sig: int = signal.SIGKILL):
     return set_up
 
 
-def _spawn(cmd: list[str], env: dict, **kw) -> int:
-    """Run a stage's command under the guard, in its own process group; its exit status."""
+def _spawn(cmd: list[str], env: dict, **kw) -> tuple[int, float | None]:
+    """Run a stage's command under the guard, in its own process group; its exit status and
+    core-seconds: the CPU time (user + system) of the guard and the descendants it waited
+    for (the stage and its workers), from wait4's rusage (per child: exact while other
+    stages run beside it); None when stop_stages reaped it first."""
     guard = [sys.executable, "-c", _STAGE_GUARD, str(os.getpid())]
     p = subprocess.Popen(guard, process_group=0, env={**env, _STAGE_ARGV: json.dumps(cmd)},
                          preexec_fn=_die_with_parent(os.getpid(), signal.SIGHUP), **kw)
     with _LIVE_LOCK:
         _LIVE[p.pid] = p
     try:
-        return p.wait()
+        try:
+            _, status, usage = os.wait4(p.pid, 0)
+        except ChildProcessError:         # stop_stages' wait reaped it
+            return p.wait(), None
+        p.returncode = os.waitstatus_to_exitcode(status)
+        return p.returncode, usage.ru_utime + usage.ru_stime
     finally:
         with _LIVE_LOCK:
             _LIVE.pop(p.pid, None)
@@ -314,9 +322,9 @@ def _run_stage(st: Stage, out: Path, env: dict) -> dict:
             dest = out / st.stdout_to
             dest.parent.mkdir(parents=True, exist_ok=True)
             with open(dest, "w") as fh:
-                rc = _spawn(cmd, stdout=fh, stderr=err, env=env, cwd=REPO)
+                rc, core = _spawn(cmd, stdout=fh, stderr=err, env=env, cwd=REPO)
         else:
-            rc = _spawn(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            rc, core = _spawn(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     seconds = time.monotonic() - t0
     missing_outputs = [p for p in st.outputs if not (out / p).exists()]
     if rc == NOT_BUILT:
@@ -328,15 +336,9 @@ def _run_stage(st: Stage, out: Path, env: dict) -> dict:
     else:
         status = "ok"
     return {"name": st.name, "title": st.title, "status": status, "returncode": rc,
-            "seconds": round(seconds, 2), "log": str(log.relative_to(out)),
-            "missing_outputs": missing_outputs, "argv": st.argv}
-
-
-def _tail(path: Path, num_lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-    except OSError:
-        return ""
+            "seconds": round(seconds, 2),
+            "core_seconds": None if core is None else round(core, 2),
+            "log": str(log.relative_to(out)), "missing_outputs": missing_outputs, "argv": st.argv}
 
 
 def scale_note(plan: list[Stage], scale: str, study: Path = STUDY) -> str:
@@ -360,273 +362,13 @@ def scale_note(plan: list[Stage], scale: str, study: Path = STUDY) -> str:
     return " ".join(lines)
 
 
-def write_study_report(out: Path, results: list[dict], scale: str = "standard",
-                       note: str = "") -> Path:
-    """STUDY.md: what ran, what it produced, where to look; failures with their log tail.
-    `note`: scale_note's lines."""
-    from analysis.report import rebase_links   # inlined reports keep their links valid
-    flag = {"quick": " --quick", "full": " --full"}.get(scale, "")
-    lines = [f"# adamspike study{'' if scale == 'full' else f' ({scale})'}", "",
-             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by `adamspike reproduce"
-             f"{flag}`." + (f" {note}" if note else ""), "", "## Stages", "",
-             md_table(([r["title"], r["status"], str(r["seconds"]), f"`{r['log']}`"] for r in results),
-                      headers=["stage", "status", "seconds", "output"], max_rows=None)]
-    answer = answer_section(out)
-    if answer:   # the answer first, then the stages that made it
-        lines[4:4] = answer + [""]
-    regime_map = out / "figures" / "study" / "regime_map.png"
-    if regime_map.exists():   # every run and the 70B estimate in Adam's eps regimes
-        lines += ["", "## Regime map", "", f"![regime map]({regime_map.relative_to(out)})",
-                  "", "Per-run regime cards and the update_rms fit per regime band: the "
-                  "analysis report below (Regime overview, Regime card)."]
-    pm_fig = out / "figures" / "phase_map" / "phase_map.png"
-    for name, title in (("science4", "Science 4: the 70B answer under a written plan"),
-                        ("phase_map", "Phase map: spikes in the 70B's rho band"),
-                        ("replication_phase", "Replication at the edge of stability in the 70B's rho band"),
-                        ("replication_matched", "Replication table, matched regime"),
-                        ("replication", "Replication table, toy regime (b2 0.999, eps 1e-8: "
-                                        "2.5-3.5 decades of rho above the 70B; its own section)"),
-                        ("analysis", "Analysis report"),
-                        ("ladder", "Width/depth ladder and the LLaMA2-70B profile"),
-                        ("batch_sharpness", "Sharpness against the evaluation batch"),
-                        ("matched", "Rho-matched toy"), ("replay", "Causal replay of spikes")):
-        for cand in (out / name / "replication.md", out / name / "report.md",
-                     out / name / "replay.md", out / name / "phase_map.md",
-                     out / name / "batch_sharpness.md", out / name / "science4.md"):
-            if cand.exists():
-                lines += ["", f"## {title}", "", rebase_links(cand.read_text().strip(), name)]
-                if name == "phase_map" and pm_fig.exists():
-                    lines += ["", f"![phase map]({pm_fig.relative_to(out)})"]
-                break
-    lines += spike_rate_section(out)
-    figs = sorted((out / "figures").rglob("*.png")) if (out / "figures").exists() else []
-    if figs:
-        lines += ["", "## Figures", ""] + [f"- [{p.stem}]({p.relative_to(out)})" for p in figs]
-    bad = [r for r in results if r["status"] != "ok"]
-    if bad:
-        lines += ["", "## Not done", ""]
-        for r in bad:
-            lines += [f"### {r['title']}: {r['status']}", "", "```", _tail(out / r["log"]), "```", ""]
-    path = out / "STUDY.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-SEED_SETTING = "eps1e-05-b2_0.95-lr0.00015"   # the seed report's 70B (predictions_70b ids)
-
-
-def answer_section(out: Path) -> list[str]:
-    """STUDY.md's opening: the seed's 70B question answered from this study's files (the
-    phase map, the claims at the edge of stability, the 70B predictions), each line with a
-    link to its evidence; what a file does not hold is said, not guessed."""
-    L = ["## The answer, in one minute", "",
-         "The seed's LLaMA2-70B: AdamW eps 1e-5, b2 0.95, lr 1.5e-4, clip 1, 4M tokens per "
-         "step; it spiked inside its first 1543 steps."]
-    s4 = out / "science4" / "science4.json"
-    if s4.exists():    # the plan-governed reading first: the older lines below predate it
-        d4 = json.loads(s4.read_text())
-        last = (d4.get("versions") or [{}])[-1]
-        L.append(f"- **Under the written plan** ([Science 4](#science-4-the-70b-answer-under-a-"
-                 f"written-plan); plan sha256 `{d4['plan_sha256'][:16]}...`): with the convergence "
-                 f"QC ({last.get('reading', '?')}), S after the warmup "
-                 f"{fmt(last.get('S_after'))} [{fmt(last.get('S_lo'))}, {fmt(last.get('S_hi'))}] "
-                 f"(90 % prediction interval): **{last.get('label', '?')}**. The shipped fit's "
-                 "'A possible' below rests on an unconverged rung-seed and a leave-one-out range.")
-    fit = out / "ladder" / "fit.json"
-    if fit.exists():
-        rho = json.loads(fit.read_text()).get("llama2_70b", {}).get("rho", {})
-        if rho:
-            L.append("- **Where it sits** ([ladder](#width-depth-ladder-and-the-llama2-70b-profile)): "
-                     "rho = rms(g) / eps per depth group " + ", ".join(
-                         f"{g} {v:.2g}" for g, v in rho.items())
-                     + " - every group but the head in the eps band (rho < 1), where Adam is "
-                       "momentum SGD with step lr / eps.")
-        sh = json.loads(fit.read_text()).get("llama2_70b", {}).get("sharpness")
-        if sh:
-            pk, wu = sh["pi"]["peak"], sh["pi"]["warmup_step_1000"]
-            L.append(f"- **How close to the eps band's edge** ([sharpness ladder](#width-depth-"
-                     f"ladder-and-the-llama2-70b-profile)): lambda_max(H) extrapolated to "
-                     f"{sh['lambda_max']:.3g} [{sh['lambda_max_lo']:.3g}, {sh['lambda_max_hi']:.3g}], "
-                     f"so Pi_eps = (lr/eps) lambda_max(H) = {pk['pi_eps']:.3g} [{pk['pi_eps_lo']:.3g}, "
-                     f"{pk['pi_eps_hi']:.3g}] at the peak lr and {wu['pi_eps']:.3g} at step 1000 of "
-                     f"the warmup, against the threshold {sh['threshold']:g} (it would need "
-                     f"lambda_max(H) > {sh['lambda_crossing_at_peak']:.3g})"
-                     + (f"; that reading lets the minibatch sharpness keep falling with the batch "
-                        f"up to 4M tokens; if it stops at the ladder's "
-                        f"{sh['at_ladder_tokens']['tokens_per_step']:,.0f} tokens, lambda_max(H) is "
-                        f"{sh['at_ladder_tokens']['lambda_max']:.3g} and Pi_eps "
-                        f"{sh['at_ladder_tokens']['pi']['peak']['pi_eps']:.3g}: the ladder brackets "
-                        f"the 70B between {pk['over_threshold']:.2g}x and "
-                        f"{sh['at_ladder_tokens']['pi']['peak']['over_threshold']:.2g}x the threshold"
-                        if "at_ladder_tokens" in sh else "") + ".")
-    # the stage's summary, else (standard scale) the shipped one the ladder stage copied
-    bs = [p for p in (out / "batch_sharpness" / "summary.json",
-                      out / "ladder" / "batch_sharpness.json") if p.exists()]
-    summary = json.loads(bs[0].read_text()) if bs else {}
-    t70 = summary.get("llama2_70b")
-    if t70:
-        rungs, tok = pd.DataFrame(summary["rungs"]), summary["eval_tokens"]
-        where = ("[batch sharpness](#sharpness-against-the-evaluation-batch)"
-                 if bs[0].parent.name == "batch_sharpness" else
-                 "the shipped fit's `ladder/batch_sharpness.json`")
-        L.append(f"- **Where the batch fall stops** ({where}): "
-                 f"over {len(rungs)} trained rung x seed pairs lambda_max(H) falls "
-                 f"{rungs['fall_first_to_last'].quantile(0.25):.2g}-"
-                 f"{rungs['fall_first_to_last'].quantile(0.75):.2g}x (IQR) from {tok[0]} to "
-                 f"{tok[-1]} tokens and stops there (median noise share "
-                 f"{100 * rungs['noise_share'].median():.0f} % at {tok[-1]} tokens); the "
-                 f"full-data limit carried to the 70B is {t70['lambda_inf']:.3g} (leave one rung "
-                 f"out: {t70['lambda_inf_leave_one_out'][0]:.2g}-"
-                 f"{t70['lambda_inf_leave_one_out'][1]:.3g}), Pi_eps {t70['pi_eps']:.3g} = "
-                 f"{t70['over_threshold']:.2g}x the threshold at the peak lr: the reading the "
-                 "predictions below use.")
-    pm = out / "phase_map" / "phase_map.csv"
-    if pm.exists():
-        full = pd.read_csv(pm)
-        t = full[full["in_band"]] if "in_band" in full else full
-        out_band = full[~full["in_band"]] if "in_band" in full else full.iloc[:0]
-        tags = sorted(int(c.split("_")[1]) for c in t.columns
-                      if c.startswith("spikes_") and c.split("_")[1].isdigit())
-        n = int(t[f"spikes_{tags[0]}"].sum()) if tags and len(t) else 0
-        lanes = int(t["num_seeds"].sum()) if len(t) else 0
-        meta = out / "phase_map" / "map.json"     # a reduced map draws no conclusion
-        reduced = meta.exists() and bool(json.loads(meta.read_text()).get("sets"))
-        reduced_note = ("No cell spiked in this reduced map (its sizes in configs/study.toml's "
-                        "size table): too few and too short runs to test either mechanism; "
-                        "`adamspike reproduce --full` runs the full map.")
-        L.append(f"- **Toys held in that band** ([phase map](#phase-map-spikes-in-the-70bs-rho-band)): "
-                 f"{n} loss spike(s) >= {tags[0] if tags else '?'} % in {lanes} runs of "
-                 f"{int(t['num_steps'].max()) if len(t) else 0} steps over {len(t)} cells "
-                 f"(lr x{t['lr_mult'].min():g} to x{t['lr_mult'].max():g}, b2 "
-                 f"{', '.join(f'{b:g}' for b in sorted(t['b2'].unique()))}, batch x"
-                 f"{', x'.join(f'{b:g}' for b in sorted(t['batch_mult'].unique()))}); Adam's "
-                 f"stability number S reached p90 {t['S_p90'].max():.2g} (S = 1 is the edge), "
-                 f"the rule's detection floor was a {100 * t['detect_floor'].median():.0f} % jump. "
-                 + ("Mechanism per cell: " + ", ".join(
-                     f"x{r.lr_mult:g}/b2 {r.b2:g}/batch x{r.batch_mult:g}: {r.mechanism}"
-                     for r in t.itertuples() if r.mechanism != "no spikes") + "."
-                    if n else reduced_note if reduced else
-                    "No cell spiked: neither mechanism is exercised in this band at "
-                    "toy scale; the 70B's spikes are not reproduced by Pi_eps alone.")
-                 + (f" Out of the band ({len(out_band)} cell(s) whose groups left it, e.g. "
-                    f"lr x{out_band['lr_mult'].max():g}): {int(out_band[f'spikes_{tags[0]}'].sum())} "
-                    "spike(s)." if len(out_band) and tags else ""))
-    rep = out / "replication_phase" / "replication.csv"
-    if rep.exists():
-        r = pd.read_csv(rep)
-        rows = [f"`{x.id}` {x.verdict} ({x.control_mean:.3g} -> {x.treatment_mean:.3g} spikes/run)"
-                for x in r.itertuples() if x.id in ("seed.lower_eps", "seed.lower_eps_1e6",
-                                                      "seed.eps_lower_b2")]
-        if rows:
-            L.append("- **Lowering eps / b2 at the edge of stability** ([claims]"
-                     "(#replication-at-the-edge-of-stability-in-the-70bs-rho-band)): "
-                     + "; ".join(rows) + ".")
-    p70 = out / "predictions_70b.json"
-    if p70.exists():
-        d70 = json.loads(p70.read_text())
-        sets = [x for x in d70.get("settings", []) if x["id"].startswith(SEED_SETTING)]
-        if sets:
-            x = sets[0]
-            lo, hi = x.get("rate_ci", [None, None])
-            val = d70.get("rate_model", {}).get("validation", {})
-            score = (f" Held-out ({val.get('split', '?').split(';')[0]}): log-loss "
-                     f"{val['model']['log_loss']:.3f} vs {val['baseline']['log_loss']:.3f} for a "
-                     f"constant rate, Brier {val['model']['brier']:.3f} vs "
-                     f"{val['baseline']['brier']:.3f}." if val.get("model") else "")
-            if "phases" in x:
-                ph = x["phases"]
-                L.append(f"- **Predicted** ([mechanism model](#spike-rate-model-and-the-pre-"
-                         f"registered-70b-predictions)): mechanism {x['mechanism']}; during the "
-                         f"warmup {ph['warmup']['rate_per_1k']:.3g} [{fmt(ph['warmup']['rate_ci'][0])}, "
-                         f"{fmt(ph['warmup']['rate_ci'][1])}] spikes per 1k steps (S = "
-                         f"{fmt(ph['warmup']['stability'])}), after it {x['rate_per_1k']:.3g} "
-                         f"[{fmt(lo)}, {fmt(hi)}] (S = {fmt(ph['after']['stability'])}); rank "
-                         f"{x.get('rank')} of {len(d70['settings'])}"
-                         + (" (an extrapolation: " + "; ".join(x["extrapolation_reasons"][:3]) + ")"
-                            if x.get("extrapolated") else "") + "." + score)
-                L.append("- **What changing eps or b2 does** (the same lr and batch, after the "
-                         "warmup): " + "; ".join(
-                             f"{o['id'].split('-b1')[0]}: {o['rate_per_1k']:.3g} [{fmt(o['rate_ci'][0])}, "
-                             f"{fmt(o['rate_ci'][1])}], {o.get('mechanism', '?')}"
-                             for o in sorted(d70["settings"], key=lambda o: o["id"])
-                             if o["id"].split("-lr")[-1] == x["id"].split("-lr")[-1]) + ".")
-                top = sorted(d70["settings"], key=lambda o: o.get("rank", 0))[:3]
-                L.append("- **Candidates ranked** (lowest predicted rate first; "
-                         "[all](#predictions_70bjson)): " + "; ".join(
-                             f"{o['rank']}. {o['id']} ({o['rate_per_1k']:.3g})" for o in top) + ".")
-            else:
-                L.append(f"- **Predicted rate** ([spike-rate model](#spike-rate-model-and-the-pre-"
-                         f"registered-70b-predictions)): {x['rate_per_1k']:.3g} spikes per 1k steps "
-                         f"[{fmt(lo)}, {fmt(hi)}] for the seed's setting, rank {x.get('rank')} of "
-                         f"{len(d70['settings'])} (one rate for warmup and after: the model has "
-                         "no schedule feature)." + score)
-    return L if len(L) > 3 else []
-
-
-def _setting_row(s: dict) -> list:
-    """A predictions_70b.json setting as a row of STUDY.md's 70B table."""
-    f, (lo, hi) = s.get("features", {}), s.get("rate_ci", [None, None])
-    rho = [10 ** f[k] if f.get(k) is not None else None for k in ("log10_rho_shallow", "log10_rho_deep")]
-    wu = s.get("phases", {}).get("warmup", {})
-    return [s.get("rank"), s["id"], s.get("mechanism", "-"),
-            f"{fmt(wu.get('rate_per_1k'))} [{fmt((wu.get('rate_ci') or [None])[0])}, "
-            f"{fmt((wu.get('rate_ci') or [None, None])[1])}]" if wu else "-",
-            s.get("rate_per_1k"), f"[{fmt(lo)}, {fmt(hi)}]", s.get("p_spike"),
-            *rho, "; ".join(s.get("extrapolation_reasons", [])) or "-"]
-
-
-def spike_rate_section(out: Path) -> list[str]:
-    """STUDY.md: the GLM's held-out scores and calibration (spike_rate/report.md), the
-    calibration figure, the pre-registered 70B table and its scores on the matched toys."""
-    rep, p70 = out / "spike_rate" / "report.md", out / "predictions_70b.json"
-    mech = out / "spike_rate_mechanism" / "report.md"
-    if not rep.exists() and not p70.exists():
-        return []
-    L = ["", "## Spike-rate model and the pre-registered 70B predictions", ""]
-    if mech.exists():
-        L += ["The 70B predictions use the model with the mechanism groups (S, rho_min, "
-              "warmup) trained on the phase maps' lanes; the sweep-trained model below it "
-              "predicts the toy profile (predictions.json).", "",
-              mech.read_text().strip().replace("### Spike-rate model (Poisson GLM on regime groups)",
-                                               "### Mechanism model (Poisson GLM on the phase maps)"), ""]
-    elif p70.exists():
-        model_file = str(json.loads(p70.read_text()).get("rate_model", {}).get("model_file", ""))
-        if str(package_data.DATA) in model_file:    # the standard scale: the shipped model
-            L += ["The 70B predictions use the mechanism model shipped with the package "
-                  "(`adamspike/data/llama2_70b/spike_rate_model.json`: S and warmup, trained on "
-                  "the full width-32 and width-64 phase maps; `--full` retrains it); the "
-                  "sweep-trained model below predicts the toy profile (predictions.json).", ""]
-    if rep.exists():
-        L += [rep.read_text().strip(), ""]
-    fig = out / "figures" / "spike_rate" / "calibration.png"
-    if fig.exists():
-        L += [f"![calibration of the spike-rate GLM]({fig.relative_to(out)})", ""]
-    if p70.exists():
-        d = json.loads(p70.read_text())
-        rm = d.get("rate_model", {})
-        L += ["### predictions_70b.json", "",
-              f"Pre-registered {d.get('created', '?')}, content sha256 "
-              f"`{d.get('content_sha256', 'missing')}`. P(>= 1 spike) over "
-              f"{rm.get('horizon_steps', '?')} steps. {rm.get('extrapolation_note', '')}.", "",
-              md_table(map(_setting_row, sorted(d.get("settings", []), key=lambda s: s.get("rank", 0))),
-                       headers=["rank", "setting", "mechanism", "warmup rate / 1k [interval]",
-                                "rate / 1k steps (after warmup)", "interval", "P(>= 1 spike)",
-                                "shallow rho", "deep rho", "extrapolation"], max_rows=None)]
-    sc = out / "scores_70b" / "prediction_scores.md"
-    if sc.exists():
-        L += ["", "### The 70B predictions scored on the rho-matched toys and their Megatron log",
-              "", "\n".join(("#" + ln) if ln.startswith("#") else ln
-                            for ln in sc.read_text().strip().splitlines())]
-    return L
-
-
 def _skipped(st: Stage, out: Path, reason: str) -> dict:
     log = out / "logs" / f"{st.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(reason + "\n")
     return {"name": st.name, "title": st.title, "status": "skipped", "returncode": None,
-            "seconds": 0.0, "log": str(log.relative_to(out)), "missing_outputs": [],
-            "argv": st.argv, "reason": reason}
+            "seconds": 0.0, "core_seconds": 0.0, "log": str(log.relative_to(out)),
+            "missing_outputs": [], "argv": st.argv, "reason": reason}
 
 
 def _mark_hash(res: dict) -> str:
@@ -760,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         args.scale = args.scale or "standard"
         plan = stages(out, args.scale, max(1, args.jobs), Path(args.study))
         note = scale_note(plan, args.scale, Path(args.study))
+        contributions(Path(args.study), args.scale)      # STUDY.md's entries, checked now
     except ConfigError as e:
         print(f"adamspike reproduce: {e}", file=sys.stderr)
         return 2
@@ -793,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
     # JAX's persistent compilation cache, per user (not per study): a second study into a
     # new folder, and the next --resume, load every program the first compiled
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_home() / "jax"))
+    # every program, not only those that took >= 1 s (JAX's default): the stages compile
+    # many small ones, each again in every process and study, and a load costs milliseconds
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env["ADAMSPIKE_EXECUTOR"] = args.executor          # adamspike.cells.run_cells' default
     if args.address:
         env["ADAMSPIKE_RAY_ADDRESS"] = args.address
@@ -812,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = _schedule(plan, out, env, marks, args.resume, max(1, args.jobs))
         (out / "stages.json").write_text(json.dumps(results, indent=2))
-        report = write_study_report(out, results, args.scale, note)
+        report = write_study_report(out, results, args.scale, note, Path(args.study))
     finally:
         for sig, h in handlers.items():
             signal.signal(sig, h)

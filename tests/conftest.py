@@ -24,11 +24,14 @@ def pytest_configure(config):
     the tests start inherit it: they compile the same tiny programs again and again), made
     here, in the controller, before the workers start; removed at the end. Per run: a
     run's timing never depends on an earlier run's cache. A cache hit is the same
-    executable, so results are unchanged."""
+    executable, so results are unchanged. Every program is kept, not only those JAX's
+    default keeps (>= 1 s to compile): the suite's CLI processes compile the same small
+    programs again and again, and loading one costs milliseconds."""
     if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return
     config._adamspike_jax_cache = tempfile.mkdtemp(prefix="adamspike-test-jax-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = config._adamspike_jax_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def pytest_unconfigure(config):
