@@ -213,13 +213,14 @@ def _llama70b_profile(L: int, eps_ref: float, clip: float, rho: Mapping[int, flo
             "by_depth": _by_depth(L, rho, lo, hi), **extra}
 
 
-def _with_law(ext: Mapping[str, Any]) -> dict:
+def _with_law(ext: Mapping[str, Any], shipped: bool = True) -> dict:
     """The ladder's 70B reading with the shipped sharpness law under Science 4's plan QC
     (package data science4/law.json, adamspike.sharpness_law) put in its sharpness: the
     law's regression prediction interval replaces the batch-sharpness reading's
-    leave-one-rung-out range (mechanism_inputs)."""
+    leave-one-rung-out range (mechanism_inputs). Only for the shipped data: a ladder or
+    batch-sharpness folder the user names keeps its own reading."""
     ext = copy.deepcopy(dict(ext))
-    law = package_data.sharpness_law("llama2-70b")
+    law = package_data.sharpness_law("llama2-70b") if shipped else None
     if law is not None and ext.get("sharpness"):
         ext["sharpness"]["law"] = law
     return ext
@@ -242,7 +243,9 @@ def ladder_profile(ladder_dir: str | Path, batch_sharpness: str | Path | None = 
         rho_bar_interval=(level_ci, f"the ladder's {int(100 * fit['ci'])} % bootstrap "
                           "interval of it"))
     return _llama70b_profile(int(ext["num_layers"]), s["eps_ref"], s["clip"], rho, lo, hi,
-                             ladder={"fit": LD.public(fit), "llama2_70b": _with_law(LD.public(ext))},
+                             ladder={"fit": LD.public(fit), "llama2_70b": _with_law(
+                                 LD.public(ext), shipped=batch_sharpness is None and
+                                 Path(ladder_dir).resolve() == package_data.ladder_dir("llama2-70b").resolve())},
                              inputs=inputs, source=_ladder_source(ladder_dir, fit, ext))
 
 
@@ -400,7 +403,7 @@ def with_70b_sharpness(profile: dict, ladder: str | None = None) -> None:
     numel = profile_numel(profile)
     rho = profile["rho_by_depth"]
     mean = math.sqrt(sum(numel[d] * rho[d] ** 2 for d in rho) / sum(numel[d] for d in rho))
-    lad = _with_law(LD.public(ext))
+    lad = _with_law(LD.public(ext), shipped=ladder is None)
     lad["mean_rho"] = mean
     profile["ladder"] = {"fit": LD.public(fit), "llama2_70b": lad}
     profile.setdefault("inputs", profile_inputs(

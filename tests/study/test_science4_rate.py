@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pandas as pd
 
+from adamspike.cells import Cell, CellStore
 from adamspike.plan import load_plan
 from study.science4 import one_s_section, plan_maps, rate_model_section, rate_rows_from_maps
 
@@ -30,8 +31,12 @@ def write_map(d, cells, seed0=0, rng=None):
                 "seed": seed0 + j, "step": steps, "loss": loss,
                 "S": np.where(steps % 20 == 0, S, np.nan),
                 **{f"rho_{g}": t * rs for g, t in TARGETS.items()}}))
-        pd.concat(lanes).to_parquet(d / "cells" / f"{cid}.parquet")
-        meta["cells"].append({"id": cid, "lr_mult": lr_mult, "b2": 0.95, "batch_mult": 1,
+        # stored as the phase map stores a cell: one store, kind phase_map_cell, map.json
+        # naming it (analysis.phase_map.read_cell)
+        cell = Cell("phase_map_cell", "test", {"id": cid})
+        CellStore(d / "cells").put(cell, {"rows": pd.concat(lanes, ignore_index=True)})
+        meta["cells"].append({"id": cid, "cell": {"kind": cell.kind, "key": cell.key},
+                              "lr_mult": lr_mult, "b2": 0.95, "batch_mult": 1,
                               "lr": 1e-3 * lr_mult, "eps": {g: 1e-3 for g in TARGETS},
                               "config": {"optim.warmup_steps": 200, "model.init_std": 0.02,
                                          "model.dim": 32, "model.num_layers": 4}})
