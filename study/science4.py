@@ -461,6 +461,9 @@ def public_record(plan: Mapping[str, Any], lam_reading: Mapping[str, Any] | None
     runs = read_toml(RECORD)["run"]
     model = SR.load_model(package_data.DATA / "llama2_70b" / "spike_rate_model.json")
     prof_v4 = load_profile("llama2-70b")
+    # v4 = the batch-sharpness reading as Science 3 shipped it: without the plan-QC law that
+    # predict now reads from the package data (the "qc" column carries that reading)
+    prof_v4["ladder"]["llama2_70b"]["sharpness"].pop("law", None)
     profiles = {"v4": prof_v4}
     if lam_reading and math.isfinite(lam_reading.get("lambda_inf", math.nan)):
         p = copy.deepcopy(prof_v4)
