@@ -116,8 +116,16 @@ def sharpness_md(rows: pd.DataFrame, versions: pd.DataFrame, hits: pd.DataFrame,
          f"enters the law with >= {q['min_seeds']} passing seeds; a failed rung-seed is rerun "
          f"once ({q['rerun_iters']} Lanczos steps, another start), never averaged in.", ""]
     if len(failed):
-        L += ["Rung-seeds that failed:", "", md_table(failed, ["source", "dim", "layers", "lr", "eps",
-              "steps", "seed", "lambda_inf", "why", "rerun"]), ""]
+        key = ["source", "dim", "layers", "lr", "eps", "steps", "seed"]
+        reruns = rows[rows["rerun"]].set_index(key)["pass"]
+        failed = failed.assign(rerun_result=[
+            ("rerun itself" if r["rerun"] else
+             ("rerun passes" if reruns.loc[k].all() else "rerun fails")
+             if (k := tuple(r[c] for c in key)) in reruns.index else "not rerun")
+            for _, r in failed.iterrows()])
+        L += ["Rung-seeds that failed (a Lanczos first pass is replaced by its rerun; a "
+              "power-iteration seed is measured again by Lanczos below):", "",
+              md_table(failed, key + ["lambda_inf", "why", "rerun_result"]), ""]
         lz = rows[rows["source"] == "Lanczos"]
         for r in failed[failed["source"] != "Lanczos"].itertuples():
             m = lz[(lz["dim"] == r.dim) & (lz["layers"] == r.layers) & np.isclose(lz["lr"], r.lr)
