@@ -243,7 +243,7 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
             if not c.name.endswith(".prov.json"):
                 shutil.copyfile(c, tmp / SCIENCE4 / "cells" / "sharpness_rung" / c.name)
         for f in ("claims.csv", "map_lanes.parquet", "map_cells.csv", "rate_rows.parquet",
-                  LAW_FILE):
+                  LAW_FILE, "one_s.csv"):
             if (s4 / f).is_file():
                 shutil.copyfile(s4 / f, tmp / SCIENCE4 / f)
     elif (d / SCIENCE4).is_dir():

@@ -205,7 +205,8 @@ class FaultsSection:
 # Settings added after cell and arm ids were first computed from whole configs
 # (simulate.phase_map, simulate.claims): at these defaults they are left out of the id, so
 # the ids (and the cells cached under them) of configs from before them stay the same.
-LATE_DEFAULTS: dict[str, Any] = {"optim.bias_correction_offset": 0}
+# (telemetry.wandb: where telemetry goes, not what is computed)
+LATE_DEFAULTS: dict[str, Any] = {"optim.bias_correction_offset": 0, "telemetry.wandb": False}
 
 
 def id_settings(flat: Mapping[str, Any]) -> dict[str, Any]:

@@ -352,7 +352,8 @@ def profile_from_log(log: str | Path, ladder_dir: str | Path, clip: float | None
     rho, lo, hi, (q_lo, q_hi) = rho_from_level(fit, ext, rho_bar, rho_bar_t)
     # the ladder's extrapolation with its level replaced by the measurement: the same
     # sharpness (so the same mechanism model as --profile llama2-70b), the measured mean rho
-    lad = dict(LD.public(ext))
+    lad = _with_law(LD.public(ext), shipped=Path(ladder_dir).resolve()
+                    == package_data.ladder_dir("llama2-70b").resolve())
     ladder_rho = float(lad.get("mean_rho", math.nan))
     lad["mean_rho"] = rho_bar
     inputs = profile_inputs(eps_ref=(eps_ref, eps_src), clip=(clip, clip_src), N=(N, n_src),
@@ -403,7 +404,8 @@ def with_70b_sharpness(profile: dict, ladder: str | None = None) -> None:
     numel = profile_numel(profile)
     rho = profile["rho_by_depth"]
     mean = math.sqrt(sum(numel[d] * rho[d] ** 2 for d in rho) / sum(numel[d] for d in rho))
-    lad = _with_law(LD.public(ext), shipped=ladder is None)
+    lad = _with_law(LD.public(ext), shipped=ladder is None or Path(ladder).resolve()
+                    == package_data.ladder_dir("llama2-70b").resolve())
     lad["mean_rho"] = mean
     profile["ladder"] = {"fit": LD.public(fit), "llama2_70b": lad}
     profile.setdefault("inputs", profile_inputs(

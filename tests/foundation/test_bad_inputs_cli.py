@@ -121,7 +121,7 @@ CASES = [
     ("sweep-missing-grid", lambda w, o: ["sweep", "run", "--grid", str(w["dir"] / "nope.toml"),
                                          "--out", o], ["nope.toml"]),
     ("sweep-into-a-run-dir", lambda w, o: ["sweep", "run", "--grid", GRID, "--set", "sweep.seeds=1",
-                                           "--out", w["run"]], ["is a run directory"]),
+                                           "--out", w["run"]], ["exists and is not an empty directory"]),
     ("sweep-bad-shard", lambda w, o: ["sweep", "run", "--grid", GRID, "--shard", "3/2",
                                       "--out", o], ["shard"]),
     # predict

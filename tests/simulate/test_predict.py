@@ -453,7 +453,7 @@ def test_truncated_manifest_is_one_line_not_a_traceback(tmp_path, capsys):
     # the CLI reads the default root: point its manifest() at the damaged copy
     import pytest as _pt
     mp = _pt.MonkeyPatch()
-    mp.setattr(PD.manifest, "__defaults__", ("llama2-70b", root))
+    mp.setattr(PD.manifest, "__defaults__", ("llama2-70b", root, frozenset()))
     try:
         assert PD.main([]) == 2
     finally:

@@ -147,11 +147,13 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
     skipped = set(names) - {s.name for s in quick}
     assert skipped == {"llama_stable", "matched_toy_ge", "matched_toy_ge_1e8", "package_data",
                        "phase_map_w64", "batch_sharpness", "spike_rate_mechanism",
-                       "phase_map_science4"}
+                       "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
+                       "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init"}
     assert [s.name for s in quick] == [n for n in names if n not in skipped]
     assert set(names) - {s.name for s in standard} == {
         "phase_map_w64", "batch_sharpness", "spike_rate_mechanism", "package_data",
-        "phase_map_science4"}
+        "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
+        "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init"}
     shipped = str(package_data.profile_dir("llama2-70b"))
     f, q, d = ({s.name: s for s in plan} for plan in (full, quick, standard))
     for plan in (q, d):      # the shipped cells refitted; the shipped mechanism model
@@ -164,7 +166,9 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
     assert all("quick" not in a for plan in (f, q, d) for s in plan.values() for a in s.argv
                if not a.startswith(str(tmp_path)))
     # Science 4: the full study computes its cells and map; the others read the shipped ones
-    assert "--compute" in f["science4"].argv and f["science4"].needs == ["phase_map_science4"]
+    assert "--compute" in f["science4"].argv and f["science4"].needs == [
+        "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
+        "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init"]
     assert "--compute" not in q["science4"].argv and q["science4"].needs == []
     note = scale_note(standard, "standard")
     assert "`ladder`, `predict_70b`" in note and "`batch_sharpness`" in note
