@@ -66,7 +66,7 @@ import numpy as np
 import pandas as pd
 
 from adamspike.depth_groups import GROUPS, depth_group, group_rho
-from adamspike.log_facts import NEOX_NAMES, LogFacts, log_arguments, log_facts  # noqa: F401 (re-exported)
+from adamspike.log_facts import NEOX_NAMES, LogFacts, _num, log_arguments, log_facts  # noqa: F401 (re-exported)
 from adamspike.llama import PRESETS, LlamaConfig
 from adamspike.llama import num_params as llama_num_params
 from adamspike.rundir import load_run
@@ -408,16 +408,6 @@ def curvature_card(curv: pd.DataFrame, b1: float | None, eps: float | None) -> p
 # log_facts / log_arguments / LogFacts (imported above): the one reader of what a log
 # states besides its iteration lines lives in the floor (adamspike.log_facts), so that
 # simulate's `predict --profile-from-log` reads the same facts
-
-
-def _num(s: str | None) -> float | None:
-    if s is None:
-        return None
-    try:
-        v = float(s)
-    except ValueError:
-        return None
-    return v if math.isfinite(v) else None
 
 
 def num_params_from_args(args: dict[str, str]) -> tuple[int | None, str]:
