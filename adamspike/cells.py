@@ -185,6 +185,20 @@ class CellStore:
         return sorted(p.name[:-5] for p in d.glob("*.json")
                       if not p.name.endswith(".prov.json")) if d.is_dir() else []
 
+    def verified(self, kind: str) -> list[tuple[dict, dict]]:
+        """(config, payload) of every stored cell of `kind` that verifies; a corrupt one is
+        set aside with one line (as `get`) and left out; an unreadable JSON is skipped."""
+        out = []
+        for key in self.keys(kind):
+            try:
+                doc = json.loads((self.root / kind / f"{key}.json").read_bytes())
+            except (OSError, json.JSONDecodeError):
+                continue
+            got = self.get(Cell(doc.get("kind", ""), doc.get("code", ""), doc.get("config", {})))
+            if got is not None:
+                out.append((doc["config"], got))
+        return out
+
     def config(self, kind: str, key: str) -> dict:
         """The resolved config a stored cell was computed from (verified)."""
         self.read(kind, key)

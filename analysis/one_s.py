@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from adamspike.cells import Cell, CellStore
+from adamspike.cells import CellStore
 
 KIND = "one_s"
 
@@ -36,19 +36,8 @@ def read_table(store_dir: str | Path, maps: Mapping[str, str | Path]) -> pd.Data
             for c in json.loads(p.read_text())["cells"]:
                 label[json.dumps(c["config"], sort_keys=True, default=repr)] = (
                     name, c["lr_mult"], c["batch_mult"])
-    store = CellStore(store_dir)
     rows = []
-    for f in sorted(Path(store_dir, KIND).glob("*.json")):
-        if f.name.endswith(".prov.json"):
-            continue
-        try:
-            doc = json.loads(f.read_bytes())
-        except (OSError, json.JSONDecodeError):
-            continue
-        got = store.get(Cell(doc.get("kind", ""), doc.get("code", ""), doc.get("config", {})))
-        if got is None:       # not verified: the store set it aside and said so
-            continue
-        cfg = doc["config"]
+    for cfg, got in CellStore(store_dir).verified(KIND):
         name, lr_mult, bm = label.get(json.dumps(cfg["config"], sort_keys=True, default=repr),
                                       ("?", math.nan, math.nan))
         for r in got["checkpoints"]:

@@ -21,7 +21,6 @@ and the plan's labels: "A" when S_lo >= 1, "below the edge" when S_hi < 1, "unde
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -30,7 +29,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from adamspike.cells import Cell, CellStore
+from adamspike.cells import CellStore
 from adamspike.sharpness_law import label as law_label, law_at  # noqa: F401 (law_at re-exported)
 
 PI_THRESHOLD = 38.0      # 2 (1+b1)/(1-b1) at b1 0.9
@@ -190,17 +189,4 @@ def hits(plan: Mapping[str, Any], rungs: pd.DataFrame) -> pd.DataFrame:
 
 def read_cells(store_dir: str | Path) -> list[tuple[dict, dict]]:
     """Every verified sharpness cell in a store directory: [(config, payload)]."""
-    store = CellStore(store_dir)
-    out = []
-    for p in sorted(Path(store_dir, "sharpness_rung").glob("*.json")):
-        if p.name.endswith(".prov.json"):
-            continue
-        try:
-            doc = json.loads(p.read_bytes())
-        except (OSError, json.JSONDecodeError):
-            continue
-        cell = Cell(doc.get("kind", ""), doc.get("code", ""), doc.get("config", {}))
-        got = store.get(cell)
-        if got is not None:
-            out.append((doc["config"], got))
-    return out
+    return CellStore(store_dir).verified("sharpness_rung")
