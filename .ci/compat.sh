@@ -13,7 +13,7 @@
 #   py310  python 3.10 (the declared minimum for the rest): import and CLI smoke tests
 #          without torch / jax, and their missing-extra messages.
 #   py311  `pip install -e .[study]` into a clean python 3.11 environment: no torch is pulled
-#          in, `sweep run --quick` of the quadratic grid (jax + optax) finds spikes below eps*
+#          in, `sweep run` of the quadratic grid at the quick study's size (jax + optax) finds spikes below eps*
 #          and none above it, and the one-line missing-extra messages (`train` -> [trainer],
 #          `model info` -> [cluster]).
 #   py311_trainer  `pip install -e .[trainer]` with torch==$PY311_TORCH (2.13.0, the CPU
@@ -146,10 +146,10 @@ expect_extra() {
 }
 
 # `pip install -e .[cluster]` into a clean python 3.8 environment (cached; rebuilt when
-# pyproject.toml changes), from cached wheels
+# pyproject.toml or the checkout it points at changes: an editable install), from cached wheels
 job_py38_cluster() {
   local env="$CACHE/venv-py38-cluster" wheels="$CACHE/wheels-py38-cluster"
-  local want="torch==2.1.0 .[cluster] $(sha256sum pyproject.toml | cut -c1-16)"
+  local want="torch==2.1.0 .[cluster] $(sha256sum pyproject.toml | cut -c1-16) $ROOT"
   if [[ ! -f "$env/.stamp" || "$(cat "$env/.stamp")" != "$want" ]]; then
     mkdir -p "$wheels"
     if ! "$PY38" -m pip download -q -d "$wheels" --find-links "$CACHE/wheels-py38" \
@@ -216,11 +216,11 @@ PY
 }
 
 # `pip install -e .[study]` into a clean python 3.11 environment (cached; rebuilt when
-# pyproject.toml changes), from cached wheels, the build backend included (as py38 .[cluster])
+# pyproject.toml or the checkout it points at changes: an editable install), from cached wheels, the build backend included (as py38 .[cluster])
 job_py311() {
   if [[ ! -x "$PY311" ]]; then skip py311 "no python 3.11 at $PY311 (set PY311)"; return 0; fi
   local env="$CACHE/venv-py311-study" wheels="$CACHE/wheels-py311-study"
-  local want=".[study] $(sha256sum pyproject.toml | cut -c1-16)"
+  local want=".[study] $(sha256sum pyproject.toml | cut -c1-16) $ROOT"
   if [[ ! -f "$env/.stamp" || "$(cat "$env/.stamp")" != "$want" ]]; then
     mkdir -p "$wheels"
     if ! "$PY311" -m pip download -q -d "$wheels" "setuptools>=64" wheel "$ROOT[study]" \
@@ -241,8 +241,11 @@ import importlib.util
 assert importlib.util.find_spec("torch") is None, ".[study] must not pull torch"
 PY
   # the quadratic grid's CI size (jax + optax, vmapped): eps* = 2.63e-4 at lr 1e-2
-  "$a" sweep run --grid configs/sweep_quadratic.toml --quick --out "$TMP/sweep311" \
-    --no-progress >/dev/null
+  # (the study's quick size of this stage, configs/study.toml [stages.sweep])
+  "$a" sweep run --grid configs/sweep_quadratic.toml --set sweep.seeds=3 --set fixed.train.num_steps=15000 \
+    --set "grid.optim.eps=[1e-8, 1e-5, 1e-4, 2.8e-4, 1e-3]" --set "grid.optim.b2=[0.95, 0.999]" \
+    --set "grid.optim.lr=[1e-2]" \
+    --out "$TMP/sweep311" --no-progress >/dev/null
   "$env/bin/python" - "$TMP/sweep311/runs.csv" <<'PY'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
@@ -261,13 +264,13 @@ PY
 }
 
 # `pip install -e .[trainer]` into a clean python 3.11 environment (cached; rebuilt when
-# pyproject.toml changes), torch pinned to the CPU build of 2.13.0, from cached wheels, the
+# pyproject.toml or the checkout it points at changes: an editable install), torch pinned to the CPU build of 2.13.0, from cached wheels, the
 # build backend included (as py311 .[study])
 job_py311_trainer() {
   if [[ ! -x "$PY311" ]]; then skip py311_trainer "no python 3.11 at $PY311 (set PY311)"; return 0; fi
   local env="$CACHE/venv-py311-trainer" wheels="$CACHE/wheels-py311-trainer"
   local torch_pin="torch==$PY311_TORCH"
-  local want="$torch_pin .[trainer] $(sha256sum pyproject.toml | cut -c1-16)"
+  local want="$torch_pin .[trainer] $(sha256sum pyproject.toml | cut -c1-16) $ROOT"
   if [[ ! -f "$env/.stamp" || "$(cat "$env/.stamp")" != "$want" ]]; then
     mkdir -p "$wheels"
     if ! "$PY311" -m pip download -q -d "$wheels" "setuptools>=64" wheel "$torch_pin" \
@@ -327,7 +330,7 @@ print("py311 train: 5 steps, loss %.4f -> %.4f (1 process, %s s); torchrun 2 glo
                                sys.argv[3], sys.argv[4], diff))
 PY
   # no jax here: the study's commands name their extra
-  expect_extra study "$a" sweep run --grid configs/sweep_quadratic.toml --quick \
+  expect_extra study "$a" sweep run --grid configs/sweep_quadratic.toml --set sweep.seeds=1 \
     --out "$TMP/sweep311t" --no-progress
   [[ ! -e "$TMP/sweep311t" ]]                   # nothing written
   # torch >= 2.6 is also the cluster extra's torch: `model info` runs here
