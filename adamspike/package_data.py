@@ -150,6 +150,19 @@ def sharpness_law(profile: str = "llama2-70b", root: Path = DATA) -> dict | None
     return json.loads((profile_dir(profile, root) / rel).read_text())
 
 
+RECORD_FILE = "public_record.json"   # the shipped rate model's record on public runs (science4)
+
+
+def public_record(profile: str = "llama2-70b", root: Path = DATA) -> dict | None:
+    """The shipped rate model's record on the public runs (science4/public_record.json,
+    study.science4.record_summary), None when the package data has none."""
+    m = manifest(profile, root)
+    rel = f"{SCIENCE4}/{RECORD_FILE}"
+    if rel not in m["files"]:
+        return None
+    return json.loads((profile_dir(profile, root) / rel).read_text())
+
+
 def ladder_dir(profile: str = "llama2-70b", root: Path = DATA) -> Path:
     manifest(profile, root)
     return profile_dir(profile, root) / "ladder"
@@ -243,7 +256,7 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
             if not c.name.endswith(".prov.json"):
                 shutil.copyfile(c, tmp / SCIENCE4 / "cells" / "sharpness_rung" / c.name)
         for f in ("claims.csv", "map_lanes.parquet", "map_cells.csv", "rate_rows.parquet",
-                  LAW_FILE, "one_s.csv"):
+                  LAW_FILE, "one_s.csv", RECORD_FILE):
             if (s4 / f).is_file():
                 shutil.copyfile(s4 / f, tmp / SCIENCE4 / f)
     elif (d / SCIENCE4).is_dir():

@@ -984,6 +984,9 @@ def _model_summary(model: SR.RateModel, prov: Mapping[str, Any], horizon: int,
         summary["validation"] = {k: v for k, v in d["validation"].items()
                                  if k not in ("calibration", "coefficients")}
     summary.update(prov)
+    record = package_data.public_record("llama2-70b")
+    if record and record.get("model_sha256") == summary.get("model_sha256"):
+        summary["public_record"] = record      # this very model's record (science4)
     summary["horizon_steps"] = int(horizon)
     summary["extrapolation_note"] = (
         (f"{len(ext)} of {len(settings)} settings are extrapolations: outside a model "
@@ -1077,6 +1080,8 @@ def settings_text(pred: Predictions) -> str:
     base = baseline(prof)
     blind = not_in_model(pred.rate_model.get("features") or [])
     L = [f"model: {model_label(pred.rate_model)}",
+         *([record_text(pred.rate_model["public_record"])]
+           if pred.rate_model.get("public_record") else []),
          f"profile: {prof['name']} ({prof['source'][:160]}...)",
          "baseline setting: " + ", ".join(f"{k} {base[k]:g}" for k in CANDIDATE_KEYS)
          + (" (optim.b2 assumed: the profile states none)" if not prof.get("b2") else "")]
@@ -1109,8 +1114,28 @@ def settings_text(pred: Predictions) -> str:
                     if s["extrapolated"] else "")
                  + (f"; the model predicts the same for {', '.join(s['same_prediction_as'])}"
                     if s.get("same_prediction_as") else ""))
+        if s.get("mechanism"):
+            L.append(f"  mechanism after the warmup: {s['mechanism']}")
     L.append("(not pre-registered: give --out FILE to write predictions.json)")
     return "\n".join(L)
+
+
+def record_text(rec: Mapping[str, Any]) -> str:
+    """One line: this rate model's record on the public runs with a spike count
+    (study.science4.record_summary), so its rates are read beside it."""
+    ll = rec.get("loglik") or {}
+    L = (f"record on public runs (adamspike science4, {rec['runs_counted']} runs with a count, "
+         f"{rec['spikes_reported']:g} visible spikes reported in {rec['steps']:,.0f} steps): "
+         f"log-likelihood {ll.get('v4', float('nan')):.1f} for this model vs "
+         f"{ll.get('const', float('nan')):.1f} for a constant "
+         f"{rec['const_rate_per_1k']:.2g} spikes / 1k steps")
+    meta = rec.get("meta_llama2_70b")
+    if meta:
+        lo, hi = meta["expected_interval"]
+        L += (f"; it expects {meta['expected']:.0f} [{lo:.0f}, {hi:.0f}] over Meta's LLaMA2-70B "
+              f"run (~{meta['horizon_steps']:,.0f} steps, the same recipe), "
+              f"{meta['reported']:g} reported")
+    return L + ". Its rates count the toys' k = 4 / >= 10 % jumps, not visible spikes."
 
 
 def _same(a: Any, b: Any) -> bool:

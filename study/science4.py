@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import os
 import json
 import math
@@ -61,7 +62,8 @@ LANES_FILE = "map_lanes.parquet"
 CELLS_FILE = "map_cells.csv"
 RATE_ROWS_FILE = "rate_rows.parquet"
 LAW_FILE = "law.json"    # the sharpness law under the plan's QC, read by `predict`
-ONE_S_FILE = "one_s.csv"  # the One-S cells' checkpoints, labelled with their map cells   # the rate model's lane-phase rows (training + held out)
+ONE_S_FILE = "one_s.csv"  # the One-S cells' checkpoints, labelled with their map cells
+RECORD_FILE = "public_record.json"   # the shipped rate model's record on public runs, read by `predict`
 RECORD = Path(__file__).resolve().parent.parent / "configs" / "public_record.toml"
 
 
@@ -227,6 +229,30 @@ def rate_rows_from_maps(map_dir: Path, plan: Mapping[str, Any]) -> tuple[pd.Data
     return (pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()), missing
 
 
+def pooled_visible_md(rows: pd.DataFrame) -> list[str]:
+    """The visible-spike rate of all maps' lane-steps pooled, in the 70B's rho band and out
+    of it, with exact Poisson 95 % intervals, beside the seed run's own count (the record's
+    first run): the number a model that can say zero has to meet."""
+    L = []
+    for band, part in (("in the 70B's rho band", rows[rows["cell_in_band"]]),
+                       ("out of band", rows[~rows["cell_in_band"]])):
+        if not len(part):
+            continue
+        k, n = int(part["spikes"].sum()), float(part["steps"].sum())
+        lo, hi = PMA.poisson_interval(k, n / 1000.0)
+        L.append(f"- Visible spikes {band}, every map's lanes pooled: {k} in {n:,.0f} lane-steps "
+                 f"({part['source'].nunique()} maps, lr x{', x'.join(f'{v:g}' for v in sorted(part['lr_mult'].unique()))}): "
+                 f"{1000 * k / n:.3g} per 1k steps, 95 % [{lo:.3g}, {hi:.3g}].")
+    seed = next((r for r in read_toml(RECORD)["run"] if r["name"].startswith("seed report, LLaMA2")), None)
+    if seed is not None:
+        k = int(seed.get("reported", seed.get("reported_at_least", 0)))
+        lo, hi = PMA.poisson_interval(k, seed["horizon_steps"] / 1000.0)
+        L.append(f"- The seed's 70B run: {k} visible spike(s) in {seed['horizon_steps']:,} steps "
+                 f"({'at least, ' if 'reported' not in seed else ''}configs/public_record.toml): "
+                 f"{1000 * k / seed['horizon_steps']:.3g} per 1k steps, 95 % [{lo:.3g}, {hi:.3g}].")
+    return L
+
+
 def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
                        plan: Mapping[str, Any], S70: Mapping[str, float] | None,
                        out: Path) -> list[str]:
@@ -263,6 +289,7 @@ def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
              md_table(cells, ["role", "source", "lr_mult", "batch_mult", "init_std", "dim",
                               "layers", "lanes", "S_median", "rho_shallow", "rho_deep",
                               "in_band", "spikes", "steps"]), ""]
+    L += pooled_visible_md(rows) + [""]
     if r["train_dropped_no_S"]:
         L.append(f"{r['train_dropped_no_S']} training rows have no positive tracker S (the "
                  "tracker's signed power iteration settled on a negative eigenvalue larger in "
@@ -588,6 +615,31 @@ def record_md(df: pd.DataFrame) -> list[str]:
     return L
 
 
+def record_summary(df: pd.DataFrame) -> dict:
+    """What `predict` says beside the shipped rate model's numbers (RECORD_FILE): the model
+    file it was computed with (sha256), the runs with a count, the total log-likelihoods
+    of the shipped model (v4) and of the constant rate fitted to the same record, that
+    constant rate, and the expected visible spikes of Meta's LLaMA2-70B run."""
+    model = package_data.DATA / "llama2_70b" / "spike_rate_model.json"
+    counted = df[df["loglik_const"].notna()] if "loglik_const" in df else df.iloc[:0]
+    out = {"model_sha256": hashlib.sha256(model.read_bytes()).hexdigest(),
+           "runs_counted": int(len(counted)),
+           "spikes_reported": float(counted["reported"].sum()) if len(counted) else 0.0,
+           "steps": float(counted["horizon_steps"].sum()) if len(counted) else 0.0,
+           "loglik": {c.removeprefix("loglik_"): float(counted[c].sum())
+                      for c in counted if c.startswith("loglik_")}}
+    out["const_rate_per_1k"] = 1000 * out["spikes_reported"] / out["steps"] if out["steps"] else None
+    meta = df[df["run"].str.startswith("Meta")]
+    if len(meta) and "expected_v4" in df:
+        m = meta.iloc[0]
+        out["meta_llama2_70b"] = {"horizon_steps": float(m["horizon_steps"]),
+                                  "reported": float(m["reported"]),
+                                  "expected": float(m["expected_v4"]),
+                                  "expected_interval": [float(m["expected_lo_v4"]),
+                                                        float(m["expected_hi_v4"])]}
+    return out
+
+
 # ------------------------------------------------------------------------ claims
 EPS_FACTOR = {"*0.001": 1000.0, "*0.1": 10.0}    # an eps treatment's expected rho ratio
 
@@ -859,6 +911,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     record = public_record(plan, lam, rate_fit["models"] if rate_fit else None, calib)
     atomic_write_bytes(out / "public_record.csv", record.to_csv(index=False).encode())
     parts["record"] = record_md(record)
+    atomic_write_bytes(out / RECORD_FILE, json.dumps(record_summary(record), indent=1).encode())
     if claims_dir:
         cdf = claims_under_plan(claims_dir, plan)
         atomic_write_bytes(out / "claims.csv", cdf.to_csv(index=False).encode())
@@ -898,7 +951,8 @@ def ship(store_dir: Path, out: Path, dest: Path = SHIPPED) -> list[Path]:
         src = Path(store_dir) / c.kind / f"{c.key}.json"
         shutil.copyfile(src, dest / "cells" / c.kind / src.name)
         written.append(dest / "cells" / c.kind / src.name)
-    for f in (LANES_FILE, CELLS_FILE, "claims.csv", RATE_ROWS_FILE, LAW_FILE, ONE_S_FILE):
+    for f in (LANES_FILE, CELLS_FILE, "claims.csv", RATE_ROWS_FILE, LAW_FILE, ONE_S_FILE,
+              RECORD_FILE):
         if (out / f).exists():
             shutil.copyfile(out / f, dest / f)
             written.append(dest / f)

@@ -3,6 +3,7 @@ pre-registered (hash, never overwritten), thresholds come from data."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from adamspike import package_data
 from adamspike.predictions import load_predictions
 from simulate import predict as P
 
@@ -506,6 +508,25 @@ def test_one_predictor_from_the_shipped_profile_and_from_a_log(tmp_path, capsys)
     assert model[0] in other
     assert "eps_ref 1e-08 here vs 1e-05 (the 70B run's)" in other
     assert "N 176,000,000,000 here vs 68,976,648,192 (the llama2-70b preset)" in other
+
+
+def test_rates_come_with_the_models_public_record_and_the_mechanism_label(capsys):
+    """Issue 36: the shipped rate model's numbers are printed beside its record on the public
+    runs (science4's public_record.json: its log-likelihood against a constant rate, what it
+    expects over Meta's LLaMA2-70B run) and each setting's mechanism label from the plan's
+    labels; the record is read from the package data, not restated."""
+    rec = package_data.public_record("llama2-70b")
+    assert rec is not None and rec["model_sha256"] == hashlib.sha256(
+        package_data.rate_model_path("llama2-70b").read_bytes()).hexdigest()
+    assert P.main(["--profile", "llama2-70b", "--setting", "eps=1e-5,b2=0.95"]) == 0
+    text = capsys.readouterr().out
+    line = [x for x in text.splitlines() if x.startswith("record on public runs")]
+    assert len(line) == 1, text
+    assert f"log-likelihood {rec['loglik']['v4']:.1f} for this model vs {rec['loglik']['const']:.1f}" in line[0]
+    assert f"it expects {rec['meta_llama2_70b']['expected']:.0f} [" in line[0]
+    assert "not visible spikes" in line[0]
+    mech = [x for x in text.splitlines() if x.startswith("  mechanism after the warmup: ")]
+    assert len(mech) == 1 and mech[0].split(": ", 1)[1].startswith(("A", "undetermined", "below")), mech
 
 
 def test_a_llama2_70b_profile_json_runs_the_same_mechanism_model(tmp_path, capsys):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from adamspike import package_data
 from study.cli import main as cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,6 +57,16 @@ def test_public_record_meta_and_seed_get_one_rate_and_the_model_loses_to_a_const
     assert meta["expected_v4"] > 100 and meta["reported"] == 0      # hundreds vs none
     assert r["loglik_v4"].sum() < r["loglik_const"].sum()
     assert pd.isna(r.loc["PaLM 540B", "expected_v4"])              # Adafactor: no expectation
+    # what predict prints beside the model's rates is this record, re-derived here
+    shipped = package_data.public_record("llama2-70b")
+    here = json.loads((s4 / "public_record.json").read_text())
+    assert here["model_sha256"] == shipped["model_sha256"]
+    assert here["runs_counted"] == shipped["runs_counted"]
+    # rtol: the shipped file was computed on another machine's BLAS (the same program)
+    for k in ("v4", "const"):
+        assert here["loglik"][k] == pytest.approx(shipped["loglik"][k], rel=1e-6)
+    assert here["meta_llama2_70b"]["expected"] == pytest.approx(
+        shipped["meta_llama2_70b"]["expected"], rel=1e-6)
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
@@ -100,3 +111,18 @@ def test_claims_under_the_plans_rule_on_a_synthetic_replication(tmp_path):
     assert df.loc["lower", "p_holm"] < 0.01 and df.loc["lower", "verdict"] == "supported"
     assert df.loc["same", "verdict"] == "undetermined"
     assert df.loc["lower", "rho_shallow_off"] == pytest.approx(0.5)    # 500x, not 1000x
+
+
+def test_pooled_visible_rate_in_band_says_zero_with_its_exact_upper_bound():
+    """0 visible spikes in 3,000 in-band lane-steps: rate 0, 95 % upper end
+    chi2(0.975, 2) / 2 / 3 = 1.23 per 1k (Garwood); 3 in 2,000 out of band; the seed's own
+    count is read from configs/public_record.toml."""
+    from study.science4 import pooled_visible_md
+    rows = pd.DataFrame({"source": ["a", "a", "b"], "lr_mult": [1, 64, 1024],
+                         "spikes": [0, 0, 3], "steps": [1500, 1500, 2000],
+                         "cell_in_band": [True, True, False]})
+    text = "\n".join(pooled_visible_md(rows))
+    assert "in the 70B's rho band, every map's lanes pooled: 0 in 3,000 lane-steps" in text
+    assert "0 per 1k steps, 95 % [0, 1.23]" in text
+    assert "out of band, every map's lanes pooled: 3 in 2,000 lane-steps" in text
+    assert "The seed's 70B run: 1 visible spike(s) in 1,543 steps (at least" in text
