@@ -211,7 +211,8 @@ def plan_maps(plan: Mapping[str, Any], base: str = "map") -> dict[str, list[str]
     def name(cfg: str) -> str:
         return base + Path(cfg).stem[len("phase_map_science4"):]
     return {"training": [name(c) for c in plan["rate_model"]["training"]["maps"]],
-            "heldout": [name(c) for c in plan["heldout"]["maps"]]}
+            "heldout": [name(c) for c in plan["heldout"]["maps"]],
+            "matched": [name(c) for c in plan["match"].get("cells", {}).get("maps", [])]}
 
 
 def rate_rows_from_maps(map_dir: Path, plan: Mapping[str, Any]) -> tuple[pd.DataFrame, list[str]]:
@@ -422,30 +423,67 @@ def reference_70b(pred: Mapping[str, Any], S_after: float) -> dict:
 LR_AFTER = 0.55     # median lr after the warmup, a fraction of the peak (simulate.predict)
 
 
-def match_table(cells: pd.DataFrame, ref: Mapping[str, Any], factor: float) -> pd.DataFrame:
+def s70_after_warmup(one_s: pd.DataFrame | None) -> pd.DataFrame:
+    """Per map cell, the 70B's S estimator on the toy (One-S cells) after the warmup: the
+    median over lanes and over the cell's checkpoints after its first (simulate.one_s.map_cells
+    puts the first at the end of the warmup, then half-way and the last step)."""
+    cols = ["map", "lr_mult", "batch_mult", "S_70", "S_70_checkpoints"]
+    if one_s is None or one_s.empty:
+        return pd.DataFrame(columns=cols)
+    first = one_s.groupby(["map", "lr_mult", "batch_mult"])["step"].transform("min")
+    after = one_s[one_s["step"] > first]
+    return (after.groupby(["map", "lr_mult", "batch_mult"])
+            .agg(S_70=("S_70", "median"), S_70_checkpoints=("S_70", "size")).reset_index())
+
+
+def match_table(cells: pd.DataFrame, ref: Mapping[str, Any], factor: float,
+                s70: pd.DataFrame | None = None) -> pd.DataFrame:
     """Each toy cell against the 70B: ratios toy / 70B of each group's rho, S, the relative
     update rms(update) / rms(theta) and lr * wd; `matches` lists the quantities within
-    `factor` (plan [match])."""
+    `factor` (plan [match]). With `s70` (s70_after_warmup; plan v3: one estimator) a cell's
+    S is the 70B's estimator measured on it (`S_estimator` S_70), the tracker's ratio kept
+    beside it (`S_tracker_ratio`, not matched on); cells without One-S cells keep the
+    tracker S (`S_estimator` tracker)."""
     rows = []
     rel70 = ref["update_rms"] / ref["theta_rms_init"]
+    if s70 is not None and len(s70) and "map" in cells:
+        cells = cells.merge(s70, on=["map", "lr_mult", "batch_mult"], how="left")
     for _, c in cells.iterrows():
         ratios = {f"rho_{g}": c[f"rho_{g}"] / ref[f"rho_{g}"] for g in GROUPS if f"rho_{g}" in ref}
-        ratios["S"] = c["S_median"] / ref["S_median"]
+        one = "S_70" in c and pd.notna(c["S_70"])
+        ratios["S"] = (c["S_70"] if one else c["S_median"]) / ref["S_median"]
         ratios["rel_update"] = (c["update_rms"] / c["theta_rms_init"]) / rel70
         ratios["lr_wd"] = (c["lr"] * c["weight_decay"]) / (ref["lr"] * ref["weight_decay"])
         ok = [k for k, v in ratios.items() if 1 / factor <= v <= factor]
         toy = {k: c[k] for k in ("map", "dim", "layers", "init_std") if k in c and pd.notna(c[k])}
         seen = {k: c[k] for k in ("visible_spikes", "steps") if k in c and pd.notna(c[k])}
+        est = ({"S_estimator": "S_70" if one else "tracker",
+                "S_tracker_ratio": c["S_median"] / ref["S_median"]} if s70 is not None else {})
         rows.append({**toy, "lr_mult": c["lr_mult"], "b2": c["b2"], "batch_mult": c["batch_mult"],
-                     **{f"{k}_ratio": v for k, v in ratios.items()},
+                     **{f"{k}_ratio": v for k, v in ratios.items()}, **est,
                      "matches": ", ".join(ok) or "none",
                      "all_match": len(ok) == len(ratios), **seen})
     return pd.DataFrame(rows)
 
 
+def seed_rate_test(k: int, n: float, k0: int, n0: float, alpha: float) -> dict:
+    """Plan v3 [match.test]: k visible spikes in n toy lane-steps against the seed run's k0
+    in n0 steps. Under equal rates, conditional on k + k0, K ~ Binomial(k + k0, n / (n + n0));
+    "lower" when P[K <= k] < alpha, "higher" when P[K >= k] < alpha."""
+    m, q = k + k0, n / (n + n0)
+    p_lower = float(stats.binom.cdf(k, m, q)) if m else 1.0
+    p_higher = float(stats.binom.sf(k - 1, m, q)) if m else 1.0
+    verdict = ("lower than the seed run's rate" if p_lower < alpha else
+               "higher than the seed run's rate" if p_higher < alpha else
+               "not distinguishable from the seed run's rate")
+    return {"k": int(k), "n": float(n), "k0": int(k0), "n0": float(n0), "p_lower": p_lower,
+            "p_higher": p_higher, "verdict": verdict}
+
+
 def _unmatched(match: pd.DataFrame) -> str:
     """Which quantities the toys match and which none does (from the table)."""
-    qs = [c[:-len("_ratio")] for c in match.columns if c.endswith("_ratio")]
+    qs = [c[:-len("_ratio")] for c in match.columns
+          if c.endswith("_ratio") and c != "S_tracker_ratio"]
     hit = {q: int(match["matches"].str.split(", ").apply(lambda m: q in m).sum()) for q in qs}
     never = [q for q in qs if hit[q] == 0]
     said = ", ".join(f"{q} in {hit[q]} of {len(match)}" for q in qs)
@@ -462,20 +500,34 @@ def _unmatched(match: pd.DataFrame) -> str:
 
 def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str) -> list[str]:
     f = plan["match"]["factor"]
+    one = "S_estimator" in match
     L = ["## Toys matched to the 70B, group by group", "",
          f"Ratios toy / 70B (plan [match]: a quantity matches within {f:g}x). rho per depth "
-         "group (medians over the toy's steps; the 70B's shipped profile at eps 1e-5); S: the "
-         "toy's tracker S (median) against the 70B's S after the warmup under "
-         f"'{reading}' (two estimators: the calibration between them is open, below); "
-         "relative update: rms of the applied update / rms(theta) at init (the 70B: lr after "
-         "the warmup x the profile's unit-lr update rms); lr x weight decay at the peak lr.", "",
+         "group (medians over the toy's steps; the 70B's shipped profile at eps 1e-5); S: "
+         + ("the 70B's estimator measured on the toy (One-S cells, median after the warmup; "
+            "plan v3: one estimator) where `S_estimator` is S_70, the toy's tracker S where "
+            "it says tracker (`S_tracker_ratio`: the tracker's, not matched on), " if one else
+            "the toy's tracker S (median) ")
+         + f"against the 70B's S after the warmup under '{reading}'"
+         + ("" if one else " (two estimators: the calibration between them is open, below)")
+         + "; relative update: rms of the applied update / rms(theta) at init (the 70B: lr "
+           "after the warmup x the profile's unit-lr update rms); lr x weight decay at the "
+           "peak lr.", "",
          md_table(match, list(match.columns)), ""]
     full = match[match["all_match"]]
+    test = plan["match"].get("test")
     if len(full) and "visible_spikes" in full:
         k, n = float(full["visible_spikes"].sum()), float(full["steps"].sum())
         lo, hi = poisson_interval(int(k), n / 1000.0)
-        rate = (f" Visible spikes where every quantity matches: {k:.0f} in {n:.0f} lane-steps, "
+        rate = (f" Visible spikes where every quantity matches: {k:.0f} in {n:,.0f} lane-steps, "
                 f"{1000 * k / n:.3g} [{lo:.3g}, {hi:.3g}] per 1k.")
+        if test:
+            run = next(r for r in read_toml(RECORD)["run"] if r["name"] == test["seed_run"])
+            t = seed_rate_test(int(k), n, int(run.get("reported", run.get("reported_at_least"))),
+                               float(run["horizon_steps"]), float(test["alpha"]))
+            rate += (f" Against the seed run ({t['k0']} in {t['n0']:,.0f} steps; plan "
+                     f"[match.test], exact conditional binomial): P[K <= k] = {t['p_lower']:.3g}, "
+                     f"P[K >= k] = {t['p_higher']:.3g}: **{t['verdict']}**.")
     else:
         rate = ""
     L.append(("Cells where every quantity matches: " + ", ".join(
@@ -746,22 +798,47 @@ def adamw_md() -> list[str]:
             "need no correction.", ""]
 
 
-def open_items_md(plan: Mapping[str, Any]) -> list[str]:
-    return ["## Undetermined, and the run that would decide it", "",
-            "- **Rate model that can say zero** (plan [rate_model], [heldout]): not fitted; the "
-            "third map (width 48, 6 blocks, data seed 1, in-band cells, S moved by batch and init "
-            "as well as lr) has not run. `adamspike phase-map` on that map, then the threshold "
-            "model against its three competitors, would decide it.",
-            "- **One S** (the 70B's estimator applied to the toys and calibrated against their "
-            "tracker S): not measured; full-data Lanczos at the map's lanes' final parameters "
-            "(simulate/sharpness.py's Lanczos on the map's configs) would.",
-            "- **The seed's eps claims under the plan's rule** (decrease, visible class, Holm): "
-            "not rerun; `adamspike replicate --claims configs/claims_phase.toml` with the visible "
-            "class as the metric would decide them. Science 3's verdicts (rule `removes`, chosen "
-            "after its 40-seed run) stay as they were: not supported (spikes remain) for all three.",
-            "- **Toys matched on every group** (above, where map cells are given): a model "
-            "whose S reaches the 70B's at the 70B's lr would decide whether visible spikes "
-            "survive where rho, S and the update size all match.", ""]
+def open_items_md(plan: Mapping[str, Any], *, label: str | None, rate: Mapping[str, Any] | None,
+                  one_s: Mapping[str, Any] | None, claims: pd.DataFrame | None,
+                  match: pd.DataFrame | None, missing_maps: Sequence[str]) -> list[str]:
+    """What this report leaves undetermined and the run that would decide each, from the
+    results above (nothing here is written ahead of them)."""
+    L = ["## Undetermined, and the run that would decide it", ""]
+    if label and label.startswith("undetermined"):
+        L.append(f"- **The 70B's mechanism label** ({label}): the law's prediction interval of "
+                 "S after the warmup straddles the edge S = 1. A measured full-data lambda_max(H) "
+                 "of the 70B itself (Lanczos at a checkpoint of the seed's recipe; no toy law "
+                 "carried over 2-3 decades of size) would decide it.")
+    if rate is None:
+        L.append("- **Rate model that can say zero**: not judged: the plan's maps "
+                 + ", ".join(missing_maps) + " are missing here.")
+    elif rate["verdict"] == "undetermined":
+        L.append(f"- **Rate model that can say zero**: undetermined ({rate['why']}). Held-out "
+                 "in-band cells where >= 5 visible spikes are expected per S bin would decide "
+                 "it; the toys here show none in band (pooled rate above), so in band the model "
+                 "has nothing to be wrong about at this size.")
+    if one_s is None:
+        L.append("- **One S**: not measured (`adamspike science4 --compute --map ROOT/map`).")
+    elif one_s["hi"] / max(one_s["lo"], 1e-300) > 100:
+        L.append(f"- **One S**: the 70B's S on the toys' scale is {_fmt(one_s['S'])} "
+                 f"[{_fmt(one_s['lo'])}, {_fmt(one_s['hi'])}]: over two decades wide. One-S "
+                 "cells at more lr multipliers between x1 and x64 (where the two estimators "
+                 "still agree within a decade) would narrow it.")
+    if claims is not None and len(claims) and (claims["verdict"] == "undetermined").all():
+        L.append("- **The seed's eps claims under the plan's rule**: undetermined in every arm "
+                 f"({int(claims['visible_control'].sum())} visible spikes in the control arms): "
+                 "arms whose control shows visible spikes in band would decide them; no toy here "
+                 "does.")
+    if missing_maps and any("matched" in m for m in missing_maps):
+        L.append("- **Toys matched on every group** (plan v3 [match.cells]): the matched map "
+                 "has not run here: `adamspike phase-map --config "
+                 "configs/phase_map_science4_matched.toml --no-check --out ROOT/map_matched`, then "
+                 "`adamspike science4 --compute --map ROOT/map` (its One-S cells) decides it.")
+    elif match is not None and len(match) and not match["all_match"].any():
+        L.append("- **Toys matched on every group**: no cell matches all at once (table above); "
+                 "a toy that reaches the 70B's S with the relative update and lr x wd in range "
+                 "would decide whether visible spikes survive there.")
+    return L + ([""] if len(L) > 2 else ["Nothing left open by the sections above.", ""])
 
 
 def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
@@ -792,6 +869,13 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
             run_cells(store, map_cells(json.loads((Path(map_dir) / "map.json").read_text())),
                       executor=executor, jobs=jobs, address=address, progress=progress,
                       desc="one-S cells")
+            for n in plan_maps(plan, Path(map_dir).name)["matched"]:   # plan v3 [match.cells]
+                d = Path(map_dir).parent / n
+                if PMA.has_cells(d):
+                    run_cells(store, map_cells(json.loads((d / "map.json").read_text()),
+                                               int(plan["match"]["cells"]["one_s_lanes"])),
+                              executor=executor, jobs=jobs, address=address,
+                              progress=progress, desc=f"one-S cells ({n})")
     else:
         cells = SH.read_cells(cells_dir if cells_dir else SHIPPED / "cells")
     # rho_min of the 70B (the profile's most dormant group at eps 1e-5), as predict reads it
@@ -897,9 +981,12 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
                     .rename(columns={"source": "map"}))
             summ = summ.merge(seen, on=["map", "lr_mult", "b2", "batch_mult"], how="left")
         summ.to_csv(out / CELLS_FILE, index=False)
+    match = None
     if summ is not None and np.isfinite(last.get("S_after", math.nan)):
         match = match_table(summ, reference_70b(pred, float(last["S_after"])),
-                            float(plan["match"]["factor"]))
+                            float(plan["match"]["factor"]),
+                            s70_after_warmup(one_tab)
+                            if plan["match"].get("s_estimator") == "S_70" else None)
         atomic_write_bytes(out / "match.csv", match.to_csv(index=False).encode())
         parts["match"] = match_md(match, plan, str(last["reading"]))
     qc_read = versions[versions["reading"].str.startswith("v5")]
@@ -922,7 +1009,9 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     if cdf is not None:
         parts["claims"] = claims_md(cdf, plan)
     parts["adamw"] = adamw_md()
-    parts["open"] = open_items_md(plan)
+    parts["open"] = open_items_md(
+        plan, label=str(last["label"]) if "label" in last and pd.notna(last["label"]) else None,
+        rate=rate_fit, one_s=S70_cal, claims=cdf, match=match, missing_maps=rate_missing)
     text = report(out, plan, parts)
     atomic_write_bytes(out / "science4.md", text.encode())
     summary = {"plan": plan["_path"], "plan_sha256": plan["_sha256"],

@@ -126,3 +126,40 @@ def test_pooled_visible_rate_in_band_says_zero_with_its_exact_upper_bound():
     assert "0 per 1k steps, 95 % [0, 1.23]" in text
     assert "out of band, every map's lanes pooled: 3 in 2,000 lane-steps" in text
     assert "The seed's 70B run: 1 visible spike(s) in 1,543 steps (at least" in text
+
+
+def test_seed_rate_test_is_the_exact_conditional_binomial():
+    """Plan v3 [match.test]: 0 toy spikes in 32,000 lane-steps against the seed's 1 in 1543:
+    P[K <= 0] = 1543 / 33543 = 0.046 < 0.05 -> lower; in 20,000 lane-steps 0.0716 -> not
+    distinguishable (with k0 = 1 only a toy with none can separate the rates); 30 in
+    1,000 against 1 in 1,543 -> higher."""
+    from study.science4 import seed_rate_test
+    t = seed_rate_test(0, 32000, 1, 1543, 0.05)
+    assert t["p_lower"] == pytest.approx(1543 / 33543, rel=1e-12)
+    assert t["verdict"] == "lower than the seed run's rate"
+    assert seed_rate_test(0, 20000, 1, 1543, 0.05)["verdict"] == \
+        "not distinguishable from the seed run's rate"
+    assert seed_rate_test(30, 1000, 1, 1543, 0.05)["verdict"] == "higher than the seed run's rate"
+
+
+def test_match_uses_the_70bs_estimator_where_one_s_measured_it():
+    """Plan v3 [match] s_estimator S_70: a cell's S is the median of its One-S checkpoints
+    after the first (the end of the warmup); a cell without One-S cells keeps the tracker S,
+    marked; the tracker's ratio stays beside it and is not matched on."""
+    from study.science4 import match_table, s70_after_warmup
+    one = pd.DataFrame({"map": "m", "lr_mult": 1.0, "batch_mult": 1, "seed": [0, 0, 0, 1, 1, 1],
+                        "step": [200, 400, 600] * 2, "S_70": [50.0, 0.5, 0.7, 50.0, 0.9, 1.1]})
+    s70 = s70_after_warmup(one)
+    assert s70["S_70"].tolist() == [pytest.approx(0.8)] and s70["S_70_checkpoints"].tolist() == [4]
+    ref = {"lr": 1e-3, "weight_decay": 0.1, "rho_embed": 1.0, "rho_shallow": 1.0,
+           "rho_deep": 1.0, "rho_head": 1.0, "S_median": 1.0, "theta_rms_init": 1.0,
+           "update_rms": 1.0}
+    cells = pd.DataFrame({"map": ["m", "m"], "lr_mult": [1.0, 4.0], "b2": 0.95, "batch_mult": 1,
+                          "lr": [1e-3, 4e-3], "weight_decay": 0.1, "rho_embed": 1.0,
+                          "rho_shallow": 1.0, "rho_deep": 1.0, "rho_head": 1.0,
+                          "S_median": [0.05, 2.0], "theta_rms_init": 1.0, "update_rms": [1.0, 4.0]})
+    m = match_table(cells, ref, 3.0, s70).set_index("lr_mult")
+    assert m.loc[1.0, "S_estimator"] == "S_70" and m.loc[1.0, "S_ratio"] == pytest.approx(0.8)
+    assert m.loc[1.0, "S_tracker_ratio"] == pytest.approx(0.05) and m.loc[1.0, "all_match"]
+    assert m.loc[4.0, "S_estimator"] == "tracker" and m.loc[4.0, "S_ratio"] == pytest.approx(2.0)
+    assert not m.loc[4.0, "all_match"] and "rel_update" not in m.loc[4.0, "matches"]
