@@ -148,12 +148,14 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
     assert skipped == {"llama_stable", "matched_toy_ge", "matched_toy_ge_1e8", "package_data",
                        "phase_map_w64", "batch_sharpness", "spike_rate_mechanism",
                        "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
-                       "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init"}
+                       "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init",
+                       "phase_map_science4_matched"}
     assert [s.name for s in quick] == [n for n in names if n not in skipped]
     assert set(names) - {s.name for s in standard} == {
         "phase_map_w64", "batch_sharpness", "spike_rate_mechanism", "package_data",
         "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
-        "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init"}
+        "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init",
+        "phase_map_science4_matched"}
     shipped = str(package_data.profile_dir("llama2-70b"))
     f, q, d = ({s.name: s for s in plan} for plan in (full, quick, standard))
     for plan in (q, d):      # the shipped cells refitted; the shipped mechanism model
