@@ -170,7 +170,8 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
     # Science 4: the full study computes its cells and map; the others read the shipped ones
     assert "--compute" in f["science4"].argv and f["science4"].needs == [
         "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
-        "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init"]
+        "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init",
+        "phase_map_science4_matched"]
     assert "--compute" not in q["science4"].argv and q["science4"].needs == []
     note = scale_note(standard, "standard")
     assert "`ladder`, `predict_70b`" in note and "`batch_sharpness`" in note
