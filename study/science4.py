@@ -251,6 +251,14 @@ def pooled_visible_md(rows: pd.DataFrame) -> list[str]:
         L.append(f"- The seed's 70B run: {k} visible spike(s) in {seed['horizon_steps']:,} steps "
                  f"({'at least, ' if 'reported' not in seed else ''}configs/public_record.toml): "
                  f"{1000 * k / seed['horizon_steps']:.3g} per 1k steps, 95 % [{lo:.3g}, {hi:.3g}].")
+        band = rows[rows["cell_in_band"]]
+        if len(band):
+            t = seed_rate_test(int(band["spikes"].sum()), float(band["steps"].sum()), k,
+                               float(seed["horizon_steps"]), 0.05)
+            L.append(f"- In band against the seed run (descriptive, not a plan test: the toys "
+                     f"differ from the 70B in S or in the update size, table of matches below; "
+                     f"exact conditional binomial): P[K <= k] = {t['p_lower']:.3g}, P[K >= k] = "
+                     f"{t['p_higher']:.3g}.")
     return L
 
 
@@ -835,9 +843,25 @@ def open_items_md(plan: Mapping[str, Any], *, label: str | None, rate: Mapping[s
                  "configs/phase_map_science4_matched.toml --no-check --out ROOT/map_matched`, then "
                  "`adamspike science4 --compute --map ROOT/map` (its One-S cells) decides it.")
     elif match is not None and len(match) and not match["all_match"].any():
-        L.append("- **Toys matched on every group**: no cell matches all at once (table above); "
-                 "a toy that reaches the 70B's S with the relative update and lr x wd in range "
-                 "would decide whether visible spikes survive there.")
+        f = float(plan["match"]["factor"])
+        but_s = match[match["matches"].apply(
+            lambda m: set(m.split(", ")) >= {"rel_update", "lr_wd"} and "S" not in m)]
+        law = package_data.sharpness_law("llama2-70b")
+        if len(but_s) and law is not None and (but_s["S_ratio"] > 0).any():
+            best = but_s.loc[but_s["S_ratio"].idxmax()]
+            c_layers = float(law["coef"][2])
+            grow = (1 / f / float(best["S_ratio"])) ** (1 / c_layers) if c_layers > 0 else math.inf
+            L.append(f"- **Toys matched on every group**: every quantity but S matches in "
+                     f"{len(but_s)} cell(s) (the toy at lr x{', x'.join(f'{v:g}' for v in but_s['lr_mult'])}); "
+                     f"S is left, at {_fmt(float(best['S_ratio']))}x the 70B's at best (lr "
+                     f"x{best['lr_mult']:g}). The law's depth term (lambda ~ layers^{c_layers:.2f}) "
+                     f"puts the S of a toy with ~{grow:.0f}x its depth ({grow * float(best['layers']):.0f} "
+                     "layers) at that lr at 1/3 of the 70B's, the match's edge; that toy's "
+                     "visible spikes would decide whether they survive where everything matches.")
+        else:
+            L.append("- **Toys matched on every group**: no cell matches all at once (table "
+                     "above); a toy that reaches the 70B's S with the relative update and lr x wd "
+                     "in range would decide whether visible spikes survive there.")
     return L + ([""] if len(L) > 2 else ["Nothing left open by the sections above.", ""])
 
 

@@ -163,3 +163,12 @@ def test_match_uses_the_70bs_estimator_where_one_s_measured_it():
     assert m.loc[1.0, "S_tracker_ratio"] == pytest.approx(0.05) and m.loc[1.0, "all_match"]
     assert m.loc[4.0, "S_estimator"] == "tracker" and m.loc[4.0, "S_ratio"] == pytest.approx(2.0)
     assert not m.loc[4.0, "all_match"] and "rel_update" not in m.loc[4.0, "matches"]
+
+
+def test_pooled_in_band_rate_is_set_beside_the_seed_run_as_description():
+    from study.science4 import pooled_visible_md
+    rows = pd.DataFrame({"source": ["a"], "lr_mult": [1], "spikes": [0], "steps": [54800],
+                         "cell_in_band": [True]})
+    text = "\n".join(pooled_visible_md(rows))
+    # 1543 / (54800 + 1543): the seed's share of the pooled steps
+    assert f"descriptive, not a plan test" in text and f"P[K <= k] = {1543 / 56343:.3g}" in text
