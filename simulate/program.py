@@ -326,8 +326,8 @@ class Program:
             poison=np.array([s + offset in poison for s in steps]))
 
     def telemetry_spec(self, cfg: RunConfig) -> tuple:
-        """The static (b1, b2, eps) of step(tel=...): eps a float when uniform, else one
-        per tensor."""
+        """The config's (b1, b2, eps) for step_fn(tel=...): eps a float when uniform (then
+        traced inputs: `telemetry_inputs`), else one per tensor (compiled in)."""
         plan, o = step_plan(cfg), cfg.optim
         eps = tuple(float(plan.tensor_eps.get(nm, o.eps)) for nm in self.names)
         return (float(o.b1), float(o.b2), eps[0] if len(set(eps)) == 1 else eps)

@@ -16,7 +16,8 @@ per block of BLOCK elements and then per tensor; the counts (sat, eps_small) are
 rounded up to the compute dtype, which makes `edge_lo <= r < edge_hi` in float32 the same
 decision as numpy's comparison in float64.
 
-Speed: on CPU, with static b1, b2, eps > 0 and one dtype (the trainers' case),
+Speed: on CPU, with eps > 0 known at trace time (static b1, b2, eps, or traced ones with
+eps_positive and their exact bits: simulate.program's step) and one dtype (the trainers' case),
 `step_telemetry` hands the sums and histograms to simulate.native_telemetry, the C loop
 shared with the torch trainer, as an FFI call inside the jitted step: on the tiny LLaMA
 step it costs ~0.15 ms where XLA's reductions below cost ~0.3 ms (paired 1.019-1.029
