@@ -53,6 +53,7 @@ import numpy as np
 from adamspike.config import load_config
 from adamspike.train_config import RunConfig
 from simulate import llama_train as lt
+from simulate.program import telemetry_inputs
 
 # (telemetry, histograms, native CPU kernel, report): report None compiles what the variant
 # asks for into the step; an int calls the trainer's one program (telemetry and histograms
@@ -82,9 +83,11 @@ def main(argv=None) -> int:
     compiled = {}
     for name, (tel, hist, native, report) in VARIANTS.items():
         t0 = time.perf_counter()
-        kw = {} if report is None else {"report": np.int32(report)}
-        fn = prog.step_fn.lower(params, state, batch, ctl, spec if tel else None, hist, native,
-                                **kw).compile()
+        static, values = telemetry_inputs(spec if tel else None)   # as Program.step_fn
+        kw = {"tel_values": values} if report is None else {"report": np.int32(report),
+                                                             "tel_values": values}
+        fn = prog._step_jit.lower(params, state, batch, ctl, static, hist, native,
+                                  **kw).compile()
         compiled[name] = lambda p, s, b, c, fn=fn, kw=kw: fn(p, s, b, c, **kw)
         jax.block_until_ready(compiled[name](params, state, batch, ctl))
         print(f"compile {name:15s} {time.perf_counter() - t0:6.2f} s")

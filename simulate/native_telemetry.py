@@ -11,10 +11,12 @@ float64 before the final rounding) and, on histogram steps, the int32 counts of 
 Under vmap (sweeps over seeds or configurations) the call is made once with every input
 broadcast to the batch (vmap_method="broadcast_all") and the handler loops over the batch.
 
-Used by `step_telemetry` when the call qualifies: the CPU backend, b1, b2 and eps static
-Python numbers with eps > 0 (a traced or zero eps keeps XLA's path: its r is NaN where
-v_hat = 0 = eps, which the loop would count as 0), every leaf of the compute dtype (float32,
-or float64 under x64). Built on first use (~5 s; adamspike.native.build_library against
+Used by `step_telemetry` when the call qualifies: the CPU backend, eps > 0 known at trace
+time (a zero eps, or a traced one not declared positive, keeps XLA's path: its r is NaN
+where v_hat = 0 = eps, which the loop would count as 0), every leaf of the compute dtype
+(float32, or float64 under x64). b1 and eps reach the loop as an operand, their float64
+bit patterns (uint32[4], `exact_bits`), not as attributes: a program traced with them as
+inputs serves every (b1, eps), so settings that differ only there compile one step. Built on first use (~5 s; adamspike.native.build_library against
 jaxlib's FFI headers); if that fails, one warning and XLA's path.
 """
 
@@ -36,11 +38,14 @@ NUM_SUMS = len(SUM_FIELDS)
 _BINDING = r"""
 namespace ffi = xla::ffi;
 
-/* args: bc1, bc2, scale (each of the batch's shape), then g, mu_t, nu_t, mu_{t-1}, p of
-   the num tensors (each batch x tensor); rets: sums (batch x num x (NT + 1)) and, with
-   hist, counts (batch x num x NB, int32) */
-static ffi::Error Impl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t num,
-                       bool hist, double b1, double eps) {
+/* consts: b1 and eps as float64 bit patterns (batch x 4 uint32); args: bc1, bc2, scale
+   (each of the batch's shape), then g, mu_t, nu_t, mu_{t-1}, p of the num tensors (each
+   batch x tensor); rets: sums (batch x num x (NT + 1)) and, with hist, counts
+   (batch x num x NB, int32) */
+static ffi::Error Impl(ffi::AnyBuffer consts, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                       int64_t num, bool hist) {
+  if (consts.element_type() != ffi::DataType::U32)
+    return ffi::Error::InvalidArgument("adamspike telemetry: b1, eps bits must be uint32");
   if (num < 1 || (int64_t)args.size() != 3 + 5 * num)
     return ffi::Error::InvalidArgument("adamspike telemetry: wrong number of operands");
   auto first = args.get<ffi::AnyBuffer>(0);
@@ -51,6 +56,9 @@ static ffi::Error Impl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t
   const bool f64 = dt == ffi::DataType::F64;
   const size_t width = f64 ? 8 : 4;
   const int64_t batch = (int64_t)first->element_count();
+  if ((int64_t)consts.element_count() != 4 * batch)
+    return ffi::Error::InvalidArgument("adamspike telemetry: b1, eps bits differ in batch");
+  const uint32_t *bits = (const uint32_t *)consts.untyped_data();
   std::vector<const char *> base(3 + 5 * num);
   std::vector<int64_t> numel(num);
   for (int64_t j = 0; j < 3 + 5 * num; ++j) {
@@ -88,7 +96,9 @@ static ffi::Error Impl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t
   std::vector<int64_t> ptrs(5 * num);
   std::vector<double> c1(num), c2(num), table(num * stride);
   for (int64_t b = 0; b < batch; ++b) {
-    double sc[3];
+    double sc[3], b1, eps;
+    std::memcpy(&b1, bits + 4 * b, 8);
+    std::memcpy(&eps, bits + 4 * b + 2, 8);
     for (int k = 0; k < 3; ++k)
       sc[k] = f64 ? ((const double *)base[k])[b] : (double)((const float *)base[k])[b];
     for (int64_t k = 0; k < 5; ++k)
@@ -116,15 +126,14 @@ static ffi::Error Impl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamspikeTelemetrySums, Impl,
                               ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_tensors")
-                                  .Attr<bool>("hist")
-                                  .Attr<double>("b1")
-                                  .Attr<double>("eps"));
+                                  .Attr<bool>("hist"));
 """
 
-_SOURCE = ('#include "xla/ffi/api/ffi.h"\n#include <algorithm>\n#include <vector>\n'
+_SOURCE = ('#include "xla/ffi/api/ffi.h"\n#include <algorithm>\n#include <cstring>\n#include <vector>\n'
            + native.KERNEL_SOURCE + _BINDING)
 _STATE: dict[str, bool] = {}
 
@@ -151,24 +160,33 @@ def available() -> bool:
     return ok
 
 
-def usable(leaves, dt, b1, b2, eps) -> bool:
-    """The conditions of the module docstring, checked at trace time."""
+def usable(leaves, dt, b1, b2, eps, eps_positive: bool = False) -> bool:
+    """The conditions of the module docstring, checked at trace time: b1, b2, eps static
+    Python numbers with eps > 0, or traced with `eps_positive` (static) declaring eps > 0."""
     static = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (b1, b2, eps))
-    return (static and eps > 0 and jax.default_backend() == "cpu"
+    return ((static and eps > 0 or eps_positive) and jax.default_backend() == "cpu"
             and np.dtype(dt) in (np.dtype(np.float32), np.dtype(np.float64))
             and all(x.dtype == dt for xs in leaves for x in xs) and available())
 
 
-def step_sums(g_l, mu_l, nu_l, mp_l, p_l, bc1, bc2, scale, b1: float, eps: float, dt,
-              with_hist: bool):
+def exact_bits(b1: float, eps: float) -> np.ndarray:
+    """uint32[4]: the float64 bit patterns of b1 and eps, the loop's exact constants (a
+    float32 input would round them: the loop computes eps^2 in double)."""
+    return np.array([b1, eps], np.float64).view(np.uint32)
+
+
+def step_sums(g_l, mu_l, nu_l, mp_l, p_l, bc1, bc2, scale, b1, eps, dt, with_hist: bool,
+              bits=None):
     """(sums (num_tensors, NUM_SUMS) in dt, hists (num_tensors, NUM_HIST_BINS) int32 or
-    None), as simulate.telemetry.step_telemetry returns them."""
+    None), as simulate.telemetry.step_telemetry returns them. bits: exact_bits(b1, eps),
+    traced; None: made from b1 and eps (static floats)."""
     num = len(g_l)
     shapes = [jax.ShapeDtypeStruct((num, NUM_SUMS), dt)]
     if with_hist:
         shapes.append(jax.ShapeDtypeStruct((num, NUM_HIST_BINS), jnp.int32))
     scalars = [jnp.asarray(x, dt).reshape(()) for x in (bc1, bc2, 1.0 if scale is None else scale)]
+    bits = jnp.asarray(exact_bits(b1, eps) if bits is None else bits, jnp.uint32).reshape(4)
     out = jax.ffi.ffi_call(TARGET, shapes, vmap_method="broadcast_all")(
-        *scalars, *g_l, *mu_l, *nu_l, *mp_l, *p_l, num_tensors=np.int64(num),
-        hist=bool(with_hist), b1=np.float64(b1), eps=np.float64(eps))
+        bits, *scalars, *g_l, *mu_l, *nu_l, *mp_l, *p_l, num_tensors=np.int64(num),
+        hist=bool(with_hist))
     return (out[0], out[1]) if with_hist else (out[0], None)

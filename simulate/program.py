@@ -37,7 +37,9 @@ every driver.
 Two compiled forms of the one step:
 - `Program.step_fn`: jit(step), one step per call (static options: telemetry sums / r and
   sqrt(v_hat)/eps histograms, the native CPU telemetry kernel; which of them a step
-  reports is a traced input, so a trainer run compiles one program). The trainer and the
+  reports is a traced input, so a trainer run compiles one program; the telemetry's
+  (b1, b2, eps) of a uniform eps are traced inputs too, so runs that differ only in them,
+  e.g. the study's matched toy at eps 2e-3 and 2e-6, share one program). The trainer and the
   replay lanes call it, so the same settings on the same inputs give bit-identical results
   in both.
 - `Program.run`: jit(vmap(scan(step))) over lanes (seeds, arms), all steps in one call;
@@ -61,11 +63,24 @@ from adamspike.llama import spec_by_name
 from adamspike.mitigations import StepPlan, plan as mitigation_plan
 from adamspike.train_config import RunConfig
 from simulate import llama as jllama
+from simulate import native_telemetry
 from simulate import optim as jopt
 from simulate import telemetry as jtel
 from simulate.curvature import precond_root
 
 POISON_TOKEN = 0
+TRACED = "traced"   # step(tel=(TRACED, eps > 0)): the telemetry's b1, b2, eps are inputs
+
+
+def telemetry_inputs(tel: tuple | None) -> tuple[tuple | None, tuple | None]:
+    """(static tel, tel_values) of `Program.step` for the config's (b1, b2, eps)
+    (`Program.telemetry_spec`): one eps -> (TRACED, eps > 0) and the values as inputs; one
+    eps per tensor (or None) as given, compiled in."""
+    if tel is None or isinstance(tel[2], (list, tuple)):
+        return tel, None
+    b1, b2, eps = (float(x) for x in tel)
+    return (TRACED, eps > 0), (np.float32(b1), np.float32(b2), np.float32(eps),
+                               native_telemetry.exact_bits(b1, eps))
 
 
 class Controls(NamedTuple):
@@ -124,8 +139,20 @@ class Program:
         self.loss = lambda p, b, s: jllama.loss_fn(p, b, llama, s, t.z_loss,  # noqa: E731
                                                    compute_dtype=t.dtype, **options)
         self._value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
-        self.step_fn = jax.jit(self.step, static_argnames=("tel", "hist", "native", "with_grads"))
+        self._step_jit = jax.jit(self.step,
+                                 static_argnames=("tel", "hist", "native", "with_grads"))
         self._runs: dict[bool, Any] = {}
+
+    def step_fn(self, params, state, batch, c: Controls, tel: tuple | None = None,
+                hist: bool = False, native: bool = True, with_grads: bool = False,
+                report=None):
+        """jit(step), the telemetry's (b1, b2, eps) passed as traced inputs when eps is one
+        float (compiled in: only whether eps > 0, which picks the native kernel and the
+        padding's mask); one eps per tensor stays compiled in (its tensors are grouped by
+        value at trace time)."""
+        tel, values = telemetry_inputs(tel)
+        return self._step_jit(params, state, batch, c, tel, hist, native, with_grads, report,
+                              tel_values=values)
 
     # ------------------------------------------------------------------ the step
     def tx(self, c: Controls) -> optax.GradientTransformation:
@@ -140,12 +167,14 @@ class Program:
 
     def step(self, params, state, batch, c: Controls, tel: tuple | None = None,
              hist: bool = False, native: bool = True, with_grads: bool = False,
-             report=None):
+             report=None, tel_values=None):
         """One optimizer step (module docstring). out: loss (unscaled), grad_norm (pre-clip,
         of s * loss), clipped, update_norm, tensor_sumsq (n,) of the pre-clip gradient of
         s * loss, clip_scale; with tel = (b1, b2, eps) static floats (eps: a float, or one
         per tensor; the native kernel needs them static, so they are the config's, which
-        the controls must equal) the telemetry sums, and with hist its histograms; with
+        the controls must equal; or tel = (TRACED, eps > 0) with tel_values = (b1, b2, eps
+        as float32, native_telemetry.exact_bits(b1, eps)): `step_fn`) the telemetry sums,
+        and with hist its histograms; with
         with_grads the gradient tree itself (`grads`, of s * loss, pre-clip).
 
         report (traced int, with tel): what this step's telemetry computes, 0 nothing (the
@@ -170,14 +199,20 @@ class Program:
         if with_grads:
             out["grads"] = grads
         if tel is not None:
-            b1, b2, eps = tel
-            eps = list(eps) if isinstance(eps, tuple) else eps
+            bits, positive = None, False
+            if tel[0] == TRACED:
+                positive = bool(tel[1])
+                b1, b2, eps, bits = tel_values
+            else:
+                b1, b2, eps = tel
+                eps = list(eps) if isinstance(eps, tuple) else eps
             prev, new = jopt.adam_state(edited), jopt.adam_state(new_state)
 
             def telemetry(with_hist: bool) -> dict:
                 sums, hists = jtel.step_telemetry(grads, prev, new, new_params, b1, b2, eps,
                                                   with_hist=with_hist, grad_scale=scale,
-                                                  native=native)
+                                                  native=native, bits=bits,
+                                                  eps_positive=positive)
                 if not with_hist:
                     return {"sums": sums}
                 return {"sums": sums, "hists": hists, "vhists": jtel.step_vhists(new, b2, eps),
@@ -291,8 +326,8 @@ class Program:
             poison=np.array([s + offset in poison for s in steps]))
 
     def telemetry_spec(self, cfg: RunConfig) -> tuple:
-        """The static (b1, b2, eps) of step(tel=...): eps a float when uniform, else one
-        per tensor."""
+        """The config's (b1, b2, eps) for step_fn(tel=...): eps a float when uniform (then
+        traced inputs: `telemetry_inputs`), else one per tensor (compiled in)."""
         plan, o = step_plan(cfg), cfg.optim
         eps = tuple(float(plan.tensor_eps.get(nm, o.eps)) for nm in self.names)
         return (float(o.b1), float(o.b2), eps[0] if len(set(eps)) == 1 else eps)

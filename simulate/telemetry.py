@@ -16,7 +16,8 @@ per block of BLOCK elements and then per tensor; the counts (sat, eps_small) are
 rounded up to the compute dtype, which makes `edge_lo <= r < edge_hi` in float32 the same
 decision as numpy's comparison in float64.
 
-Speed: on CPU, with static b1, b2, eps > 0 and one dtype (the trainers' case),
+Speed: on CPU, with eps > 0 known at trace time (static b1, b2, eps, or traced ones with
+eps_positive and their exact bits: simulate.program's step) and one dtype (the trainers' case),
 `step_telemetry` hands the sums and histograms to simulate.native_telemetry, the C loop
 shared with the torch trainer, as an FFI call inside the jitted step: on the tiny LLaMA
 step it costs ~0.15 ms where XLA's reductions below cost ~0.3 ms (paired 1.019-1.029
@@ -198,13 +199,14 @@ def _column_sums(terms):
 
 
 def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
-                   with_hist: bool = False, grad_scale=None, native: bool = True):
+                   with_hist: bool = False, grad_scale=None, native: bool = True,
+                   bits=None, eps_positive: bool = False):
     """`_step_telemetry` (below), with eps a scalar or a list of one Python float per
     tensor (per-group eps, adamspike.mitigations): the tensors of each eps value are then
     summed by one call, and the rows put back in tensor order."""
     if not isinstance(eps, (list, tuple)):
         return _step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
-                               with_hist, grad_scale, native)
+                               with_hist, grad_scale, native, bits, eps_positive)
     leaves = [jax.tree.leaves(x) for x in (grads, prev_adam_state.mu, new_adam_state.mu,
                                            new_adam_state.nu, params)]
     if len(eps) != len(leaves[0]):
@@ -224,7 +226,8 @@ def step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
 
 
 def _step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
-                    with_hist: bool = False, grad_scale=None, native: bool = True):
+                    with_hist: bool = False, grad_scale=None, native: bool = True,
+                    bits=None, eps_positive: bool = False):
     """Sums (num_tensors, NUM_SUMS) and, if with_hist (static), histograms
     (num_tensors, NUM_HIST_BINS) int32, else None.
 
@@ -236,7 +239,10 @@ def _step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
     after the step; params: after the step. b1, b2, eps may be traced. native (static): on
     CPU, with static b1, b2, eps > 0 and one dtype, the sums come from
     simulate.native_telemetry's C loop (an FFI call in the same jitted step) instead of
-    the XLA reductions below.
+    the XLA reductions below; so too with b1, b2, eps traced (float32 scalars) when
+    eps_positive (static) says eps > 0 and bits (traced, native_telemetry.exact_bits) gives
+    the loop b1 and eps exactly. eps_positive also spares the padding's mask, as a static
+    eps > 0 does: the same operations as the static path, on inputs instead of constants.
 
     Layout (speed): a per-tensor loop of 13 reductions costs ~14 small XLA kernels per
     tensor. Instead every tensor is seen as (num_blocks, BLOCK // LANES, LANES) blocks and
@@ -265,9 +271,10 @@ def _step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
         g_l = [x * jnp.asarray(grad_scale).astype(x.dtype) for x in g_l]
         grad_scale = None
     scale = None if grad_scale is None else jnp.asarray(grad_scale).astype(dt)
-    if native and native_telemetry.usable((g_l, mu_l, nu_l, mp_l, p_l), dt, b1, b2, eps):
+    if native and native_telemetry.usable((g_l, mu_l, nu_l, mp_l, p_l), dt, b1, b2, eps,
+                                          eps_positive and bits is not None):
         return native_telemetry.step_sums(g_l, mu_l, nu_l, mp_l, p_l, bc1, bc2, scale, b1,
-                                          eps, dt, with_hist)
+                                          eps, dt, with_hist, bits)
     shape = (-1, BLOCK // LANES, LANES)
 
     def block_terms(g, mu, nu, mp, p, valid):
@@ -298,7 +305,7 @@ def _step_telemetry(grads, prev_adam_state, new_adam_state, params, b1, b2, eps,
         mu, nu, mp, p = (_pack([x[i] for i in packed], dt, BLOCK)[0]
                          for x in (mu_l, nu_l, mp_l, p_l))
         num_pad[packed] = np.asarray(nblocks) * BLOCK - sizes[packed]
-        if isinstance(eps, (int, float)) and eps > 0:
+        if eps_positive or isinstance(eps, (int, float)) and eps > 0:
             valid = True
         else:
             valid = np.concatenate([np.arange(nb * BLOCK) < sizes[i]
