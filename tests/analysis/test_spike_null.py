@@ -9,7 +9,8 @@ import pytest
 from adamspike.plan import load_plan
 from adamspike.spikes import (SpikeParams, anomaly_flags, anomaly_flags_many, detect_spikes,
                               spike_durations_many)
-from analysis.spike_null import cell_against_null, class_params, null_lanes, trend_residuals
+from analysis.spike_null import (cell_against_null, cell_nulls, class_params, null_lanes,
+                                 trend_residuals)
 
 PLAN = load_plan("science4")
 
@@ -76,3 +77,35 @@ def test_null_lanes_keep_the_trend_and_the_residuals_scale():
         assert np.abs(np.median(z, axis=0) - trend).mean() < 0.02
     with pytest.raises(ValueError, match="null"):
         null_lanes(x, "gauss", 2, rng, 51)
+
+
+def test_a_cells_nulls_are_judged_in_one_pass_with_the_per_lane_counts():
+    """cell_against_null judges the lanes of one length in one call and shares a cell's null
+    draws between classes: the same counts, p and durations as drawing and judging each lane
+    on its own, in lane order, from each null's stream (the rule as first written)."""
+    null = dict(PLAN["spikes"]["null"], replicates=15)
+    a, b = lanes(2, n=300, seed=5), lanes(1, n=200, seed=6)
+    xs = [a[0], b[0], a[1]]                                  # two lengths, interleaved
+    xs[2][250:262] *= 2.0
+    tw = int(null["trend_window"])
+    per_lane = {}                # the draws as first written: lane by lane, per null stream
+    for j, kind in enumerate(("student_t", "shuffle")):
+        rng = np.random.default_rng([7, j])
+        per_lane[kind] = [null_lanes(x, kind, 15, rng, tw) for x in xs]
+    nulls = cell_nulls(xs, null, seed=7)
+    for cls in ("visible", "secondary"):
+        params = class_params(PLAN, cls)
+        got = cell_against_null(xs, params, null, nulls=nulls)
+        if cls == "visible":
+            assert got == cell_against_null(xs, params, null, seed=7)
+        assert got["count"] >= 1
+        for kind, draws in per_lane.items():
+            totals, durs = np.zeros(15, dtype=np.int64), []
+            for z in draws:
+                d = spike_durations_many(z, params)
+                totals += [len(g) for g in d]
+                durs += [int(v) for g in d for v in g]
+            assert got[kind]["mean"] == totals.mean()
+            assert got[kind]["p"] == (1 + int((totals >= got["count"]).sum())) / 16
+            assert np.array_equal(got[kind]["median_duration"],
+                                  np.median(durs) if durs else np.nan, equal_nan=True)
