@@ -83,3 +83,70 @@ def test_p_spike_and_poisson_scores():
     assert SR.p_spike(1.0, 1000) == pytest.approx(1 - np.exp(-1))
     s = SR.scores(np.array([0.5, 0.5]), np.array([1, 0]))
     assert s["brier"] == pytest.approx(0.25) and s["log_loss"] == pytest.approx(np.log(2))
+
+
+def _irls_every_iteration(Z, k, offset, ridge, max_iter=100, tol=1e-10):
+    """poisson_irls as first written: every one of max_iter Newton iterations, no shortcut."""
+    import math
+    p = Z.shape[1]
+    pen = np.full(p, float(ridge))
+    pen[0] = 0.0
+    beta = np.zeros(p)
+    beta[0] = math.log(max(k.sum(), 0.5) / np.exp(offset).sum())
+
+    def loglik(b):
+        eta = offset + Z @ b
+        return float(k @ eta - np.exp(np.minimum(eta, 700)).sum() - 0.5 * (pen * b * b).sum())
+
+    ll = loglik(beta)
+    for _ in range(max_iter):
+        mu = np.exp(np.minimum(offset + Z @ beta, 700))
+        grad = Z.T @ (k - mu) - pen * beta
+        H = (Z * mu[:, None]).T @ Z + np.diag(pen)
+        H[np.diag_indices(p)] += 1e-12
+        step = np.linalg.solve(H, grad)
+        t = 1.0
+        while t > 1e-8:
+            new = beta + t * step
+            new_ll = loglik(new)
+            if new_ll >= ll - 1e-12:
+                break
+            t /= 2
+        done = abs(new_ll - ll) < tol * (1 + abs(ll)) and np.max(np.abs(t * step)) < 1e-8
+        beta, ll = new, new_ll
+        if done:
+            break
+    mu = np.exp(np.minimum(offset + Z @ beta, 700))
+    return beta, (Z * mu[:, None]).T @ Z + np.diag(pen)
+
+
+def test_irls_stops_at_a_repeat_with_the_bits_of_every_iteration(monkeypatch):
+    """A fit whose iterates repeat (a fixed point or a rounding cycle short of the tolerance:
+    the cell bootstrap's refits ran all 100 iterations) ends on the same bits as the full loop:
+    informative, zero-count, separable and NaN designs."""
+    rng = np.random.default_rng(3)
+    cases = []
+    for n, p in ((40, 3), (100, 4), (12, 2)):
+        X = rng.standard_normal((n, p - 1))
+        Z = np.column_stack([np.ones(n), X])
+        off = np.log(rng.uniform(0.5, 2.0, n))
+        cases.append((Z, rng.poisson(np.exp(off + X @ rng.normal(0, 0.7, p - 1))).astype(float), off))
+        cases.append((Z, np.zeros(n), off))                          # no event at all
+        sep = (X[:, 0] > 0).astype(float) * rng.integers(1, 4, n)     # events on one side only
+        cases.append((Z, sep, off))
+    Zn = cases[0][0].copy()
+    Zn[3, 1] = np.nan                                                 # a NaN in the design
+    cases.append((Zn, cases[0][1], cases[0][2]))
+    solve, solves = np.linalg.solve, []
+    monkeypatch.setattr(np.linalg, "solve", lambda *a: solves.append(1) or solve(*a))
+    shortened = 0
+    for Z, k, off in cases:
+        for max_iter in (100, 7):
+            solves.clear()
+            b0, H0 = _irls_every_iteration(Z, k, off, 0.1, max_iter=max_iter)
+            full = len(solves)
+            solves.clear()
+            b, H = SR.poisson_irls(Z, k, off, 0.1, max_iter=max_iter)
+            assert b.tobytes() == b0.tobytes() and H.tobytes() == H0.tobytes()
+            shortened += full == max_iter == 100 and len(solves) < 50
+    assert shortened >= 1        # a fit the full loop ran to its end is cut short, same bits
