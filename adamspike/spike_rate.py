@@ -269,16 +269,10 @@ def poisson_irls(Z: np.ndarray, k: np.ndarray, offset: np.ndarray, ridge: float 
         return float(k @ eta - np.exp(np.minimum(eta, 700)).sum() - 0.5 * (pen * b * b).sum())
 
     ll = loglik(beta)
-    pen_diag = np.diag(pen)
-    # One Newton iteration is a function of beta alone (ll is loglik(beta)): once beta
-    # repeats a value it had (a fixed point, or a cycle of rounding), the rest of the
-    # loop's iterations are known, so the value it would end on after max_iter of them is
-    # taken at once; the same bits, without the iterations that change nothing.
-    states, seen = [beta], {beta.tobytes(): 0}
-    for i in range(1, max_iter + 1):
+    for _ in range(max_iter):
         mu = np.exp(np.minimum(offset + Z @ beta, 700))
         grad = Z.T @ (k - mu) - pen * beta
-        H = (Z * mu[:, None]).T @ Z + pen_diag
+        H = (Z * mu[:, None]).T @ Z + np.diag(pen)
         H[np.diag_indices(p)] += 1e-12
         step = np.linalg.solve(H, grad)
         t = 1.0
@@ -292,11 +286,6 @@ def poisson_irls(Z: np.ndarray, k: np.ndarray, offset: np.ndarray, ridge: float 
         beta, ll = new, new_ll
         if done:
             break
-        j = seen.setdefault(beta.tobytes(), i)
-        if j != i:            # beta_i = beta_j: period i - j from j on
-            beta = states[j + (max_iter - j) % (i - j)]
-            break
-        states.append(beta)
     mu = np.exp(np.minimum(offset + Z @ beta, 700))
     H = (Z * mu[:, None]).T @ Z + np.diag(pen)
     return beta, H
