@@ -40,6 +40,29 @@ def test_the_many_series_rule_makes_the_online_rules_decisions(params):
         assert sorted(durs[i].tolist()) == sorted(detect_spikes(X[i], params=params)["duration"].tolist())
 
 
+@pytest.mark.parametrize("params", [SpikeParams(window=50, k=4, min_rel_jump=0.1),
+                                    SpikeParams(window=9, k=3, min_rel_jump=0.0, min_history=9),
+                                    SpikeParams(window=6, k=2, log=True),
+                                    SpikeParams(window=5, k=1, min_rel_jump=0.05, absorb=True,
+                                                min_history=1)])
+def test_the_many_series_rule_matches_the_online_rule_on_random_series(params):
+    """Random series with NaN, +-inf, zeros, negatives, ties and spikes, some shorter than
+    the window (histories never full) and some in which every row is judged at once (the
+    vectorised rule's no-copy path): every decision as the online rule's."""
+    rng = np.random.default_rng(11)
+    for n, R, dirty in ((4, 6, True), (30, 40, True), (120, 40, True), (90, 8, False)):
+        X = np.round(2 + rng.standard_t(2, (R, n)), 1)          # heavy tails, many ties
+        X[rng.random((R, n)) < 0.03] *= 4                         # spikes
+        if dirty:
+            for bad in (np.nan, np.inf, -np.inf, 0.0, -1.0):
+                X[rng.random((R, n)) < 0.02] = bad
+        else:                                                     # every row judged at once
+            X = np.abs(X) + 0.1
+        F = anomaly_flags_many(X, params)
+        for i in range(R):
+            assert (F[i] == anomaly_flags(X[i], params)[0]).all(), (n, i)
+
+
 def test_visible_class_needs_size_and_duration_the_secondary_does_not():
     x = lanes(1)[0].copy()
     x[300] *= 2.0                    # a one-step doubling: not visible (lasts 1 step)
