@@ -333,7 +333,12 @@ def anomaly_flags_many(values: np.ndarray, params: SpikeParams) -> np.ndarray:
             use = finite
         anom = ~finite
         judge = use & (count >= min_hist)
-        if judge.any():
+        if judge.all():       # the common case: every row judged, no row copies
+            med = _row_median(np.sort(hist, axis=1), count)
+            mad = _row_median(np.sort(np.abs(hist - med[:, None]), axis=1), count)
+            jump = jump_log if p.log else p.min_rel_jump * np.abs(med)
+            anom = v > med + np.maximum(kk * mad, jump)
+        elif judge.any():
             h, c = hist[judge], count[judge]
             med = _row_median(np.sort(h, axis=1), c)
             mad = _row_median(np.sort(np.abs(h - med[:, None]), axis=1), c)

@@ -64,13 +64,42 @@ def null_lanes(x: np.ndarray, kind: str, replicates: int, rng: np.random.Generat
     return trend[None, :] + draws
 
 
+def cell_nulls(lanes: Sequence[np.ndarray], null: Mapping[str, Any],
+               seed: int = 0) -> dict[str, list[np.ndarray]]:
+    """Per null, each lane's (replicates, len(lane)) null lanes, drawn in lane order from
+    the null's own stream: the same draws for every class judged on this cell."""
+    reps, tw = int(null["replicates"]), int(null["trend_window"])
+    out = {}
+    for j, kind in enumerate(NULLS):
+        rng = np.random.default_rng([seed, j])
+        out[kind] = [null_lanes(np.asarray(x, float), kind, reps, rng, tw) for x in lanes]
+    return out
+
+
+def _durations_by_lane(nulls: list[np.ndarray], params: SpikeParams) -> list[list[np.ndarray]]:
+    """spike_durations_many of each lane's null lanes, the lanes of one length judged in one
+    call (rows are independent: the same durations as one call per lane, fewer passes)."""
+    out: list[list[np.ndarray]] = [[] for _ in nulls]
+    for n in sorted({a.shape[1] for a in nulls}):
+        idx = [i for i, a in enumerate(nulls) if a.shape[1] == n]
+        got = spike_durations_many(np.concatenate([nulls[i] for i in idx]), params)
+        at = 0
+        for i in idx:
+            out[i], at = got[at:at + len(nulls[i])], at + len(nulls[i])
+    return out
+
+
 def cell_against_null(lanes: Sequence[np.ndarray], params: SpikeParams,
-                      null: Mapping[str, Any], seed: int = 0) -> dict:
+                      null: Mapping[str, Any], seed: int = 0,
+                      nulls: Mapping[str, list[np.ndarray]] | None = None) -> dict:
     """Observed spikes of a cell's lanes under one class and both nulls (module doc).
     Returns count, exposure (steps), durations and heights of the observed spikes, and per
     null the replicate cells' mean count, their 95th percentile, p, and the null spikes'
-    median duration; `beats` is True when p < alpha under every null."""
-    reps, alpha, tw = int(null["replicates"]), float(null["alpha"]), int(null["trend_window"])
+    median duration; `beats` is True when p < alpha under every null. `nulls`: the cell's
+    `cell_nulls(lanes, null, seed)` when several classes judge the same cell."""
+    reps, alpha = int(null["replicates"]), float(null["alpha"])
+    if nulls is None:
+        nulls = cell_nulls(lanes, null, seed)
     obs = [detect_spikes(np.asarray(x, float), params=params) for x in lanes]
     count = int(sum(len(s) for s in obs))
     allspk = pd.concat(obs, ignore_index=True) if obs else pd.DataFrame()
@@ -79,13 +108,10 @@ def cell_against_null(lanes: Sequence[np.ndarray], params: SpikeParams,
            "heights": allspk["height"].astype(float).tolist() if count else [],
            "censored": int((~allspk["recovered"]).sum()) if count else 0}
     beats = True
-    for j, kind in enumerate(NULLS):
-        rng = np.random.default_rng([seed, j])
+    for kind in NULLS:
         totals = np.zeros(reps, dtype=np.int64)
         durs: list[int] = []
-        for x in lanes:
-            got = spike_durations_many(null_lanes(np.asarray(x, float), kind, reps, rng, tw),
-                                       params)
+        for got in _durations_by_lane(nulls[kind], params):
             totals += np.array([len(g) for g in got], dtype=np.int64)
             durs.extend(int(v) for g in got for v in g)
         p = (1 + int((totals >= count).sum())) / (1 + reps)
@@ -108,9 +134,9 @@ def cells_table(cells: Iterable[tuple[Mapping[str, Any], Sequence[np.ndarray]]],
     null = plan["spikes"]["null"]
     rows = []
     for labels, lanes in cells:
+        nulls = cell_nulls(lanes, null, seed=int(null["seed"]))
         for cls in CLASSES:
-            r = cell_against_null(lanes, class_params(plan, cls), null,
-                                  seed=int(null["seed"]))
+            r = cell_against_null(lanes, class_params(plan, cls), null, nulls=nulls)
             lo, hi = poisson_interval(r["count"], r["exposure"] / 1000.0)
             rows.append({**labels, "class": cls, "spikes": r["count"],
                          "steps": r["exposure"], "rate_per_1k": per_1k(r["count"], r["exposure"]),

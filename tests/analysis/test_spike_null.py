@@ -9,7 +9,8 @@ import pytest
 from adamspike.plan import load_plan
 from adamspike.spikes import (SpikeParams, anomaly_flags, anomaly_flags_many, detect_spikes,
                               spike_durations_many)
-from analysis.spike_null import cell_against_null, class_params, null_lanes, trend_residuals
+from analysis.spike_null import (cell_against_null, cell_nulls, class_params, null_lanes,
+                                 trend_residuals)
 
 PLAN = load_plan("science4")
 
@@ -37,6 +38,29 @@ def test_the_many_series_rule_makes_the_online_rules_decisions(params):
     for i in range(len(X)):    # the same program's decisions: exact
         assert (F[i] == anomaly_flags(X[i], params)[0]).all()
         assert sorted(durs[i].tolist()) == sorted(detect_spikes(X[i], params=params)["duration"].tolist())
+
+
+@pytest.mark.parametrize("params", [SpikeParams(window=50, k=4, min_rel_jump=0.1),
+                                    SpikeParams(window=9, k=3, min_rel_jump=0.0, min_history=9),
+                                    SpikeParams(window=6, k=2, log=True),
+                                    SpikeParams(window=5, k=1, min_rel_jump=0.05, absorb=True,
+                                                min_history=1)])
+def test_the_many_series_rule_matches_the_online_rule_on_random_series(params):
+    """Random series with NaN, +-inf, zeros, negatives, ties and spikes, some shorter than
+    the window (histories never full) and some in which every row is judged at once (the
+    vectorised rule's no-copy path): every decision as the online rule's."""
+    rng = np.random.default_rng(11)
+    for n, R, dirty in ((4, 6, True), (30, 40, True), (120, 40, True), (90, 8, False)):
+        X = np.round(2 + rng.standard_t(2, (R, n)), 1)          # heavy tails, many ties
+        X[rng.random((R, n)) < 0.03] *= 4                         # spikes
+        if dirty:
+            for bad in (np.nan, np.inf, -np.inf, 0.0, -1.0):
+                X[rng.random((R, n)) < 0.02] = bad
+        else:                                                     # every row judged at once
+            X = np.abs(X) + 0.1
+        F = anomaly_flags_many(X, params)
+        for i in range(R):
+            assert (F[i] == anomaly_flags(X[i], params)[0]).all(), (n, i)
 
 
 def test_visible_class_needs_size_and_duration_the_secondary_does_not():
@@ -76,3 +100,35 @@ def test_null_lanes_keep_the_trend_and_the_residuals_scale():
         assert np.abs(np.median(z, axis=0) - trend).mean() < 0.02
     with pytest.raises(ValueError, match="null"):
         null_lanes(x, "gauss", 2, rng, 51)
+
+
+def test_a_cells_nulls_are_judged_in_one_pass_with_the_per_lane_counts():
+    """cell_against_null judges the lanes of one length in one call and shares a cell's null
+    draws between classes: the same counts, p and durations as drawing and judging each lane
+    on its own, in lane order, from each null's stream (the rule as first written)."""
+    null = dict(PLAN["spikes"]["null"], replicates=15)
+    a, b = lanes(2, n=300, seed=5), lanes(1, n=200, seed=6)
+    xs = [a[0], b[0], a[1]]                                  # two lengths, interleaved
+    xs[2][250:262] *= 2.0
+    tw = int(null["trend_window"])
+    per_lane = {}                # the draws as first written: lane by lane, per null stream
+    for j, kind in enumerate(("student_t", "shuffle")):
+        rng = np.random.default_rng([7, j])
+        per_lane[kind] = [null_lanes(x, kind, 15, rng, tw) for x in xs]
+    nulls = cell_nulls(xs, null, seed=7)
+    for cls in ("visible", "secondary"):
+        params = class_params(PLAN, cls)
+        got = cell_against_null(xs, params, null, nulls=nulls)
+        if cls == "visible":
+            assert got == cell_against_null(xs, params, null, seed=7)
+        assert got["count"] >= 1
+        for kind, draws in per_lane.items():
+            totals, durs = np.zeros(15, dtype=np.int64), []
+            for z in draws:
+                d = spike_durations_many(z, params)
+                totals += [len(g) for g in d]
+                durs += [int(v) for g in d for v in g]
+            assert got[kind]["mean"] == totals.mean()
+            assert got[kind]["p"] == (1 + int((totals >= got["count"]).sum())) / 16
+            assert np.array_equal(got[kind]["median_duration"],
+                                  np.median(durs) if durs else np.nan, equal_nan=True)
