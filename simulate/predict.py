@@ -1124,9 +1124,11 @@ def record_text(rec: Mapping[str, Any]) -> str:
     """One line: this rate model's record on the public runs with a spike count
     (study.science4.record_summary), so its rates are read beside it."""
     ll = rec.get("loglik") or {}
+    tag = rec.get("reading", "v4")
     L = (f"record on public runs (adamspike science4, {rec['runs_counted']} runs with a count, "
          f"{rec['spikes_reported']:g} visible spikes reported in {rec['steps']:,.0f} steps): "
-         f"log-likelihood {ll.get('v4', float('nan')):.1f} for this model vs "
+         f"log-likelihood {ll.get(tag, float('nan')):.1f} for this model"
+         + (" with the shipped sharpness law" if tag == "qc" else "") + " vs "
          f"{ll.get('const', float('nan')):.1f} for a constant "
          f"{rec['const_rate_per_1k']:.2g} spikes / 1k steps")
     meta = rec.get("meta_llama2_70b")

@@ -689,14 +689,18 @@ def record_summary(df: pd.DataFrame) -> dict:
            "loglik": {c.removeprefix("loglik_"): float(counted[c].sum())
                       for c in counted if c.startswith("loglik_")}}
     out["const_rate_per_1k"] = 1000 * out["spikes_reported"] / out["steps"] if out["steps"] else None
+    # the reading predict uses: the plan-QC law ("qc") where one is shipped, else v4
+    out["reading"] = "qc" if "qc" in out["loglik"] else "v4"
     meta = df[df["run"].str.startswith("Meta")]
-    if len(meta) and "expected_v4" in df:
+    tag = out["reading"]
+    if len(meta) and f"expected_{tag}" in df:
         m = meta.iloc[0]
         out["meta_llama2_70b"] = {"horizon_steps": float(m["horizon_steps"]),
                                   "reported": float(m["reported"]),
-                                  "expected": float(m["expected_v4"]),
-                                  "expected_interval": [float(m["expected_lo_v4"]),
-                                                        float(m["expected_hi_v4"])]}
+                                  "S_after": float(m[f"S_after_{tag}"]),
+                                  "expected": float(m[f"expected_{tag}"]),
+                                  "expected_interval": [float(m[f"expected_lo_{tag}"]),
+                                                        float(m[f"expected_hi_{tag}"])]}
     return out
 
 

@@ -522,7 +522,10 @@ def test_rates_come_with_the_models_public_record_and_the_mechanism_label(capsys
     text = capsys.readouterr().out
     line = [x for x in text.splitlines() if x.startswith("record on public runs")]
     assert len(line) == 1, text
-    assert f"log-likelihood {rec['loglik']['v4']:.1f} for this model vs {rec['loglik']['const']:.1f}" in line[0]
+    tag = rec["reading"]      # the reading predict uses: the shipped plan-QC law
+    assert tag == "qc" and package_data.sharpness_law("llama2-70b") is not None
+    assert (f"log-likelihood {rec['loglik'][tag]:.1f} for this model with the shipped sharpness "
+            f"law vs {rec['loglik']['const']:.1f}") in line[0]
     assert f"it expects {rec['meta_llama2_70b']['expected']:.0f} [" in line[0]
     assert "not visible spikes" in line[0]
     mech = [x for x in text.splitlines() if x.startswith("  mechanism after the warmup: ")]

@@ -63,7 +63,8 @@ def test_public_record_meta_and_seed_get_one_rate_and_the_model_loses_to_a_const
     assert here["model_sha256"] == shipped["model_sha256"]
     assert here["runs_counted"] == shipped["runs_counted"]
     # rtol: the shipped file was computed on another machine's BLAS (the same program)
-    for k in ("v4", "const"):
+    assert here["reading"] == shipped["reading"] == "qc"
+    for k in ("v4", "qc", "const"):
         assert here["loglik"][k] == pytest.approx(shipped["loglik"][k], rel=1e-6)
     assert here["meta_llama2_70b"]["expected"] == pytest.approx(
         shipped["meta_llama2_70b"]["expected"], rel=1e-6)

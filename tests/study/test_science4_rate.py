@@ -55,7 +55,9 @@ def test_the_plans_maps_are_found_by_name_and_judged(tmp_path):
     write_map(tmp_path / "map_heldout", [("h", 64, 0.5, [], 1.0), ("x", 256, 0.9, [0], 10.0)],
               seed0=100)
     rows, missing = rate_rows_from_maps(tmp_path / "map", PLAN)
-    assert set(missing) == set(names["heldout"]) - {"map_heldout"}
+    # not written here: the other held-out maps and plan v3's matched map
+    assert set(missing) == (set(names["heldout"]) | set(names["matched"])) - {"map_heldout"}
+    assert names["matched"] == ["map_matched"]
     assert rows.loc[rows["source"] == "map_train", "spikes"].sum() == 6
     lines, r = rate_model_section(rows, missing, PLAN, {"reading": "test", "S": 0.3,
                                                         "lo": 0.05, "hi": 2.0}, tmp_path)
