@@ -107,16 +107,27 @@ def map_rows(map_dir: Path, plan: Mapping[str, Any], source: str) -> pd.DataFram
 
 
 # --------------------------------------------------------------------------- models
+NO_FINITE_MLE = ("every training count is 0: the likelihood keeps rising as the intercept "
+                 "falls, so the fit has no finite maximum; its limit, rate 0, stands for it")
+
+
 def _glm(X: np.ndarray, k: np.ndarray, n: np.ndarray) -> dict:
-    """Penalised Poisson GLM log mu = log(n / 1000) + c0 + z c (z standardised X)."""
+    """Penalised Poisson GLM log mu = log(n / 1000) + c0 + z c (z standardised X). With no
+    count above 0 there is no finite maximum (IRLS would walk the intercept down until its
+    iteration cap): the model is its limit, rate 0, and says so (`no_finite_mle`)."""
     mean, std = X.mean(0), X.std(0)
     std = np.where(std > 0, std, 1.0)
+    if not (np.asarray(k) > 0).any():
+        return {"beta": None, "mean": mean.tolist(), "std": std.tolist(),
+                "no_finite_mle": NO_FINITE_MLE}
     Z = np.column_stack([np.ones(len(X)), (X - mean) / std])
     beta, H = poisson_irls(Z, k, np.log(n / 1000.0), RIDGE)
     return {"beta": beta.tolist(), "mean": mean.tolist(), "std": std.tolist()}
 
 
 def _glm_rate(m: Mapping[str, Any], X: np.ndarray) -> np.ndarray:
+    if m["beta"] is None:          # no finite MLE: the limit, rate 0
+        return np.zeros(len(X))
     Z = np.column_stack([np.ones(len(X)), (X - np.asarray(m["mean"])) / np.asarray(m["std"])])
     return np.exp(np.minimum(Z @ np.asarray(m["beta"]), 700.0))
 

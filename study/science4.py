@@ -313,6 +313,8 @@ def rate_model_section(rows: pd.DataFrame | None, missing: Sequence[str],
     else:
         L.append("Threshold model: no visible spike in any training row with a measured S, so "
                  "S_c = inf: the model says zero everywhere.")
+    if r["models"]["lr_eps"].get("no_finite_mle"):
+        L.append(f"The lr/eps GLM: {r['models']['lr_eps']['no_finite_mle']}.")
     L += ["", "Held-out Poisson deviance (lower is better; inf: a spike where the model said "
           "zero) and expected visible spikes in all held-out rows [cell-bootstrap 90 %]:", "",
           md_table(pd.DataFrame([{"model": m, "deviance": r["deviance"][m],

@@ -50,6 +50,10 @@ def test_threshold_is_the_smallest_spiking_S_and_below_it_the_rate_is_zero():
     none = fit_models(rows([("a", 0.1, 2, 0.0), ("b", 3.0, 2, 0.0)]), BINS)
     assert math.isinf(none["threshold"]["S_c"])
     assert (rates(none, train)["threshold"] == 0).all()
+    # ... and the lr/eps GLM has no finite maximum there: its limit, rate 0, said so
+    assert none["lr_eps"]["beta"] is None and "no finite maximum" in none["lr_eps"]["no_finite_mle"]
+    assert (rates(none, train)["lr_eps"] == 0).all()
+    assert m["lr_eps"]["beta"] is not None and (rates(m, train)["lr_eps"] > 0).all()
 
 
 def test_held_out_zeros_below_the_threshold_beat_the_competitors_but_stay_undetermined():
