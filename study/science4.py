@@ -230,6 +230,14 @@ def rate_rows_from_maps(map_dir: Path, plan: Mapping[str, Any]) -> tuple[pd.Data
     return (pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()), missing
 
 
+SEED_RUN = "seed report, LLaMA2-70B on 1024 x 910B (eps 1e-5)"   # configs/public_record.toml
+
+
+def record_run(name: str) -> dict | None:
+    """The public record's run of that name (configs/public_record.toml), None if absent."""
+    return next((r for r in read_toml(RECORD)["run"] if r["name"] == name), None)
+
+
 def pooled_visible_md(rows: pd.DataFrame) -> list[str]:
     """The visible-spike rate of all maps' lane-steps pooled, in the 70B's rho band and out
     of it, with exact Poisson 95 % intervals, beside the seed run's own count (the record's
@@ -244,7 +252,7 @@ def pooled_visible_md(rows: pd.DataFrame) -> list[str]:
         L.append(f"- Visible spikes {band}, every map's lanes pooled: {k} in {n:,.0f} lane-steps "
                  f"({part['source'].nunique()} maps, lr x{', x'.join(f'{v:g}' for v in sorted(part['lr_mult'].unique()))}): "
                  f"{1000 * k / n:.3g} per 1k steps, 95 % [{lo:.3g}, {hi:.3g}].")
-    seed = next((r for r in read_toml(RECORD)["run"] if r["name"].startswith("seed report, LLaMA2")), None)
+    seed = record_run(SEED_RUN)
     if seed is not None:
         k = int(seed.get("reported", seed.get("reported_at_least", 0)))
         lo, hi = PMA.poisson_interval(k, seed["horizon_steps"] / 1000.0)
@@ -532,7 +540,7 @@ def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str) -> list
         rate = (f" Visible spikes where every quantity matches: {k:.0f} in {n:,.0f} lane-steps, "
                 f"{1000 * k / n:.3g} [{lo:.3g}, {hi:.3g}] per 1k.")
         if test:
-            run = next(r for r in read_toml(RECORD)["run"] if r["name"] == test["seed_run"])
+            run = record_run(test["seed_run"])
             t = seed_rate_test(int(k), n, int(run.get("reported", run.get("reported_at_least"))),
                                float(run["horizon_steps"]), float(test["alpha"]))
             rate += (f" Against the seed run ({t['k0']} in {t['n0']:,.0f} steps; plan "

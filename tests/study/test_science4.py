@@ -127,6 +127,10 @@ def test_pooled_visible_rate_in_band_says_zero_with_its_exact_upper_bound():
     assert "0 per 1k steps, 95 % [0, 1.23]" in text
     assert "out of band, every map's lanes pooled: 3 in 2,000 lane-steps" in text
     assert "The seed's 70B run: 1 visible spike(s) in 1,543 steps (at least" in text
+    # one seed run: the plan's [match.test] names the same record entry
+    from adamspike.plan import load_plan
+    from study.science4 import SEED_RUN, record_run
+    assert record_run(SEED_RUN) is not None and load_plan("science4")["match"]["test"]["seed_run"] == SEED_RUN
 
 
 def test_seed_rate_test_is_the_exact_conditional_binomial():
