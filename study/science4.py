@@ -238,6 +238,12 @@ def record_run(name: str) -> dict | None:
     return next((r for r in read_toml(RECORD)["run"] if r["name"] == name), None)
 
 
+def reported(run: Mapping[str, Any]) -> int | None:
+    """A record run's visible-spike count: `reported`, else `reported_at_least`, else None."""
+    k = run.get("reported", run.get("reported_at_least"))
+    return None if k is None else int(k)
+
+
 def pooled_visible_md(rows: pd.DataFrame) -> list[str]:
     """The visible-spike rate of all maps' lane-steps pooled, in the 70B's rho band and out
     of it, with exact Poisson 95 % intervals, beside the seed run's own count (the record's
@@ -248,14 +254,14 @@ def pooled_visible_md(rows: pd.DataFrame) -> list[str]:
         if not len(part):
             continue
         k, n = int(part["spikes"].sum()), float(part["steps"].sum())
-        lo, hi = PMA.poisson_interval(k, n / 1000.0)
+        lo, hi = poisson_interval(k, n / 1000.0)
         L.append(f"- Visible spikes {band}, every map's lanes pooled: {k} in {n:,.0f} lane-steps "
                  f"({part['source'].nunique()} maps, lr x{', x'.join(f'{v:g}' for v in sorted(part['lr_mult'].unique()))}): "
                  f"{1000 * k / n:.3g} per 1k steps, 95 % [{lo:.3g}, {hi:.3g}].")
     seed = record_run(SEED_RUN)
     if seed is not None:
-        k = int(seed.get("reported", seed.get("reported_at_least", 0)))
-        lo, hi = PMA.poisson_interval(k, seed["horizon_steps"] / 1000.0)
+        k = reported(seed) or 0
+        lo, hi = poisson_interval(k, seed["horizon_steps"] / 1000.0)
         L.append(f"- The seed's 70B run: {k} visible spike(s) in {seed['horizon_steps']:,} steps "
                  f"({'at least, ' if 'reported' not in seed else ''}configs/public_record.toml): "
                  f"{1000 * k / seed['horizon_steps']:.3g} per 1k steps, 95 % [{lo:.3g}, {hi:.3g}].")
@@ -541,7 +547,7 @@ def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str) -> list
                 f"{1000 * k / n:.3g} [{lo:.3g}, {hi:.3g}] per 1k.")
         if test:
             run = record_run(test["seed_run"])
-            t = seed_rate_test(int(k), n, int(run.get("reported", run.get("reported_at_least"))),
+            t = seed_rate_test(int(k), n, reported(run),
                                float(run["horizon_steps"]), float(test["alpha"]))
             rate += (f" Against the seed run ({t['k0']} in {t['n0']:,.0f} steps; plan "
                      f"[match.test], exact conditional binomial): P[K <= k] = {t['p_lower']:.3g}, "
@@ -581,7 +587,7 @@ def public_record(plan: Mapping[str, Any], lam_reading: Mapping[str, Any] | None
     for r in runs:
         row = {"run": r["name"], "eps": r.get("eps"), "b2": r.get("b2"), "lr": r.get("lr"),
                "horizon_steps": r["horizon_steps"], "hardware": r.get("hardware", ""),
-               "reported": r.get("reported", r.get("reported_at_least")),
+               "reported": reported(r),
                "at_least": "reported_at_least" in r and "reported" not in r,
                "assumed": r.get("assumed", ""), "source": r["source"]}
         if r.get("optimizer") != "adamw":
