@@ -57,8 +57,8 @@ from tqdm.auto import tqdm
 
 from adamspike.rundir import atomic_write_bytes
 
-__all__ = ["Cell", "CellStore", "CorruptCell", "cache_home", "canonical", "run_cells",
-           "EXECUTORS"]
+__all__ = ["Cell", "CellStore", "CorruptCell", "cache_home", "canonical", "jax_cache_dir",
+           "run_cells", "EXECUTORS"]
 
 EXECUTORS = ("local", "ray")
 
@@ -70,6 +70,30 @@ def cache_home() -> Path:
     if env:
         return Path(env)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "adamspike"
+
+
+def jax_cache_dir() -> Path:
+    """JAX's persistent compilation cache: cache_home()/jax/<jaxlib version>-<CPU kind>.
+
+    Per user, not per study folder, so a second study, the test suite and a later command
+    load the programs an earlier one compiled. The CPU kind is in the path because JAX keys
+    a CPU program by the device kind "cpu" alone (jax/_src/cache_key.py, jax 0.10.2), not
+    by the instruction set XLA compiled it for: a home folder shared by an AVX-512 machine
+    and an AVX2 one would otherwise load code built for the other."""
+    from importlib import metadata
+    try:
+        version = metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        version = "nojaxlib"
+    kind = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        kind = "\n".join(sorted(set(lines)))
+    except OSError:
+        import platform
+        kind = f"{platform.machine()} {platform.processor()}"
+    return cache_home() / "jax" / f"{version}-{hashlib.sha256(kind.encode()).hexdigest()[:12]}"
 
 
 def _plain(x: Any) -> Any:

@@ -59,7 +59,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from adamspike import package_data
-from adamspike.cells import cache_home
 from adamspike.config import ConfigError, read_toml
 from adamspike.rundir import OutputPathError, RunFormatError, RunLock, check_out
 from study.study_md import contributions, write_study_report
@@ -533,12 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ADAMSPIKE_STUDY": str(out)}
     # overlapping stages share the cores instead of oversubscribing them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, args.jobs))))
-    # JAX's persistent compilation cache, per user (not per study): a second study into a
-    # new folder, and the next --resume, load every program the first compiled
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_home() / "jax"))
-    # every program, not only those that took >= 1 s (JAX's default): the stages compile
-    # many small ones, each again in every process and study, and a load costs milliseconds
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    # JAX's persistent compilation cache is per user (simulate/__init__.py): a second study
+    # into a new folder, and the next --resume, load every program the first compiled
     env["ADAMSPIKE_EXECUTOR"] = args.executor          # adamspike.cells.run_cells' default
     if args.address:
         env["ADAMSPIKE_RAY_ADDRESS"] = args.address

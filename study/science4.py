@@ -460,6 +460,19 @@ def s70_after_warmup(one_s: pd.DataFrame | None) -> pd.DataFrame:
             .agg(S_70=("S_70", "median"), S_70_checkpoints=("S_70", "size")).reset_index())
 
 
+def match_reading(versions: pd.DataFrame, plan: Mapping[str, Any]) -> dict | None:
+    """The law reading whose S after the warmup is the 70B's S in the match: the one plan
+    [match] s_reading names (v4), else the newest reading (v3 named none); None when that
+    reading has no finite S."""
+    want = plan["match"].get("s_reading")
+    rows = versions[versions["reading"] == want] if want else versions.iloc[-1:]
+    if want and not len(rows):
+        raise ConfigError(f"plan [match] s_reading {want!r}: no such law reading "
+                          f"(have {list(versions['reading'])})")
+    row = rows.iloc[-1].to_dict()
+    return row if np.isfinite(row.get("S_after", math.nan)) else None
+
+
 def match_table(cells: pd.DataFrame, ref: Mapping[str, Any], factor: float,
                 s70: pd.DataFrame | None = None) -> pd.DataFrame:
     """Each toy cell against the 70B: ratios toy / 70B of each group's rho, S, the relative
@@ -522,7 +535,32 @@ def _unmatched(match: pd.DataFrame) -> str:
               "with them in range; the visible-spike answer is undetermined there.")
 
 
-def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str) -> list[str]:
+def _matched_cells(rows: pd.DataFrame) -> str:
+    return ", ".join(f"{getattr(r, 'map', 'map')} lr x{r.lr_mult:g} batch x{r.batch_mult:g}"
+                     for r in rows.itertuples()) or "none"
+
+
+def _seed_test_line(rows: pd.DataFrame, test: Mapping[str, Any] | None) -> str:
+    """Visible spikes of `rows` pooled, their rate, and plan [match.test] against the seed run."""
+    k, n = float(rows["visible_spikes"].sum()), float(rows["steps"].sum())
+    lo, hi = poisson_interval(int(k), n / 1000.0)
+    line = f"{k:.0f} in {n:,.0f} lane-steps, {1000 * k / n:.3g} [{lo:.3g}, {hi:.3g}] per 1k."
+    if test:
+        run = record_run(test["seed_run"])
+        t = seed_rate_test(int(k), n, reported(run), float(run["horizon_steps"]),
+                           float(test["alpha"]))
+        line += (f" Against the seed run ({t['k0']} in {t['n0']:,.0f} steps; plan "
+                 f"[match.test], exact conditional binomial): P[K <= k] = {t['p_lower']:.3g}, "
+                 f"P[K >= k] = {t['p_higher']:.3g}: **{t['verdict']}**.")
+    return line
+
+
+def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str,
+             by_reading: Mapping[str, tuple[float, pd.DataFrame]] | None = None,
+             test_maps: Sequence[str] = ()) -> list[str]:
+    """The match table; the cells that match every quantity; plan [match.test] on them
+    (v4: only the cells of the test's own maps, the new lanes; other all-matched cells are
+    described with their own test, not pooled); which cells match under each law reading."""
     f = plan["match"]["factor"]
     one = "S_estimator" in match
     L = ["## Toys matched to the 70B, group by group", "",
@@ -533,6 +571,7 @@ def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str) -> list
             "it says tracker (`S_tracker_ratio`: the tracker's, not matched on), " if one else
             "the toy's tracker S (median) ")
          + f"against the 70B's S after the warmup under '{reading}'"
+         + (" (plan [match] s_reading)" if plan["match"].get("s_reading") else "")
          + ("" if one else " (two estimators: the calibration between them is open, below)")
          + "; relative update: rms of the applied update / rms(theta) at init (the 70B: lr "
            "after the warmup x the profile's unit-lr update rms); lr x weight decay at the "
@@ -540,24 +579,35 @@ def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str) -> list
          md_table(match, list(match.columns)), ""]
     full = match[match["all_match"]]
     test = plan["match"].get("test")
-    if len(full) and "visible_spikes" in full:
-        k, n = float(full["visible_spikes"].sum()), float(full["steps"].sum())
-        lo, hi = poisson_interval(int(k), n / 1000.0)
-        rate = (f" Visible spikes where every quantity matches: {k:.0f} in {n:,.0f} lane-steps, "
-                f"{1000 * k / n:.3g} [{lo:.3g}, {hi:.3g}] per 1k.")
-        if test:
-            run = record_run(test["seed_run"])
-            t = seed_rate_test(int(k), n, reported(run),
-                               float(run["horizon_steps"]), float(test["alpha"]))
-            rate += (f" Against the seed run ({t['k0']} in {t['n0']:,.0f} steps; plan "
-                     f"[match.test], exact conditional binomial): P[K <= k] = {t['p_lower']:.3g}, "
-                     f"P[K >= k] = {t['p_higher']:.3g}: **{t['verdict']}**.")
+    counted = len(full) and "visible_spikes" in full
+    if not len(full):
+        L.append("No toy cell matches every quantity. " + _unmatched(match))
+    elif test and test.get("maps") and "map" in full:
+        tested = full[full["map"].isin(list(test_maps))]
+        other = full[~full["map"].isin(list(test_maps))]
+        L.append(f"Cells where every quantity matches: {_matched_cells(full)}.")
+        if counted:
+            L.append("")
+            L.append(f"- **The test (plan v{plan['plan']['version']} [match.test]: the cells "
+                     f"of {', '.join(test_maps)}, lanes no earlier test saw):** "
+                     + (f"{_matched_cells(tested)}: " + _seed_test_line(tested, test)
+                        if len(tested) else "no cell of these maps matches every quantity: "
+                        "not tested (their counts are in the table)."))
+            if len(other):
+                L.append(f"- Earlier versions' matched cells, on their own (seen before this "
+                         f"version, not pooled with the test): {_matched_cells(other)}: "
+                         + _seed_test_line(other, test))
     else:
-        rate = ""
-    L.append(("Cells where every quantity matches: " + ", ".join(
-        f"{getattr(r, 'map', 'map')} lr x{r.lr_mult:g} batch x{r.batch_mult:g}"
-        for r in full.itertuples()) + "." + rate) if len(full) else
-        "No toy cell matches every quantity. " + _unmatched(match))
+        L.append(f"Cells where every quantity matches: {_matched_cells(full)}."
+                 + (" Visible spikes where every quantity matches: "
+                    + _seed_test_line(full, test) if counted else ""))
+    if by_reading and len(by_reading) > 1:
+        L += ["", "The 70B's S differs by law reading, and so does which toy matches (the match "
+              f"uses '{reading}'):", "",
+              md_table(pd.DataFrame([{"reading": r, "S_after_70B": s_after,
+                                      "cells_matching_all": _matched_cells(t[t["all_match"]])}
+                                     for r, (s_after, t) in by_reading.items()]),
+                       ["reading", "S_after_70B", "cells_matching_all"])]
     return L + [""]
 
 
@@ -913,11 +963,12 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
             run_cells(store, map_cells(json.loads((Path(map_dir) / "map.json").read_text())),
                       executor=executor, jobs=jobs, address=address, progress=progress,
                       desc="one-S cells")
-            for n in plan_maps(plan, Path(map_dir).name)["matched"]:   # plan v3 [match.cells]
-                d = Path(map_dir).parent / n
+            mc = plan["match"]["cells"]
+            for cfg, n in zip(mc["maps"], plan_maps(plan, Path(map_dir).name)["matched"]):
+                d = Path(map_dir).parent / n        # plan v3-v4 [match.cells]
                 if PMA.has_cells(d):
-                    run_cells(store, map_cells(json.loads((d / "map.json").read_text()),
-                                               int(plan["match"]["cells"]["one_s_lanes"])),
+                    lanes_n = int(mc.get("one_s_lanes_by_map", {}).get(cfg, mc["one_s_lanes"]))
+                    run_cells(store, map_cells(json.loads((d / "map.json").read_text()), lanes_n),
                               executor=executor, jobs=jobs, address=address,
                               progress=progress, desc=f"one-S cells ({n})")
     else:
@@ -1026,13 +1077,20 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
             summ = summ.merge(seen, on=["map", "lr_mult", "b2", "batch_mult"], how="left")
         summ.to_csv(out / CELLS_FILE, index=False)
     match = None
-    if summ is not None and np.isfinite(last.get("S_after", math.nan)):
-        match = match_table(summ, reference_70b(pred, float(last["S_after"])),
-                            float(plan["match"]["factor"]),
-                            s70_after_warmup(one_tab)
-                            if plan["match"].get("s_estimator") == "S_70" else None)
+    ref = match_reading(versions, plan)
+    if summ is not None and ref is not None:
+        s70 = s70_after_warmup(one_tab) if plan["match"].get("s_estimator") == "S_70" else None
+        factor = float(plan["match"]["factor"])
+        match = match_table(summ, reference_70b(pred, float(ref["S_after"])), factor, s70)
         atomic_write_bytes(out / "match.csv", match.to_csv(index=False).encode())
-        parts["match"] = match_md(match, plan, str(last["reading"]))
+        by_reading = {str(v["reading"]): (float(v["S_after"]), match_table(
+            summ, reference_70b(pred, float(v["S_after"])), factor, s70))
+            for _, v in versions.iterrows() if np.isfinite(v.get("S_after", math.nan))}
+        base = Path(map_dir).name if map_dir else "map"
+        test_maps = [base + Path(c).stem[len("phase_map_science4"):]
+                     for c in plan["match"].get("test", {}).get("maps", [])]
+        parts["match"] = match_md(match, plan, str(ref["reading"]), by_reading=by_reading,
+                                  test_maps=test_maps)
     qc_read = versions[versions["reading"].str.startswith("v5")]
     if not len(qc_read):
         qc_read = versions[versions["reading"].str.contains("plan QC")]

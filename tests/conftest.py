@@ -9,35 +9,18 @@ Property tests (hypothesis) are derandomized: the same examples on every run and
 so that a failure reproduces (an edge case it finds becomes an explicit regression test)."""
 
 import os
-import shutil
-import tempfile
 
 from hypothesis import settings
 
 os.environ.setdefault("ADAMSPIKE_TELEMETRY_COMPILE", "off")
+# JAX's persistent compilation cache (simulate/__init__.py: per user, jaxlib version and CPU
+# kind) is set before any test imports jax; the xdist workers and the CLI subprocesses the
+# tests start inherit it, so the suite loads what an earlier run or study compiled (issue
+# 37: "a second run and the test suite reuse compiled programs"). A hit is the same
+# executable, so results are unchanged; only the first run on a machine compiles them all.
+import simulate  # noqa: E402,F401  (sets JAX_COMPILATION_CACHE_DIR)
 settings.register_profile("adamspike", derandomize=True, database=None)
 settings.load_profile("adamspike")
-
-
-def pytest_configure(config):
-    """One JAX compilation cache for the whole run (xdist workers and the CLI subprocesses
-    the tests start inherit it: they compile the same tiny programs again and again), made
-    here, in the controller, before the workers start; removed at the end. Per run: a
-    run's timing never depends on an earlier run's cache. A cache hit is the same
-    executable, so results are unchanged. Every program is kept, not only those JAX's
-    default keeps (>= 1 s to compile): the suite's CLI processes compile the same small
-    programs again and again, and loading one costs milliseconds."""
-    if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
-        return
-    config._adamspike_jax_cache = tempfile.mkdtemp(prefix="adamspike-test-jax-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = config._adamspike_jax_cache
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-
-
-def pytest_unconfigure(config):
-    cache = getattr(config, "_adamspike_jax_cache", None)
-    if cache:
-        shutil.rmtree(cache, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -177,3 +177,28 @@ def test_pooled_in_band_rate_is_set_beside_the_seed_run_as_description():
     text = "\n".join(pooled_visible_md(rows))
     # 1543 / (54800 + 1543): the seed's share of the pooled steps
     assert f"descriptive, not a plan test" in text and f"P[K <= k] = {1543 / 56343:.3g}" in text
+
+
+def test_v4_test_pools_only_its_own_maps_new_lanes_and_names_the_reading():
+    """Plan v4 [match.test] maps: the all-matched cells of the test's maps are pooled and
+    tested; an earlier version's matched cell (lanes already seen) is described with its own
+    test beside, never pooled in. [match] s_reading picks the law reading by name."""
+    from study.science4 import match_md, match_reading
+    plan = {"plan": {"version": 4}, "match": {
+        "factor": 3.0, "s_reading": "v5",
+        "test": {"alpha": 0.05, "seed_run": "seed report, LLaMA2-70B on 1024 x 910B (eps 1e-5)",
+                 "maps": ["configs/phase_map_science4_matched_v4.toml"]}}}
+    match = pd.DataFrame({"map": ["map_matched", "map_matched_v4", "map_matched_v4"],
+                          "lr_mult": [0.3, 0.3, 0.4], "batch_mult": 1, "S_ratio": [0.35, 0.4, 0.5],
+                          "matches": "S", "all_match": [True, True, True],
+                          "visible_spikes": [0, 0, 0], "steps": [16000, 32000, 32000]})
+    text = "\n".join(match_md(match, plan, "v5", test_maps=["map_matched_v4"]))
+    # the test: 64,000 new lane-steps, P[K <= 0] = 1543 / 65543; v3's cell alone: 1543 / 17543
+    assert f"0 in 64,000 lane-steps" in text and f"P[K <= k] = {1543 / 65543:.3g}" in text
+    assert "lower than the seed run's rate" in text
+    assert f"P[K <= k] = {1543 / 17543:.3g}" in text and "not pooled" in text
+    versions = pd.DataFrame({"reading": ["v4", "v5"], "S_after": [0.72, 0.37]})
+    assert match_reading(versions, plan)["S_after"] == 0.37
+    from adamspike.config import ConfigError
+    with pytest.raises(ConfigError, match="s_reading"):
+        match_reading(versions, {"match": {"s_reading": "v9"}})
