@@ -28,18 +28,22 @@ KIND = "one_s"
 
 def read_table(store_dir: str | Path, maps: Mapping[str, str | Path]) -> pd.DataFrame:
     """Every verified one_s cell's checkpoints, labelled with the map cell it ran
-    (lr_mult, batch_mult; matched on the cell's full config)."""
+    (lr_mult, batch_mult; matched on the cell's full config AND its lane seed: two maps may
+    run the same cell config on other lanes, e.g. plan v4's new lanes of plan v3's toy)."""
     label = {}
     for name, d in maps.items():
         p = Path(d) / "map.json"
         if p.exists():
-            for c in json.loads(p.read_text())["cells"]:
-                label[json.dumps(c["config"], sort_keys=True, default=repr)] = (
-                    name, c["lr_mult"], c["batch_mult"])
+            meta = json.loads(p.read_text())
+            for c in meta["cells"]:
+                for seed in meta["seeds"]:
+                    label[(json.dumps(c["config"], sort_keys=True, default=repr), int(seed))] = (
+                        name, c["lr_mult"], c["batch_mult"])
     rows = []
     for cfg, got in CellStore(store_dir).verified(KIND):
-        name, lr_mult, bm = label.get(json.dumps(cfg["config"], sort_keys=True, default=repr),
-                                      ("?", math.nan, math.nan))
+        name, lr_mult, bm = label.get(
+            (json.dumps(cfg["config"], sort_keys=True, default=repr), int(cfg["seed"])),
+            ("?", math.nan, math.nan))
         for r in got["checkpoints"]:
             rows.append({"map": name, "lr_mult": lr_mult, "batch_mult": bm,
                          "seed": cfg["seed"], **r})

@@ -269,10 +269,11 @@ def pooled_visible_md(rows: pd.DataFrame) -> list[str]:
         if len(band):
             t = seed_rate_test(int(band["spikes"].sum()), float(band["steps"].sum()), k,
                                float(seed["horizon_steps"]), 0.05)
-            L.append(f"- In band against the seed run (descriptive, not a plan test: the toys "
-                     f"differ from the 70B in S or in the update size, table of matches below; "
-                     f"exact conditional binomial): P[K <= k] = {t['p_lower']:.3g}, P[K >= k] = "
-                     f"{t['p_higher']:.3g}.")
+            L.append(f"- In band against the seed run (descriptive, not a plan test: most of "
+                     f"these toys differ from the 70B in S or in the update size; the plan's "
+                     f"test on the toys that match every quantity is in the table of matches "
+                     f"below; exact conditional binomial): P[K <= k] = {t['p_lower']:.3g}, "
+                     f"P[K >= k] = {t['p_higher']:.3g}.")
     return L
 
 
@@ -540,19 +541,38 @@ def _matched_cells(rows: pd.DataFrame) -> str:
                      for r in rows.itertuples()) or "none"
 
 
-def _seed_test_line(rows: pd.DataFrame, test: Mapping[str, Any] | None) -> str:
-    """Visible spikes of `rows` pooled, their rate, and plan [match.test] against the seed run."""
+def matched_test(rows: pd.DataFrame, test: Mapping[str, Any] | None) -> dict:
+    """Visible spikes of `rows` pooled: count, lane-steps, rate per 1k with its exact
+    Poisson 95 % interval, and plan [match.test] against the seed run (when the plan has one)."""
     k, n = float(rows["visible_spikes"].sum()), float(rows["steps"].sum())
     lo, hi = poisson_interval(int(k), n / 1000.0)
-    line = f"{k:.0f} in {n:,.0f} lane-steps, {1000 * k / n:.3g} [{lo:.3g}, {hi:.3g}] per 1k."
+    out = {"cells": _matched_cells(rows), "k": int(k), "n": n, "rate": 1000 * k / n,
+           "lo": lo, "hi": hi}
     if test:
         run = record_run(test["seed_run"])
-        t = seed_rate_test(int(k), n, reported(run), float(run["horizon_steps"]),
-                           float(test["alpha"]))
+        out.update(seed_rate_test(int(k), n, reported(run), float(run["horizon_steps"]),
+                                  float(test["alpha"])))
+    return out
+
+
+def _seed_test_line(rows: pd.DataFrame, test: Mapping[str, Any] | None) -> str:
+    t = matched_test(rows, test)
+    line = (f"{t['k']} in {t['n']:,.0f} lane-steps, {t['rate']:.3g} [{t['lo']:.3g}, "
+            f"{t['hi']:.3g}] per 1k.")
+    if "verdict" in t:
         line += (f" Against the seed run ({t['k0']} in {t['n0']:,.0f} steps; plan "
                  f"[match.test], exact conditional binomial): P[K <= k] = {t['p_lower']:.3g}, "
                  f"P[K >= k] = {t['p_higher']:.3g}: **{t['verdict']}**.")
     return line
+
+
+def tested_cells(match: pd.DataFrame, plan: Mapping[str, Any], test_maps: Sequence[str]) -> pd.DataFrame:
+    """The cells plan [match.test] pools: those matching every quantity, of the test's own
+    maps when it names them (v4), else all of them (v3)."""
+    full = match[match["all_match"]]
+    if plan["match"].get("test", {}).get("maps") and "map" in full:
+        return full[full["map"].isin(list(test_maps))]
+    return full
 
 
 def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str,
@@ -583,8 +603,8 @@ def match_md(match: pd.DataFrame, plan: Mapping[str, Any], reading: str,
     if not len(full):
         L.append("No toy cell matches every quantity. " + _unmatched(match))
     elif test and test.get("maps") and "map" in full:
-        tested = full[full["map"].isin(list(test_maps))]
-        other = full[~full["map"].isin(list(test_maps))]
+        tested = tested_cells(match, plan, test_maps)
+        other = full[~full.index.isin(tested.index)]
         L.append(f"Cells where every quantity matches: {_matched_cells(full)}.")
         if counted:
             L.append("")
@@ -1076,7 +1096,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
                     .rename(columns={"source": "map"}))
             summ = summ.merge(seen, on=["map", "lr_mult", "b2", "batch_mult"], how="left")
         summ.to_csv(out / CELLS_FILE, index=False)
-    match = None
+    match, matched = None, None
     ref = match_reading(versions, plan)
     if summ is not None and ref is not None:
         s70 = s70_after_warmup(one_tab) if plan["match"].get("s_estimator") == "S_70" else None
@@ -1091,6 +1111,10 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
                      for c in plan["match"].get("test", {}).get("maps", [])]
         parts["match"] = match_md(match, plan, str(ref["reading"]), by_reading=by_reading,
                                   test_maps=test_maps)
+        tested = tested_cells(match, plan, test_maps)
+        if len(tested) and "visible_spikes" in tested:
+            matched = {**matched_test(tested, plan["match"].get("test")),
+                       "reading": str(ref["reading"]), "S_after_70B": float(ref["S_after"])}
     qc_read = versions[versions["reading"].str.startswith("v5")]
     if not len(qc_read):
         qc_read = versions[versions["reading"].str.contains("plan QC")]
@@ -1124,7 +1148,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
                "rate_model": None if rate_fit is None else {
                    k: rate_fit[k] for k in ("verdict", "why", "S_c", "observed", "held_cells",
                                             "train_spikes", "train_dropped_spikes")},
-               "S_70b_toy_scale": S70_cal}
+               "S_70b_toy_scale": S70_cal, "matched_toy_test": matched}
     atomic_write_bytes(out / "science4.json", json.dumps(summary, indent=1, default=str).encode())
     return summary
 

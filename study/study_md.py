@@ -68,6 +68,13 @@ def _plan_reading(path: Path, e: dict, link: str) -> list[str]:
     if toy:
         L.append(f"  On the toys' scale (One S, the 70B's estimator calibrated against the toys' "
                  f"tracker): S {fmt(toy['S'])} [{fmt(toy['lo'])}, {fmt(toy['hi'])}].")
+    mt = d4.get("matched_toy_test")
+    if mt:
+        L.append(f"  The toy matched to the 70B on every quantity ({mt['cells']}; rho per group, "
+                 f"S against '{mt['reading']}', the relative update, lr x wd): {mt['k']} "
+                 f"visible spikes in {mt['n']:,.0f} lane-steps"
+                 + (f", against the seed run's {mt['k0']} in {mt['n0']:,.0f}: **{mt['verdict']}** "
+                    f"(P[K <= k] = {mt['p_lower']:.3g})" if "verdict" in mt else "") + ".")
     rm = d4.get("rate_model")
     if rm:
         L.append(f"  The rate model that can say zero, on the held-out third map: "

@@ -57,7 +57,7 @@ def test_the_plans_maps_are_found_by_name_and_judged(tmp_path):
     rows, missing = rate_rows_from_maps(tmp_path / "map", PLAN)
     # not written here: the other held-out maps and plan v3's matched map
     assert set(missing) == (set(names["heldout"]) | set(names["matched"])) - {"map_heldout"}
-    assert names["matched"] == ["map_matched"]
+    assert names["matched"] == ["map_matched", "map_matched_v4"]     # plan v3 and v4 maps
     assert rows.loc[rows["source"] == "map_train", "spikes"].sum() == 6
     lines, r = rate_model_section(rows, missing, PLAN, {"reading": "test", "S": 0.3,
                                                         "lo": 0.05, "hi": 2.0}, tmp_path)
@@ -93,3 +93,24 @@ def test_one_s_carries_the_70b_reading_onto_the_toys_scale(tmp_path):
     assert "median 2 [" in text and "1 left out" in text
     none, cal0 = one_s_section(None, None, tmp_path)
     assert cal0 is None and "Not measured" in none[2]
+
+
+def test_one_s_cells_are_labelled_by_config_and_lane_seed(tmp_path):
+    """Two maps may run the same cell config on other lanes (plan v4's new lanes of plan v3's
+    toy): a One-S cell belongs to the map whose lanes include its seed, not to whichever map
+    was read last."""
+    import json
+    from adamspike.cells import CellStore
+    from analysis.one_s import read_table
+    from simulate.one_s import cell
+    config = {"optim.lr": 3e-4, "train.num_steps": 1600, "optim.warmup_steps": 200}
+    for name, seeds in (("old", [200, 201]), ("new", [210, 211])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "map.json").write_text(json.dumps(
+            {"seeds": seeds, "cells": [{"config": config, "lr_mult": 0.3, "batch_mult": 1}]}))
+    store = CellStore(tmp_path / "cells")
+    for seed in (200, 210):
+        store.put(cell(config, seed, [200, 900, 1600]),
+                  {"checkpoints": [{"step": 900, "S_70": float(seed)}]})
+    tab = read_table(tmp_path / "cells", {n: tmp_path / n for n in ("old", "new")})
+    assert dict(zip(tab["seed"], tab["map"])) == {200: "old", 210: "new"}
