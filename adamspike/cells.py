@@ -38,11 +38,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import importlib
+import importlib.metadata
 import io
 import json
 import math
 import multiprocessing as mp
 import os
+import platform
 import socket
 import sys
 import time
@@ -80,18 +82,16 @@ def jax_cache_dir() -> Path:
     a CPU program by the device kind "cpu" alone (jax/_src/cache_key.py, jax 0.10.2), not
     by the instruction set XLA compiled it for: a home folder shared by an AVX-512 machine
     and an AVX2 one would otherwise load code built for the other."""
-    from importlib import metadata
     try:
-        version = metadata.version("jaxlib")
-    except metadata.PackageNotFoundError:
+        version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
         version = "nojaxlib"
     kind = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
         kind = "\n".join(sorted(set(lines)))
-    except OSError:
-        import platform
+    except OSError:                  # not Linux
         kind = f"{platform.machine()} {platform.processor()}"
     return cache_home() / "jax" / f"{version}-{hashlib.sha256(kind.encode()).hexdigest()[:12]}"
 
