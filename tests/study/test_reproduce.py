@@ -149,13 +149,13 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
                        "phase_map_w64", "batch_sharpness", "spike_rate_mechanism",
                        "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
                        "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init",
-                       "phase_map_science4_matched"}
+                       "phase_map_science4_matched", "phase_map_science4_matched_v4"}
     assert [s.name for s in quick] == [n for n in names if n not in skipped]
     assert set(names) - {s.name for s in standard} == {
         "phase_map_w64", "batch_sharpness", "spike_rate_mechanism", "package_data",
         "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
         "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init",
-        "phase_map_science4_matched"}
+        "phase_map_science4_matched", "phase_map_science4_matched_v4"}
     shipped = str(package_data.profile_dir("llama2-70b"))
     f, q, d = ({s.name: s for s in plan} for plan in (full, quick, standard))
     for plan in (q, d):      # the shipped cells refitted; the shipped mechanism model
@@ -171,7 +171,7 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
     assert "--compute" in f["science4"].argv and f["science4"].needs == [
         "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
         "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init",
-        "phase_map_science4_matched"]
+        "phase_map_science4_matched", "phase_map_science4_matched_v4"]
     assert "--compute" not in q["science4"].argv and q["science4"].needs == []
     note = scale_note(standard, "standard")
     assert "`ladder`, `predict_70b`" in note and "`batch_sharpness`" in note
