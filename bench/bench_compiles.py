@@ -46,7 +46,8 @@ def study(out: Path, cache: Path, scale: str, only: list[str]) -> tuple[float, f
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "study", "reproduce", f"--{scale}", "--out", str(out)]
+    cmd = [sys.executable, "-m", "study", "reproduce", "--out", str(out)]
+    cmd += [] if scale == "standard" else [f"--{scale}"]       # standard: no flag
     cmd += ["--only", *only] if only else []
     before = os.times()
     t0 = time.monotonic()
