@@ -203,13 +203,17 @@ def null_md(tab: pd.DataFrame, plan: Mapping[str, Any]) -> list[str]:
 
 
 # ------------------------------------------------------------------------ rate model
+def map_folder(cfg: str, base: str = "map") -> str:
+    """configs/phase_map_science4<suffix>.toml runs into the folder <base><suffix> beside the
+    in-band map's own folder <base> (`--map ROOT/map` -> ROOT/map_train, ...; the full
+    study's phase_map_science4 -> phase_map_science4_train, ...)."""
+    return base + Path(cfg).stem[len("phase_map_science4"):]
+
+
 def plan_maps(plan: Mapping[str, Any], base: str = "map") -> dict[str, list[str]]:
-    """The plan's maps by role as folder names: configs/phase_map_science4<suffix>.toml runs
-    into the folder <base><suffix> beside the in-band map's own folder <base> (`--map
-    ROOT/map` -> ROOT/map_train, ...; the full study's phase_map_science4 ->
-    phase_map_science4_train, ...)."""
+    """The plan's maps by role as folder names (map_folder)."""
     def name(cfg: str) -> str:
-        return base + Path(cfg).stem[len("phase_map_science4"):]
+        return map_folder(cfg, base)
     return {"training": [name(c) for c in plan["rate_model"]["training"]["maps"]],
             "heldout": [name(c) for c in plan["heldout"]["maps"]],
             "matched": [name(c) for c in plan["match"].get("cells", {}).get("maps", [])]}
@@ -1107,8 +1111,7 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
             summ, reference_70b(pred, float(v["S_after"])), factor, s70))
             for _, v in versions.iterrows() if np.isfinite(v.get("S_after", math.nan))}
         base = Path(map_dir).name if map_dir else "map"
-        test_maps = [base + Path(c).stem[len("phase_map_science4"):]
-                     for c in plan["match"].get("test", {}).get("maps", [])]
+        test_maps = [map_folder(c, base) for c in plan["match"].get("test", {}).get("maps", [])]
         parts["match"] = match_md(match, plan, str(ref["reading"]), by_reading=by_reading,
                                   test_maps=test_maps)
         tested = tested_cells(match, plan, test_maps)
