@@ -1105,11 +1105,11 @@ def run(out: Path, *, compute: bool = False, cells_dir: Path | None = None,
     if summ is not None and ref is not None:
         s70 = s70_after_warmup(one_tab) if plan["match"].get("s_estimator") == "S_70" else None
         factor = float(plan["match"]["factor"])
-        match = match_table(summ, reference_70b(pred, float(ref["S_after"])), factor, s70)
-        atomic_write_bytes(out / "match.csv", match.to_csv(index=False).encode())
         by_reading = {str(v["reading"]): (float(v["S_after"]), match_table(
             summ, reference_70b(pred, float(v["S_after"])), factor, s70))
             for _, v in versions.iterrows() if np.isfinite(v.get("S_after", math.nan))}
+        match = by_reading[str(ref["reading"])][1]      # the plan's reading: one of them
+        atomic_write_bytes(out / "match.csv", match.to_csv(index=False).encode())
         base = Path(map_dir).name if map_dir else "map"
         test_maps = [map_folder(c, base) for c in plan["match"].get("test", {}).get("maps", [])]
         parts["match"] = match_md(match, plan, str(ref["reading"]), by_reading=by_reading,
