@@ -147,9 +147,16 @@ class CorruptCell(ValueError):
 class CellStore:
     """Cells under one root directory (module doc)."""
 
-    def __init__(self, root: str | Path, log: Callable[[str], None] | None = None):
+    def __init__(self, root: str | Path, log: Callable[[str], None] | None = None,
+                 sources: Sequence[str | Path] = ()):
+        """`sources`: read-only stores (the cells shipped with the package, another study's
+        store) from which a cell missing here is copied, verified, before anything would
+        compute it; a source is never written, and a cell that fails verification there
+        is passed over (computed here). `copied` counts the cells taken from them."""
         self.root = Path(root)
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.sources = [Path(s) for s in sources]
+        self.copied = 0
 
     def path(self, cell: Cell) -> Path:
         return self.root / cell.kind / f"{cell.key}.json"
@@ -234,24 +241,41 @@ class CellStore:
         copy verifies exactly as the original."""
         if source.get(cell) is None or self.get(cell) is not None:
             return False
-        src, dest = source.path(cell), self.path(cell)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        for f in sorted(src.parent.glob(f"{cell.key}.*")):
-            if f != src and not f.name.endswith((".prov.json", ".json")) and ".corrupt" not in f.name:
-                atomic_write_bytes(dest.parent / f.name, f.read_bytes())
-        atomic_write_bytes(dest, src.read_bytes())       # the JSON that names them: last
-        return True
+        return CellStore(self.root, self._log, sources=[source.root]).get(cell) is not None
 
     def get(self, cell: Cell) -> dict | None:
-        """The stored payload, or None when the cell is missing. A cell that fails
-        verification is moved aside (one line on stderr) and reads as missing."""
+        """The stored payload, or None when the cell is missing (here and in every
+        source). A cell that fails verification is moved aside (one line on stderr) and
+        reads as missing."""
         if not self.path(cell).is_file():
-            return None
+            return self._from_sources(cell)
         try:
             return self._read(cell)
         except (CorruptCell, OSError, ValueError, KeyError, TypeError) as e:
             self._set_aside(cell, str(e))
             return None
+
+    def _from_sources(self, cell: Cell) -> dict | None:
+        """Copy `cell` from the first source holding a verified copy (every file but the
+        provenance, byte for byte, tables before the JSON that names them); its payload,
+        or None. Sources are only read: a damaged cell there is skipped, not set aside."""
+        for root in self.sources:
+            src = CellStore(root)
+            if not src.path(cell).is_file():
+                continue
+            try:
+                src._read(cell)
+            except (CorruptCell, OSError, ValueError, KeyError, TypeError):
+                continue
+            dest = self.path(cell)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            for f in sorted(src.path(cell).parent.glob(f"{cell.key}.*")):
+                if not f.name.endswith(".json") and ".corrupt" not in f.name:
+                    atomic_write_bytes(dest.parent / f.name, f.read_bytes())
+            atomic_write_bytes(dest, src.path(cell).read_bytes())
+            self.copied += 1
+            return self._read(cell)
+        return None
 
     def _set_aside(self, cell: Cell, why: str) -> None:
         """Move the cell's JSON and its table / array files aside (`*.corrupt[-n]`, the

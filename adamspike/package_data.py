@@ -19,6 +19,11 @@ fresh install without a study run (no jax needed to read them).
                               (rho, b2, lr / eps, tokens)     profile without the ladder's
                                                               sharpness (a log, a run, a
                                                               JSON profile) is predicted with
+      claims/cells/           the claims' calibrations and arms  stages `replication_phase`
+                              (one cell store: calibration/,     and `replication_matched`
+                              claims_arm/): the standard study   (`adamspike replicate`)
+                              copies them (`replicate --cells-from`) instead of running
+                              ~30 min of core time; `--full` recomputes and refreshes them
       predictions.json        `adamspike predict --profile llama2-70b` on the two above
                               (pre-registered when written; `adamspike assess` reads it
                               when given no predictions of its own)
@@ -58,6 +63,8 @@ PREDICTIONS_FILE = "predictions.json"
 BATCH_SHARPNESS_FILE = "ladder/batch_sharpness.json"   # simulate.ladder.BATCH_SHARPNESS_FILE
 LADDER_KIND = "ladder_rung"   # simulate.ladder.KIND: its cells' kind in the one store
 SCIENCE4 = "science4"     # study.science4's inputs: Lanczos rung cells, map lanes, claims
+CLAIMS_CELLS = "claims/cells"   # the claims replications' cell store (calibration, claims_arm)
+CLAIMS_STAGES = ("replication_phase", "replication_matched")   # study folders holding them
 STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate ladder`)",
           MODEL_FILE: "stage `spike_rate_mechanism` of configs/study.toml (`adamspike "
                       "spike-rate --map`; `spike_rate` in older study folders)",
@@ -67,7 +74,9 @@ STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate l
           PREDICTIONS_FILE: "`adamspike predict --profile llama2-70b` on the shipped ladder "
                             "and model (adamspike package-data)",
           SCIENCE4: "stages `phase_map_science4` and `science4` of configs/study.toml "
-                    "(`adamspike science4 --compute`: its cells, map lanes and claims table)"}
+                    "(`adamspike science4 --compute`: its cells, map lanes and claims table)",
+          CLAIMS_CELLS: "stages `replication_phase` and `replication_matched` of "
+                        "configs/study.toml (`adamspike replicate`: their cell stores)"}
 
 
 class PackageDataError(ConfigError):
@@ -89,13 +98,28 @@ def _ladder_cells(lad: Path) -> list[Path]:
                   if p.is_file() and not p.name.endswith(".prov.json") and ".corrupt" not in p.name)
 
 
+def store_files(root: Path) -> list[Path]:
+    """A cell store's cells (every kind: JSON, tables, arrays), without their provenance
+    (host, time: not part of a cell) or cells set aside as corrupt."""
+    return sorted(p for p in Path(root).glob("*/*") if p.is_file()
+                  and not p.name.endswith(".prov.json") and ".corrupt" not in p.name)
+
+
 def _files(d: Path) -> list[Path]:
     return sorted([d / "ladder" / "ladder.json", *_ladder_cells(d / "ladder"),
                    d / MODEL_FILE, *(d / f for f in (REGIME_MODEL_FILE, PREDICTIONS_FILE,
                                                      BATCH_SHARPNESS_FILE)
                                      if (d / f).is_file()),
-                   *(p for p in (d / SCIENCE4).rglob("*") if p.is_file())],
+                   *(p for p in (d / SCIENCE4).rglob("*") if p.is_file()),
+                   *store_files(d / CLAIMS_CELLS)],
                   key=lambda p: p.relative_to(d).as_posix())
+
+
+def claims_cells(study: Path) -> list[tuple[Path, Path]]:
+    """(file, path relative to the shipped claims store) of the claims replications' cells
+    in a study folder (both stages' stores are one store: keys never collide)."""
+    return [(f, f.relative_to(study / stage / "cells")) for stage in CLAIMS_STAGES
+            for f in store_files(study / stage / "cells")]
 
 
 def _read_manifest(mpath: Path) -> dict:
@@ -261,6 +285,14 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
                 shutil.copyfile(s4 / f, tmp / SCIENCE4 / f)
     elif (d / SCIENCE4).is_dir():
         shutil.copytree(d / SCIENCE4, tmp / SCIENCE4)
+    # the claims' cells: the study's own when it ran the replications, else the shipped
+    claims = claims_cells(study)
+    if claims:
+        for f, rel in claims:
+            (tmp / CLAIMS_CELLS / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, tmp / CLAIMS_CELLS / rel)
+    elif (d / CLAIMS_CELLS).is_dir():
+        shutil.copytree(d / CLAIMS_CELLS, tmp / CLAIMS_CELLS)
     m: dict[str, Any] = {
         "schema": SCHEMA, "version": int(old["version"]) + 1 if old else 1,
         "profile": profile, "source": source or str(study.resolve()),
@@ -270,7 +302,9 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
                            if bs.is_file() else {}),
                         **({REGIME_MODEL_FILE: STAGES[REGIME_MODEL_FILE]} if regime else {}),
                         **({PREDICTIONS_FILE: STAGES[PREDICTIONS_FILE]} if predictions else {}),
-                        **({f"{SCIENCE4}/": STAGES[SCIENCE4]} if (tmp / SCIENCE4).is_dir() else {})},
+                        **({f"{SCIENCE4}/": STAGES[SCIENCE4]} if (tmp / SCIENCE4).is_dir() else {}),
+                        **({f"{CLAIMS_CELLS}/": STAGES[CLAIMS_CELLS]}
+                           if (tmp / CLAIMS_CELLS).is_dir() else {})},
         "files": {p.relative_to(tmp).as_posix(): _sha(p) for p in _files(tmp)}}
     (tmp / "MANIFEST.json").write_text(json.dumps(m, indent=2) + "\n")
     shutil.rmtree(d, ignore_errors=True)

@@ -197,7 +197,11 @@ def base_config(study: Study, name: str, ladder: str | Path | None, meta: dict,
         return flat
     if ladder is None:
         raise ConfigError(f"base.{name}: calibrated to a ladder's 70B rho: give --ladder LADDER_DIR")
-    key = {"base": flat, "targets": ladder_targets(ladder), "calibrate": cal}
+    # the targets at 6 significant digits (far inside the fit's own error): the ladder's
+    # refit may differ in its last bits on another CPU, and a calibration's key must not,
+    # or the shipped cells (package_data CLAIMS_CELLS) would not be found there
+    targets = {g: float(f"{v:.6g}") for g, v in ladder_targets(ladder).items()}
+    key = {"base": flat, "targets": targets, "calibrate": cal}
     cell = calibration_cell(flat, key["targets"], int(cal["rounds"]), int(cal["seeds"]))
     have = {**key, **run_store_cells(store, [cell], progress=progress, desc="calibrate")[0]}
     meta.setdefault("calibration", {})[name] = have
@@ -230,12 +234,15 @@ def arm_table(res: Mapping[str, np.ndarray], seeds: Sequence[int]) -> pd.DataFra
 
 def run_study(study: Study, out: str | Path, only: Sequence[str] | None = None,
               num_seeds: int | None = None, ladder: str | Path | None = None,
-              skip_llama: bool = False, progress: bool = True) -> Path:
-    """Resolve every claim's arms, run those not yet under out/arms, write replication.json."""
+              skip_llama: bool = False, progress: bool = True,
+              cells_from: Sequence[str | Path] = ()) -> Path:
+    """Resolve every claim's arms, run those not yet in the store out/cells, write
+    replication.json. A calibration or arm found in a `cells_from` store (the cells
+    shipped with the package: the standard study) is copied from it instead of run."""
     out = Path(out)
     seeds = list(range(num_seeds or study.seeds))
     meta_path = out / "replication.json"
-    store = CellStore(out / "cells")
+    store = CellStore(out / "cells", sources=cells_from)
     meta = {"claims_file": study.path, "title": study.title, "description": study.description,
             "sets": list(study.sets), "only": None if only is None else list(only), "seeds": seeds, "spike_k": study.spike_k, "calibration": {},
             "claims": [], "arms": {}, "arm_configs": {}}
@@ -283,5 +290,9 @@ def run_study(study: Study, out: str | Path, only: Sequence[str] | None = None,
     run_store_cells(store, list(config_arms.values()), progress=progress, desc="arms")
     for name, cfgs in by_problem.items():   # one pass per problem: vmapped groups, stored cells
         uniq = list({cell_id(name, c): c for c in cfgs}.values())
-        run_cells(PROBLEMS[name], uniq, seeds, out, progress=progress, desc=f"replicate {name}")
+        run_cells(PROBLEMS[name], uniq, seeds, out, progress=progress, desc=f"replicate {name}",
+                  cells_from=cells_from)
+    if cells_from:
+        print(f"replicate: {store.copied} cells copied from {', '.join(map(str, cells_from))}; "
+              "the others computed or already here", file=sys.stderr)
     return out

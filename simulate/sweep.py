@@ -414,11 +414,12 @@ def compute_cell(config: Mapping[str, Any]) -> dict:
 
 def run_cells(problem: Problem, cells: Sequence[Mapping[str, Any]], seeds: Sequence[int], out: str | Path,
               spikes: Mapping[str, Any] | None = None, progress: bool = True,
-              desc: str | None = None) -> pd.DataFrame:
+              desc: str | None = None, cells_from: Sequence[str | Path] = ()) -> pd.DataFrame:
     """Run (or resume) explicit cells (full parameter dicts) x seeds into the cell store
-    out/cells; returns their rows in the given cell order. The missing cells that share
-    static params are vmapped together."""
-    store = CellStore(Path(out) / "cells")
+    out/cells (a cell found in a `cells_from` store is copied, not run); returns their
+    rows in the given cell order. The missing cells that share static params are vmapped
+    together."""
+    store = CellStore(Path(out) / "cells", sources=cells_from)
     spikes = dict(problem.spikes if spikes is None else spikes)
     ids = [(cell_id(problem.name, p), dict(p)) for p in cells]
     stored = {c: store.get(store_cell(problem, p, seeds, spikes)) for c, p in dict(ids).items()}

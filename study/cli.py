@@ -11,6 +11,7 @@ import argparse
 import difflib
 import importlib
 import importlib.metadata
+import os
 import sys
 
 from adamspike import __version__
@@ -97,6 +98,10 @@ def replicate_main(argv: list[str]) -> int:
                          "--set base.matched.overrides.train.num_steps=40")
     ap.add_argument("--seeds", type=int, default=None, help="paired seeds per arm (default: the file's; >= 10 for the tests)")
     ap.add_argument("--skip-llama", action="store_true", help="leave out the tiny-LLaMA toy rows (their note says so)")
+    ap.add_argument("--cells-from", action="append", default=[], metavar="STORE",
+                    help="a cell store to copy finished calibrations and arms from instead of "
+                         "running them (read only; repeatable): the standard study gives the "
+                         "cells shipped with the package")
     ap.add_argument("--no-progress", action="store_true")
     try:
         a = ap.parse_args(argv[matched:])
@@ -105,6 +110,11 @@ def replicate_main(argv: list[str]) -> int:
     if a.seeds is not None and a.seeds < 2:
         print("adamspike replicate: --seeds must be >= 2 (>= 10 for the paired tests)", file=sys.stderr)
         return 2
+    for store in a.cells_from:
+        if not os.path.isdir(store):
+            print(f"adamspike replicate: --cells-from {store}: no such cell store (a folder)",
+                  file=sys.stderr)
+            return 2
     # lazy: jax (arms) and pandas / scipy (table), only for this subcommand
     from pathlib import Path
     from adamspike.claims import REPO, read_study
@@ -115,7 +125,8 @@ def replicate_main(argv: list[str]) -> int:
     try:
         path = Path(a.claims) if Path(a.claims).exists() else REPO / a.claims
         out = run_study(read_study(path, a.set), a.out, only=a.only, num_seeds=a.seeds, ladder=a.ladder,
-                        skip_llama=a.skip_llama, progress=not a.no_progress)
+                        skip_llama=a.skip_llama, progress=not a.no_progress,
+                        cells_from=a.cells_from)
         md, table = report_md(out)
     except (ConfigError, ValueError) as e:
         print(f"adamspike replicate: {e}", file=sys.stderr)

@@ -135,3 +135,33 @@ def test_a_killed_driver_resumes_without_recomputing_complete_cells(tmp_path):
     seen = log.read_text().split()
     # each cell computed once, except the one the kill interrupted (started, not stored)
     assert len(set(seen)) == 6 and len(seen) - 6 <= 1, seen
+
+
+def test_a_cell_missing_here_is_copied_from_a_source_store_byte_for_byte(tmp_path, capsys):
+    """A read-only source (the cells shipped with the package): a cell found there is
+    copied, not computed, and verifies as the original; a damaged source cell is passed
+    over (computed here) and the source itself is never written."""
+    src_root, c_ok, c_bad = tmp_path / "shipped", *cells(2)
+    CellStore(src_root).compute(c_ok)
+    CellStore(src_root).compute(c_bad)
+    bad_json = CellStore(src_root).path(c_bad)
+    bad_json.write_bytes(bad_json.read_bytes().replace(b'"seed":1', b'"seed":7'))
+    before = files(src_root)
+
+    store = CellStore(tmp_path / "here", sources=[tmp_path / "absent", src_root])
+    computed = []
+    got = store.compute(c_ok, compute=lambda: computed.append(1) or {})
+    assert not computed and store.copied == 1
+    assert got["top"] == CellStore(src_root).get(c_ok)["top"]
+    assert files(tmp_path / "here") == {k: v for k, v in before.items() if c_ok.key in k}
+    assert not store.path(c_ok).with_name(f"{c_ok.key}.prov.json").exists()  # nothing ran here
+
+    again = store.compute(c_bad)                    # damaged at the source: computed here
+    assert store.copied == 1 and len(again["table"]) == 24
+    assert store.path(c_bad).with_name(f"{c_bad.key}.prov.json").exists()
+    assert files(src_root) == before                # the source: not set aside, not written
+    assert "set aside" not in capsys.readouterr().err
+    # run_cells sees source cells as present: nothing left to compute
+    fresh = CellStore(tmp_path / "third", sources=[src_root])
+    assert run_cells(fresh, [c_ok], progress=False)[0]["top"] == got["top"]
+    assert fresh.copied == 1

@@ -299,6 +299,12 @@ def test_package_data_round_trip_and_tamper_check(tmp_path):
         (study / PD.BATCH_SHARPNESS_FILE).rename(study / "batch_sharpness" / "summary.json")
     if (PD.profile_dir() / PD.SCIENCE4).is_dir():     # Science 4's cells and tables
         shutil.copytree(PD.profile_dir() / PD.SCIENCE4, study / "science4")
+    # the claims replications' cells, in the stores of the two stages that write them
+    for f in PD.store_files(PD.profile_dir() / PD.CLAIMS_CELLS):
+        stage = PD.CLAIMS_STAGES[int(f.name[0], 16) % 2]   # a cell and its tables: one key
+        dest = study / stage / "cells" / f.relative_to(PD.profile_dir() / PD.CLAIMS_CELLS)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, dest)
     root = tmp_path / "data"
     m = PD.write(study, root=root)   # no predictor given: no predictions.json
     shipped = {k: v for k, v in PD.manifest()["files"].items() if k != "predictions.json"}

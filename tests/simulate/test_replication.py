@@ -105,7 +105,7 @@ def test_full_replication_runs_the_llama_claims(tmp_path, monkeypatch):
 
     from adamspike.cells import CellStore
 
-    def fake_run_cells(problem, cell_list, seeds, out, progress=True, desc=None):
+    def fake_run_cells(problem, cell_list, seeds, out, progress=True, desc=None, cells_from=()):
         seen[problem.name] = (cell_list, list(seeds))
         frames = []
         for cell in cell_list:      # stored as the sweep stores its cells: the arms' tables
@@ -179,3 +179,30 @@ def test_calibration_secant_finds_eps_when_the_gradient_grows_as_eps_shrinks():
     assert rounds[-1]["rho"]["embed"] == pytest.approx(target, rel=1e-6)
     flat = [{"eps": {"g": 1e-3}, "rho": {"g": 1e3}}, {"eps": {"g": 2e-3}, "rho": {"g": 1e3}}]
     assert C.next_eps("g", flat, 1.0) == pytest.approx(2e-3 * 10 ** 1.5)
+
+
+@pytest.mark.parametrize("claims", ["claims_phase.toml", "claims_matched.toml"])
+def test_the_standard_study_finds_every_claims_cell_in_the_shipped_store(tmp_path, monkeypatch, claims):
+    """The standard study copies the claims replications' calibrations and arms from the
+    cells shipped with the package (configs/study.toml: `cells-from`) instead of running
+    ~30 min of them: with the shipped ladder refitted, as its `ladder` stage does, every
+    cell key the current code resolves is there, so nothing is computed (a code or config
+    change that moves a key fails here, not as a silently slow study: rerun the two stages
+    at --full and ship their cells, `adamspike package-data --from STUDY`)."""
+    from adamspike import package_data
+    from simulate.ladder import main as ladder_main
+    shipped = package_data.profile_dir("llama2-70b")
+    assert ladder_main(["--out", str(tmp_path / "ladder"), "--cells-from", str(shipped / "ladder"),
+                        "--no-progress"]) == 0
+
+    def would_compute(*a, **k):
+        raise AssertionError("a claims cell is not in the shipped store: it would be computed")
+    monkeypatch.setattr(C, "calibrate", would_compute)
+    monkeypatch.setattr(C, "run_arm", would_compute)
+    out = C.run_study(read_study(REPO / "configs" / claims), tmp_path / "out",
+                      ladder=tmp_path / "ladder", progress=False,
+                      cells_from=[shipped / package_data.CLAIMS_CELLS])
+    stored = sorted(p for p in (out / "cells").rglob("*.json") if not p.name.endswith(".prov.json"))
+    assert stored and not list((out / "cells").rglob("*.prov.json"))      # copied, none ran
+    md, table = report_md(out)
+    assert table["verdict"].notna().all() and len(table) == len(read_study(REPO / "configs" / claims).claims)

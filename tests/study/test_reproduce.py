@@ -163,6 +163,11 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
         assert f"{shipped}/spike_rate_model.json" in plan["predict_70b"].argv
         assert plan["predict_70b"].needs == ["sweep", "ladder"]
     assert "--cells-from" not in f["ladder"].argv and shipped not in " ".join(f["predict_70b"].argv)
+    # the claims replications: the standard study copies the shipped cells; --full and
+    # --quick (its smaller arms have other keys) run theirs
+    for stage in ("replication_phase", "replication_matched"):
+        assert d[stage].argv[-2:] == ["--cells-from", f"{shipped}/{package_data.CLAIMS_CELLS}"]
+        assert "--cells-from" not in f[stage].argv + q[stage].argv
     # the reduced map's explicit sizes (the module knows no scale); --full: the file as written
     assert "map.seeds=4" in d["phase_map"].argv and "--set" not in f["phase_map"].argv
     assert all("quick" not in a for plan in (f, q, d) for s in plan.values() for a in s.argv
@@ -174,7 +179,8 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
         "phase_map_science4_matched", "phase_map_science4_matched_v4"]
     assert "--compute" not in q["science4"].argv and q["science4"].needs == []
     note = scale_note(standard, "standard")
-    assert "`ladder`, `predict_70b`" in note and "`batch_sharpness`" in note
+    assert "`ladder`, `replication_phase`, `replication_matched`, `predict_70b`" in note \
+        and "`batch_sharpness`" in note
     assert scale_note(full, "full") == ""
     assert f["mlp"].argv[-2:] == ["--steps", "20000"] and q["mlp"].argv[-2:] == ["--steps", "4000"]
     assert "--torch-spikes" in f["replay"].argv and "--torch-spikes" not in q["replay"].argv
