@@ -2,7 +2,7 @@
 sweep tables and run directories.
 
     adamspike spike-rate [--sweep TABLE_OR_DIR ...] [--runs RUN ...] [--matched DIR ...]
-                         [--map DIR ...] --out DIR [--n-boot 200]
+                         [--map DIR ...] [--table TABLE.csv ...] --out DIR [--n-boot 200]
 
 Training table (DIR/table.csv, one row per run, adamspike.spike_rate.TABLE_COLUMNS):
   - sweep tables (simulate.sweep; the quadratic / mlp / llama sweeps, replication cells):
@@ -21,7 +21,10 @@ Training table (DIR/table.csv, one row per run, adamspike.spike_rate.TABLE_COLUM
   - matched-regime replications (`adamspike replicate matched`): one row per arm and seed
     (`matched_rows`), the regime the 70B predictions are about;
   - phase maps (`adamspike phase-map`): one row per lane and phase (warmup / after) with
-    the mechanism features (`map_rows`): the model predictions_70b.json uses.
+    the mechanism features (`map_rows`): the model predictions_70b.json uses;
+  - training tables an earlier `spike-rate` wrote (its table.csv: TABLE_COLUMNS, floats
+    read back exactly, `table_rows`): the rows as they were, so a model refits from
+    its shipped table without the maps' cells (the same rows give the same model).
 Every row type has the same rho: the median over steps of the per-step group rho of the
 side (adamspike.depth_groups.group_rho, sqrt(sum numel rho^2 / sum numel)); sweep tables
 carry it as `median_rho` (simulate.sweep_problems: the shallow side's group_rho per step),
@@ -222,12 +225,30 @@ def map_rows(out: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(SR.TABLE_COLUMNS))
 
 
+def table_rows(path: str | Path) -> pd.DataFrame:
+    """The rows of a training table written by `spike-rate` (DIR/table.csv), as written:
+    floats read back bit for bit; SpikeRateError naming the
+    file when it is unreadable or lacks a column of TABLE_COLUMNS."""
+    try:
+        # exact floats: pandas >= 3 by default (float_precision deprecated), 2.x when asked
+        exact = {} if int(pd.__version__.split(".")[0]) >= 3 else {"float_precision": "round_trip"}
+        t = pd.read_csv(path, dtype={"source": str, "run": str}, **exact)
+    except (OSError, ValueError) as e:
+        raise SR.SpikeRateError(f"{path}: not a spike-rate training table ({e})") from None
+    missing = [c for c in SR.TABLE_COLUMNS if c not in t.columns]
+    if missing:
+        raise SR.SpikeRateError(f"{path}: not a spike-rate training table (missing columns "
+                                f"{missing})")
+    return t[list(SR.TABLE_COLUMNS)]
+
+
 def training_table(sweeps: Sequence[str | Path] = (), runs: Sequence[str | Path] = (),
                    matched: Sequence[str | Path] = (),
-                   maps: Sequence[str | Path] = ()) -> tuple[pd.DataFrame, list[str]]:
+                   maps: Sequence[str | Path] = (),
+                   tables: Sequence[str | Path] = ()) -> tuple[pd.DataFrame, list[str]]:
     """(table, notes): adamspike.spike_rate.training_table of the matched-regime
-    replications (`matched_rows`), the phase maps (`map_rows`), the sweep tables and the run
-    directories (`run_row`);
+    replications (`matched_rows`), the phase maps (`map_rows`), earlier training tables
+    (`table_rows`), the sweep tables and the run directories (`run_row`);
     notes say what was left out and why."""
     rows, notes = [], []
     for r in runs:
@@ -235,7 +256,8 @@ def training_table(sweeps: Sequence[str | Path] = (), runs: Sequence[str | Path]
             rows.append(run_row(r))
         except (RunFormatError, SR.SpikeRateError) as e:
             notes.append(f"{r}: left out ({e})")
-    parts = [*(matched_rows(m) for m in matched), *(map_rows(m) for m in maps), *sweeps]
+    parts = [*(matched_rows(m) for m in matched), *(map_rows(m) for m in maps),
+             *(table_rows(t) for t in tables), *sweeps]
     if rows:
         parts.append(pd.DataFrame(rows, columns=list(SR.TABLE_COLUMNS)))
     return SR.training_table(parts, notes)
@@ -298,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--map", action="append", default=[], dest="maps",
                     help="phase-map directory (adamspike phase-map): one row per lane and phase "
                          "with the mechanism features")
+    ap.add_argument("--table", action="append", default=[], dest="tables",
+                    help="a training table an earlier spike-rate wrote (its table.csv): its "
+                         "rows as they are (a shipped model's rows, without its maps)")
     ap.add_argument("--out", required=True, help="output directory (model.json must not exist)")
     ap.add_argument("--features", nargs="+", choices=SR.FEATURES, default=list(SR.FEATURES),
                     metavar="FEATURE", help="the features the model may use (default: every "
@@ -315,7 +340,7 @@ def _main(args) -> int:
                           "overwritten)")
     if args.n_boot < 0 or not args.ridge >= 0:
         raise ConfigError("--n-boot must be >= 0 and --ridge >= 0")
-    table, notes = training_table(args.sweep, args.runs, args.matched, args.maps)
+    table, notes = training_table(args.sweep, args.runs, args.matched, args.maps, args.tables)
     val = SR.validate(table, ridge=args.ridge, n_boot=args.n_boot, candidates=args.features)
     model = SR.fit(table, SR.select_features(table, args.features), ridge=args.ridge,
                    n_boot=args.n_boot)

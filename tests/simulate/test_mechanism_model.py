@@ -183,3 +183,27 @@ def test_the_full_data_reading_replaces_the_minibatch_bracket(tmp_path):
     assert S2 / S1 == pytest.approx(2 ** 0.55)
     with pytest.raises(ConfigError, match="summary.json"):
         P.load_profile("llama2-70b", batch_sharpness=str(tmp_path / "nothing"))
+
+
+def test_the_model_refits_from_its_own_training_table_bit_for_bit(maps, tmp_path, capsys):
+    """`spike-rate --table DIR/table.csv`: the rows a fit wrote give the same model (every
+    coefficient, interval and bootstrap draw equal as floats), so a shipped model is
+    re-derived from its shipped table without the maps' cells; a file that is not such a
+    table is one line and exit 2."""
+    from analysis.spike_rate import main
+    root, _ = maps
+    args = ["--features", "log10_stability", "warmup", "--n-boot", "20"]
+    assert main(["--map", str(root / "map16"), "--map", str(root / "map32"), *args,
+                 "--out", str(tmp_path / "maps")]) == 0
+    assert main(["--table", str(tmp_path / "maps" / "table.csv"), *args,
+                 "--out", str(tmp_path / "table")]) == 0
+    a, b = (json.loads((tmp_path / d / "model.json").read_text()) for d in ("maps", "table"))
+    a.pop("notes", None), b.pop("notes", None)
+    assert a == b and a["n_spikes"] > 0
+    assert (tmp_path / "maps" / "table.csv").read_bytes() == (tmp_path / "table" / "table.csv").read_bytes()
+    capsys.readouterr()
+    (tmp_path / "bad.csv").write_text("source,run\nmap,x\n")
+    assert main(["--table", str(tmp_path / "bad.csv"), *args, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.csv" in err[0] and "missing columns" in err[0]
+    assert not (tmp_path / "o").exists()
