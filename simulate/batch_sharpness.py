@@ -2,6 +2,7 @@
 
     adamspike simulate batch-sharpness --out DIR [--rungs DxL ...] [--seeds N]
                                        [--eval-tokens N ...] [--num-steps N]
+                                       [--cells-from STORE]
                                        (one cell per rung and seed)
 
 The sharpness ladder (simulate.ladder) measures lambda_max(H) of the training minibatch
@@ -241,9 +242,12 @@ def report_md(summary: dict) -> str:
 
 def run(out: str | Path, progress: bool = True, lr_scaling: str = "inverse_width", *,
         rungs: Sequence[Sequence[int]] | None = None, seeds: int | None = None,
-        eval_tokens: Sequence[int] | None = None, **spec_sizes) -> dict:
+        eval_tokens: Sequence[int] | None = None, cells_from: Sequence[str | Path] = (),
+        **spec_sizes) -> dict:
     """Every rung x seed (SIZES unless given; `spec_sizes`: the ladder recipe's num_steps,
-    warmup_steps ... replacing the full ladder's), then the tables and the summary."""
+    warmup_steps ... replacing the full ladder's), then the tables and the summary. A cell
+    in a `cells_from` store (read only: the cells shipped with the package) is copied, not
+    measured."""
     out = Path(out)
     cfg = {"rungs": [tuple(r) for r in (rungs or SIZES["rungs"])],
            "seeds": int(seeds or SIZES["seeds"]),
@@ -258,7 +262,8 @@ def run(out: str | Path, progress: bool = True, lr_scaling: str = "inverse_width
                 if (tuple(r), spec_r.lr_for(r[0]), sd) not in seen:
                     seen.add((tuple(r), spec_r.lr_for(r[0]), sd))
                     cells.append(c)
-    cells = run_cells(CellStore(out / "cells"), cells, progress=progress, desc="batch sharpness")
+    cells = run_cells(CellStore(out / "cells", sources=cells_from), cells, progress=progress,
+                      desc="batch sharpness")
     long, summary = summarize(cells)
     summary["lr_scaling"] = lr_scaling
     summary["size"] = {"rungs": [list(r) for r in cfg["rungs"]], "seeds": cfg["seeds"],
@@ -285,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     default="inverse_width",
                     help="the rungs' lr rule (simulate.ladder: 3e-3 x 64 / dim, or 3e-3 on "
                          "every rung; both: the law gets an lr term, read at LLaMA2's lr)")
+    ap.add_argument("--cells-from", action="append", default=[], metavar="STORE",
+                    help="a cell store to copy measured rung-seeds from instead of measuring "
+                         "them (read only; repeatable)")
     ap.add_argument("--no-progress", action="store_true")
 
     def body(a) -> int:
@@ -293,9 +301,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_out(a.out, keep_existing=(Path(a.out) / "cells").is_dir())
         if a.rungs and any(len(r) != 2 for r in a.rungs):
             raise ConfigError("--rungs: expected DIMxLAYERS (the batch is 16)")
+        for store in a.cells_from:
+            if not Path(store).is_dir():
+                raise ConfigError(f"--cells-from {store}: no such cell store (a folder)")
         print(report_md(run(a.out, progress=not a.no_progress, lr_scaling=a.lr_scaling,
                             rungs=a.rungs, seeds=a.seeds, eval_tokens=a.eval_tokens,
-                            num_steps=a.num_steps, warmup_steps=a.warmup_steps)), end="")
+                            num_steps=a.num_steps, warmup_steps=a.warmup_steps,
+                            cells_from=a.cells_from)), end="")
         return 0
     return cli_main(ap, None if argv is None else list(argv), body,
                     "adamspike simulate batch-sharpness")

@@ -6,6 +6,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from simulate import batch_sharpness as BS
 from simulate import ladder as LD
@@ -90,3 +91,26 @@ def test_the_law_takes_the_lr_when_it_varies_apart_from_width():
     want = 10 ** (-1.9 + 0.05 * math.log10(8192) + 0.3 * math.log10(80) - 0.45 * math.log10(1.5e-4))
     assert math.isclose(s["llama2_70b"]["lambda_inf"], want, rel_tol=1e-6)
     assert "log10 lr" in BS.report_md(s)
+
+
+def test_rung_seeds_in_a_source_store_are_copied_not_measured(tmp_path, monkeypatch, capsys):
+    """`--cells-from STORE` (the cells shipped with the package): the summary is re-derived
+    from the stored rung-seeds, none measured; a missing store is one line and exit 2."""
+    from adamspike.cells import CellStore
+    sizes = {"num_steps": 6, "warmup_steps": 2}
+    spec = LD.sized_spec("inverse_width", **sizes)
+    stored = {"dim": 32, "layers": 1, "seed": 0, "lr": spec.lr_for(32), "final_loss": 3.0,
+              "num_steps": 6, "eval": [{"tokens": 256, "lambda": 9.0, "change": 1e-3},
+                                       {"tokens": 1024, "lambda": 6.0, "change": 1e-3}]}
+    CellStore(tmp_path / "shipped").put(BS.cell((32, 1), 0, spec, [256, 1024]), stored)
+    monkeypatch.setattr(BS, "measure", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("measured a rung-seed the source store holds")))
+    summary = BS.run(tmp_path / "out", progress=False, rungs=[(32, 1)], seeds=1,
+                     eval_tokens=[256, 1024], cells_from=[tmp_path / "shipped"], **sizes)
+    (rung,) = summary["rungs"]
+    assert (rung["lambda_first"], rung["lambda_last"]) == (9.0, 6.0)
+    assert rung["lambda_inf"] == pytest.approx(5.0)     # 9 = l + a/256, 6 = l + a/1024
+    assert not list((tmp_path / "out" / "cells").rglob("*.prov.json"))
+    assert BS.main(["--out", str(tmp_path / "o2"), "--cells-from", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cells-from" in err[0] and "no such cell store" in err[0]
