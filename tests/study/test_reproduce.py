@@ -168,6 +168,9 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
     for stage in ("replication_phase", "replication_matched"):
         assert d[stage].argv[-2:] == ["--cells-from", f"{shipped}/{package_data.CLAIMS_CELLS}"]
         assert "--cells-from" not in f[stage].argv + q[stage].argv
+    # --full ships what those stages and science4 wrote: only once they have finished
+    assert {"predict_70b", "replication_phase", "replication_matched",
+            "science4"} <= set(f["package_data"].needs)
     # the reduced map's explicit sizes (the module knows no scale); --full: the file as written
     assert "map.seeds=4" in d["phase_map"].argv and "--set" not in f["phase_map"].argv
     assert all("quick" not in a for plan in (f, q, d) for s in plan.values() for a in s.argv
