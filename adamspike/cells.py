@@ -57,6 +57,7 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from adamspike.config import ConfigError
 from adamspike.rundir import atomic_write_bytes
 
 __all__ = ["Cell", "CellStore", "CorruptCell", "cache_home", "canonical", "jax_cache_dir",
@@ -156,6 +157,9 @@ class CellStore:
         self.root = Path(root)
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.sources = [Path(s) for s in sources]
+        for s in self.sources:     # a mistyped source would silently compute everything
+            if not s.is_dir():
+                raise ConfigError(f"--cells-from {s}: no such cell store (a folder)")
         self.copied = 0
 
     def path(self, cell: Cell) -> Path:

@@ -91,18 +91,16 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _ladder_cells(lad: Path) -> list[Path]:
-    """A ladder folder's stored cells (JSON and tables; not their provenance or cells set
-    aside as corrupt)."""
-    return sorted(p for p in (lad / "cells" / LADDER_KIND).glob("*")
-                  if p.is_file() and not p.name.endswith(".prov.json") and ".corrupt" not in p.name)
-
-
 def store_files(root: Path) -> list[Path]:
     """A cell store's cells (every kind: JSON, tables, arrays), without their provenance
     (host, time: not part of a cell) or cells set aside as corrupt."""
     return sorted(p for p in Path(root).glob("*/*") if p.is_file()
                   and not p.name.endswith(".prov.json") and ".corrupt" not in p.name)
+
+
+def _ladder_cells(lad: Path) -> list[Path]:
+    """A ladder folder's stored cells (its store's `ladder_rung` kind: `store_files`)."""
+    return [p for p in store_files(lad / "cells") if p.parent.name == LADDER_KIND]
 
 
 def _files(d: Path) -> list[Path]:

@@ -301,9 +301,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_out(a.out, keep_existing=(Path(a.out) / "cells").is_dir())
         if a.rungs and any(len(r) != 2 for r in a.rungs):
             raise ConfigError("--rungs: expected DIMxLAYERS (the batch is 16)")
-        for store in a.cells_from:
-            if not Path(store).is_dir():
-                raise ConfigError(f"--cells-from {store}: no such cell store (a folder)")
         print(report_md(run(a.out, progress=not a.no_progress, lr_scaling=a.lr_scaling,
                             rungs=a.rungs, seeds=a.seeds, eval_tokens=a.eval_tokens,
                             num_steps=a.num_steps, warmup_steps=a.warmup_steps,

@@ -11,7 +11,6 @@ import argparse
 import difflib
 import importlib
 import importlib.metadata
-import os
 import sys
 
 from adamspike import __version__
@@ -110,11 +109,6 @@ def replicate_main(argv: list[str]) -> int:
     if a.seeds is not None and a.seeds < 2:
         print("adamspike replicate: --seeds must be >= 2 (>= 10 for the paired tests)", file=sys.stderr)
         return 2
-    for store in a.cells_from:
-        if not os.path.isdir(store):
-            print(f"adamspike replicate: --cells-from {store}: no such cell store (a folder)",
-                  file=sys.stderr)
-            return 2
     # lazy: jax (arms) and pandas / scipy (table), only for this subcommand
     from pathlib import Path
     from adamspike.claims import REPO, read_study

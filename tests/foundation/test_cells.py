@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 
 from adamspike.cells import Cell, CellStore, canonical, run_cells
+from adamspike.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -148,7 +149,9 @@ def test_a_cell_missing_here_is_copied_from_a_source_store_byte_for_byte(tmp_pat
     bad_json.write_bytes(bad_json.read_bytes().replace(b'"seed":1', b'"seed":7'))
     before = files(src_root)
 
-    store = CellStore(tmp_path / "here", sources=[tmp_path / "absent", src_root])
+    with pytest.raises(ConfigError, match="absent: no such cell store"):   # not a silent miss
+        CellStore(tmp_path / "here", sources=[tmp_path / "absent", src_root])
+    store = CellStore(tmp_path / "here", sources=[src_root])
     computed = []
     got = store.compute(c_ok, compute=lambda: computed.append(1) or {})
     assert not computed and store.copied == 1

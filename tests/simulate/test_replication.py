@@ -206,3 +206,10 @@ def test_the_standard_study_finds_every_claims_cell_in_the_shipped_store(tmp_pat
     assert stored and not list((out / "cells").rglob("*.prov.json"))      # copied, none ran
     md, table = report_md(out)
     assert table["verdict"].notna().all() and len(table) == len(read_study(REPO / "configs" / claims).claims)
+
+
+def test_a_missing_cells_from_store_is_one_line(tmp_path, capsys):
+    assert replicate_main(["--claims", str(TOY), "--out", str(tmp_path / "o"),
+                           "--cells-from", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cells-from" in err[0] and "no such cell store" in err[0]
