@@ -239,14 +239,6 @@ class CellStore:
         self.read(kind, key)
         return json.loads((self.root / kind / f"{key}.json").read_bytes())["config"]
 
-    def copy_from(self, source: "CellStore", cell: Cell) -> bool:
-        """Copy `cell` from another store when it is there (verified) and missing here;
-        whether it was copied. Every file but the provenance is taken as it is, so the
-        copy verifies exactly as the original."""
-        if source.get(cell) is None or self.get(cell) is not None:
-            return False
-        return CellStore(self.root, self._log, sources=[source.root]).get(cell) is not None
-
     def get(self, cell: Cell) -> dict | None:
         """The stored payload, or None when the cell is missing (here and in every
         source). A cell that fails verification is moved aside (one line on stderr) and

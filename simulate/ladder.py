@@ -320,8 +320,12 @@ def seed_cells(spec: LadderSpec, out: str | Path, source: str | Path) -> int:
         diff = sorted(k for k in theirs if theirs[k] != mine.get(k))
         raise ConfigError(f"--cells-from {source}: another ladder (differs in {', '.join(diff)}); "
                           "nothing copied")
-    mine_store, theirs_store = CellStore(out / "cells"), CellStore(source / "cells")
-    copied = sum(mine_store.copy_from(theirs_store, store_cell(spec, r)) for r in spec.rungs)
+    # the source is read only (it may be the package's data): its cells through `sources`
+    theirs_cells = source / "cells"
+    store = CellStore(out / "cells", sources=[theirs_cells] if theirs_cells.is_dir() else [])
+    for r in spec.rungs:
+        store.get(store_cell(spec, r))
+    copied = store.copied
     bs = source / BATCH_SHARPNESS_FILE
     if bs.is_file() and not (out / BATCH_SHARPNESS_FILE).exists():
         atomic_write_bytes(out / BATCH_SHARPNESS_FILE, bs.read_bytes())
