@@ -76,7 +76,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm.auto import tqdm
@@ -177,7 +176,7 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
         pending = loader.submit(batch_at, data, cfg, 1, offset)
         while step <= t.num_steps:
             t0 = time.perf_counter()
-            batch = jnp.asarray(pending.result())
+            batch = jax.device_put(pending.result())   # not asarray: a program per shape
             if step < t.num_steps:
                 pending = loader.submit(batch_at, data, cfg, step + 1, offset)
             log = tel.enabled and step % tel.every == 0

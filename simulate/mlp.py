@@ -212,7 +212,8 @@ def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: flo
     if hist_every < 0:
         raise ValueError(f"hist_every: must be >= 0, got {hist_every}")
     x_np, y_np = dataset(spec)
-    x, y = jnp.asarray(x_np), jnp.asarray(y_np)
+    # device_put, not jnp.asarray: that compiles a copy program per shape (issue 37)
+    x, y = jax.device_put(x_np), jax.device_put(y_np)
     tx = O.adamw(optim, num_steps, loss_scale=loss_scale, plan=plan)
     eps = optim.eps
     step = make_step(spec, x, y, tx, O.lr_schedule(optim, num_steps), optim.b1, optim.b2, eps,
@@ -222,12 +223,12 @@ def train(spec: MLPSpec, optim: OptimSection, num_steps: int, *, loss_scale: flo
     def run_chunk(carry, ts):
         return jax.lax.scan(step, carry, ts)
 
-    params = {k: jnp.asarray(v) for k, v in init_params(spec).items()}
-    carry = (params, tx.init(params))
+    params = {k: jax.device_put(v) for k, v in init_params(spec).items()}
+    carry = (params, jax.jit(tx.init)(params))   # one program, not one per state leaf
     parts, times = [], []
     bar = _progress(num_steps, progress, f"mlp-{spec.kind}")
     for start in range(1, num_steps + 1, chunk):
-        ts = jnp.arange(start, min(start + chunk, num_steps + 1), dtype=jnp.int32)
+        ts = np.arange(start, min(start + chunk, num_steps + 1), dtype=np.int32)
         t0 = time.perf_counter()
         carry, out = run_chunk(carry, ts)
         out = jax.tree.map(np.asarray, out)  # blocks until done

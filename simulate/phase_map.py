@@ -242,16 +242,22 @@ def check_stability(spec: dict, out: str | Path, progress: bool = True) -> pd.Da
         stab = jax.jit(prog.stability)
         secant = jax.jit(lambda sec, g, new, old, st, c: secant_update(sec, g, new, old,
                                                                         prog._pinv(st, c)))
+        readings = jax.jit(secant_readings)   # jitted, as eager ops each compile a program
+
+        @jax.jit
+        def start(params, key):   # the power iteration's start vector, the secant's state
+            leaves = jax.tree.leaves(params)
+            keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
+            return (prog.tree([jax.random.normal(k, x.shape, jnp.float32)
+                               for k, x in zip(keys, leaves)]), secant_init(params))
         eps = {n: float(ctl.eps[0][i]) for i, n in enumerate(prog.names)}
         tokens = arm_tokens(cfg, seeds)
         for j, seed in enumerate(seeds):
             params, state = prog.init(seed)
-            leaves = jax.tree.leaves(params)
-            keys = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(seed), 1), len(leaves))
-            u = prog.tree([jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, leaves)])
-            sec, sums = secant_init(params), np.zeros(3)
+            u, sec = start(params, jax.random.PRNGKey(seed))
+            sums = np.zeros(3)
             for s in range(1, num_steps + 1):
-                batch = jnp.asarray(tokens[j, s - 1])
+                batch = jax.device_put(tokens[j, s - 1])
                 new_params, state, out_s = prog.step_fn(params, state, batch, ctl.at(s - 1),
                                                         with_grads=True)
                 sec, terms = secant(sec, out_s["grads"], new_params, params, state, ctl.at(s - 1))
@@ -262,11 +268,11 @@ def check_stability(spec: dict, out: str | Path, progress: bool = True) -> pd.Da
                     adam = jopt.adam_state(state)
                     _, pre = power(params, batch, adam.nu, adam.count, cfg.optim.b1, cfg.optim.b2,
                                    eps, jax.random.PRNGKey(10_000 + s))
-                    S_secant = secant_readings(jnp.asarray(sums), ctl.lr[s - 1],
-                                               ctl.loss_scale[s - 1])[0]
+                    S_secant = readings(sums.astype(np.float32), ctl.lr[s - 1],
+                                        ctl.loss_scale[s - 1])[0]
                     rows.append({"lr_mult": c["lr_mult"], "seed": seed, "step": s,
                                  "S_tracker": float(S),
-                                 "S_power": float(ctl.lr[s - 1]) * float(pre[0]) / 2,
+                                 "S_power": float(ctl.lr[s - 1]) * float(np.asarray(pre)[0]) / 2,
                                  "S_secant": float(S_secant)})
                 if s % K == 0:
                     sums = np.zeros(3)

@@ -141,6 +141,9 @@ class Program:
         self._value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
         self._step_jit = jax.jit(self.step,
                                  static_argnames=("tel", "hist", "native", "with_grads"))
+        # one program for the whole init: run eagerly, the optimizer state's zeros compile
+        # one tiny program per tensor shape (issue 37: distinct programs)
+        self._init_jit = jax.jit(self._init_from_key)
         self._runs: dict[bool, Any] = {}
 
     def step_fn(self, params, state, batch, c: Controls, tel: tuple | None = None,
@@ -291,6 +294,9 @@ class Program:
     def init(self, seed: int | jax.Array):
         """(params, optimizer state) of train.seed `seed` (a key when traced)."""
         key = jax.random.PRNGKey(seed) if isinstance(seed, (int, np.integer)) else seed
+        return self._init_jit(key)
+
+    def _init_from_key(self, key: jax.Array):
         params = jllama.init_params(self.llama, key)
         zero = jnp.zeros([], jnp.float32)
         blank = Controls(zero, zero, zero, jnp.zeros(len(self.names)), zero, zero,
@@ -353,17 +359,19 @@ class Program:
         if K and num_steps % K:
             raise ValueError(f"curvature_every {K}: the number of steps {num_steps} is not "
                              "a multiple")
-        keys = jnp.stack([jax.random.PRNGKey(int(k)) for k in seeds])
-        batches = jnp.asarray(batches)
-        ctl = tuple(jnp.asarray(x) for x in controls)
+        # host arrays: stacking and slicing jax arrays eagerly compiles a small program per
+        # shape (issue 37: distinct programs); the jitted run takes them as they are
+        keys = np.stack([np.asarray(jax.random.PRNGKey(int(k))) for k in seeds])
+        batches = np.asarray(batches)
+        ctl = tuple(np.asarray(x) for x in controls)
         if vmapped:
             outs = self._run(per_lane, K, sharpness, curvature_iters, secant)(keys, batches, ctl)
         else:
             one = lambda i: self._run(per_lane, K, sharpness, curvature_iters, secant)(  # noqa: E731
                 keys[i:i + 1], batches[i:i + 1],
                 tuple(x[i:i + 1] for x in ctl) if per_lane else ctl)
-            per = [one(i) for i in range(len(keys))]
-            outs = tuple(jnp.concatenate(parts) for parts in zip(*per))
+            per = [jax.device_get(one(i)) for i in range(len(keys))]
+            outs = tuple(np.concatenate(parts) for parts in zip(*per))
         if secant and not K:
             raise ValueError("secant: needs curvature_every > 0 (one reading per block)")
         names = (RUN_OUTPUTS + (CURVATURE_OUTPUTS[:1 + bool(sharpness)] if K else ())

@@ -66,7 +66,6 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
@@ -185,7 +184,7 @@ def run_chunk(prog: Program, params: list, states: list, batches: list, controls
     for p, st, b, c in zip(params, states, batches, controls):
         trace = []
         for i in range(len(b)):
-            p, st, out = prog.step_fn(p, st, jnp.asarray(b[i]), c.at(i))
+            p, st, out = prog.step_fn(p, st, jax.device_put(b[i]), c.at(i))
             trace.append(out["loss"])
         p, st, trace = jax.device_get((p, st, trace))
         out_p.append(p)
@@ -217,7 +216,8 @@ def _unflat_state(prog: Program, seed: int, arrays: Mapping[str, np.ndarray], pr
     template = prog.init(seed)
     leaves, tree = jax.tree.flatten(template)
     got = [arrays[f"{prefix}leaf{i:04d}"] for i in range(len(leaves))]
-    return jax.tree.unflatten(tree, [jnp.asarray(g, dtype=t.dtype) for g, t in zip(got, leaves)])
+    return jax.tree.unflatten(tree, [jax.device_put(np.asarray(g, dtype=t.dtype))
+                                     for g, t in zip(got, leaves)])
 
 
 CODE = "step-fn-1"     # bump when the base run or the replay changes meaning

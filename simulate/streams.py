@@ -149,7 +149,12 @@ def _build(n_coords: int, steps: int, n_groups: int, record_all: bool, mu_random
         _, state, g, mprev, upd = step(z, state, ts[-1], sig_t[-1])
         return sums(g, mprev, upd, state, eps, b1, b2)[None]     # (1, 15, G)
 
-    return jax.jit(jax.vmap(one_clean))
+    def run(b1, b2, eps, mu, phi, sig_t, key):
+        # the configs' keys split inside the program: split eagerly, it compiles one more
+        # program per number of configs (issue 37: distinct programs); the same bits
+        return jax.vmap(one_clean)(b1, b2, eps, mu, phi, sig_t, jax.random.split(key, len(b1)))
+
+    return jax.jit(run)
 
 
 def _finish(s: np.ndarray, gsize: int) -> dict:
@@ -209,16 +214,17 @@ def simulate_streams(configs: Sequence[dict], steps: int, n_coords: int = 65536,
         raise ValueError(f"dtype: must be 'float64' or 'float32', got {dtype!r}")
     with jax.enable_x64(dtype == "float64"):
         dt = jnp.float64 if dtype == "float64" else jnp.float32
-        col = lambda k: jnp.asarray([float(c[k]) for c in cfg], dt)  # noqa: E731
+        # host arrays in: each eager jnp op would compile a program of its own
+        col = lambda k: np.asarray([float(c[k]) for c in cfg], dtype)  # noqa: E731
         if sigma_t is None:
-            sig = jnp.broadcast_to(col("sigma")[:, None], (len(cfg), steps))
+            sig = np.broadcast_to(col("sigma")[:, None], (len(cfg), steps))
         else:
-            sig = jnp.asarray(np.asarray(sigma_t, float), dt)
-            if sig.shape != (len(cfg), steps) or not bool(jnp.all(sig > 0)):
+            sig = np.asarray(np.asarray(sigma_t, float), dtype)
+            if sig.shape != (len(cfg), steps) or not bool(np.all(sig > 0)):
                 raise ValueError(f"sigma_t: must be positive with shape ({len(cfg)}, {steps})")
-        keys = jax.random.split(jax.random.PRNGKey(int(seed)), len(cfg))
         fn = _build(int(n_coords), steps, n_groups, record == "all", mu_sign == "random", dt, rng)
-        s = fn(col("b1"), col("b2"), col("eps"), col("mu"), col("phi"), sig, keys)
+        s = fn(col("b1"), col("b2"), col("eps"), col("mu"), col("phi"), sig,
+               jax.random.PRNGKey(int(seed)))
         s = np.asarray(jax.device_get(s), dtype=float)           # (C, T|1, 15, G)
     out = _finish(s, n_coords // n_groups)
     if record == "last":
@@ -237,7 +243,6 @@ def sample_updates(config: dict, steps: int, n_coords: int = 65536, *, seed: int
         dt = jnp.float64
         tx = optax.scale_by_adam(b1=c["b1"], b2=c["b2"], eps=c["eps"])
         key = jax.random.PRNGKey(int(seed))
-        ksign, kz, kloop = jax.random.split(key, 3)
 
         def noise(k, t):
             if rng == "threefry":
@@ -246,6 +251,7 @@ def sample_updates(config: dict, steps: int, n_coords: int = 65536, *, seed: int
 
         @jax.jit
         def run():
+            ksign, kz, kloop = jax.random.split(key, 3)   # in the program: one fewer to compile
             sign = (jnp.where(jax.random.bernoulli(ksign, 0.5, (n_coords,)), 1.0, -1.0)
                     if mu_sign == "random" else jnp.ones((n_coords,)))
             mus = (c["mu"] * sign).astype(dt)

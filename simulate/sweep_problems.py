@@ -238,7 +238,7 @@ def _mlp_fn(static_items: tuple):
     st = dict(static_items)
     spec = _mlp_spec(MLP.config(st))
     scale = float(st["train.loss_scale"])
-    shallow = jnp.asarray(mlp_shallow(spec))
+    shallow = np.asarray(mlp_shallow(spec))   # a constant index (eager jnp: one more program)
     plan = mitigation_plan(MLP.config(st), {}, spec.depth)   # the `direction` hook only
 
     def run_one(params, x, y, key, hp):
