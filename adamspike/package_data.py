@@ -12,9 +12,18 @@ fresh install without a study run (no jax needed to read them).
       ladder/batch_sharpness.json  the full-data sharpness    stage `batch_sharpness`
                               reading (its summary.json)      (`adamspike simulate
                                                               batch-sharpness`), when run
+      batch_sharpness/cells/  its rung-seed cells (one cell   the standard study copies them
+                              store, kind batch_sharpness)    (`--cells-from`) and
+                                                              summarizes them again instead
+                                                              of ~55 min of core time
       spike_rate_model.json   the spike-rate GLM              stage `spike_rate_mechanism`
                                                               (`adamspike spike-rate --map`;
                                                               `spike_rate` in older folders)
+      spike_rate_model_rows.csv  the rows it was fitted on    the same stage's table.csv:
+                              (one per map lane and phase)    `spike-rate --table` refits
+                                                              the model from them alone
+                                                              (shipped once a full study
+                                                              has written them)
       spike_rate_regime_model.json  the sweep-trained GLM     stage `spike_rate`: what a
                               (rho, b2, lr / eps, tokens)     profile without the ladder's
                                                               sharpness (a log, a run, a
@@ -58,6 +67,7 @@ DATA = Path(__file__).resolve().parent / "data"
 PROFILES = ("llama2-70b",)
 SCHEMA = "adamspike.package_data"
 MODEL_FILE = "spike_rate_model.json"
+MODEL_ROWS_FILE = "spike_rate_model_rows.csv"   # the mechanism model's training rows
 REGIME_MODEL_FILE = "spike_rate_regime_model.json"
 PREDICTIONS_FILE = "predictions.json"
 BATCH_SHARPNESS_FILE = "ladder/batch_sharpness.json"   # simulate.ladder.BATCH_SHARPNESS_FILE
@@ -65,9 +75,12 @@ LADDER_KIND = "ladder_rung"   # simulate.ladder.KIND: its cells' kind in the one
 SCIENCE4 = "science4"     # study.science4's inputs: Lanczos rung cells, map lanes, claims
 CLAIMS_CELLS = "claims/cells"   # the claims replications' cell store (calibration, claims_arm)
 CLAIMS_STAGES = ("replication_phase", "replication_matched")   # study folders holding them
+BATCH_SHARPNESS_CELLS = "batch_sharpness/cells"   # stage batch_sharpness's cell store
 STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate ladder`)",
           MODEL_FILE: "stage `spike_rate_mechanism` of configs/study.toml (`adamspike "
                       "spike-rate --map`; `spike_rate` in older study folders)",
+          MODEL_ROWS_FILE: "stage `spike_rate_mechanism` of configs/study.toml (its table.csv: "
+                           "the rows the mechanism model was fitted on)",
           REGIME_MODEL_FILE: "stage `spike_rate` of configs/study.toml (`adamspike spike-rate`)",
           BATCH_SHARPNESS_FILE: "stage `batch_sharpness` of configs/study.toml (`adamspike "
                                 "simulate batch-sharpness`: its summary.json)",
@@ -76,7 +89,9 @@ STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate l
           SCIENCE4: "stages `phase_map_science4` and `science4` of configs/study.toml "
                     "(`adamspike science4 --compute`: its cells, map lanes and claims table)",
           CLAIMS_CELLS: "stages `replication_phase` and `replication_matched` of "
-                        "configs/study.toml (`adamspike replicate`: their cell stores)"}
+                        "configs/study.toml (`adamspike replicate`: their cell stores)",
+          BATCH_SHARPNESS_CELLS: "stage `batch_sharpness` of configs/study.toml (`adamspike "
+                                 "simulate batch-sharpness`: its cell store)"}
 
 
 class PackageDataError(ConfigError):
@@ -106,10 +121,10 @@ def _ladder_cells(lad: Path) -> list[Path]:
 def _files(d: Path) -> list[Path]:
     return sorted([d / "ladder" / "ladder.json", *_ladder_cells(d / "ladder"),
                    d / MODEL_FILE, *(d / f for f in (REGIME_MODEL_FILE, PREDICTIONS_FILE,
-                                                     BATCH_SHARPNESS_FILE)
+                                                     BATCH_SHARPNESS_FILE, MODEL_ROWS_FILE)
                                      if (d / f).is_file()),
                    *(p for p in (d / SCIENCE4).rglob("*") if p.is_file()),
-                   *store_files(d / CLAIMS_CELLS)],
+                   *store_files(d / CLAIMS_CELLS), *store_files(d / BATCH_SHARPNESS_CELLS)],
                   key=lambda p: p.relative_to(d).as_posix())
 
 
@@ -267,6 +282,14 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
     if bs.is_file():
         shutil.copyfile(bs, tmp / BATCH_SHARPNESS_FILE)
     shutil.copyfile(model, tmp / MODEL_FILE)
+    # the model's rows: the study's when it fitted the model from maps or rows, else the
+    # shipped ones when it kept the shipped model (a model and its rows travel together)
+    rows = model.parent / "table.csv"
+    if model.parent.name == "spike_rate_mechanism" and rows.is_file():
+        shutil.copyfile(rows, tmp / MODEL_ROWS_FILE)
+    elif (d / MODEL_ROWS_FILE).is_file() and old is not None \
+            and old["files"].get(MODEL_FILE) == _sha(model):
+        shutil.copyfile(d / MODEL_ROWS_FILE, tmp / MODEL_ROWS_FILE)
     if regime is not None:
         shutil.copyfile(regime, tmp / REGIME_MODEL_FILE)
     # Science 4's cells: the study's own when it computed them (--full), else the shipped
@@ -291,6 +314,16 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
             shutil.copyfile(f, tmp / CLAIMS_CELLS / rel)
     elif (d / CLAIMS_CELLS).is_dir():
         shutil.copytree(d / CLAIMS_CELLS, tmp / CLAIMS_CELLS)
+    # the batch-sharpness cells: the study's own when it measured them (--full; a study that
+    # copied the shipped ones has the same files), else the shipped
+    bs_cells = store_files(study / "batch_sharpness" / "cells")
+    if bs_cells:
+        for f in bs_cells:
+            rel = f.relative_to(study / "batch_sharpness" / "cells")
+            (tmp / BATCH_SHARPNESS_CELLS / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, tmp / BATCH_SHARPNESS_CELLS / rel)
+    elif (d / BATCH_SHARPNESS_CELLS).is_dir():
+        shutil.copytree(d / BATCH_SHARPNESS_CELLS, tmp / BATCH_SHARPNESS_CELLS)
     m: dict[str, Any] = {
         "schema": SCHEMA, "version": int(old["version"]) + 1 if old else 1,
         "profile": profile, "source": source or str(study.resolve()),
@@ -298,11 +331,15 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
         "produced_by": {"ladder/": STAGES["ladder"], MODEL_FILE: STAGES[MODEL_FILE],
                         **({BATCH_SHARPNESS_FILE: STAGES[BATCH_SHARPNESS_FILE]}
                            if bs.is_file() else {}),
+                        **({MODEL_ROWS_FILE: STAGES[MODEL_ROWS_FILE]}
+                           if (tmp / MODEL_ROWS_FILE).is_file() else {}),
                         **({REGIME_MODEL_FILE: STAGES[REGIME_MODEL_FILE]} if regime else {}),
                         **({PREDICTIONS_FILE: STAGES[PREDICTIONS_FILE]} if predictions else {}),
                         **({f"{SCIENCE4}/": STAGES[SCIENCE4]} if (tmp / SCIENCE4).is_dir() else {}),
                         **({f"{CLAIMS_CELLS}/": STAGES[CLAIMS_CELLS]}
-                           if (tmp / CLAIMS_CELLS).is_dir() else {})},
+                           if (tmp / CLAIMS_CELLS).is_dir() else {}),
+                        **({f"{BATCH_SHARPNESS_CELLS}/": STAGES[BATCH_SHARPNESS_CELLS]}
+                           if (tmp / BATCH_SHARPNESS_CELLS).is_dir() else {})},
         "files": {p.relative_to(tmp).as_posix(): _sha(p) for p in _files(tmp)}}
     (tmp / "MANIFEST.json").write_text(json.dumps(m, indent=2) + "\n")
     shutil.rmtree(d, ignore_errors=True)

@@ -114,3 +114,35 @@ def test_rung_seeds_in_a_source_store_are_copied_not_measured(tmp_path, monkeypa
     assert BS.main(["--out", str(tmp_path / "o2"), "--cells-from", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--cells-from" in err[0] and "no such cell store" in err[0]
+
+
+def test_the_standard_study_rederives_the_shipped_reading_from_the_shipped_cells(tmp_path, monkeypatch):
+    """The standard study's `batch_sharpness` stage copies the rung-seed cells shipped with
+    the package (configs/study.toml `cells-from`) instead of ~55 min of training: every key
+    the current code resolves at the full size (both lr rules) is there, so nothing is
+    measured (a code or spec change that moves a key fails here, not as a silently slow
+    study: rerun the stage at --full and ship its cells, `adamspike package-data --from`).
+    Summarized again they give the shipped full-data reading (ladder/batch_sharpness.json,
+    Science 3's v4, measured on 2026-12-05 by an older build of the same float32 program;
+    the shipped cells were measured again on 2026-12-06): per rung-seed lambda within 1e-4
+    relative (measured: 4e-6 at most), the law's exponents and the 70B's lambda within 1e-3
+    (the fit's inputs moved by that much at most)."""
+    import json
+
+    from adamspike import package_data
+    shipped = package_data.profile_dir("llama2-70b")
+    monkeypatch.setattr(BS, "measure", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("a rung-seed is not in the shipped store: it would be measured")))
+    got = BS.run(tmp_path / "out", progress=False, lr_scaling="both",
+                 cells_from=[shipped / package_data.BATCH_SHARPNESS_CELLS])
+    assert not list((tmp_path / "out" / "cells").rglob("*.prov.json"))     # copied, none ran
+    v4 = json.loads((shipped / package_data.BATCH_SHARPNESS_FILE).read_text())
+    key = lambda r: (r["dim"], r["layers"], r["lr"], r["seed"])             # noqa: E731
+    want = {key(r): r for r in v4["rungs"]}
+    assert sorted(want) == sorted(key(r) for r in got["rungs"])
+    for r in got["rungs"]:
+        for k in ("lambda_first", "lambda_last"):
+            assert r[k] == pytest.approx(want[key(r)][k], rel=1e-4), (key(r), k)
+    for k in ("dim", "layers", "lr"):
+        assert got["law"][k] == pytest.approx(v4["law"][k], rel=1e-3, abs=1e-3)
+    assert got["llama2_70b"]["lambda_inf"] == pytest.approx(v4["llama2_70b"]["lambda_inf"], rel=1e-3)

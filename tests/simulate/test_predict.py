@@ -282,9 +282,8 @@ def test_fresh_install_predicts_llama2_70b_from_the_shipped_fit(tmp_path):
         [(s["id"], s["rate_per_1k"], s["rate_ci"]) for s in pred.settings]
 
 
-def test_package_data_round_trip_and_tamper_check(tmp_path):
-    """Writing the package data from a study folder that holds the shipped files gives the
-    same files (the manifest's hashes); a changed byte is refused."""
+def _study_from_shipped(tmp_path):
+    """A study folder holding the shipped files where the stages write them."""
     import shutil
 
     from adamspike import package_data as PD
@@ -294,6 +293,9 @@ def test_package_data_round_trip_and_tamper_check(tmp_path):
     for sub, mech in (("spike_rate_mechanism", True), ("spike_rate", False)):
         (study / sub).mkdir()
         shutil.copyfile(PD.rate_model_path(mechanism=mech), study / sub / "model.json")
+    if (PD.profile_dir() / PD.MODEL_ROWS_FILE).is_file():   # the model's training rows
+        shutil.copyfile(PD.profile_dir() / PD.MODEL_ROWS_FILE,
+                        study / "spike_rate_mechanism" / "table.csv")
     if (study / PD.BATCH_SHARPNESS_FILE).is_file():   # shipped in the ladder folder
         (study / "batch_sharpness").mkdir()
         (study / PD.BATCH_SHARPNESS_FILE).rename(study / "batch_sharpness" / "summary.json")
@@ -305,6 +307,21 @@ def test_package_data_round_trip_and_tamper_check(tmp_path):
         dest = study / stage / "cells" / f.relative_to(PD.profile_dir() / PD.CLAIMS_CELLS)
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(f, dest)
+    # the batch-sharpness stage's rung-seed cells, in its store
+    for f in PD.store_files(PD.profile_dir() / PD.BATCH_SHARPNESS_CELLS):
+        dest = study / "batch_sharpness" / "cells" / f.relative_to(
+            PD.profile_dir() / PD.BATCH_SHARPNESS_CELLS)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, dest)
+    return study
+
+
+def test_package_data_round_trip_and_tamper_check(tmp_path):
+    """Writing the package data from a study folder that holds the shipped files gives the
+    same files (the manifest's hashes); a changed byte is refused."""
+    from adamspike import package_data as PD
+
+    study = _study_from_shipped(tmp_path)
     root = tmp_path / "data"
     m = PD.write(study, root=root)   # no predictor given: no predictions.json
     shipped = {k: v for k, v in PD.manifest()["files"].items() if k != "predictions.json"}
@@ -314,6 +331,32 @@ def test_package_data_round_trip_and_tamper_check(tmp_path):
     cell.write_bytes(cell.read_bytes() + b"\0")
     with pytest.raises(PD.PackageDataError, match="sha256 differs"):
         PD.ladder_dir(root=root)
+
+
+def test_the_mechanism_models_rows_travel_with_it(tmp_path):
+    """The rows the mechanism model was fitted on (its stage's table.csv) ship beside it; a
+    study that kept the shipped model keeps them; a study with another model and no rows
+    ships none (a model and its rows are never mixed)."""
+    import json
+
+    from adamspike import package_data as PD
+
+    study = _study_from_shipped(tmp_path)
+    rows = b"cell,spikes\n1,0\n"
+    (study / "spike_rate_mechanism" / "table.csv").write_bytes(rows)
+    root = tmp_path / "data"
+    PD.write(study, root=root)
+    d = PD.profile_dir(root=root)
+    assert (d / PD.MODEL_ROWS_FILE).read_bytes() == rows
+    assert PD.MODEL_ROWS_FILE in PD.manifest(root=root)["produced_by"]
+    (study / "spike_rate_mechanism" / "table.csv").unlink()
+    PD.write(study, root=root)                      # the same model, no rows: kept
+    assert (d / PD.MODEL_ROWS_FILE).read_bytes() == rows
+    model = json.loads((study / "spike_rate_mechanism" / "model.json").read_text())
+    model["refitted"] = True
+    (study / "spike_rate_mechanism" / "model.json").write_text(json.dumps(model))
+    m = PD.write(study, root=root)                  # another model without rows: none
+    assert not (d / PD.MODEL_ROWS_FILE).exists() and PD.MODEL_ROWS_FILE not in m["files"]
 
 
 @pytest.mark.skipif(not __import__("os").environ.get("ADAMSPIKE_STUDY_DIR"),

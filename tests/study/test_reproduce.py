@@ -146,13 +146,12 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
     assert names == list(load_study(scale="full")) and names[0] == "theory"
     skipped = set(names) - {s.name for s in quick}
     assert skipped == {"llama_stable", "matched_toy_ge", "matched_toy_ge_1e8", "package_data",
-                       "phase_map_w64", "batch_sharpness", "spike_rate_mechanism",
-                       "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
+                       "phase_map_w64", "spike_rate_mechanism", "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
                        "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init",
                        "phase_map_science4_matched", "phase_map_science4_matched_v4"}
     assert [s.name for s in quick] == [n for n in names if n not in skipped]
     assert set(names) - {s.name for s in standard} == {
-        "phase_map_w64", "batch_sharpness", "spike_rate_mechanism", "package_data",
+        "phase_map_w64", "spike_rate_mechanism", "package_data",
         "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
         "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init",
         "phase_map_science4_matched", "phase_map_science4_matched_v4"}
@@ -161,7 +160,13 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
     for plan in (q, d):      # the shipped cells refitted; the shipped mechanism model
         assert plan["ladder"].argv[-2:] == ["--cells-from", f"{shipped}/ladder"]
         assert f"{shipped}/spike_rate_model.json" in plan["predict_70b"].argv
-        assert plan["predict_70b"].needs == ["sweep", "ladder"]
+        assert plan["predict_70b"].needs == ["sweep", "ladder", "batch_sharpness"]
+        # the batch-sharpness reading summarized again from the shipped rung-seed cells
+        assert plan["batch_sharpness"].argv[-2:] == [
+            "--cells-from", f"{shipped}/{package_data.BATCH_SHARPNESS_CELLS}"]
+        bs = plan["predict_70b"].argv.index("--batch-sharpness")
+        assert plan["predict_70b"].argv[bs + 1] == str(tmp_path / "batch_sharpness")
+    assert "--cells-from" not in f["batch_sharpness"].argv
     assert "--cells-from" not in f["ladder"].argv and shipped not in " ".join(f["predict_70b"].argv)
     # the claims replications: the standard study copies the shipped cells; --full and
     # --quick (its smaller arms have other keys) run theirs
@@ -182,8 +187,8 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
         "phase_map_science4_matched", "phase_map_science4_matched_v4"]
     assert "--compute" not in q["science4"].argv and q["science4"].needs == []
     note = scale_note(standard, "standard")
-    assert "`ladder`, `replication_phase`, `replication_matched`, `predict_70b`" in note \
-        and "`batch_sharpness`" in note
+    assert "`ladder`, `batch_sharpness`, `replication_phase`, `replication_matched`, " \
+        "`predict_70b`" in note and "Left out at this scale: `phase_map_w64`" in note
     assert scale_note(full, "full") == ""
     assert f["mlp"].argv[-2:] == ["--steps", "20000"] and q["mlp"].argv[-2:] == ["--steps", "4000"]
     assert "--torch-spikes" in f["replay"].argv and "--torch-spikes" not in q["replay"].argv
