@@ -126,7 +126,10 @@ def run_row(path: str | Path) -> dict:
     if kind == "mlp" and flat.get("mlp.kind"):      # the MLP's networks are different toys
         kind = f"mlp-{flat['mlp.kind']}"
     # one source per problem kind: widths of different problems are not comparable
-    return {"source": f"run:{kind}", "run": str(path),
+    # labelled by its folder and name, not its absolute path: the same study written into
+    # two folders gives the same table (as the map and matched rows are labelled)
+    label = f"{Path(path).parent.name}/{Path(path).name}"
+    return {"source": f"run:{kind}", "run": label,
             "seed": float(seed) if seed is not None else math.nan,
             "num_spikes": float(len(spikes)), "num_steps": float(n),
             **SR.config_features(flat, rho_sh, rho_dp, tokens)}
