@@ -64,3 +64,30 @@ def test_runs_differing_only_in_eps_share_one_compiled_step():
     assert prog._step_jit._cache_size() == 1
     # the telemetry did read each run's eps: #sqrt(v_hat) < eps differs
     assert not np.array_equal(outs[2e-3][2]["sums"], outs[2e-6][2]["sums"])
+
+
+def test_a_trainer_run_compiles_its_programs_not_one_per_tensor_shape(tmp_path):
+    """A trainer run (a fresh process, so no program is in memory yet) compiles its step,
+    its init and the PRNG seed's and one host array's programs, nothing per tensor shape:
+    eager jnp operations outside the jitted functions (the optimizer state's zeros per
+    parameter shape, `jnp.asarray` of each batch shape) compiled 16 programs here before
+    the rule (docs/design.md: host code stays on the host). JAX logs every compile, a
+    persistent-cache hit included, with JAX_LOG_COMPILES=1."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "study", "simulate", "llama", "--config",
+                        str(root / "configs" / "toy_spike.toml"), "--out", str(tmp_path / "run"),
+                        "--train.num_steps", "4", "--no-progress"],
+                       env={**os.environ, "JAX_LOG_COMPILES": "1", "PYTHONPATH": str(root)},
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = re.findall(r"Compiling (jit\([^)]*\))", r.stderr)
+    assert names, "no compile logged (JAX_LOG_COMPILES not honoured?)"
+    allowed = {"jit(step)", "jit(_init_from_key)", "jit(_threefry_seed)", "jit(stage)"}
+    assert set(names) <= allowed, sorted(set(names) - allowed)
+    assert len(names) <= 6, names
