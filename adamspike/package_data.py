@@ -135,6 +135,17 @@ def claims_cells(study: Path) -> list[tuple[Path, Path]]:
             for f in store_files(study / stage / "cells")]
 
 
+def _ship_store(files: list[tuple[Path, Path]], shipped: Path, dest: Path) -> None:
+    """A cell store into the new package data: a study's cells (file, path relative to the
+    store) when it has any, else the shipped store's (when there is one)."""
+    if files:
+        for f, rel in files:
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dest / rel)
+    elif shipped.is_dir():
+        shutil.copytree(shipped, dest)
+
+
 def _read_manifest(mpath: Path) -> dict:
     """MANIFEST.json as a dict; PackageDataError in one line when it is truncated, not
     UTF-8 or not a JSON object (a damaged install must not end in a traceback)."""
@@ -306,24 +317,12 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
                 shutil.copyfile(s4 / f, tmp / SCIENCE4 / f)
     elif (d / SCIENCE4).is_dir():
         shutil.copytree(d / SCIENCE4, tmp / SCIENCE4)
-    # the claims' cells: the study's own when it ran the replications, else the shipped
-    claims = claims_cells(study)
-    if claims:
-        for f, rel in claims:
-            (tmp / CLAIMS_CELLS / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, tmp / CLAIMS_CELLS / rel)
-    elif (d / CLAIMS_CELLS).is_dir():
-        shutil.copytree(d / CLAIMS_CELLS, tmp / CLAIMS_CELLS)
-    # the batch-sharpness cells: the study's own when it measured them (--full; a study that
-    # copied the shipped ones has the same files), else the shipped
-    bs_cells = store_files(study / "batch_sharpness" / "cells")
-    if bs_cells:
-        for f in bs_cells:
-            rel = f.relative_to(study / "batch_sharpness" / "cells")
-            (tmp / BATCH_SHARPNESS_CELLS / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, tmp / BATCH_SHARPNESS_CELLS / rel)
-    elif (d / BATCH_SHARPNESS_CELLS).is_dir():
-        shutil.copytree(d / BATCH_SHARPNESS_CELLS, tmp / BATCH_SHARPNESS_CELLS)
+    # the claims' and the batch-sharpness cells: the study's own when it computed them
+    # (--full; a study that copied the shipped ones has the same files), else the shipped
+    bs_store = study / "batch_sharpness" / "cells"
+    _ship_store(claims_cells(study), d / CLAIMS_CELLS, tmp / CLAIMS_CELLS)
+    _ship_store([(f, f.relative_to(bs_store)) for f in store_files(bs_store)],
+                d / BATCH_SHARPNESS_CELLS, tmp / BATCH_SHARPNESS_CELLS)
     m: dict[str, Any] = {
         "schema": SCHEMA, "version": int(old["version"]) + 1 if old else 1,
         "profile": profile, "source": source or str(study.resolve()),

@@ -326,6 +326,8 @@ def test_package_data_round_trip_and_tamper_check(tmp_path):
     m = PD.write(study, root=root)   # no predictor given: no predictions.json
     shipped = {k: v for k, v in PD.manifest()["files"].items() if k != "predictions.json"}
     assert m["files"] == shipped and m["version"] == 1
+    # and says which stage made each (predictions.json: only with a predictor)
+    assert set(m["produced_by"]) == set(PD.manifest()["produced_by"]) - {"predictions.json"}
     assert PD.manifest(root=root)["files"] == m["files"]
     cell = next((PD.profile_dir(root=root) / "ladder" / "cells" / "ladder_rung").glob("*.parquet"))
     cell.write_bytes(cell.read_bytes() + b"\0")
