@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm.auto import tqdm
@@ -176,7 +177,9 @@ def train(cfg: RunConfig, out_dir: str | Path, progress: bool = True) -> Path:
         pending = loader.submit(batch_at, data, cfg, 1, offset)
         while step <= t.num_steps:
             t0 = time.perf_counter()
-            batch = jax.device_put(pending.result())   # not asarray: a program per shape
+            # jnp.asarray (one small copy program per batch shape), not device_put: a
+            # 300-step toy_spike run was ~6 % slower in CPU time with device_put (3 A/B pairs)
+            batch = jnp.asarray(pending.result())
             if step < t.num_steps:
                 pending = loader.submit(batch_at, data, cfg, step + 1, offset)
             log = tel.enabled and step % tel.every == 0

@@ -257,7 +257,7 @@ def check_stability(spec: dict, out: str | Path, progress: bool = True) -> pd.Da
             u, sec = start(params, jax.random.PRNGKey(seed))
             sums = np.zeros(3)
             for s in range(1, num_steps + 1):
-                batch = jax.device_put(tokens[j, s - 1])
+                batch = jnp.asarray(tokens[j, s - 1])
                 new_params, state, out_s = prog.step_fn(params, state, batch, ctl.at(s - 1),
                                                         with_grads=True)
                 sec, terms = secant(sec, out_s["grads"], new_params, params, state, ctl.at(s - 1))

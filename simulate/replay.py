@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
@@ -184,7 +185,7 @@ def run_chunk(prog: Program, params: list, states: list, batches: list, controls
     for p, st, b, c in zip(params, states, batches, controls):
         trace = []
         for i in range(len(b)):
-            p, st, out = prog.step_fn(p, st, jax.device_put(b[i]), c.at(i))
+            p, st, out = prog.step_fn(p, st, jnp.asarray(b[i]), c.at(i))
             trace.append(out["loss"])
         p, st, trace = jax.device_get((p, st, trace))
         out_p.append(p)
