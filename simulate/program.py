@@ -370,7 +370,7 @@ class Program:
             one = lambda i: self._run(per_lane, K, sharpness, curvature_iters, secant)(  # noqa: E731
                 keys[i:i + 1], batches[i:i + 1],
                 tuple(x[i:i + 1] for x in ctl) if per_lane else ctl)
-            per = [jax.device_get(one(i)) for i in range(len(keys))]
+            per = jax.device_get([one(i) for i in range(len(keys))])   # all dispatched first
             outs = tuple(np.concatenate(parts) for parts in zip(*per))
         if secant and not K:
             raise ValueError("secant: needs curvature_every > 0 (one reading per block)")
