@@ -15,8 +15,8 @@ dependencies, outputs), in plan order, at three scales (SCALES): the tables them
 default, `standard`, merges in each stage's `standard` values (the multi-hour measurements
 read from the fit shipped with the package, adamspike/data/llama2_70b, placeholder
 {shipped}: the ladder's, the claims replications' and the batch-sharpness stage's cells are
-copied and refitted, the phase maps are left out or small); `--quick` (CI) merges in the `quick` values instead (smaller sizes; a few
-stages left out). This module only fills in the paths and runs the plan; STUDY.md is written
+copied and refitted, the phase maps are left out or small); `--quick` (CI) merges in the
+`quick` values instead (smaller sizes; a few stages left out). This module only fills in the paths and runs the plan; STUDY.md is written
 by study/study_md.py from each stage's `report` and `answer` entries in the same tables.
 
 Independent stages overlap (`--jobs`, default 2): a stage can start once the stages it
