@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # python 3.8 + torch 2.1.0 (the 910B seed stack: the Megatron probe, config, model info,
 # launch; .[cluster]), python 3.10 smoke, python 3.11 .[study] and python 3.11 .[trainer]

@@ -8,8 +8,11 @@ compiled kernels against the numpy reference and a compiled training run.
 Property tests (hypothesis) are derandomized: the same examples on every run and machine,
 so that a failure reproduces (an edge case it finds becomes an explicit regression test)."""
 
+import functools
 import os
+from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 os.environ.setdefault("ADAMSPIKE_TELEMETRY_COMPILE", "off")
@@ -33,3 +36,33 @@ def pytest_collection_modifyitems(config, items):
             return 0
         return 1 if item.get_closest_marker("slow") else 2
     items.sort(key=rank)   # stable: collection order within each rank
+
+
+@functools.lru_cache(maxsize=None)
+def _shares_a_module_fixture(path: str) -> bool:
+    f = Path(path)
+    return f.is_file() and 'scope="module"' in f.read_text(errors="replace")
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)   # before xdist's own choice of scheduler
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (`make test`): a test module that builds a module-scoped fixture
+    is one work unit, so the fixture is built on one worker, not on each (scattered test
+    by test, the Megatron probe's and the probe loops' reference runs were built twice:
+    ~45 s of the suite's CPU). Every other test is a unit of its own, handed to whichever
+    worker is free, in collection order (longest first, above).
+
+    xdist's own loadgroup would group only `xdist_group` marks, and with pytest 9 it
+    groups nothing (xdist 3.8 appends the group to `item._nodeid`, which pytest 9 no
+    longer reads), so the grouping is decided here from the module's source."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if _shares_a_module_fixture(path) else nodeid
+
+    config.option.loadscopereorder = False   # keep the collection order, not largest-first
+    return ModuleFixtureScheduling(config, log)
