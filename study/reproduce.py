@@ -219,8 +219,8 @@ def _set_aside(st: Stage, out: Path) -> str | None:
 # Every stage is its own process group (a signal to reproduce stops the stage and whatever
 # it started) and that whole group dies when reproduce dies (a kill -9 leaves no orphan
 # running beside the next --resume). PR_SET_PDEATHSIG alone reaches only the process it is
-# set in: the processes a stage starts (analyze's and figures' --jobs workers, fork pool
-# workers that wait forever on a dead parent's queue) would live on with ppid 1. So each
+# set in: the processes a stage starts (analyze's and figures' --jobs workers and their
+# forkserver; pool workers wait forever on a dead parent's queue) would live on with ppid 1. So each
 # stage runs under a small guard, the group's leader: the kernel tells it (SIGHUP, its
 # PDEATHSIG) that reproduce died and it SIGKILLs its group, the stage and all it started.
 _LIVE: dict[int, subprocess.Popen] = {}

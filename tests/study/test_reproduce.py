@@ -168,11 +168,13 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
         assert plan["predict_70b"].argv[bs + 1] == str(tmp_path / "batch_sharpness")
     assert "--cells-from" not in f["batch_sharpness"].argv
     assert "--cells-from" not in f["ladder"].argv and shipped not in " ".join(f["predict_70b"].argv)
-    # the claims replications: the standard study copies the shipped cells; --full and
-    # --quick (its smaller arms have other keys) run theirs
+    # the claims replications: the standard and quick studies copy the shipped cells;
+    # --full runs them
     for stage in ("replication_phase", "replication_matched"):
-        assert d[stage].argv[-2:] == ["--cells-from", f"{shipped}/{package_data.CLAIMS_CELLS}"]
-        assert "--cells-from" not in f[stage].argv + q[stage].argv
+        for plan in (d, q):
+            assert plan[stage].argv[-2:] == ["--cells-from",
+                                             f"{shipped}/{package_data.CLAIMS_CELLS}"]
+        assert "--cells-from" not in f[stage].argv
     # --full ships what those stages and science4 wrote: only once they have finished
     assert {"predict_70b", "replication_phase", "replication_matched",
             "science4"} <= set(f["package_data"].needs)

@@ -47,6 +47,29 @@ def _pids_with(text: str) -> set[int]:
     return found
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, ppid, pgrp, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _group_of(pid: int) -> int:
+    return int(_stat(pid)[2])
+
+
+def _pids_in_group(pgid: int) -> set[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    found = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = _stat(int(d.name))
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.add(int(d.name))
+    return found
+
+
 def _wait(cond, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -248,12 +271,12 @@ def test_cell_stage_killed_mid_way_resumes_without_recomputing_stored_cells(tmp_
 
 @pytest.mark.slow
 def test_report_stage_killed_mid_way_resumes_with_no_orphan(tmp_path):
-    """An analyze stage with --jobs 2 (its runs in forked worker processes) killed with kill
-    -9 of reproduce's process group once the small run's tables exist and the large run's
-    worker still computes: no stage process and no worker survives (fork pool workers of a
-    dead parent otherwise wait forever, ppid 1); --resume sets the partial analysis aside in
-    one line, reruns only that stage, and its tables are byte-identical to an uninterrupted
-    study's."""
+    """An analyze stage with --jobs 2 (its runs in pool worker processes, forked from a
+    forkserver) killed with kill -9 of reproduce's process group once the small run's tables
+    exist and the large run's worker still computes: no stage process, forkserver or worker
+    survives (pool workers of a dead parent otherwise wait forever on its queue, ppid 1);
+    --resume sets the partial analysis aside in one line, reruns only that stage, and its
+    tables are byte-identical to an uninterrupted study's."""
     from analysis.synthetic import write_synthetic_run
     small = write_synthetic_run(tmp_path / "runs" / "small", num_steps=200, spikes=(100,))
     large = write_synthetic_run(tmp_path / "runs" / "large", num_steps=6000,
@@ -267,10 +290,21 @@ def test_report_stage_killed_mid_way_resumes_with_no_orphan(tmp_path):
     out = tmp_path / "study"
     analysis = out / "analysis"
     a = _reproduce(out, study)
+    group = []     # the stage's process group: its guard, the stage, the forkserver, workers
+
+    def workers_running() -> bool:
+        stage = _pids_with(str(analysis))    # the workers' command line is the forkserver's
+        try:
+            group[:] = [_group_of(min(stage))] if stage else []
+        except OSError:                      # gone between the two reads
+            return False
+        return bool(group) and len(_pids_in_group(group[0])) >= 4
+
     _kill_group_when(a, lambda: (analysis / "small" / "summary.json").exists()
                      and not (analysis / "large" / "summary.json").exists()
-                     and len(_pids_with(str(analysis))) >= 2, "the small run's tables")
-    _wait(lambda: not _pids_with(str(analysis)), 10, "the stage and its workers to die")
+                     and workers_running(), "the small run's tables")
+    _wait(lambda: not _pids_with(str(analysis)) and not _pids_in_group(group[0]), 10,
+          "the stage, its forkserver and its workers to die")
     assert not (out / ".stages" / "analyze.json").exists()
     before = {p.name: _stamp(p) for p in (out / "info.json", out / "logs" / "info.log")}
     r = _finish(out, study, "--resume")
