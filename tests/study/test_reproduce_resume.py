@@ -31,25 +31,29 @@ def _start(out: Path, study: Path, *extra: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _pids_with(text: str) -> set[int]:
-    """Live (not zombie) processes whose command line holds `text`."""
-    found = set()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmd and state != "Z":
-            found.add(int(d.name))
-    return found
-
-
 def _stat(pid: int) -> list[str]:
     """/proc/PID/stat's fields after the command name: state, ppid, pgrp, ..."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _live(pick) -> set[int]:
+    """Live (not zombie) processes for which pick(their /proc folder, stat fields) holds."""
+    found = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = _stat(int(d.name))
+                if fields[0] != "Z" and pick(d, fields):
+                    found.add(int(d.name))
+            except OSError:     # gone while read
+                continue
+    return found
+
+
+def _pids_with(text: str) -> set[int]:
+    """Live processes whose command line holds `text`."""
+    return _live(lambda d, _: text in (d / "cmdline").read_bytes().replace(
+        b"\0", b" ").decode(errors="replace"))
 
 
 def _group_of(pid: int) -> int:
@@ -57,17 +61,8 @@ def _group_of(pid: int) -> int:
 
 
 def _pids_in_group(pgid: int) -> set[int]:
-    """Live (not zombie) processes of process group `pgid`."""
-    found = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = _stat(int(d.name))
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                found.add(int(d.name))
-    return found
+    """Live processes of process group `pgid`."""
+    return _live(lambda _, fields: int(fields[2]) == pgid)
 
 
 def _wait(cond, timeout: float, what: str):
