@@ -49,7 +49,7 @@ def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` (`make test`): a test module that builds a module-scoped fixture
     is one work unit, so the fixture is built on one worker, not on each (scattered test
     by test, the Megatron probe's and the probe loops' reference runs were built twice:
-    ~45 s of the suite's CPU). Every other test is a unit of its own, handed to whichever
+    ~45 s of test time). Every other test is a unit of its own, handed to whichever
     worker is free, in collection order (longest first, above).
 
     xdist's own loadgroup would group only `xdist_group` marks, and with pytest 9 it
