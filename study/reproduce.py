@@ -16,8 +16,9 @@ default, `standard`, merges in each stage's `standard` values (the multi-hour me
 read from the fit shipped with the package, adamspike/data/llama2_70b, placeholder
 {shipped}: the ladder's, the claims replications' and the batch-sharpness stage's cells are
 copied and refitted, the phase maps are left out or small); `--quick` (CI) merges in the
-`quick` values instead (smaller sizes; a few stages left out). This module only fills in the paths and runs the plan; STUDY.md is written
-by study/study_md.py from each stage's `report` and `answer` entries in the same tables.
+`quick` values instead (smaller sizes; a few stages left out). This module only fills in
+the paths and runs the plan; STUDY.md is written by study/study_md.py from each stage's
+`report` and `answer` entries in the same tables.
 
 Independent stages overlap (`--jobs`, default 2): a stage can start once the stages it
 needs have succeeded and those it reads after have finished, and a free slot takes the
@@ -220,9 +221,9 @@ def _set_aside(st: Stage, out: Path) -> str | None:
 # it started) and that whole group dies when reproduce dies (a kill -9 leaves no orphan
 # running beside the next --resume). PR_SET_PDEATHSIG alone reaches only the process it is
 # set in: the processes a stage starts (analyze's and figures' --jobs workers and their
-# forkserver; pool workers wait forever on a dead parent's queue) would live on with ppid 1. So each
-# stage runs under a small guard, the group's leader: the kernel tells it (SIGHUP, its
-# PDEATHSIG) that reproduce died and it SIGKILLs its group, the stage and all it started.
+# forkserver; pool workers wait forever on a dead parent's queue) would live on with ppid 1.
+# So each stage runs under a small guard, the group's leader: the kernel tells it (SIGHUP,
+# its PDEATHSIG) that reproduce died and it SIGKILLs its group, the stage and all it started.
 _LIVE: dict[int, subprocess.Popen] = {}
 _LIVE_LOCK = threading.Lock()
 _PR_SET_PDEATHSIG = 1
