@@ -33,6 +33,13 @@ fresh install without a study run (no jax needed to read them).
                               claims_arm/): the standard study   (`adamspike replicate`)
                               copies them (`replicate --cells-from`) instead of running
                               ~30 min of core time; `--full` recomputes and refreshes them
+      phase_maps/w32/, w64/   the full phase maps the mechanism  stages `phase_map` and
+                              model is trained on (map.json,     `phase_map_w64` of a
+                              the tracker check, the cell store: `--full` study (the maps'
+                              one `phase_map_cell` per cell, its files as written, every
+                              lanes' per-step rows, and the      cell stored); a study's
+                              `calibration` cells): `spike-rate  reduced map never
+                              --map` reads them in place         replaces them
       predictions.json        `adamspike predict --profile llama2-70b` on the two above
                               (pre-registered when written; `adamspike assess` reads it
                               when given no predictions of its own)
@@ -76,6 +83,9 @@ SCIENCE4 = "science4"     # study.science4's inputs: Lanczos rung cells, map lan
 CLAIMS_CELLS = "claims/cells"   # the claims replications' cell store (calibration, claims_arm)
 CLAIMS_STAGES = ("replication_phase", "replication_matched")   # study folders holding them
 BATCH_SHARPNESS_CELLS = "batch_sharpness/cells"   # stage batch_sharpness's cell store
+# the full phase maps (shipped folder -> the study folder of the stage that writes it)
+PHASE_MAPS = {"phase_maps/w32": "phase_map", "phase_maps/w64": "phase_map_w64"}
+MAP_FILES = ("map.json", "stability_check.csv")    # beside the map's cell store
 STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate ladder`)",
           MODEL_FILE: "stage `spike_rate_mechanism` of configs/study.toml (`adamspike "
                       "spike-rate --map`; `spike_rate` in older study folders)",
@@ -91,7 +101,10 @@ STAGES = {"ladder": "stage `ladder` of configs/study.toml (`adamspike simulate l
           CLAIMS_CELLS: "stages `replication_phase` and `replication_matched` of "
                         "configs/study.toml (`adamspike replicate`: their cell stores)",
           BATCH_SHARPNESS_CELLS: "stage `batch_sharpness` of configs/study.toml (`adamspike "
-                                 "simulate batch-sharpness`: its cell store)"}
+                                 "simulate batch-sharpness`: its cell store)",
+          **{rel: f"stage `{stage}` of configs/study.toml at the full size (`adamspike "
+                  f"phase-map`, its map file as written: map.json, the tracker check and "
+                  f"the cell store)" for rel, stage in PHASE_MAPS.items()}}
 
 
 class PackageDataError(ConfigError):
@@ -118,13 +131,36 @@ def _ladder_cells(lad: Path) -> list[Path]:
     return [p for p in store_files(lad / "cells") if p.parent.name == LADDER_KIND]
 
 
+def map_files(m: Path) -> list[Path]:
+    """A phase-map folder's files that ship: MAP_FILES (those it has) and its cell store;
+    none without a map.json."""
+    if not (m / "map.json").is_file():
+        return []
+    return [*(m / f for f in MAP_FILES if (m / f).is_file()), *store_files(m / "cells")]
+
+
+def full_map(m: Path) -> bool:
+    """A map folder run from its file as written (no `--set`) whose every cell is stored:
+    only such a map replaces a shipped one (the standard study's map is a reduced one)."""
+    try:
+        meta = json.loads((m / "map.json").read_text())
+        grid = meta["grid"]
+        want = len(grid["lr_mult"]) * len(grid["b2"]) * len(grid["batch_mult"])
+        return (not meta.get("sets") and len(meta["cells"]) == want > 0
+                and all((m / "cells" / c["cell"]["kind"] / f"{c['cell']['key']}.json").is_file()
+                        for c in meta["cells"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def _files(d: Path) -> list[Path]:
     return sorted([d / "ladder" / "ladder.json", *_ladder_cells(d / "ladder"),
                    d / MODEL_FILE, *(d / f for f in (REGIME_MODEL_FILE, PREDICTIONS_FILE,
                                                      BATCH_SHARPNESS_FILE, MODEL_ROWS_FILE)
                                      if (d / f).is_file()),
                    *(p for p in (d / SCIENCE4).rglob("*") if p.is_file()),
-                   *store_files(d / CLAIMS_CELLS), *store_files(d / BATCH_SHARPNESS_CELLS)],
+                   *store_files(d / CLAIMS_CELLS), *store_files(d / BATCH_SHARPNESS_CELLS),
+                   *(p for rel in PHASE_MAPS for p in map_files(d / rel))],
                   key=lambda p: p.relative_to(d).as_posix())
 
 
@@ -323,6 +359,12 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
     _ship_store(claims_cells(study), d / CLAIMS_CELLS, tmp / CLAIMS_CELLS)
     _ship_store([(f, f.relative_to(bs_store)) for f in store_files(bs_store)],
                 d / BATCH_SHARPNESS_CELLS, tmp / BATCH_SHARPNESS_CELLS)
+    # the full phase maps: the study's own when it ran them at the full size, else the shipped
+    for rel, stage in PHASE_MAPS.items():
+        base = study / stage if full_map(study / stage) else d / rel
+        for f in map_files(base):
+            (tmp / rel / f.relative_to(base)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, tmp / rel / f.relative_to(base))
     m: dict[str, Any] = {
         "schema": SCHEMA, "version": int(old["version"]) + 1 if old else 1,
         "profile": profile, "source": source or str(study.resolve()),
@@ -338,7 +380,9 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
                         **({f"{CLAIMS_CELLS}/": STAGES[CLAIMS_CELLS]}
                            if (tmp / CLAIMS_CELLS).is_dir() else {}),
                         **({f"{BATCH_SHARPNESS_CELLS}/": STAGES[BATCH_SHARPNESS_CELLS]}
-                           if (tmp / BATCH_SHARPNESS_CELLS).is_dir() else {})},
+                           if (tmp / BATCH_SHARPNESS_CELLS).is_dir() else {}),
+                        **{f"{rel}/": STAGES[rel] for rel in PHASE_MAPS
+                           if (tmp / rel / "map.json").is_file()}},
         "files": {p.relative_to(tmp).as_posix(): _sha(p) for p in _files(tmp)}}
     (tmp / "MANIFEST.json").write_text(json.dumps(m, indent=2) + "\n")
     shutil.rmtree(d, ignore_errors=True)

@@ -307,6 +307,12 @@ def _study_from_shipped(tmp_path):
         dest = study / stage / "cells" / f.relative_to(PD.profile_dir() / PD.CLAIMS_CELLS)
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(f, dest)
+    # the full phase maps, in the folders of the stages that write them
+    for rel, stage in PD.PHASE_MAPS.items():
+        for f in PD.map_files(PD.profile_dir() / rel):
+            dest = study / stage / f.relative_to(PD.profile_dir() / rel)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dest)
     # the batch-sharpness stage's rung-seed cells, in its store
     for f in PD.store_files(PD.profile_dir() / PD.BATCH_SHARPNESS_CELLS):
         dest = study / "batch_sharpness" / "cells" / f.relative_to(
@@ -359,6 +365,59 @@ def test_the_mechanism_models_rows_travel_with_it(tmp_path):
     (study / "spike_rate_mechanism" / "model.json").write_text(json.dumps(model))
     m = PD.write(study, root=root)                  # another model without rows: none
     assert not (d / PD.MODEL_ROWS_FILE).exists() and PD.MODEL_ROWS_FILE not in m["files"]
+
+
+def _map_folder(folder, sets=(), stored=2):
+    """A phase-map folder as `adamspike phase-map` leaves it: map.json for a 2-cell grid
+    (lr x2) and `stored` of its cells in the one store, with provenance files."""
+    import json
+
+    import pandas as pd
+
+    from adamspike.cells import Cell, CellStore
+
+    store, cells = CellStore(folder / "cells"), []
+    for lr_mult in (1, 64):
+        cell = Cell("phase_map_cell", "test", {"lr_mult": lr_mult, "folder": folder.name})
+        if len(cells) < stored:
+            store.put(cell, {"rows": pd.DataFrame({"loss": [3.0, 2.5 * lr_mult]})})
+        cells.append({"lr_mult": lr_mult, "b2": 0.95, "batch_mult": 1,
+                      "cell": {"kind": cell.kind, "key": cell.key}})
+    (folder / "map.json").write_text(json.dumps(
+        {"sets": list(sets), "grid": {"lr_mult": [1, 64], "b2": [0.95], "batch_mult": [1]},
+         "cells": cells}))
+    (folder / "stability_check.csv").write_text("lr_mult,S_power\n1,0.5\n")
+    return folder
+
+
+def test_only_full_phase_maps_ship_and_replace_the_shipped_ones(tmp_path):
+    """A study's phase maps ship when they were run as their file is written with every cell
+    stored (map.json, the tracker check, the cells without provenance); a reduced map (the
+    standard study's `--set`) or an unfinished one keeps the shipped map, byte for byte."""
+    from adamspike import package_data as PD
+
+    study = _study_from_shipped(tmp_path)
+    for stage in PD.PHASE_MAPS.values():
+        __import__("shutil").rmtree(study / stage, ignore_errors=True)
+    full = _map_folder(study / "phase_map")
+    root = tmp_path / "data"
+    m = PD.write(study, root=root)
+    w32 = PD.profile_dir(root=root) / "phase_maps" / "w32"
+    shipped = sorted(p.relative_to(w32).as_posix() for p in w32.rglob("*") if p.is_file())
+    assert shipped == sorted(p.relative_to(full).as_posix() for p in PD.map_files(full))
+    assert len(shipped) == 2 + 2 * 2 and not any(".prov." in p for p in shipped)
+    assert all(f"phase_maps/w32/{p}" in m["files"] for p in shipped)
+    assert m["produced_by"]["phase_maps/w32/"].startswith("stage `phase_map` of")
+    assert PD.manifest(root=root)["files"] == m["files"]           # the hashes check
+    before = {p: p.read_bytes() for p in w32.rglob("*") if p.is_file()}
+    for other in (_map_folder(tmp_path / "reduced" / "phase_map", sets=["map.seeds=4"]),
+                  _map_folder(tmp_path / "unfinished" / "phase_map", stored=1)):
+        __import__("shutil").rmtree(study / "phase_map")
+        __import__("shutil").copytree(other, study / "phase_map")
+        assert not PD.full_map(study / "phase_map")
+        m = PD.write(study, root=root)
+        assert {p: p.read_bytes() for p in w32.rglob("*") if p.is_file()} == before
+    assert "phase_maps/w64/" not in m["produced_by"]               # none shipped, none made
 
 
 @pytest.mark.skipif(not __import__("os").environ.get("ADAMSPIKE_STUDY_DIR"),
