@@ -269,14 +269,17 @@ def predictions_path(profile: str = "llama2-70b", root: Path = DATA) -> Path | N
         else None
 
 
-def add_files(profile: str, paths, note: str, root: Path = DATA) -> dict:
+def add_files(profile: str, paths, note: str, root: Path = DATA,
+              produced_by: dict[str, str] | None = None) -> dict:
     """Add (or refresh) files under the profile's folder in its manifest: their sha256,
-    the version + 1 and a note in `source`; the other files are checked as ever."""
+    the version + 1, a note in `source` and, for new kinds of file, `produced_by` entries
+    (path or folder/ -> the stage that writes it); the other files are checked as ever."""
     d = profile_dir(profile, root)
     rels = [Path(p).resolve().relative_to(d.resolve()).as_posix() for p in paths]
     m = manifest(profile, root, refreshing=frozenset(rels))
     for p in paths:
         m["files"][Path(p).resolve().relative_to(d.resolve()).as_posix()] = _sha(Path(p))
+    m.setdefault("produced_by", {}).update(produced_by or {})
     m["version"] = int(m["version"]) + 1
     m["source"] = f"{m['source']}; v{m['version']}: {note}"
     m["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
