@@ -151,16 +151,23 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
                        "phase_map_science4_matched", "phase_map_science4_matched_v4"}
     assert [s.name for s in quick] == [n for n in names if n not in skipped]
     assert set(names) - {s.name for s in standard} == {
-        "phase_map_w64", "spike_rate_mechanism", "package_data",
+        "phase_map_w64", "package_data",
         "phase_map_science4", "phase_map_science4_train", "phase_map_science4_heldout",
         "phase_map_science4_heldout_batch", "phase_map_science4_heldout_init",
         "phase_map_science4_matched", "phase_map_science4_matched_v4"}
     shipped = str(package_data.profile_dir("llama2-70b"))
     f, q, d = ({s.name: s for s in plan} for plan in (full, quick, standard))
-    for plan in (q, d):      # the shipped cells refitted; the shipped mechanism model
+    # quick: the shipped mechanism model; standard: the model re-derived from the shipped maps
+    assert f"{shipped}/spike_rate_model.json" in q["predict_70b"].argv
+    assert q["predict_70b"].needs == ["sweep", "ladder", "batch_sharpness"]
+    mech = d["spike_rate_mechanism"]
+    assert [mech.argv[i + 1] for i, a in enumerate(mech.argv) if a == "--map"] == [
+        f"{shipped}/{rel}" for rel in package_data.PHASE_MAPS] and mech.needs == []
+    rm = d["predict_70b"].argv.index("--rate-model")
+    assert d["predict_70b"].argv[rm + 1] == str(tmp_path / "spike_rate_mechanism" / "model.json")
+    assert d["predict_70b"].needs == ["sweep", "ladder", "spike_rate_mechanism", "batch_sharpness"]
+    for plan in (q, d):      # the shipped cells refitted
         assert plan["ladder"].argv[-2:] == ["--cells-from", f"{shipped}/ladder"]
-        assert f"{shipped}/spike_rate_model.json" in plan["predict_70b"].argv
-        assert plan["predict_70b"].needs == ["sweep", "ladder", "batch_sharpness"]
         # the batch-sharpness reading summarized again from the shipped rung-seed cells
         assert plan["batch_sharpness"].argv[-2:] == [
             "--cells-from", f"{shipped}/{package_data.BATCH_SHARPNESS_CELLS}"]
@@ -189,8 +196,8 @@ def test_the_study_is_data_and_its_scales_merge_their_values(tmp_path):
         "phase_map_science4_matched", "phase_map_science4_matched_v4"]
     assert "--compute" not in q["science4"].argv and q["science4"].needs == []
     note = scale_note(standard, "standard")
-    assert "`ladder`, `batch_sharpness`, `replication_phase`, `replication_matched`, " \
-        "`predict_70b`" in note and "Left out at this scale: `phase_map_w64`" in note
+    assert "`ladder`, `batch_sharpness`, `spike_rate_mechanism`, `replication_phase`, " \
+        "`replication_matched`." in note and "Left out at this scale: `phase_map_w64`" in note
     assert scale_note(full, "full") == ""
     assert f["mlp"].argv[-2:] == ["--steps", "20000"] and q["mlp"].argv[-2:] == ["--steps", "4000"]
     assert "--torch-spikes" in f["replay"].argv and "--torch-spikes" not in q["replay"].argv
