@@ -22,8 +22,6 @@ fresh install without a study run (no jax needed to read them).
       spike_rate_model_rows.csv  the rows it was fitted on    the same stage's table.csv:
                               (one per map lane and phase)    `spike-rate --table` refits
                                                               the model from them alone
-                                                              (shipped once a full study
-                                                              has written them)
       spike_rate_regime_model.json  the sweep-trained GLM     stage `spike_rate`: what a
                               (rho, b2, lr / eps, tokens)     profile without the ladder's
                                                               sharpness (a log, a run, a
