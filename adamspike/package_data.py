@@ -170,8 +170,9 @@ def claims_cells(study: Path) -> list[tuple[Path, Path]]:
 
 
 def _ship_store(files: list[tuple[Path, Path]], shipped: Path, dest: Path) -> None:
-    """A cell store into the new package data: a study's cells (file, path relative to the
-    store) when it has any, else the shipped store's (when there is one)."""
+    """A cell store (or a phase-map folder) into the new package data: a study's files
+    (file, path relative to the store) when it has any, else the shipped one's (when there
+    is one)."""
     if files:
         for f, rel in files:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -362,10 +363,9 @@ def write(study: str | Path, profile: str = "llama2-70b", root: Path = DATA,
                 d / BATCH_SHARPNESS_CELLS, tmp / BATCH_SHARPNESS_CELLS)
     # the full phase maps: the study's own when it ran them at the full size, else the shipped
     for rel, stage in PHASE_MAPS.items():
-        base = study / stage if full_map(study / stage) else d / rel
-        for f in map_files(base):
-            (tmp / rel / f.relative_to(base)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, tmp / rel / f.relative_to(base))
+        src = study / stage
+        _ship_store([(f, f.relative_to(src)) for f in map_files(src)] if full_map(src) else [],
+                    d / rel, tmp / rel)
     m: dict[str, Any] = {
         "schema": SCHEMA, "version": int(old["version"]) + 1 if old else 1,
         "profile": profile, "source": source or str(study.resolve()),
