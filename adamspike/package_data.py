@@ -140,13 +140,14 @@ def map_files(m: Path) -> list[Path]:
 def full_map(m: Path) -> bool:
     """A map folder run from its file as written (no `--set`) whose every cell is stored:
     only such a map replaces a shipped one (the standard study's map is a reduced one)."""
+    from adamspike.cells import CellStore   # pandas: only when a study's map is shipped
     try:
         meta = json.loads((m / "map.json").read_text())
         grid = meta["grid"]
         want = len(grid["lr_mult"]) * len(grid["b2"]) * len(grid["batch_mult"])
+        store = CellStore(m / "cells")
         return (not meta.get("sets") and len(meta["cells"]) == want > 0
-                and all((m / "cells" / c["cell"]["kind"] / f"{c['cell']['key']}.json").is_file()
-                        for c in meta["cells"]))
+                and all(store.has(c["cell"]["kind"], c["cell"]["key"]) for c in meta["cells"]))
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -284,8 +285,6 @@ def test_fresh_install_predicts_llama2_70b_from_the_shipped_fit(tmp_path):
 
 def _study_from_shipped(tmp_path):
     """A study folder holding the shipped files where the stages write them."""
-    import shutil
-
     from adamspike import package_data as PD
 
     study = tmp_path / "study"
@@ -398,7 +397,7 @@ def test_only_full_phase_maps_ship_and_replace_the_shipped_ones(tmp_path):
 
     study = _study_from_shipped(tmp_path)
     for stage in PD.PHASE_MAPS.values():
-        __import__("shutil").rmtree(study / stage, ignore_errors=True)
+        shutil.rmtree(study / stage, ignore_errors=True)
     full = _map_folder(study / "phase_map")
     root = tmp_path / "data"
     m = PD.write(study, root=root)
@@ -412,8 +411,8 @@ def test_only_full_phase_maps_ship_and_replace_the_shipped_ones(tmp_path):
     before = {p: p.read_bytes() for p in w32.rglob("*") if p.is_file()}
     for other in (_map_folder(tmp_path / "reduced" / "phase_map", sets=["map.seeds=4"]),
                   _map_folder(tmp_path / "unfinished" / "phase_map", stored=1)):
-        __import__("shutil").rmtree(study / "phase_map")
-        __import__("shutil").copytree(other, study / "phase_map")
+        shutil.rmtree(study / "phase_map")
+        shutil.copytree(other, study / "phase_map")
         assert not PD.full_map(study / "phase_map")
         m = PD.write(study, root=root)
         assert {p: p.read_bytes() for p in w32.rglob("*") if p.is_file()} == before
@@ -436,7 +435,7 @@ def test_the_shipped_mechanism_model_is_the_one_its_shipped_maps_give(tmp_path):
 
     maps = [package_data.profile_dir() / rel for rel in package_data.PHASE_MAPS]
     if not all(package_data.full_map(m) for m in maps):
-        pytest.skip("the full phase maps are not shipped yet (inprogress/README.md)")
+        pytest.skip("this package data ships no full phase maps (phase_maps/w32, w64)")
     out = tmp_path / "mech"
     assert ASR.main(["--map", str(maps[0]), "--map", str(maps[1]), "--features",
                      "log10_stability", "warmup", "--out", str(out)]) == 0
@@ -581,8 +580,6 @@ def test_truncated_manifest_is_one_line_not_a_traceback(tmp_path, capsys):
     """A truncated MANIFEST.json of the package data: PackageDataError naming the file, and
     `package-data` exits 2 in one line; `assess` falls back to "no shipped fit" (issue 40,
     defect 6)."""
-    import shutil
-
     from adamspike import package_data as PD
 
     root = tmp_path / "data"
